@@ -1,0 +1,80 @@
+"""Locations and settings, read from the environment.
+
+``DSEC_HOME`` (default ``/var/lib/dsec``) holds everything a node keeps:
+
+    $DSEC_HOME/
+      state.db            SQLite registry (sandboxes, keys)
+      api_key             the key generated at first start (mode 0600)
+      layers/             content-addressed EROFS files + layers.db
+      mnt/layers/<hex>    each layer mounted once per node
+      sandboxes/<id>/     per-sandbox upper (tmpfs), overlay rootfs, OCI bundle
+      run/                crun state root, sockets
+      bin/                native helpers compiled for this node
+      images/             scratch space for image builds
+
+``DSEC_URL`` (default ``http://127.0.0.1:7070``) is where the SDK and CLI find the server;
+``DSEC_API_KEY`` overrides the key file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_HOME = "/var/lib/dsec"
+DEFAULT_URL = "http://127.0.0.1:7070"
+
+
+def dsec_home() -> Path:
+    return Path(os.environ.get("DSEC_HOME", DEFAULT_HOME))
+
+
+def dsec_url() -> str:
+    return os.environ.get("DSEC_URL", DEFAULT_URL).rstrip("/")
+
+
+@dataclass(frozen=True)
+class Paths:
+    home: Path
+
+    @classmethod
+    def from_env(cls) -> Paths:
+        return cls(dsec_home())
+
+    @property
+    def state_db(self) -> Path:
+        return self.home / "state.db"
+
+    @property
+    def api_key_file(self) -> Path:
+        return self.home / "api_key"
+
+    @property
+    def layers(self) -> Path:
+        return self.home / "layers"
+
+    @property
+    def layer_mounts(self) -> Path:
+        return self.home / "mnt" / "layers"
+
+    @property
+    def sandboxes(self) -> Path:
+        return self.home / "sandboxes"
+
+    @property
+    def run(self) -> Path:
+        return self.home / "run"
+
+    @property
+    def bin(self) -> Path:
+        return self.home / "bin"
+
+    @property
+    def scratch(self) -> Path:
+        return self.home / "images"
+
+    def ensure(self) -> None:
+        for p in (self.home, self.layers, self.layer_mounts, self.sandboxes, self.run, self.bin, self.scratch):
+            p.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.home, 0o711)

@@ -1,0 +1,263 @@
+"""The dsec error tree: one hierarchy for the SDK, the apiserver and the edge.
+
+Every error a client can see is a :class:`DsecError`. Each class has a stable
+wire ``code`` and the HTTP status the apiserver answers with; the SDK maps a
+JSON error body (``{"error": {"code", "message", "details"}}``) back to the
+same class, so an exception raised on the edge arrives intact in the trainer.
+Where an error resembles a builtin it also subclasses it, so ``except
+TimeoutError`` or ``except LookupError`` work as expected::
+
+    DsecError
+    ├── InvalidRequest (ValueError)              400 invalid_request
+    │   └── PathOutsideSandbox                   400 path_outside_sandbox
+    ├── AuthenticationError (PermissionError)    401 unauthenticated
+    ├── NotFound (LookupError)                   404 not_found
+    │   ├── SandboxNotFound                      404 sandbox_not_found
+    │   ├── ImageNotFound                        404 image_not_found
+    │   ├── LayerNotFound                        404 layer_not_found
+    │   └── FileNotFound (FileNotFoundError)     404 file_not_found
+    ├── SandboxTimeout (TimeoutError)            408 timeout
+    ├── Conflict                                 409 conflict
+    │   ├── SandboxStopped                       409 sandbox_stopped
+    │   └── FileExists_ (FileExistsError)        409 file_exists
+    ├── PayloadTooLarge                          413 payload_too_large
+    ├── Unsupported                              422 unsupported
+    │   ├── TierUnavailable                      422 tier_unavailable
+    │   └── CapabilityNotSupported               422 capability_not_supported
+    ├── QuotaExceeded                            429 quota_exceeded
+    ├── SandboxError                             500 sandbox_error
+    │   (the runtime failed to do what was asked, e.g. the OCI runtime crashed)
+    ├── ServiceUnavailable (ConnectionError)     503 unavailable
+    └── InternalError                            500 internal
+
+``Unsupported`` means a tier cannot do something at all (and its capability
+flag says so); ``SandboxError`` means it should have worked and did not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "AuthenticationError",
+    "CapabilityNotSupported",
+    "Conflict",
+    "DsecError",
+    "FileExists_",
+    "FileNotFound",
+    "ImageNotFound",
+    "InternalError",
+    "InvalidRequest",
+    "LayerNotFound",
+    "NotFound",
+    "PathOutsideSandbox",
+    "PayloadTooLarge",
+    "QuotaExceeded",
+    "SandboxError",
+    "SandboxNotFound",
+    "SandboxStopped",
+    "SandboxTimeout",
+    "ServiceUnavailable",
+    "TierUnavailable",
+    "Unsupported",
+    "error_from_wire",
+]
+
+
+class DsecError(Exception):
+    """Base of every dsec error.
+
+    Attributes:
+        message: human-readable explanation.
+        details: machine-readable extra fields (ids, limits, paths).
+    """
+
+    code: ClassVar[str] = "error"
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str = "", **details: Any) -> None:
+        super().__init__(message or self.code)
+        self.message = message or self.code
+        self.details: dict[str, Any] = details
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON body the apiserver sends for this error."""
+        return {"error": {"code": self.code, "message": self.message, "details": self.details}}
+
+    def __reduce__(self) -> tuple[Any, ...]:  # survives pickling (Ray, multiprocessing)
+        return (_rebuild, (type(self), self.message, self.details))
+
+
+def _rebuild(cls: type[DsecError], message: str, details: dict[str, Any]) -> DsecError:
+    return cls(message, **details)
+
+
+class InvalidRequest(DsecError, ValueError):
+    """The request is malformed or asks for something impossible (bad limits, bad path)."""
+
+    code = "invalid_request"
+    http_status = 400
+
+
+class PathOutsideSandbox(InvalidRequest):
+    """A file path resolves outside the sandbox's root (``..``, absolute symlinks)."""
+
+    code = "path_outside_sandbox"
+
+
+class AuthenticationError(DsecError, PermissionError):
+    """Missing or invalid API key."""
+
+    code = "unauthenticated"
+    http_status = 401
+
+
+class NotFound(DsecError, LookupError):
+    """A named object does not exist (or belongs to another API key)."""
+
+    code = "not_found"
+    http_status = 404
+
+
+class SandboxNotFound(NotFound):
+    """No sandbox with this id is visible to this key."""
+
+    code = "sandbox_not_found"
+
+
+class ImageNotFound(NotFound):
+    """No image with this name or digest exists in the layer store."""
+
+    code = "image_not_found"
+
+
+class LayerNotFound(NotFound):
+    """No layer with this digest exists in the layer store."""
+
+    code = "layer_not_found"
+
+
+class FileNotFound(NotFound, FileNotFoundError):
+    """The path does not exist inside the sandbox."""
+
+    code = "file_not_found"
+
+
+class SandboxTimeout(DsecError, TimeoutError):
+    """A request did not finish in time (creation, a file transfer, a wait)."""
+
+    code = "timeout"
+    http_status = 408
+
+
+class Conflict(DsecError):
+    """The request is valid but not in the object's current state."""
+
+    code = "conflict"
+    http_status = 409
+
+
+class SandboxStopped(Conflict):
+    """The sandbox was killed, expired or died; it can no longer run anything."""
+
+    code = "sandbox_stopped"
+
+
+class FileExists_(Conflict, FileExistsError):  # noqa: N801 - avoid shadowing the builtin
+    """The path already exists and the request asked not to overwrite it."""
+
+    code = "file_exists"
+
+
+class PayloadTooLarge(DsecError):
+    """An upload, a file write or a request body exceeds the configured limit."""
+
+    code = "payload_too_large"
+    http_status = 413
+
+
+class Unsupported(DsecError):
+    """The tier or the node cannot do this at all (see the tier's capability table)."""
+
+    code = "unsupported"
+    http_status = 422
+
+
+class TierUnavailable(Unsupported):
+    """The requested tier is not built or not enabled on this node."""
+
+    code = "tier_unavailable"
+
+
+class CapabilityNotSupported(Unsupported):
+    """The tier exists but lacks this ability (e.g. a TTY on ``fncall``)."""
+
+    code = "capability_not_supported"
+
+
+class QuotaExceeded(DsecError):
+    """A per-key or per-node limit (sandbox count, CPU, memory) would be exceeded."""
+
+    code = "quota_exceeded"
+    http_status = 429
+
+
+class SandboxError(DsecError):
+    """The runtime failed to carry out a valid request (e.g. the OCI runtime crashed)."""
+
+    code = "sandbox_error"
+    http_status = 500
+
+
+class ServiceUnavailable(DsecError, ConnectionError):
+    """The apiserver or the edge cannot be reached or is shutting down."""
+
+    code = "unavailable"
+    http_status = 503
+
+
+class InternalError(DsecError):
+    """A bug in dsec. Reported with a request id; never expected."""
+
+    code = "internal"
+    http_status = 500
+
+
+def _all_subclasses(cls: type[DsecError]) -> list[type[DsecError]]:
+    out: list[type[DsecError]] = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE: dict[str, type[DsecError]] = {c.code: c for c in _all_subclasses(DsecError)}
+_BY_STATUS: dict[int, type[DsecError]] = {
+    400: InvalidRequest,
+    401: AuthenticationError,
+    403: AuthenticationError,
+    404: NotFound,
+    408: SandboxTimeout,
+    409: Conflict,
+    413: PayloadTooLarge,
+    422: Unsupported,
+    429: QuotaExceeded,
+    503: ServiceUnavailable,
+    504: SandboxTimeout,
+}
+
+
+def error_from_wire(status: int, body: Any) -> DsecError:
+    """Rebuild the most specific :class:`DsecError` from an HTTP status and JSON body."""
+    code, message, details = None, "", {}
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        code = err.get("code")
+        message = str(err.get("message", ""))
+        details = err.get("details") or {}
+    elif isinstance(body, dict) and "detail" in body:  # FastAPI default shape
+        message = str(body["detail"])
+    cls = _BY_CODE.get(code or "") or _BY_STATUS.get(status) or InternalError
+    if not isinstance(details, dict):
+        details = {"details": details}
+    err_obj = cls(message or f"HTTP {status}", **details)
+    return err_obj

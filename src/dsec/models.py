@@ -1,0 +1,323 @@
+"""Typed request and result models shared by the SDK, the apiserver and the edge.
+
+Glossary:
+    sandbox: one isolated, disposable environment. Its id (``sb-<node>-<random>``)
+        encodes the node that runs it, so routing needs no lookup.
+    tier: the isolation mechanism: ``fncall`` (warm locked-down process),
+        ``container`` (OCI runtime), ``microvm`` and ``vm`` (QEMU).
+    image: a named, ordered list of layers (bottom first) that forms a root filesystem.
+    layer: a read-only EROFS file named by its sha256, with a kind (``base``,
+        ``workspace``, ``toolkit``).
+    upper: the sandbox's private writable layer, size-capped by ``disk_mb``.
+
+States: ``creating -> running <-> paused -> stopped``. ``stopped`` is final.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Tier = Literal["fncall", "container", "microvm", "vm"]
+TIERS: tuple[str, ...] = ("fncall", "container", "microvm", "vm")
+SandboxState = Literal["creating", "running", "paused", "stopped"]
+LayerKind = Literal["base", "workspace", "toolkit"]
+
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
+_USER = re.compile(r"^([a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})(:[0-9]{1,10})?$")
+
+MAX_ENV_BYTES = 256 * 1024
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+def _check_env(env: dict[str, str]) -> dict[str, str]:
+    total = 0
+    for k, v in env.items():
+        if not _ENV_KEY.match(k):
+            raise ValueError(f"invalid environment variable name {k!r}")
+        if "\0" in v:
+            raise ValueError(f"environment variable {k!r} contains a NUL byte")
+        total += len(k) + len(v) + 2
+    if total > MAX_ENV_BYTES:
+        raise ValueError(f"environment is {total} bytes; at most {MAX_ENV_BYTES}")
+    return env
+
+
+class CreateSandboxRequest(_Model):
+    """Create a sandbox. Units: ``cpu`` in cores, sizes in MiB, times in seconds."""
+
+    tier: Tier = "container"
+    image: str = Field("busybox", description="image name (e.g. 'debian') or 'sha256:<digest>'")
+    layers: list[str] = Field(
+        default_factory=list, max_length=64, description="extra layers stacked above the image"
+    )
+    cpu: float = Field(1.0, gt=0, le=256, description="CPU cores (CFS quota)")
+    memory_mb: int = Field(512, ge=16, le=1024 * 1024, description="memory limit, MiB")
+    disk_mb: int = Field(1024, ge=1, le=1024 * 1024, description="writable layer size, MiB")
+    pids: int = Field(1024, ge=8, le=1_000_000, description="max processes/threads")
+    env: dict[str, str] = Field(default_factory=dict)
+    ttl_s: float | None = Field(
+        3600, gt=0, le=30 * 24 * 3600, description="idle seconds before the sandbox is killed"
+    )
+    user: str | None = Field(None, description="default user for exec: name, uid or uid:gid")
+    labels: dict[str, str] = Field(default_factory=dict)
+    job: str | None = Field(None, max_length=128)
+    workdir: str = Field("/", max_length=4096)
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        if v.startswith("sha256:"):
+            if not re.fullmatch(r"sha256:[0-9a-f]{64}", v):
+                raise ValueError("digest must be sha256:<64 hex>")
+            return v
+        if not _NAME.match(v):
+            raise ValueError(f"invalid image name {v!r}")
+        return v
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not (re.fullmatch(r"sha256:[0-9a-f]{64}", name) or _NAME.match(name)):
+                raise ValueError(f"invalid layer reference {name!r}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > 64:
+            raise ValueError("at most 64 labels")
+        for k, val in v.items():
+            if not _LABEL_KEY.match(k):
+                raise ValueError(f"invalid label key {k!r}")
+            if len(val) > 1024:
+                raise ValueError(f"label {k!r} is longer than 1024 characters")
+        return v
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None and not _USER.match(v):
+            raise ValueError(f"invalid user {v!r}: a name, a uid or uid:gid")
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str) -> str:
+        if not v.startswith("/") or "\0" in v:
+            raise ValueError("workdir must be an absolute path")
+        return v
+
+
+class SandboxInfo(_Model):
+    """What the edge knows about one sandbox."""
+
+    id: str
+    tier: Tier
+    image: str
+    layers: list[str] = Field(default_factory=list)
+    state: SandboxState
+    cpu: float
+    memory_mb: int
+    disk_mb: int
+    pids: int = 1024
+    labels: dict[str, str] = Field(default_factory=dict)
+    job: str | None = None
+    user: str | None = None
+    workdir: str = "/"
+    node: str
+    created_at: datetime
+    updated_at: datetime
+    expires_at: datetime | None = None
+    ttl_s: float | None = None
+    stopped_reason: str | None = None
+
+
+class ExecRequest(_Model):
+    """Run one command. ``cmd`` as a string runs under ``/bin/sh -c``; a list is exec'd as is."""
+
+    cmd: str | list[str]
+    cwd: str | None = Field(None, max_length=4096, description="default: the sandbox workdir")
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float = Field(60.0, gt=0, le=24 * 3600, description="wall-clock limit, seconds")
+    stdin: str | None = Field(None, description="data written to the command's stdin (UTF-8)")
+    stdin_b64: str | None = Field(None, description="binary stdin, base64; exclusive with stdin")
+    user: str | None = None
+    max_output_bytes: int = Field(
+        1 << 20, ge=0, le=64 << 20, description="cap per stream; the rest is dropped"
+    )
+
+    @field_validator("cmd")
+    @classmethod
+    def _cmd(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, str):
+            if not v.strip():
+                raise ValueError("cmd is empty")
+            if "\0" in v:
+                raise ValueError("cmd contains a NUL byte")
+            if len(v) > 1 << 20:
+                raise ValueError("cmd is longer than 1 MiB")
+        else:
+            if not v:
+                raise ValueError("cmd is empty")
+            if any("\0" in a for a in v):
+                raise ValueError("cmd contains a NUL byte")
+            if sum(len(a) for a in v) > 1 << 20:
+                raise ValueError("cmd is longer than 1 MiB")
+        return v
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("/") or "\0" in v):
+            raise ValueError("cwd must be an absolute path")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None and not _USER.match(v):
+            raise ValueError(f"invalid user {v!r}: a name, a uid or uid:gid")
+        return v
+
+    def argv(self) -> list[str]:
+        return ["/bin/sh", "-c", self.cmd] if isinstance(self.cmd, str) else list(self.cmd)
+
+
+class ExecResult(_Model):
+    """The outcome of one command. Output is UTF-8 decoded with replacement characters."""
+
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = Field(None, description="None when killed by a signal")
+    signal: int | None = None
+    timed_out: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    duration_ms: float = 0.0
+    oom_killed: bool = False
+
+    @property
+    def truncated(self) -> bool:
+        return self.stdout_truncated or self.stderr_truncated
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+class ExecEvent(_Model):
+    """One line of a streamed exec (NDJSON): output chunks, then exactly one ``exit``."""
+
+    type: Literal["stdout", "stderr", "exit", "error"]
+    data: str | None = None
+    result: ExecResult | None = None
+    error: dict[str, Any] | None = None
+
+
+FileType = Literal["file", "dir", "symlink", "other"]
+
+
+class FileInfo(_Model):
+    path: str
+    name: str
+    type: FileType
+    size: int
+    mode: int = Field(description="permission bits, e.g. 0o644")
+    mtime: float
+    uid: int = 0
+    gid: int = 0
+    target: str | None = Field(None, description="symlink target")
+
+
+class LayerInfo(_Model):
+    digest: str = Field(description="sha256:<hex> of the EROFS file")
+    kind: LayerKind
+    name: str | None = None
+    size: int
+    created_at: datetime
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class ImageInfo(_Model):
+    name: str
+    layers: list[str] = Field(description="layer digests, bottom first")
+    size: int
+    created_at: datetime
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class BuildImageRequest(_Model):
+    """Build a layer from a directory or tarball on the server's filesystem."""
+
+    path: str
+    name: str
+    kind: LayerKind = "workspace"
+    base: str | None = Field(None, description="image to stack on (for workspace/toolkit)")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"invalid image name {v!r}")
+        return v
+
+
+class SetTTLRequest(_Model):
+    ttl_s: float = Field(gt=0, le=30 * 24 * 3600)
+
+
+class Capabilities(_Model):
+    """What a tier can do. Calls outside this set raise ``CapabilityNotSupported``."""
+
+    tier: Tier
+    available: bool
+    reason: str | None = None
+    exec: bool = True
+    files: bool = True
+    streaming: bool = True
+    pause: bool = False
+    snapshot: bool = False
+    fork: bool = False
+    network: bool = False
+    tty: bool = False
+    display: bool = False
+    persistent: bool = True
+    max_cpu: float | None = None
+    max_memory_mb: int | None = None
+
+
+class NodeInfo(_Model):
+    node: str
+    version: str
+    tiers: list[Capabilities]
+    sandboxes: int
+    cpus: int
+    memory_mb: int
+
+
+class RemoveRequest(_Model):
+    path: str
+    recursive: bool = False
+
+
+SandboxId = Annotated[str, Field(pattern=r"^sb-[a-z0-9-]{1,64}$")]
