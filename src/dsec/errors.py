@@ -9,7 +9,8 @@ TimeoutError`` or ``except LookupError`` work as expected::
 
     DsecError
     ├── InvalidRequest (ValueError)              400 invalid_request
-    │   └── PathOutsideSandbox                   400 path_outside_sandbox
+    │   ├── PathOutsideSandbox                   400 path_outside_sandbox
+    │   └── SecretInSnapshot                     400 secret_in_snapshot
     ├── AuthenticationError (PermissionError)    401 unauthenticated
     ├── NotFound (LookupError)                   404 not_found
     │   ├── SandboxNotFound                      404 sandbox_not_found
@@ -19,7 +20,10 @@ TimeoutError`` or ``except LookupError`` work as expected::
     ├── SandboxTimeout (TimeoutError)            408 timeout
     ├── Conflict                                 409 conflict
     │   ├── SandboxStopped                       409 sandbox_stopped
-    │   └── FileExists_ (FileExistsError)        409 file_exists
+    │   ├── FileExists_ (FileExistsError)        409 file_exists
+    │   ├── SequenceGap                          409 sequence_gap
+    │   ├── SequenceConflict                     409 sequence_conflict
+    │   └── OutcomeUnknown                       409 outcome_unknown
     ├── PayloadTooLarge                          413 payload_too_large
     ├── Unsupported                              422 unsupported
     │   ├── TierUnavailable                      422 tier_unavailable
@@ -50,6 +54,7 @@ __all__ = [
     "InvalidRequest",
     "LayerNotFound",
     "NotFound",
+    "OutcomeUnknown",
     "PathOutsideSandbox",
     "PayloadTooLarge",
     "QuotaExceeded",
@@ -57,6 +62,9 @@ __all__ = [
     "SandboxNotFound",
     "SandboxStopped",
     "SandboxTimeout",
+    "SecretInSnapshot",
+    "SequenceConflict",
+    "SequenceGap",
     "ServiceUnavailable",
     "TierUnavailable",
     "Unsupported",
@@ -103,6 +111,12 @@ class PathOutsideSandbox(InvalidRequest):
     """A file path resolves outside the sandbox's root (``..``, absolute symlinks)."""
 
     code = "path_outside_sandbox"
+
+
+class SecretInSnapshot(InvalidRequest):
+    """A file that would enter a snapshot contains one of the builder's secret values."""
+
+    code = "secret_in_snapshot"
 
 
 class AuthenticationError(DsecError, PermissionError):
@@ -163,10 +177,30 @@ class SandboxStopped(Conflict):
     code = "sandbox_stopped"
 
 
-class FileExists_(Conflict, FileExistsError):  # noqa: N801 - avoid shadowing the builtin
+class FileExists_(Conflict, FileExistsError):
     """The path already exists and the request asked not to overwrite it."""
 
     code = "file_exists"
+
+
+class SequenceGap(Conflict):
+    """A trajectory sequence number skips ahead of the next expected one (a request was lost).
+    ``details['expected_seq']`` is the number the edge expects next."""
+
+    code = "sequence_gap"
+
+
+class SequenceConflict(Conflict):
+    """A sequence number (or idempotency key) was reused for a different request."""
+
+    code = "sequence_conflict"
+
+
+class OutcomeUnknown(Conflict):
+    """The request was begun but its result was never recorded (the edge crashed while it
+    ran). It is not re-run: the caller must inspect the sandbox."""
+
+    code = "outcome_unknown"
 
 
 class PayloadTooLarge(DsecError):

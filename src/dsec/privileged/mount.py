@@ -74,15 +74,24 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
+def _escape(path: str) -> str:
+    return (
+        path.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011").replace("\n", "\\012")
+    )
+
+
 def mount_points(prefix: str | os.PathLike[str] | None = None) -> list[Path]:
-    """Mount points of this mount namespace (from /proc/self/mountinfo), optionally under prefix."""
-    pre = os.fspath(prefix).rstrip("/") if prefix is not None else None
+    """Mount points of this mount namespace (from /proc/self/mountinfo), optionally under prefix.
+
+    The prefix is matched on the escaped text before decoding, so scanning thousands of
+    mounts for a few of ours stays cheap."""
+    pre = _escape(os.fspath(prefix).rstrip("/")) if prefix is not None else None
     out: list[Path] = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
-            mp = _unescape(line.split(" ", 5)[4])
-            if pre is None or mp == pre or mp.startswith(pre + "/"):
-                out.append(Path(mp))
+            raw = line.split(" ", 5)[4]
+            if pre is None or raw == pre or raw.startswith(pre + "/"):
+                out.append(Path(_unescape(raw)))
     return out
 
 

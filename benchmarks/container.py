@@ -1,0 +1,284 @@
+"""Container tier benchmark: prints a table and writes benchmarks/results/container.json.
+
+Measured in one run, on the same busybox rootfs:
+  * create-to-first-exec latency (p50/p99) over N sequential sandboxes, through the SDK + HTTP
+  * sustained creations/s with C concurrent clients for D seconds (create + kill loops)
+  * exec round trip (p50/p99) of `true` in a running sandbox, through the SDK + HTTP
+  * host memory per idle sandbox with M sandboxes running
+  * peers: a raw `crun run` loop (bundle on the same EROFS layer) and `podman run --rm`
+    (image imported from the same rootfs), when podman is installed
+
+Usage: .venv/bin/python benchmarks/container.py [--quick] [--home DIR]
+Targets (issue 2): create-to-first-exec p50 <= 30 ms; >= 100 creations/s; exec p50 <= 3 ms;
+<= 3 MiB per idle sandbox; within 2x of the raw runtime loop; >= 10x faster than podman.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from dsec import AsyncSandbox  # noqa: E402
+from dsec.server import BackgroundServer  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))
+    return s[k]
+
+
+def mem_available_kib() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1])
+    return 0
+
+
+def slab_kib() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Slab:"):
+                return int(line.split()[1])
+    return 0
+
+
+async def bench_create_first_exec(n: int, kw: dict[str, Any]) -> list[float]:
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sb = await AsyncSandbox.create(**kw)
+        r = await sb.commands.run("true")
+        lat.append((time.perf_counter() - t0) * 1000)
+        assert r.exit_code == 0, r
+        await sb.kill()
+    return lat
+
+
+async def bench_sustained(clients: int, duration: float, kw: dict[str, Any]) -> dict[str, float]:
+    stop = time.monotonic() + duration
+    created = 0
+    errors = 0
+
+    async def client() -> None:
+        nonlocal created, errors
+        while time.monotonic() < stop:
+            try:
+                sb = await AsyncSandbox.create(**kw)
+                created += 1
+                await sb.kill()
+            except Exception as e:  # counted, shown in the table
+                errors += 1
+                if errors < 3:
+                    print(f"  sustained: error {e!r}", file=sys.stderr)
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    took = time.monotonic() - t0
+    return {"creations": created, "seconds": took, "per_s": created / took, "errors": errors}
+
+
+async def bench_exec(n: int, kw: dict[str, Any]) -> list[float]:
+    sb = await AsyncSandbox.create(**kw)
+    try:
+        for _ in range(20):
+            await sb.commands.run("true")
+        lat = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await sb.commands.run("true")
+            lat.append((time.perf_counter() - t0) * 1000)
+        return lat
+    finally:
+        await sb.kill()
+
+
+async def bench_idle_memory(m: int, kw: dict[str, Any]) -> dict[str, float]:
+    subprocess.run(["sync"], check=False)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    await asyncio.sleep(1)
+    before = mem_available_kib()
+    slab0 = slab_kib()
+    sbs = []
+    sem = asyncio.Semaphore(8)
+
+    async def one() -> None:
+        async with sem:
+            sbs.append(await AsyncSandbox.create(**kw))
+
+    await asyncio.gather(*(one() for _ in range(m)))
+    # every sandbox runs one command so its exec path is warm, then idles
+    await asyncio.gather(*(sb.commands.run("true") for sb in sbs))
+    await asyncio.sleep(2)
+    after = mem_available_kib()
+    slab1 = slab_kib()
+    try:
+        per = (before - after) / m / 1024
+        return {"sandboxes": m, "mib_per_sandbox": per, "slab_mib_per_sandbox": (slab1 - slab0) / m / 1024}
+    finally:
+        await asyncio.gather(*(sb.kill() for sb in sbs), return_exceptions=True)
+
+
+def crun_bin() -> str | None:
+    return shutil.which("crun") or shutil.which("runc")
+
+
+def bench_raw_crun(rootfs: Path, n: int) -> list[float]:
+    """`crun run` of `true` on a read-only bundle over the same EROFS layer (no cgroups limits
+    beyond the defaults, no exec path): the floor our container tier is compared with."""
+    rt = crun_bin()
+    assert rt
+    work = Path(tempfile.mkdtemp(prefix="dsec-bench-crun-"))
+    subprocess.run([rt, "spec"], cwd=work, check=True)
+    cfg = json.loads((work / "config.json").read_text())
+    cfg["root"] = {"path": str(rootfs), "readonly": True}
+    cfg["process"]["terminal"] = False
+    cfg["process"]["args"] = ["/bin/true"]
+    cfg["linux"]["cgroupsPath"] = "/dsec-bench/raw"
+    (work / "config.json").write_text(json.dumps(cfg))
+    state = work / "state"
+    lat = []
+    try:
+        for i in range(n):
+            t0 = time.perf_counter()
+            subprocess.run(
+                [rt, "--root", str(state), "run", "--bundle", str(work), f"raw{i}"],
+                check=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
+            lat.append((time.perf_counter() - t0) * 1000)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return lat
+
+
+def bench_podman(rootfs: Path, n: int) -> list[float] | str:
+    podman = shutil.which("podman")
+    if not podman:
+        return "podman not installed (apt-get install podman)"
+    tar = Path(tempfile.mkdtemp(prefix="dsec-bench-podman-")) / "rootfs.tar"
+    subprocess.run(["tar", "-C", str(rootfs), "-cf", str(tar), "."], check=True)
+    img = "localhost/dsec-bench-busybox:latest"
+    subprocess.run([podman, "import", str(tar), img], check=True, stdout=subprocess.DEVNULL)
+    args = [
+        podman, "run", "--rm", "--runtime", "runc", "--network", "none",
+        "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096", img, "/bin/true",
+    ]
+    r = subprocess.run(args, capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"podman run failed: {r.stderr.strip()[:300]}"
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
+        lat.append((time.perf_counter() - t0) * 1000)
+    shutil.rmtree(tar.parent, ignore_errors=True)
+    return lat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller counts (smoke run)")
+    ap.add_argument("--home", default=None, help="DSEC_HOME for the benchmark server (default: a temp dir)")
+    ap.add_argument("--out", default=str(RESULTS / "container.json"))
+    args = ap.parse_args()
+    q = args.quick
+    n_seq = 20 if q else 100
+    duration = 5.0 if q else 30.0
+    n_exec = 100 if q else 1000
+    n_idle = 20 if q else 200
+    home = Path(args.home or tempfile.mkdtemp(prefix="dsec-bench-"))
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "kernel": os.uname().release}}
+    with BackgroundServer(home, tiers=["container"]) as srv:
+        kw = {"tier": "container", "image": "busybox", "memory_mb": 128, "url": srv.url, "api_key": srv.api_key}
+
+        async def run_sdk() -> None:
+            await (await AsyncSandbox.create(**kw)).kill()  # image build + warm caches
+            print("create-to-first-exec ...", flush=True)
+            results["create_to_first_exec_ms"] = await bench_create_first_exec(n_seq, kw)
+            print("exec round trip ...", flush=True)
+            results["exec_ms"] = await bench_exec(n_exec, kw)
+            print(f"sustained creations ({duration:.0f} s, 16 clients) ...", flush=True)
+            results["sustained"] = await bench_sustained(16, duration, kw)
+            print(f"idle memory ({n_idle} sandboxes) ...", flush=True)
+            results["idle_memory"] = await bench_idle_memory(n_idle, kw)
+
+        asyncio.run(run_sdk())
+        edge = srv.edge
+        assert edge is not None
+        image = srv.call(edge.get_image("busybox"))
+        digest = image.layers[-1]
+        mp = edge.runtimes["container"].layer_mounts.acquire(digest, edge.layers.layer_path(digest))  # type: ignore[attr-defined]
+        try:
+            print("raw crun loop ...", flush=True)
+            results["raw_runtime_ms"] = bench_raw_crun(mp, n_seq)
+            print("podman ...", flush=True)
+            results["podman_ms"] = bench_podman(mp, 10 if q else 20)
+        finally:
+            edge.runtimes["container"].layer_mounts.release(digest)  # type: ignore[attr-defined]
+
+    cfe = results["create_to_first_exec_ms"]
+    ex = results["exec_ms"]
+    raw = results["raw_runtime_ms"]
+    pod = results["podman_ms"]
+    rows = [
+        ("create-to-first-exec p50", f"{pct(cfe, 50):.1f} ms", "<= 30 ms"),
+        ("create-to-first-exec p99", f"{pct(cfe, 99):.1f} ms", ""),
+        ("sustained creations/s (16 clients)", f"{results['sustained']['per_s']:.1f}/s ({results['sustained']['errors']} errors)", ">= 100/s"),
+        ("exec round trip p50", f"{pct(ex, 50):.2f} ms", "<= 3 ms"),
+        ("exec round trip p99", f"{pct(ex, 99):.2f} ms", ""),
+        ("host memory per idle sandbox", f"{results['idle_memory']['mib_per_sandbox']:.2f} MiB ({n_idle} running)", "<= 3 MiB"),
+        ("raw `crun run true` p50", f"{pct(raw, 50):.1f} ms", ""),
+        ("dsec / raw runtime (p50)", f"{pct(cfe, 50) / pct(raw, 50):.2f}x", "<= 2x"),
+    ]
+    if isinstance(pod, list):
+        rows.append(("podman run --rm p50", f"{pct(pod, 50):.1f} ms", ""))
+        rows.append(("podman / dsec (p50)", f"{pct(pod, 50) / pct(cfe, 50):.1f}x faster", ">= 10x"))
+    else:
+        rows.append(("podman run --rm", pod, ""))
+    w = max(len(r[0]) for r in rows)
+    print()
+    print(f"{'metric'.ljust(w)}  {'measured'.ljust(34)}  target")
+    print("-" * (w + 50))
+    for name, val, target in rows:
+        print(f"{name.ljust(w)}  {val.ljust(34)}  {target}")
+    summary = {
+        "create_to_first_exec_p50_ms": pct(cfe, 50),
+        "create_to_first_exec_p99_ms": pct(cfe, 99),
+        "sustained_creations_per_s": results["sustained"]["per_s"],
+        "exec_p50_ms": pct(ex, 50),
+        "exec_p99_ms": pct(ex, 99),
+        "idle_mib_per_sandbox": results["idle_memory"]["mib_per_sandbox"],
+        "raw_runtime_p50_ms": pct(raw, 50),
+        "ratio_vs_raw_runtime": pct(cfe, 50) / pct(raw, 50),
+        "podman_p50_ms": pct(pod, 50) if isinstance(pod, list) else None,
+    }
+    results["summary"] = summary
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out}")
+    if not args.home:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh Debian 12/13 machine (as root) for dsec:
+# apt packages, then a .venv at the repo root with dsec installed editable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  python3 python3-venv python3-dev gcc libc6-dev make libseccomp-dev
+  crun runc erofs-utils busybox-static debootstrap bubblewrap
+  iproute2 nftables fuse3 libfuse3-dev pkg-config curl ca-certificates
+)
+if [[ -n "${DSEC_EXTRA_APT:-}" ]]; then
+  # shellcheck disable=SC2206
+  APT_PACKAGES+=(${DSEC_EXTRA_APT})
+fi
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "bootstrap: need root to apt-get install: ${missing[*]}" >&2
+    exit 1
+  fi
+  echo "bootstrap: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.dsec-installed
+if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e '.[dev]'
+  touch "$stamp"
+fi

@@ -1,0 +1,120 @@
+"""Job groups: apply one action to every sandbox of a job, in parallel, and report each outcome.
+
+A *job* is the ``job`` label given at creation (``Sandbox.create(..., job="run-42")``), typically
+one training run. On trainer preemption the whole job is paused in one call, and resumed or
+killed later. The edge lists the job's sandboxes and hands them to :func:`for_each_sandbox`
+with its own per-sandbox coroutine (``pause_sandbox``, ``resume_sandbox``, ``kill_sandbox``...)::
+
+    ids = [s.id for s in await edge.list_sandboxes(owner, job="run-42")]
+    outcomes = await for_each_sandbox(ids, lambda sid: edge.pause_sandbox(sid, owner))
+    # {"sb-n1-ab12": {"ok": True, "state": "paused", "error": None},
+    #  "sb-n1-cd34": {"ok": False, "state": None,
+    #                 "error": {"code": "sandbox_stopped", "message": ..., "details": {...}}}}
+
+One failing sandbox never stops the others. Errors are reported in their wire form
+(:meth:`dsec.errors.DsecError.to_wire`); an unexpected exception becomes ``internal`` and a
+per-sandbox timeout ``timeout``. Cancelling the caller cancels every action still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypedDict
+
+from dsec.errors import DsecError, InternalError, InvalidRequest, SandboxTimeout
+
+__all__ = ["DEFAULT_CONCURRENCY", "Outcome", "for_each_sandbox", "summarize"]
+
+log = logging.getLogger("dsec.edge.jobs")
+
+DEFAULT_CONCURRENCY = 64
+"""Actions run at once per job call; pause/resume are ~ms each, so 64 keeps a 2-core node busy
+without queueing thousands of threads."""
+
+
+class Outcome(TypedDict):
+    """One sandbox's result: ``ok``; its ``state`` after the action (None if unknown); the
+    wire error body (``{"code", "message", "details"}``) when not ok."""
+
+    ok: bool
+    state: str | None
+    error: dict[str, Any] | None
+
+
+def _state_of(result: Any) -> str | None:
+    if isinstance(result, dict):
+        state = result.get("state")
+    else:
+        state = getattr(result, "state", None)
+    return state if isinstance(state, str) else None
+
+
+async def for_each_sandbox(
+    sandbox_ids: Iterable[str],
+    action: Callable[[str], Awaitable[Any]],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    timeout_s: float | None = None,
+) -> dict[str, Outcome]:
+    """Run ``action(sandbox_id)`` for every id, at most ``concurrency`` at once.
+
+    Args:
+        sandbox_ids: the job's sandboxes (duplicates are acted on once).
+        action: a coroutine function; its result's ``state`` (attribute or dict key), if
+            any, is reported.
+        concurrency: at most this many actions in flight (>= 1).
+        timeout_s: per-sandbox time limit, seconds (None: no limit).
+
+    Returns:
+        ``{sandbox_id: Outcome}`` in the order the ids were given.
+
+    Raises:
+        InvalidRequest: ``concurrency`` < 1 or ``timeout_s`` <= 0.
+    """
+    if concurrency < 1:
+        raise InvalidRequest(f"concurrency must be >= 1, not {concurrency}")
+    if timeout_s is not None and timeout_s <= 0:
+        raise InvalidRequest(f"timeout_s must be > 0, not {timeout_s}")
+    ids = list(dict.fromkeys(sandbox_ids))
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(sid: str) -> Outcome:
+        async with gate:
+            try:
+                if timeout_s is None:
+                    result = await action(sid)
+                else:
+                    result = await asyncio.wait_for(action(sid), timeout_s)
+            except DsecError as e:
+                return {"ok": False, "state": None, "error": e.to_wire()["error"]}
+            except TimeoutError:
+                err = SandboxTimeout(
+                    f"sandbox {sid} did not finish within {timeout_s} s",
+                    sandbox_id=sid,
+                    timeout_s=timeout_s,
+                )
+                return {"ok": False, "state": None, "error": err.to_wire()["error"]}
+            except Exception as e:  # one broken sandbox must not sink the job call
+                log.exception("job action on %s failed", sid)
+                err2 = InternalError(f"{type(e).__name__}: {e}", sandbox_id=sid)
+                return {"ok": False, "state": None, "error": err2.to_wire()["error"]}
+            return {"ok": True, "state": _state_of(result), "error": None}
+
+    results = await asyncio.gather(*(one(sid) for sid in ids))
+    return dict(zip(ids, results, strict=True))
+
+
+def summarize(outcomes: dict[str, Outcome]) -> dict[str, int]:
+    """Counts for a reply or a log line: ``total``, ``ok``, ``failed`` and ``by_code``-style
+    keys ``error:<code>``."""
+    out = {"total": len(outcomes), "ok": 0, "failed": 0}
+    for o in outcomes.values():
+        if o["ok"]:
+            out["ok"] += 1
+        else:
+            out["failed"] += 1
+            code = (o["error"] or {}).get("code", "unknown")
+            out[f"error:{code}"] = out.get(f"error:{code}", 0) + 1
+    return out

@@ -1,0 +1,302 @@
+"""Node-wide, reference-counted, read-only mounts of EROFS layers.
+
+Each layer is mounted once per node at ``mount_root/<first 16 hex of its digest>``, straight
+from its file: ``mount(2)`` with fstype ``erofs`` and the file path as the source. Kernels
+since 6.12 back EROFS by a regular file directly, so no loop device is created (``mount(8)``
+would quietly set one up; we never call it). Sandboxes stack these mountpoints with
+overlayfs (see :mod:`dsec.layers.rootfs`).
+
+Reference counting: :meth:`LayerMounts.acquire` mounts on first use and counts users;
+:meth:`LayerMounts.release` unmounts when the count drops to zero. Overlayfs keeps its own
+private clone of each lower mount, so unmounting a layer that a live overlay still stacks is
+harmless to that overlay (the filesystem stays alive until the overlay goes); the count only
+decides when the node-wide mountpoint disappears.
+
+Restarts: the mounts outlive the edge process. :meth:`LayerMounts.adopt_existing` reads
+``/proc/self/mountinfo`` and takes over the EROFS mounts found under ``mount_root`` with
+refcount 0 (the edge re-acquires for every sandbox it reconciles; :meth:`unmount_unused`
+then drops the rest).
+
+Mount flags: ``MS_RDONLY | MS_NODEV | MS_NOSUID`` (overlayfs decides exec/suid/device
+semantics through its own mount; these only restrict direct access to the mountpoint).
+
+Example::
+
+    mounts = LayerMounts(paths.layer_mounts)
+    lower = mounts.acquire(info.digest, store.layer_path(info.digest))
+    ...
+    mounts.release(info.digest)
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec.errors import InvalidRequest, SandboxError
+from dsec.privileged.mount import MNT_DETACH, MS_NODEV, MS_NOSUID, MS_RDONLY, mount, umount
+
+__all__ = ["LayerMounts", "MountEntry", "is_mounted", "mountinfo_entries"]
+
+log = logging.getLogger(__name__)
+
+_DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
+_BLOB_NAME_RE = re.compile(r"^([0-9a-f]{64})\.erofs$")
+_NAME_HEX = 16
+_LAYER_MOUNT_FLAGS = MS_RDONLY | MS_NODEV | MS_NOSUID
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    """One line of ``/proc/self/mountinfo``: where, what filesystem type, from what source."""
+
+    mountpoint: Path
+    fstype: str
+    source: str
+
+
+def _escape(path: str) -> str:
+    """A path as mountinfo spells it (space, tab, newline and backslash as octal escapes)."""
+    return (
+        path.replace("\\", "\\134")
+        .replace(" ", "\\040")
+        .replace("\t", "\\011")
+        .replace("\n", "\\012")
+    )
+
+
+def mountinfo_entries(under: str | os.PathLike[str] | None = None) -> list[MountEntry]:
+    """Mounts of this mount namespace, in mount order; only those at or below ``under`` if
+    given. Filters on the escaped text before parsing, so a scan of thousands of mounts
+    costs about a millisecond."""
+    prefix = _escape(os.path.abspath(under).rstrip("/")) if under is not None else None
+    out: list[MountEntry] = []
+    with open("/proc/self/mountinfo") as f:
+        text = f.read()
+    for line in text.splitlines():
+        fields = line.split(" ", 5)
+        if len(fields) < 6:
+            continue
+        mp = fields[4]
+        if prefix is not None and not (mp == prefix or mp.startswith(prefix + "/")):
+            continue
+        _, _, right = fields[5].partition(" - ")
+        rest = right.split(" ", 2)
+        if len(rest) < 2:
+            continue
+        out.append(MountEntry(Path(_unescape(mp)), rest[0], _unescape(rest[1])))
+    return out
+
+
+def is_mounted(path: Path) -> bool:
+    """True if something is mounted at ``path`` (a different device than its parent's, or a
+    bind mount of the same device, which only mountinfo shows)."""
+    try:
+        st, parent = os.stat(path), os.stat(os.path.dirname(os.path.abspath(path)))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if st.st_dev != parent.st_dev or st.st_ino == parent.st_ino:
+        return True
+    return any(e.mountpoint == Path(os.path.abspath(path)) for e in mountinfo_entries(path))
+
+
+@dataclass
+class _Layer:
+    mountpoint: Path
+    refcount: int
+
+
+class LayerMounts:
+    """Each layer mounted once per node, read-only, straight from its file with mount(2)
+    (fstype ``erofs``, source = the file path; no loop device), reference-counted.
+    Thread-safe.
+
+    Args:
+        mount_root: directory holding one mountpoint per layer (``$DSEC_HOME/mnt/layers``);
+            created if missing. Keep it short: overlay option strings are capped at one page.
+    """
+
+    def __init__(self, mount_root: Path) -> None:
+        self.mount_root = Path(os.path.abspath(mount_root))
+        self.mount_root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._layers: dict[str, _Layer] = {}
+
+    def _mountpoint(self, digest: str) -> Path:
+        m = _DIGEST_RE.match(digest)
+        if m is None:
+            raise InvalidRequest(f"invalid layer digest {digest!r}", digest=digest)
+        return self.mount_root / m.group(1)[:_NAME_HEX]
+
+    def _mounts_at(self, mountpoint: Path) -> list[MountEntry]:
+        """Mounts stacked exactly on ``mountpoint``; cheap (one stat) when there are none."""
+        try:
+            st, root = os.stat(mountpoint), os.stat(self.mount_root)
+        except FileNotFoundError:
+            return []
+        if st.st_dev == root.st_dev:  # a plain directory (layers never share the root's device)
+            return []
+        return [e for e in mountinfo_entries(mountpoint) if e.mountpoint == mountpoint]
+
+    def acquire(self, digest: str, erofs_file: Path) -> Path:
+        """Mount the layer if needed and count one more user. Returns its mountpoint.
+
+        Takes ~0.2 ms for a first mount, microseconds after that.
+
+        Raises:
+            InvalidRequest: malformed digest.
+            SandboxError: the mount failed (not an EROFS image, kernel without file-backed
+                EROFS) or another layer already sits at this mountpoint.
+        """
+        mountpoint = self._mountpoint(digest)
+        with self._lock:
+            entry = self._layers.get(digest)
+            if entry is not None:
+                entry.refcount += 1
+                return entry.mountpoint
+            source = os.path.abspath(erofs_file)
+            existing = self._mounts_at(mountpoint)
+            if existing:  # mounted before we were told (restart without adopt_existing)
+                top = existing[-1]
+                if top.fstype != "erofs" or not _same_layer(top.source, digest):
+                    raise SandboxError(
+                        f"{mountpoint} already holds {top.fstype} from {top.source}, "
+                        f"not layer {digest}",
+                        mountpoint=str(mountpoint),
+                    )
+            else:
+                mountpoint.mkdir(mode=0o755, exist_ok=True)
+                try:
+                    mount(source, mountpoint, "erofs", _LAYER_MOUNT_FLAGS)
+                except OSError as e:
+                    _rmdir_quiet(mountpoint)
+                    raise SandboxError(
+                        f"cannot mount layer {digest} from {source}: {e.strerror}",
+                        digest=digest,
+                        errno=e.errno,
+                    ) from e
+            self._layers[digest] = _Layer(mountpoint, 1)
+            return mountpoint
+
+    def release(self, digest: str) -> None:
+        """Count one user less; unmount (and remove the mountpoint) when none is left.
+
+        Releasing a layer this object does not know is logged and ignored (teardown after a
+        restart must not fail on it).
+
+        Raises:
+            SandboxError: the unmount failed; the layer stays known with refcount 0 and
+                :meth:`unmount_unused` retries.
+        """
+        with self._lock:
+            entry = self._layers.get(digest)
+            if entry is None:
+                log.warning("release of layer %s that is not mounted here", digest)
+                return
+            entry.refcount = max(0, entry.refcount - 1)
+            if entry.refcount == 0:
+                self._unmount(digest, entry)
+
+    def refcount(self, digest: str) -> int:
+        """Current number of users of the layer (0 if unknown or adopted and unused)."""
+        with self._lock:
+            entry = self._layers.get(digest)
+            return entry.refcount if entry is not None else 0
+
+    def mounted(self) -> dict[str, Path]:
+        """Layers mounted and known here, digest -> mountpoint."""
+        with self._lock:
+            return {d: e.mountpoint for d, e in self._layers.items()}
+
+    def adopt_existing(self) -> None:
+        """Take over EROFS mounts already under ``mount_root`` (after an edge restart), with
+        refcount 0. Mounts whose source is not a store blob (``<64 hex>.erofs``) are
+        unmounted; empty leftover mountpoint directories are removed."""
+        with self._lock:
+            for entry in mountinfo_entries(self.mount_root):
+                if entry.mountpoint.parent != self.mount_root:
+                    continue
+                m = _BLOB_NAME_RE.match(os.path.basename(entry.source))
+                digest = f"sha256:{m.group(1)}" if m else None
+                if (
+                    entry.fstype != "erofs"
+                    or digest is None
+                    or entry.mountpoint.name != digest[7 : 7 + _NAME_HEX]
+                ):
+                    log.warning("unmounting stray %s mount at %s", entry.fstype, entry.mountpoint)
+                    _umount_all(entry.mountpoint)
+                    continue
+                if digest not in self._layers:
+                    self._layers[digest] = _Layer(entry.mountpoint, 0)
+            known = {e.mountpoint for e in self._layers.values()}
+            for child in self.mount_root.iterdir():
+                if child not in known and child.is_dir() and not child.is_symlink():
+                    _rmdir_quiet(child)
+
+    def unmount_unused(self) -> int:
+        """Unmount every layer with refcount 0. Returns how many were unmounted."""
+        with self._lock:
+            idle = [(d, e) for d, e in self._layers.items() if e.refcount == 0]
+            for digest, entry in idle:
+                self._unmount(digest, entry)
+            return len(idle)
+
+    def close(self, *, force: bool = False) -> None:
+        """Unmount unused layers and forget all. Layers still in use stay mounted (their
+        sandboxes may outlive this process; a restarted edge adopts them) unless ``force``."""
+        with self._lock:
+            for digest, entry in list(self._layers.items()):
+                if entry.refcount == 0 or force:
+                    try:
+                        self._unmount(digest, entry)
+                    except SandboxError as e:
+                        log.error("%s", e)
+            self._layers.clear()
+
+    def _unmount(self, digest: str, entry: _Layer) -> None:
+        """Unmount one layer (caller holds the lock) and forget it."""
+        try:
+            _umount_all(entry.mountpoint)
+        except OSError as e:
+            raise SandboxError(
+                f"cannot unmount layer {digest} at {entry.mountpoint}: {e.strerror}",
+                digest=digest,
+            ) from e
+        _rmdir_quiet(entry.mountpoint)
+        self._layers.pop(digest, None)
+
+
+def _same_layer(source: str, digest: str) -> bool:
+    m = _BLOB_NAME_RE.match(os.path.basename(source))
+    return m is not None and f"sha256:{m.group(1)}" == digest
+
+
+def _umount_all(mountpoint: Path) -> None:
+    """Unmount every mount stacked on ``mountpoint``; lazily detach a busy one."""
+    for _ in range(16):
+        try:
+            umount(mountpoint)
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.ENOENT):
+                return
+            if e.errno != errno.EBUSY:
+                raise
+            umount(mountpoint, MNT_DETACH)
+    raise OSError(errno.EBUSY, f"{mountpoint}: still mounted after 16 unmounts")
+
+
+def _rmdir_quiet(path: Path) -> None:
+    try:
+        os.rmdir(path)
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EBUSY):
+            log.warning("cannot remove %s: %s", path, e)

@@ -1,0 +1,200 @@
+"""A sandbox's root filesystem: read-only layers under a private, size-capped writable upper.
+
+Layout under a sandbox directory (short names keep the overlay option string small)::
+
+    <sandbox_dir>/
+      upper/          tmpfs, size = disk_mb MiB: the cap on what the sandbox can write
+        data/         overlay upperdir (what the sandbox changed; whiteouts are 0:0 char devs)
+        work/         overlay workdir
+      rootfs/         overlay: lowerdir = layers (top first), upperdir, workdir
+
+The upper is a tmpfs, so ``disk_mb`` is enforced by the kernel with no quota setup and the
+upper vanishes with its mount. The price: written data lives in memory. Pages are charged
+to the memory cgroup of the process that writes them (the sandbox), so a sandbox's disk
+use counts against its memory limit, and on a node without swap those pages cannot be
+reclaimed while the sandbox is paused. See ``docs/design/layers.md``.
+
+Overlay options: ``xino=auto`` (one ``st_dev`` for every file; needs distinct layer UUIDs,
+which :func:`dsec.layers.erofs.mkfs_erofs` provides). ``volatile`` is not used: it only skips
+``syncfs`` on the upper, which is a no-op on tmpfs anyway, and it makes the work dir
+unusable for a remount.
+
+Example::
+
+    lowers = [mounts.acquire(l.digest, store.layer_path(l.digest)) for l in layers]
+    root = assemble_rootfs(paths.sandboxes / sandbox_id, lowers, disk_mb=1024)
+    ...
+    teardown_rootfs(paths.sandboxes / sandbox_id)
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from dsec.errors import InvalidRequest, SandboxError
+from dsec.layers.mounts import is_mounted, mountinfo_entries
+from dsec.privileged.mount import MS_NODEV, MS_NOSUID, mount, umount_quiet
+
+__all__ = ["assemble_rootfs", "rootfs_path", "teardown_rootfs", "upper_dir", "work_dir"]
+
+log = logging.getLogger(__name__)
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+_MAX_TEARDOWN_ROUNDS = 256
+BYTES_PER_INODE = 4096
+"""tmpfs ``nr_inodes`` = disk size / this (at least 4096): bounds the kernel memory empty
+files can pin, which ``size=`` alone does not count."""
+
+
+def rootfs_path(sandbox_dir: Path) -> Path:
+    """Where the merged root filesystem is mounted."""
+    return Path(sandbox_dir) / "rootfs"
+
+
+def _upper_mount(sandbox_dir: Path) -> Path:
+    return Path(sandbox_dir) / "upper"
+
+
+def upper_dir(sandbox_dir: Path) -> Path:
+    """The overlay upperdir: every file the sandbox created or changed, with whiteouts
+    (0:0 character devices) for deletions. ``pack_diff`` turns this into a layer."""
+    return _upper_mount(sandbox_dir) / "data"
+
+
+def work_dir(sandbox_dir: Path) -> Path:
+    """The overlay workdir (kernel scratch; never read it)."""
+    return _upper_mount(sandbox_dir) / "work"
+
+
+def _check_lower(path: Path) -> str:
+    text = os.path.abspath(path)
+    if any(c in text for c in ":,\\\n") or not os.path.isdir(text):
+        raise InvalidRequest(
+            f"lower layer {text!r} must be an existing directory without ':', ',' or '\\'",
+            path=text,
+        )
+    return text
+
+
+def assemble_rootfs(
+    sandbox_dir: Path, lowers: list[Path], disk_mb: int, *, nodev: bool = True
+) -> Path:
+    """Mount a sandbox's root filesystem and return its path (``sandbox_dir/rootfs``).
+
+    Args:
+        sandbox_dir: the sandbox's private directory (created if missing).
+        lowers: mounted layer directories, **bottom first** (as images list them). A
+            directory listed twice is kept only at its topmost position.
+        disk_mb: size of the writable upper, MiB (tmpfs ``size=``).
+        nodev: mount the overlay ``nodev`` (device nodes in layers or the upper cannot be
+            opened through it; the runtime mounts its own ``/dev``).
+
+    The merged root directory takes the owner and mode of the top layer's root. Takes
+    ~0.3-0.5 ms. On any failure everything this call mounted is undone.
+
+    Raises:
+        InvalidRequest: no lowers, a lower is not a directory or has ``:``/``,`` in its
+            path, ``disk_mb`` < 1, or the option string would exceed one page (too many or
+            too long lower paths).
+        SandboxError: ``sandbox_dir`` is already assembled, or a mount failed.
+    """
+    if not lowers:
+        raise InvalidRequest("a root filesystem needs at least one layer")
+    if disk_mb < 1:
+        raise InvalidRequest(f"disk_mb must be >= 1, not {disk_mb}")
+    lower_paths = [_check_lower(p) for p in lowers]
+    # overlayfs refuses the same lower twice ("conflicting lowerdir path"); keeping only the
+    # topmost copy of a repeated layer gives the same merged view
+    last = {p: i for i, p in enumerate(lower_paths)}
+    lower_paths = [p for i, p in enumerate(lower_paths) if last[p] == i]
+    sandbox_dir = Path(os.path.abspath(sandbox_dir))
+    upper_mnt, rootfs = _upper_mount(sandbox_dir), rootfs_path(sandbox_dir)
+    data, work = upper_dir(sandbox_dir), work_dir(sandbox_dir)
+    options = f"lowerdir={':'.join(reversed(lower_paths))},upperdir={data},workdir={work},xino=auto"
+    if len(options.encode()) >= _PAGE_SIZE:
+        raise InvalidRequest(
+            f"overlay options are {len(options.encode())} bytes, over the {_PAGE_SIZE}-byte "
+            f"page limit ({len(lower_paths)} layers): use fewer layers or a shorter DSEC_HOME",
+            layers=len(lower_paths),
+        )
+    sandbox_dir.mkdir(parents=True, exist_ok=True)
+    if is_mounted(upper_mnt) or is_mounted(rootfs):
+        raise SandboxError(f"{sandbox_dir} already has a root filesystem mounted")
+    upper_mnt.mkdir(mode=0o700, exist_ok=True)
+    rootfs.mkdir(mode=0o755, exist_ok=True)
+    mounted: list[Path] = []
+    try:
+        nr_inodes = max(4096, disk_mb * (1 << 20) // BYTES_PER_INODE)
+        mount(
+            "dsec-upper",
+            upper_mnt,
+            "tmpfs",
+            MS_NOSUID | MS_NODEV,
+            f"size={disk_mb}m,nr_inodes={nr_inodes},mode=0755",
+        )
+        mounted.append(upper_mnt)
+        data.mkdir()
+        work.mkdir()
+        top = os.stat(lower_paths[-1])
+        os.chown(data, top.st_uid, top.st_gid)
+        os.chmod(data, top.st_mode & 0o7777)
+        mount("dsec-rootfs", rootfs, "overlay", MS_NODEV if nodev else 0, options)
+        mounted.append(rootfs)
+    except OSError as e:
+        for mp in reversed(mounted):
+            try:
+                umount_quiet(mp)
+            except OSError as undo_error:
+                log.error("undo of %s failed: %s", mp, undo_error)
+        for d in (rootfs, upper_mnt):
+            if not is_mounted(d):
+                shutil.rmtree(d, ignore_errors=True)
+        raise SandboxError(
+            f"cannot assemble the root filesystem in {sandbox_dir}: {e}",
+            errno=e.errno,
+            layers=len(lower_paths),
+        ) from e
+    return rootfs
+
+
+def teardown_rootfs(sandbox_dir: Path) -> None:
+    """Unmount everything under ``sandbox_dir`` (the overlay, then the tmpfs upper, and
+    anything a runtime left mounted inside), deepest first, then remove ``sandbox_dir``.
+
+    Idempotent and safe on a half-assembled directory. The upper's content is gone after
+    this: pack it first if you want to keep it. Nothing is deleted while anything below
+    ``sandbox_dir`` is still mounted.
+
+    Raises:
+        SandboxError: something stayed mounted (the directory is then left in place).
+    """
+    sandbox_dir = Path(os.path.abspath(sandbox_dir))
+    if not sandbox_dir.exists():
+        return
+    try:  # the usual case, without scanning mountinfo: overlay, then the upper
+        umount_quiet(rootfs_path(sandbox_dir))
+        umount_quiet(_upper_mount(sandbox_dir))
+    except OSError as e:
+        log.warning("teardown of %s: %s; unmounting all mounts below it", sandbox_dir, e)
+    for _ in range(_MAX_TEARDOWN_ROUNDS):
+        mps = [e.mountpoint for e in mountinfo_entries(sandbox_dir)]
+        if not mps:
+            break
+        deepest = max(mps, key=lambda p: len(p.parts))
+        try:
+            umount_quiet(deepest)
+        except OSError as e:
+            raise SandboxError(f"cannot unmount {deepest}: {e.strerror}", errno=e.errno) from e
+    else:
+        raise SandboxError(f"{sandbox_dir}: mounts remain after {_MAX_TEARDOWN_ROUNDS} unmounts")
+    try:
+        shutil.rmtree(sandbox_dir)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            raise SandboxError(f"cannot remove {sandbox_dir}: {e}") from e

@@ -1,0 +1,205 @@
+"""``dsec serve``: the apiserver and this node's edge in one process.
+
+Embedded mode: SQLite registry and a local layer store under ``DSEC_HOME``; the
+apiserver calls the in-process :class:`~dsec.edge.agent.EdgeAgent` through the
+:class:`~dsec.edge.interface.EdgeAPI` protocol. Stopping the server leaves the
+sandboxes running; the next start recovers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from dsec.config import Paths
+from dsec.edge.agent import EdgeAgent, EdgeLimits
+from dsec.runtimes.base import Runtime
+
+log = logging.getLogger("dsec.server")
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    """Orphans of our helpers come back to us (PID 1 of this VM reaps slowly)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def build_runtimes(paths: Paths, layer_store: Any, tiers: list[str] | None = None) -> dict[str, Runtime]:
+    """Instantiate the runtimes this node can run. Unavailable tiers are left out
+    (the edge then answers ``TierUnavailable``) with a log line saying why."""
+    from dsec.layers.mounts import LayerMounts
+
+    mounts = LayerMounts(paths.layer_mounts)
+    runtimes: dict[str, Runtime] = {}
+    wanted = tiers or ["container", "fncall", "microvm", "vm"]
+    if "container" in wanted:
+        from dsec.runtimes.container.runtime import ContainerRuntime
+
+        runtimes["container"] = ContainerRuntime(paths, mounts)
+    if "fncall" in wanted:
+        try:
+            from dsec.runtimes.fncall.runtime import FncallRuntime
+
+            runtimes["fncall"] = FncallRuntime(paths, mounts, layer_store)
+        except ImportError as e:
+            log.info("fncall tier not available: %s", e)
+    if "microvm" in wanted:
+        try:
+            from dsec.runtimes.microvm.runtime import MicroVMRuntime
+
+            runtimes["microvm"] = MicroVMRuntime(paths, layer_store)
+        except ImportError as e:
+            log.info("microvm tier not available: %s", e)
+    return runtimes
+
+
+@contextlib.asynccontextmanager
+async def embedded_edge(
+    home: Path | None = None, *, tiers: list[str] | None = None, limits: EdgeLimits | None = None
+) -> AsyncIterator[EdgeAgent]:
+    """An in-process edge for tests and embedding: ``async with embedded_edge() as edge``."""
+    from dsec.layers.store import LayerStore
+    from dsec.privileged.nodesetup import prepare_node
+
+    paths = Paths(home) if home else Paths.from_env()
+    paths.ensure()
+    prepare_node(paths)
+    store = LayerStore(paths.layers, paths.scratch)
+    edge = EdgeAgent(paths, build_runtimes(paths, store, tiers), store, limits=limits)
+    await edge.start()
+    try:
+        yield edge
+    finally:
+        await edge.close()
+
+
+def serve(host: str = "127.0.0.1", port: int = 7070, home: str | None = None, log_level: str = "info") -> None:
+    """Run the server in the foreground until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from dsec.apiserver.app import create_app
+    from dsec.apiserver.auth import KeyStore
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if home:
+        os.environ["DSEC_HOME"] = home
+    if os.geteuid() != 0:
+        raise SystemExit("dsec serve must run as root (it mounts layers and manages cgroups)")
+    _become_subreaper()
+    paths = Paths.from_env()
+
+    async def main() -> None:
+        async with embedded_edge(paths.home) as edge:
+            keys = KeyStore(paths.home)
+            app = create_app(edge, keys)
+            config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False)
+            server = uvicorn.Server(config)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+            server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+            log.info("dsec serve on http://%s:%d (home %s, node %s)", host, port, paths.home, edge.node)
+            await server.serve()
+
+    asyncio.run(main())
+
+
+class BackgroundServer:
+    """A full ``dsec serve`` (apiserver + edge) on a loopback port in a background thread.
+
+    For tests, benchmarks and notebooks::
+
+        with BackgroundServer(home=Path("/tmp/dsec")) as srv:
+            sb = Sandbox.create(url=srv.url, api_key=srv.api_key)
+    """
+
+    def __init__(
+        self, home: Path, *, port: int = 0, tiers: list[str] | None = None, limits: EdgeLimits | None = None
+    ) -> None:
+        self.home = home
+        self.port = port or _free_port()
+        self.tiers = tiers
+        self.limits = limits
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = ""
+        self.edge: EdgeAgent | None = None
+        self.keys: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: Any = None
+        self._thread: Any = None
+        self._error: BaseException | None = None
+
+    def call(self, coro: Any, timeout: float = 300) -> Any:
+        """Run a coroutine on the server's event loop (to reach the edge directly)."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def __enter__(self) -> BackgroundServer:
+        import threading
+
+        import uvicorn
+
+        from dsec.apiserver.app import create_app
+        from dsec.apiserver.auth import KeyStore
+
+        ready = threading.Event()
+
+        async def main() -> None:
+            async with embedded_edge(self.home, tiers=self.tiers, limits=self.limits) as edge:
+                self.edge = edge
+                self.keys = KeyStore(self.home)
+                app = create_app(edge, self.keys)
+                server = uvicorn.Server(
+                    uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+                )
+                server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+                self._server = server
+                self.loop = asyncio.get_running_loop()
+                task = asyncio.create_task(server.serve())
+                while not server.started:
+                    if task.done():
+                        task.result()
+                    await asyncio.sleep(0.01)
+                ready.set()
+                await task
+                await edge.close(kill_sandboxes=True)
+
+        def thread_main() -> None:
+            try:
+                asyncio.run(main())
+            except BaseException as e:
+                self._error = e
+            finally:
+                ready.set()
+
+        self._thread = threading.Thread(target=thread_main, name="dsec-background-server", daemon=True)
+        self._thread.start()
+        ready.wait(900)
+        if self._error is not None or self._server is None:
+            raise RuntimeError(f"dsec server failed to start: {self._error!r}") from self._error
+        self.api_key = (self.home / "api_key").read_text().strip()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(300)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,353 @@
+"""Behaviour every tier must show through the SDK (containerd-style conformance suite).
+
+Run against a real server; each test is parametrized over the tiers this node has.
+A capability a tier lacks must raise CapabilityNotSupported, never silently no-op.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsec import Sandbox
+from dsec.errors import (
+    DsecError,
+    FileNotFound,
+    ImageNotFound,
+    InvalidRequest,
+    PathOutsideSandbox,
+    SandboxNotFound,
+    SandboxStopped,
+)
+
+pytestmark = pytest.mark.root
+
+
+def test_create_reports_running(sandbox: Sandbox, tier: str) -> None:
+    info = sandbox.refresh()
+    assert info.state == "running"
+    assert info.tier == tier
+    assert sandbox.id.startswith("sb-")
+
+
+def test_exec_stdout_and_exit_code(sandbox: Sandbox) -> None:
+    r = sandbox.commands.run("echo hello")
+    assert r.stdout == "hello\n"
+    assert r.exit_code == 0
+    assert r.ok
+
+
+def test_exec_nonzero_exit_and_stderr(sandbox: Sandbox) -> None:
+    r = sandbox.commands.run("echo oops >&2; exit 7")
+    assert r.exit_code == 7
+    assert r.stderr == "oops\n"
+    assert r.stdout == ""
+    assert not r.ok
+
+
+def test_exec_argv_form_is_not_shell_parsed(sandbox: Sandbox) -> None:
+    r = sandbox.commands.run(["echo", "$HOME", "a b"])
+    assert r.stdout == "$HOME a b\n"
+
+
+def test_exec_env_and_cwd(sandbox: Sandbox) -> None:
+    r = sandbox.commands.run("echo $FOO; pwd", env={"FOO": "bar baz"}, cwd="/tmp")
+    assert r.stdout == "bar baz\n/tmp\n"
+
+
+def test_sandbox_env_applies_to_every_command(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox(env={"DSEC_CONF": "one"})
+    assert sb.commands.run("echo $DSEC_CONF").stdout == "one\n"
+    assert sb.commands.run("echo $DSEC_CONF", env={"DSEC_CONF": "two"}).stdout == "two\n"
+
+
+def test_exec_stdin(sandbox: Sandbox) -> None:
+    r = sandbox.commands.run("cat", stdin="line1\nline2\n")
+    assert r.stdout == "line1\nline2\n"
+
+
+def test_exec_missing_cwd_is_an_error_not_a_hang(sandbox: Sandbox) -> None:
+    try:
+        r = sandbox.commands.run("pwd", cwd="/does/not/exist")
+    except InvalidRequest:
+        return
+    assert r.exit_code != 0
+
+
+def test_exec_timeout_kills_command(sandbox: Sandbox) -> None:
+    t0 = time.monotonic()
+    r = sandbox.commands.run("sleep 30; echo never", timeout=1)
+    took = time.monotonic() - t0
+    assert r.timed_out
+    assert "never" not in r.stdout
+    assert took < 10
+    # the sandbox is still usable afterwards
+    assert sandbox.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_exec_timeout_kills_background_children(sandbox: Sandbox) -> None:
+    r = sandbox.commands.run("sleep 300 & sleep 300 & wait", timeout=1)
+    assert r.timed_out
+    ps = sandbox.commands.run("ps -o pid,args 2>/dev/null || ps")
+    assert "sleep 300" not in ps.stdout
+
+
+def test_output_is_capped_and_flagged(sandbox: Sandbox) -> None:
+    r = sandbox.commands.run("yes | head -c 5000000", max_output_bytes=100_000)
+    assert r.stdout_truncated
+    assert len(r.stdout.encode()) <= 100_000
+    assert r.exit_code == 0
+
+
+def test_output_flood_with_timeout_survives(sandbox: Sandbox) -> None:
+    r = sandbox.commands.run("yes", timeout=2, max_output_bytes=10_000)
+    assert r.timed_out
+    assert r.stdout_truncated
+    assert sandbox.commands.run("echo ok").stdout == "ok\n"
+
+
+def test_streaming_delivers_output_before_exit(sandbox: Sandbox) -> None:
+    events = []
+    first_at = None
+    t0 = time.monotonic()
+    for ev in sandbox.commands.stream("echo one; sleep 1; echo two"):
+        if ev.type == "stdout" and first_at is None:
+            first_at = time.monotonic() - t0
+        events.append(ev)
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "exit"
+    assert events[-1].result is not None and events[-1].result.exit_code == 0
+    out = "".join(e.data or "" for e in events if e.type == "stdout")
+    assert out == "one\ntwo\n"
+    assert first_at is not None and first_at < 0.9
+
+
+def test_run_with_callbacks(sandbox: Sandbox) -> None:
+    got: list[str] = []
+    r = sandbox.commands.run("echo a; echo b >&2", on_stdout=got.append, on_stderr=got.append)
+    assert r.exit_code == 0
+    assert "".join(got).count("a") == 1 and "b" in "".join(got)
+
+
+def test_concurrent_execs(sandbox: Sandbox) -> None:
+    results: dict[int, Any] = {}
+
+    def go(i: int) -> None:
+        results[i] = sandbox.commands.run(f"sleep 0.3; echo {i}")
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(6)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {i: r.stdout.strip() for i, r in results.items()} == {i: str(i) for i in range(6)}
+    assert time.monotonic() - t0 < 1.5 * 6 * 0.3 + 3
+
+
+def test_files_roundtrip_binary(sandbox: Sandbox) -> None:
+    data = bytes(range(256)) * 100
+    sandbox.files.write("/tmp/blob.bin", data)
+    assert sandbox.files.read("/tmp/blob.bin") == data
+    r = sandbox.commands.run("wc -c < /tmp/blob.bin")
+    assert r.stdout.strip() == str(len(data))
+
+
+def test_files_written_by_command_are_readable(sandbox: Sandbox) -> None:
+    sandbox.commands.run("mkdir -p /work && echo made-inside > /work/out.txt")
+    assert sandbox.files.read("/work/out.txt") == b"made-inside\n"
+
+
+def test_files_list_stat_remove_mkdir_rename(sandbox: Sandbox) -> None:
+    sandbox.files.make_dir("/data/sub")
+    sandbox.files.write("/data/a.txt", "A")
+    sandbox.files.write("/data/sub/b.txt", "BB")
+    names = {e.name for e in sandbox.files.list("/data")}
+    assert names == {"a.txt", "sub"}
+    deep = {e.path for e in sandbox.files.list("/data", depth=2)}
+    assert "/data/sub/b.txt" in deep
+    st = sandbox.files.stat("/data/sub/b.txt")
+    assert st.type == "file" and st.size == 2
+    assert sandbox.files.stat("/data/sub").type == "dir"
+    sandbox.files.rename("/data/a.txt", "/data/c.txt")
+    assert sandbox.files.exists("/data/c.txt")
+    assert not sandbox.files.exists("/data/a.txt")
+    sandbox.files.remove("/data", recursive=True)
+    assert not sandbox.files.exists("/data")
+
+
+def test_file_mode_is_applied(sandbox: Sandbox) -> None:
+    sandbox.files.write("/tmp/run.sh", "#!/bin/sh\necho ran\n", mode=0o755)
+    assert sandbox.files.stat("/tmp/run.sh").mode & 0o777 == 0o755
+    assert sandbox.commands.run("/tmp/run.sh").stdout == "ran\n"
+
+
+def test_missing_file_is_typed(sandbox: Sandbox) -> None:
+    with pytest.raises(FileNotFound):
+        sandbox.files.read("/no/such/file")
+    with pytest.raises(FileNotFoundError):  # also the builtin it resembles
+        sandbox.files.stat("/no/such/file")
+
+
+@pytest.mark.parametrize("path", ["/../../etc/shadow", "/tmp/../../../etc/passwd-host", "relative/path"])
+def test_path_escape_refused(sandbox: Sandbox, path: str) -> None:
+    with pytest.raises((PathOutsideSandbox, InvalidRequest, FileNotFound)):
+        sandbox.files.read(path)
+
+
+def test_symlink_escape_is_confined(sandbox: Sandbox, tmp_path: Path) -> None:
+    marker = Path("/tmp") / f"dsec-host-marker-{sandbox.id}"
+    marker.write_text("host secret")
+    try:
+        sandbox.commands.run(f"ln -s {marker} /tmp/link; ln -s ../../../../../../{marker} /tmp/rel")
+        for p in ("/tmp/link", "/tmp/rel"):
+            try:
+                data = sandbox.files.read(p)
+            except (PathOutsideSandbox, FileNotFound, InvalidRequest):
+                continue
+            assert data != b"host secret"
+        with pytest.raises((PathOutsideSandbox, FileNotFound, InvalidRequest, DsecError)):
+            sandbox.files.write("/tmp/link", "overwrite")
+        assert marker.read_text() == "host secret"
+    finally:
+        marker.unlink()
+
+
+def test_upload_and_download_dir(sandbox: Sandbox, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.txt").write_text("module")
+    (src / "top.txt").write_text("top")
+    sandbox.files.upload_dir(src, "/proj")
+    assert sandbox.commands.run("cat /proj/pkg/mod.txt /proj/top.txt").stdout == "moduletop"
+    sandbox.commands.run("echo built > /proj/out.txt")
+    dst = tmp_path / "dst"
+    sandbox.files.download_dir("/proj", dst)
+    assert (dst / "out.txt").read_text() == "built\n"
+    assert (dst / "pkg" / "mod.txt").read_text() == "module"
+
+
+def test_upload_tar_with_escaping_member_is_refused(sandbox: Sandbox, sdk_env: Any) -> None:
+    import httpx
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("../../escape.txt")
+        info.size = 3
+        tf.addfile(info, io.BytesIO(b"bad"))
+    r = httpx.put(
+        f"{sdk_env.url}/v1/sandboxes/{sandbox.id}/files/tar",
+        params={"path": "/tmp"},
+        content=buf.getvalue(),
+        headers={"Authorization": f"Bearer {sdk_env.api_key}", "Content-Type": "application/x-tar"},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] in ("path_outside_sandbox", "invalid_request")
+
+
+def test_isolation_between_sandboxes(make_sandbox: Callable[..., Sandbox]) -> None:
+    a, b = make_sandbox(), make_sandbox()
+    a.files.write("/tmp/secret", "only-a")
+    a.commands.run("echo also > /tmp/made-by-a")
+    with pytest.raises(FileNotFound):
+        b.files.read("/tmp/secret")
+    assert b.commands.run("cat /tmp/made-by-a").exit_code != 0
+
+
+def test_writes_do_not_reach_the_image(make_sandbox: Callable[..., Sandbox]) -> None:
+    a = make_sandbox()
+    a.commands.run("echo tampered > /bin/tampered-marker; rm -f /etc/hostname")
+    b = make_sandbox()
+    assert b.commands.run("test -e /bin/tampered-marker").exit_code != 0
+
+
+def test_run_as_user(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox(user="1000")
+    assert sb.commands.run("id -u").stdout.strip() == "1000"
+    assert sb.commands.run("id -u", user="0").stdout.strip() == "0"
+
+
+def test_kill_then_use_is_typed(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox()
+    sb.kill()
+    with pytest.raises(SandboxStopped):
+        sb.commands.run("echo hi")
+    with pytest.raises(SandboxStopped):
+        sb.files.read("/etc/passwd")
+    assert Sandbox.connect(sb.id).info.state == "stopped"
+    sb.kill()  # idempotent
+
+
+def test_connect_and_list(make_sandbox: Callable[..., Sandbox], tier: str) -> None:
+    sb = make_sandbox(labels={"suite": "conformance", "tier": tier})
+    again = Sandbox.connect(sb.id)
+    assert again.commands.run("echo via-connect").stdout == "via-connect\n"
+    ids = {s.id for s in Sandbox.list(labels={"suite": "conformance", "tier": tier})}
+    assert sb.id in ids
+
+
+def test_unknown_sandbox_and_image(tier: str, sdk_env: Any) -> None:
+    with pytest.raises(SandboxNotFound):
+        Sandbox.connect("sb-nonode-000000000000")
+    with pytest.raises(ImageNotFound):
+        Sandbox.create(tier=tier, image="no-such-image")
+
+
+def test_other_keys_cannot_see_sandbox(sandbox: Sandbox, sdk_env: Any) -> None:
+    other_key = sdk_env.keys.create_key()
+    with pytest.raises(SandboxNotFound):
+        Sandbox.connect(sandbox.id, api_key=other_key)
+    assert sandbox.id not in {s.id for s in Sandbox.list(api_key=other_key)}
+
+
+def test_ttl_expiry_stops_sandbox(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox(ttl_s=1)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if sb.refresh().state == "stopped":
+            break
+        time.sleep(0.3)
+    assert sb.info.state == "stopped"
+    with pytest.raises(SandboxStopped):
+        sb.commands.run("echo late")
+
+
+def test_set_ttl_extends(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox(ttl_s=2)
+    sb.set_ttl(600)
+    time.sleep(3)
+    assert sb.commands.run("echo still").stdout == "still\n"
+
+
+def test_context_manager_kills(tier: str, sdk_env: Any) -> None:
+    from dsec.models import CreateSandboxRequest  # noqa: F401 - documents the request shape
+
+    from tests.conformance.conftest import TIER_IMAGES
+
+    with Sandbox.create(tier=tier, image=TIER_IMAGES[tier], memory_mb=256) as sb:
+        sid = sb.id
+        assert sb.commands.run("true").exit_code == 0
+    assert Sandbox.connect(sid).info.state == "stopped"
+
+
+def test_memory_hog_is_contained(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox(memory_mb=64)
+    # `tail` buffers a newline-free stream whole: an unbounded allocation
+    r = sb.commands.run("head -c 400000000 /dev/zero | tail -c 1 >/dev/null", timeout=120)
+    assert r.exit_code != 0 or r.signal is not None
+    assert sb.commands.run("echo survived").stdout == "survived\n"
+
+
+def test_fork_bomb_is_capped(make_sandbox: Callable[..., Sandbox]) -> None:
+    sb = make_sandbox(pids=64)
+    r = sb.commands.run("i=0; while [ $i -lt 300 ]; do sleep 5 & i=$((i+1)); done; wait", timeout=60)
+    assert r.exit_code != 0 or "fork" in r.stderr.lower() or "resource" in r.stderr.lower()
+    sb.commands.run("kill -9 -1 2>/dev/null; true", timeout=10)
+    assert sb.commands.run("echo survived", timeout=20).stdout == "survived\n"

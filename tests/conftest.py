@@ -1,0 +1,127 @@
+"""Shared fixtures: a real in-process `dsec serve` (apiserver + edge) on a loopback port.
+
+The server runs in a background thread with its own event loop, on a private
+DSEC_HOME, so tests drive it exactly as users do: through the SDK over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _is_root():
+        return
+    skip = pytest.mark.skip(reason="needs root (runs in CI, which is root)")
+    for item in items:
+        if "root" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    url: str
+    api_key: str
+    home: Path
+    edge: Any
+    keys: Any
+    loop: asyncio.AbstractEventLoop
+    tiers: list[str] = field(default_factory=list)
+
+    def call(self, coro: Any, timeout: float = 120) -> Any:
+        """Run a coroutine on the server's loop (to reach the edge directly)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+@contextlib.contextmanager
+def run_live_server(home: Path, tiers: list[str] | None = None) -> Iterator[LiveServer]:
+    from dsec.server import BackgroundServer
+
+    with BackgroundServer(home, tiers=tiers) as bg:
+        assert bg.edge is not None and bg.loop is not None
+        yield LiveServer(
+            url=bg.url,
+            api_key=bg.api_key,
+            home=home,
+            edge=bg.edge,
+            keys=bg.keys,
+            loop=bg.loop,
+            tiers=sorted(bg.edge.runtimes),
+        )
+
+
+@pytest.fixture(scope="session")
+def dsec_home_root() -> Iterator[Path]:
+    base = Path(os.environ.get("DSEC_TEST_HOME", f"/tmp/dsec-test-{os.getpid()}"))
+    base.mkdir(parents=True, exist_ok=True)
+    yield base
+
+
+@pytest.fixture(scope="session")
+def shared_layers(dsec_home_root: Path) -> Path:
+    """A layer cache shared by the test servers of one session (busybox, debian)."""
+    p = Path(os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers"))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _seed_layers(home: Path, cache: Path) -> None:
+    """Share built images across test homes: point layers/ at the session cache."""
+    layers = home / "layers"
+    if not layers.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        layers.symlink_to(cache, target_is_directory=True)
+
+
+@pytest.fixture(scope="session")
+def live_server(dsec_home_root: Path, shared_layers: Path) -> Iterator[LiveServer]:
+    if not _is_root():
+        pytest.skip("needs root")
+    home = dsec_home_root / "server"
+    _seed_layers(home, shared_layers)
+    with run_live_server(home) as srv:
+        yield srv
+    _assert_no_leaks(home)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def _assert_no_leaks(home: Path) -> None:
+    from dsec.privileged.mount import mount_points
+
+    deadline = time.monotonic() + 10
+    while True:
+        leaked = [
+            p for p in mount_points(home / "sandboxes")
+        ]
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not leaked, f"leaked sandbox mounts: {leaked[:5]}"
+
+
+@pytest.fixture
+def sdk_env(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> LiveServer:
+    monkeypatch.setenv("DSEC_URL", live_server.url)
+    monkeypatch.setenv("DSEC_API_KEY", live_server.api_key)
+    return live_server

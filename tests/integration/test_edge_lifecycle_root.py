@@ -1,0 +1,179 @@
+"""Edge lifecycle on a real node: mass create/kill leaves nothing behind, and a restarted
+server reconciles its registry with what actually runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from dsec import AsyncSandbox, Sandbox
+from dsec.errors import SandboxStopped
+from dsec.privileged.mount import mount_points
+from dsec.server import BackgroundServer
+
+pytestmark = [pytest.mark.root]
+
+
+def _cgroup_dirs_mentioning(ids: set[str]) -> list[str]:
+    found = []
+    for ctrl in ("memory", "pids", "cpu", "freezer"):
+        root = Path("/sys/fs/cgroup") / ctrl
+        for dirpath, dirnames, _ in os.walk(root):
+            for d in dirnames:
+                if any(i in d for i in ids):
+                    found.append(os.path.join(dirpath, d))
+    return found
+
+
+def _processes_mentioning(ids: set[str]) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            text = (p / "cgroup").read_text() + (p / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if any(i in text for i in ids):
+            out.append(int(p.name))
+    return out
+
+
+@pytest.mark.slow
+def test_500_sandboxes_leave_nothing_behind(live_server) -> None:  # type: ignore[no-untyped-def]
+    home = live_server.home
+    kw = {"tier": "container", "image": "busybox", "memory_mb": 64, "url": live_server.url, "api_key": live_server.api_key}
+    mounts_before = len(mount_points(home))
+    ids: set[str] = set()
+
+    async def churn() -> None:
+        sem = asyncio.Semaphore(8)
+
+        async def one(i: int) -> None:
+            async with sem:
+                sb = await AsyncSandbox.create(**kw)
+                ids.add(sb.id)
+                if i % 10 == 0:  # some of them run something first
+                    r = await sb.commands.run("echo x > /tmp/x; cat /tmp/x")
+                    assert r.stdout == "x\n"
+                await sb.kill()
+
+        await asyncio.gather(*(one(i) for i in range(500)))
+
+    t0 = time.monotonic()
+    asyncio.run(churn())
+    took = time.monotonic() - t0
+    assert len(ids) == 500
+    time.sleep(0.5)
+    leaked_mounts = [m for m in mount_points(home / "sandboxes")]
+    assert leaked_mounts == [], leaked_mounts[:5]
+    assert len(mount_points(home)) <= mounts_before + 0, "layer mounts should be released too"
+    leftover_dirs = [d for d in (home / "sandboxes").iterdir() if d.name in ids]
+    assert leftover_dirs == []
+    assert _cgroup_dirs_mentioning(ids) == []
+    assert _processes_mentioning(ids) == []
+    print(f"500 create+kill cycles in {took:.1f} s ({500 / took:.0f}/s)")
+
+
+def test_restart_reconcile_real_process(tmp_path: Path, shared_layers: Path) -> None:
+    """Run `dsec serve` as a real process, SIGKILL it, restart it: live sandboxes stay usable,
+    a sandbox whose processes died meanwhile is reported stopped and cleaned up."""
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "layers").symlink_to(shared_layers, target_is_directory=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "DSEC_HOME": str(home)}
+
+    def start() -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(port), "--home", str(home)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(home / "serve.log", "ab"),  # noqa: SIM115
+        )
+        import httpx
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    return p
+            except httpx.HTTPError:
+                pass
+            if p.poll() is not None:
+                raise AssertionError((home / "serve.log").read_text()[-3000:])
+            time.sleep(0.1)
+        raise AssertionError("server did not start")
+
+    server = start()
+    try:
+        key = (home / "api_key").read_text().strip()
+        kw = {"tier": "container", "image": "busybox", "url": url, "api_key": key}
+        alive = Sandbox.create(**kw)
+        doomed = Sandbox.create(**kw)
+        alive.files.write("/tmp/state.txt", "survives restart")
+        doomed_pids = [
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit() and doomed.id in _safe_read(p / "cgroup")
+        ]
+        assert doomed_pids, "the sandbox's processes should be findable by its cgroup"
+        server.send_signal(signal.SIGKILL)
+        server.wait(30)
+        for pid in doomed_pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+        server = start()
+        again = Sandbox.connect(alive.id, url=url, api_key=key)
+        assert again.info.state == "running"
+        assert again.files.read("/tmp/state.txt") == b"survives restart"
+        assert again.commands.run("echo after-restart").stdout == "after-restart\n"
+        gone = Sandbox.connect(doomed.id, url=url, api_key=key)
+        assert gone.info.state == "stopped"
+        with pytest.raises(SandboxStopped):
+            gone.commands.run("true")
+        assert not (home / "sandboxes" / doomed.id).exists()
+        again.kill()
+        assert _cgroup_dirs_mentioning({alive.id, doomed.id}) == []
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        # leave nothing behind even if asserts failed: kill leftovers via a fresh edge
+        _cleanup_home(home)
+
+
+def _safe_read(p: Path) -> str:
+    try:
+        return p.read_text()
+    except OSError:
+        return ""
+
+
+def _cleanup_home(home: Path) -> None:
+    async def go() -> None:
+        from dsec.server import embedded_edge
+
+        async with embedded_edge(home, tiers=["container"]) as edge:
+            await edge.close(kill_sandboxes=True)
+
+    try:
+        asyncio.run(go())
+    except Exception:
+        pass
