@@ -1,3 +1,106 @@
-"""dsec: sandbox infrastructure for agentic RL."""
+"""dsec: sandbox infrastructure for agentic RL.
+
+One SDK over four isolation tiers (``fncall``, ``container``, ``microvm``, ``vm``)::
+
+    from dsec import Sandbox
+
+    with Sandbox.create(tier="container", image="busybox") as sb:
+        result = sb.commands.run("echo hello")
+        assert result.ok and result.stdout == "hello\\n"
+
+The async API is the same with ``await``: :class:`AsyncSandbox`, :class:`AsyncClient`.
+Every error is a :class:`DsecError` (see :mod:`dsec.errors` for the tree).
+"""
 
 __version__ = "0.1.0"
+
+from dsec.errors import (
+    AuthenticationError,
+    CapabilityNotSupported,
+    Conflict,
+    DsecError,
+    FileExists_,
+    FileNotFound,
+    ImageNotFound,
+    InternalError,
+    InvalidRequest,
+    LayerNotFound,
+    NotFound,
+    OutcomeUnknown,
+    PathOutsideSandbox,
+    PayloadTooLarge,
+    QuotaExceeded,
+    SandboxError,
+    SandboxNotFound,
+    SandboxStopped,
+    SandboxTimeout,
+    SecretInSnapshot,
+    SequenceConflict,
+    SequenceGap,
+    ServiceUnavailable,
+    TierUnavailable,
+    Unsupported,
+)
+from dsec.models import (
+    Capabilities,
+    CreateSandboxRequest,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    ImageInfo,
+    LayerInfo,
+    NodeInfo,
+    SandboxInfo,
+)
+from dsec.sdk import (
+    AsyncClient,
+    AsyncSandbox,
+    Client,
+    CommandResult,
+    Sandbox,
+)
+
+__all__ = [
+    "AsyncClient",
+    "AsyncSandbox",
+    "AuthenticationError",
+    "Capabilities",
+    "CapabilityNotSupported",
+    "Client",
+    "CommandResult",
+    "Conflict",
+    "CreateSandboxRequest",
+    "DsecError",
+    "ExecEvent",
+    "ExecRequest",
+    "ExecResult",
+    "FileExists_",
+    "FileInfo",
+    "FileNotFound",
+    "ImageInfo",
+    "ImageNotFound",
+    "InternalError",
+    "InvalidRequest",
+    "LayerInfo",
+    "LayerNotFound",
+    "NodeInfo",
+    "NotFound",
+    "OutcomeUnknown",
+    "PathOutsideSandbox",
+    "PayloadTooLarge",
+    "QuotaExceeded",
+    "Sandbox",
+    "SandboxError",
+    "SandboxInfo",
+    "SandboxNotFound",
+    "SandboxStopped",
+    "SandboxTimeout",
+    "SecretInSnapshot",
+    "SequenceConflict",
+    "SequenceGap",
+    "ServiceUnavailable",
+    "TierUnavailable",
+    "Unsupported",
+    "__version__",
+]

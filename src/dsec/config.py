@@ -75,6 +75,14 @@ class Paths:
         return self.home / "images"
 
     def ensure(self) -> None:
-        for p in (self.home, self.layers, self.layer_mounts, self.sandboxes, self.run, self.bin, self.scratch):
+        for p in (
+            self.home,
+            self.layers,
+            self.layer_mounts,
+            self.sandboxes,
+            self.run,
+            self.bin,
+            self.scratch,
+        ):
             p.mkdir(parents=True, exist_ok=True)
         os.chmod(self.home, 0o711)

@@ -25,6 +25,8 @@ Tier = Literal["fncall", "container", "microvm", "vm"]
 TIERS: tuple[str, ...] = ("fncall", "container", "microvm", "vm")
 SandboxState = Literal["creating", "running", "paused", "stopped"]
 LayerKind = Literal["base", "workspace", "toolkit"]
+OnTimeout = Literal["kill", "pause"]
+JobAction = Literal["pause", "resume", "kill"]
 
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
@@ -69,8 +71,17 @@ class CreateSandboxRequest(_Model):
     )
     user: str | None = Field(None, description="default user for exec: name, uid or uid:gid")
     labels: dict[str, str] = Field(default_factory=dict)
-    job: str | None = Field(None, max_length=128)
+    job: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
     workdir: str = Field("/", max_length=4096)
+    on_timeout: OnTimeout = Field(
+        "kill", description="what happens when ttl_s passes without activity: kill or pause"
+    )
+    paused_ttl_s: float | None = Field(
+        24 * 3600,
+        gt=0,
+        le=30 * 24 * 3600,
+        description="seconds a paused sandbox lives before it is killed",
+    )
 
     @field_validator("image")
     @classmethod
@@ -145,6 +156,76 @@ class SandboxInfo(_Model):
     expires_at: datetime | None = None
     ttl_s: float | None = None
     stopped_reason: str | None = None
+    on_timeout: OnTimeout = "kill"
+    paused_ttl_s: float | None = None
+    paused_at: datetime | None = None
+    last_pause: PauseReport | None = None
+    next_seq: int = Field(1, description="the trajectory sequence number the edge expects next")
+
+
+class PauseReport(_Model):
+    """What a pause did. Sizes in bytes, times in milliseconds."""
+
+    memory_before_bytes: int = 0
+    memory_after_bytes: int = 0
+    duration_ms: float = 0.0
+    method: str = ""
+    notes: list[str] = Field(default_factory=list)
+
+
+class SnapshotRequest(_Model):
+    """Capture the sandbox's writable layer as a new content-addressed workspace layer
+    (``pack_diff``). ``scrub`` paths (globs, absolute) are left out on top of the defaults
+    (shell histories, package caches, /tmp); ``secret_values`` are the builder's secrets:
+    a file containing any of them refuses the snapshot (nothing is stored)."""
+
+    name: str | None = Field(None, description="also tag an image of this name (base + snapshot)")
+    scrub: list[str] = Field(default_factory=list, max_length=256)
+    secret_values: list[str] = Field(default_factory=list, max_length=64)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME.match(v):
+            raise ValueError(f"invalid image name {v!r}")
+        return v
+
+    @field_validator("scrub")
+    @classmethod
+    def _scrub(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not p.startswith("/") or "\0" in p or len(p) > 4096:
+                raise ValueError(f"scrub path {p!r} must be an absolute path")
+        return v
+
+
+class ForkRequest(_Model):
+    """Make ``n`` new sandboxes from a snapshot of this one (same limits, plus overrides)."""
+
+    n: int = Field(ge=1, le=256)
+    labels: dict[str, str] = Field(default_factory=dict)
+    scrub: list[str] = Field(default_factory=list, max_length=256)
+
+
+class ForkResult(_Model):
+    layer: LayerInfo
+    sandboxes: list[SandboxInfo]
+
+
+class JobOutcome(_Model):
+    ok: bool
+    state: str | None = None
+    error: dict[str, Any] | None = None
+
+
+class JobActionResult(_Model):
+    job: str
+    action: JobAction
+    outcomes: dict[str, JobOutcome]
+
+    @property
+    def ok(self) -> bool:
+        return all(o.ok for o in self.outcomes.values())
 
 
 class ExecRequest(_Model):
@@ -215,6 +296,9 @@ class ExecResult(_Model):
     stderr_truncated: bool = False
     duration_ms: float = 0.0
     oom_killed: bool = False
+    replayed: bool = Field(
+        False, description="true when the edge answered from the trajectory log without running"
+    )
 
     @property
     def truncated(self) -> bool:
@@ -321,3 +405,7 @@ class RemoveRequest(_Model):
 
 
 SandboxId = Annotated[str, Field(pattern=r"^sb-[a-z0-9-]{1,64}$")]
+
+
+SandboxInfo.model_rebuild()
+ForkResult.model_rebuild()

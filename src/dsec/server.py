@@ -34,7 +34,9 @@ def _become_subreaper() -> None:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def build_runtimes(paths: Paths, layer_store: Any, tiers: list[str] | None = None) -> dict[str, Runtime]:
+def build_runtimes(
+    paths: Paths, layer_store: Any, tiers: list[str] | None = None
+) -> dict[str, Runtime]:
     """Instantiate the runtimes this node can run. Unavailable tiers are left out
     (the edge then answers ``TierUnavailable``) with a log line saying why."""
     from dsec.layers.mounts import LayerMounts
@@ -83,14 +85,18 @@ async def embedded_edge(
         await edge.close()
 
 
-def serve(host: str = "127.0.0.1", port: int = 7070, home: str | None = None, log_level: str = "info") -> None:
+def serve(
+    host: str = "127.0.0.1", port: int = 7070, home: str | None = None, log_level: str = "info"
+) -> None:
     """Run the server in the foreground until SIGINT/SIGTERM."""
     import uvicorn
 
     from dsec.apiserver.app import create_app
     from dsec.apiserver.auth import KeyStore
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if home:
         os.environ["DSEC_HOME"] = home
     if os.geteuid() != 0:
@@ -102,13 +108,19 @@ def serve(host: str = "127.0.0.1", port: int = 7070, home: str | None = None, lo
         async with embedded_edge(paths.home) as edge:
             keys = KeyStore(paths.home)
             app = create_app(edge, keys)
-            config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False)
+            config = uvicorn.Config(
+                app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False
+            )
             server = uvicorn.Server(config)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-            server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-            log.info("dsec serve on http://%s:%d (home %s, node %s)", host, port, paths.home, edge.node)
+            # our handlers, not uvicorn's: it would re-raise the signal after shutdown and
+            # kill the process before the edge closes its registry
+            server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+            log.info(
+                "dsec serve on http://%s:%d (home %s, node %s)", host, port, paths.home, edge.node
+            )
             await server.serve()
 
     asyncio.run(main())
@@ -124,7 +136,12 @@ class BackgroundServer:
     """
 
     def __init__(
-        self, home: Path, *, port: int = 0, tiers: list[str] | None = None, limits: EdgeLimits | None = None
+        self,
+        home: Path,
+        *,
+        port: int = 0,
+        tiers: list[str] | None = None,
+        limits: EdgeLimits | None = None,
     ) -> None:
         self.home = home
         self.port = port or _free_port()
@@ -160,9 +177,10 @@ class BackgroundServer:
                 self.keys = KeyStore(self.home)
                 app = create_app(edge, self.keys)
                 server = uvicorn.Server(
-                    uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+                    uvicorn.Config(
+                        app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+                    )
                 )
-                server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
                 self._server = server
                 self.loop = asyncio.get_running_loop()
                 task = asyncio.create_task(server.serve())
@@ -182,7 +200,9 @@ class BackgroundServer:
             finally:
                 ready.set()
 
-        self._thread = threading.Thread(target=thread_main, name="dsec-background-server", daemon=True)
+        self._thread = threading.Thread(
+            target=thread_main, name="dsec-background-server", daemon=True
+        )
         self._thread.start()
         ready.wait(900)
         if self._error is not None or self._server is None:

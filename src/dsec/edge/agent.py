@@ -26,8 +26,10 @@ from typing import Any, TypeVar
 
 from dsec import __version__
 from dsec.config import Paths
+from dsec.edge.jobs import for_each_sandbox
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.registry import Registry, SandboxRow
+from dsec.edge.trajectory import TrajectoryLog
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
@@ -38,6 +40,7 @@ from dsec.errors import (
     SandboxError,
     SandboxNotFound,
     SandboxStopped,
+    SequenceGap,
     TierUnavailable,
 )
 from dsec.models import (
@@ -48,12 +51,19 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    ForkRequest,
+    ForkResult,
     ImageInfo,
+    JobAction,
+    JobActionResult,
+    JobOutcome,
     LayerInfo,
     NodeInfo,
+    PauseReport,
     SandboxInfo,
+    SnapshotRequest,
 )
-from dsec.runtimes.base import Handle, Runtime, SandboxFiles, SandboxSpec
+from dsec.runtimes.base import Handle, Pausable, Runtime, SandboxFiles, SandboxSpec, Snapshottable
 
 log = logging.getLogger("dsec.edge")
 
@@ -71,6 +81,8 @@ class EdgeLimits:
     max_tar_bytes: int = 1 << 30
     stopped_retention_s: float = 3600.0
     reap_interval_s: float = 1.0
+    gap_wait_s: float = 5.0  # how long a seq that skips ahead waits for the missing ones
+    job_concurrency: int = 64
 
 
 @dataclass
@@ -79,6 +91,7 @@ class _Live:
     handle: Handle
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     inflight: int = 0
+    last_pause: PauseReport | None = None
 
 
 def node_name() -> str:
@@ -117,6 +130,10 @@ class EdgeAgent:
         self.limits = limits or EdgeLimits()
         self.node = node or node_name()
         self.registry = Registry(paths.state_db)
+        self.trajectory = TrajectoryLog(paths.home / "trajectory.db")
+        self._running_entries: dict[
+            tuple[str, int], asyncio.Future[tuple[str, dict[str, Any]]]
+        ] = {}
         self.metrics = EdgeMetrics(self.node, self.registry.count_by)
         self._live: dict[str, _Live] = {}
         self._reaper: asyncio.Task[None] | None = None
@@ -152,17 +169,26 @@ class EdgeAgent:
             with contextlib.suppress(Exception):
                 await rt.close()
         self.registry.close()
+        self.trajectory.close()
         self._closed = True
 
     async def reconcile(self) -> dict[str, int]:
         """Match the registry with reality after a (re)start. Returns counts for the log."""
         recovered = lost = orphans = 0
-        for row in self.registry.list(states=("creating", "running", "paused")):
+        for row in self.registry.select(states=("creating", "running", "paused")):
             rt = self.runtimes.get(row.tier)
             handle = Handle(row.id, row.handle)
             ok = False
             if rt is not None and row.state != "creating":
                 try:
+                    if row.state == "paused" and isinstance(rt, Pausable):
+                        # thaw before the exec path re-attaches (a frozen cgroup would freeze it);
+                        # the TTL policy pauses it again if it stays idle
+                        with contextlib.suppress(Exception):
+                            await rt.resume(handle)
+                        row.state = "running"
+                        row.paused_at = None
+                        self.registry.set_paused(row.id, None)
                     ok = await rt.recover(handle)
                 except Exception as e:  # a broken sandbox must not stop the edge
                     log.warning("recover %s failed: %s", row.id, e)
@@ -175,7 +201,11 @@ class EdgeAgent:
                 if rt is not None:
                     with contextlib.suppress(Exception):
                         await rt.destroy(handle)
-                reason = "creation interrupted by edge restart" if row.state == "creating" else "lost while the edge was down"
+                reason = (
+                    "creation interrupted by edge restart"
+                    if row.state == "creating"
+                    else "lost while the edge was down"
+                )
                 self.registry.set_state(row.id, "stopped", reason=reason)
                 self.metrics.kills.labels(row.tier, "lost").inc()
                 lost += 1
@@ -189,7 +219,9 @@ class EdgeAgent:
             except Exception as e:
                 log.warning("orphan scan of %s failed: %s", rt.tier, e)
         if recovered or lost or orphans:
-            log.info("reconcile: %d recovered, %d lost, %d orphans removed", recovered, lost, orphans)
+            log.info(
+                "reconcile: %d recovered, %d lost, %d orphans removed", recovered, lost, orphans
+            )
         return {"recovered": recovered, "lost": lost, "orphans": orphans}
 
     async def _reap_loop(self) -> None:
@@ -199,11 +231,33 @@ class EdgeAgent:
             now = time.time()
             try:
                 for lv in list(self._live.values()):
-                    exp = lv.row.expires_at
-                    if exp is not None and exp < now and lv.inflight == 0:
+                    if lv.inflight or lv.lock.locked():
+                        continue
+                    row = lv.row
+                    if row.state == "paused":
+                        pttl = row.request.get("paused_ttl_s")
+                        if (
+                            pttl is not None
+                            and row.paused_at is not None
+                            and row.paused_at + pttl < now
+                        ):
+                            await self._destroy(lv, "paused ttl expired")
+                        continue
+                    exp = row.expires_at
+                    if exp is None or exp >= now or row.state != "running":
+                        continue
+                    rt = self.runtimes.get(row.tier)
+                    if row.request.get("on_timeout") == "pause" and isinstance(rt, Pausable):
+                        try:
+                            await self._pause(lv)
+                        except Exception as e:
+                            log.warning("ttl pause of %s failed (%s); killing it", row.id, e)
+                            await self._destroy(lv, "ttl expired")
+                    else:
                         await self._destroy(lv, "ttl expired")
                 if now - last_purge > 60:
-                    self.registry.purge_stopped(now - self.limits.stopped_retention_s)
+                    for sid in self.registry.purge_stopped(now - self.limits.stopped_retention_s):
+                        self.trajectory.purge(sid)
                     last_purge = now
             except Exception:
                 log.exception("reaper iteration failed")
@@ -226,13 +280,16 @@ class EdgeAgent:
 
     def _info(self, row: SandboxRow) -> SandboxInfo:
         req = row.request
-        exp = row.expires_at if row.state in ("running", "paused", "creating") else None
+        exp = row.expires_at if row.state in ("running", "creating") else None
+        if row.state == "paused" and row.paused_at is not None and req.get("paused_ttl_s"):
+            exp = row.paused_at + float(req["paused_ttl_s"])
+        lv = self._live.get(row.id)
         return SandboxInfo(
             id=row.id,
-            tier=row.tier,  # type: ignore[arg-type]
+            tier=row.tier,
             image=req.get("image", ""),
             layers=req.get("layers", []),
-            state=row.state,  # type: ignore[arg-type]
+            state=row.state,
             cpu=req.get("cpu", 1.0),
             memory_mb=req.get("memory_mb", 0),
             disk_mb=req.get("disk_mb", 0),
@@ -247,6 +304,11 @@ class EdgeAgent:
             expires_at=_now_dt(exp) if exp is not None else None,
             ttl_s=row.ttl_s,
             stopped_reason=row.stopped_reason,
+            on_timeout=req.get("on_timeout", "kill"),
+            paused_ttl_s=req.get("paused_ttl_s"),
+            paused_at=_now_dt(row.paused_at) if row.paused_at else None,
+            last_pause=lv.last_pause if lv is not None else None,
+            next_seq=self.trajectory.next_seq(row.id),
         )
 
     def _lookup_row(self, sandbox_id: str, owner: str) -> SandboxRow:
@@ -267,7 +329,7 @@ class EdgeAgent:
                     reason=row.stopped_reason,
                 )
             raise SandboxStopped(f"sandbox {sandbox_id} is {row.state}", sandbox_id=sandbox_id)
-        if lv.row.state != "running":
+        if lv.row.state not in ("running", "paused"):
             raise SandboxStopped(f"sandbox {sandbox_id} is {lv.row.state}", sandbox_id=sandbox_id)
         return lv
 
@@ -283,6 +345,8 @@ class EdgeAgent:
         lv.inflight += 1
         self._touch(lv)
         try:
+            if lv.row.state == "paused":
+                await self._resume(lv)  # any request resumes a paused sandbox
             return await fn(lv)
         except DsecError as e:
             self.metrics.errors.labels(e.code).inc()
@@ -311,9 +375,13 @@ class EdgeAgent:
             raise CapabilityNotSupported(f"tier {lv.row.tier} has no file access")
         return rt.files(lv.handle)
 
-    def _check_admission(self, req: CreateSandboxRequest, caps: Capabilities) -> None:
+    def _check_admission(
+        self, req: CreateSandboxRequest, caps: Capabilities, count: int = 1
+    ) -> None:
         if caps.max_cpu is not None and req.cpu > caps.max_cpu:
-            raise InvalidRequest(f"cpu={req.cpu} exceeds the {req.tier} tier maximum {caps.max_cpu}")
+            raise InvalidRequest(
+                f"cpu={req.cpu} exceeds the {req.tier} tier maximum {caps.max_cpu}"
+            )
         if caps.max_memory_mb is not None and req.memory_mb > caps.max_memory_mb:
             raise InvalidRequest(
                 f"memory_mb={req.memory_mb} exceeds the {req.tier} tier maximum {caps.max_memory_mb}"
@@ -325,16 +393,16 @@ class EdgeAgent:
                 f"memory_mb={req.memory_mb} is more than this node has ({self._mem_mb} MiB)"
             )
         live = [lv.row.request for lv in self._live.values()]
-        if len(live) >= self.limits.max_sandboxes:
+        if len(live) + count > self.limits.max_sandboxes:
             raise QuotaExceeded(
                 f"node {self.node} is at its limit of {self.limits.max_sandboxes} sandboxes"
             )
-        cpu_sum = sum(r.get("cpu", 0) for r in live) + req.cpu
+        cpu_sum = sum(r.get("cpu", 0) for r in live) + req.cpu * count
         if cpu_sum > self._cpus * self.limits.cpu_overcommit:
             raise QuotaExceeded(
                 f"node {self.node} CPU overcommit cap reached ({cpu_sum:.1f} > {self._cpus * self.limits.cpu_overcommit:.1f} cores requested)"
             )
-        mem_sum = sum(r.get("memory_mb", 0) for r in live) + req.memory_mb
+        mem_sum = sum(r.get("memory_mb", 0) for r in live) + req.memory_mb * count
         if mem_sum > self._mem_mb * self.limits.memory_overcommit:
             raise QuotaExceeded(
                 f"node {self.node} memory overcommit cap reached ({mem_sum} MiB requested)"
@@ -449,7 +517,7 @@ class EdgeAgent:
             states = None
         else:
             states = ("creating", "running", "paused")
-        rows = self.registry.list(owner=owner, states=states, job=job)
+        rows = self.registry.select(owner=owner, states=states, job=job)
         out = []
         for r in rows:
             lv = self._live.get(r.id)
@@ -474,9 +542,101 @@ class EdgeAgent:
         lv.row.last_active = time.time()
         return self._info(lv.row)
 
+    # ------------------------------------------------------------------ trajectory
+    async def _begin(
+        self,
+        sandbox_id: str,
+        seq: int | None,
+        idem_key: str | None,
+        op: str,
+        request: dict[str, Any],
+    ) -> Any:
+        """``TrajectoryLog.begin`` that tolerates out-of-order arrival: a seq that skips ahead
+        waits up to ``gap_wait_s`` for the missing ones before raising ``SequenceGap``."""
+        deadline = time.monotonic() + self.limits.gap_wait_s
+        delay = 0.002
+        while True:
+            try:
+                return self.trajectory.begin(sandbox_id, seq, idem_key, op, request)
+            except SequenceGap:
+                if time.monotonic() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    async def _logged(
+        self,
+        lv: _Live,
+        op: str,
+        request: dict[str, Any],
+        seq: int | None,
+        idem_key: str | None,
+        run: Callable[[], Awaitable[T]],
+        encode: Callable[[T], dict[str, Any]],
+        decode: Callable[[dict[str, Any]], T],
+    ) -> T:
+        """Run a state-changing call under the trajectory log: a recorded repeat is answered
+        from the log; a new one is recorded before its answer leaves the edge."""
+        sid = lv.row.id
+        b = await self._begin(sid, seq, idem_key, op, request)
+        if b.kind == "replay":
+            if b.error is not None:
+                raise b.error
+            return decode(b.result or {})
+        if b.kind == "unknown":
+            running = self._running_entries.get((sid, b.seq))
+            if running is None:
+                raise b.unknown_error()
+            status, payload = await asyncio.shield(running)  # the same call, still running here
+            if status == "error":
+                from dsec.errors import error_from_wire
+
+                raise error_from_wire(409, payload)
+            return decode(payload)
+        fut: asyncio.Future[tuple[str, dict[str, Any]]] = asyncio.get_running_loop().create_future()
+        self._running_entries[(sid, b.seq)] = fut
+        t0 = time.time()
+        try:
+            result = await run()
+        except DsecError as e:
+            if isinstance(e, (SandboxStopped, QuotaExceeded, TierUnavailable)):
+                self.trajectory.abort(sid, b.seq, e)  # it never ran: the client may retry
+            else:
+                self.trajectory.commit_error(sid, b.seq, e)
+            fut.set_result(("error", e.to_wire()))
+            raise
+        except BaseException as e:
+            err = (
+                SandboxError(f"{op} failed: {e}")
+                if not isinstance(e, asyncio.CancelledError)
+                else SandboxError(f"{op} was cancelled")
+            )
+            with contextlib.suppress(Exception):
+                self.trajectory.commit_error(sid, b.seq, err)
+            fut.set_result(("error", err.to_wire()))
+            raise
+        finally:
+            self._running_entries.pop((sid, b.seq), None)
+            if not fut.done():
+                fut.cancel()
+        payload = encode(result)
+        self.trajectory.commit(
+            sid, b.seq, payload, {"started_at": t0, "run_ms": (time.time() - t0) * 1000}
+        )
+        fut.set_result(("ok", payload))
+        return result
+
     # ------------------------------------------------------------------ exec
-    async def exec(self, sandbox_id: str, owner: str, req: ExecRequest) -> ExecResult:
-        return await self._exec(sandbox_id, owner, req, None)
+    async def exec(
+        self,
+        sandbox_id: str,
+        owner: str,
+        req: ExecRequest,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> ExecResult:
+        return await self._exec(sandbox_id, owner, req, None, seq, idem_key)
 
     async def _exec(
         self,
@@ -484,26 +644,51 @@ class EdgeAgent:
         owner: str,
         req: ExecRequest,
         sink: Callable[[str, bytes], Awaitable[None]] | None,
+        seq: int | None = None,
+        idem_key: str | None = None,
     ) -> ExecResult:
+        request = req.model_dump(mode="json", exclude_defaults=True)
+
         async def run(lv: _Live) -> ExecResult:
             rt = self.runtimes[lv.row.tier]
             if lv.row.request.get("workdir") and req.cwd is None:
                 req.cwd = lv.row.request["workdir"]
-            t0 = time.perf_counter()
-            try:
-                res = await rt.exec(lv.handle, req, sink)
-            except DsecError:
-                self.metrics.execs.labels(lv.row.tier, "error").inc()
-                raise
-            self.metrics.exec_seconds.labels(lv.row.tier).observe(time.perf_counter() - t0)
-            outcome = "timeout" if res.timed_out else ("ok" if res.exit_code == 0 else "nonzero")
-            self.metrics.execs.labels(lv.row.tier, outcome).inc()
-            return res
+
+            async def go() -> ExecResult:
+                t0 = time.perf_counter()
+                try:
+                    res = await rt.exec(lv.handle, req, sink)
+                except DsecError:
+                    self.metrics.execs.labels(lv.row.tier, "error").inc()
+                    raise
+                self.metrics.exec_seconds.labels(lv.row.tier).observe(time.perf_counter() - t0)
+                outcome = (
+                    "timeout" if res.timed_out else ("ok" if res.exit_code == 0 else "nonzero")
+                )
+                self.metrics.execs.labels(lv.row.tier, outcome).inc()
+                return res
+
+            return await self._logged(
+                lv,
+                "exec",
+                request,
+                seq,
+                idem_key,
+                go,
+                lambda r: r.model_dump(mode="json", exclude={"replayed"}),
+                lambda d: ExecResult.model_validate({**d, "replayed": True}),
+            )
 
         return await self._use(sandbox_id, owner, run)
 
     async def exec_stream(
-        self, sandbox_id: str, owner: str, req: ExecRequest
+        self,
+        sandbox_id: str,
+        owner: str,
+        req: ExecRequest,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
     ) -> AsyncIterator[ExecEvent]:
         # validate before the first event so errors become proper HTTP errors
         self._live_for(sandbox_id, owner)
@@ -511,18 +696,25 @@ class EdgeAgent:
 
         async def sink(stream: str, chunk: bytes) -> None:
             await queue.put(
-                ExecEvent(type=stream, data=chunk.decode("utf-8", errors="replace"))  # type: ignore[arg-type]
+                ExecEvent(type=stream, data=chunk.decode("utf-8", errors="replace"))
             )
 
         async def runner() -> None:
             try:
-                res = await self._exec(sandbox_id, owner, req, sink)
+                res = await self._exec(sandbox_id, owner, req, sink, seq, idem_key)
+                if res.replayed:  # nothing ran: give the recorded output as one chunk each
+                    if res.stdout:
+                        await queue.put(ExecEvent(type="stdout", data=res.stdout))
+                    if res.stderr:
+                        await queue.put(ExecEvent(type="stderr", data=res.stderr))
                 await queue.put(ExecEvent(type="exit", result=res))
             except DsecError as e:
                 await queue.put(ExecEvent(type="error", error=e.to_wire()["error"]))
             except Exception as e:  # pragma: no cover - reported to the client, logged here
                 log.exception("exec stream failed")
-                await queue.put(ExecEvent(type="error", error=InternalError(str(e)).to_wire()["error"]))
+                await queue.put(
+                    ExecEvent(type="error", error=InternalError(str(e)).to_wire()["error"])
+                )
             finally:
                 await queue.put(None)
 
@@ -546,13 +738,52 @@ class EdgeAgent:
             sandbox_id, owner, lambda lv: self._files(lv).read(path, self.limits.max_read_bytes)
         )
 
+    async def _logged_file_op(
+        self,
+        sandbox_id: str,
+        owner: str,
+        op: str,
+        request: dict[str, Any],
+        seq: int | None,
+        idem_key: str | None,
+        fn: Callable[[SandboxFiles], Awaitable[T]],
+        encode: Callable[[T], dict[str, Any]],
+        decode: Callable[[dict[str, Any]], T],
+    ) -> T:
+        self.metrics.file_ops.labels(op).inc()
+
+        async def run(lv: _Live) -> T:
+            files = self._files(lv)
+            return await self._logged(
+                lv, op, request, seq, idem_key, lambda: fn(files), encode, decode
+            )
+
+        return await self._use(sandbox_id, owner, run)
+
     async def write_file(
-        self, sandbox_id: str, owner: str, path: str, data: bytes, mode: int = 0o644
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        data: bytes,
+        mode: int = 0o644,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
     ) -> FileInfo:
-        self.metrics.file_ops.labels("write").inc()
         if not 0 <= mode <= 0o7777:
             raise InvalidRequest(f"mode {mode:o} is not a permission mode")
-        return await self._use(sandbox_id, owner, lambda lv: self._files(lv).write(path, data, mode))
+        return await self._logged_file_op(
+            sandbox_id,
+            owner,
+            "write",
+            {"path": path, "mode": mode, "data": data},
+            seq,
+            idem_key,
+            lambda f: f.write(path, data, mode),
+            _dump,
+            FileInfo.model_validate,
+        )
 
     async def list_files(
         self, sandbox_id: str, owner: str, path: str, depth: int = 1
@@ -567,37 +798,248 @@ class EdgeAgent:
         return await self._use(sandbox_id, owner, lambda lv: self._files(lv).stat(path))
 
     async def remove_file(
-        self, sandbox_id: str, owner: str, path: str, recursive: bool = False
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        recursive: bool = False,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
     ) -> None:
-        self.metrics.file_ops.labels("remove").inc()
-        await self._use(sandbox_id, owner, lambda lv: self._files(lv).remove(path, recursive))
+        await self._logged_file_op(
+            sandbox_id,
+            owner,
+            "remove",
+            {"path": path, "recursive": recursive},
+            seq,
+            idem_key,
+            lambda f: f.remove(path, recursive),
+            lambda _r: {},
+            lambda _d: None,
+        )
 
-    async def make_dir(self, sandbox_id: str, owner: str, path: str) -> FileInfo:
-        self.metrics.file_ops.labels("mkdir").inc()
-        return await self._use(sandbox_id, owner, lambda lv: self._files(lv).mkdir(path))
+    async def make_dir(
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> FileInfo:
+        return await self._logged_file_op(
+            sandbox_id,
+            owner,
+            "mkdir",
+            {"path": path},
+            seq,
+            idem_key,
+            lambda f: f.mkdir(path),
+            _dump,
+            FileInfo.model_validate,
+        )
 
-    async def rename_file(self, sandbox_id: str, owner: str, src: str, dst: str) -> FileInfo:
-        self.metrics.file_ops.labels("rename").inc()
-        return await self._use(sandbox_id, owner, lambda lv: self._files(lv).rename(src, dst))
+    async def rename_file(
+        self,
+        sandbox_id: str,
+        owner: str,
+        src: str,
+        dst: str,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> FileInfo:
+        return await self._logged_file_op(
+            sandbox_id,
+            owner,
+            "rename",
+            {"src": src, "dst": dst},
+            seq,
+            idem_key,
+            lambda f: f.rename(src, dst),
+            _dump,
+            FileInfo.model_validate,
+        )
 
-    async def upload_tar(self, sandbox_id: str, owner: str, path: str, data: bytes) -> int:
-        self.metrics.file_ops.labels("upload_tar").inc()
+    async def upload_tar(
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        data: bytes,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> int:
         if len(data) > self.limits.max_tar_bytes:
             raise PayloadTooLarge(f"tar upload is larger than {self.limits.max_tar_bytes} bytes")
-        return await self._use(sandbox_id, owner, lambda lv: self._files(lv).upload_tar(path, data))
+        return await self._logged_file_op(
+            sandbox_id,
+            owner,
+            "upload_tar",
+            {"path": path, "data": data},
+            seq,
+            idem_key,
+            lambda f: f.upload_tar(path, data),
+            lambda n: {"files": n},
+            lambda d: int(d.get("files", 0)),
+        )
 
     async def download_tar(self, sandbox_id: str, owner: str, path: str) -> bytes:
         self.metrics.file_ops.labels("download_tar").inc()
         return await self._use(
-            sandbox_id, owner, lambda lv: self._files(lv).download_tar(path, self.limits.max_tar_bytes)
+            sandbox_id,
+            owner,
+            lambda lv: self._files(lv).download_tar(path, self.limits.max_tar_bytes),
         )
+
+    # ------------------------------------------------------------------ pause, snapshot, fork
+    def _pausable(self, lv: _Live) -> Pausable:
+        rt = self.runtimes.get(lv.row.tier)
+        if not isinstance(rt, Pausable) or not rt.capabilities().pause:
+            raise CapabilityNotSupported(
+                f"tier {lv.row.tier} cannot pause sandboxes", tier=lv.row.tier
+            )
+        return rt
+
+    async def _pause(self, lv: _Live) -> None:
+        rt = self._pausable(lv)
+        async with lv.lock:
+            if lv.row.state != "running":
+                return
+            report = PauseReport.model_validate(await rt.pause(lv.handle))
+            now = time.time()
+            lv.row.state = "paused"
+            lv.row.paused_at = now
+            lv.last_pause = report
+            self.registry.set_paused(lv.row.id, now)
+            self.metrics.pauses.labels(lv.row.tier).inc()
+
+    async def _resume(self, lv: _Live) -> None:
+        rt = self._pausable(lv)
+        async with lv.lock:
+            if lv.row.state != "paused":
+                return
+            await rt.resume(lv.handle)
+            lv.row.state = "running"
+            lv.row.paused_at = None
+            lv.row.last_active = time.time()
+            self.registry.set_paused(lv.row.id, None)
+            self.metrics.resumes.labels(lv.row.tier).inc()
+
+    async def pause_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
+        lv = self._live_for(sandbox_id, owner)
+        await self._pause(lv)
+        return self._info(lv.row)
+
+    async def resume_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
+        lv = self._live_for(sandbox_id, owner)
+        await self._resume(lv)
+        return self._info(lv.row)
+
+    async def _snapshot(self, lv: _Live, req: SnapshotRequest) -> LayerInfo:
+        rt = self.runtimes.get(lv.row.tier)
+        if not isinstance(rt, Snapshottable) or not rt.capabilities().snapshot:
+            raise CapabilityNotSupported(
+                f"tier {lv.row.tier} cannot snapshot sandboxes", tier=lv.row.tier
+            )
+        meta = {
+            "parents": list(lv.row.image_layers),
+            "sandbox_id": lv.row.id,
+            "image": lv.row.request.get("image"),
+        }
+        async with lv.lock:
+            layer = await rt.snapshot(lv.handle, self.layers, req, meta)
+        if req.name:
+            await asyncio.to_thread(
+                self.layers.put_image,
+                req.name,
+                [*lv.row.image_layers, layer.digest],
+                meta={"snapshot_of": lv.row.id},
+            )
+        return layer
+
+    async def snapshot_sandbox(
+        self,
+        sandbox_id: str,
+        owner: str,
+        req: SnapshotRequest,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> LayerInfo:
+        async def run(lv: _Live) -> LayerInfo:
+            return await self._logged(
+                lv,
+                "snapshot",
+                req.model_dump(mode="json"),
+                seq,
+                idem_key,
+                lambda: self._snapshot(lv, req),
+                _dump,
+                LayerInfo.model_validate,
+            )
+
+        return await self._use(sandbox_id, owner, run)
+
+    async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult:
+        lv = self._live_for(sandbox_id, owner)
+        base = CreateSandboxRequest.model_validate(lv.row.request)
+        # admission for all n first, so a fork that cannot fit creates nothing
+        self._check_admission(base, self._runtime(base.tier).capabilities(), count=req.n)
+        layer = await self._use(
+            sandbox_id, owner, lambda lv: self._snapshot(lv, SnapshotRequest(scrub=req.scrub))
+        )
+        child_req = base.model_copy(
+            update={
+                "layers": [*base.layers, layer.digest],
+                "labels": {**base.labels, **req.labels, "dsec/forked-from": sandbox_id},
+            }
+        )
+        created: list[SandboxInfo] = []
+        try:
+            for _ in range(req.n):
+                created.append(await self.create_sandbox(child_req, owner))
+        except DsecError:
+            for info in created:  # nothing half-done: undo the ones already made
+                with contextlib.suppress(Exception):
+                    await self.kill_sandbox(info.id, owner)
+            raise
+        return ForkResult(layer=layer, sandboxes=created)
+
+    async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult:
+        rows = self.registry.select(owner=owner, states=("creating", "running", "paused"), job=job)
+        fns = {
+            "pause": self.pause_sandbox,
+            "resume": self.resume_sandbox,
+            "kill": self.kill_sandbox,
+        }
+        if action not in fns:
+            raise InvalidRequest(f"unknown job action {action!r}; use pause, resume or kill")
+        fn = fns[action]
+        outcomes = await for_each_sandbox(
+            [r.id for r in rows],
+            lambda sid: fn(sid, owner),
+            concurrency=self.limits.job_concurrency,
+        )
+        return JobActionResult(
+            job=job,
+            action=action,
+            outcomes={sid: JobOutcome.model_validate(o) for sid, o in outcomes.items()},
+        )
+
+    async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
+        row = self._lookup_row(sandbox_id, owner)
+        header = {"node": self.node, "create": row.request, "image_layers": row.image_layers}
+        return "".join(self.trajectory.export_jsonl(sandbox_id, header=header))
 
     # ------------------------------------------------------------------ images
     async def list_images(self) -> list[ImageInfo]:
         return list(self.layers.list_images())
 
     async def get_image(self, name: str) -> ImageInfo:
-        return self.layers.get_image(name)  # type: ignore[no-any-return]
+        return self.layers.get_image(name)
 
     async def list_layers(self) -> list[LayerInfo]:
         return list(self.layers.list_layers())
@@ -608,11 +1050,11 @@ class EdgeAgent:
         from pathlib import Path
 
         p = Path(path)
-        if not p.is_absolute() or not p.exists():
+        if not p.is_absolute() or not await asyncio.to_thread(p.exists):
             raise InvalidRequest(f"build source {path!r} does not exist on the server")
         if base is not None:
             await self.layers.ensure_image(base)
-        return await asyncio.to_thread(self.layers.build_image, p, name, kind, base)  # type: ignore[no-any-return]
+        return await asyncio.to_thread(self.layers.build_image, p, name, kind, base)
 
     # ------------------------------------------------------------------ node
     async def capabilities(self) -> list[Capabilities]:
@@ -622,7 +1064,7 @@ class EdgeAgent:
             if rt is None:
                 out.append(
                     Capabilities(
-                        tier=tier,  # type: ignore[arg-type]
+                        tier=tier,
                         available=False,
                         reason="not enabled on this node",
                         exec=False,
@@ -653,6 +1095,10 @@ class EdgeAgent:
             "live": len(self._live),
             "by_tier_state": {f"{t}/{s}": n for (t, s), n in self.registry.count_by().items()},
         }
+
+
+def _dump(model: Any) -> dict[str, Any]:
+    return model.model_dump(mode="json")
 
 
 def _total_memory_mb() -> int:

@@ -8,6 +8,16 @@ touches runtimes, mounts or the registry. Embedded mode gives it the in-process
 Every method is keyed by ``owner`` (the API key id that created the sandbox):
 a sandbox of another owner is reported as ``SandboxNotFound``, never leaked.
 All errors raised are :mod:`dsec.errors` classes.
+
+Trajectory log: every state-changing call (exec, file writes, uploads, mkdir, rename,
+remove, snapshot) takes ``seq`` (the per-sandbox sequence number the client assigns: 1, 2,
+3...) and/or ``idem_key``. A repeat of a recorded ``seq`` with the same request returns the
+recorded result without running anything; a different request under a used ``seq`` raises
+``SequenceConflict``; a ``seq`` that skips ahead waits briefly for the missing ones (requests
+of one client may arrive out of order) and then raises ``SequenceGap``. Calls without either
+are logged under the next number.
+
+Paused sandboxes: any call that needs the sandbox running resumes it transparently.
 """
 
 from __future__ import annotations
@@ -22,10 +32,15 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    ForkRequest,
+    ForkResult,
     ImageInfo,
+    JobAction,
+    JobActionResult,
     LayerInfo,
     NodeInfo,
     SandboxInfo,
+    SnapshotRequest,
 )
 
 
@@ -47,21 +62,100 @@ class EdgeAPI(Protocol):
     async def set_ttl(self, sandbox_id: str, owner: str, ttl_s: float) -> SandboxInfo: ...
 
     # --- exec ------------------------------------------------------------
-    async def exec(self, sandbox_id: str, owner: str, req: ExecRequest) -> ExecResult: ...
-    def exec_stream(self, sandbox_id: str, owner: str, req: ExecRequest) -> AsyncIterator[ExecEvent]: ...
+    async def exec(
+        self,
+        sandbox_id: str,
+        owner: str,
+        req: ExecRequest,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> ExecResult: ...
+    def exec_stream(
+        self,
+        sandbox_id: str,
+        owner: str,
+        req: ExecRequest,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> AsyncIterator[ExecEvent]: ...
 
     # --- files (paths are absolute paths inside the sandbox) --------------
     async def read_file(self, sandbox_id: str, owner: str, path: str) -> bytes: ...
     async def write_file(
-        self, sandbox_id: str, owner: str, path: str, data: bytes, mode: int = 0o644
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        data: bytes,
+        mode: int = 0o644,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
     ) -> FileInfo: ...
-    async def list_files(self, sandbox_id: str, owner: str, path: str, depth: int = 1) -> list[FileInfo]: ...
+    async def list_files(
+        self, sandbox_id: str, owner: str, path: str, depth: int = 1
+    ) -> list[FileInfo]: ...
     async def stat_file(self, sandbox_id: str, owner: str, path: str) -> FileInfo: ...
-    async def remove_file(self, sandbox_id: str, owner: str, path: str, recursive: bool = False) -> None: ...
-    async def make_dir(self, sandbox_id: str, owner: str, path: str) -> FileInfo: ...
-    async def rename_file(self, sandbox_id: str, owner: str, src: str, dst: str) -> FileInfo: ...
-    async def upload_tar(self, sandbox_id: str, owner: str, path: str, data: bytes) -> int: ...
+    async def remove_file(
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        recursive: bool = False,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> None: ...
+    async def make_dir(
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> FileInfo: ...
+    async def rename_file(
+        self,
+        sandbox_id: str,
+        owner: str,
+        src: str,
+        dst: str,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> FileInfo: ...
+    async def upload_tar(
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        data: bytes,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> int: ...
     async def download_tar(self, sandbox_id: str, owner: str, path: str) -> bytes: ...
+
+    # --- RL lifecycle: pause, snapshots, fork, jobs, trajectory ------------
+    async def pause_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo: ...
+    async def resume_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo: ...
+    async def snapshot_sandbox(
+        self,
+        sandbox_id: str,
+        owner: str,
+        req: SnapshotRequest,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> LayerInfo: ...
+    async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult: ...
+    async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult: ...
+    async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
+        """The sandbox's trajectory log as JSONL text (a header line, then one entry per line)."""
+        ...
 
     # --- images and layers ------------------------------------------------
     async def list_images(self) -> list[ImageInfo]: ...

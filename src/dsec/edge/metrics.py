@@ -11,7 +11,26 @@ from prometheus_client.registry import Collector
 from dsec.models import TIERS
 
 _STATES = ("creating", "running", "paused", "stopped")
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
 
 
 class _SandboxGauge(Collector):
@@ -21,7 +40,9 @@ class _SandboxGauge(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         g = GaugeMetricFamily(
-            "dsec_sandboxes", "Sandboxes on this node by tier and state", labels=["node", "tier", "state"]
+            "dsec_sandboxes",
+            "Sandboxes on this node by tier and state",
+            labels=["node", "tier", "state"],
         )
         counts = self._counts()
         for tier in TIERS:
@@ -51,10 +72,16 @@ class EdgeMetrics:
             registry=self.registry,
         )
         self.kills = Counter(
-            "dsec_sandbox_kills", "Sandboxes stopped, by reason", ["tier", "reason"], registry=self.registry
+            "dsec_sandbox_kills",
+            "Sandboxes stopped, by reason",
+            ["tier", "reason"],
+            registry=self.registry,
         )
         self.execs = Counter(
-            "dsec_exec", "Commands executed, by tier and outcome", ["tier", "outcome"], registry=self.registry
+            "dsec_exec",
+            "Commands executed, by tier and outcome",
+            ["tier", "outcome"],
+            registry=self.registry,
         )
         self.exec_seconds = Histogram(
             "dsec_exec_seconds",
@@ -64,7 +91,16 @@ class EdgeMetrics:
             registry=self.registry,
         )
         self.errors = Counter(
-            "dsec_edge_errors", "Errors raised by the edge, by error code", ["code"], registry=self.registry
+            "dsec_edge_errors",
+            "Errors raised by the edge, by error code",
+            ["code"],
+            registry=self.registry,
+        )
+        self.pauses = Counter(
+            "dsec_sandbox_pauses", "Sandboxes paused", ["tier"], registry=self.registry
+        )
+        self.resumes = Counter(
+            "dsec_sandbox_resumes", "Sandboxes resumed", ["tier"], registry=self.registry
         )
         self.file_ops = Counter(
             "dsec_file_ops", "File operations by kind", ["op"], registry=self.registry

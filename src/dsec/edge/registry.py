@@ -30,7 +30,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     updated_at REAL NOT NULL,
     last_active REAL NOT NULL,
     ttl_s REAL,
-    stopped_reason TEXT
+    stopped_reason TEXT,
+    paused_at REAL
 );
 CREATE INDEX IF NOT EXISTS sandboxes_owner_state ON sandboxes(owner, state);
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
@@ -54,6 +55,7 @@ class SandboxRow:
     last_active: float = 0.0
     ttl_s: float | None = None
     stopped_reason: str | None = None
+    paused_at: float | None = None
 
     @property
     def expires_at(self) -> float | None:
@@ -94,17 +96,18 @@ class Registry:
             last_active=r[11],
             ttl_s=r[12],
             stopped_reason=r[13],
+            paused_at=r[14],
         )
 
     _COLS = (
         "id, owner, tier, state, request, image_layers, handle, job, labels, "
-        "created_at, updated_at, last_active, ttl_s, stopped_reason"
+        "created_at, updated_at, last_active, ttl_s, stopped_reason, paused_at"
     )
 
     def insert(self, row: SandboxRow) -> None:
         with self._lock:
             self._db.execute(
-                f"INSERT INTO sandboxes ({self._COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO sandboxes ({self._COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     row.id,
                     row.owner,
@@ -120,6 +123,7 @@ class Registry:
                     row.last_active,
                     row.ttl_s,
                     row.stopped_reason,
+                    row.paused_at,
                 ),
             )
 
@@ -129,7 +133,7 @@ class Registry:
             r = cur.fetchone()
         return self._row(r) if r else None
 
-    def list(
+    def select(
         self,
         *,
         owner: str | None = None,
@@ -173,6 +177,14 @@ class Registry:
                     (state, now, reason, sandbox_id),
                 )
 
+    def set_paused(self, sandbox_id: str, paused_at: float | None) -> None:
+        now = time.time()
+        with self._lock:
+            self._db.execute(
+                "UPDATE sandboxes SET state=?, paused_at=?, updated_at=?, last_active=? WHERE id=?",
+                ("paused" if paused_at else "running", paused_at, now, now, sandbox_id),
+            )
+
     def touch(self, sandbox_id: str, when: float | None = None) -> None:
         with self._lock:
             self._db.execute(
@@ -196,12 +208,20 @@ class Registry:
             ).fetchall()
         return [self._row(r) for r in rows]
 
-    def purge_stopped(self, older_than: float) -> int:
+    def purge_stopped(self, older_than: float) -> list[str]:
+        """Forget stopped sandboxes last updated before ``older_than``; returns their ids."""
         with self._lock:
-            cur = self._db.execute(
+            ids = [
+                r[0]
+                for r in self._db.execute(
+                    "SELECT id FROM sandboxes WHERE state='stopped' AND updated_at < ?",
+                    (older_than,),
+                ).fetchall()
+            ]
+            self._db.execute(
                 "DELETE FROM sandboxes WHERE state='stopped' AND updated_at < ?", (older_than,)
             )
-            return cur.rowcount
+        return ids
 
     def count_by(self) -> dict[tuple[str, str], int]:
         with self._lock:

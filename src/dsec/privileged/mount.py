@@ -23,17 +23,32 @@ MNT_FORCE = 0x1
 MNT_DETACH = 0x2
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
-def mount(source: str | os.PathLike[str], target: str | os.PathLike[str], fstype: str | None,
-          flags: int = 0, data: str | None = None) -> None:
+def mount(
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    fstype: str | None,
+    flags: int = 0,
+    data: str | None = None,
+) -> None:
     """mount(2). Raises OSError with the kernel's errno."""
     d = data.encode() if data is not None else None
-    rc = _libc.mount(os.fsencode(source), os.fsencode(target),
-                     fstype.encode() if fstype else None, flags,
-                     ctypes.c_char_p(d) if d is not None else None)
+    rc = _libc.mount(
+        os.fsencode(source),
+        os.fsencode(target),
+        fstype.encode() if fstype else None,
+        flags,
+        ctypes.c_char_p(d) if d is not None else None,
+    )
     if rc != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"mount {fstype} {source} -> {target}: {os.strerror(e)}")
@@ -76,7 +91,10 @@ def _unescape(field: str) -> str:
 
 def _escape(path: str) -> str:
     return (
-        path.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011").replace("\n", "\\012")
+        path.replace("\\", "\\134")
+        .replace(" ", "\\040")
+        .replace("\t", "\\011")
+        .replace("\n", "\\012")
     )
 
 

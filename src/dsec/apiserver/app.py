@@ -1,0 +1,129 @@
+"""The HTTP apiserver: ``create_app(edge, keys)`` builds the FastAPI app.
+
+The app only parses HTTP into typed :class:`~dsec.edge.interface.EdgeAPI` calls; it holds
+no sandbox state of its own (parse at the edge, act in the core). Auth, body limits,
+request ids, metrics and the crash guard live in :mod:`dsec.apiserver.middleware`; the
+error mapping in :mod:`dsec.apiserver.errors`.
+
+Open routes: ``GET /healthz``; ``GET /metrics`` from loopback (anyone else needs a key);
+``/docs`` and ``/openapi.json``. Everything under ``/v1`` needs ``Authorization: Bearer``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+
+import dsec
+from dsec.apiserver.auth import KeyVerifier
+from dsec.apiserver.errors import install_error_handlers
+from dsec.apiserver.metrics import ApiMetrics
+from dsec.apiserver.middleware import ApiMiddleware
+from dsec.apiserver.routes_images import router as images_router
+from dsec.apiserver.routes_sandboxes import UPLOAD_ROUTES
+from dsec.apiserver.routes_sandboxes import router as sandboxes_router
+from dsec.apiserver.schemas import Health
+from dsec.edge.interface import EdgeAPI
+
+__all__ = [
+    "DEFAULT_MAX_JSON_BYTES",
+    "DEFAULT_MAX_UPLOAD_BYTES",
+    "create_app",
+    "openapi_document",
+    "render_openapi",
+]
+
+DEFAULT_MAX_UPLOAD_BYTES = 256 << 20
+"""Largest raw upload (file write, tar upload), bytes."""
+
+DEFAULT_MAX_JSON_BYTES = 64 << 20
+"""Largest JSON request body, bytes (an exec's stdin travels in JSON)."""
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def create_app(
+    edge: EdgeAPI,
+    keys: KeyVerifier,
+    *,
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
+) -> FastAPI:
+    """Build the apiserver app in front of ``edge``.
+
+    Args:
+        edge: the edge to relay to (in-process ``EdgeAgent`` or a remote wrapper).
+        keys: verifies bearer keys and returns their owner id (a :class:`KeyStore`).
+        max_upload_bytes: body limit of raw uploads, bytes (default 256 MiB).
+        max_json_bytes: body limit of JSON requests, bytes (default 64 MiB, at most
+            ``max_upload_bytes``).
+    """
+    app = FastAPI(
+        title="dsec",
+        version=dsec.__version__,
+        summary="Sandboxes for agentic RL: one API over four isolation tiers.",
+        openapi_url="/openapi.json",
+    )
+    app.state.edge = edge
+    app.state.keys = keys
+    metrics = ApiMetrics()
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.include_router(sandboxes_router)
+    app.include_router(images_router)
+
+    @app.get("/healthz", response_model=Health, tags=["node"], summary="Liveness (no auth)")
+    async def healthz() -> Health:
+        return Health(status="ok", version=dsec.__version__)
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        tags=["node"],
+        summary="Prometheus metrics (no key needed from loopback)",
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
+    async def prometheus_metrics(request: Request) -> Response:
+        body = metrics.render() + request.app.state.edge.metrics_text()
+        return Response(content=body, media_type=PROMETHEUS_CONTENT_TYPE)
+
+    app.add_middleware(
+        ApiMiddleware,
+        keys=keys,
+        metrics=metrics,
+        routes=_route_templates(app),
+        upload_routes=UPLOAD_ROUTES,
+        max_upload_bytes=max_upload_bytes,
+        max_json_bytes=min(max_json_bytes, max_upload_bytes),
+    )
+    return app
+
+
+def _route_templates(app: FastAPI) -> list[tuple[str, set[str]]]:
+    """(template, methods) of every API route, for metric labels."""
+    routes = [*sandboxes_router.routes, *images_router.routes, *app.router.routes]
+    out = []
+    for route in routes:
+        path, methods = getattr(route, "path", None), getattr(route, "methods", None)
+        if path and methods:
+            out.append((str(path), {str(m) for m in methods}))
+    return out
+
+
+class _NoKeys:
+    def verify(self, key: str) -> str | None:
+        return None
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI document of the app (independent of any edge or key)."""
+    from dsec.testing import FakeEdge
+
+    return create_app(FakeEdge(), _NoKeys()).openapi()
+
+
+def render_openapi() -> str:
+    """The checked-in form of :func:`openapi_document`: indented JSON, trailing newline."""
+    return json.dumps(openapi_document(), indent=2, ensure_ascii=False) + "\n"

@@ -1,0 +1,209 @@
+"""API keys: generation, storage and verification.
+
+A key looks like ``dsec_<43 urlsafe chars>`` (32 random bytes). The server never stores
+a key, only its SHA-256 (keys are high-entropy, so an unsalted hash is safe: there is
+nothing to brute-force). Each key has an *owner id*, ``k<first 16 hex of the hash>``:
+stable, short, and safe to log; the edge scopes every sandbox to it.
+
+Files under the state directory (``$DSEC_HOME``)::
+
+    api_key         the key generated at first start, plaintext, mode 0600, so local
+                    SDK/CLI users on the node can read it (as root)
+    api_keys.json   {"keys": [{"owner": ..., "sha256": ..., "created_at": ..., "name": ...}]}
+                    mode 0600, rewritten atomically (write + rename)
+
+:meth:`KeyStore.verify` re-reads ``api_keys.json`` when it changes (inode, mtime, size), so keys created
+or revoked by another process (``dsec`` CLI) take effect without a restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+__all__ = ["KeyRecord", "KeyStore", "KeyVerifier", "StaticKeys", "generate_key", "owner_id"]
+
+KEY_PREFIX = "dsec_"
+
+
+def generate_key() -> str:
+    """A new random API key: ``dsec_`` + 32 random bytes, urlsafe base64 (43 chars)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def _sha256(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def owner_id(key: str) -> str:
+    """The stable owner id of a key: ``k`` + the first 16 hex digits of its SHA-256."""
+    return "k" + _sha256(key)[:16]
+
+
+class KeyVerifier(Protocol):
+    """Anything that maps a presented key to its owner id (None: not a valid key)."""
+
+    def verify(self, key: str) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """One stored key (never the key itself)."""
+
+    owner: str
+    sha256: str
+    created_at: float  # unix seconds
+    name: str = ""
+
+
+def _lookup(records: Iterable[KeyRecord], key: str) -> str | None:
+    """Constant-time over all records: no early exit, compare_digest on every hash."""
+    digest = _sha256(key)
+    found: str | None = None
+    for rec in records:
+        if hmac.compare_digest(rec.sha256, digest):
+            found = rec.owner
+    return found
+
+
+class StaticKeys:
+    """A fixed, in-memory set of keys (tests, schema generation)."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._records = [KeyRecord(owner_id(k), _sha256(k), time.time()) for k in keys]
+
+    def verify(self, key: str) -> str | None:
+        return _lookup(self._records, key)
+
+
+class KeyStore:
+    """Keys stored under a state directory (see the module docstring).
+
+    Creating a ``KeyStore`` on a directory that has no keys yet generates the first key
+    and writes it to ``<state_dir>/api_key`` (mode 0600). If ``api_key`` already exists
+    (e.g. provisioned by an operator) its hash is registered instead.
+
+    Args:
+        state_dir: the node's state directory, normally ``$DSEC_HOME``. Created (0700)
+            if missing.
+    """
+
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        self.state_dir = Path(state_dir)
+        self.key_file = self.state_dir / "api_key"
+        self.db_file = self.state_dir / "api_keys.json"
+        self._lock = threading.Lock()
+        self._records: list[KeyRecord] = []
+        self._version: tuple[int, int, int] | None = None
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._reload()
+        if not self._records:
+            self._bootstrap()
+
+    # --- persistence --------------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Thread lock + an flock shared with other processes (read-modify-write of the file)."""
+        with self._lock:
+            fd = os.open(self.state_dir / ".api_keys.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
+    def _reload(self, force: bool = False) -> None:
+        """Re-read the keys file if it changed (always, with ``force``)."""
+        try:
+            st = self.db_file.stat()
+        except FileNotFoundError:
+            self._records, self._version = [], None
+            return
+        version = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if version == self._version and not force:
+            return
+        raw = json.loads(self.db_file.read_text())
+        self._records = [KeyRecord(**r) for r in raw.get("keys", [])]
+        self._version = version
+
+    def _save(self) -> None:
+        tmp = self.db_file.with_name(f".{self.db_file.name}.{os.getpid()}.tmp")
+        body = json.dumps({"keys": [asdict(r) for r in self._records]}, indent=2) + "\n"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.db_file)
+        st = self.db_file.stat()
+        self._version = (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _bootstrap(self) -> None:
+        with self._exclusive():
+            self._reload(force=True)
+            if self._records:  # another process bootstrapped first
+                return
+            try:
+                key = self.key_file.read_text().strip()
+            except FileNotFoundError:
+                key = ""
+            if not key:
+                key = generate_key()
+                fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(key + "\n")
+            os.chmod(self.key_file, 0o600)
+            self._records.append(KeyRecord(owner_id(key), _sha256(key), time.time(), "default"))
+            self._save()
+
+    # --- API ----------------------------------------------------------------
+    def verify(self, key: str) -> str | None:
+        """The owner id of ``key``, or None if it is not a valid (unrevoked) key."""
+        if not key or len(key) > 256:
+            return None
+        with self._lock:
+            self._reload()
+            records = list(self._records)
+        return _lookup(records, key)
+
+    def create_key(self, name: str = "") -> str:
+        """Generate, register and return a new key. The plaintext is not stored: keep it."""
+        key = generate_key()
+        with self._exclusive():
+            self._reload(force=True)
+            self._records.append(KeyRecord(owner_id(key), _sha256(key), time.time(), name))
+            self._save()
+        return key
+
+    def revoke(self, key_or_owner: str) -> bool:
+        """Revoke a key given the key itself or its owner id. True if something was revoked."""
+        with self._exclusive():
+            self._reload(force=True)
+            keep = [
+                r
+                for r in self._records
+                if r.owner != key_or_owner
+                and not hmac.compare_digest(r.sha256, _sha256(key_or_owner))
+            ]
+            changed = len(keep) != len(self._records)
+            if changed:
+                self._records = keep
+                self._save()
+        return changed
+
+    def list(self) -> list[KeyRecord]:
+        """Every registered key record (owner ids and hashes, never keys)."""
+        with self._lock:
+            self._reload()
+            return list(self._records)

@@ -1,0 +1,51 @@
+"""FastAPI dependencies shared by the route modules: the edge and the caller's owner id."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from dsec.apiserver.schemas import ErrorBody
+from dsec.edge.interface import EdgeAPI
+from dsec.errors import AuthenticationError
+
+__all__ = ["ERROR_RESPONSES", "Edge", "Owner", "bearer_scheme", "current_owner", "get_edge"]
+
+bearer_scheme = HTTPBearer(
+    auto_error=False,
+    scheme_name="ApiKey",
+    description="`Authorization: Bearer dsec_...`; the server's first key is in $DSEC_HOME/api_key",
+)
+
+
+async def current_owner(
+    request: Request,
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)],
+) -> str:
+    """The owner id the auth middleware attached to this request."""
+    owner = request.scope.get("state", {}).get("owner")
+    if not owner:  # the middleware guards every /v1 path; this is belt and braces
+        raise AuthenticationError("missing API key")
+    return str(owner)
+
+
+def get_edge(request: Request) -> EdgeAPI:
+    """The edge this app was created with."""
+    edge: EdgeAPI = request.app.state.edge
+    return edge
+
+
+Owner = Annotated[str, Depends(current_owner)]
+Edge = Annotated[EdgeAPI, Depends(get_edge)]
+
+_ERR: dict[str, Any] = {"model": ErrorBody}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {**_ERR, "description": "invalid_request (field errors in details.errors)"},
+    401: {**_ERR, "description": "unauthenticated"},
+    404: {**_ERR, "description": "not found"},
+    413: {**_ERR, "description": "payload_too_large"},
+    422: {**_ERR, "description": "unsupported by this tier or node"},
+    500: {**_ERR, "description": "sandbox_error or internal"},
+}

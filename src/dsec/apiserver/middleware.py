@@ -1,0 +1,234 @@
+"""The outermost layer of the apiserver: request ids, auth, body limits, metrics, crash guard.
+
+Written as plain ASGI (not ``BaseHTTPMiddleware``) so streaming responses pass through
+untouched. For each HTTP request, in order:
+
+1. assigns a request id (returned in ``X-Request-ID``);
+2. authenticates: every ``/v1`` path needs ``Authorization: Bearer <key>``; ``/metrics``
+   needs it unless the client address is loopback (a local Prometheus agent may scrape
+   without a key; a remote one must send the key, e.g. Prometheus ``authorization``);
+   ``/healthz`` and the docs are open. Failing requests get 401 before any parsing;
+3. enforces the body limit (``Content-Length`` checked up front, streamed bodies
+   counted): raw file uploads may carry ``max_upload_bytes``, everything else
+   ``max_json_bytes``; over it the answer is 413 ``payload_too_large``;
+4. turns any exception that escaped the handlers (a bug) into a 500 ``internal``
+   response with the request id, logged with its traceback;
+5. records ``dsec_api_*`` metrics by route template.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.routing import compile_path
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dsec.apiserver.auth import KeyVerifier
+from dsec.apiserver.metrics import ApiMetrics
+from dsec.errors import AuthenticationError, DsecError, InternalError, PayloadTooLarge
+
+__all__ = ["ApiMiddleware"]
+
+log = logging.getLogger("dsec.apiserver")
+
+UNMATCHED = "<unmatched>"
+
+
+def _is_loopback(scope: Scope) -> bool:
+    client = scope.get("client")
+    if not client:
+        return False
+    try:
+        return ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _bearer(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+            return None
+    return None
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class ApiMiddleware:
+    """See the module docstring.
+
+    Args:
+        app: the FastAPI app (its router is used to find route templates).
+        keys: verifies bearer keys.
+        metrics: where request metrics go.
+        routes: ``(template, methods)`` of every route (metric labels).
+        upload_routes: route templates whose body is a raw upload.
+        max_upload_bytes: body limit of upload routes, bytes.
+        max_json_bytes: body limit of every other route, bytes.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        keys: KeyVerifier,
+        metrics: ApiMetrics,
+        routes: list[tuple[str, set[str]]],
+        upload_routes: frozenset[str],
+        max_upload_bytes: int,
+        max_json_bytes: int,
+    ) -> None:
+        self.app = app
+        self.keys = keys
+        self.metrics = metrics
+        self._table = [(compile_path(t)[0], t, m) for t, m in routes]
+        self.upload_routes = upload_routes
+        self.max_upload_bytes = max_upload_bytes
+        self.max_json_bytes = max_json_bytes
+
+    def _template(self, scope: Scope) -> str:
+        """The route template of this request, for metrics (``<unmatched>`` if none)."""
+        path = scope.get("path", "")
+        partial = None
+        for regex, template, methods in self._table:
+            if regex.match(path):
+                if scope.get("method") in methods:
+                    return template
+                partial = partial or template
+        return partial or UNMATCHED
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started_at = time.perf_counter()
+        request_id = secrets.token_hex(8)
+        state: MutableMapping[str, Any] = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        route = self._template(scope)
+        method = scope.get("method", "GET")
+        status_box = [0]
+        response_started = [False]
+        rid_header = (b"x-request-id", request_id.encode())
+        limit = self.max_upload_bytes if route in self.upload_routes else self.max_json_bytes
+        overflow = [False]  # the body went over ``limit`` while the app was reading it
+        received = [0]
+
+        def too_large() -> PayloadTooLarge:
+            return PayloadTooLarge(
+                f"request body exceeds the limit of {limit} bytes", limit_bytes=limit
+            )
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                if overflow[0] and not response_started[0]:
+                    response_started[0] = True
+                    await _send_error(send, too_large(), rid_header)
+                    status_box[0] = 413
+                    state["error_code"] = PayloadTooLarge.code
+                    return
+                response_started[0] = True
+                status_box[0] = message["status"]
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), rid_header]
+            elif overflow[0] and status_box[0] == 413:
+                return  # the body of the response we replaced
+            await send(message)
+
+        async def receive_wrapper() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                received[0] += len(message.get("body", b""))
+                if received[0] > limit:
+                    overflow[0] = True
+                    raise too_large()
+            return message
+
+        try:
+            early = self._precheck(scope, limit)
+            if early is not None:
+                state["error_code"] = early.code
+                status_box[0] = early.http_status
+                response_started[0] = True
+                await _send_error(send, early, rid_header)
+                return
+            await self.app(scope, receive_wrapper, send_wrapper)
+        except Exception as exc:
+            if isinstance(exc, DsecError):  # raised outside the handlers, e.g. by receive
+                err: DsecError = exc
+            else:
+                log.exception("internal error (request %s, %s %s)", request_id, method, route)
+                err = InternalError(
+                    f"internal error; request id {request_id}", request_id=request_id
+                )
+            state["error_code"] = err.code
+            if not response_started[0]:
+                status_box[0] = err.http_status
+                await _send_error(send, err, rid_header)
+            else:
+                status_box[0] = status_box[0] or 500
+        finally:
+            code = state.get("error_code")
+            if code:
+                self.metrics.error(str(code))
+            self.metrics.observe(
+                method, route, status_box[0] or 500, time.perf_counter() - started_at
+            )
+
+    def _precheck(self, scope: Scope, limit: int) -> DsecError | None:
+        path: str = scope.get("path", "")
+        needs_key = path == "/v1" or path.startswith("/v1/")
+        if path == "/metrics" and not _is_loopback(scope):
+            needs_key = True
+        if needs_key:
+            key = _bearer(scope)
+            if key is None:
+                return AuthenticationError(
+                    "missing API key: send 'Authorization: Bearer <key>' (the server's key is "
+                    "in $DSEC_HOME/api_key; the SDK reads DSEC_API_KEY or that file)"
+                )
+            owner = self.keys.verify(key)
+            if owner is None:
+                return AuthenticationError("invalid or revoked API key")
+            scope["state"]["owner"] = owner
+        length = _content_length(scope)
+        if length is not None and length > limit:
+            return PayloadTooLarge(
+                f"request body of {length} bytes exceeds the limit of {limit} bytes",
+                limit_bytes=limit,
+            )
+        return None
+
+
+async def _send_error(
+    send: Callable[[Message], Awaitable[None]], err: DsecError, rid_header: tuple[bytes, bytes]
+) -> None:
+    body = json.dumps(err.to_wire()).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": err.http_status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                rid_header,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,279 @@
+"""``/v1/sandboxes``: lifecycle, exec and files. Routes only parse; the edge acts."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
+from dsec.apiserver.schemas import (
+    SANDBOX_ID_PATTERN,
+    SANDBOX_PATH_PATTERN,
+    FileList,
+    MkdirRequest,
+    RenameRequest,
+    SandboxList,
+    TarUploadResult,
+)
+from dsec.errors import DsecError, InternalError, InvalidRequest, SandboxStopped
+from dsec.models import (
+    CreateSandboxRequest,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    SandboxInfo,
+    SetTTLRequest,
+)
+
+__all__ = ["UPLOAD_ROUTES", "router"]
+
+log = logging.getLogger("dsec.apiserver")
+
+router = APIRouter(
+    prefix="/v1/sandboxes",
+    tags=["sandboxes"],
+    dependencies=[Depends(current_owner)],
+    responses=ERROR_RESPONSES,
+)
+
+SandboxIdParam = Annotated[str, Path(pattern=SANDBOX_ID_PATTERN, description="sb-<node>-<random>")]
+PathQuery = Annotated[
+    str,
+    Query(pattern=SANDBOX_PATH_PATTERN, description="absolute path inside the sandbox"),
+]
+ModeQuery = Annotated[
+    str,
+    Query(pattern=r"^(0o)?[0-7]{1,4}$", description="permission bits in octal, e.g. 644"),
+]
+
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+_LABEL = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._/-]{0,62})=(.{0,1024})$", re.DOTALL)
+
+UPLOAD_ROUTES = frozenset(
+    {"/v1/sandboxes/{sandbox_id}/files", "/v1/sandboxes/{sandbox_id}/files/tar"}
+)
+"""Route templates whose body is a raw upload (the larger body limit applies)."""
+
+
+def _parse_labels(raw: list[str]) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    for item in raw:
+        m = _LABEL.match(item)
+        if not m:
+            raise InvalidRequest(f"label filter must be key=value, got {item!r}", label=item)
+        labels[m.group(1)] = m.group(2)
+    return labels
+
+
+@router.post("", status_code=201, response_model=SandboxInfo, summary="Create a sandbox")
+async def create_sandbox(req: CreateSandboxRequest, edge: Edge, owner: Owner) -> SandboxInfo:
+    return await edge.create_sandbox(req, owner)
+
+
+@router.get("", response_model=SandboxList, summary="List this key's sandboxes")
+async def list_sandboxes(
+    edge: Edge,
+    owner: Owner,
+    state: Literal["creating", "running", "paused", "stopped"] | None = None,
+    job: Annotated[str | None, Query(max_length=128)] = None,
+    label: Annotated[list[str], Query(description="key=value; repeatable; all must match")] = [],  # noqa: B006
+    include_stopped: bool = False,
+) -> SandboxList:
+    sandboxes = await edge.list_sandboxes(
+        owner,
+        state=state,
+        labels=_parse_labels(label) or None,
+        job=job,
+        include_stopped=include_stopped,
+    )
+    return SandboxList(sandboxes=sandboxes)
+
+
+@router.get("/{sandbox_id}", response_model=SandboxInfo, summary="Describe a sandbox")
+async def get_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxInfo:
+    return await edge.get_sandbox(sandbox_id, owner)
+
+
+@router.delete("/{sandbox_id}", response_model=SandboxInfo, summary="Kill a sandbox")
+async def kill_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxInfo:
+    return await edge.kill_sandbox(sandbox_id, owner)
+
+
+@router.post("/{sandbox_id}/ttl", response_model=SandboxInfo, summary="Set the idle TTL")
+async def set_ttl(
+    sandbox_id: SandboxIdParam, req: SetTTLRequest, edge: Edge, owner: Owner
+) -> SandboxInfo:
+    return await edge.set_ttl(sandbox_id, owner, req.ttl_s)
+
+
+@router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")
+async def exec_command(
+    sandbox_id: SandboxIdParam, req: ExecRequest, edge: Edge, owner: Owner
+) -> ExecResult:
+    return await edge.exec(sandbox_id, owner, req)
+
+
+def _event_line(event: ExecEvent) -> bytes:
+    return event.model_dump_json(exclude_none=True).encode() + b"\n"
+
+
+@router.post(
+    "/{sandbox_id}/exec/stream",
+    summary="Run a command, streaming its output",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "NDJSON: ExecEvent lines (stdout/stderr chunks, then one exit or error)",
+            "content": {
+                "application/x-ndjson": {
+                    "schema": ExecEvent.model_json_schema(
+                        ref_template="#/components/schemas/{model}"
+                    )
+                }
+            },
+        }
+    },
+)
+async def exec_stream(
+    request: Request, sandbox_id: SandboxIdParam, req: ExecRequest, edge: Edge, owner: Owner
+) -> StreamingResponse:
+    # Errors knowable before the first byte get a proper HTTP status.
+    info = await edge.get_sandbox(sandbox_id, owner)
+    if info.state == "stopped":
+        raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
+    metrics = request.app.state.metrics
+    request_id = request.scope.get("state", {}).get("request_id", "")
+
+    async def body() -> AsyncIterator[bytes]:
+        ended = False
+        try:
+            async for event in edge.exec_stream(sandbox_id, owner, req):
+                yield _event_line(event)
+                if event.type in ("exit", "error"):
+                    ended = True
+                    break
+            if not ended:
+                raise InternalError("the edge ended the stream without an exit event")
+        except DsecError as err:
+            metrics.error(err.code)
+            yield _event_line(ExecEvent(type="error", error=err.to_wire()["error"]))
+        except Exception:
+            log.exception("exec stream failed (request %s)", request_id)
+            bug = InternalError(f"internal error; request id {request_id}", request_id=request_id)
+            metrics.error(bug.code)
+            yield _event_line(ExecEvent(type="error", error=bug.to_wire()["error"]))
+
+    return StreamingResponse(
+        body(), media_type="application/x-ndjson", headers={"cache-control": "no-store"}
+    )
+
+
+# --- files -------------------------------------------------------------------
+@router.get(
+    "/{sandbox_id}/files",
+    response_class=Response,
+    summary="Read a file",
+    responses={200: {"content": {"application/octet-stream": _BINARY}}},
+)
+async def read_file(
+    sandbox_id: SandboxIdParam, path: PathQuery, edge: Edge, owner: Owner
+) -> Response:
+    data = await edge.read_file(sandbox_id, owner, path)
+    return Response(content=data, media_type="application/octet-stream")
+
+
+@router.put(
+    "/{sandbox_id}/files",
+    response_model=FileInfo,
+    summary="Write a file (raw body)",
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"application/octet-stream": _BINARY}}
+    },
+)
+async def write_file(
+    request: Request,
+    sandbox_id: SandboxIdParam,
+    path: PathQuery,
+    edge: Edge,
+    owner: Owner,
+    mode: ModeQuery = "644",
+) -> FileInfo:
+    mode_bits = int(mode.removeprefix("0o"), 8)
+    data = await request.body()
+    return await edge.write_file(sandbox_id, owner, path, data, mode_bits)
+
+
+@router.get("/{sandbox_id}/files/list", response_model=FileList, summary="List a directory")
+async def list_files(
+    sandbox_id: SandboxIdParam,
+    path: PathQuery,
+    edge: Edge,
+    owner: Owner,
+    depth: Annotated[int, Query(ge=1, le=64)] = 1,
+) -> FileList:
+    return FileList(entries=await edge.list_files(sandbox_id, owner, path, depth))
+
+
+@router.get("/{sandbox_id}/files/stat", response_model=FileInfo, summary="Stat a path")
+async def stat_file(
+    sandbox_id: SandboxIdParam, path: PathQuery, edge: Edge, owner: Owner
+) -> FileInfo:
+    return await edge.stat_file(sandbox_id, owner, path)
+
+
+@router.delete("/{sandbox_id}/files", status_code=204, summary="Remove a path")
+async def remove_file(
+    sandbox_id: SandboxIdParam,
+    path: PathQuery,
+    edge: Edge,
+    owner: Owner,
+    recursive: bool = False,
+) -> Response:
+    await edge.remove_file(sandbox_id, owner, path, recursive)
+    return Response(status_code=204)
+
+
+@router.post("/{sandbox_id}/files/mkdir", response_model=FileInfo, summary="Make a directory")
+async def make_dir(
+    sandbox_id: SandboxIdParam, req: MkdirRequest, edge: Edge, owner: Owner
+) -> FileInfo:
+    return await edge.make_dir(sandbox_id, owner, req.path)
+
+
+@router.post("/{sandbox_id}/files/rename", response_model=FileInfo, summary="Rename a path")
+async def rename_file(
+    sandbox_id: SandboxIdParam, req: RenameRequest, edge: Edge, owner: Owner
+) -> FileInfo:
+    return await edge.rename_file(sandbox_id, owner, req.src, req.dst)
+
+
+@router.put(
+    "/{sandbox_id}/files/tar",
+    response_model=TarUploadResult,
+    summary="Unpack a tar archive under a directory",
+    openapi_extra={"requestBody": {"required": True, "content": {"application/x-tar": _BINARY}}},
+)
+async def upload_tar(
+    request: Request, sandbox_id: SandboxIdParam, path: PathQuery, edge: Edge, owner: Owner
+) -> TarUploadResult:
+    data = await request.body()
+    return TarUploadResult(files=await edge.upload_tar(sandbox_id, owner, path, data))
+
+
+@router.get(
+    "/{sandbox_id}/files/tar",
+    response_class=Response,
+    summary="Download a path as a tar archive",
+    responses={200: {"content": {"application/x-tar": _BINARY}}},
+)
+async def download_tar(
+    sandbox_id: SandboxIdParam, path: PathQuery, edge: Edge, owner: Owner
+) -> Response:
+    data = await edge.download_tar(sandbox_id, owner, path)
+    return Response(content=data, media_type="application/x-tar")

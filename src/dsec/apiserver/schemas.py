@@ -1,0 +1,94 @@
+"""Wire-only models of the HTTP API (envelopes and small request bodies).
+
+The domain models live in :mod:`dsec.models`; these only wrap lists in objects (so the
+API can add fields later) and describe the error body for the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec.models import Capabilities, FileInfo, ImageInfo, LayerInfo, SandboxInfo
+
+__all__ = [
+    "SANDBOX_ID_PATTERN",
+    "SANDBOX_PATH_PATTERN",
+    "CapabilityList",
+    "ErrorBody",
+    "ErrorDetail",
+    "FileList",
+    "ImageList",
+    "LayerList",
+    "MkdirRequest",
+    "RenameRequest",
+    "SandboxList",
+    "SandboxPath",
+    "TarUploadResult",
+]
+
+SANDBOX_ID_PATTERN = r"^sb-[a-z0-9-]{1,64}$"
+"""Sandbox ids: ``sb-<node>-<random>``, lowercase, at most 67 characters."""
+
+SANDBOX_PATH_PATTERN = r"^/[^\x00]{0,4095}$"
+"""Paths inside a sandbox: absolute, no NUL byte, at most 4096 characters."""
+
+IMAGE_REF_PATTERN = r"^(sha256:[0-9a-f]{64}|[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?)$"
+"""Image references: ``name[:tag]`` or ``sha256:<64 hex>``."""
+
+SandboxPath = Annotated[str, Field(pattern=SANDBOX_PATH_PATTERN, description="absolute path")]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Wire):
+    code: str = Field(description="stable error code, e.g. 'sandbox_not_found'")
+    message: str
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorBody(_Wire):
+    """Every non-2xx response has this body."""
+
+    error: ErrorDetail
+
+
+class SandboxList(_Wire):
+    sandboxes: list[SandboxInfo]
+
+
+class FileList(_Wire):
+    entries: list[FileInfo]
+
+
+class ImageList(_Wire):
+    images: list[ImageInfo]
+
+
+class LayerList(_Wire):
+    layers: list[LayerInfo]
+
+
+class CapabilityList(_Wire):
+    tiers: list[Capabilities]
+
+
+class TarUploadResult(_Wire):
+    files: int = Field(description="number of archive members written")
+
+
+class MkdirRequest(_Wire):
+    path: SandboxPath
+
+
+class RenameRequest(_Wire):
+    src: SandboxPath
+    dst: SandboxPath
+
+
+class Health(_Wire):
+    status: str
+    version: str

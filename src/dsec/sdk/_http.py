@@ -1,0 +1,168 @@
+"""The HTTP layer of the SDK: configuration, one lazily created httpx client, error mapping.
+
+Every failure leaves this module as a :class:`dsec.errors.DsecError`:
+
+* a non-2xx answer -> :func:`dsec.errors.error_from_wire` (the server's own error class);
+* connection refused / unreachable -> ``ServiceUnavailable`` with a hint to run ``dsec serve``;
+* no answer in time (client side) -> ``SandboxTimeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+import dsec
+from dsec.config import DEFAULT_HOME, DEFAULT_URL
+from dsec.errors import DsecError, SandboxTimeout, ServiceUnavailable, error_from_wire
+
+__all__ = ["HttpClient", "resolve_api_key", "resolve_url"]
+
+DEFAULT_TIMEOUT_S = 30.0
+"""Default per-request timeout, seconds (exec and create extend it)."""
+
+
+def resolve_url(url: str | None) -> str:
+    """``url``, else ``$DSEC_URL``, else ``http://127.0.0.1:7070``."""
+    return (url or os.environ.get("DSEC_URL") or DEFAULT_URL).rstrip("/")
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    """``api_key``, else ``$DSEC_API_KEY``, else ``$DSEC_HOME/api_key`` if readable, else None."""
+    if api_key:
+        return api_key
+    env_key = os.environ.get("DSEC_API_KEY")
+    if env_key:
+        return env_key.strip()
+    key_file = os.path.join(os.environ.get("DSEC_HOME", DEFAULT_HOME), "api_key")
+    try:
+        with open(key_file) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _error_body(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return {"detail": response.text[:500] or response.reason_phrase}
+
+
+class HttpClient:
+    """Talks to one dsec server. Safe to share between sandboxes on one event loop.
+
+    The underlying ``httpx.AsyncClient`` is created on first use, and again if used from
+    another event loop or after :meth:`aclose`, so objects survive ``asyncio.run`` twice.
+
+    Args:
+        url: server URL (see :func:`resolve_url`).
+        api_key: API key (see :func:`resolve_api_key`).
+        timeout: default per-request timeout, seconds.
+        transport: an httpx async transport (tests: ``httpx.ASGITransport(app)``).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = resolve_url(url)
+        self.api_key = resolve_api_key(api_key)
+        self.timeout = timeout
+        self.transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop or self._client.is_closed:
+            headers = {"user-agent": f"dsec-python/{dsec.__version__}"}
+            if self.api_key:
+                headers["authorization"] = f"Bearer {self.api_key}"
+            self._client = httpx.AsyncClient(
+                base_url=self.url,
+                headers=headers,
+                transport=self.transport,
+                timeout=self.timeout,
+                limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            )
+            self._loop = loop
+        return self._client
+
+    def _timeout(self, timeout: float | None) -> httpx.Timeout:
+        total = self.timeout if timeout is None else timeout
+        return httpx.Timeout(total, connect=min(10.0, total))
+
+    def _transport_error(self, exc: httpx.TransportError, what: str, timeout: float) -> DsecError:
+        if isinstance(exc, httpx.TimeoutException):
+            return SandboxTimeout(
+                f"{what}: no answer from {self.url} within {timeout:g} s", timeout_s=timeout
+            )
+        if isinstance(exc, httpx.ConnectError):
+            return ServiceUnavailable(
+                f"cannot connect to the dsec server at {self.url} ({exc or 'connection refused'});"
+                " is it running? start it with `dsec serve`, or set DSEC_URL",
+                url=self.url,
+            )
+        return ServiceUnavailable(f"{what}: connection to {self.url} failed: {exc!r}", url=self.url)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, Any] | list[tuple[str, Any]] | None = None,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
+        """Send one request; return the 2xx response or raise the mapped DsecError."""
+        t = self.timeout if timeout is None else timeout
+        try:
+            response = await self._http().request(
+                method,
+                path,
+                json=json,
+                params=params,
+                content=content,
+                headers=headers,
+                timeout=self._timeout(t),
+            )
+        except httpx.TransportError as exc:
+            raise self._transport_error(exc, f"{method} {path}", t) from exc
+        if response.is_success:
+            return response
+        raise error_from_wire(response.status_code, _error_body(response))
+
+    @asynccontextmanager
+    async def stream(
+        self, method: str, path: str, *, json: Any = None, timeout: float | None = None
+    ) -> AsyncIterator[httpx.Response]:
+        """Open a streamed response (2xx) or raise the mapped DsecError."""
+        t = self.timeout if timeout is None else timeout
+        try:
+            async with self._http().stream(
+                method, path, json=json, timeout=self._timeout(t)
+            ) as response:
+                if not response.is_success:
+                    await response.aread()
+                    raise error_from_wire(response.status_code, _error_body(response))
+                yield response
+        except httpx.TransportError as exc:
+            raise self._transport_error(exc, f"{method} {path}", t) from exc
+
+    async def aclose(self) -> None:
+        """Close pooled connections (a later request opens new ones)."""
+        client, self._client = self._client, None
+        if client is not None and self._loop is asyncio.get_running_loop():
+            await client.aclose()

@@ -1,0 +1,171 @@
+"""``AsyncClient``: the node-level API (images, layers, node info, listing sandboxes).
+
+Sandboxes themselves are driven through :class:`dsec.AsyncSandbox`; pass one client to
+many sandboxes (``AsyncSandbox.create(client=c)``) to share a connection pool::
+
+    async with AsyncClient() as client:
+        print((await client.node_info()).tiers)
+        sandboxes = [await AsyncSandbox.create(client=client) for _ in range(8)]
+"""
+
+from __future__ import annotations
+
+import builtins
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from pydantic import TypeAdapter
+
+from dsec.models import (
+    BuildImageRequest,
+    Capabilities,
+    ImageInfo,
+    LayerInfo,
+    NodeInfo,
+    SandboxInfo,
+)
+from dsec.sdk._http import DEFAULT_TIMEOUT_S, HttpClient
+
+__all__ = ["AsyncClient"]
+
+_SANDBOXES = TypeAdapter(list[SandboxInfo])
+_IMAGES = TypeAdapter(list[ImageInfo])
+_LAYERS = TypeAdapter(list[LayerInfo])
+_CAPS = TypeAdapter(list[Capabilities])
+
+BUILD_TIMEOUT_S = 1800.0
+"""Default wait for an image build, seconds."""
+
+
+class AsyncClient:
+    """A connection to one dsec server.
+
+    Args:
+        url: server URL; default ``$DSEC_URL`` or ``http://127.0.0.1:7070``.
+        api_key: default ``$DSEC_API_KEY`` or the contents of ``$DSEC_HOME/api_key``.
+        timeout: default per-request timeout, seconds.
+        transport: an httpx async transport, e.g. ``httpx.ASGITransport(app)`` in tests
+            (see :func:`dsec.testing.app_transport`).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._http = HttpClient(url, api_key, timeout=timeout, transport=transport)
+
+    @property
+    def url(self) -> str:
+        """The server URL this client talks to."""
+        return self._http.url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(url={self.url!r})"
+
+    async def node_info(self) -> NodeInfo:
+        """The node's name, version, load and per-tier capabilities."""
+        r = await self._http.request("GET", "/v1/node")
+        return NodeInfo.model_validate(r.json())
+
+    async def capabilities(self) -> builtins.list[Capabilities]:
+        """What each tier can do on this node."""
+        r = await self._http.request("GET", "/v1/capabilities")
+        return _CAPS.validate_python(r.json()["tiers"])
+
+    async def list_images(self) -> builtins.list[ImageInfo]:
+        """Every image in the node's layer store."""
+        r = await self._http.request("GET", "/v1/images")
+        return _IMAGES.validate_python(r.json()["images"])
+
+    async def get_image(self, name: str) -> ImageInfo:
+        """One image by ``name[:tag]`` or ``sha256:<digest>``; raises ``ImageNotFound``."""
+        r = await self._http.request("GET", f"/v1/images/{quote(name, safe=':')}")
+        return ImageInfo.model_validate(r.json())
+
+    async def list_layers(self) -> builtins.list[LayerInfo]:
+        """Every layer in the node's layer store."""
+        r = await self._http.request("GET", "/v1/layers")
+        return _LAYERS.validate_python(r.json()["layers"])
+
+    async def build_image(
+        self,
+        path: str,
+        name: str,
+        kind: str = "workspace",
+        base: str | None = None,
+        *,
+        timeout: float = BUILD_TIMEOUT_S,
+    ) -> ImageInfo:
+        """Build an image from a directory or tarball at ``path`` *on the server*.
+
+        Args:
+            path: directory or tarball on the server's filesystem.
+            name: image name (``name[:tag]``).
+            kind: ``base``, ``workspace`` or ``toolkit``.
+            base: image to stack the new layer on.
+            timeout: how long to wait, seconds.
+        """
+        req = _validated(BuildImageRequest, path=path, name=name, kind=kind, base=base)
+        r = await self._http.request(
+            "POST", "/v1/images/build", json=req.model_dump(mode="json"), timeout=timeout
+        )
+        return ImageInfo.model_validate(r.json())
+
+    async def list_sandboxes(
+        self,
+        *,
+        state: str | None = None,
+        labels: dict[str, str] | None = None,
+        job: str | None = None,
+        include_stopped: bool = False,
+    ) -> builtins.list[SandboxInfo]:
+        """This key's sandboxes, filtered by state, labels (all must match) and job."""
+        params: builtins.list[tuple[str, Any]] = []
+        if state is not None:
+            params.append(("state", state))
+        if job is not None:
+            params.append(("job", job))
+        for k, v in (labels or {}).items():
+            params.append(("label", f"{k}={v}"))
+        if include_stopped:
+            params.append(("include_stopped", "true"))
+        r = await self._http.request("GET", "/v1/sandboxes", params=params)
+        return _SANDBOXES.validate_python(r.json()["sandboxes"])
+
+    async def close(self) -> None:
+        """Close pooled connections. The client stays usable (it reconnects on demand)."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+def _validated(model: Any, **fields: Any) -> Any:
+    """Build a request model client-side, turning pydantic errors into ``InvalidRequest``."""
+    from pydantic import ValidationError
+
+    from dsec.errors import InvalidRequest
+
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        errors = [
+            {"loc": [str(p) for p in e["loc"]], "msg": e["msg"], "type": e["type"]}
+            for e in exc.errors()
+        ]
+        first = errors[0]
+        raise InvalidRequest(f"{'.'.join(first['loc'])}: {first['msg']}", errors=errors) from None

@@ -1,0 +1,572 @@
+"""``AsyncSandbox``: the async facade over one sandbox (E2B-like), with ``commands`` and ``files``.
+
+Example (all sizes in MiB, times in seconds)::
+
+    import asyncio
+    from dsec import AsyncSandbox
+
+    async def main() -> None:
+        async with await AsyncSandbox.create(image="busybox", memory_mb=256) as sb:
+            result = await sb.commands.run("echo hello")
+            print(result.stdout, result.exit_code)
+            await sb.files.write("/tmp/x.txt", "data")
+            print(await sb.files.read_text("/tmp/x.txt"))
+
+    asyncio.run(main())
+
+The sync :class:`dsec.Sandbox` is generated from this class (:mod:`dsec.sdk.sync`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import builtins
+import inspect
+import io
+import os
+import posixpath
+import re
+import tarfile
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from pydantic import TypeAdapter
+
+from dsec.errors import FileNotFound, InvalidRequest, SandboxNotFound, error_from_wire
+from dsec.models import (
+    CreateSandboxRequest,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    SandboxInfo,
+)
+from dsec.sdk.client import AsyncClient, _validated
+
+__all__ = ["AsyncCommands", "AsyncFiles", "AsyncSandbox", "CommandResult", "OutputCallback"]
+
+CommandResult = ExecResult
+"""The result of ``commands.run``: ``stdout``, ``stderr``, ``exit_code``, ``.ok``, ``.truncated``."""
+
+OutputCallback = Callable[[str], Any]
+"""Called with each output chunk (str); may be a plain function or a coroutine function."""
+
+CREATE_TIMEOUT_S = 120.0
+"""Default wait for a sandbox to be created, seconds."""
+
+EXEC_GRACE_S = 30.0
+"""Extra seconds the client waits beyond a command's own timeout before giving up."""
+
+TRANSFER_TIMEOUT_S = 600.0
+"""Default wait for a file or tar transfer, seconds."""
+
+_SANDBOX_ID = re.compile(r"^sb-[a-z0-9-]{1,64}$")
+_FILES = TypeAdapter(list[FileInfo])
+
+
+async def _call(callback: OutputCallback | None, data: str) -> None:
+    if callback is not None:
+        out = callback(data)
+        if inspect.isawaitable(out):
+            await out
+
+
+class AsyncCommands:
+    """Run commands in one sandbox: ``sb.commands``."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    def _request(
+        self,
+        cmd: str | builtins.list[str],
+        cwd: str | None,
+        env: dict[str, str] | None,
+        timeout: float,
+        stdin: str | bytes | None,
+        user: str | None,
+        max_output_bytes: int,
+    ) -> ExecRequest:
+        fields: dict[str, Any] = {
+            "cmd": cmd,
+            "cwd": cwd,
+            "env": env or {},
+            "timeout_s": timeout,
+            "user": user,
+            "max_output_bytes": max_output_bytes,
+        }
+        if isinstance(stdin, bytes):
+            fields["stdin_b64"] = base64.b64encode(stdin).decode()
+        else:
+            fields["stdin"] = stdin
+        req: ExecRequest = _validated(ExecRequest, **fields)
+        return req
+
+    async def run(
+        self,
+        cmd: str | builtins.list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        stdin: str | bytes | None = None,
+        user: str | None = None,
+        max_output_bytes: int = 1 << 20,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandResult:
+        """Run ``cmd`` and wait for it.
+
+        Args:
+            cmd: a string (run by ``/bin/sh -c``) or an argv list (exec'd as is).
+            cwd: working directory; default the sandbox's workdir.
+            env: extra environment variables.
+            timeout: wall-clock limit of the command, seconds; on expiry it is killed and
+                the result has ``timed_out=True`` (no exception).
+            stdin: text or bytes fed to the command's stdin.
+            user: run as this user (name, uid or uid:gid).
+            max_output_bytes: cap per stream, bytes; the rest is dropped (``.truncated``).
+            on_stdout, on_stderr: called with each chunk as it arrives (then the result's
+                stdout/stderr are the concatenated chunks).
+
+        Returns:
+            The :data:`CommandResult`. A non-zero exit is not an exception: check ``.ok``.
+        """
+        req = self._request(cmd, cwd, env, timeout, stdin, user, max_output_bytes)
+        sb = self._sandbox
+        if on_stdout is None and on_stderr is None:
+            r = await sb._client._http.request(
+                "POST", sb._path("/exec"), json=_dump(req), timeout=timeout + EXEC_GRACE_S
+            )
+            return CommandResult.model_validate(r.json())
+        stdout: builtins.list[str] = []
+        stderr: builtins.list[str] = []
+        result: ExecResult | None = None
+        async for event in self._events(req):
+            if event.type == "stdout" and event.data is not None:
+                stdout.append(event.data)
+                await _call(on_stdout, event.data)
+            elif event.type == "stderr" and event.data is not None:
+                stderr.append(event.data)
+                await _call(on_stderr, event.data)
+            elif event.type == "exit":
+                result = event.result
+        assert result is not None  # _events guarantees an exit event or raises
+        return CommandResult.model_validate(
+            {**result.model_dump(), "stdout": "".join(stdout), "stderr": "".join(stderr)}
+        )
+
+    async def stream(
+        self,
+        cmd: str | builtins.list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        stdin: str | bytes | None = None,
+        user: str | None = None,
+        max_output_bytes: int = 1 << 20,
+    ) -> AsyncIterator[ExecEvent]:
+        """Run ``cmd`` and yield its events as they come: ``stdout``/``stderr`` chunks, then
+        exactly one ``exit`` event carrying the :class:`ExecResult`. An ``error`` event from
+        the server is raised as its :class:`dsec.errors.DsecError`. Arguments as :meth:`run`.
+        """
+        req = self._request(cmd, cwd, env, timeout, stdin, user, max_output_bytes)
+        async for event in self._events(req):
+            yield event
+
+    async def _events(self, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        sb = self._sandbox
+        async with sb._client._http.stream(
+            "POST", sb._path("/exec/stream"), json=_dump(req), timeout=req.timeout_s + EXEC_GRACE_S
+        ) as response:
+            async for line in response.aiter_lines():
+                if not line.strip():
+                    continue
+                event = ExecEvent.model_validate_json(line)
+                if event.type == "error":
+                    raise error_from_wire(500, {"error": event.error or {}})
+                yield event
+                if event.type == "exit":
+                    return
+        raise error_from_wire(
+            500, {"error": {"code": "internal", "message": "exec stream ended without exit"}}
+        )
+
+
+class AsyncFiles:
+    """Files of one sandbox: ``sb.files``. Paths are absolute paths inside the sandbox."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def _req(self, method: str, suffix: str, **kw: Any) -> httpx.Response:
+        sb = self._sandbox
+        return await sb._client._http.request(method, sb._path(suffix), **kw)
+
+    async def read(self, path: str, *, timeout: float = TRANSFER_TIMEOUT_S) -> bytes:
+        """The contents of the file at ``path``. Raises ``FileNotFound``."""
+        r = await self._req("GET", "/files", params={"path": path}, timeout=timeout)
+        return r.content
+
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        """The file at ``path`` decoded as text (errors replaced)."""
+        return (await self.read(path)).decode(encoding, "replace")
+
+    async def write(
+        self,
+        path: str,
+        data: bytes | str,
+        *,
+        mode: int = 0o644,
+        timeout: float = TRANSFER_TIMEOUT_S,
+    ) -> FileInfo:
+        """Write ``data`` (str is UTF-8 encoded) to ``path``, creating parent directories.
+
+        Args:
+            mode: permission bits, e.g. ``0o755``.
+        """
+        body = data.encode() if isinstance(data, str) else bytes(data)
+        if not 0 <= mode <= 0o7777:
+            raise InvalidRequest(f"mode must be within 0..0o7777, got {mode:#o}", mode=mode)
+        r = await self._req(
+            "PUT",
+            "/files",
+            params={"path": path, "mode": format(mode, "o")},
+            content=body,
+            headers={"content-type": "application/octet-stream"},
+            timeout=timeout,
+        )
+        return FileInfo.model_validate(r.json())
+
+    async def list(self, path: str = "/", *, depth: int = 1) -> builtins.list[FileInfo]:
+        """Entries under the directory ``path``, ``depth`` levels deep (1 = direct children)."""
+        r = await self._req("GET", "/files/list", params={"path": path, "depth": depth})
+        return _FILES.validate_python(r.json()["entries"])
+
+    async def stat(self, path: str) -> FileInfo:
+        """Metadata of ``path`` (not following a final symlink). Raises ``FileNotFound``."""
+        r = await self._req("GET", "/files/stat", params={"path": path})
+        return FileInfo.model_validate(r.json())
+
+    async def exists(self, path: str) -> bool:
+        """Whether ``path`` exists."""
+        try:
+            await self.stat(path)
+        except FileNotFound:
+            return False
+        return True
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, or a directory (non-empty only with ``recursive=True``)."""
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        await self._req("DELETE", "/files", params=params)
+
+    async def make_dir(self, path: str) -> FileInfo:
+        """Create directory ``path`` and its parents (no error if it exists)."""
+        r = await self._req("POST", "/files/mkdir", json={"path": path})
+        return FileInfo.model_validate(r.json())
+
+    async def rename(self, src: str, dst: str) -> FileInfo:
+        """Rename ``src`` to ``dst``."""
+        r = await self._req("POST", "/files/rename", json={"src": src, "dst": dst})
+        return FileInfo.model_validate(r.json())
+
+    async def upload_dir(
+        self,
+        local_dir: str | os.PathLike[str],
+        remote_path: str,
+        *,
+        timeout: float = TRANSFER_TIMEOUT_S,
+    ) -> int:
+        """Copy the local directory's contents into ``remote_path`` (one tar upload).
+
+        Regular files, directories and symlinks are sent; other file types are skipped.
+        Returns the number of entries the server wrote.
+        """
+        data = await asyncio.to_thread(_tar_directory, Path(local_dir))
+        r = await self._req(
+            "PUT",
+            "/files/tar",
+            params={"path": remote_path},
+            content=data,
+            headers={"content-type": "application/x-tar"},
+            timeout=timeout,
+        )
+        return int(r.json()["files"])
+
+    async def download_dir(
+        self,
+        remote_path: str,
+        local_dir: str | os.PathLike[str],
+        *,
+        timeout: float = TRANSFER_TIMEOUT_S,
+    ) -> builtins.list[str]:
+        """Copy ``remote_path`` (a directory or file) into ``local_dir`` (created if missing).
+
+        Extraction is safe: members with absolute paths, ``..``, links pointing outside
+        ``local_dir``, devices and FIFOs are refused (``InvalidRequest``) before anything is
+        written; set-uid/set-gid bits are dropped. Returns the relative paths written.
+        """
+        r = await self._req("GET", "/files/tar", params={"path": remote_path}, timeout=timeout)
+        return await asyncio.to_thread(_safe_extract, r.content, Path(local_dir))
+
+
+class AsyncSandbox:
+    """One sandbox on a dsec server. Build it with :meth:`create` or :meth:`connect`.
+
+    ``async with`` kills the sandbox on exit. Attributes: ``id``, ``info`` (as last seen;
+    :meth:`refresh` updates it), ``commands``, ``files``.
+    """
+
+    def __init__(self, info: SandboxInfo, client: AsyncClient, *, owns_client: bool) -> None:
+        self._info = info
+        self._client = client
+        self._owns_client = owns_client
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, tier={self._info.tier!r}, state={self._info.state!r})"
+
+    # --- construction -------------------------------------------------------
+    @staticmethod
+    def _client_for(
+        client: AsyncClient | None,
+        url: str | None,
+        api_key: str | None,
+        transport: httpx.AsyncBaseTransport | None,
+    ) -> tuple[AsyncClient, bool]:
+        if client is not None:
+            return client, False
+        return AsyncClient(url, api_key, transport=transport), True
+
+    @classmethod
+    async def create(
+        cls,
+        tier: str = "container",
+        image: str = "busybox",
+        layers: builtins.list[str] | None = None,
+        *,
+        cpu: float = 1.0,
+        memory_mb: int = 512,
+        disk_mb: int = 1024,
+        pids: int = 1024,
+        env: dict[str, str] | None = None,
+        ttl_s: float | None = 3600.0,
+        labels: dict[str, str] | None = None,
+        user: str | None = None,
+        job: str | None = None,
+        workdir: str = "/",
+        url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = CREATE_TIMEOUT_S,
+        transport: httpx.AsyncBaseTransport | None = None,
+        client: AsyncClient | None = None,
+    ) -> AsyncSandbox:
+        """Create a sandbox and wait until it runs.
+
+        Args:
+            tier: ``fncall``, ``container``, ``microvm`` or ``vm``.
+            image: image name or ``sha256:<digest>``.
+            layers: extra layers stacked above the image (workspaces, toolkits).
+            cpu: CPU cores. memory_mb: memory limit, MiB. disk_mb: writable layer, MiB.
+            pids: max processes. env: environment of every command.
+            ttl_s: idle seconds before the server kills it (None: no idle limit).
+            labels: free-form key/values to filter on. user: default exec user.
+            job: training-job id (groups sandboxes). workdir: default cwd.
+            url, api_key, transport: connection (ignored when ``client`` is given).
+            timeout: how long to wait for creation, seconds.
+            client: a shared :class:`AsyncClient` (its connection pool is reused).
+        """
+        req = _validated(
+            CreateSandboxRequest,
+            tier=tier,
+            image=image,
+            layers=layers or [],
+            cpu=cpu,
+            memory_mb=memory_mb,
+            disk_mb=disk_mb,
+            pids=pids,
+            env=env or {},
+            ttl_s=ttl_s,
+            labels=labels or {},
+            user=user,
+            job=job,
+            workdir=workdir,
+        )
+        conn, owned = cls._client_for(client, url, api_key, transport)
+        body = req.model_dump(mode="json")  # keep an explicit ttl_s=None
+        r = await conn._http.request("POST", "/v1/sandboxes", json=body, timeout=timeout)
+        return cls(SandboxInfo.model_validate(r.json()), conn, owns_client=owned)
+
+    @classmethod
+    async def connect(
+        cls,
+        sandbox_id: str,
+        *,
+        url: str | None = None,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        client: AsyncClient | None = None,
+    ) -> AsyncSandbox:
+        """Attach to an existing sandbox by id. Raises ``SandboxNotFound``."""
+        if not isinstance(sandbox_id, str) or not _SANDBOX_ID.match(sandbox_id):
+            raise InvalidRequest(f"not a sandbox id: {sandbox_id!r}", sandbox_id=str(sandbox_id))
+        conn, owned = cls._client_for(client, url, api_key, transport)
+        r = await conn._http.request("GET", f"/v1/sandboxes/{sandbox_id}")
+        return cls(SandboxInfo.model_validate(r.json()), conn, owns_client=owned)
+
+    @classmethod
+    async def list(
+        cls,
+        *,
+        state: str | None = None,
+        labels: dict[str, str] | None = None,
+        job: str | None = None,
+        include_stopped: bool = False,
+        url: str | None = None,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        client: AsyncClient | None = None,
+    ) -> builtins.list[SandboxInfo]:
+        """This key's sandboxes (running and paused; add ``include_stopped=True`` for all)."""
+        conn, owned = cls._client_for(client, url, api_key, transport)
+        try:
+            return await conn.list_sandboxes(
+                state=state, labels=labels, job=job, include_stopped=include_stopped
+            )
+        finally:
+            if owned:
+                await conn.close()
+
+    # --- accessors ------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        """The sandbox id, ``sb-<node>-<random>``."""
+        return self._info.id
+
+    @property
+    def info(self) -> SandboxInfo:
+        """What the server said about this sandbox last (see :meth:`refresh`)."""
+        return self._info
+
+    @property
+    def commands(self) -> AsyncCommands:
+        """Run commands: ``run``, ``stream``."""
+        return AsyncCommands(self)
+
+    @property
+    def files(self) -> AsyncFiles:
+        """File access: ``read``, ``write``, ``list``, ``upload_dir``, ..."""
+        return AsyncFiles(self)
+
+    def _path(self, suffix: str = "") -> str:
+        return f"/v1/sandboxes/{quote(self._info.id, safe='')}{suffix}"
+
+    # --- lifecycle --------------------------------------------------------------
+    async def refresh(self) -> SandboxInfo:
+        """Fetch the current state from the server and return it."""
+        r = await self._client._http.request("GET", self._path())
+        self._info = SandboxInfo.model_validate(r.json())
+        return self._info
+
+    async def set_ttl(self, ttl_s: float) -> SandboxInfo:
+        """Kill the sandbox after ``ttl_s`` idle seconds from now."""
+        r = await self._client._http.request("POST", self._path("/ttl"), json={"ttl_s": ttl_s})
+        self._info = SandboxInfo.model_validate(r.json())
+        return self._info
+
+    async def kill(self) -> SandboxInfo:
+        """Kill the sandbox (idempotent) and release this object's connections."""
+        try:
+            r = await self._client._http.request("DELETE", self._path())
+            self._info = SandboxInfo.model_validate(r.json())
+        finally:
+            if self._owns_client:
+                await self._client.close()
+        return self._info
+
+    async def close(self) -> None:
+        """Release connections without killing the sandbox (it lives until its TTL)."""
+        if self._owns_client:
+            await self._client.close()
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self.kill()
+        except SandboxNotFound:
+            pass  # already gone (expired and purged): nothing to clean up
+
+
+def _dump(model: Any) -> Any:
+    return model.model_dump(mode="json", exclude_none=True)
+
+
+def _tar_directory(root: Path) -> bytes:
+    if not root.is_dir():
+        raise InvalidRequest(f"not a local directory: {root}", path=str(root))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in [*sorted(dirnames), *sorted(filenames)]:
+                full = Path(dirpath) / name
+                rel = full.relative_to(root).as_posix()
+                if full.is_symlink() or full.is_file() or full.is_dir():
+                    tar.add(full, arcname=rel, recursive=False)
+    return buf.getvalue()
+
+
+def _check_member(member: tarfile.TarInfo, dest: Path) -> Path | None:
+    """Where ``member`` would land under ``dest``; raises on anything unsafe; None to skip."""
+    name = member.name
+    if name in ("", "."):
+        return None
+    if name.startswith("/") or "\0" in name:
+        raise InvalidRequest(f"unsafe tar member (absolute path): {name!r}", member=name)
+    norm = posixpath.normpath(name)
+    if norm == ".." or norm.startswith("../"):
+        raise InvalidRequest(f"unsafe tar member (escapes the target): {name!r}", member=name)
+    target = dest / norm
+    if member.issym() or member.islnk():
+        link = member.linkname
+        base = target.parent if member.issym() else dest
+        resolved = posixpath.normpath(posixpath.join(str(base), link))
+        if link.startswith("/") or not (resolved + "/").startswith(str(dest) + "/"):
+            raise InvalidRequest(f"unsafe tar link {name!r} -> {link!r}", member=name)
+    elif not (member.isfile() or member.isdir()):
+        raise InvalidRequest(f"refusing special file in tar: {name!r}", member=name)
+    return target
+
+
+def _safe_extract(data: bytes, dest: Path) -> builtins.list[str]:
+    dest.mkdir(parents=True, exist_ok=True)
+    dest = dest.resolve()
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+            members = tar.getmembers()
+            written: builtins.list[str] = []
+            for member in members:  # check everything before writing anything
+                if _check_member(member, dest) is not None:
+                    written.append(posixpath.normpath(member.name))
+                member.mode &= 0o777  # no set-uid/set-gid/sticky
+            safe = [m for m in members if m.name not in ("", ".")]
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(dest, members=safe, filter="data")
+            else:  # Python < 3.11.4: members were validated above
+                tar.extractall(dest, members=safe)
+    except tarfile.TarError as exc:
+        raise InvalidRequest(f"the server sent an invalid tar archive: {exc}") from exc
+    return written

@@ -1,0 +1,133 @@
+"""The ``dsec`` CLI against the in-process app, through the documented transport hook."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import dsec.cli.main as cli
+from dsec.testing import FakeEdge, app_transport
+
+
+@pytest.fixture
+def edge() -> FakeEdge:
+    return FakeEdge()
+
+
+@pytest.fixture
+def runner(edge: FakeEdge, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
+    transport, key = app_transport(edge)
+    monkeypatch.setattr(cli, "transport_factory", lambda: transport)
+    yield CliRunner(env={"DSEC_API_KEY": key, "DSEC_URL": "http://dsec.invalid", "COLUMNS": "200"})
+
+
+def test_run_prints_output_and_exits_with_the_code(runner: CliRunner, edge: FakeEdge) -> None:
+    edge.program(["make", "test"], stdout="building\n", stderr="warning\n", exit_code=3)
+    result = runner.invoke(
+        cli.app, ["run", "--image", "busybox", "--tier", "container", "--", "make", "test"]
+    )
+    assert result.exit_code == 3, result.output
+    assert result.stdout == "building\n"
+    assert "warning\n" in result.stderr
+    req = (
+        edge.calls_to("exec")[0]["req"]
+        if edge.calls_to("exec")
+        else edge.calls_to("exec_stream")[0]["req"]
+    )
+    assert req.cmd == ["make", "test"]
+    assert edge.calls_to("kill_sandbox"), "run kills the sandbox unless --keep"
+
+
+def test_run_single_argument_is_a_shell_command_and_keep(runner: CliRunner, edge: FakeEdge) -> None:
+    result = runner.invoke(cli.app, ["run", "--keep", "-e", "A=1", "--", "echo hi there"])
+    assert result.exit_code == 0 and result.stdout == "hi there\n"
+    req = edge.calls_to("exec_stream")[0]["req"]
+    assert req.cmd == "echo hi there" and req.env == {"A": "1"}
+    assert edge.calls_to("kill_sandbox") == []
+    assert "sandbox kept: sb-fake-" in result.stderr
+
+
+def test_run_timeout_and_signal_exit_codes(runner: CliRunner, edge: FakeEdge) -> None:
+    edge.program("slow", timed_out=True, exit_code=None)
+    assert runner.invoke(cli.app, ["run", "--", "slow"]).exit_code == 124
+    edge.program("killed", exit_code=None, signal=9)
+    assert runner.invoke(cli.app, ["run", "--", "killed"]).exit_code == 137
+
+
+def test_errors_are_one_red_line(runner: CliRunner) -> None:
+    result = runner.invoke(cli.app, ["run", "--tier", "vm", "--", "true"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().startswith("error:")
+    assert "tier_unavailable" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+    result = runner.invoke(cli.app, ["run", "--"])
+    assert result.exit_code != 0
+    result = runner.invoke(cli.app, ["exec", "sb-fake-00000000", "--", "true"])
+    assert result.exit_code == 1 and "sandbox_not_found" in result.stderr
+
+
+def test_ps_exec_kill(runner: CliRunner, edge: FakeEdge) -> None:
+    assert "no sandboxes" in runner.invoke(cli.app, ["ps"]).stdout
+    runner.invoke(cli.app, ["run", "--keep", "--", "true"])
+    sandbox_id = edge.calls_to("exec_stream")[0]["sandbox_id"]
+    ps = runner.invoke(cli.app, ["ps"])
+    assert ps.exit_code == 0 and sandbox_id in ps.stdout and "running" in ps.stdout
+
+    result = runner.invoke(cli.app, ["exec", sandbox_id, "--", "echo", "from", "exec"])
+    assert result.exit_code == 0 and result.stdout == "from exec\n"
+    result = runner.invoke(cli.app, ["exec", sandbox_id, "--", "exit 5"])
+    assert result.exit_code == 5
+
+    result = runner.invoke(cli.app, ["kill", sandbox_id, "sb-fake-00000000"])
+    assert result.exit_code == 1
+    assert f"killed {sandbox_id}" in result.stdout and "sb-fake-00000000" in result.stderr
+    assert sandbox_id not in runner.invoke(cli.app, ["ps"]).stdout
+    assert sandbox_id in runner.invoke(cli.app, ["ps", "--all"]).stdout
+
+
+def test_image_commands_and_info(runner: CliRunner, edge: FakeEdge) -> None:
+    ls = runner.invoke(cli.app, ["image", "ls"])
+    assert ls.exit_code == 0 and "busybox" in ls.stdout and "2.0 MiB" in ls.stdout
+    built = runner.invoke(
+        cli.app,
+        ["image", "build", "/srv/ws", "--name", "ws:1", "--kind", "toolkit", "--base", "busybox"],
+    )
+    assert built.exit_code == 0, built.output
+    assert "built ws:1: 2 layers" in built.stdout
+    assert edge.calls_to("build_image")[0] == {
+        "path": "/srv/ws",
+        "name": "ws:1",
+        "kind": "toolkit",
+        "base": "busybox",
+    }
+    bad = runner.invoke(cli.app, ["image", "build", "/srv/ws", "--name", "Bad Name"])
+    assert bad.exit_code == 1 and "invalid image name" in bad.stderr
+    info = runner.invoke(cli.app, ["info"])
+    assert info.exit_code == 0
+    assert "node fake" in info.stdout
+    for tier in ("fncall", "container", "microvm", "vm"):
+        assert tier in info.stdout
+    assert "not enabled on the fake edge" in info.stdout
+
+
+def test_unreachable_server_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "transport_factory", None)
+    result = CliRunner().invoke(cli.app, ["--url", "http://127.0.0.1:1", "--api-key", "k", "ps"])
+    assert result.exit_code == 1
+    assert "dsec serve" in result.stderr and "Traceback" not in result.output
+
+
+def test_key_commands(tmp_path: Path) -> None:
+    runner = CliRunner()
+    created = runner.invoke(cli.app, ["key", "create", "--name", "ci", "--home", str(tmp_path)])
+    assert created.exit_code == 0
+    key = created.stdout.strip()
+    assert key.startswith("dsec_")
+    listed = runner.invoke(cli.app, ["key", "ls", "--home", str(tmp_path)])
+    assert "default" in listed.stdout and "ci" in listed.stdout
+    assert runner.invoke(cli.app, ["key", "revoke", key, "--home", str(tmp_path)]).exit_code == 0
+    again = runner.invoke(cli.app, ["key", "revoke", key, "--home", str(tmp_path)])
+    assert again.exit_code == 1 and "no such key" in again.stderr

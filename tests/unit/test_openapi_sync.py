@@ -1,0 +1,62 @@
+"""The checked-in OpenAPI document matches the app, and describes the API we promise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dsec.apiserver
+from dsec.apiserver.app import openapi_document, render_openapi
+
+CHECKED_IN = Path(dsec.apiserver.__file__).parent / "openapi.json"
+REGEN = ".venv/bin/python scripts/gen_openapi.py"
+
+
+def test_checked_in_openapi_is_current() -> None:
+    assert CHECKED_IN.exists(), f"{CHECKED_IN} is missing; run: {REGEN}"
+    assert CHECKED_IN.read_text() == render_openapi(), (
+        f"{CHECKED_IN} is stale (the API changed); regenerate it with: {REGEN}"
+    )
+
+
+def test_openapi_describes_routes_security_and_errors() -> None:
+    doc = openapi_document()
+    json.dumps(doc)  # serialisable
+    paths = doc["paths"]
+    expected = {
+        "/v1/sandboxes": {"get", "post"},
+        "/v1/sandboxes/{sandbox_id}": {"get", "delete"},
+        "/v1/sandboxes/{sandbox_id}/ttl": {"post"},
+        "/v1/sandboxes/{sandbox_id}/exec": {"post"},
+        "/v1/sandboxes/{sandbox_id}/exec/stream": {"post"},
+        "/v1/sandboxes/{sandbox_id}/files": {"get", "put", "delete"},
+        "/v1/sandboxes/{sandbox_id}/files/list": {"get"},
+        "/v1/sandboxes/{sandbox_id}/files/stat": {"get"},
+        "/v1/sandboxes/{sandbox_id}/files/mkdir": {"post"},
+        "/v1/sandboxes/{sandbox_id}/files/rename": {"post"},
+        "/v1/sandboxes/{sandbox_id}/files/tar": {"get", "put"},
+        "/v1/images": {"get"},
+        "/v1/images/{name}": {"get"},
+        "/v1/images/build": {"post"},
+        "/v1/layers": {"get"},
+        "/v1/node": {"get"},
+        "/v1/capabilities": {"get"},
+        "/healthz": {"get"},
+        "/metrics": {"get"},
+    }
+    assert {p: set(ops) for p, ops in paths.items()} == expected
+    for path, ops in paths.items():
+        for op in ops.values():
+            if path.startswith("/v1"):
+                assert op.get("security") == [{"ApiKey": []}], path
+                for status in ("400", "401", "404", "413", "422", "500"):
+                    body = op["responses"][status]["content"]["application/json"]["schema"]
+                    assert body == {"$ref": "#/components/schemas/ErrorBody"}, (path, status)
+                # 422 is dsec's `unsupported`, never FastAPI's validation error
+                assert "unsupported" in op["responses"]["422"]["description"]
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    stream = paths["/v1/sandboxes/{sandbox_id}/exec/stream"]["post"]["responses"]["200"]["content"]
+    assert "application/x-ndjson" in stream
+    for ref in json.dumps(doc).split('"$ref": "')[1:]:
+        name = ref.split('"')[0].removeprefix("#/components/schemas/")
+        assert name in doc["components"]["schemas"], f"dangling $ref {name}"
