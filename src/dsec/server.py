@@ -65,6 +65,36 @@ def build_runtimes(
     return runtimes
 
 
+def build_app(edge: EdgeAgent, keys: Any) -> Any:
+    """The full HTTP surface of one server: the dsec API, the E2B-compatible API under
+    ``/e2b`` (control plane) and ``/e2b/envd`` (in-sandbox API), and SandboxFusion's
+    ``/run_code`` when the fncall tier is present."""
+    from dsec.apiserver.app import create_app
+
+    app = create_app(edge, keys)
+    app.state.closers = []
+    try:
+        from dsec.e2b import make_e2b_app
+    except ImportError as e:  # the e2b package is a dependency; say so if it is missing
+        log.warning("E2B-compatible API disabled: %s", e)
+    else:
+        e2b_app = make_e2b_app(edge, keys.verify)
+        app.mount("/e2b", e2b_app)
+        app.state.closers.append(e2b_app.state.e2b.aclose)
+
+    mount_runcode = getattr(edge, "mount_runcode", None)
+    if mount_runcode is not None:
+        mount_runcode(app, keys)
+    return app
+
+
+async def close_app(app: Any) -> None:
+    """Release what :func:`build_app` attached (background process tables, watchers)."""
+    for close in getattr(app.state, "closers", []):
+        with contextlib.suppress(Exception):
+            await close()
+
+
 @contextlib.asynccontextmanager
 async def embedded_edge(
     home: Path | None = None, *, tiers: list[str] | None = None, limits: EdgeLimits | None = None
@@ -91,7 +121,6 @@ def serve(
     """Run the server in the foreground until SIGINT/SIGTERM."""
     import uvicorn
 
-    from dsec.apiserver.app import create_app
     from dsec.apiserver.auth import KeyStore
 
     logging.basicConfig(
@@ -107,7 +136,7 @@ def serve(
     async def main() -> None:
         async with embedded_edge(paths.home) as edge:
             keys = KeyStore(paths.home)
-            app = create_app(edge, keys)
+            app = build_app(edge, keys)
             config = uvicorn.Config(
                 app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False
             )
@@ -121,7 +150,10 @@ def serve(
             log.info(
                 "dsec serve on http://%s:%d (home %s, node %s)", host, port, paths.home, edge.node
             )
-            await server.serve()
+            try:
+                await server.serve()
+            finally:
+                await close_app(app)
 
     asyncio.run(main())
 
@@ -166,7 +198,6 @@ class BackgroundServer:
 
         import uvicorn
 
-        from dsec.apiserver.app import create_app
         from dsec.apiserver.auth import KeyStore
 
         ready = threading.Event()
@@ -175,7 +206,7 @@ class BackgroundServer:
             async with embedded_edge(self.home, tiers=self.tiers, limits=self.limits) as edge:
                 self.edge = edge
                 self.keys = KeyStore(self.home)
-                app = create_app(edge, self.keys)
+                app = build_app(edge, self.keys)
                 server = uvicorn.Server(
                     uvicorn.Config(
                         app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
@@ -189,7 +220,10 @@ class BackgroundServer:
                         task.result()
                     await asyncio.sleep(0.01)
                 ready.set()
-                await task
+                try:
+                    await task
+                finally:
+                    await close_app(app)
                 await edge.close(kill_sandboxes=True)
 
         def thread_main() -> None:

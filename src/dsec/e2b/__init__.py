@@ -1,0 +1,151 @@
+"""E2B compatibility: the unmodified ``e2b`` SDK drives dsec sandboxes.
+
+Point the SDK at a dsec server with two environment variables (plus a dsec key)::
+
+    E2B_API_URL=http://127.0.0.1:7070/e2b          # control plane
+    E2B_SANDBOX_URL=http://127.0.0.1:7070/e2b/envd # in-sandbox API (envd)
+    E2B_API_KEY=<a dsec API key>
+
+The SDK appends its REST paths to ``E2B_API_URL`` and its Connect/HTTP paths to
+``E2B_SANDBOX_URL`` (both keep a path prefix), and names the sandbox in the
+``E2b-Sandbox-Id`` header, so one port serves everything.
+
+Wiring (the lead's ``dsec serve``)::
+
+    e2b_app = make_e2b_app(edge, verify_key)
+    app.mount("/e2b", e2b_app)                      # envd under /e2b/envd
+    ...
+    await e2b_app.state.e2b.aclose()                # on shutdown: kill tracked processes
+
+Pass ``envd_path=None`` to leave envd out of this app and serve
+``app.state.e2b.envd`` (an ASGI app) on a port of its own instead.
+
+Example (a client)::
+
+    from e2b import Sandbox
+    with Sandbox.create("base") as sbx:          # dsec image 'debian'
+        print(sbx.commands.run("echo hi").stdout)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Mount
+
+from dsec.e2b.access import DEFAULT_TEMPLATE_ALIASES, AccessTokens, TemplateMap
+from dsec.e2b.control import ENVD_VERSION, ControlPlane, VerifyKey
+from dsec.e2b.envd import DEFAULT_MAX_UPLOAD_BYTES, EnvdApp
+from dsec.e2b.interactive import (
+    ExecStreamProcess,
+    InteractiveExec,
+    InteractiveProcess,
+    OutputChunk,
+    PtySize,
+)
+from dsec.e2b.process import ProcessRegistry
+from dsec.edge.interface import EdgeAPI
+
+__all__ = [
+    "DEFAULT_TEMPLATE_ALIASES",
+    "ENVD_VERSION",
+    "AccessTokens",
+    "E2BCompat",
+    "ExecStreamProcess",
+    "InteractiveExec",
+    "InteractiveProcess",
+    "OutputChunk",
+    "PtySize",
+    "TemplateMap",
+    "make_e2b_app",
+]
+
+
+@dataclass
+class E2BCompat:
+    """The state behind one E2B app: control plane, envd and the process table."""
+
+    control: ControlPlane
+    envd: EnvdApp
+    registry: ProcessRegistry
+
+    async def aclose(self) -> None:
+        """Kill every process started through the E2B API (server shutdown)."""
+        await self.registry.aclose()
+
+
+def make_e2b_app(
+    edge: EdgeAPI,
+    verify_key: VerifyKey,
+    *,
+    envd_path: str | None = "/envd",
+    token_secret: bytes | None = None,
+    templates: TemplateMap | None = None,
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+    watch_poll_interval_s: float = 0.25,
+) -> Starlette:
+    """Build the E2B-compatible ASGI app.
+
+    Args:
+        edge: the edge (``EdgeAPI``); an edge that also implements
+            :class:`InteractiveExec` gets stdin after start and signals.
+        verify_key: ``X-API-Key`` -> owner id, or ``None`` for an unknown key.
+        envd_path: where envd is mounted inside this app (``/envd``), or ``None``
+            to serve ``app.state.e2b.envd`` separately.
+        token_secret: HMAC key for envd access tokens; share it between replicas
+            (``None``: random per process).
+        templates: E2B template -> dsec tier/image map (default: ``base`` -> ``debian``).
+        max_upload_bytes: largest file upload, bytes.
+        watch_poll_interval_s: seconds between two listings of a watched directory.
+
+    Returns:
+        A Starlette app; ``app.state.e2b`` is the :class:`E2BCompat` (call
+        ``aclose()`` on shutdown).
+    """
+    tokens = AccessTokens(token_secret)
+    registry = ProcessRegistry(edge)
+    envd = EnvdApp(
+        edge,
+        tokens,
+        registry,
+        max_upload_bytes=max_upload_bytes,
+        watch_poll_interval_s=watch_poll_interval_s,
+    )
+    control = ControlPlane(
+        edge, verify_key, tokens, templates or TemplateMap(), registry, envd.filesystem
+    )
+    routes: list[BaseRoute] = []
+    if envd_path is not None:
+        routes.append(Mount(envd_path, app=envd))
+    routes.extend(control.routes())
+
+    async def not_implemented(request: Request) -> JSONResponse:
+        return JSONResponse(
+            {
+                "code": 501,
+                "message": f"{request.method} {request.url.path} is not implemented by dsec's E2B API",
+            },
+            status_code=501,
+        )
+
+    routes.append(Mount("/", app=_fallback(not_implemented)))
+    app = Starlette(routes=routes)
+    app.state.e2b = E2BCompat(control=control, envd=envd, registry=registry)
+    return app
+
+
+def _fallback(endpoint: object) -> Starlette:
+    from starlette.routing import Route
+
+    return Starlette(
+        routes=[
+            Route(
+                "/{rest:path}",
+                endpoint,  # type: ignore[arg-type]
+                methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+            )
+        ]
+    )

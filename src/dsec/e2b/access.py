@@ -1,0 +1,104 @@
+"""Who may talk to which sandbox, and which dsec image an E2B template names.
+
+envd access tokens
+    The SDK sends the control-plane key (``X-API-Key``) only to the control
+    plane. In-sandbox requests carry ``E2b-Sandbox-Id`` and the
+    ``envdAccessToken`` the control plane returned at create/connect time (as
+    ``X-Access-Token``). dsec issues that token statelessly: it binds the
+    sandbox id to the owner with an HMAC-SHA256 under a server secret, so any
+    apiserver replica holding the secret can check it without a lookup. A token
+    for sandbox A presented with ``E2b-Sandbox-Id: B`` does not verify, so
+    another owner's sandbox is never reachable (answered as "not found").
+
+templates
+    ``template_id`` is resolved by :class:`TemplateMap`: an explicit alias table
+    (``base`` -> ``debian`` by default), otherwise the template is taken as a
+    dsec image name. ``<tier>/<image>`` (e.g. ``microvm/debian``) picks a tier;
+    without it the default tier is used.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass, field
+
+from dsec.models import TIERS
+
+__all__ = ["DEFAULT_TEMPLATE_ALIASES", "AccessTokens", "TemplateMap", "TemplateTarget"]
+
+DEFAULT_TEMPLATE_ALIASES: dict[str, str] = {
+    "base": "debian",
+    "code-interpreter-v1": "debian",
+    "code-interpreter": "debian",
+}
+"""E2B's public template names mapped to dsec images. Any other name is looked up as an image."""
+
+
+class AccessTokens:
+    """Issue and verify envd access tokens (``<owner, base64url>.<hmac hex>``).
+
+    Args:
+        secret: HMAC key. Give every apiserver replica the same one so tokens
+            survive restarts and work across replicas; ``None`` draws a random
+            32-byte key (tokens then die with the process; ``connect()`` issues
+            a fresh one).
+    """
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret if secret is not None else secrets.token_bytes(32)
+
+    def _mac(self, sandbox_id: str, owner: str) -> str:
+        msg = f"e2b-envd\0{sandbox_id}\0{owner}".encode()
+        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
+
+    def issue(self, sandbox_id: str, owner: str) -> str:
+        """The token for ``owner`` to reach ``sandbox_id``'s in-sandbox API."""
+        owner_b64 = base64.urlsafe_b64encode(owner.encode()).decode().rstrip("=")
+        return f"{owner_b64}.{self._mac(sandbox_id, owner)}"
+
+    def verify(self, sandbox_id: str, token: str) -> str | None:
+        """The owner the token was issued to for ``sandbox_id``, or ``None``."""
+        owner_b64, sep, mac = token.partition(".")
+        if not sep or len(mac) != 64 or len(owner_b64) > 1024:
+            return None
+        try:
+            owner = base64.urlsafe_b64decode(owner_b64 + "=" * (-len(owner_b64) % 4)).decode()
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            return None
+        if not hmac.compare_digest(mac, self._mac(sandbox_id, owner)):
+            return None
+        return owner
+
+
+@dataclass(frozen=True)
+class TemplateTarget:
+    """Where an E2B template lands in dsec: a tier and an image name."""
+
+    tier: str
+    image: str
+
+
+@dataclass
+class TemplateMap:
+    """Resolve E2B template ids to dsec (tier, image).
+
+    Args:
+        aliases: template name -> dsec image name.
+        default_tier: tier used when the template does not start with ``<tier>/``.
+    """
+
+    aliases: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_TEMPLATE_ALIASES))
+    default_tier: str = "container"
+
+    def resolve(self, template_id: str) -> TemplateTarget:
+        """Split ``[<tier>/]<name>`` and apply the alias table (the edge checks the image exists)."""
+        tier = self.default_tier
+        name = template_id.strip()
+        head, sep, rest = name.partition("/")
+        if sep and head in TIERS:
+            tier, name = head, rest
+        return TemplateTarget(tier=tier, image=self.aliases.get(name, name))

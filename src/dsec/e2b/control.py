@@ -1,0 +1,495 @@
+"""E2B's control-plane REST API (``E2B_API_URL``) over ``EdgeAPI``.
+
+Request and response bodies are E2B's own generated models
+(``e2b.api.client.models``): requests are parsed with ``from_dict`` and answers
+built with ``to_dict``, so the JSON shapes are exactly what the SDK reads.
+
+Mapping:
+
+* ``X-API-Key`` -> ``verify_key(key)`` -> owner (401 when unknown).
+* ``templateID`` -> (tier, image) by :class:`~dsec.e2b.access.TemplateMap`;
+  kept in the label ``e2b.template`` (hidden from ``metadata``).
+* ``metadata`` -> labels, ``envVars`` -> env, ``timeout`` (s) -> ``ttl_s``.
+* sandbox state: dsec ``creating``/``running`` -> ``running``, ``paused`` ->
+  ``paused``; a ``stopped`` sandbox no longer exists (404).
+* pause / resume / connect-resumes -> ``pause_sandbox`` / ``resume_sandbox``;
+  ``lifecycle.on_timeout`` -> ``on_timeout``; snapshots -> ``snapshot_sandbox``
+  tagged as an image (the snapshot id is that image name, so it works as a
+  template); fork -> ``fork_sandbox``.
+* features dsec does not have (listing/deleting snapshots, metrics, logs,
+  network rules, MCP, volumes, template builds) answer 422 (or 501 for routes
+  not implemented at all) with a message that says so; the SDK raises
+  ``SandboxException("<status>: <message>")``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import secrets
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from e2b.api.client.models import (
+    ListedSandbox,
+    NewSandboxV2,
+    SandboxDetail,
+    SandboxState,
+    SnapshotInfo,
+)
+from e2b.api.client.models import Sandbox as E2BSandbox
+from e2b.api.client.types import Unset
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from dsec.e2b.access import AccessTokens, TemplateMap
+from dsec.e2b.errors import E2BError, control_status
+from dsec.e2b.filesystem import FilesystemService
+from dsec.e2b.process import ProcessRegistry
+from dsec.edge.interface import EdgeAPI
+from dsec.errors import DsecError, ImageNotFound
+from dsec.models import CreateSandboxRequest, ForkRequest, SandboxInfo, SnapshotRequest
+
+__all__ = ["ENVD_VERSION", "TEMPLATE_LABEL", "ControlPlane"]
+
+ENVD_VERSION = "0.6.3"
+"""The envd version dsec reports. It gates SDK features: stdin, close_stdin,
+octet-stream uploads and watch entries are on; file metadata is refused by dsec
+(501), watching network mounts (0.6.4) is refused by the SDK itself."""
+TEMPLATE_LABEL = "e2b.template"
+DEFAULT_TIMEOUT_S = 300
+LIST_PAGE_MAX = 100
+CLIENT_ID = "dsec"
+
+VerifyKey = Callable[[str], "str | None"]
+
+
+def _aware(when: datetime) -> datetime:
+    """``when`` with a time zone (naive times from the edge are UTC)."""
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+def _unset(value: Any) -> Any:
+    return None if isinstance(value, Unset) else value
+
+
+def _error(status: int, message: str, *, retry: bool | None = None) -> JSONResponse:
+    headers = {"Should-Retry": "true" if retry else "false"} if retry is not None else None
+    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
+
+
+class ControlPlane:
+    """The REST routes; see :meth:`routes`."""
+
+    def __init__(
+        self,
+        edge: EdgeAPI,
+        verify_key: VerifyKey,
+        tokens: AccessTokens,
+        templates: TemplateMap,
+        registry: ProcessRegistry,
+        filesystem: FilesystemService,
+    ) -> None:
+        self.edge = edge
+        self.verify_key = verify_key
+        self.tokens = tokens
+        self.templates = templates
+        self.registry = registry
+        self.filesystem = filesystem
+
+    # --- plumbing -----------------------------------------------------------
+    def routes(self) -> list[Route]:
+        """Starlette routes, relative to the control plane's base URL (``E2B_API_URL``)."""
+        g = self._guard
+        return [
+            Route("/sandboxes", g(self.create), methods=["POST"]),
+            Route("/v2/sandboxes", g(self.create), methods=["POST"]),
+            Route("/sandboxes", g(self.list_v1), methods=["GET"]),
+            Route("/v2/sandboxes", g(self.list_v2), methods=["GET"]),
+            Route("/sandboxes/metrics", g(self.refuse_metrics), methods=["GET"]),
+            Route("/sandboxes/{sandbox_id}", g(self.get), methods=["GET"]),
+            Route("/sandboxes/{sandbox_id}", g(self.kill), methods=["DELETE"]),
+            Route("/sandboxes/{sandbox_id}/timeout", g(self.set_timeout), methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/refreshes", g(self.refresh), methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/connect", g(self.connect), methods=["POST"]),
+            Route("/v2/sandboxes/{sandbox_id}/connect", g(self.connect), methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/pause", g(self.pause), methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/resume", g(self.resume), methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/snapshots", g(self.snapshot), methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/fork", g(self.fork), methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/network", g(self.refuse_on_sandbox), methods=["PUT"]),
+            Route("/sandboxes/{sandbox_id}/metrics", g(self.refuse_on_sandbox), methods=["GET"]),
+            Route("/sandboxes/{sandbox_id}/logs", g(self.refuse_on_sandbox), methods=["GET"]),
+            Route("/v2/sandboxes/{sandbox_id}/logs", g(self.refuse_on_sandbox), methods=["GET"]),
+            Route("/snapshots", g(self.refuse_snapshots), methods=["GET"]),
+            Route("/templates/{template_id:path}", g(self.refuse_snapshots), methods=["DELETE"]),
+        ]
+
+    def _guard(
+        self, handler: Callable[[Request, str], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            key = request.headers.get("x-api-key")
+            try:
+                owner = self.verify_key(key) if key else None
+            except Exception:
+                owner = None
+            if owner is None:
+                return _error(401, "missing or invalid X-API-Key (use a dsec API key)")
+            try:
+                return await handler(request, owner)
+            except E2BError as e:
+                return _error(e.status, e.message)
+            except ImageNotFound as e:
+                return _error(404, f"template not found: {e.message}")
+            except DsecError as e:
+                status = control_status(e)
+                return _error(status, e.message, retry=False if status == 429 else None)
+
+        return endpoint
+
+    @staticmethod
+    async def _json(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if not raw:
+            return {}
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise E2BError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise E2BError(400, "request body must be a JSON object")
+        return body
+
+    # --- rendering ----------------------------------------------------------
+    @staticmethod
+    def _state(info: SandboxInfo) -> SandboxState:
+        return SandboxState.PAUSED if info.state == "paused" else SandboxState.RUNNING
+
+    @staticmethod
+    def _end_at(info: SandboxInfo) -> datetime:
+        if info.expires_at is not None:
+            return _aware(info.expires_at)
+        if info.ttl_s is not None:
+            return _aware(info.updated_at) + timedelta(seconds=info.ttl_s)
+        return _aware(info.created_at) + timedelta(days=30)
+
+    @staticmethod
+    def _metadata(info: SandboxInfo) -> dict[str, str]:
+        return {k: v for k, v in info.labels.items() if k != TEMPLATE_LABEL}
+
+    def _template(self, info: SandboxInfo) -> str:
+        return info.labels.get(TEMPLATE_LABEL, info.image)
+
+    def _created(self, info: SandboxInfo, owner: str) -> dict[str, Any]:
+        return E2BSandbox(
+            template_id=self._template(info),
+            sandbox_id=info.id,
+            client_id=CLIENT_ID,
+            envd_version=ENVD_VERSION,
+            alias=self._template(info),
+            envd_access_token=self.tokens.issue(info.id, owner),
+            domain=None,
+        ).to_dict()
+
+    def _listed(self, info: SandboxInfo) -> dict[str, Any]:
+        return ListedSandbox(
+            template_id=self._template(info),
+            sandbox_id=info.id,
+            client_id=CLIENT_ID,
+            started_at=_aware(info.created_at),
+            end_at=self._end_at(info),
+            cpu_count=max(1, round(info.cpu)),
+            memory_mb=info.memory_mb,
+            disk_size_mb=info.disk_mb,
+            state=self._state(info),
+            envd_version=ENVD_VERSION,
+            alias=self._template(info),
+            metadata=self._metadata(info),
+        ).to_dict()
+
+    def _detail(self, info: SandboxInfo, owner: str) -> dict[str, Any]:
+        return SandboxDetail(
+            template_id=self._template(info),
+            sandbox_id=info.id,
+            client_id=CLIENT_ID,
+            started_at=_aware(info.created_at),
+            end_at=self._end_at(info),
+            envd_version=ENVD_VERSION,
+            cpu_count=max(1, round(info.cpu)),
+            memory_mb=info.memory_mb,
+            disk_size_mb=info.disk_mb,
+            state=self._state(info),
+            alias=self._template(info),
+            envd_access_token=self.tokens.issue(info.id, owner),
+            allow_internet_access=False,
+            domain=None,
+            metadata=self._metadata(info),
+        ).to_dict()
+
+    async def _live(self, sandbox_id: str, owner: str) -> SandboxInfo:
+        """The sandbox if it exists for this owner and is not stopped; 404 otherwise."""
+        info = await self.edge.get_sandbox(sandbox_id, owner)
+        if info.state == "stopped":
+            raise E2BError(404, f"sandbox {sandbox_id} not found")
+        return info
+
+    # --- routes ---------------------------------------------------------------
+    async def create(self, request: Request, owner: str) -> Response:
+        body = await self._json(request)
+        try:
+            new = NewSandboxV2.from_dict(body)
+        except (KeyError, TypeError, ValueError) as e:
+            raise E2BError(400, f"invalid sandbox request: {e}") from None
+        refused = []
+        auto_resume = _unset(new.auto_resume)
+        if auto_resume is not None and getattr(auto_resume, "enabled", True) is False:
+            refused.append(
+                "lifecycle auto_resume=False (a paused dsec sandbox resumes on any request)"
+            )
+        if new.allow_internet_access is True:
+            refused.append("allow_internet_access=True (dsec sandboxes have no network yet)")
+        if _unset(new.network) is not None:
+            refused.append("network rules (dsec network policy lands in a later release)")
+        if _unset(new.mcp) is not None:
+            refused.append("mcp")
+        if _unset(new.volume_mounts):
+            refused.append("volume_mounts")
+        if _unset(new.iam) is not None:
+            refused.append("iam")
+        if refused:
+            raise E2BError(422, "not supported by dsec: " + "; ".join(refused))
+        target = self.templates.resolve(new.template_id)
+        metadata = _unset(new.metadata) or {}
+        envs = _unset(new.env_vars) or {}
+        if not isinstance(metadata, dict) or not isinstance(envs, dict):
+            raise E2BError(400, "metadata and envVars must be objects of strings")
+        timeout = _unset(new.timeout)
+        try:
+            req = CreateSandboxRequest(
+                tier=target.tier,
+                image=target.image,
+                env={str(k): str(v) for k, v in envs.items()},
+                labels={
+                    **{str(k): str(v) for k, v in metadata.items()},
+                    TEMPLATE_LABEL: new.template_id,
+                },
+                ttl_s=float(timeout if timeout is not None else DEFAULT_TIMEOUT_S),
+                on_timeout="pause" if new.auto_pause is True else "kill",
+            )
+        except ValidationError as e:
+            msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            raise E2BError(400, f"invalid sandbox request: {msg}") from None
+        info = await self.edge.create_sandbox(req, owner)
+        return JSONResponse(self._created(info, owner), status_code=201)
+
+    async def _filtered(self, request: Request, owner: str) -> list[SandboxInfo]:
+        q = request.query_params
+        labels: dict[str, str] | None = None
+        if q.get("metadata"):
+            labels = {
+                urllib.parse.unquote(k): urllib.parse.unquote(v)
+                for k, v in urllib.parse.parse_qsl(q["metadata"], keep_blank_values=True)
+            }
+        states = {s.strip() for s in q.get("state", "").split(",") if s.strip()}
+        if states - {"running", "paused"}:
+            raise E2BError(400, f"unknown state filter {sorted(states - {'running', 'paused'})}")
+        infos = await self.edge.list_sandboxes(owner, labels=labels)
+        out = [i for i in infos if i.state != "stopped"]
+        if states:
+            out = [i for i in out if self._state(i).value in states]
+        if q.get("template"):
+            out = [i for i in out if self._template(i) == q["template"]]
+        if q.get("startedAfter"):
+            try:
+                after = datetime.fromisoformat(q["startedAfter"])
+            except ValueError:
+                raise E2BError(400, "startedAfter must be an ISO 8601 time") from None
+            if after.tzinfo is None:
+                after = after.replace(tzinfo=UTC)
+            out = [i for i in out if _aware(i.created_at) >= after]
+        return out
+
+    async def list_v1(self, request: Request, owner: str) -> Response:
+        infos = sorted(
+            await self._filtered(request, owner), key=lambda i: (_aware(i.created_at), i.id)
+        )
+        return JSONResponse([self._listed(i) for i in infos])
+
+    async def list_v2(self, request: Request, owner: str) -> Response:
+        q = request.query_params
+        order = q.get("order", "asc")
+        if order not in ("asc", "desc"):
+            raise E2BError(400, "order must be 'asc' or 'desc'")
+        try:
+            limit = int(q.get("limit", LIST_PAGE_MAX))
+        except ValueError:
+            raise E2BError(400, "limit must be an integer") from None
+        if not 1 <= limit <= LIST_PAGE_MAX:
+            raise E2BError(400, f"limit must be between 1 and {LIST_PAGE_MAX}")
+        desc = order == "desc"
+        infos = sorted(
+            await self._filtered(request, owner),
+            key=lambda i: (_aware(i.created_at), i.id),
+            reverse=desc,
+        )
+        token = q.get("nextToken")
+        if token:
+            try:
+                when_s, _, last_id = (
+                    base64.urlsafe_b64decode(token.encode()).decode().partition("|")
+                )
+                last = (_aware(datetime.fromisoformat(when_s)), last_id)
+            except (binascii.Error, UnicodeDecodeError, ValueError):
+                raise E2BError(400, "invalid nextToken") from None
+            infos = [
+                i
+                for i in infos
+                if (
+                    (_aware(i.created_at), i.id) < last
+                    if desc
+                    else (_aware(i.created_at), i.id) > last
+                )
+            ]
+        page = infos[:limit]
+        headers = {}
+        if len(infos) > limit:
+            tail = page[-1]
+            headers["X-Next-Token"] = base64.urlsafe_b64encode(
+                f"{_aware(tail.created_at).isoformat()}|{tail.id}".encode()
+            ).decode()
+        return JSONResponse([self._listed(i) for i in page], headers=headers)
+
+    async def get(self, request: Request, owner: str) -> Response:
+        info = await self._live(request.path_params["sandbox_id"], owner)
+        return JSONResponse(self._detail(info, owner))
+
+    async def kill(self, request: Request, owner: str) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        await self._live(sandbox_id, owner)
+        await self.edge.kill_sandbox(sandbox_id, owner)
+        await self.registry.drop_sandbox(sandbox_id)
+        self.filesystem.drop_sandbox(sandbox_id)
+        return Response(status_code=204)
+
+    @staticmethod
+    def _seconds(body: dict[str, Any], name: str) -> float:
+        value = body.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise E2BError(400, f"{name} must be a positive number of seconds")
+        return float(value)
+
+    async def set_timeout(self, request: Request, owner: str) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        seconds = self._seconds(await self._json(request), "timeout")
+        await self._live(sandbox_id, owner)
+        await self.edge.set_ttl(sandbox_id, owner, seconds)
+        return Response(status_code=204)
+
+    async def refresh(self, request: Request, owner: str) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        body = await self._json(request)
+        seconds = (
+            self._seconds(body, "duration") if "duration" in body else float(DEFAULT_TIMEOUT_S)
+        )
+        await self._live(sandbox_id, owner)
+        await self.edge.set_ttl(sandbox_id, owner, seconds)
+        return Response(status_code=204)
+
+    async def connect(self, request: Request, owner: str) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        body = await self._json(request)
+        info = await self._live(sandbox_id, owner)
+        status = 200
+        if info.state == "paused":
+            if body.get("memory") is False:
+                raise E2BError(422, "on_resume='reboot' is not supported by dsec")
+            info = await self.edge.resume_sandbox(sandbox_id, owner)
+            status = 201
+        if body.get("timeout") is not None:
+            seconds = self._seconds(body, "timeout")
+            remaining = (self._end_at(info) - datetime.now(UTC)).total_seconds()
+            if seconds > remaining:  # E2B only ever extends on connect
+                info = await self.edge.set_ttl(sandbox_id, owner, seconds)
+        return JSONResponse(self._created(info, owner), status_code=status)
+
+    async def pause(self, request: Request, owner: str) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        info = await self._live(sandbox_id, owner)
+        if info.state == "paused":
+            return _error(409, f"sandbox {sandbox_id} is already paused")
+        await self.edge.pause_sandbox(sandbox_id, owner)
+        return Response(status_code=204)
+
+    async def resume(self, request: Request, owner: str) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        body = await self._json(request)
+        info = await self._live(sandbox_id, owner)
+        if info.state != "paused":
+            return _error(409, f"sandbox {sandbox_id} is already running")
+        info = await self.edge.resume_sandbox(sandbox_id, owner)
+        if body.get("timeout") is not None:
+            info = await self.edge.set_ttl(sandbox_id, owner, self._seconds(body, "timeout"))
+        return JSONResponse(self._created(info, owner), status_code=201)
+
+    async def snapshot(self, request: Request, owner: str) -> Response:
+        """A dsec snapshot (``pack_diff`` layer) tagged as an image; its name is the
+        ``snapshot_id``, usable as a template (``Sandbox.create(snapshot_id)``)."""
+        sandbox_id = request.path_params["sandbox_id"]
+        body = await self._json(request)
+        info = await self._live(sandbox_id, owner)
+        if body.get("memory") is True:
+            raise E2BError(
+                422, "dsec snapshots are filesystem-only: use mode='filesystem' (or leave it unset)"
+            )
+        name = body.get("name") or f"e2b-snapshot-{secrets.token_hex(6)}"
+        if not isinstance(name, str):
+            raise E2BError(400, "name must be a string")
+        try:
+            req = SnapshotRequest(name=name)
+        except ValidationError as e:
+            raise E2BError(400, f"invalid snapshot name {name!r}: {e.errors()[0]['msg']}") from None
+        await self.edge.snapshot_sandbox(sandbox_id, owner, req)
+        snap = SnapshotInfo(snapshot_id=name, names=[name, self._template(info)])
+        return JSONResponse(snap.to_dict(), status_code=201)
+
+    async def fork(self, request: Request, owner: str) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        body = await self._json(request)
+        info = await self._live(sandbox_id, owner)
+        count = body.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 20:
+            raise E2BError(400, "count must be an integer between 1 and 20")
+        result = await self.edge.fork_sandbox(
+            sandbox_id, owner, ForkRequest(n=count, labels=dict(info.labels))
+        )
+        out: list[dict[str, Any]] = []
+        for child in result.sandboxes:
+            if body.get("timeout") is not None:
+                child = await self.edge.set_ttl(child.id, owner, self._seconds(body, "timeout"))
+            out.append({"sandbox": self._created(child, owner)})
+        return JSONResponse(out, status_code=201)
+
+    async def refuse_on_sandbox(self, request: Request, owner: str) -> Response:
+        await self._live(request.path_params["sandbox_id"], owner)
+        what = request.url.path.rstrip("/").rsplit("/", 1)[-1]
+        return _error(
+            422,
+            f"'{what}' is not supported by dsec yet (per-sandbox metrics, logs and network "
+            "rules arrive in later releases)",
+        )
+
+    async def refuse_metrics(self, request: Request, owner: str) -> Response:
+        return _error(422, "sandbox metrics are not supported by dsec yet")
+
+    async def refuse_snapshots(self, request: Request, owner: str) -> Response:
+        return _error(
+            422,
+            "listing and deleting snapshots is not supported by dsec's E2B API yet "
+            "(snapshots are dsec images: see `dsec images`)",
+        )

@@ -1,0 +1,377 @@
+"""The in-sandbox API ("envd") as one ASGI app: Connect-RPC services and ``/files``.
+
+Routing is by the ``E2b-Sandbox-Id`` header the SDK sends with every
+in-sandbox request when ``E2B_SANDBOX_URL`` is set; access is checked with the
+``X-Access-Token`` the control plane issued (see :mod:`dsec.e2b.access`).
+
+Routes (relative to where the app is mounted, e.g. ``/e2b/envd``):
+
+* ``POST /process.Process/<Method>``        Connect, :mod:`dsec.e2b.process`
+* ``POST /filesystem.Filesystem/<Method>``  Connect, :mod:`dsec.e2b.filesystem`
+* ``GET /files?path=``   download one file (bytes)
+* ``POST /files?path=``  upload: ``multipart/form-data`` (one or more ``file``
+  parts named by their path) or ``application/octet-stream`` (optionally
+  ``Content-Encoding: gzip``); answers ``[{"name", "type", "path"}]``
+* ``GET /health``        204 while the sandbox runs, 502 "... was not found" after
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import re
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.codec import Codec, proto_binary_codec, proto_json_codec
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
+from e2b.envd.process.process_connect import ProcessASGIApplication
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from dsec.e2b.access import AccessTokens
+from dsec.e2b.errors import E2BError, envd_http_status, sandbox_gone_message, to_connect_error
+from dsec.e2b.filesystem import FilesystemService
+from dsec.e2b.process import ProcessRegistry, ProcessService
+from dsec.edge.interface import EdgeAPI
+from dsec.errors import DsecError, PayloadTooLarge
+
+__all__ = ["DEFAULT_MAX_UPLOAD_BYTES", "EnvdApp", "route_path"]
+
+log = logging.getLogger("dsec.e2b")
+
+DEFAULT_MAX_UPLOAD_BYTES = 100 << 20
+"""Largest ``/files`` upload body (after gzip decoding), bytes."""
+RPC_READ_MAX_BYTES = 16 << 20
+"""Largest Connect request message (stdin chunks, paths), bytes."""
+
+
+def route_path(scope: Scope) -> str:
+    """The request path below the app's mount point (``root_path`` stripped)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root) :] or "/"
+    return path
+
+
+class _Shield:
+    """Connect interceptor: dsec errors become Connect errors; a bug is INTERNAL, never a raw 500."""
+
+    @staticmethod
+    def _convert(e: Exception, ctx: RequestContext) -> ConnectError:
+        if isinstance(e, ConnectError):
+            return e
+        if isinstance(e, DsecError):
+            return to_connect_error(e, ctx.request_headers.get("e2b-sandbox-id", ""))
+        log.exception("e2b envd: unexpected error in %s", ctx.method.name, exc_info=e)
+        return ConnectError(Code.INTERNAL, f"internal error: {type(e).__name__}")
+
+    async def intercept_unary(
+        self,
+        call_next: Callable[[Any, RequestContext], Awaitable[Any]],
+        request: Any,
+        ctx: RequestContext,
+    ) -> Any:
+        try:
+            return await call_next(request, ctx)
+        except ConnectError:
+            raise
+        except Exception as e:
+            raise self._convert(e, ctx) from None
+
+    async def intercept_client_stream(
+        self,
+        call_next: Callable[[Any, RequestContext], Awaitable[Any]],
+        request: Any,
+        ctx: RequestContext,
+    ) -> Any:
+        try:
+            return await call_next(request, ctx)
+        except ConnectError:
+            raise
+        except Exception as e:
+            raise self._convert(e, ctx) from None
+
+    async def intercept_server_stream(
+        self,
+        call_next: Callable[[Any, RequestContext], AsyncIterator[Any]],
+        request: Any,
+        ctx: RequestContext,
+    ) -> AsyncIterator[Any]:
+        stream = call_next(request, ctx)
+        try:
+            async for item in stream:
+                yield item
+        except ConnectError:
+            raise
+        except Exception as e:
+            raise self._convert(e, ctx) from None
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class _StrictCodec:
+    """A Connect codec whose decode failures are ``INVALID_ARGUMENT``, not an unhandled 500."""
+
+    def __init__(self, inner: Codec) -> None:
+        self._inner = inner
+
+    def name(self) -> str:
+        return str(self._inner.name())
+
+    def encode(self, message: Any) -> bytes:
+        return bytes(self._inner.encode(message))
+
+    def decode(self, data: bytes | bytearray, message_class: type[Any]) -> Any:
+        try:
+            return self._inner.decode(data, message_class)
+        except ConnectError:
+            raise
+        except Exception as e:
+            raise ConnectError(
+                Code.INVALID_ARGUMENT, f"cannot decode {message_class.__name__}: {e}"
+            ) from None
+
+
+CODECS = [_StrictCodec(proto_binary_codec()), _StrictCodec(proto_json_codec())]
+"""Binary and JSON protobuf, as connectrpc's defaults, with decode errors made INVALID_ARGUMENT."""
+
+
+_FILENAME = re.compile(r'filename\*?="((?:[^"\\]|\\.)*)"|filename=([^;\s]+)', re.IGNORECASE)
+
+
+def _split_multipart(body: bytes, content_type: str) -> list[tuple[str | None, bytes]]:
+    """``(filename, data)`` of each part of a ``multipart/form-data`` body."""
+    m = re.search(r'boundary="?([^";]+)"?', content_type)
+    if not m:
+        raise E2BError(400, "multipart body without a boundary")
+    delim = b"--" + m.group(1).encode("latin-1")
+    pieces = body.split(delim)
+    if len(pieces) < 3:
+        raise E2BError(400, "malformed multipart body")
+    out: list[tuple[str | None, bytes]] = []
+    for piece in pieces[1:]:
+        if piece.startswith(b"--"):
+            break
+        if piece.startswith(b"\r\n"):
+            piece = piece[2:]
+        head, sep, data = piece.partition(b"\r\n\r\n")
+        if not sep:
+            raise E2BError(400, "malformed multipart part")
+        if data.endswith(b"\r\n"):
+            data = data[:-2]
+        filename = None
+        for line in head.decode("utf-8", "replace").split("\r\n"):
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-disposition":
+                fm = _FILENAME.search(value)
+                if fm:
+                    raw = fm.group(1) if fm.group(1) is not None else fm.group(2)
+                    filename = raw.replace("%22", '"').replace('\\"', '"').replace("\\\\", "\\")
+        out.append((filename, data))
+    return out
+
+
+class EnvdApp:
+    """ASGI app serving envd for every sandbox (see the module docstring).
+
+    Args:
+        edge: the edge the sandboxes live on.
+        tokens: verifies ``X-Access-Token`` against ``E2b-Sandbox-Id``.
+        registry: the process table shared with the control plane (kill drops it).
+        max_upload_bytes: largest upload body, bytes (``PayloadTooLarge`` -> 413).
+        watch_poll_interval_s: seconds between two listings of a watched directory.
+    """
+
+    def __init__(
+        self,
+        edge: EdgeAPI,
+        tokens: AccessTokens,
+        registry: ProcessRegistry,
+        *,
+        max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+        watch_poll_interval_s: float = 0.25,
+    ) -> None:
+        self.edge = edge
+        self.tokens = tokens
+        self.registry = registry
+        self.max_upload_bytes = max_upload_bytes
+        self.filesystem = FilesystemService(
+            edge, self._authorize_rpc, poll_interval_s=watch_poll_interval_s
+        )
+        self.process = ProcessService(registry, self._authorize_rpc)
+        shield = [_Shield()]
+        self._process_app = ProcessASGIApplication(
+            self.process,
+            interceptors=shield,
+            read_max_bytes=RPC_READ_MAX_BYTES,
+            codecs=CODECS,
+        )
+        self._fs_app = FilesystemASGIApplication(
+            self.filesystem,
+            interceptors=shield,
+            read_max_bytes=RPC_READ_MAX_BYTES,
+            codecs=CODECS,
+        )
+        self._http = Starlette(
+            routes=[
+                Route("/files", self._download, methods=["GET"]),
+                Route("/files", self._upload, methods=["POST"]),
+                Route("/health", self._health, methods=["GET"]),
+            ],
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = route_path(scope)
+            if path.startswith("/process.Process/"):
+                await self._process_app(scope, receive, send)
+                return
+            if path.startswith("/filesystem.Filesystem/"):
+                await self._fs_app(scope, receive, send)
+                return
+        await self._http(scope, receive, send)
+
+    # --- access -----------------------------------------------------------
+    def _check(self, sandbox_id: str | None, token: str | None) -> tuple[str, str]:
+        """``(sandbox_id, owner)``; raises ``E2BError`` (400/401/502) otherwise."""
+        if not sandbox_id:
+            raise E2BError(
+                400, "missing E2b-Sandbox-Id header: set E2B_SANDBOX_URL to dsec's envd URL"
+            )
+        if not token:
+            raise E2BError(401, "missing X-Access-Token (signed URLs are not supported by dsec)")
+        owner = self.tokens.verify(sandbox_id, token)
+        if owner is None:
+            # A token for another sandbox (or another owner): the sandbox does not exist for it.
+            raise E2BError(502, sandbox_gone_message(sandbox_id))
+        return sandbox_id, owner
+
+    async def _authorize_rpc(self, ctx: RequestContext) -> tuple[str, str]:
+        headers = ctx.request_headers
+        try:
+            return self._check(headers.get("e2b-sandbox-id"), headers.get("x-access-token"))
+        except E2BError as e:
+            code = {400: Code.INVALID_ARGUMENT, 401: Code.UNAUTHENTICATED}.get(
+                e.status, Code.UNAVAILABLE
+            )
+            raise ConnectError(code, e.message) from None
+
+    # --- HTTP routes ------------------------------------------------------
+    @staticmethod
+    def _error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"code": status, "message": message}, status_code=status)
+
+    async def _http_target(self, request: Request) -> tuple[str, str]:
+        return self._check(
+            request.headers.get("e2b-sandbox-id"), request.headers.get("x-access-token")
+        )
+
+    async def _abs_path(self, sandbox_id: str, owner: str, path: str) -> str:
+        if not path or "\0" in path:
+            raise E2BError(400, "a non-empty path is required")
+        if path.startswith("/"):
+            return posixpath.normpath(path) if path != "/" else "/"
+        info = await self.edge.get_sandbox(sandbox_id, owner)
+        return posixpath.normpath(posixpath.join(info.workdir or "/", path))
+
+    async def _guard(
+        self, request: Request, handler: Callable[[str, str], Awaitable[Response]]
+    ) -> Response:
+        sandbox_id = request.headers.get("e2b-sandbox-id", "")
+        try:
+            sid, owner = await self._http_target(request)
+            return await handler(sid, owner)
+        except E2BError as e:
+            return self._error(e.status, e.message)
+        except DsecError as e:
+            status = envd_http_status(e)
+            message = sandbox_gone_message(sandbox_id) if status == 502 else e.message
+            return self._error(status, message)
+
+    async def _health(self, request: Request) -> Response:
+        async def handler(sandbox_id: str, owner: str) -> Response:
+            info = await self.edge.get_sandbox(sandbox_id, owner)
+            if info.state == "stopped":
+                return self._error(502, sandbox_gone_message(sandbox_id))
+            return Response(status_code=204)
+
+        return await self._guard(request, handler)
+
+    async def _download(self, request: Request) -> Response:
+        async def handler(sandbox_id: str, owner: str) -> Response:
+            path = await self._abs_path(sandbox_id, owner, request.query_params.get("path", ""))
+            data = await self.edge.read_file(sandbox_id, owner, path)
+            name = posixpath.basename(path).replace('"', "")
+            return Response(
+                data,
+                media_type="application/octet-stream",
+                headers={"Content-Disposition": f'attachment; filename="{name}"'},
+            )
+
+        return await self._guard(request, handler)
+
+    async def _read_body(self, request: Request) -> bytes:
+        chunks: list[bytes] = []
+        total = 0
+        limit = self.max_upload_bytes + (64 << 10)  # multipart framing
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise PayloadTooLarge(f"upload is larger than {self.max_upload_bytes} bytes")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        encoding = request.headers.get("content-encoding", "identity").lower()
+        if encoding == "gzip":
+            inflater = zlib.decompressobj(wbits=31)
+            try:
+                body = inflater.decompress(body, self.max_upload_bytes + 1)
+            except zlib.error as e:
+                raise E2BError(400, f"bad gzip body: {e}") from None
+            if len(body) > self.max_upload_bytes or inflater.unconsumed_tail:
+                raise PayloadTooLarge(f"upload is larger than {self.max_upload_bytes} bytes")
+        elif encoding not in ("identity", ""):
+            raise E2BError(400, f"unsupported Content-Encoding {encoding!r}")
+        return body
+
+    async def _upload(self, request: Request) -> Response:
+        async def handler(sandbox_id: str, owner: str) -> Response:
+            if any(k.lower().startswith("x-metadata-") for k in request.headers):
+                raise E2BError(501, "file metadata (user.e2b.* xattrs) is not supported by dsec")
+            query_path = request.query_params.get("path")
+            content_type = request.headers.get("content-type", "")
+            body = await self._read_body(request)
+            files: list[tuple[str, bytes]] = []
+            if content_type.lower().startswith("multipart/form-data"):
+                parts = _split_multipart(body, content_type)
+                for filename, data in parts:
+                    target = query_path if (len(parts) == 1 and query_path) else filename
+                    if not target:
+                        raise E2BError(
+                            400, "a multipart part has no file name and no path was given"
+                        )
+                    files.append((target, data))
+            else:
+                if not query_path:
+                    raise E2BError(400, "the path query parameter is required")
+                files.append((query_path, body))
+            if any(len(data) > self.max_upload_bytes for _, data in files):
+                raise PayloadTooLarge(f"a file is larger than {self.max_upload_bytes} bytes")
+            written: list[dict[str, str]] = []
+            for target, data in files:
+                path = await self._abs_path(sandbox_id, owner, target)
+                await self.edge.write_file(sandbox_id, owner, path, data)
+                written.append({"name": posixpath.basename(path), "type": "file", "path": path})
+            return JSONResponse(written)
+
+        return await self._guard(request, handler)

@@ -1,0 +1,338 @@
+"""envd's ``filesystem.Filesystem`` Connect service over ``EdgeAPI`` file calls.
+
+Paths: absolute sandbox paths; a relative path is taken relative to the
+sandbox's workdir (E2B resolves it against the user's home).
+
+Watching (``watch_dir`` in both SDK flavours) is done by polling: each poll
+lists the watched tree (``depth`` 1, or up to :data:`RECURSIVE_WATCH_DEPTH`
+levels when recursive) and diffs it with the previous listing. A new path is
+``CREATE``, a vanished one ``REMOVE``, a changed size or mtime ``WRITE``, a
+changed mode only ``CHMOD``; a rename shows as ``REMOVE`` + ``CREATE``. Events
+arrive up to one poll interval late and writes within one interval coalesce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import posixpath
+import secrets
+import stat as stat_mod
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from e2b.envd.filesystem import filesystem_connect
+from e2b.envd.filesystem import filesystem_pb as fs_pb
+from protobuf import Oneof
+from protobuf.wkt import Timestamp
+
+from dsec.e2b.errors import to_connect_error
+from dsec.edge.interface import EdgeAPI
+from dsec.errors import DsecError, FileNotFound, InvalidRequest
+from dsec.models import FileInfo
+
+__all__ = ["RECURSIVE_WATCH_DEPTH", "FilesystemService", "entry_info"]
+
+RECURSIVE_WATCH_DEPTH = 16
+"""Levels below the watched directory a recursive watch sees."""
+WATCH_POLL_INTERVAL_S = 0.25
+"""How often a watch re-lists its tree, seconds."""
+MAX_WATCHERS_PER_SANDBOX = 64
+WATCHER_IDLE_EXPIRY_S = 600.0
+"""A ``CreateWatcher`` watcher nobody polled for this long is dropped, seconds."""
+
+_TYPES = {
+    "file": fs_pb.FileType.FILE,
+    "dir": fs_pb.FileType.DIRECTORY,
+    "symlink": fs_pb.FileType.SYMLINK,
+}
+_MODE_BITS = {"file": stat_mod.S_IFREG, "dir": stat_mod.S_IFDIR, "symlink": stat_mod.S_IFLNK}
+
+
+def _watch_start() -> fs_pb.WatchDirResponse:
+    payload: Oneof[Literal["start"], fs_pb.WatchDirResponse.StartEvent] = Oneof(
+        "start", fs_pb.WatchDirResponse.StartEvent()
+    )
+    return fs_pb.WatchDirResponse(event=payload)
+
+
+def _watch_event(ev: fs_pb.FilesystemEvent) -> fs_pb.WatchDirResponse:
+    payload: Oneof[Literal["filesystem"], fs_pb.FilesystemEvent] = Oneof("filesystem", ev)
+    return fs_pb.WatchDirResponse(event=payload)
+
+
+def _watch_keepalive() -> fs_pb.WatchDirResponse:
+    payload: Oneof[Literal["keepalive"], fs_pb.WatchDirResponse.KeepAlive] = Oneof(
+        "keepalive", fs_pb.WatchDirResponse.KeepAlive()
+    )
+    return fs_pb.WatchDirResponse(event=payload)
+
+
+def _user_name(uid: int) -> str:
+    return "root" if uid == 0 else str(uid)
+
+
+def entry_info(info: FileInfo) -> fs_pb.EntryInfo:
+    """envd's ``EntryInfo`` for a dsec :class:`FileInfo` (owner/group: ``root`` or the numeric id)."""
+    mode = info.mode & 0o7777
+    return fs_pb.EntryInfo(
+        name=info.name,
+        type=_TYPES.get(info.type, fs_pb.FileType.UNSPECIFIED),
+        path=info.path,
+        size=info.size,
+        mode=mode,
+        permissions=stat_mod.filemode(_MODE_BITS.get(info.type, 0) | mode),
+        owner=_user_name(info.uid),
+        group=_user_name(info.gid),
+        modified_time=Timestamp.from_nanos(int(info.mtime * 1e9)),
+        symlink_target=info.target if info.type == "symlink" else None,
+        is_symlink=info.type == "symlink",
+    )
+
+
+Fingerprint = tuple[str, int, float, int]
+
+
+@dataclass
+class _Watcher:
+    sandbox_id: str
+    owner: str
+    path: str
+    recursive: bool
+    include_entry: bool
+    snapshot: dict[str, tuple[Fingerprint, FileInfo]]
+    last_used: float = field(default_factory=time.monotonic)
+
+
+Authorize = Callable[[RequestContext], Awaitable[tuple[str, str]]]
+
+
+class FilesystemService(filesystem_connect.Filesystem):
+    """The ``filesystem.Filesystem`` Connect service."""
+
+    def __init__(
+        self,
+        edge: EdgeAPI,
+        authorize: Authorize,
+        *,
+        poll_interval_s: float = WATCH_POLL_INTERVAL_S,
+    ) -> None:
+        self._edge = edge
+        self._authorize = authorize
+        self._poll_interval_s = poll_interval_s
+        self._watchers: dict[str, _Watcher] = {}
+
+    # --- helpers ------------------------------------------------------------
+    async def _abs(self, sandbox_id: str, owner: str, path: str) -> str:
+        if not path:
+            raise ConnectError(Code.INVALID_ARGUMENT, "path is empty")
+        if "\0" in path:
+            raise ConnectError(Code.INVALID_ARGUMENT, "path contains a NUL byte")
+        if path.startswith("/"):
+            return posixpath.normpath(path) if path != "/" else "/"
+        try:
+            info = await self._edge.get_sandbox(sandbox_id, owner)
+        except DsecError as e:
+            raise to_connect_error(e, sandbox_id) from None
+        return posixpath.normpath(posixpath.join(info.workdir or "/", path))
+
+    async def _call(self, sandbox_id: str, coro: Awaitable[object]) -> object:
+        try:
+            return await coro
+        except DsecError as e:
+            raise to_connect_error(e, sandbox_id) from None
+
+    async def _listing(self, w: _Watcher) -> dict[str, tuple[Fingerprint, FileInfo]]:
+        depth = RECURSIVE_WATCH_DEPTH if w.recursive else 1
+        infos = await self._edge.list_files(w.sandbox_id, w.owner, w.path, depth=depth)
+        return {i.path: ((i.type, i.size, i.mtime, i.mode), i) for i in infos if i.path != w.path}
+
+    def _diff(
+        self, w: _Watcher, new: dict[str, tuple[Fingerprint, FileInfo]]
+    ) -> list[fs_pb.FilesystemEvent]:
+        events: list[fs_pb.FilesystemEvent] = []
+
+        def event(path: str, kind: fs_pb.EventType, info: FileInfo | None) -> None:
+            name = posixpath.relpath(path, w.path)
+            entry = entry_info(info) if (w.include_entry and info is not None) else None
+            events.append(fs_pb.FilesystemEvent(name=name, type=kind, entry=entry))
+
+        for path, (fp, info) in sorted(new.items()):
+            old = w.snapshot.get(path)
+            if old is None:
+                event(path, fs_pb.EventType.CREATE, info)
+            elif old[0] != fp:
+                ofp = old[0]
+                only_mode = ofp[0] == fp[0] and ofp[1] == fp[1] and ofp[2] == fp[2]
+                event(path, fs_pb.EventType.CHMOD if only_mode else fs_pb.EventType.WRITE, info)
+        for path in sorted(set(w.snapshot) - set(new)):
+            event(path, fs_pb.EventType.REMOVE, None)
+        w.snapshot = new
+        return events
+
+    async def _new_watcher(
+        self, sandbox_id: str, owner: str, path: str, recursive: bool, include_entry: bool
+    ) -> _Watcher:
+        path = await self._abs(sandbox_id, owner, path)
+        try:
+            info = await self._edge.stat_file(sandbox_id, owner, path)
+            if info.type != "dir":
+                raise InvalidRequest(f"path {path} is not a directory")
+            w = _Watcher(sandbox_id, owner, path, recursive, include_entry, {})
+            w.snapshot = await self._listing(w)
+        except DsecError as e:
+            raise to_connect_error(e, sandbox_id) from None
+        return w
+
+    def _expire_watchers(self) -> None:
+        now = time.monotonic()
+        for wid, w in list(self._watchers.items()):
+            if now - w.last_used > WATCHER_IDLE_EXPIRY_S:
+                del self._watchers[wid]
+
+    def drop_sandbox(self, sandbox_id: str) -> None:
+        """Forget the watchers of a sandbox that was killed."""
+        for wid, w in list(self._watchers.items()):
+            if w.sandbox_id == sandbox_id:
+                del self._watchers[wid]
+
+    # --- RPCs -------------------------------------------------------------
+    async def stat(self, request: fs_pb.StatRequest, ctx: RequestContext) -> fs_pb.StatResponse:
+        sandbox_id, owner = await self._authorize(ctx)
+        path = await self._abs(sandbox_id, owner, request.path)
+        info = await self._call(sandbox_id, self._edge.stat_file(sandbox_id, owner, path))
+        assert isinstance(info, FileInfo)
+        return fs_pb.StatResponse(entry=entry_info(info))
+
+    async def make_dir(
+        self, request: fs_pb.MakeDirRequest, ctx: RequestContext
+    ) -> fs_pb.MakeDirResponse:
+        sandbox_id, owner = await self._authorize(ctx)
+        path = await self._abs(sandbox_id, owner, request.path)
+        try:
+            await self._edge.stat_file(sandbox_id, owner, path)
+        except FileNotFound:
+            pass
+        except DsecError as e:
+            raise to_connect_error(e, sandbox_id) from None
+        else:
+            raise ConnectError(Code.ALREADY_EXISTS, f"path {path} already exists")
+        info = await self._call(sandbox_id, self._edge.make_dir(sandbox_id, owner, path))
+        assert isinstance(info, FileInfo)
+        return fs_pb.MakeDirResponse(entry=entry_info(info))
+
+    async def move(self, request: fs_pb.MoveRequest, ctx: RequestContext) -> fs_pb.MoveResponse:
+        sandbox_id, owner = await self._authorize(ctx)
+        src = await self._abs(sandbox_id, owner, request.source)
+        dst = await self._abs(sandbox_id, owner, request.destination)
+        info = await self._call(sandbox_id, self._edge.rename_file(sandbox_id, owner, src, dst))
+        assert isinstance(info, FileInfo)
+        return fs_pb.MoveResponse(entry=entry_info(info))
+
+    async def list_dir(
+        self, request: fs_pb.ListDirRequest, ctx: RequestContext
+    ) -> fs_pb.ListDirResponse:
+        sandbox_id, owner = await self._authorize(ctx)
+        path = await self._abs(sandbox_id, owner, request.path)
+        depth = request.depth or 1
+        if depth > 64:
+            raise ConnectError(Code.INVALID_ARGUMENT, "depth is at most 64")
+        infos = await self._call(sandbox_id, self._edge.list_files(sandbox_id, owner, path, depth))
+        assert isinstance(infos, list)
+        return fs_pb.ListDirResponse(entries=[entry_info(i) for i in infos if i.path != path])
+
+    async def remove(
+        self, request: fs_pb.RemoveRequest, ctx: RequestContext
+    ) -> fs_pb.RemoveResponse:
+        sandbox_id, owner = await self._authorize(ctx)
+        path = await self._abs(sandbox_id, owner, request.path)
+        if path == "/":
+            raise ConnectError(Code.INVALID_ARGUMENT, "refusing to remove /")
+        await self._call(
+            sandbox_id, self._edge.remove_file(sandbox_id, owner, path, recursive=True)
+        )
+        return fs_pb.RemoveResponse()
+
+    async def watch_dir(
+        self, request: fs_pb.WatchDirRequest, ctx: RequestContext
+    ) -> AsyncIterator[fs_pb.WatchDirResponse]:
+        sandbox_id, owner = await self._authorize(ctx)
+        w = await self._new_watcher(
+            sandbox_id, owner, request.path, request.recursive, request.include_entry
+        )
+        yield _watch_start()
+        raw = ctx.request_headers.get("keepalive-ping-interval")
+        keepalive = 50.0
+        with contextlib.suppress(ValueError):
+            keepalive = min(max(float(raw or 50), 1.0), 300.0)
+        loop = asyncio.get_running_loop()
+        last_sent = loop.time()
+        while True:
+            remaining = ctx.timeout_ms
+            if remaining is not None and remaining <= 0:
+                raise ConnectError(Code.DEADLINE_EXCEEDED, "watch timeout reached")
+            await asyncio.sleep(self._poll_interval_s)
+            try:
+                events = self._diff(w, await self._listing(w))
+            except FileNotFound:
+                raise ConnectError(
+                    Code.NOT_FOUND, f"watched directory {w.path} was removed"
+                ) from None
+            except DsecError as e:
+                raise to_connect_error(e, sandbox_id) from None
+            for ev in events:
+                yield _watch_event(ev)
+                last_sent = loop.time()
+            if loop.time() - last_sent >= keepalive:
+                yield _watch_keepalive()
+                last_sent = loop.time()
+
+    async def create_watcher(
+        self, request: fs_pb.CreateWatcherRequest, ctx: RequestContext
+    ) -> fs_pb.CreateWatcherResponse:
+        sandbox_id, owner = await self._authorize(ctx)
+        self._expire_watchers()
+        if (
+            sum(1 for w in self._watchers.values() if w.sandbox_id == sandbox_id)
+            >= MAX_WATCHERS_PER_SANDBOX
+        ):
+            raise ConnectError(
+                Code.RESOURCE_EXHAUSTED, f"at most {MAX_WATCHERS_PER_SANDBOX} watchers per sandbox"
+            )
+        w = await self._new_watcher(
+            sandbox_id, owner, request.path, request.recursive, request.include_entry
+        )
+        watcher_id = "w-" + secrets.token_hex(8)
+        self._watchers[watcher_id] = w
+        return fs_pb.CreateWatcherResponse(watcher_id=watcher_id)
+
+    def _get_watcher(self, watcher_id: str, sandbox_id: str, owner: str) -> _Watcher:
+        w = self._watchers.get(watcher_id)
+        if w is None or w.sandbox_id != sandbox_id or w.owner != owner:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id} not found")
+        w.last_used = time.monotonic()
+        return w
+
+    async def get_watcher_events(
+        self, request: fs_pb.GetWatcherEventsRequest, ctx: RequestContext
+    ) -> fs_pb.GetWatcherEventsResponse:
+        sandbox_id, owner = await self._authorize(ctx)
+        w = self._get_watcher(request.watcher_id, sandbox_id, owner)
+        try:
+            events = self._diff(w, await self._listing(w))
+        except DsecError as e:
+            raise to_connect_error(e, sandbox_id) from None
+        return fs_pb.GetWatcherEventsResponse(events=events)
+
+    async def remove_watcher(
+        self, request: fs_pb.RemoveWatcherRequest, ctx: RequestContext
+    ) -> fs_pb.RemoveWatcherResponse:
+        sandbox_id, owner = await self._authorize(ctx)
+        self._get_watcher(request.watcher_id, sandbox_id, owner)
+        self._watchers.pop(request.watcher_id, None)
+        return fs_pb.RemoveWatcherResponse()

@@ -1,0 +1,114 @@
+"""nftables through libnftables (ctypes): one in-process context, no ``nft`` subprocess.
+
+libnftables is the library the ``nft`` command itself is built on (Debian package
+``libnftables1``, a dependency of ``nftables``). Running a command in-process costs
+about 0.1-0.5 ms instead of 2-4 ms for spawning ``nft``, which matters because the
+DNS resolver admits every answer into the packet filter before it replies.
+
+Each :meth:`Nftables.run` call is one netlink transaction: a multi-line script either
+applies completely or not at all (the kernel's nf_tables commit is atomic), which is
+how policies are swapped without a window where the sandbox is unfiltered.
+
+Nothing here parses client input; callers build scripts from validated values only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import threading
+from typing import Any
+
+__all__ = ["NftError", "Nftables"]
+
+_NFT_CTX_DEFAULT = 0
+_NFT_CTX_OUTPUT_JSON = 1 << 4
+_NFT_CTX_OUTPUT_HANDLE = 1 << 3
+
+
+class NftError(OSError):
+    """libnftables rejected a command; ``message`` holds nft's own error text."""
+
+
+def _load() -> ctypes.CDLL:
+    name = ctypes.util.find_library("nftables") or "libnftables.so.1"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError as e:  # pragma: no cover - depends on the node's packages
+        raise NftError(f"libnftables not found ({name}): install the 'nftables' package") from e
+    lib.nft_ctx_new.restype = ctypes.c_void_p
+    lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+    lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_buffer_output.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_get_output_buffer.restype = ctypes.c_char_p
+    lib.nft_ctx_get_output_buffer.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
+    lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
+    lib.nft_run_cmd_from_buffer.restype = ctypes.c_int
+    lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+    return lib
+
+
+class Nftables:
+    """One libnftables context. Thread-safe (calls are serialised by a lock).
+
+    Example::
+
+        nft = Nftables()
+        nft.run("add table ip demo")
+        tables = nft.json("list tables")
+        nft.run("delete table ip demo")
+        nft.close()
+    """
+
+    def __init__(self) -> None:
+        self._lib = _load()
+        self._lock = threading.Lock()
+        self._ctx = self._new_ctx(0)
+        self._json_ctx = self._new_ctx(_NFT_CTX_OUTPUT_JSON)
+
+    def _new_ctx(self, flags: int) -> int:
+        ctx = self._lib.nft_ctx_new(_NFT_CTX_DEFAULT)
+        if not ctx:
+            raise NftError("nft_ctx_new failed")
+        self._lib.nft_ctx_buffer_output(ctx)
+        self._lib.nft_ctx_buffer_error(ctx)
+        if flags:
+            self._lib.nft_ctx_output_set_flags(ctx, flags)
+        return int(ctx)
+
+    def _run(self, ctx: int, script: str) -> str:
+        with self._lock:
+            if not ctx:
+                raise NftError("nftables context is closed")
+            rc = self._lib.nft_run_cmd_from_buffer(ctx, script.encode())
+            out = self._lib.nft_ctx_get_output_buffer(ctx) or b""
+            err = self._lib.nft_ctx_get_error_buffer(ctx) or b""
+        if rc != 0:
+            raise NftError(f"nft failed: {err.decode(errors='replace').strip()}")
+        return out.decode(errors="replace")
+
+    def run(self, script: str) -> str:
+        """Run an nft script (one or more lines) as one atomic transaction; returns its output."""
+        return self._run(self._ctx, script)
+
+    def json(self, command: str) -> list[dict[str, Any]]:
+        """Run a ``list ...`` command and return the ``nftables`` array of its JSON output."""
+        out = self._run(self._json_ctx, command)
+        if not out.strip():
+            return []
+        data = json.loads(out)
+        items: list[dict[str, Any]] = data.get("nftables", [])
+        return items
+
+    def close(self) -> None:
+        """Free the contexts. Idempotent."""
+        with self._lock:
+            for attr in ("_ctx", "_json_ctx"):
+                ctx = getattr(self, attr)
+                if ctx:
+                    self._lib.nft_ctx_free(ctx)
+                    setattr(self, attr, 0)

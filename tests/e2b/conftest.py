@@ -1,0 +1,129 @@
+"""E2B tests: the E2B app over the fake edge, served by uvicorn on a loopback port.
+
+The unmodified ``e2b`` SDK is configured exactly as a user would: through
+``E2B_API_URL``, ``E2B_SANDBOX_URL`` and ``E2B_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fake_edge import FakeEdge
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from dsec.e2b import make_e2b_app
+
+KEYS = {"key-alice": "alice", "key-bob": "bob"}
+
+
+@dataclass
+class E2BServer:
+    """A running E2B app: its URLs, the fake edge behind it and the server's loop."""
+
+    api_url: str
+    sandbox_url: str
+    edge: FakeEdge
+    loop: asyncio.AbstractEventLoop
+    app: Any
+
+    def call(self, coro: Any, timeout: float = 30) -> Any:
+        """Run a coroutine on the server's loop (to inspect the edge)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class StreamOnlyEdge:
+    """The fake edge seen through ``EdgeAPI`` alone (no ``InteractiveExec``), like an edge
+    that has not implemented interactive processes: the E2B layer falls back to exec_stream."""
+
+    def __init__(self, inner: FakeEdge) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "start_process":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def serve_e2b(edge: Any) -> Iterator[tuple[str, Any, asyncio.AbstractEventLoop]]:
+    """Serve ``make_e2b_app(edge)`` mounted at ``/e2b`` (as ``dsec serve`` does) on a loopback port."""
+    app = make_e2b_app(edge, KEYS.get, watch_poll_interval_s=0.05, max_upload_bytes=1 << 20)
+    outer = Starlette(routes=[Mount("/e2b", app=app)])
+    port = _free_port()
+    config = uvicorn.Config(outer, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}/e2b", app, loop
+    finally:
+        asyncio.run_coroutine_threadsafe(app.state.e2b.aclose(), loop).result(30)
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def fake_edge() -> Iterator[FakeEdge]:
+    if shutil.which("bwrap") is None:
+        pytest.skip("the fake edge needs bwrap (apt-get install bubblewrap)")
+    base = Path(tempfile.mkdtemp(prefix="dsec-e2b-test-"))
+    edge = FakeEdge(base)
+    try:
+        yield edge
+    finally:
+        asyncio.run(edge.close())
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def e2b_server(fake_edge: FakeEdge) -> Iterator[E2BServer]:
+    """The E2B app over the fake edge; the E2B_* environment points the SDK at it."""
+    with serve_e2b(fake_edge) as (root, app, loop):
+        env = {"E2B_API_URL": root, "E2B_SANDBOX_URL": f"{root}/envd", "E2B_API_KEY": "key-alice"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield E2BServer(
+                api_url=root, sandbox_url=f"{root}/envd", edge=fake_edge, loop=loop, app=app
+            )
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def stream_only_server(fake_edge: FakeEdge) -> Iterator[E2BServer]:
+    """The E2B app over an edge without InteractiveExec (URLs passed explicitly)."""
+    with serve_e2b(StreamOnlyEdge(fake_edge)) as (root, app, loop):
+        yield E2BServer(
+            api_url=root, sandbox_url=f"{root}/envd", edge=fake_edge, loop=loop, app=app
+        )

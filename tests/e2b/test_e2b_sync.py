@@ -1,0 +1,211 @@
+"""The unmodified ``e2b.Sandbox`` (sync) against dsec's E2B API over the fake edge."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from e2b.sandbox.commands.command_handle import PtySize
+
+from conftest import E2BServer
+from e2b import (
+    CommandExitException,
+    FileNotFoundException,
+    FilesystemEventType,
+    FileType,
+    Sandbox,
+    SandboxNotFoundException,
+    SandboxQuery,
+    TimeoutException,
+)
+
+
+@pytest.fixture
+def sbx(e2b_server: E2BServer) -> Iterator[Sandbox]:
+    s = Sandbox.create("base", envs={"GREETING": "hello"}, metadata={"suite": "sync"})
+    yield s
+    s.kill()
+
+
+def test_lifecycle_info_timeout_connect_kill(e2b_server: E2BServer) -> None:
+    s = Sandbox.create("base", timeout=120, metadata={"owner": "lifecycle", "n": "1"})
+    info = s.get_info()
+    assert info.sandbox_id == s.sandbox_id
+    assert info.template_id == "base" and info.metadata == {"owner": "lifecycle", "n": "1"}
+    assert 100 < (info.end_at - info.started_at).total_seconds() <= 121
+    s.set_timeout(600)
+    assert (s.get_info().end_at - info.started_at).total_seconds() > 590
+    # The fake edge created it from the dsec image the template maps to.
+    assert e2b_server.call(e2b_server.edge.get_sandbox(s.sandbox_id, "alice")).image == "debian"
+    again = Sandbox.connect(s.sandbox_id)
+    assert again.commands.run("echo connected").stdout == "connected\n"
+    assert s.is_running()
+    assert s.kill() is True
+    assert s.kill() is False
+    assert not s.is_running()
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(s.sandbox_id)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(s.sandbox_id)
+
+
+def test_list_metadata_filter_and_pagination(e2b_server: E2BServer) -> None:
+    made = [Sandbox.create("base", metadata={"batch": "pg", "i": str(i)}) for i in range(3)]
+    try:
+        paginator = Sandbox.list(query=SandboxQuery(metadata={"batch": "pg"}), limit=2)
+        first = paginator.next_items()
+        assert len(first) == 2 and paginator.has_next
+        second = paginator.next_items()
+        assert len(second) == 1 and not paginator.has_next
+        ids = {s.sandbox_id for s in first + second}
+        assert ids == {s.sandbox_id for s in made}
+        one = Sandbox.list(query=SandboxQuery(metadata={"batch": "pg", "i": "1"})).next_items()
+        assert [s.sandbox_id for s in one] == [made[1].sandbox_id]
+    finally:
+        for s in made:
+            s.kill()
+    assert Sandbox.list(query=SandboxQuery(metadata={"batch": "pg"})).next_items() == []
+
+
+def test_run_foreground_envs_cwd_user_and_streaming(sbx: Sandbox) -> None:
+    r = sbx.commands.run("echo $GREETING $EXTRA; pwd; whoami", envs={"EXTRA": "world"}, cwd="/tmp")
+    assert r.stdout == "hello world\n/tmp\nroot\n" and r.exit_code == 0
+    assert sbx.commands.run("whoami; echo $HOME", user="user").stdout == "user\n/home/user\n"
+    chunks: list[str] = []
+    errs: list[str] = []
+    r = sbx.commands.run(
+        "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.05; done",
+        on_stdout=chunks.append,
+        on_stderr=errs.append,
+    )
+    assert "".join(chunks) == "out1\nout2\nout3\n" and len(chunks) == 3
+    assert "".join(errs) == "err1\nerr2\nerr3\n"
+    with pytest.raises(CommandExitException) as exc:
+        sbx.commands.run("echo partial; exit 3")
+    assert exc.value.exit_code == 3 and exc.value.stdout == "partial\n"
+
+
+def test_command_timeout_kills_the_process(sbx: Sandbox) -> None:
+    started = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("echo $$ > /tmp/pid; sleep 30", timeout=1)
+    assert time.monotonic() - started < 10
+    deadline = time.monotonic() + 5
+    while sbx.commands.list() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sbx.commands.list() == []
+
+
+def test_background_list_stdin_connect_kill(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("cat", background=True, stdin=True)
+    procs = sbx.commands.list()
+    assert [p.pid for p in procs] == [handle.pid]
+    assert procs[0].cmd == "/bin/bash" and procs[0].args == ["-l", "-c", "cat"]
+    sbx.commands.send_stdin(handle.pid, "line one\n")
+    sbx.commands.stream_input(handle.pid, ["two\n", b"three\n"])
+    sbx.commands.close_stdin(handle.pid)
+    result = handle.wait()
+    assert result.stdout == "line one\ntwo\nthree\n" and result.exit_code == 0
+    assert sbx.commands.list() == []
+
+    sleeper = sbx.commands.run("echo started; sleep 30", background=True)
+    other = sbx.commands.connect(sleeper.pid)
+    assert sbx.commands.kill(sleeper.pid) is True
+    with pytest.raises(CommandExitException) as exc:
+        sleeper.wait()
+    assert exc.value.exit_code == -1
+    with pytest.raises(CommandExitException):
+        other.wait()
+    assert sbx.commands.kill(sleeper.pid) is False
+    assert sbx.commands.list() == []
+
+
+def test_disconnect_keeps_the_process_running(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("sleep 0.5; echo done > /tmp/bg", background=True)
+    handle.disconnect()
+    assert [p.pid for p in sbx.commands.list()] == [handle.pid]
+    deadline = time.monotonic() + 5
+    while not sbx.files.exists("/tmp/bg") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sbx.files.read("/tmp/bg") == "done\n"
+
+
+def test_files_roundtrip(sbx: Sandbox) -> None:
+    info = sbx.files.write("/home/user/dir/a.txt", "alpha")
+    assert info.path == "/home/user/dir/a.txt" and info.type == FileType.FILE
+    assert sbx.files.read("/home/user/dir/a.txt") == "alpha"
+    assert sbx.commands.run("cat /home/user/dir/a.txt").stdout == "alpha"
+    blob = bytes(range(256)) * 40
+    sbx.files.write_files(
+        [
+            {"path": "/home/user/dir/b.bin", "data": blob},
+            {"path": "/home/user/dir/sub/c.txt", "data": "c"},
+        ]
+    )
+    assert bytes(sbx.files.read("/home/user/dir/b.bin", format="bytes")) == blob
+    sbx.files.write("/home/user/gz.txt", "zipped" * 100, gzip=True)
+    assert sbx.files.read("/home/user/gz.txt") == "zipped" * 100
+    names = sorted(e.name for e in sbx.files.list("/home/user/dir"))
+    assert names == ["a.txt", "b.bin", "sub"]
+    deep = sorted(e.path for e in sbx.files.list("/home/user/dir", depth=2))
+    assert "/home/user/dir/sub/c.txt" in deep
+    st = sbx.files.get_info("/home/user/dir/b.bin")
+    assert st.size == len(blob) and st.type == FileType.FILE and st.permissions == "-rw-r--r--"
+    assert sbx.files.exists("/home/user/dir/a.txt") and not sbx.files.exists("/nope")
+    moved = sbx.files.rename("/home/user/dir/a.txt", "/home/user/moved.txt")
+    assert moved.path == "/home/user/moved.txt" and not sbx.files.exists("/home/user/dir/a.txt")
+    assert sbx.files.make_dir("/home/user/newdir") is True
+    assert sbx.files.make_dir("/home/user/newdir") is False
+    assert sbx.files.get_info("/home/user/newdir").type == FileType.DIR
+    sbx.files.remove("/home/user/dir")
+    assert not sbx.files.exists("/home/user/dir/sub/c.txt")
+    with pytest.raises(FileNotFoundException):
+        sbx.files.read("/home/user/missing.txt")
+    with pytest.raises(FileNotFoundException):
+        sbx.files.remove("/home/user/missing.txt")
+
+
+def test_watch_dir_polling(sbx: Sandbox) -> None:
+    sbx.files.make_dir("/tmp/watched")
+    sbx.files.write("/tmp/watched/old.txt", "x")
+    handle = sbx.files.watch_dir("/tmp/watched", include_entry=True)
+    sbx.files.write("/tmp/watched/new.txt", "1")
+    sbx.files.remove("/tmp/watched/old.txt")
+    events = handle.get_new_events()
+    kinds = {(e.name, e.type) for e in events}
+    assert ("new.txt", FilesystemEventType.CREATE) in kinds
+    assert ("old.txt", FilesystemEventType.REMOVE) in kinds
+    created = next(e for e in events if e.name == "new.txt")
+    assert created.entry is not None and created.entry.size == 1
+    time.sleep(0.01)
+    sbx.files.write("/tmp/watched/new.txt", "12")
+    assert [(e.name, e.type) for e in handle.get_new_events()] == [
+        ("new.txt", FilesystemEventType.WRITE)
+    ]
+    handle.stop()
+
+
+def test_pty(sbx: Sandbox) -> None:
+    out = bytearray()
+    term = sbx.pty.create(PtySize(rows=24, cols=100), timeout=20)
+    sbx.pty.resize(term.pid, PtySize(rows=30, cols=120))
+    sbx.pty.send_stdin(term.pid, b"stty size; echo pty-$((40+2))\n")
+    sbx.pty.send_stdin(term.pid, b"exit 0\n")
+    result = term.wait(on_pty=out.extend)
+    assert result.exit_code == 0
+    text = out.decode(errors="replace")
+    assert "pty-42" in text and "30 120" in text
+
+
+def test_unread_background_output_never_stalls_the_process(sbx: Sandbox) -> None:
+    # 24 MB of output to a handle nobody reads: more than the 16 MiB a stream may lag.
+    handle = sbx.commands.run(
+        "head -c 24000000 /dev/zero | tr '\\0' x; echo done > /tmp/chatty-done", background=True
+    )
+    deadline = time.monotonic() + 20
+    while not sbx.files.exists("/tmp/chatty-done") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sbx.files.read("/tmp/chatty-done") == "done\n"
+    assert sbx.commands.list() == []
+    handle.disconnect()
