@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,8 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from dsec import AsyncSandbox  # noqa: E402
-from dsec.server import BackgroundServer  # noqa: E402
+from dsec import AsyncSandbox
+from dsec.server import BackgroundServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -111,8 +110,11 @@ async def bench_exec(n: int, kw: dict[str, Any]) -> list[float]:
 
 
 async def bench_idle_memory(m: int, kw: dict[str, Any]) -> dict[str, float]:
-    subprocess.run(["sync"], check=False)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    def drop_caches() -> None:
+        subprocess.run(["sync"], check=False)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+    await asyncio.to_thread(drop_caches)
     await asyncio.sleep(1)
     before = mem_available_kib()
     slab0 = slab_kib()
@@ -131,7 +133,11 @@ async def bench_idle_memory(m: int, kw: dict[str, Any]) -> dict[str, float]:
     slab1 = slab_kib()
     try:
         per = (before - after) / m / 1024
-        return {"sandboxes": m, "mib_per_sandbox": per, "slab_mib_per_sandbox": (slab1 - slab0) / m / 1024}
+        return {
+            "sandboxes": m,
+            "mib_per_sandbox": per,
+            "slab_mib_per_sandbox": (slab1 - slab0) / m / 1024,
+        }
     finally:
         await asyncio.gather(*(sb.kill() for sb in sbs), return_exceptions=True)
 
@@ -179,8 +185,19 @@ def bench_podman(rootfs: Path, n: int) -> list[float] | str:
     img = "localhost/dsec-bench-busybox:latest"
     subprocess.run([podman, "import", str(tar), img], check=True, stdout=subprocess.DEVNULL)
     args = [
-        podman, "run", "--rm", "--runtime", "runc", "--network", "none",
-        "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096", img, "/bin/true",
+        podman,
+        "run",
+        "--rm",
+        "--runtime",
+        "runc",
+        "--network",
+        "none",
+        "--ulimit",
+        "nofile=1024:1024",
+        "--ulimit",
+        "nproc=4096:4096",
+        img,
+        "/bin/true",
     ]
     r = subprocess.run(args, capture_output=True, text=True)
     if r.returncode != 0:
@@ -195,9 +212,13 @@ def bench_podman(rootfs: Path, n: int) -> list[float] | str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="smaller counts (smoke run)")
-    ap.add_argument("--home", default=None, help="DSEC_HOME for the benchmark server (default: a temp dir)")
+    ap.add_argument(
+        "--home", default=None, help="DSEC_HOME for the benchmark server (default: a temp dir)"
+    )
     ap.add_argument("--out", default=str(RESULTS / "container.json"))
     args = ap.parse_args()
     q = args.quick
@@ -208,7 +229,13 @@ def main() -> None:
     home = Path(args.home or tempfile.mkdtemp(prefix="dsec-bench-"))
     results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "kernel": os.uname().release}}
     with BackgroundServer(home, tiers=["container"]) as srv:
-        kw = {"tier": "container", "image": "busybox", "memory_mb": 128, "url": srv.url, "api_key": srv.api_key}
+        kw = {
+            "tier": "container",
+            "image": "busybox",
+            "memory_mb": 128,
+            "url": srv.url,
+            "api_key": srv.api_key,
+        }
 
         async def run_sdk() -> None:
             await (await AsyncSandbox.create(**kw)).kill()  # image build + warm caches
@@ -242,10 +269,18 @@ def main() -> None:
     rows = [
         ("create-to-first-exec p50", f"{pct(cfe, 50):.1f} ms", "<= 30 ms"),
         ("create-to-first-exec p99", f"{pct(cfe, 99):.1f} ms", ""),
-        ("sustained creations/s (16 clients)", f"{results['sustained']['per_s']:.1f}/s ({results['sustained']['errors']} errors)", ">= 100/s"),
+        (
+            "sustained creations/s (16 clients)",
+            f"{results['sustained']['per_s']:.1f}/s ({results['sustained']['errors']} errors)",
+            ">= 100/s",
+        ),
         ("exec round trip p50", f"{pct(ex, 50):.2f} ms", "<= 3 ms"),
         ("exec round trip p99", f"{pct(ex, 99):.2f} ms", ""),
-        ("host memory per idle sandbox", f"{results['idle_memory']['mib_per_sandbox']:.2f} MiB ({n_idle} running)", "<= 3 MiB"),
+        (
+            "host memory per idle sandbox",
+            f"{results['idle_memory']['mib_per_sandbox']:.2f} MiB ({n_idle} running)",
+            "<= 3 MiB",
+        ),
         ("raw `crun run true` p50", f"{pct(raw, 50):.1f} ms", ""),
         ("dsec / raw runtime (p50)", f"{pct(cfe, 50) / pct(raw, 50):.2f}x", "<= 2x"),
     ]

@@ -15,7 +15,9 @@ def main() -> None:
         r = sb.commands.run("echo hello from $(hostname); uname -sr; id")
         print(f"$ echo hello ... -> exit {r.exit_code}\n{r.stdout.rstrip()}")
         sb.files.write("/tmp/greeting.txt", "written through the dsec SDK\n")
-        print(f"read back /tmp/greeting.txt: {sb.files.read('/tmp/greeting.txt').decode().rstrip()!r}")
+        print(
+            f"read back /tmp/greeting.txt: {sb.files.read('/tmp/greeting.txt').decode().rstrip()!r}"
+        )
         r = sb.commands.run("wc -c /tmp/greeting.txt")
         print(f"$ wc -c /tmp/greeting.txt -> {r.stdout.strip()}")
     print(f"killed {sb.id}; total {(time.perf_counter() - t0) * 1000:.1f} ms")

@@ -111,9 +111,7 @@ def _assert_no_leaks(home: Path) -> None:
 
     deadline = time.monotonic() + 10
     while True:
-        leaked = [
-            p for p in mount_points(home / "sandboxes")
-        ]
+        leaked = [p for p in mount_points(home / "sandboxes")]
         if not leaked or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -10,7 +10,13 @@ One SDK over four isolation tiers (``fncall``, ``container``, ``microvm``, ``vm`
 
 The async API is the same with ``await``: :class:`AsyncSandbox`, :class:`AsyncClient`.
 Every error is a :class:`DsecError` (see :mod:`dsec.errors` for the tree).
+
+Whole training jobs (every sandbox created with ``job="run-42"``) are paused, resumed,
+killed or listed through :mod:`dsec.jobs`: ``from dsec import jobs; jobs.pause("run-42")``
+(sync), or ``dsec.jobs.AsyncJobs`` (async).
 """
+
+import sys
 
 __version__ = "0.1.0"
 
@@ -59,7 +65,11 @@ from dsec.sdk import (
     Client,
     CommandResult,
     Sandbox,
+    jobs,
 )
+
+# `import dsec.jobs` and `from dsec.jobs import AsyncJobs` work like a real submodule.
+sys.modules.setdefault("dsec.jobs", jobs)
 
 __all__ = [
     "AsyncClient",

@@ -282,7 +282,8 @@ _BY_STATUS: dict[int, type[DsecError]] = {
 
 def error_from_wire(status: int, body: Any) -> DsecError:
     """Rebuild the most specific :class:`DsecError` from an HTTP status and JSON body."""
-    code, message, details = None, "", {}
+    code, message = None, ""
+    details: dict[str, Any] = {}
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         err = body["error"]
         code = err.get("code")

@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dsec.network.policy import NetworkPolicy
+
 Tier = Literal["fncall", "container", "microvm", "vm"]
 TIERS: tuple[str, ...] = ("fncall", "container", "microvm", "vm")
 SandboxState = Literal["creating", "running", "paused", "stopped"]
@@ -81,6 +83,9 @@ class CreateSandboxRequest(_Model):
         gt=0,
         le=30 * 24 * 3600,
         description="seconds a paused sandbox lives before it is killed",
+    )
+    network: NetworkPolicy | None = Field(
+        None, description="None (default): no network at all; else the allowlist policy"
     )
 
     @field_validator("image")
@@ -161,6 +166,7 @@ class SandboxInfo(_Model):
     paused_at: datetime | None = None
     last_pause: PauseReport | None = None
     next_seq: int = Field(1, description="the trajectory sequence number the edge expects next")
+    network: NetworkPolicy | None = None
 
 
 class PauseReport(_Model):

@@ -34,8 +34,21 @@ def _become_subreaper() -> None:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
+def build_network(paths: Paths) -> Any:
+    """The node's network manager (started by the edge). ``DSEC_NET_SUBNET`` picks the
+    sandbox subnet; ``DSEC_NETWORK=off`` disables networking."""
+    if os.environ.get("DSEC_NETWORK", "on") == "off":
+        return None
+    from dsec.network import NetworkManager
+
+    kw: dict[str, Any] = {}
+    if os.environ.get("DSEC_NET_SUBNET"):
+        kw["subnet"] = os.environ["DSEC_NET_SUBNET"]
+    return NetworkManager(paths.home / "net", **kw)
+
+
 def build_runtimes(
-    paths: Paths, layer_store: Any, tiers: list[str] | None = None
+    paths: Paths, layer_store: Any, tiers: list[str] | None = None, network: Any = None
 ) -> dict[str, Runtime]:
     """Instantiate the runtimes this node can run. Unavailable tiers are left out
     (the edge then answers ``TierUnavailable``) with a log line saying why."""
@@ -47,7 +60,7 @@ def build_runtimes(
     if "container" in wanted:
         from dsec.runtimes.container.runtime import ContainerRuntime
 
-        runtimes["container"] = ContainerRuntime(paths, mounts)
+        runtimes["container"] = ContainerRuntime(paths, mounts, network=network)
     if "fncall" in wanted:
         try:
             from dsec.runtimes.fncall.runtime import FncallRuntime
@@ -59,9 +72,16 @@ def build_runtimes(
         try:
             from dsec.runtimes.microvm.runtime import MicroVMRuntime
 
-            runtimes["microvm"] = MicroVMRuntime(paths, layer_store)
+            runtimes["microvm"] = MicroVMRuntime(paths)
         except ImportError as e:
             log.info("microvm tier not available: %s", e)
+    if "vm" in wanted:
+        try:
+            from dsec.runtimes.vm.runtime import VMRuntime
+
+            runtimes["vm"] = VMRuntime(paths)
+        except ImportError as e:
+            log.info("vm tier not available: %s", e)
     return runtimes
 
 
@@ -101,13 +121,14 @@ async def embedded_edge(
 ) -> AsyncIterator[EdgeAgent]:
     """An in-process edge for tests and embedding: ``async with embedded_edge() as edge``."""
     from dsec.layers.store import LayerStore
-    from dsec.privileged.nodesetup import prepare_node
 
     paths = Paths(home) if home else Paths.from_env()
     paths.ensure()
-    prepare_node(paths)
     store = LayerStore(paths.layers, paths.scratch)
-    edge = EdgeAgent(paths, build_runtimes(paths, store, tiers), store, limits=limits)
+    network = build_network(paths)
+    edge = EdgeAgent(
+        paths, build_runtimes(paths, store, tiers, network), store, limits=limits, network=network
+    )
     await edge.start()
     try:
         yield edge
@@ -146,7 +167,7 @@ def serve(
                 loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
             # our handlers, not uvicorn's: it would re-raise the signal after shutdown and
             # kill the process before the edge closes its registry
-            server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+            server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
             log.info(
                 "dsec serve on http://%s:%d (home %s, node %s)", host, port, paths.home, edge.node
             )
@@ -200,6 +221,9 @@ class BackgroundServer:
 
         from dsec.apiserver.auth import KeyStore
 
+        # sandbox inits outlive the OCI runtime process that started them: make them come
+        # back to this process (which reaps them on destroy), not to the machine's PID 1
+        _become_subreaper()
         ready = threading.Event()
 
         async def main() -> None:

@@ -28,12 +28,29 @@ Exec behaviour, in order of precedence:
    ``fake: <cmd>: command not programmed`` on stderr.
 
 Every call is recorded in :attr:`FakeEdge.calls` as ``(method, {arg: value})``.
+
+RL lifecycle, in memory but with the real rules:
+
+* **Trajectory log**: state-changing calls (exec, file writes, mkdir, rename, remove, tar
+  upload, snapshot) go through a real :class:`~dsec.edge.trajectory.TrajectoryLog` (an
+  in-memory SQLite database unless ``trajectory_path`` is given), so sequence numbers,
+  idempotency keys, fast-forward replays (``ExecResult.replayed``), gaps (after waiting
+  ``gap_wait_s`` for late arrivals), conflicts and ``OutcomeUnknown`` behave as on a real
+  edge. :attr:`FakeEdge.executed` counts what really ran (a replay does not).
+* **Pause/resume**: states and ``paused_at``/``last_pause`` change (nothing is frozen; the
+  report says ``method="fake"``); any request to a paused sandbox resumes it.
+* **Snapshots and fork**: a snapshot copies the sandbox's files (minus ``scrub`` globs)
+  into a new layer with a content digest; creating a sandbox with that layer restores the
+  files. A file containing one of ``secret_values`` raises ``SecretInSnapshot``.
+* **Jobs**: :func:`dsec.edge.jobs.for_each_sandbox` over the job's sandboxes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import fnmatch
+import hashlib
 import inspect
 import io
 import posixpath
@@ -41,19 +58,28 @@ import secrets
 import shlex
 import tarfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import dsec
+from dsec.edge.jobs import for_each_sandbox
+from dsec.edge.trajectory import TrajectoryLog
 from dsec.errors import (
+    DsecError,
     FileExists_,
     FileNotFound,
     ImageNotFound,
     InvalidRequest,
+    LayerNotFound,
+    QuotaExceeded,
     SandboxNotFound,
     SandboxStopped,
+    SecretInSnapshot,
+    SequenceGap,
+    ServiceUnavailable,
     TierUnavailable,
 )
 from dsec.models import (
@@ -64,10 +90,17 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    ForkRequest,
+    ForkResult,
     ImageInfo,
+    JobAction,
+    JobActionResult,
+    JobOutcome,
     LayerInfo,
     NodeInfo,
+    PauseReport,
     SandboxInfo,
+    SnapshotRequest,
 )
 
 if TYPE_CHECKING:
@@ -79,6 +112,11 @@ ExecHandler = Callable[[SandboxInfo, ExecRequest], "ExecResult | Awaitable[ExecR
 """A function that answers one exec request for a fake sandbox."""
 
 _FAKE_LAYER = "sha256:" + "0" * 64
+
+T = TypeVar("T")
+
+_NOT_STARTED = (SandboxStopped, ServiceUnavailable, QuotaExceeded)
+"""Errors that prove a logged call never started: its log entry is undone (abort)."""
 
 
 def _now() -> datetime:
@@ -96,11 +134,16 @@ class _FakeNode:
     target: str | None = None
 
 
+def _root_fs() -> dict[str, _FakeNode]:
+    return {"/": _FakeNode("dir", mode=0o755)}
+
+
 @dataclass
 class _FakeSandbox:
     info: SandboxInfo
     owner: str
-    fs: dict[str, _FakeNode] = field(default_factory=lambda: {"/": _FakeNode("dir", mode=0o755)})
+    request: CreateSandboxRequest
+    fs: dict[str, _FakeNode] = field(default_factory=_root_fs)
 
 
 def _norm(path: str) -> str:
@@ -120,6 +163,11 @@ class FakeEdge:
         available_tiers: tiers reported as available; creating any other raises
             ``TierUnavailable``.
         chunk_delay_s: seconds to sleep between streamed output chunks.
+        trajectory_path: SQLite file of the trajectory log (default: in memory).
+        gap_wait_s: how long a sequence number that skips ahead waits for the missing
+            ones before ``SequenceGap``, seconds.
+        max_sandboxes: live sandboxes allowed per owner (``QuotaExceeded`` beyond;
+            None: no limit).
     """
 
     def __init__(
@@ -129,13 +177,23 @@ class FakeEdge:
         exec_handler: ExecHandler | None = None,
         available_tiers: tuple[str, ...] = ("fncall", "container"),
         chunk_delay_s: float = 0.0,
+        trajectory_path: Path | None = None,
+        gap_wait_s: float = 0.5,
+        max_sandboxes: int | None = None,
     ) -> None:
         self.node = node
         self.exec_handler = exec_handler
         self.available_tiers = available_tiers
         self.chunk_delay_s = chunk_delay_s
+        self.gap_wait_s = gap_wait_s
+        self.max_sandboxes = max_sandboxes
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.trajectory = TrajectoryLog(trajectory_path or Path(":memory:"))
+        self.executed: dict[str, int] = {}
+        """Per operation, how many logged calls really ran (replays are not counted)."""
+        self._running: dict[tuple[str, int], asyncio.Future[tuple[str, Any]]] = {}
         self._sandboxes: dict[str, _FakeSandbox] = {}
+        self._snapshots: dict[str, dict[str, _FakeNode]] = {}
         self._programs: dict[str, ExecResult] = {}
         self._errors: dict[str, list[BaseException]] = {}
         created = _now()
@@ -180,13 +238,92 @@ class FakeEdge:
         if queued:
             raise queued.pop(0)
 
+    def close(self) -> None:
+        """Close the trajectory log (the fake is unusable afterwards)."""
+        self.trajectory.close()
+
     def _get(self, sandbox_id: str, owner: str, *, running: bool = True) -> _FakeSandbox:
+        """The sandbox; with ``running`` it must not be stopped, and a paused one resumes."""
         sb = self._sandboxes.get(sandbox_id)
         if sb is None or sb.owner != owner:
             raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id=sandbox_id)
         if running and sb.info.state == "stopped":
             raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
+        if running and sb.info.state == "paused":
+            self._set_running(sb)  # any request resumes a paused sandbox
         return sb
+
+    def _set_running(self, sb: _FakeSandbox) -> None:
+        sb.info.state = "running"
+        sb.info.paused_at = None
+        sb.info.updated_at = _now()
+        if sb.info.ttl_s:
+            sb.info.expires_at = sb.info.updated_at + timedelta(seconds=sb.info.ttl_s)
+
+    def _public(self, sb: _FakeSandbox) -> SandboxInfo:
+        info = sb.info.model_copy(deep=True)
+        info.next_seq = self.trajectory.next_seq(info.id)
+        return info
+
+    async def _logged(
+        self,
+        sb: _FakeSandbox,
+        seq: int | None,
+        idem_key: str | None,
+        op: str,
+        request: Mapping[str, Any],
+        run: Callable[[], Awaitable[T]],
+        encode: Callable[[T], dict[str, Any]],
+        decode: Callable[[dict[str, Any]], T],
+    ) -> T:
+        """Run ``run`` under the trajectory log, exactly as the real edge does: a recorded
+        repeat is decoded from the log (nothing runs), a repeat of a call still running
+        waits for it, a gap waits ``gap_wait_s`` for the missing numbers."""
+        sid = sb.info.id
+        deadline = time.monotonic() + self.gap_wait_s
+        while True:
+            try:
+                begin = self.trajectory.begin(sid, seq, idem_key, op, request)
+                break
+            except SequenceGap:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.005)
+        if begin.kind == "replay":
+            if begin.error is not None:
+                raise begin.error
+            return decode(begin.result or {})
+        if begin.kind == "unknown":
+            running = self._running.get((sid, begin.seq))
+            if running is None:
+                raise begin.unknown_error()
+            status, payload = await asyncio.shield(running)
+            if status == "error":
+                raise payload
+            return decode(payload)
+        future: asyncio.Future[tuple[str, Any]] = asyncio.get_running_loop().create_future()
+        self._running[(sid, begin.seq)] = future
+        t0 = time.monotonic()
+        try:
+            result = await run()
+        except _NOT_STARTED as e:
+            self.trajectory.abort(sid, begin.seq, e)
+            future.set_result(("error", e))
+            raise
+        except DsecError as e:
+            self.trajectory.commit_error(sid, begin.seq, e)
+            future.set_result(("error", e))
+            raise
+        except BaseException:
+            future.set_result(("error", begin.unknown_error()))  # stays pending: unknown
+            raise
+        finally:
+            self._running.pop((sid, begin.seq), None)
+        payload = encode(result)
+        self.trajectory.commit(sid, begin.seq, payload, {"run_ms": (time.monotonic() - t0) * 1e3})
+        self.executed[op] = self.executed.get(op, 0) + 1
+        future.set_result(("ok", payload))
+        return result
 
     # --- sandboxes --------------------------------------------------------
     async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
@@ -195,6 +332,12 @@ class FakeEdge:
             raise TierUnavailable(f"tier {req.tier} is not available on this node", tier=req.tier)
         if req.image not in self._images:
             raise ImageNotFound(f"no image {req.image}", image=req.image)
+        fs = _root_fs()
+        for ref in req.layers:
+            digest = self._layer_digest(ref)
+            for path, node in self._snapshots.get(digest, {}).items():
+                fs[path] = replace(node)
+        self._admit(owner, 1)
         now = _now()
         sandbox_id = f"sb-{self.node}-{secrets.token_hex(4)}"
         info = SandboxInfo(
@@ -216,13 +359,39 @@ class FakeEdge:
             updated_at=now,
             ttl_s=req.ttl_s,
             expires_at=now + timedelta(seconds=req.ttl_s) if req.ttl_s else None,
+            on_timeout=req.on_timeout,
+            paused_ttl_s=req.paused_ttl_s,
+            network=req.network,
         )
-        self._sandboxes[sandbox_id] = _FakeSandbox(info=info, owner=owner)
-        return info.model_copy()
+        sb = _FakeSandbox(info=info, owner=owner, request=req.model_copy(deep=True), fs=fs)
+        self._sandboxes[sandbox_id] = sb
+        return self._public(sb)
+
+    def _layer_digest(self, ref: str) -> str:
+        if ref in self._layers:
+            return ref
+        for layer in self._layers.values():
+            if layer.name == ref:
+                return layer.digest
+        raise LayerNotFound(f"no layer {ref}", layer=ref)
+
+    def _admit(self, owner: str, n: int) -> None:
+        if self.max_sandboxes is None:
+            return
+        alive = sum(
+            1 for s in self._sandboxes.values() if s.owner == owner and s.info.state != "stopped"
+        )
+        if alive + n > self.max_sandboxes:
+            raise QuotaExceeded(
+                f"{alive} sandboxes alive, {n} more would exceed the limit of {self.max_sandboxes}",
+                limit=self.max_sandboxes,
+                alive=alive,
+                requested=n,
+            )
 
     async def get_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
         self._record("get_sandbox", sandbox_id=sandbox_id, owner=owner)
-        return self._get(sandbox_id, owner, running=False).info.model_copy()
+        return self._public(self._get(sandbox_id, owner, running=False))
 
     async def list_sandboxes(
         self,
@@ -254,7 +423,7 @@ class FakeEdge:
                 continue
             if labels and any(info.labels.get(k) != v for k, v in labels.items()):
                 continue
-            out.append(info.model_copy())
+            out.append(self._public(sb))
         return out
 
     async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
@@ -263,8 +432,10 @@ class FakeEdge:
         if sb.info.state != "stopped":
             sb.info.state = "stopped"
             sb.info.stopped_reason = "killed"
+            sb.info.paused_at = None
+            sb.info.expires_at = None
             sb.info.updated_at = _now()
-        return sb.info.model_copy()
+        return self._public(sb)
 
     async def set_ttl(self, sandbox_id: str, owner: str, ttl_s: float) -> SandboxInfo:
         self._record("set_ttl", sandbox_id=sandbox_id, owner=owner, ttl_s=ttl_s)
@@ -272,7 +443,7 @@ class FakeEdge:
         sb.info.ttl_s = ttl_s
         sb.info.updated_at = _now()
         sb.info.expires_at = sb.info.updated_at + timedelta(seconds=ttl_s)
-        return sb.info.model_copy()
+        return self._public(sb)
 
     # --- exec -------------------------------------------------------------
     async def _answer(self, sb: _FakeSandbox, req: ExecRequest) -> ExecResult:
@@ -286,15 +457,47 @@ class FakeEdge:
             result = _interpret(req)
         return _truncate(result, req.max_output_bytes)
 
-    async def exec(self, sandbox_id: str, owner: str, req: ExecRequest) -> ExecResult:
-        self._record("exec", sandbox_id=sandbox_id, owner=owner, req=req)
-        return await self._answer(self._get(sandbox_id, owner), req)
+    async def _exec_logged(
+        self, sb: _FakeSandbox, req: ExecRequest, seq: int | None, idem_key: str | None
+    ) -> ExecResult:
+        return await self._logged(
+            sb,
+            seq,
+            idem_key,
+            "exec",
+            req.model_dump(mode="json"),
+            lambda: self._answer(sb, req),
+            lambda r: r.model_dump(mode="json", exclude={"replayed"}),
+            lambda d: ExecResult.model_validate({**d, "replayed": True}),
+        )
+
+    async def exec(
+        self,
+        sandbox_id: str,
+        owner: str,
+        req: ExecRequest,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> ExecResult:
+        self._record(
+            "exec", sandbox_id=sandbox_id, owner=owner, req=req, seq=seq, idem_key=idem_key
+        )
+        return await self._exec_logged(self._get(sandbox_id, owner), req, seq, idem_key)
 
     async def exec_stream(
-        self, sandbox_id: str, owner: str, req: ExecRequest
+        self,
+        sandbox_id: str,
+        owner: str,
+        req: ExecRequest,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
     ) -> AsyncIterator[ExecEvent]:
-        self._record("exec_stream", sandbox_id=sandbox_id, owner=owner, req=req)
-        result = await self._answer(self._get(sandbox_id, owner), req)
+        self._record(
+            "exec_stream", sandbox_id=sandbox_id, owner=owner, req=req, seq=seq, idem_key=idem_key
+        )
+        result = await self._exec_logged(self._get(sandbox_id, owner), req, seq, idem_key)
         for kind, text in (("stdout", result.stdout), ("stderr", result.stderr)):
             for line in text.splitlines(keepends=True):
                 if self.chunk_delay_s:
@@ -345,13 +548,55 @@ class FakeEdge:
             raise InvalidRequest(f"{path} is a directory", path=path)
         return node.data
 
+    async def _file_logged(
+        self,
+        sb: _FakeSandbox,
+        seq: int | None,
+        idem_key: str | None,
+        op: str,
+        request: Mapping[str, Any],
+        run: Callable[[], FileInfo],
+    ) -> FileInfo:
+        async def run_async() -> FileInfo:
+            return run()
+
+        return await self._logged(
+            sb,
+            seq,
+            idem_key,
+            op,
+            request,
+            run_async,
+            lambda r: r.model_dump(mode="json"),
+            FileInfo.model_validate,
+        )
+
     async def write_file(
-        self, sandbox_id: str, owner: str, path: str, data: bytes, mode: int = 0o644
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        data: bytes,
+        mode: int = 0o644,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
     ) -> FileInfo:
         self._record(
-            "write_file", sandbox_id=sandbox_id, owner=owner, path=path, data=data, mode=mode
+            "write_file",
+            sandbox_id=sandbox_id,
+            owner=owner,
+            path=path,
+            data=data,
+            mode=mode,
+            seq=seq,
+            idem_key=idem_key,
         )
-        return self._put(self._get(sandbox_id, owner), _norm(path), data, mode)
+        sb = self._get(sandbox_id, owner)
+        request = {"path": path, "data": bytes(data), "mode": mode}
+        return await self._file_logged(
+            sb, seq, idem_key, "write_file", request, lambda: self._put(sb, _norm(path), data, mode)
+        )
 
     async def list_files(
         self, sandbox_id: str, owner: str, path: str, depth: int = 1
@@ -377,12 +622,41 @@ class FakeEdge:
         return self._info(path, self._fs_node(sb, path))
 
     async def remove_file(
-        self, sandbox_id: str, owner: str, path: str, recursive: bool = False
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        recursive: bool = False,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
     ) -> None:
         self._record(
-            "remove_file", sandbox_id=sandbox_id, owner=owner, path=path, recursive=recursive
+            "remove_file",
+            sandbox_id=sandbox_id,
+            owner=owner,
+            path=path,
+            recursive=recursive,
+            seq=seq,
+            idem_key=idem_key,
         )
         sb = self._get(sandbox_id, owner)
+
+        async def run() -> None:
+            self._remove(sb, path, recursive)
+
+        await self._logged(
+            sb,
+            seq,
+            idem_key,
+            "remove_file",
+            {"path": path, "recursive": recursive},
+            run,
+            lambda _: {},
+            lambda _: None,
+        )
+
+    def _remove(self, sb: _FakeSandbox, path: str, recursive: bool) -> None:
         path = _norm(path)
         if path == "/":
             raise InvalidRequest("refusing to remove /", path=path)
@@ -393,9 +667,24 @@ class FakeEdge:
         for p in [*children, path]:
             del sb.fs[p]
 
-    async def make_dir(self, sandbox_id: str, owner: str, path: str) -> FileInfo:
-        self._record("make_dir", sandbox_id=sandbox_id, owner=owner, path=path)
+    async def make_dir(
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> FileInfo:
+        self._record(
+            "make_dir", sandbox_id=sandbox_id, owner=owner, path=path, seq=seq, idem_key=idem_key
+        )
         sb = self._get(sandbox_id, owner)
+        return await self._file_logged(
+            sb, seq, idem_key, "make_dir", {"path": path}, lambda: self._mkdir(sb, path)
+        )
+
+    def _mkdir(self, sb: _FakeSandbox, path: str) -> FileInfo:
         path = _norm(path)
         cur = ""
         for p in [p for p in path.split("/") if p]:
@@ -407,9 +696,32 @@ class FakeEdge:
                 raise FileExists_(f"{cur} exists and is not a directory", path=cur)
         return self._info(path, sb.fs[path])
 
-    async def rename_file(self, sandbox_id: str, owner: str, src: str, dst: str) -> FileInfo:
-        self._record("rename_file", sandbox_id=sandbox_id, owner=owner, src=src, dst=dst)
+    async def rename_file(
+        self,
+        sandbox_id: str,
+        owner: str,
+        src: str,
+        dst: str,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> FileInfo:
+        self._record(
+            "rename_file",
+            sandbox_id=sandbox_id,
+            owner=owner,
+            src=src,
+            dst=dst,
+            seq=seq,
+            idem_key=idem_key,
+        )
         sb = self._get(sandbox_id, owner)
+        request = {"src": src, "dst": dst}
+        return await self._file_logged(
+            sb, seq, idem_key, "rename_file", request, lambda: self._rename(sb, src, dst)
+        )
+
+    def _rename(self, sb: _FakeSandbox, src: str, dst: str) -> FileInfo:
         src, dst = _norm(src), _norm(dst)
         self._fs_node(sb, src)
         if posixpath.dirname(dst) not in sb.fs:
@@ -421,9 +733,42 @@ class FakeEdge:
             sb.fs[dst + p[len(src) :]] = n
         return self._info(dst, sb.fs[dst])
 
-    async def upload_tar(self, sandbox_id: str, owner: str, path: str, data: bytes) -> int:
-        self._record("upload_tar", sandbox_id=sandbox_id, owner=owner, path=path, size=len(data))
+    async def upload_tar(
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        data: bytes,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> int:
+        self._record(
+            "upload_tar",
+            sandbox_id=sandbox_id,
+            owner=owner,
+            path=path,
+            size=len(data),
+            seq=seq,
+            idem_key=idem_key,
+        )
         sb = self._get(sandbox_id, owner)
+
+        async def run() -> int:
+            return self._untar(sb, path, data)
+
+        return await self._logged(
+            sb,
+            seq,
+            idem_key,
+            "upload_tar",
+            {"path": path, "data": bytes(data)},
+            run,
+            lambda n: {"files": n},
+            lambda d: int(d["files"]),
+        )
+
+    def _untar(self, sb: _FakeSandbox, path: str, data: bytes) -> int:
         root = _norm(path)
         count = 0
         try:
@@ -433,8 +778,7 @@ class FakeEdge:
                     if target != root and not target.startswith(root.rstrip("/") + "/"):
                         raise InvalidRequest(f"tar member escapes {root}: {member.name}")
                     if member.isdir():
-                        await self.make_dir(sandbox_id, owner, target)
-                        self.calls.pop()
+                        self._mkdir(sb, target)
                     elif member.isfile():
                         fobj = tar.extractfile(member)
                         body = fobj.read() if fobj else b""
@@ -465,6 +809,176 @@ class FakeEdge:
                     member.size = len(node.data)
                     tar.addfile(member, io.BytesIO(node.data))
         return buf.getvalue()
+
+    # --- RL lifecycle -----------------------------------------------------------
+    async def pause_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
+        self._record("pause_sandbox", sandbox_id=sandbox_id, owner=owner)
+        sb = self._get(sandbox_id, owner, running=False)
+        if sb.info.state == "stopped":
+            raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
+        if sb.info.state != "paused":
+            held = sum(len(n.data) for n in sb.fs.values())  # the "tmpfs upper" stays
+            sb.info.state = "paused"
+            sb.info.paused_at = sb.info.updated_at = _now()
+            sb.info.expires_at = (
+                sb.info.paused_at + timedelta(seconds=sb.info.paused_ttl_s)
+                if sb.info.paused_ttl_s
+                else None
+            )
+            sb.info.last_pause = PauseReport(
+                memory_before_bytes=held + (8 << 20),
+                memory_after_bytes=held,
+                duration_ms=0.0,
+                method="fake",
+                notes=["fake edge: nothing was frozen"],
+            )
+        return self._public(sb)
+
+    async def resume_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
+        self._record("resume_sandbox", sandbox_id=sandbox_id, owner=owner)
+        return self._public(self._get(sandbox_id, owner))  # resumes a paused one
+
+    def _snapshot(self, sb: _FakeSandbox, req: SnapshotRequest) -> LayerInfo:
+        scrub = [p.rstrip("/") or "/" for p in req.scrub]
+        files: dict[str, _FakeNode] = {}
+        for path, node in sorted(sb.fs.items()):
+            scrubbed = any(
+                fnmatch.fnmatchcase(path, g) or path.startswith(g.rstrip("/") + "/") for g in scrub
+            )
+            if path != "/" and not scrubbed:
+                files[path] = replace(node)
+        leaks = sorted(
+            path
+            for path, node in files.items()
+            if any(v and v.encode() in node.data for v in req.secret_values)
+        )
+        if leaks:
+            raise SecretInSnapshot(
+                f"{len(leaks)} file(s) contain a builder secret; nothing was stored",
+                paths=leaks[:20],
+            )
+        h = hashlib.sha256()
+        for path, node in files.items():
+            h.update(f"{path}\0{node.type}\0{node.mode:o}\0{len(node.data)}\0".encode())
+            h.update(node.data)
+        digest = "sha256:" + h.hexdigest()
+        parents = [*self._images[sb.info.image].layers, *sb.info.layers]
+        layer = LayerInfo(
+            digest=digest,
+            kind="workspace",
+            name=req.name,
+            size=sum(len(n.data) for n in files.values()) + 4096,
+            created_at=_now(),
+            meta={"parents": parents, "sandbox_id": sb.info.id, "scrub": list(req.scrub)},
+        )
+        self._layers.setdefault(digest, layer)
+        self._snapshots[digest] = files
+        if req.name is not None:
+            self._images[req.name] = ImageInfo(
+                name=req.name,
+                layers=[*parents, digest],
+                size=layer.size,
+                created_at=layer.created_at,
+                meta={"snapshot_of": sb.info.id},
+            )
+        return layer
+
+    async def snapshot_sandbox(
+        self,
+        sandbox_id: str,
+        owner: str,
+        req: SnapshotRequest,
+        *,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> LayerInfo:
+        self._record(
+            "snapshot_sandbox",
+            sandbox_id=sandbox_id,
+            owner=owner,
+            req=req,
+            seq=seq,
+            idem_key=idem_key,
+        )
+        sb = self._get(sandbox_id, owner)
+
+        async def run() -> LayerInfo:
+            return self._snapshot(sb, req)
+
+        return await self._logged(
+            sb,
+            seq,
+            idem_key,
+            "snapshot",
+            {"name": req.name, "scrub": list(req.scrub)},
+            run,
+            lambda r: r.model_dump(mode="json"),
+            LayerInfo.model_validate,
+        )
+
+    async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult:
+        self._record("fork_sandbox", sandbox_id=sandbox_id, owner=owner, req=req)
+        sb = self._get(sandbox_id, owner)
+        if req.n < 1:
+            raise InvalidRequest(f"n must be >= 1, not {req.n}", n=req.n)
+        self._admit(owner, req.n)  # all or nothing
+        layer = self._snapshot(sb, SnapshotRequest(scrub=req.scrub))
+        create = sb.request.model_copy(
+            update={
+                "layers": [*sb.request.layers, layer.digest],
+                "labels": {**sb.request.labels, **req.labels},
+            }
+        )
+        children = []
+        for _ in range(req.n):
+            children.append(await self.create_sandbox(create, owner))
+            self.calls.pop()
+        return ForkResult(layer=layer, sandboxes=children)
+
+    async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult:
+        self._record("job_action", owner=owner, job=job, action=action)
+        ids = [
+            s.info.id
+            for s in self._sandboxes.values()
+            if s.owner == owner and s.info.job == job and s.info.state != "stopped"
+        ]
+        verbs = {
+            "pause": self.pause_sandbox,
+            "resume": self.resume_sandbox,
+            "kill": self.kill_sandbox,
+        }
+        if action not in verbs:
+            raise InvalidRequest(f"unknown job action {action!r}", action=action)
+        verb = verbs[action]
+        before = len(self.calls)
+        outcomes = await for_each_sandbox(ids, lambda sid: verb(sid, owner))
+        del self.calls[before:]  # one recorded call: job_action
+        return JobActionResult(
+            job=job,
+            action=action,
+            outcomes={sid: JobOutcome(**o) for sid, o in outcomes.items()},
+        )
+
+    async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
+        self._record("export_trajectory", sandbox_id=sandbox_id, owner=owner)
+        sb = self._get(sandbox_id, owner, running=False)
+        header = {"create": sb.request.model_dump(mode="json")}
+        return "".join(self.trajectory.export_jsonl(sandbox_id, header=header))
+
+    # --- network --------------------------------------------------------------
+    async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo:
+        """Record the new policy (nothing is enforced: fake sandboxes have no network)."""
+        self._record("update_network", sandbox_id=sandbox_id, owner=owner, policy=policy)
+        sb = self._get(sandbox_id, owner)
+        sb.info.network = policy
+        sb.request = sb.request.model_copy(update={"network": policy})
+        return self._public(sb)
+
+    async def network_stats(self, sandbox_id: str, owner: str) -> dict[str, Any]:
+        """``enabled`` (a policy is set) and zero counters: the fake sends no traffic."""
+        self._record("network_stats", sandbox_id=sandbox_id, owner=owner)
+        sb = self._get(sandbox_id, owner)
+        return {"enabled": sb.info.network is not None, "allowed": {}, "blocked": {}}
 
     # --- images and layers --------------------------------------------------
     async def list_images(self) -> list[ImageInfo]:
@@ -525,6 +1039,9 @@ class FakeEdge:
                 tier=tier,
                 available=tier in self.available_tiers,
                 reason=None if tier in self.available_tiers else "not enabled on the fake edge",
+                pause=tier in self.available_tiers,
+                snapshot=tier in self.available_tiers,
+                fork=tier in self.available_tiers,
             )
             for tier in TIERS
         ]

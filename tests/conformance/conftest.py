@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from tests.conftest import LiveServer
 
 from dsec import Sandbox
-from tests.conftest import LiveServer
 
 TIER_IMAGES: dict[str, str] = {
     "container": "busybox",
@@ -39,7 +39,9 @@ def caps(tier: str, sdk_env: LiveServer) -> Any:
 
 
 @pytest.fixture
-def make_sandbox(tier: str, sdk_env: LiveServer, request: pytest.FixtureRequest) -> Iterator[Callable[..., Sandbox]]:
+def make_sandbox(
+    tier: str, sdk_env: LiveServer, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Sandbox]]:
     """Factory that creates sandboxes of the tier under test and kills them afterwards."""
     made: list[Sandbox] = []
 

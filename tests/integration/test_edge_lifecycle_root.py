@@ -14,7 +14,6 @@ import pytest
 from dsec import AsyncSandbox, Sandbox
 from dsec.errors import SandboxStopped
 from dsec.privileged.mount import mount_points
-from dsec.server import BackgroundServer
 
 pytestmark = [pytest.mark.root]
 
@@ -36,7 +35,9 @@ def _processes_mentioning(ids: set[str]) -> list[int]:
         if not p.name.isdigit():
             continue
         try:
-            text = (p / "cgroup").read_text() + (p / "cmdline").read_bytes().decode(errors="replace")
+            text = (p / "cgroup").read_text() + (p / "cmdline").read_bytes().decode(
+                errors="replace"
+            )
         except OSError:
             continue
         if any(i in text for i in ids):
@@ -47,7 +48,13 @@ def _processes_mentioning(ids: set[str]) -> list[int]:
 @pytest.mark.slow
 def test_500_sandboxes_leave_nothing_behind(live_server) -> None:  # type: ignore[no-untyped-def]
     home = live_server.home
-    kw = {"tier": "container", "image": "busybox", "memory_mb": 64, "url": live_server.url, "api_key": live_server.api_key}
+    kw = {
+        "tier": "container",
+        "image": "busybox",
+        "memory_mb": 64,
+        "url": live_server.url,
+        "api_key": live_server.api_key,
+    }
     mounts_before = len(mount_points(home))
     ids: set[str] = set()
 
@@ -97,10 +104,19 @@ def test_restart_reconcile_real_process(tmp_path: Path, shared_layers: Path) -> 
 
     def start() -> subprocess.Popen[bytes]:
         p = subprocess.Popen(
-            [sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(port), "--home", str(home)],
+            [
+                sys.executable,
+                "-m",
+                "dsec.cli.main",
+                "serve",
+                "--port",
+                str(port),
+                "--home",
+                str(home),
+            ],
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=open(home / "serve.log", "ab"),  # noqa: SIM115
+            stderr=open(home / "serve.log", "ab"),
         )
         import httpx
 

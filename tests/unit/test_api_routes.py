@@ -166,7 +166,13 @@ async def test_exec_stream_errors(client: httpx.AsyncClient, edge: FakeEdge) -> 
 async def test_exec_stream_without_exit_is_reported(client: httpx.AsyncClient) -> None:
     class TruncatedEdge(FakeEdge):
         async def exec_stream(
-            self, sandbox_id: str, owner: str, req: ExecRequest
+            self,
+            sandbox_id: str,
+            owner: str,
+            req: ExecRequest,
+            *,
+            seq: int | None = None,
+            idem_key: str | None = None,
         ) -> AsyncIterator[ExecEvent]:
             yield ExecEvent(type="stdout", data="partial")
 

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 import dsec.cli.main as cli
+import dsec.errors as E
 from dsec.testing import FakeEdge, app_transport
 
 
@@ -131,3 +132,104 @@ def test_key_commands(tmp_path: Path) -> None:
     assert runner.invoke(cli.app, ["key", "revoke", key, "--home", str(tmp_path)]).exit_code == 0
     again = runner.invoke(cli.app, ["key", "revoke", key, "--home", str(tmp_path)])
     assert again.exit_code == 1 and "no such key" in again.stderr
+
+
+# --- RL commands: pause/resume, snapshot, fork, jobs, trajectory, replay ------------------------
+def _keep_sandbox(runner: CliRunner, edge: FakeEdge, *extra: str) -> str:
+    result = runner.invoke(cli.app, ["run", "--keep", *extra, "--", "true"])
+    assert result.exit_code == 0, result.output
+    return str(edge.calls_to("exec_stream")[-1]["sandbox_id"])
+
+
+def test_pause_resume_and_ps(runner: CliRunner, edge: FakeEdge) -> None:
+    sid = _keep_sandbox(runner, edge)
+    paused = runner.invoke(cli.app, ["pause", sid])
+    assert paused.exit_code == 0, paused.output
+    assert f"paused {sid}: paused, memory" in paused.stdout and "[fake]" in paused.stdout
+    ps = runner.invoke(cli.app, ["ps"])
+    assert "PAUSED" in ps.stdout and "paused" in ps.stdout and "s ago" in ps.stdout
+    resumed = runner.invoke(cli.app, ["resume", sid, "sb-fake-00000000"])
+    assert resumed.exit_code == 1  # one of the two does not exist
+    assert f"resumed {sid}: running" in resumed.stdout and "sandbox_not_found" in resumed.stderr
+
+
+def test_snapshot_and_fork(runner: CliRunner, edge: FakeEdge) -> None:
+    sid = _keep_sandbox(runner, edge)
+    snap = runner.invoke(cli.app, ["snapshot", sid, "--name", "ws:2", "--scrub", "/tmp/*"])
+    assert snap.exit_code == 0, snap.output
+    digest = snap.stdout.strip()
+    assert digest.startswith("sha256:") and "as ws:2" in snap.stderr
+    req = edge.calls_to("snapshot_sandbox")[0]["req"]
+    assert (req.name, req.scrub) == ("ws:2", ["/tmp/*"])
+    # `run` took seq 1 in its own object; a CLI connect continues at the server's next_seq
+    assert edge.calls_to("snapshot_sandbox")[0]["seq"] == 2
+    forked = runner.invoke(cli.app, ["fork", sid, "-n", "2", "--label", "b=1"])
+    assert forked.exit_code == 0, forked.output
+    ids = forked.stdout.split()
+    assert len(ids) == 2 and all(i.startswith("sb-fake-") and i != sid for i in ids)
+    bad = runner.invoke(cli.app, ["fork", sid, "-n", "0"])
+    assert bad.exit_code == 1 and "invalid_request" in bad.stderr
+    bad = runner.invoke(cli.app, ["fork", sid, "--label", "novalue"])
+    assert bad.exit_code == 1 and "--label wants KEY=VALUE" in bad.stderr
+
+
+def test_job_commands(runner: CliRunner, edge: FakeEdge) -> None:
+    ids = [
+        _keep_sandbox(runner, edge),  # not in the job
+        *(_keep_sandbox(runner, edge) for _ in range(2)),
+    ]
+    # `dsec run` has no --job: put two sandboxes in a job directly on the fake
+    for sid in ids[1:]:
+        edge._sandboxes[sid].info.job = "run-42"
+    paused = runner.invoke(cli.app, ["job", "pause", "run-42"])
+    assert paused.exit_code == 0, paused.output
+    assert all(sid in paused.stdout for sid in ids[1:]) and ids[0] not in paused.stdout
+    assert "2 ok, 0 failed" in paused.stderr
+    listed = runner.invoke(cli.app, ["job", "ls", "run-42"])
+    assert listed.stdout.count("paused") >= 2
+    edge.inject_error("resume_sandbox", E.SandboxError("thaw failed"))
+    resumed = runner.invoke(cli.app, ["job", "resume", "run-42"])
+    assert resumed.exit_code == 1 and "thaw failed [sandbox_error]" in resumed.stdout
+    assert "1 ok, 1 failed" in resumed.stderr
+    killed = runner.invoke(cli.app, ["job", "kill", "run-42"])
+    assert killed.exit_code == 0 and killed.stdout.count("stopped") == 2
+    assert "no sandboxes" in runner.invoke(cli.app, ["job", "ls", "run-42"]).stdout
+    assert runner.invoke(cli.app, ["job", "ls", "run-42", "--all"]).stdout.count("stopped") == 2
+    assert "no sandboxes" in runner.invoke(cli.app, ["job", "pause", "empty"]).stdout
+    bad = runner.invoke(cli.app, ["job", "pause", "bad job"])
+    assert bad.exit_code == 1 and "not a job id" in bad.stderr
+
+
+def test_trajectory_and_replay(runner: CliRunner, edge: FakeEdge, tmp_path: Path) -> None:
+    edge.program("./check", stdout="3 passed\n", exit_code=0)
+    sid = _keep_sandbox(runner, edge, "--memory-mb", "128")
+    assert runner.invoke(cli.app, ["exec", sid, "--", "./check"]).exit_code == 0
+    out = runner.invoke(cli.app, ["trajectory", sid])
+    assert out.exit_code == 0 and out.stdout.startswith('{"type":"header"')
+    log = tmp_path / "run.jsonl"
+    saved = runner.invoke(cli.app, ["trajectory", sid, "-o", str(log)])
+    assert saved.exit_code == 0 and "wrote 2 entries" in saved.stderr
+    assert log.read_text() == out.stdout
+
+    ok = runner.invoke(cli.app, ["replay", str(log)])
+    assert ok.exit_code == 0, ok.output
+    assert "2 entries, 2 applied, 2 compared, 2 matched, 0 divergence(s)" in ok.stdout
+    fresh = edge.calls_to("create_sandbox")[-1]["req"]
+    assert fresh.memory_mb == 128  # rebuilt from the log's header
+    assert edge._sandboxes[fresh_id(edge)].info.state == "stopped"  # killed afterwards
+
+    edge.program("./check", stdout="2 passed\n", exit_code=1)
+    diverged = runner.invoke(cli.app, ["replay", str(log), "--image", "busybox", "--keep"])
+    assert diverged.exit_code == 1
+    assert "seq 2 exec: exit_code expected 0, got 1" in diverged.stdout
+    assert "sandbox kept:" in diverged.stderr
+    missing = runner.invoke(cli.app, ["replay", str(tmp_path / "nope.jsonl")])
+    assert missing.exit_code == 1 and "cannot read" in missing.stderr
+    (tmp_path / "junk.jsonl").write_text("not json\n")
+    junk = runner.invoke(cli.app, ["replay", str(tmp_path / "junk.jsonl")])
+    assert junk.exit_code == 1 and "not JSON" in junk.stderr
+
+
+def fresh_id(edge: FakeEdge) -> str:
+    """The id of the last sandbox the fake created."""
+    return list(edge._sandboxes)[-1]

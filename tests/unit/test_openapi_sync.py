@@ -35,6 +35,13 @@ def test_openapi_describes_routes_security_and_errors() -> None:
         "/v1/sandboxes/{sandbox_id}/files/mkdir": {"post"},
         "/v1/sandboxes/{sandbox_id}/files/rename": {"post"},
         "/v1/sandboxes/{sandbox_id}/files/tar": {"get", "put"},
+        "/v1/sandboxes/{sandbox_id}/pause": {"post"},
+        "/v1/sandboxes/{sandbox_id}/resume": {"post"},
+        "/v1/sandboxes/{sandbox_id}/snapshot": {"post"},
+        "/v1/sandboxes/{sandbox_id}/fork": {"post"},
+        "/v1/sandboxes/{sandbox_id}/trajectory": {"get"},
+        "/v1/jobs/{job}": {"get"},
+        "/v1/jobs/{job}/{action}": {"post"},
         "/v1/images": {"get"},
         "/v1/images/{name}": {"get"},
         "/v1/images/build": {"post"},
@@ -57,6 +64,23 @@ def test_openapi_describes_routes_security_and_errors() -> None:
     assert "HTTPValidationError" not in doc["components"]["schemas"]
     stream = paths["/v1/sandboxes/{sandbox_id}/exec/stream"]["post"]["responses"]["200"]["content"]
     assert "application/x-ndjson" in stream
+    trajectory = paths["/v1/sandboxes/{sandbox_id}/trajectory"]["get"]["responses"]["200"]
+    assert "application/x-ndjson" in trajectory["content"]
+    # every state-changing route documents the trajectory headers
+    for path, method in [
+        ("/v1/sandboxes/{sandbox_id}/exec", "post"),
+        ("/v1/sandboxes/{sandbox_id}/exec/stream", "post"),
+        ("/v1/sandboxes/{sandbox_id}/files", "put"),
+        ("/v1/sandboxes/{sandbox_id}/files", "delete"),
+        ("/v1/sandboxes/{sandbox_id}/files/mkdir", "post"),
+        ("/v1/sandboxes/{sandbox_id}/files/rename", "post"),
+        ("/v1/sandboxes/{sandbox_id}/files/tar", "put"),
+        ("/v1/sandboxes/{sandbox_id}/snapshot", "post"),
+    ]:
+        headers = {
+            p["name"].lower() for p in paths[path][method]["parameters"] if p["in"] == "header"
+        }
+        assert headers == {"x-dsec-seq", "idempotency-key"}, (path, method, headers)
     for ref in json.dumps(doc).split('"$ref": "')[1:]:
         name = ref.split('"')[0].removeprefix("#/components/schemas/")
         assert name in doc["components"]["schemas"], f"dangling $ref {name}"

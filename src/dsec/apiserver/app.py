@@ -22,6 +22,7 @@ from dsec.apiserver.errors import install_error_handlers
 from dsec.apiserver.metrics import ApiMetrics
 from dsec.apiserver.middleware import ApiMiddleware
 from dsec.apiserver.routes_images import router as images_router
+from dsec.apiserver.routes_jobs import router as jobs_router
 from dsec.apiserver.routes_sandboxes import UPLOAD_ROUTES
 from dsec.apiserver.routes_sandboxes import router as sandboxes_router
 from dsec.apiserver.schemas import Health
@@ -73,6 +74,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(sandboxes_router)
     app.include_router(images_router)
+    app.include_router(jobs_router)
 
     @app.get("/healthz", response_model=Health, tags=["node"], summary="Liveness (no auth)")
     async def healthz() -> Health:
@@ -103,7 +105,12 @@ def create_app(
 
 def _route_templates(app: FastAPI) -> list[tuple[str, set[str]]]:
     """(template, methods) of every API route, for metric labels."""
-    routes = [*sandboxes_router.routes, *images_router.routes, *app.router.routes]
+    routes = [
+        *sandboxes_router.routes,
+        *images_router.routes,
+        *jobs_router.routes,
+        *app.router.routes,
+    ]
     out = []
     for route in routes:
         path, methods = getattr(route, "path", None), getattr(route, "methods", None)

@@ -1,19 +1,36 @@
-"""``/v1/sandboxes``: lifecycle, exec and files. Routes only parse; the edge acts."""
+"""``/v1/sandboxes``: lifecycle, exec, files, pause/resume, snapshots, fork, trajectory.
+
+Routes only parse; the edge acts. Every state-changing route (exec, exec/stream, file
+PUT/DELETE, mkdir, rename, tar PUT, snapshot) reads two optional headers and hands them
+to the edge's ``seq``/``idem_key`` keywords:
+
+* ``X-Dsec-Seq``: the per-sandbox trajectory sequence number (integer >= 1; anything
+  else is a 400 ``invalid_request`` and nothing reaches the edge);
+* ``Idempotency-Key``: 1..256 printable ASCII characters.
+
+A repeat of a recorded call is answered from the trajectory log without running anything;
+exec answers then carry ``X-Dsec-Replayed: 1`` (and ``replayed: true`` in the body).
+"""
 
 from __future__ import annotations
 
 import logging
 import re
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
 from dsec.apiserver.schemas import (
+    IDEMPOTENCY_HEADER,
+    IDEMPOTENCY_KEY_PATTERN,
+    REPLAYED_HEADER,
     SANDBOX_ID_PATTERN,
     SANDBOX_PATH_PATTERN,
+    SEQ_HEADER,
     FileList,
     MkdirRequest,
     RenameRequest,
@@ -27,11 +44,15 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    ForkRequest,
+    ForkResult,
+    LayerInfo,
     SandboxInfo,
     SetTTLRequest,
+    SnapshotRequest,
 )
 
-__all__ = ["UPLOAD_ROUTES", "router"]
+__all__ = ["UPLOAD_ROUTES", "Sequencing", "router", "sequencing"]
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -59,6 +80,50 @@ UPLOAD_ROUTES = frozenset(
     {"/v1/sandboxes/{sandbox_id}/files", "/v1/sandboxes/{sandbox_id}/files/tar"}
 )
 """Route templates whose body is a raw upload (the larger body limit applies)."""
+
+
+MAX_SEQ = (1 << 63) - 1
+"""Largest sequence number (SQLite's INTEGER range)."""
+
+
+@dataclass(frozen=True)
+class Sequencing:
+    """The trajectory headers of one state-changing request (both optional)."""
+
+    seq: int | None = None
+    idem_key: str | None = None
+
+
+async def sequencing(
+    seq: Annotated[
+        int | None,
+        Header(
+            alias=SEQ_HEADER,
+            ge=1,
+            le=MAX_SEQ,
+            description="per-sandbox trajectory sequence number of this call (1, 2, 3, ...)",
+        ),
+    ] = None,
+    idem_key: Annotated[
+        str | None,
+        Header(
+            alias=IDEMPOTENCY_HEADER,
+            pattern=IDEMPOTENCY_KEY_PATTERN,
+            description="client-chosen key; a repeat returns the recorded result",
+        ),
+    ] = None,
+) -> Sequencing:
+    """Parse ``X-Dsec-Seq`` and ``Idempotency-Key`` (malformed: 400 before the edge)."""
+    return Sequencing(seq=seq, idem_key=idem_key)
+
+
+Seq = Annotated[Sequencing, Depends(sequencing)]
+
+
+def _mark_replayed(response: Response, result: ExecResult) -> ExecResult:
+    if result.replayed:
+        response.headers[REPLAYED_HEADER] = "1"
+    return result
 
 
 def _parse_labels(raw: list[str]) -> dict[str, str]:
@@ -114,9 +179,15 @@ async def set_ttl(
 
 @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")
 async def exec_command(
-    sandbox_id: SandboxIdParam, req: ExecRequest, edge: Edge, owner: Owner
+    sandbox_id: SandboxIdParam,
+    req: ExecRequest,
+    edge: Edge,
+    owner: Owner,
+    s: Seq,
+    response: Response,
 ) -> ExecResult:
-    return await edge.exec(sandbox_id, owner, req)
+    result = await edge.exec(sandbox_id, owner, req, seq=s.seq, idem_key=s.idem_key)
+    return _mark_replayed(response, result)
 
 
 def _event_line(event: ExecEvent) -> bytes:
@@ -141,7 +212,12 @@ def _event_line(event: ExecEvent) -> bytes:
     },
 )
 async def exec_stream(
-    request: Request, sandbox_id: SandboxIdParam, req: ExecRequest, edge: Edge, owner: Owner
+    request: Request,
+    sandbox_id: SandboxIdParam,
+    req: ExecRequest,
+    edge: Edge,
+    owner: Owner,
+    s: Seq,
 ) -> StreamingResponse:
     # Errors knowable before the first byte get a proper HTTP status.
     info = await edge.get_sandbox(sandbox_id, owner)
@@ -153,7 +229,8 @@ async def exec_stream(
     async def body() -> AsyncIterator[bytes]:
         ended = False
         try:
-            async for event in edge.exec_stream(sandbox_id, owner, req):
+            events = edge.exec_stream(sandbox_id, owner, req, seq=s.seq, idem_key=s.idem_key)
+            async for event in events:
                 yield _event_line(event)
                 if event.type in ("exit", "error"):
                     ended = True
@@ -202,11 +279,14 @@ async def write_file(
     path: PathQuery,
     edge: Edge,
     owner: Owner,
+    s: Seq,
     mode: ModeQuery = "644",
 ) -> FileInfo:
     mode_bits = int(mode.removeprefix("0o"), 8)
     data = await request.body()
-    return await edge.write_file(sandbox_id, owner, path, data, mode_bits)
+    return await edge.write_file(
+        sandbox_id, owner, path, data, mode_bits, seq=s.seq, idem_key=s.idem_key
+    )
 
 
 @router.get("/{sandbox_id}/files/list", response_model=FileList, summary="List a directory")
@@ -233,24 +313,27 @@ async def remove_file(
     path: PathQuery,
     edge: Edge,
     owner: Owner,
+    s: Seq,
     recursive: bool = False,
 ) -> Response:
-    await edge.remove_file(sandbox_id, owner, path, recursive)
+    await edge.remove_file(sandbox_id, owner, path, recursive, seq=s.seq, idem_key=s.idem_key)
     return Response(status_code=204)
 
 
 @router.post("/{sandbox_id}/files/mkdir", response_model=FileInfo, summary="Make a directory")
 async def make_dir(
-    sandbox_id: SandboxIdParam, req: MkdirRequest, edge: Edge, owner: Owner
+    sandbox_id: SandboxIdParam, req: MkdirRequest, edge: Edge, owner: Owner, s: Seq
 ) -> FileInfo:
-    return await edge.make_dir(sandbox_id, owner, req.path)
+    return await edge.make_dir(sandbox_id, owner, req.path, seq=s.seq, idem_key=s.idem_key)
 
 
 @router.post("/{sandbox_id}/files/rename", response_model=FileInfo, summary="Rename a path")
 async def rename_file(
-    sandbox_id: SandboxIdParam, req: RenameRequest, edge: Edge, owner: Owner
+    sandbox_id: SandboxIdParam, req: RenameRequest, edge: Edge, owner: Owner, s: Seq
 ) -> FileInfo:
-    return await edge.rename_file(sandbox_id, owner, req.src, req.dst)
+    return await edge.rename_file(
+        sandbox_id, owner, req.src, req.dst, seq=s.seq, idem_key=s.idem_key
+    )
 
 
 @router.put(
@@ -260,10 +343,16 @@ async def rename_file(
     openapi_extra={"requestBody": {"required": True, "content": {"application/x-tar": _BINARY}}},
 )
 async def upload_tar(
-    request: Request, sandbox_id: SandboxIdParam, path: PathQuery, edge: Edge, owner: Owner
+    request: Request,
+    sandbox_id: SandboxIdParam,
+    path: PathQuery,
+    edge: Edge,
+    owner: Owner,
+    s: Seq,
 ) -> TarUploadResult:
     data = await request.body()
-    return TarUploadResult(files=await edge.upload_tar(sandbox_id, owner, path, data))
+    files = await edge.upload_tar(sandbox_id, owner, path, data, seq=s.seq, idem_key=s.idem_key)
+    return TarUploadResult(files=files)
 
 
 @router.get(
@@ -277,3 +366,75 @@ async def download_tar(
 ) -> Response:
     data = await edge.download_tar(sandbox_id, owner, path)
     return Response(content=data, media_type="application/x-tar")
+
+
+# --- RL lifecycle: pause, resume, snapshot, fork, trajectory ---------------------
+@router.post(
+    "/{sandbox_id}/pause",
+    response_model=SandboxInfo,
+    summary="Pause: freeze the sandbox and reclaim its memory",
+    description="Idempotent. ``last_pause`` in the answer reports memory before and after. "
+    "Any later request to the sandbox resumes it transparently.",
+)
+async def pause_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxInfo:
+    return await edge.pause_sandbox(sandbox_id, owner)
+
+
+@router.post(
+    "/{sandbox_id}/resume",
+    response_model=SandboxInfo,
+    summary="Resume a paused sandbox (idempotent)",
+)
+async def resume_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxInfo:
+    return await edge.resume_sandbox(sandbox_id, owner)
+
+
+@router.post(
+    "/{sandbox_id}/snapshot",
+    status_code=201,
+    response_model=LayerInfo,
+    summary="Snapshot the writable layer as a new workspace layer (pack_diff)",
+    description="Restore it with ``layers=[digest]`` at creation. Scrubbed paths and the "
+    "default scrub list never enter the layer; a file holding one of ``secret_values`` "
+    "refuses the snapshot (400 ``secret_in_snapshot``, nothing stored).",
+)
+async def snapshot_sandbox(
+    sandbox_id: SandboxIdParam, req: SnapshotRequest, edge: Edge, owner: Owner, s: Seq
+) -> LayerInfo:
+    return await edge.snapshot_sandbox(sandbox_id, owner, req, seq=s.seq, idem_key=s.idem_key)
+
+
+@router.post(
+    "/{sandbox_id}/fork",
+    status_code=201,
+    response_model=ForkResult,
+    summary="Make n new sandboxes from a snapshot of this one",
+    description="One snapshot, then n sandboxes with the same image and limits and the "
+    "snapshot as their top layer. Admission covers all n first (429 ``quota_exceeded``, "
+    "nothing created).",
+)
+async def fork_sandbox(
+    sandbox_id: SandboxIdParam, req: ForkRequest, edge: Edge, owner: Owner
+) -> ForkResult:
+    return await edge.fork_sandbox(sandbox_id, owner, req)
+
+
+@router.get(
+    "/{sandbox_id}/trajectory",
+    response_class=Response,
+    summary="Export the trajectory log (JSONL)",
+    responses={
+        200: {
+            "description": "NDJSON: one header line, then one entry per state-changing call "
+            "in seq order (request, result, timings, exit codes, digests of large values)",
+            "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+        }
+    },
+)
+async def export_trajectory(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> Response:
+    text = await edge.export_trajectory(sandbox_id, owner)
+    return Response(
+        content=text.encode(),
+        media_type="application/x-ndjson",
+        headers={"cache-control": "no-store"},
+    )

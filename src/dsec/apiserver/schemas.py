@@ -13,8 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from dsec.models import Capabilities, FileInfo, ImageInfo, LayerInfo, SandboxInfo
 
 __all__ = [
+    "IDEMPOTENCY_HEADER",
+    "IDEMPOTENCY_KEY_PATTERN",
+    "JOB_PATTERN",
+    "REPLAYED_HEADER",
     "SANDBOX_ID_PATTERN",
     "SANDBOX_PATH_PATTERN",
+    "SEQ_HEADER",
     "CapabilityList",
     "ErrorBody",
     "ErrorDetail",
@@ -36,6 +41,21 @@ SANDBOX_PATH_PATTERN = r"^/[^\x00]{0,4095}$"
 
 IMAGE_REF_PATTERN = r"^(sha256:[0-9a-f]{64}|[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?)$"
 """Image references: ``name[:tag]`` or ``sha256:<64 hex>``."""
+
+JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+"""Job ids (``CreateSandboxRequest.job``): letters, digits, ``._:-``, at most 128 characters."""
+
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,256}$"
+"""Idempotency keys: 1..256 printable ASCII characters, no spaces."""
+
+SEQ_HEADER = "X-Dsec-Seq"
+"""Request header: the per-sandbox trajectory sequence number of a state-changing call."""
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+"""Request header: a client-chosen key; a repeat returns the recorded result."""
+
+REPLAYED_HEADER = "X-Dsec-Replayed"
+"""Response header, ``1`` when the answer came from the trajectory log (nothing ran)."""
 
 SandboxPath = Annotated[str, Field(pattern=SANDBOX_PATH_PATTERN, description="absolute path")]
 

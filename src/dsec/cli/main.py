@@ -7,6 +7,12 @@ Commands::
     dsec exec ID -- CMD...
     dsec ps [--all]
     dsec kill ID...
+    dsec pause ID... | dsec resume ID...
+    dsec snapshot ID [--name N] [--scrub PATH]...
+    dsec fork ID -n N [--label K=V]...
+    dsec job pause|resume|kill|ls JOB
+    dsec trajectory ID [-o FILE]
+    dsec replay LOG.jsonl [--image I] [--keep]
     dsec image ls
     dsec image build PATH --name N [--kind K] [--base B]
     dsec info
@@ -14,7 +20,8 @@ Commands::
 
 ``CMD`` given as one argument runs under ``/bin/sh -c``; several arguments are exec'd as
 an argv. ``run`` and ``exec`` exit with the command's exit code (124 on timeout,
-128+N when killed by signal N). Errors print one red line and exit 1.
+128+N when killed by signal N). Errors print one red line and exit 1; so do ``job``
+actions where any sandbox failed, and ``replay`` when the replay diverged.
 
 Connection: ``--url`` / ``$DSEC_URL`` and ``--api-key`` / ``$DSEC_API_KEY`` /
 ``$DSEC_HOME/api_key``, as in the SDK.
@@ -30,7 +37,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -42,8 +49,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from dsec.errors import DsecError, InvalidRequest
-from dsec.models import ExecResult, SandboxInfo
-from dsec.sdk import Client, Sandbox
+from dsec.models import ExecResult, JobActionResult, PauseReport, SandboxInfo
+from dsec.sdk import AsyncSandbox, Client, Jobs, Sandbox
+from dsec.sdk.sync import runner
 
 __all__ = ["app", "make_client", "transport_factory"]
 
@@ -59,8 +67,10 @@ app = typer.Typer(
 )
 image_app = typer.Typer(help="Images and layers.", no_args_is_help=True)
 key_app = typer.Typer(help="API keys of the local node ($DSEC_HOME).", no_args_is_help=True)
+job_app = typer.Typer(help="Act on every sandbox of a training job at once.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
 app.add_typer(key_app, name="key")
+app.add_typer(job_app, name="job")
 
 stdout = Console(highlight=False, soft_wrap=False)
 stderr = Console(stderr=True, highlight=False)
@@ -123,12 +133,12 @@ def _command(cmd: list[str]) -> str | list[str]:
     return cmd[0] if len(cmd) == 1 else list(cmd)
 
 
-def _parse_env(pairs: list[str]) -> dict[str, str]:
+def _parse_env(pairs: list[str], option: str = "--env") -> dict[str, str]:
     env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise InvalidRequest(f"--env wants KEY=VALUE, got {pair!r}")
+            raise InvalidRequest(f"{option} wants KEY=VALUE, got {pair!r}")
         env[key] = value
     return env
 
@@ -255,7 +265,7 @@ def exec_(
 def _sandbox_table(sandboxes: list[SandboxInfo]) -> Table:
     table = Table(box=None, header_style="bold")
     table.add_column("ID", no_wrap=True)
-    for name in ("TIER", "IMAGE", "STATE", "AGE", "CPU", "MEM", "JOB", "LABELS"):
+    for name in ("TIER", "IMAGE", "STATE", "PAUSED", "AGE", "CPU", "MEM", "JOB", "LABELS"):
         table.add_column(name)
     for s in sandboxes:
         state_style = {"running": "green", "paused": "yellow", "stopped": "dim"}.get(s.state, "")
@@ -264,6 +274,7 @@ def _sandbox_table(sandboxes: list[SandboxInfo]) -> Table:
             s.tier,
             s.image,
             f"[{state_style}]{s.state}[/]" if state_style else s.state,
+            f"{_age(s.paused_at)} ago" if s.paused_at is not None else "",
             _age(s.created_at),
             f"{s.cpu:g}",
             f"{s.memory_mb} MiB",
@@ -312,6 +323,244 @@ def kill(
         client.close()
     if failed:
         raise typer.Exit(1)
+
+
+def _pause_line(report: PauseReport | None) -> str:
+    if report is None:
+        return ""
+    before, after = report.memory_before_bytes, report.memory_after_bytes
+    held = f" ({after / before:.0%} held)" if before else ""
+    return (
+        f"memory {_size(before)} -> {_size(after)}{held} in {report.duration_ms:.1f} ms"
+        f" [{report.method or 'pause'}]"
+    )
+
+
+def _for_each_id(sandbox_ids: list[str], verb: str, act: Callable[[Any], SandboxInfo]) -> None:
+    failed = 0
+    client = make_client()
+    try:
+        for sandbox_id in sandbox_ids:
+            try:
+                info = act(Sandbox.connect(sandbox_id, client=client))
+            except DsecError as err:
+                failed += 1
+                stderr.print(
+                    f"[bold red]error:[/] {escape(f'{sandbox_id}: {err.message} [{err.code}]')}"
+                )
+                continue
+            line = f"{verb} {info.id}: {info.state}"
+            if verb == "paused" and info.last_pause is not None:
+                line += f", {_pause_line(info.last_pause)}"
+            stdout.print(escape(line))
+    finally:
+        client.close()
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+@handle_errors
+def pause(
+    sandbox_ids: Annotated[list[str], typer.Argument(help="sandbox ids", show_default=False)],
+) -> None:
+    """Pause sandboxes: freeze them and reclaim memory (any request resumes them)."""
+    _for_each_id(sandbox_ids, "paused", lambda sb: sb.pause())
+
+
+@app.command()
+@handle_errors
+def resume(
+    sandbox_ids: Annotated[list[str], typer.Argument(help="sandbox ids", show_default=False)],
+) -> None:
+    """Resume paused sandboxes."""
+    _for_each_id(sandbox_ids, "resumed", lambda sb: sb.resume())
+
+
+@app.command()
+@handle_errors
+def snapshot(
+    sandbox_id: Annotated[str, typer.Argument(help="sandbox id", show_default=False)],
+    name: Annotated[str | None, typer.Option(help="also tag an image of this name[:tag]")] = None,
+    scrub: Annotated[
+        list[str], typer.Option("--scrub", help="absolute path or glob to leave out; repeatable")
+    ] = [],  # noqa: B006
+) -> None:
+    """Snapshot a sandbox's writable layer as a new workspace layer (pack_diff)."""
+    client = make_client()
+    try:
+        layer = Sandbox.connect(sandbox_id, client=client).snapshot(name=name, scrub=scrub)
+    finally:
+        client.close()
+    stdout.print(layer.digest, soft_wrap=True)
+    named = f" as {layer.name}" if layer.name else ""
+    stderr.print(f"snapshot of {sandbox_id}{named}: {_size(layer.size)}")
+
+
+@app.command()
+@handle_errors
+def fork(
+    sandbox_id: Annotated[str, typer.Argument(help="sandbox id", show_default=False)],
+    n: Annotated[int, typer.Option("-n", "--count", help="how many new sandboxes")] = 1,
+    label: Annotated[
+        list[str], typer.Option("--label", "-l", help="KEY=VALUE added to the forks; repeatable")
+    ] = [],  # noqa: B006
+) -> None:
+    """Make N new sandboxes from a snapshot of this one; prints their ids."""
+    labels = _parse_env(label, option="--label")
+    client = make_client()
+    try:
+        forks = Sandbox.connect(sandbox_id, client=client).fork(n, labels=labels)
+    finally:
+        client.close()
+    for sb in forks:
+        stdout.print(sb.id)
+
+
+@app.command()
+@handle_errors
+def trajectory(
+    sandbox_id: Annotated[str, typer.Argument(help="sandbox id", show_default=False)],
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="write to this file (default stdout)")
+    ] = None,
+) -> None:
+    """Export a sandbox's trajectory log as JSONL."""
+    client = make_client()
+    try:
+        text = Sandbox.connect(sandbox_id, client=client).trajectory()
+    finally:
+        client.close()
+    if output is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        output.write_text(text)
+        stderr.print(f"wrote {max(0, text.count(chr(10)) - 1)} entries to {output}")
+
+
+@app.command()
+@handle_errors
+def replay(
+    log_file: Annotated[Path, typer.Argument(help="a trajectory log (JSONL)", show_default=False)],
+    image: Annotated[
+        str | None, typer.Option(help="image of the fresh sandbox (default: the logged one)")
+    ] = None,
+    keep: Annotated[
+        bool, typer.Option("--keep", help="do not kill the replay sandbox afterwards")
+    ] = False,
+) -> None:
+    """Replay a trajectory log on a fresh sandbox and report every divergence (exit 1 if any)."""
+    from dsec.replay import create_kwargs, read_header, replay_lines
+
+    try:
+        lines = log_file.read_text().splitlines(keepends=True)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read {log_file}: {exc.strerror or exc}") from None
+    kwargs = create_kwargs(read_header(lines))
+    if image is not None:
+        kwargs["image"] = image
+    client = make_client()
+
+    async def go() -> Any:
+        sb = await AsyncSandbox.create(**kwargs, client=client._impl)
+        try:
+            stderr.print(f"replaying {log_file} on {sb.id}")
+            return await replay_lines(lines, sb)
+        finally:
+            if keep:
+                stderr.print(f"sandbox kept: {sb.id}")
+            else:
+                await sb.kill()
+
+    try:
+        report = _run(go())
+    finally:
+        client.close()
+    stdout.print(escape(report.format_text()))
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _run(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run an async SDK call on the sync API's loop (the client's connections live there)."""
+    return runner.run(coro)
+
+
+def _job_table(result: JobActionResult) -> Table:
+    table = Table(box=None, header_style="bold")
+    table.add_column("SANDBOX", no_wrap=True)
+    table.add_column("OK")
+    table.add_column("STATE")
+    table.add_column("ERROR")
+    for sandbox_id, outcome in result.outcomes.items():
+        err = outcome.error or {}
+        table.add_row(
+            sandbox_id,
+            "[green]yes[/]" if outcome.ok else "[red]no[/]",
+            outcome.state or "",
+            escape(f"{err.get('message', '')} [{err.get('code', '')}]") if err else "",
+        )
+    return table
+
+
+def _job_action(job: str, action: str) -> None:
+    client = make_client()
+    try:
+        api = Jobs(client)
+        result = getattr(api, action)(job)
+    finally:
+        client.close()
+    if not result.outcomes:
+        stdout.print(f"job {job}: no sandboxes")
+        return
+    stdout.print(_job_table(result))
+    failed = sum(1 for o in result.outcomes.values() if not o.ok)
+    stderr.print(f"{action}: {len(result.outcomes) - failed} ok, {failed} failed")
+    if failed:
+        raise typer.Exit(1)
+
+
+JobArgument = Annotated[str, typer.Argument(help="job id (given at creation)", show_default=False)]
+
+
+@job_app.command("pause")
+@handle_errors
+def job_pause(job: JobArgument) -> None:
+    """Pause every sandbox of JOB (e.g. when the trainer is preempted)."""
+    _job_action(job, "pause")
+
+
+@job_app.command("resume")
+@handle_errors
+def job_resume(job: JobArgument) -> None:
+    """Resume every sandbox of JOB."""
+    _job_action(job, "resume")
+
+
+@job_app.command("kill")
+@handle_errors
+def job_kill(job: JobArgument) -> None:
+    """Kill every sandbox of JOB."""
+    _job_action(job, "kill")
+
+
+@job_app.command("ls")
+@handle_errors
+def job_ls(
+    job: JobArgument,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="include stopped sandboxes")] = False,
+) -> None:
+    """List the sandboxes of JOB."""
+    client = make_client()
+    try:
+        sandboxes = Jobs(client).list(job, include_stopped=all_)
+    finally:
+        client.close()
+    if not sandboxes:
+        stdout.print(f"job {job}: no sandboxes")
+        return
+    stdout.print(_sandbox_table(sandboxes))
 
 
 @image_app.command("ls")

@@ -63,7 +63,15 @@ from dsec.models import (
     SandboxInfo,
     SnapshotRequest,
 )
-from dsec.runtimes.base import Handle, Pausable, Runtime, SandboxFiles, SandboxSpec, Snapshottable
+from dsec.runtimes.base import (
+    Handle,
+    Networked,
+    Pausable,
+    Runtime,
+    SandboxFiles,
+    SandboxSpec,
+    Snapshottable,
+)
 
 log = logging.getLogger("dsec.edge")
 
@@ -123,10 +131,12 @@ class EdgeAgent:
         *,
         limits: EdgeLimits | None = None,
         node: str | None = None,
+        network: Any = None,
     ) -> None:
         self.paths = paths
         self.runtimes = runtimes
         self.layers = layer_store
+        self.network = network  # dsec.network.NetworkManager (started by the edge) or None
         self.limits = limits or EdgeLimits()
         self.node = node or node_name()
         self.registry = Registry(paths.state_db)
@@ -145,9 +155,16 @@ class EdgeAgent:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self.paths.ensure()
+        if self.network is not None:
+            try:
+                await self.network.start()
+            except DsecError as e:  # the node still serves sandboxes without networking
+                log.error("networking disabled on this node: %s", e.message)
         for rt in self.runtimes.values():
             await rt.start()
         await self.reconcile()
+        if self.network is not None and self.network.started:
+            await self.network.reconcile(set(self._live))
         self._reaper = asyncio.create_task(self._reap_loop(), name="dsec-edge-reaper")
 
     async def close(self, *, kill_sandboxes: bool = False) -> None:
@@ -168,6 +185,9 @@ class EdgeAgent:
         for rt in self.runtimes.values():
             with contextlib.suppress(Exception):
                 await rt.close()
+        if self.network is not None:
+            with contextlib.suppress(Exception):
+                await self.network.close()
         self.registry.close()
         self.trajectory.close()
         self._closed = True
@@ -309,6 +329,7 @@ class EdgeAgent:
             paused_at=_now_dt(row.paused_at) if row.paused_at else None,
             last_pause=lv.last_pause if lv is not None else None,
             next_seq=self.trajectory.next_seq(row.id),
+            network=req.get("network"),
         )
 
     def _lookup_row(self, sandbox_id: str, owner: str) -> SandboxRow:
@@ -472,6 +493,7 @@ class EdgeAgent:
             user=req.user,
             workdir=req.workdir,
             labels=dict(req.labels),
+            network=req.network,
         )
         try:
             async with lv.lock:
@@ -617,8 +639,6 @@ class EdgeAgent:
             raise
         finally:
             self._running_entries.pop((sid, b.seq), None)
-            if not fut.done():
-                fut.cancel()
         payload = encode(result)
         self.trajectory.commit(
             sid, b.seq, payload, {"started_at": t0, "run_ms": (time.time() - t0) * 1000}
@@ -695,9 +715,7 @@ class EdgeAgent:
         queue: asyncio.Queue[ExecEvent | None] = asyncio.Queue(maxsize=256)
 
         async def sink(stream: str, chunk: bytes) -> None:
-            await queue.put(
-                ExecEvent(type=stream, data=chunk.decode("utf-8", errors="replace"))
-            )
+            await queue.put(ExecEvent(type=stream, data=chunk.decode("utf-8", errors="replace")))
 
         async def runner() -> None:
             try:
@@ -1028,6 +1046,31 @@ class EdgeAgent:
             action=action,
             outcomes={sid: JobOutcome.model_validate(o) for sid, o in outcomes.items()},
         )
+
+    # ------------------------------------------------------------------ network
+    async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo:
+        """Replace a running sandbox's network policy; new connections see it at once."""
+
+        async def run(lv: _Live) -> SandboxInfo:
+            rt = self.runtimes.get(lv.row.tier)
+            if not isinstance(rt, Networked):
+                raise CapabilityNotSupported(f"tier {lv.row.tier} has no network policy")
+            await rt.network_update(lv.handle, policy)
+            lv.row.request["network"] = policy.model_dump(mode="json")
+            return self._info(lv.row)
+
+        return await self._use(sandbox_id, owner, run)
+
+    async def network_stats(self, sandbox_id: str, owner: str) -> dict[str, Any]:
+        """Allowed and blocked connection attempts of a sandbox, by destination."""
+
+        async def run(lv: _Live) -> dict[str, Any]:
+            rt = self.runtimes.get(lv.row.tier)
+            if not isinstance(rt, Networked):
+                return {"enabled": False}
+            return await rt.network_stats(lv.handle)
+
+        return await self._use(sandbox_id, owner, run)
 
     async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
         row = self._lookup_row(sandbox_id, owner)

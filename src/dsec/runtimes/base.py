@@ -47,6 +47,7 @@ class SandboxSpec:
     workdir: str
     hostname: str = "sandbox"
     labels: dict[str, str] = field(default_factory=dict)
+    network: Any = None  # a dsec.network.NetworkPolicy, or None: loopback only
 
 
 @dataclass
@@ -104,6 +105,14 @@ class Pausable(Protocol):
 
     async def pause(self, handle: Handle) -> dict[str, Any]: ...
     async def resume(self, handle: Handle) -> None: ...
+
+
+@runtime_checkable
+class Networked(Protocol):
+    """Per-sandbox network policy that can change while the sandbox runs."""
+
+    async def network_update(self, handle: Handle, policy: Any) -> None: ...
+    async def network_stats(self, handle: Handle) -> dict[str, Any]: ...
 
 
 @runtime_checkable

@@ -1,6 +1,8 @@
 """The dsec Python SDK: one async implementation and a sync wrapper generated from it."""
 
+from dsec.sdk import jobs
 from dsec.sdk.client import AsyncClient
+from dsec.sdk.jobs import AsyncJobs, Jobs
 from dsec.sdk.sandbox import AsyncCommands, AsyncFiles, AsyncSandbox, CommandResult
 from dsec.sdk.sync_api import Client, Commands, Files, Sandbox
 
@@ -8,10 +10,13 @@ __all__ = [
     "AsyncClient",
     "AsyncCommands",
     "AsyncFiles",
+    "AsyncJobs",
     "AsyncSandbox",
     "Client",
     "CommandResult",
     "Commands",
     "Files",
+    "Jobs",
     "Sandbox",
+    "jobs",
 ]

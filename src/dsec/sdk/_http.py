@@ -5,6 +5,9 @@ Every failure leaves this module as a :class:`dsec.errors.DsecError`:
 * a non-2xx answer -> :func:`dsec.errors.error_from_wire` (the server's own error class);
 * connection refused / unreachable -> ``ServiceUnavailable`` with a hint to run ``dsec serve``;
 * no answer in time (client side) -> ``SandboxTimeout``.
+
+When the request certainly never left this process (the connection could not be made),
+the error's ``details["delivered"]`` is ``False`` (see :func:`not_delivered`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import dsec
 from dsec.config import DEFAULT_HOME, DEFAULT_URL
 from dsec.errors import DsecError, SandboxTimeout, ServiceUnavailable, error_from_wire
 
-__all__ = ["HttpClient", "resolve_api_key", "resolve_url"]
+__all__ = ["HttpClient", "not_delivered", "resolve_api_key", "resolve_url"]
 
 DEFAULT_TIMEOUT_S = 30.0
 """Default per-request timeout, seconds (exec and create extend it)."""
@@ -45,6 +48,12 @@ def resolve_api_key(api_key: str | None) -> str | None:
             return f.read().strip() or None
     except OSError:
         return None
+
+
+def not_delivered(err: DsecError) -> bool:
+    """True when ``err`` proves the request never left this process (the connection could
+    not be made): ``details["delivered"] is False``."""
+    return err.details.get("delivered") is False
 
 
 def _error_body(response: httpx.Response) -> Any:
@@ -103,6 +112,12 @@ class HttpClient:
         return httpx.Timeout(total, connect=min(10.0, total))
 
     def _transport_error(self, exc: httpx.TransportError, what: str, timeout: float) -> DsecError:
+        if isinstance(exc, httpx.ConnectTimeout):
+            return SandboxTimeout(
+                f"{what}: could not connect to {self.url} within {timeout:g} s",
+                timeout_s=timeout,
+                delivered=False,
+            )
         if isinstance(exc, httpx.TimeoutException):
             return SandboxTimeout(
                 f"{what}: no answer from {self.url} within {timeout:g} s", timeout_s=timeout
@@ -112,6 +127,7 @@ class HttpClient:
                 f"cannot connect to the dsec server at {self.url} ({exc or 'connection refused'});"
                 " is it running? start it with `dsec serve`, or set DSEC_URL",
                 url=self.url,
+                delivered=False,
             )
         return ServiceUnavailable(f"{what}: connection to {self.url} failed: {exc!r}", url=self.url)
 
@@ -146,13 +162,19 @@ class HttpClient:
 
     @asynccontextmanager
     async def stream(
-        self, method: str, path: str, *, json: Any = None, timeout: float | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
     ) -> AsyncIterator[httpx.Response]:
         """Open a streamed response (2xx) or raise the mapped DsecError."""
         t = self.timeout if timeout is None else timeout
         try:
             async with self._http().stream(
-                method, path, json=json, timeout=self._timeout(t)
+                method, path, json=json, headers=headers, timeout=self._timeout(t)
             ) as response:
                 if not response.is_success:
                     await response.aread()

@@ -138,6 +138,14 @@ class AsyncClient:
         r = await self._http.request("GET", "/v1/sandboxes", params=params)
         return _SANDBOXES.validate_python(r.json()["sandboxes"])
 
+    @property
+    def jobs(self) -> Any:
+        """The job API over this client's connections: an :class:`~dsec.jobs.AsyncJobs`
+        (``await client.jobs.pause("run-42")``)."""
+        from dsec.sdk.jobs import AsyncJobs
+
+        return AsyncJobs(self)
+
     async def close(self) -> None:
         """Close pooled connections. The client stays usable (it reconnects on demand)."""
         await self._http.aclose()

@@ -15,6 +15,24 @@ Example (all sizes in MiB, times in seconds)::
     asyncio.run(main())
 
 The sync :class:`dsec.Sandbox` is generated from this class (:mod:`dsec.sdk.sync`).
+
+Trajectory sequence numbers: every state-changing call of one sandbox object (``commands.run``
+and ``stream``, ``files.write/remove/make_dir/rename/upload_dir``, ``snapshot``) carries the
+next number of the object's counter in ``X-Dsec-Seq``. The edge records request and result
+durably; a repeated number with the same request returns the recorded result without running
+anything (``CommandResult.replayed`` is True). The counter starts at 1 after :meth:`create`;
+:meth:`connect` continues at the server's ``next_seq`` (so attaching from a CLI never repeats
+anything), and ``connect(id, replay=True)`` starts again at 1: a restarted trainer that
+repeats its steps in the same order fast-forwards through the recorded ones, then continues
+live. A number is taken when a call starts (calls from one object may run concurrently; the
+edge accepts them slightly out of order). When a call fails, the SDK checks whether the edge
+recorded its number (the log is dense: it did iff the server's ``next_seq`` is past it) and,
+if not (connection refused, body too large, request validation, a sandbox that did not
+start the call), hands the number to the next call, so numbering never leaves a gap. Two objects that
+drive the same sandbox at once must not both number their calls: one of them gets
+``SequenceConflict``. Errors: ``SequenceGap`` (a number was skipped), ``SequenceConflict``
+(a number reused for a different request), ``OutcomeUnknown`` (a call was begun before an edge
+crash and never recorded: it is not re-run).
 """
 
 from __future__ import annotations
@@ -22,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import heapq
 import inspect
 import io
 import os
@@ -37,21 +56,64 @@ from urllib.parse import quote
 import httpx
 from pydantic import TypeAdapter
 
-from dsec.errors import FileNotFound, InvalidRequest, SandboxNotFound, error_from_wire
+from dsec.errors import (
+    DsecError,
+    FileNotFound,
+    InvalidRequest,
+    OutcomeUnknown,
+    SandboxNotFound,
+    SandboxTimeout,
+    SequenceConflict,
+    error_from_wire,
+)
 from dsec.models import (
     CreateSandboxRequest,
     ExecEvent,
     ExecRequest,
     ExecResult,
     FileInfo,
+    ForkRequest,
+    ForkResult,
+    LayerInfo,
+    OnTimeout,
     SandboxInfo,
+    SnapshotRequest,
 )
+from dsec.sdk._http import not_delivered
 from dsec.sdk.client import AsyncClient, _validated
 
-__all__ = ["AsyncCommands", "AsyncFiles", "AsyncSandbox", "CommandResult", "OutputCallback"]
+__all__ = [
+    "IDEMPOTENCY_HEADER",
+    "REPLAYED_HEADER",
+    "SEQ_HEADER",
+    "AsyncCommands",
+    "AsyncFiles",
+    "AsyncSandbox",
+    "CommandResult",
+    "OutputCallback",
+]
 
 CommandResult = ExecResult
-"""The result of ``commands.run``: ``stdout``, ``stderr``, ``exit_code``, ``.ok``, ``.truncated``."""
+"""The result of ``commands.run``: ``stdout``, ``stderr``, ``exit_code``, ``.ok``,
+``.truncated``, and ``replayed`` (True when the edge answered from the trajectory log
+without running the command)."""
+
+SEQ_HEADER = "X-Dsec-Seq"
+"""Request header carrying a call's trajectory sequence number."""
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+"""Request header carrying a client-chosen idempotency key."""
+
+REPLAYED_HEADER = "X-Dsec-Replayed"
+"""Response header, ``1`` when the edge answered from the trajectory log."""
+
+FORK_TIMEOUT_S = 600.0
+"""Default wait for a fork (one snapshot plus n creations), seconds."""
+
+SNAPSHOT_TIMEOUT_S = 600.0
+"""Default wait for a snapshot (pack_diff of the writable layer), seconds."""
+
+_PATH_MAX = 4096
 
 OutputCallback = Callable[[str], Any]
 """Called with each output chunk (str); may be a plain function or a coroutine function."""
@@ -140,10 +202,13 @@ class AsyncCommands:
         req = self._request(cmd, cwd, env, timeout, stdin, user, max_output_bytes)
         sb = self._sandbox
         if on_stdout is None and on_stderr is None:
-            r = await sb._client._http.request(
-                "POST", sb._path("/exec"), json=_dump(req), timeout=timeout + EXEC_GRACE_S
+            r = await sb._sequenced(
+                "POST", "/exec", json=_dump(req), timeout=timeout + EXEC_GRACE_S
             )
-            return CommandResult.model_validate(r.json())
+            answer = CommandResult.model_validate(r.json())
+            if r.headers.get(REPLAYED_HEADER) == "1":
+                answer.replayed = True
+            return answer
         stdout: builtins.list[str] = []
         stderr: builtins.list[str] = []
         result: ExecResult | None = None
@@ -182,18 +247,30 @@ class AsyncCommands:
 
     async def _events(self, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         sb = self._sandbox
-        async with sb._client._http.stream(
-            "POST", sb._path("/exec/stream"), json=_dump(req), timeout=req.timeout_s + EXEC_GRACE_S
-        ) as response:
-            async for line in response.aiter_lines():
-                if not line.strip():
-                    continue
-                event = ExecEvent.model_validate_json(line)
-                if event.type == "error":
-                    raise error_from_wire(500, {"error": event.error or {}})
-                yield event
-                if event.type == "exit":
-                    return
+        seq = sb._take_seq()
+        opened = False
+        try:
+            async with sb._client._http.stream(
+                "POST",
+                sb._path("/exec/stream"),
+                json=_dump(req),
+                headers={SEQ_HEADER: str(seq)},
+                timeout=req.timeout_s + EXEC_GRACE_S,
+            ) as response:
+                opened = True
+                async for line in response.aiter_lines():
+                    if not line.strip():
+                        continue
+                    event = ExecEvent.model_validate_json(line)
+                    if event.type == "error":
+                        raise error_from_wire(500, {"error": event.error or {}})
+                    yield event
+                    if event.type == "exit":
+                        return
+        except DsecError as err:
+            if not opened:
+                await sb._settle_seq(seq, err)
+            raise
         raise error_from_wire(
             500, {"error": {"code": "internal", "message": "exec stream ended without exit"}}
         )
@@ -208,6 +285,9 @@ class AsyncFiles:
     async def _req(self, method: str, suffix: str, **kw: Any) -> httpx.Response:
         sb = self._sandbox
         return await sb._client._http.request(method, sb._path(suffix), **kw)
+
+    async def _changing(self, method: str, suffix: str, **kw: Any) -> httpx.Response:
+        return await self._sandbox._sequenced(method, suffix, **kw)
 
     async def read(self, path: str, *, timeout: float = TRANSFER_TIMEOUT_S) -> bytes:
         """The contents of the file at ``path``. Raises ``FileNotFound``."""
@@ -234,7 +314,8 @@ class AsyncFiles:
         body = data.encode() if isinstance(data, str) else bytes(data)
         if not 0 <= mode <= 0o7777:
             raise InvalidRequest(f"mode must be within 0..0o7777, got {mode:#o}", mode=mode)
-        r = await self._req(
+        _check_path(path)
+        r = await self._changing(
             "PUT",
             "/files",
             params={"path": path, "mode": format(mode, "o")},
@@ -264,17 +345,21 @@ class AsyncFiles:
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         """Remove a file, or a directory (non-empty only with ``recursive=True``)."""
+        _check_path(path)
         params = {"path": path, "recursive": "true" if recursive else "false"}
-        await self._req("DELETE", "/files", params=params)
+        await self._changing("DELETE", "/files", params=params)
 
     async def make_dir(self, path: str) -> FileInfo:
         """Create directory ``path`` and its parents (no error if it exists)."""
-        r = await self._req("POST", "/files/mkdir", json={"path": path})
+        _check_path(path)
+        r = await self._changing("POST", "/files/mkdir", json={"path": path})
         return FileInfo.model_validate(r.json())
 
     async def rename(self, src: str, dst: str) -> FileInfo:
         """Rename ``src`` to ``dst``."""
-        r = await self._req("POST", "/files/rename", json={"src": src, "dst": dst})
+        _check_path(src)
+        _check_path(dst)
+        r = await self._changing("POST", "/files/rename", json={"src": src, "dst": dst})
         return FileInfo.model_validate(r.json())
 
     async def upload_dir(
@@ -289,8 +374,9 @@ class AsyncFiles:
         Regular files, directories and symlinks are sent; other file types are skipped.
         Returns the number of entries the server wrote.
         """
+        _check_path(remote_path)
         data = await asyncio.to_thread(_tar_directory, Path(local_dir))
-        r = await self._req(
+        r = await self._changing(
             "PUT",
             "/files/tar",
             params={"path": remote_path},
@@ -321,13 +407,18 @@ class AsyncSandbox:
     """One sandbox on a dsec server. Build it with :meth:`create` or :meth:`connect`.
 
     ``async with`` kills the sandbox on exit. Attributes: ``id``, ``info`` (as last seen;
-    :meth:`refresh` updates it), ``commands``, ``files``.
+    :meth:`refresh` updates it), ``commands``, ``files``, ``next_seq``. See the module
+    docstring for how state-changing calls are numbered.
     """
 
-    def __init__(self, info: SandboxInfo, client: AsyncClient, *, owns_client: bool) -> None:
+    def __init__(
+        self, info: SandboxInfo, client: AsyncClient, *, owns_client: bool, next_seq: int = 1
+    ) -> None:
         self._info = info
         self._client = client
         self._owns_client = owns_client
+        self._next_seq = next_seq
+        self._free_seqs: builtins.list[int] = []  # heap of numbers handed back, reused first
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, tier={self._info.tier!r}, state={self._info.state!r})"
@@ -361,6 +452,8 @@ class AsyncSandbox:
         user: str | None = None,
         job: str | None = None,
         workdir: str = "/",
+        on_timeout: OnTimeout = "kill",
+        paused_ttl_s: float | None = 24 * 3600.0,
         url: str | None = None,
         api_key: str | None = None,
         timeout: float = CREATE_TIMEOUT_S,
@@ -375,9 +468,13 @@ class AsyncSandbox:
             layers: extra layers stacked above the image (workspaces, toolkits).
             cpu: CPU cores. memory_mb: memory limit, MiB. disk_mb: writable layer, MiB.
             pids: max processes. env: environment of every command.
-            ttl_s: idle seconds before the server kills it (None: no idle limit).
+            ttl_s: idle seconds before ``on_timeout`` applies (None: no idle limit).
             labels: free-form key/values to filter on. user: default exec user.
-            job: training-job id (groups sandboxes). workdir: default cwd.
+            job: training-job id: groups sandboxes for :mod:`dsec.jobs` (pause, resume or
+                kill the whole job at once). workdir: default cwd.
+            on_timeout: ``"kill"`` or ``"pause"`` (free its memory, keep its state) when
+                ``ttl_s`` passes without activity; any request resumes a paused sandbox.
+            paused_ttl_s: seconds a paused sandbox lives before it is killed (None: no limit).
             url, api_key, transport: connection (ignored when ``client`` is given).
             timeout: how long to wait for creation, seconds.
             client: a shared :class:`AsyncClient` (its connection pool is reused).
@@ -397,6 +494,8 @@ class AsyncSandbox:
             user=user,
             job=job,
             workdir=workdir,
+            on_timeout=on_timeout,
+            paused_ttl_s=paused_ttl_s,
         )
         conn, owned = cls._client_for(client, url, api_key, transport)
         body = req.model_dump(mode="json")  # keep an explicit ttl_s=None
@@ -408,17 +507,27 @@ class AsyncSandbox:
         cls,
         sandbox_id: str,
         *,
+        replay: bool = False,
         url: str | None = None,
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         client: AsyncClient | None = None,
     ) -> AsyncSandbox:
-        """Attach to an existing sandbox by id. Raises ``SandboxNotFound``."""
+        """Attach to an existing sandbox by id. Raises ``SandboxNotFound``.
+
+        Args:
+            replay: number this object's calls from 1 again, so a restarted trainer that
+                repeats its calls in the same order gets the recorded results of those
+                that already ran (nothing runs twice; ``CommandResult.replayed``) and then
+                continues live. Without it, numbering continues at the server's
+                ``next_seq`` (every call is new).
+        """
         if not isinstance(sandbox_id, str) or not _SANDBOX_ID.match(sandbox_id):
             raise InvalidRequest(f"not a sandbox id: {sandbox_id!r}", sandbox_id=str(sandbox_id))
         conn, owned = cls._client_for(client, url, api_key, transport)
         r = await conn._http.request("GET", f"/v1/sandboxes/{sandbox_id}")
-        return cls(SandboxInfo.model_validate(r.json()), conn, owns_client=owned)
+        info = SandboxInfo.model_validate(r.json())
+        return cls(info, conn, owns_client=owned, next_seq=1 if replay else info.next_seq)
 
     @classmethod
     async def list(
@@ -464,8 +573,50 @@ class AsyncSandbox:
         """File access: ``read``, ``write``, ``list``, ``upload_dir``, ..."""
         return AsyncFiles(self)
 
+    @property
+    def next_seq(self) -> int:
+        """The sequence number this object's next state-changing call will carry."""
+        return self._free_seqs[0] if self._free_seqs else self._next_seq
+
     def _path(self, suffix: str = "") -> str:
         return f"/v1/sandboxes/{quote(self._info.id, safe='')}{suffix}"
+
+    def _take_seq(self) -> int:
+        if self._free_seqs:
+            return heapq.heappop(self._free_seqs)
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def _give_back_seq(self, seq: int) -> None:
+        heapq.heappush(self._free_seqs, seq)
+
+    async def _sequenced(
+        self, method: str, suffix: str, *, headers: dict[str, str] | None = None, **kw: Any
+    ) -> httpx.Response:
+        """Send one state-changing request under the next sequence number."""
+        seq = self._take_seq()
+        try:
+            return await self._client._http.request(
+                method, self._path(suffix), headers={**(headers or {}), SEQ_HEADER: str(seq)}, **kw
+            )
+        except DsecError as err:
+            await self._settle_seq(seq, err)
+            raise
+
+    async def _settle_seq(self, seq: int, err: DsecError) -> None:
+        """After a sequenced call failed: hand ``seq`` back unless the edge recorded it."""
+        if not_delivered(err):
+            self._give_back_seq(seq)
+            return
+        if isinstance(err, SandboxTimeout | SequenceConflict | OutcomeUnknown):
+            return  # it may still be running / it is recorded under another request
+        try:
+            info = await self.refresh()
+        except DsecError:
+            return  # cannot tell: keep it used (the next call may see SequenceGap)
+        if info.next_seq <= seq:
+            self._give_back_seq(seq)
 
     # --- lifecycle --------------------------------------------------------------
     async def refresh(self) -> SandboxInfo:
@@ -479,6 +630,87 @@ class AsyncSandbox:
         r = await self._client._http.request("POST", self._path("/ttl"), json={"ttl_s": ttl_s})
         self._info = SandboxInfo.model_validate(r.json())
         return self._info
+
+    async def pause(self) -> SandboxInfo:
+        """Pause: freeze every process and give back what memory can be given back.
+
+        Idempotent. ``info.last_pause`` reports memory before and after (bytes) and how
+        long it took (ms). Any later request (a command, a file read...) resumes the
+        sandbox transparently; :meth:`resume` does it explicitly.
+        """
+        r = await self._client._http.request("POST", self._path("/pause"))
+        self._info = SandboxInfo.model_validate(r.json())
+        return self._info
+
+    async def resume(self) -> SandboxInfo:
+        """Resume a paused sandbox (idempotent; a running one is left as is)."""
+        r = await self._client._http.request("POST", self._path("/resume"))
+        self._info = SandboxInfo.model_validate(r.json())
+        return self._info
+
+    async def snapshot(
+        self,
+        name: str | None = None,
+        scrub: builtins.list[str] | None = None,
+        secret_values: builtins.list[str] | None = None,
+        *,
+        timeout: float = SNAPSHOT_TIMEOUT_S,
+    ) -> LayerInfo:
+        """Capture the sandbox's writable layer as a new content-addressed workspace layer
+        (``pack_diff``); restore it with ``Sandbox.create(image, layers=[layer.digest])``.
+
+        Args:
+            name: also tag an image of this name (the sandbox's layers plus the snapshot).
+            scrub: absolute paths or globs left out, on top of the defaults (shell
+                histories, package caches, ``/tmp``).
+            secret_values: the builder's secrets; a file containing any of them refuses the
+                snapshot with ``SecretInSnapshot`` and nothing is stored.
+            timeout: how long to wait, seconds.
+
+        A state-changing call: it is sequenced and recorded in the trajectory log.
+        """
+        req = _validated(
+            SnapshotRequest, name=name, scrub=scrub or [], secret_values=secret_values or []
+        )
+        r = await self._sequenced(
+            "POST", "/snapshot", json=req.model_dump(mode="json"), timeout=timeout
+        )
+        return LayerInfo.model_validate(r.json())
+
+    async def fork(
+        self,
+        n: int,
+        *,
+        labels: dict[str, str] | None = None,
+        scrub: builtins.list[str] | None = None,
+        timeout: float = FORK_TIMEOUT_S,
+    ) -> builtins.list[AsyncSandbox]:
+        """Make ``n`` new sandboxes from one snapshot of this one (same image, limits, job;
+        the snapshot as their top layer; ``labels`` merged over this one's).
+
+        The server admits all ``n`` first (``QuotaExceeded``: nothing is created). The new
+        sandboxes share this object's connection pool and number their calls from 1.
+
+        Args:
+            n: how many (1..256).
+            labels: labels added to (or overriding) this sandbox's.
+            scrub: extra paths left out of the snapshot (see :meth:`snapshot`).
+            timeout: how long to wait for the snapshot and every creation, seconds.
+        """
+        req = _validated(ForkRequest, n=n, labels=labels or {}, scrub=scrub or [])
+        r = await self._client._http.request(
+            "POST", self._path("/fork"), json=req.model_dump(mode="json"), timeout=timeout
+        )
+        result = ForkResult.model_validate(r.json())
+        return [type(self)(info, self._client, owns_client=False) for info in result.sandboxes]
+
+    async def trajectory(self) -> str:
+        """The sandbox's trajectory log as JSONL text: a header line (format and the
+        create request), then one line per state-changing call in sequence order with
+        request, result, timings, exit code and digests of large values. ``dsec replay``
+        and :func:`dsec.replay.replay_lines` read it."""
+        r = await self._client._http.request("GET", self._path("/trajectory"))
+        return r.text
 
     async def kill(self) -> SandboxInfo:
         """Kill the sandbox (idempotent) and release this object's connections."""
@@ -512,6 +744,14 @@ class AsyncSandbox:
 
 def _dump(model: Any) -> Any:
     return model.model_dump(mode="json", exclude_none=True)
+
+
+def _check_path(path: str) -> None:
+    """The apiserver's path rule, checked before a sequence number is taken."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise InvalidRequest(f"path must be an absolute path without NUL: {path!r}", path=path)
+    if len(path) > _PATH_MAX:
+        raise InvalidRequest(f"path is longer than {_PATH_MAX} characters", path=path[:64])
 
 
 def _tar_directory(root: Path) -> bytes:

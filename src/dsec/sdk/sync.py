@@ -15,7 +15,7 @@ property                           property
 =================================  ==============================================
 
 Results that are instances of a synchronized async class (``AsyncSandbox``,
-``AsyncCommands``, ...) come back wrapped in their sync class. Signatures and
+``AsyncCommands``, ...), or lists of them, come back wrapped in their sync class. Signatures and
 docstrings are copied, so ``help(Sandbox.create)`` shows the real parameters.
 
 Callbacks passed to sync methods (``on_stdout=``) run on the loop thread. Calling the sync
@@ -91,6 +91,8 @@ def _wrap(value: Any) -> Any:
     sync_cls = _SYNC_OF.get(type(value))
     if sync_cls is not None:
         return sync_cls._from_impl(value)
+    if isinstance(value, list) and any(type(v) in _SYNC_OF for v in value):
+        return [_wrap(v) for v in value]  # e.g. AsyncSandbox.fork -> list[Sandbox]
     return value
 
 

@@ -1,0 +1,1069 @@
+/*
+ * dsec guest agent: PID 1 of a dsec microVM / VM, serving the host over one virtio-serial port.
+ *
+ * Started by /init (see init.sh) after the sandbox root is assembled at /newroot. It opens the
+ * virtio-serial port named "agent", unlinks every /dev/vport* node (the port is also exclusive:
+ * virtio_console refuses a second open with EBUSY, so guest processes cannot open or forge the
+ * channel), keeps fds to the initramfs busybox and the writable-layer tmpfs, chroots into
+ * /newroot and serves requests until the VM is killed.
+ *
+ * Wire format (both directions, little endian):
+ *   frame  = magic u32 ("DSA1") | payload_len u32 | request_id u32 | op u16 | nargs u16 | args
+ *   arg    = len u32 | bytes
+ * Requests (host -> guest) and replies (guest -> host) carry the same request_id. An exec
+ * request is answered by any number of OUT frames and one EXIT frame (or one ERR frame).
+ *
+ * Host mode: `agent --launch <cgroup.procs file>... -- <program> <args>` writes its own pid to
+ * each file, enables KSM merging for itself (prctl PR_SET_MEMORY_MERGE, inherited across exec)
+ * and execs the program. The runtime uses it to start QEMU inside its cgroup from the first
+ * instruction.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <grp.h>
+#include <limits.h>
+#include <linux/random.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAGIC 0x31415344u /* "DSA1" */
+#define MAX_FRAME (256u << 20)
+#define MAX_EXECS 64
+#define DRAIN_GRACE_MS 100
+
+enum {
+    OP_PING = 1,
+    OP_SETUP = 2,
+    OP_EXEC = 3,
+    OP_SIGNAL = 4,
+    OP_READ = 10,
+    OP_WRITE = 11,
+    OP_LIST = 12,
+    OP_STAT = 13,
+    OP_REMOVE = 14,
+    OP_MKDIR = 15,
+    OP_RENAME = 16,
+    OP_OK = 100,
+    OP_ERR = 101,
+    OP_OUT = 102,
+    OP_EXIT = 103,
+};
+
+#ifndef PR_SET_MEMORY_MERGE
+#define PR_SET_MEMORY_MERGE 67
+#endif
+#ifndef RNDRESEEDCRNG
+#define RNDRESEEDCRNG _IO('R', 0x07)
+#endif
+
+struct arg {
+    const char *p;
+    uint32_t n;
+};
+
+struct exec_state {
+    int used;
+    uint32_t id;
+    pid_t pid;
+    int fd_out, fd_err, fd_in;
+    char *stdin_buf;
+    size_t stdin_len, stdin_off;
+    uint64_t max_out, n_out, n_err;
+    int trunc_out, trunc_err;
+    int64_t start_ms, deadline_ms, exit_ms;
+    int exited, status, timed_out;
+};
+
+static int port_fd = -1;
+static int busybox_fd = -1;
+static int upper_fd = -1;
+static struct exec_state execs[MAX_EXECS];
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void write_all(int fd, const void *buf, size_t n) {
+    const char *p = buf;
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN) {
+                struct pollfd pf = {fd, POLLOUT, 0};
+                poll(&pf, 1, 100);
+                continue;
+            }
+            return; /* host gone: drop */
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+/* Send one frame with up to 16 args. */
+static void send_frame(uint32_t id, uint16_t op, int nargs, const struct arg *args) {
+    uint32_t payload = 0;
+    for (int i = 0; i < nargs; i++) payload += 4 + args[i].n;
+    char hdr[16];
+    uint32_t magic = MAGIC;
+    uint16_t na = (uint16_t)nargs;
+    memcpy(hdr, &magic, 4);
+    memcpy(hdr + 4, &payload, 4);
+    memcpy(hdr + 8, &id, 4);
+    memcpy(hdr + 12, &op, 2);
+    memcpy(hdr + 14, &na, 2);
+    /* coalesce small frames into one write */
+    if (payload <= 65536) {
+        char *buf = malloc(16 + payload);
+        if (!buf) return;
+        memcpy(buf, hdr, 16);
+        size_t off = 16;
+        for (int i = 0; i < nargs; i++) {
+            memcpy(buf + off, &args[i].n, 4);
+            off += 4;
+            if (args[i].n) memcpy(buf + off, args[i].p, args[i].n);
+            off += args[i].n;
+        }
+        write_all(port_fd, buf, off);
+        free(buf);
+        return;
+    }
+    write_all(port_fd, hdr, 16);
+    for (int i = 0; i < nargs; i++) {
+        write_all(port_fd, &args[i].n, 4);
+        write_all(port_fd, args[i].p, args[i].n);
+    }
+}
+
+static struct arg str_arg(const char *s) {
+    struct arg a = {s, (uint32_t)strlen(s)};
+    return a;
+}
+
+static void send_err(uint32_t id, int err, const char *what) {
+    char code[16], msg[PATH_MAX + 128];
+    snprintf(code, sizeof code, "%d", err);
+    snprintf(msg, sizeof msg, "%s: %s", what, strerror(err));
+    struct arg a[2] = {str_arg(code), str_arg(msg)};
+    send_frame(id, OP_ERR, 2, a);
+}
+
+static void send_ok(uint32_t id) { send_frame(id, OP_OK, 0, NULL); }
+
+/* An argument parsed as an unsigned decimal (args are not NUL-terminated). */
+static unsigned long long arg_num(const struct arg *a, unsigned long long dflt) {
+    char buf[32];
+    if (a->n == 0 || a->n >= sizeof buf) return dflt;
+    memcpy(buf, a->p, a->n);
+    buf[a->n] = 0;
+    return strtoull(buf, NULL, 10);
+}
+
+/* NUL-terminated copy of an argument (caller frees). */
+static char *arg_str(const struct arg *a) {
+    char *s = malloc(a->n + 1);
+    if (!s) return NULL;
+    memcpy(s, a->p, a->n);
+    s[a->n] = 0;
+    return s;
+}
+
+/* ------------------------------------------------------------------ file entries */
+
+/* entry = type u8 | size u64 | mode u32 | mtime_ns i64 | uid u32 | gid u32  (29 bytes) */
+static void pack_entry(char out[29], const struct stat *st) {
+    uint8_t type = S_ISREG(st->st_mode) ? 0 : S_ISDIR(st->st_mode) ? 1 : S_ISLNK(st->st_mode) ? 2 : 3;
+    uint64_t size = (uint64_t)st->st_size;
+    uint32_t mode = st->st_mode & 07777;
+    int64_t mtime = (int64_t)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec;
+    uint32_t uid = st->st_uid, gid = st->st_gid;
+    out[0] = (char)type;
+    memcpy(out + 1, &size, 8);
+    memcpy(out + 9, &mode, 4);
+    memcpy(out + 13, &mtime, 8);
+    memcpy(out + 21, &uid, 4);
+    memcpy(out + 25, &gid, 4);
+}
+
+struct entry_list {
+    struct arg *args;
+    char **owned;
+    int n, cap;
+};
+
+static int list_push(struct entry_list *l, const char *path, const struct stat *st) {
+    if (l->n + 3 > l->cap) {
+        int cap = l->cap ? l->cap * 2 : 96;
+        struct arg *na = realloc(l->args, sizeof(struct arg) * cap);
+        if (!na) return -1;
+        l->args = na;
+        char **no = realloc(l->owned, sizeof(char *) * cap);
+        if (!no) return -1;
+        l->owned = no;
+        l->cap = cap;
+    }
+    char *e = malloc(29);
+    char *p = strdup(path);
+    char target[PATH_MAX];
+    ssize_t tn = 0;
+    if (S_ISLNK(st->st_mode)) {
+        tn = readlink(path, target, sizeof target - 1);
+        if (tn < 0) tn = 0;
+    }
+    char *t = malloc((size_t)tn + 1);
+    if (!e || !p || !t) return -1;
+    memcpy(t, target, (size_t)tn);
+    pack_entry(e, st);
+    l->owned[l->n] = e;
+    l->args[l->n++] = (struct arg){e, 29};
+    l->owned[l->n] = p;
+    l->args[l->n++] = (struct arg){p, (uint32_t)strlen(p)};
+    l->owned[l->n] = t;
+    l->args[l->n++] = (struct arg){t, (uint32_t)tn};
+    return 0;
+}
+
+static void list_free(struct entry_list *l) {
+    for (int i = 0; i < l->n; i++) free(l->owned[i]);
+    free(l->args);
+    free(l->owned);
+}
+
+/* send an entry list in frames of at most 3000 args (the host concatenates OK frames
+ * flagged "more" via op OK with a trailing empty marker arg is avoided: we send it all) */
+static void send_entries(uint32_t id, struct entry_list *l) {
+    uint32_t payload = 0;
+    for (int i = 0; i < l->n; i++) payload += 4 + l->args[i].n;
+    char hdr[16];
+    uint32_t magic = MAGIC, nargs = (uint32_t)l->n;
+    uint16_t op = OP_OK, na = (uint16_t)(nargs > 65535 ? 65535 : nargs);
+    memcpy(hdr, &magic, 4);
+    memcpy(hdr + 4, &payload, 4);
+    memcpy(hdr + 8, &id, 4);
+    memcpy(hdr + 12, &op, 2);
+    memcpy(hdr + 14, &na, 2);
+    write_all(port_fd, hdr, 16);
+    for (int i = 0; i < (int)na; i++) {
+        write_all(port_fd, &l->args[i].n, 4);
+        write_all(port_fd, l->args[i].p, l->args[i].n);
+    }
+}
+
+static int mkdir_p(const char *path, mode_t mode) {
+    char buf[PATH_MAX];
+    if (strlen(path) >= sizeof buf) return -ENAMETOOLONG;
+    strcpy(buf, path);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, mode) < 0 && errno != EEXIST) return -errno;
+        *p = '/';
+    }
+    if (mkdir(buf, mode) < 0 && errno != EEXIST) return -errno;
+    struct stat st;
+    if (stat(buf, &st) < 0) return -errno;
+    if (!S_ISDIR(st.st_mode)) return -ENOTDIR;
+    return 0;
+}
+
+static void list_dir(struct entry_list *l, const char *path, int depth) {
+    DIR *d = opendir(path);
+    if (!d) return;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+        char child[PATH_MAX];
+        int n = snprintf(child, sizeof child, "%s%s%s", path, path[strlen(path) - 1] == '/' ? "" : "/", de->d_name);
+        if (n <= 0 || n >= (int)sizeof child) continue;
+        struct stat st;
+        if (lstat(child, &st) < 0) continue;
+        if (list_push(l, child, &st) < 0) break;
+        if (l->n >= 65535 - 3) break;
+        if (depth > 1 && S_ISDIR(st.st_mode)) list_dir(l, child, depth - 1);
+    }
+    closedir(d);
+}
+
+static int rm_cb(const char *p, const struct stat *st, int flag, struct FTW *f) {
+    (void)st;
+    (void)f;
+    return (flag == FTW_DP ? rmdir(p) : unlink(p)) < 0 ? -1 : 0;
+}
+
+static void reply_stat(uint32_t id, const char *path) {
+    struct stat st;
+    if (lstat(path, &st) < 0) {
+        send_err(id, errno, path);
+        return;
+    }
+    struct entry_list l = {0};
+    if (list_push(&l, path, &st) < 0) {
+        send_err(id, ENOMEM, path);
+    } else {
+        send_entries(id, &l);
+    }
+    list_free(&l);
+}
+
+static void do_file_op(uint32_t id, uint16_t op, int nargs, struct arg *a) {
+    if (nargs < 1) {
+        send_err(id, EINVAL, "missing path");
+        return;
+    }
+    char *path = arg_str(&a[0]);
+    char *path2 = NULL;
+    if (!path) {
+        send_err(id, ENOMEM, "alloc");
+        return;
+    }
+    switch (op) {
+    case OP_READ: {
+        uint64_t max = nargs > 1 ? arg_num(&a[1], 64u << 20) : (64u << 20);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        struct stat st;
+        if (fd < 0 || fstat(fd, &st) < 0) {
+            send_err(id, errno, path);
+            if (fd >= 0) close(fd);
+            break;
+        }
+        if (S_ISDIR(st.st_mode)) {
+            close(fd);
+            send_err(id, EISDIR, path);
+            break;
+        }
+        size_t cap = 65536, len = 0;
+        char *buf = malloc(cap);
+        int err = 0;
+        for (;;) {
+            if (len == cap) {
+                cap *= 2;
+                char *nb = realloc(buf, cap);
+                if (!nb) {
+                    err = ENOMEM;
+                    break;
+                }
+                buf = nb;
+            }
+            ssize_t r = read(fd, buf + len, cap - len);
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                err = errno;
+                break;
+            }
+            if (r == 0) break;
+            len += (size_t)r;
+            if (len > max) {
+                err = EFBIG;
+                break;
+            }
+        }
+        close(fd);
+        if (err) {
+            send_err(id, err, path);
+        } else {
+            struct arg out = {buf, (uint32_t)len};
+            send_frame(id, OP_OK, 1, &out);
+        }
+        free(buf);
+        break;
+    }
+    case OP_WRITE: {
+        if (nargs < 4) {
+            send_err(id, EINVAL, "write needs path, data, mode, parents");
+            break;
+        }
+        mode_t mode = (mode_t)arg_num(&a[2], 0644) & 07777;
+        if (a[3].n && a[3].p[0] == '1') {
+            char *slash = strrchr(path, '/');
+            if (slash && slash != path) {
+                *slash = 0;
+                int r = mkdir_p(path, 0755);
+                *slash = '/';
+                if (r < 0) {
+                    send_err(id, -r, path);
+                    break;
+                }
+            }
+        }
+        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+        if (fd < 0) {
+            send_err(id, errno, path);
+            break;
+        }
+        size_t off = 0;
+        int err = 0;
+        while (off < a[1].n) {
+            ssize_t w = write(fd, a[1].p + off, a[1].n - off);
+            if (w < 0) {
+                if (errno == EINTR) continue;
+                err = errno;
+                break;
+            }
+            off += (size_t)w;
+        }
+        if (!err && fchmod(fd, mode) < 0) err = errno;
+        if (close(fd) < 0 && !err) err = errno;
+        if (err) {
+            send_err(id, err, path);
+            break;
+        }
+        reply_stat(id, path);
+        break;
+    }
+    case OP_STAT:
+        reply_stat(id, path);
+        break;
+    case OP_LIST: {
+        int depth = nargs > 1 ? (int)arg_num(&a[1], 1) : 1;
+        struct stat st;
+        if (stat(path, &st) < 0) {
+            send_err(id, errno, path);
+            break;
+        }
+        if (!S_ISDIR(st.st_mode)) {
+            send_err(id, ENOTDIR, path);
+            break;
+        }
+        struct entry_list l = {0};
+        list_dir(&l, path, depth < 1 ? 1 : depth);
+        send_entries(id, &l);
+        list_free(&l);
+        break;
+    }
+    case OP_REMOVE: {
+        int recursive = nargs > 1 && a[1].n && a[1].p[0] == '1';
+        struct stat st;
+        if (lstat(path, &st) < 0) {
+            send_err(id, errno, path);
+            break;
+        }
+        int r;
+        if (S_ISDIR(st.st_mode)) {
+            r = recursive ? nftw(path, rm_cb, 32, FTW_DEPTH | FTW_PHYS) : rmdir(path);
+        } else {
+            r = unlink(path);
+        }
+        if (r < 0) {
+            send_err(id, errno, path);
+        } else {
+            send_ok(id);
+        }
+        break;
+    }
+    case OP_MKDIR: {
+        int parents = nargs > 1 && a[1].n && a[1].p[0] == '1';
+        int r = parents ? mkdir_p(path, 0755) : (mkdir(path, 0755) < 0 ? -errno : 0);
+        if (r < 0) {
+            send_err(id, -r, path);
+            break;
+        }
+        reply_stat(id, path);
+        break;
+    }
+    case OP_RENAME: {
+        if (nargs < 2) {
+            send_err(id, EINVAL, "rename needs src, dst");
+            break;
+        }
+        path2 = arg_str(&a[1]);
+        if (!path2 || rename(path, path2) < 0) {
+            send_err(id, path2 ? errno : ENOMEM, path);
+            break;
+        }
+        reply_stat(id, path2);
+        break;
+    }
+    default:
+        send_err(id, ENOSYS, "unknown op");
+    }
+    free(path);
+    free(path2);
+}
+
+/* ------------------------------------------------------------------ setup after boot/restore */
+
+static void do_setup(uint32_t id, int nargs, struct arg *a) {
+    /* args: unix time ns, random seed, hostname, writable layer MiB (0 = keep) */
+    if (nargs < 4) {
+        send_err(id, EINVAL, "setup needs time, seed, hostname, disk_mb");
+        return;
+    }
+    char *t = arg_str(&a[0]);
+    long long ns = t ? strtoll(t, NULL, 10) : 0;
+    free(t);
+    if (ns > 0) {
+        struct timespec ts = {ns / 1000000000LL, ns % 1000000000LL};
+        if (clock_settime(CLOCK_REALTIME, &ts) < 0) {
+            send_err(id, errno, "clock_settime");
+            return;
+        }
+    }
+    if (a[1].n > 0) {
+        int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            size_t n = a[1].n > 512 ? 512 : a[1].n;
+            struct rand_pool_info *info = malloc(sizeof *info + n);
+            if (info) {
+                info->entropy_count = (int)(n * 8);
+                info->buf_size = (int)n;
+                memcpy(info->buf, a[1].p, n);
+                if (ioctl(fd, RNDADDENTROPY, info) < 0) write_all(fd, a[1].p, n);
+                free(info);
+            }
+            ioctl(fd, RNDRESEEDCRNG);
+            close(fd);
+        }
+    }
+    if (a[2].n > 0) sethostname(a[2].p, a[2].n);
+    char *d = arg_str(&a[3]);
+    long disk_mb = d ? atol(d) : 0;
+    free(d);
+    if (disk_mb > 0 && upper_fd >= 0) {
+        char target[64], opts[64];
+        snprintf(target, sizeof target, "/proc/self/fd/%d", upper_fd);
+        snprintf(opts, sizeof opts, "size=%ldm", disk_mb);
+        if (mount(NULL, target, NULL, MS_REMOUNT, opts) < 0) {
+            send_err(id, errno, "remount writable layer");
+            return;
+        }
+    }
+    send_ok(id);
+}
+
+/* ------------------------------------------------------------------ exec */
+
+/* Resolve "name", "uid", "name:gid" or "uid:gid" against /etc/passwd. Returns 0 or -errno. */
+static int resolve_user(const char *spec, uid_t *uid, gid_t *gid, char *home, size_t home_len) {
+    *uid = 0;
+    *gid = 0;
+    snprintf(home, home_len, "/root");
+    if (!spec || !*spec) return 0;
+    char name[256];
+    snprintf(name, sizeof name, "%s", spec);
+    char *colon = strchr(name, ':');
+    long explicit_gid = -1;
+    if (colon) {
+        *colon = 0;
+        explicit_gid = atol(colon + 1);
+    }
+    int numeric = name[0] != 0 && strspn(name, "0123456789") == strlen(name);
+    int found = 0;
+    FILE *f = fopen("/etc/passwd", "re");
+    if (f) {
+        char line[1024];
+        while (fgets(line, sizeof line, f)) {
+            char *fields[7] = {0};
+            char *p = line;
+            int i = 0;
+            for (; i < 7 && p; i++) {
+                fields[i] = p;
+                p = strchr(p, ':');
+                if (p) *p++ = 0;
+            }
+            if (i < 6 || !fields[2] || !fields[3]) continue;
+            if (numeric ? atol(fields[2]) == atol(name) : strcmp(fields[0], name) == 0) {
+                *uid = (uid_t)atol(fields[2]);
+                *gid = (gid_t)atol(fields[3]);
+                if (fields[5] && *fields[5]) snprintf(home, home_len, "%s", fields[5]);
+                found = 1;
+                break;
+            }
+        }
+        fclose(f);
+    }
+    if (!found) {
+        if (!numeric) return -ESRCH;
+        *uid = (uid_t)atol(name);
+        *gid = (gid_t)atol(name);
+        snprintf(home, home_len, "/");
+    }
+    if (explicit_gid >= 0) *gid = (gid_t)explicit_gid;
+    return 0;
+}
+
+static struct exec_state *exec_by_id(uint32_t id) {
+    for (int i = 0; i < MAX_EXECS; i++)
+        if (execs[i].used && execs[i].id == id) return &execs[i];
+    return NULL;
+}
+
+static void do_exec(uint32_t id, int nargs, struct arg *a) {
+    /* args: "timeout_ms max_out tool nenv", cwd, user, stdin, env x nenv, argv... */
+    if (nargs < 5) {
+        send_err(id, EINVAL, "exec needs header, cwd, user, stdin, argv");
+        return;
+    }
+    char *hdr = arg_str(&a[0]);
+    long long timeout_ms = 0, max_out = 0;
+    int tool = 0, nenv = 0;
+    if (!hdr || sscanf(hdr, "%lld %lld %d %d", &timeout_ms, &max_out, &tool, &nenv) != 4 || nenv < 0 ||
+        4 + nenv >= nargs) {
+        free(hdr);
+        send_err(id, EINVAL, "bad exec header");
+        return;
+    }
+    free(hdr);
+    struct exec_state *e = NULL;
+    for (int i = 0; i < MAX_EXECS; i++)
+        if (!execs[i].used) {
+            e = &execs[i];
+            break;
+        }
+    if (!e) {
+        send_err(id, EAGAIN, "too many concurrent commands");
+        return;
+    }
+    char *cwd = arg_str(&a[1]);
+    char *user = arg_str(&a[2]);
+    int argc = nargs - 4 - nenv;
+    char **envp = calloc((size_t)nenv + 1, sizeof(char *));
+    char **argv = calloc((size_t)argc + 1, sizeof(char *));
+    for (int i = 0; i < nenv; i++) envp[i] = arg_str(&a[4 + i]);
+    for (int i = 0; i < argc; i++) argv[i] = arg_str(&a[4 + nenv + i]);
+    uid_t uid;
+    gid_t gid;
+    char home[PATH_MAX];
+    int ur = resolve_user(user, &uid, &gid, home, sizeof home);
+    int p_out[2] = {-1, -1}, p_err[2] = {-1, -1}, p_in[2] = {-1, -1};
+    if (ur < 0) {
+        send_err(id, -ur, "unknown user");
+        goto out;
+    }
+    if (pipe2(p_out, O_CLOEXEC) < 0 || pipe2(p_err, O_CLOEXEC) < 0 || pipe2(p_in, O_CLOEXEC) < 0) {
+        send_err(id, errno, "pipe");
+        goto out;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+        send_err(id, errno, "fork");
+        goto out;
+    }
+    if (pid == 0) {
+        sigset_t all;
+        sigemptyset(&all);
+        sigprocmask(SIG_SETMASK, &all, NULL);
+        setsid();
+        dup2(p_in[0], 0);
+        dup2(p_out[1], 1);
+        dup2(p_err[1], 2);
+        if (chdir(cwd && *cwd ? cwd : "/") < 0) {
+            dprintf(2, "dsec: cwd %s: %s\n", cwd, strerror(errno));
+            _exit(126);
+        }
+        if (uid != 0 || gid != 0) {
+            if (setgroups(0, NULL) < 0 || setgid(gid) < 0 || setuid(uid) < 0) {
+                dprintf(2, "dsec: set user %s: %s\n", user, strerror(errno));
+                _exit(126);
+            }
+        }
+        environ = envp;
+        if (tool && busybox_fd >= 0) {
+            fexecve(busybox_fd, argv, envp);
+        } else {
+            execvp(argv[0], argv);
+        }
+        int err = errno;
+        dprintf(2, "dsec: exec %s: %s\n", argv[0], strerror(err));
+        _exit(err == ENOENT ? 127 : 126);
+    }
+    close(p_out[1]);
+    close(p_err[1]);
+    close(p_in[0]);
+    p_out[1] = p_err[1] = p_in[0] = -1;
+    memset(e, 0, sizeof *e);
+    e->used = 1;
+    e->id = id;
+    e->pid = pid;
+    e->fd_out = p_out[0];
+    e->fd_err = p_err[0];
+    e->fd_in = p_in[1];
+    fcntl(e->fd_in, F_SETFL, O_NONBLOCK);
+    e->max_out = (uint64_t)max_out;
+    e->start_ms = now_ms();
+    e->deadline_ms = timeout_ms > 0 ? e->start_ms + timeout_ms : 0;
+    if (a[3].n > 0) {
+        e->stdin_buf = malloc(a[3].n);
+        memcpy(e->stdin_buf, a[3].p, a[3].n);
+        e->stdin_len = a[3].n;
+    } else {
+        close(e->fd_in);
+        e->fd_in = -1;
+    }
+    p_out[0] = p_err[0] = p_in[1] = -1;
+out:
+    for (int i = 0; i < 2; i++) {
+        if (p_out[i] >= 0) close(p_out[i]);
+        if (p_err[i] >= 0) close(p_err[i]);
+        if (p_in[i] >= 0) close(p_in[i]);
+    }
+    for (int i = 0; i < nenv; i++) free(envp[i]);
+    for (int i = 0; i < argc; i++) free(argv[i]);
+    free(envp);
+    free(argv);
+    free(cwd);
+    free(user);
+}
+
+static void exec_output(struct exec_state *e, int which) {
+    int *fd = which == 1 ? &e->fd_out : &e->fd_err;
+    char buf[65536];
+    ssize_t r = read(*fd, buf, sizeof buf);
+    if (r < 0 && (errno == EINTR || errno == EAGAIN)) return;
+    if (r <= 0) {
+        close(*fd);
+        *fd = -1;
+        return;
+    }
+    uint64_t *count = which == 1 ? &e->n_out : &e->n_err;
+    int *trunc = which == 1 ? &e->trunc_out : &e->trunc_err;
+    uint64_t room = *count < e->max_out ? e->max_out - *count : 0;
+    uint64_t keep = (uint64_t)r < room ? (uint64_t)r : room;
+    if (keep < (uint64_t)r) *trunc = 1;
+    *count += keep;
+    if (keep > 0) {
+        struct arg out[2] = {{which == 1 ? "1" : "2", 1}, {buf, (uint32_t)keep}};
+        send_frame(e->id, OP_OUT, 2, out);
+    }
+}
+
+static void exec_finish(struct exec_state *e) {
+    if (e->fd_out >= 0) close(e->fd_out);
+    if (e->fd_err >= 0) close(e->fd_err);
+    if (e->fd_in >= 0) close(e->fd_in);
+    int code = -1, sig = 0;
+    if (WIFEXITED(e->status)) code = WEXITSTATUS(e->status);
+    if (WIFSIGNALED(e->status)) sig = WTERMSIG(e->status);
+    char text[128];
+    snprintf(text, sizeof text, "%d %d %d %d %d %lld", code, sig, e->timed_out, e->trunc_out, e->trunc_err,
+             (long long)(now_ms() - e->start_ms));
+    struct arg a = str_arg(text);
+    send_frame(e->id, OP_EXIT, 1, &a);
+    free(e->stdin_buf);
+    memset(e, 0, sizeof *e);
+}
+
+static void reap(void) {
+    for (;;) {
+        int status;
+        pid_t pid = waitpid(-1, &status, WNOHANG);
+        if (pid <= 0) return;
+        for (int i = 0; i < MAX_EXECS; i++) {
+            if (execs[i].used && execs[i].pid == pid && !execs[i].exited) {
+                execs[i].exited = 1;
+                execs[i].status = status;
+                execs[i].exit_ms = now_ms();
+                /* the command is done: its process group must not outlive it holding pipes */
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ request dispatch */
+
+static void dispatch(uint32_t id, uint16_t op, int nargs, struct arg *a) {
+    switch (op) {
+    case OP_PING:
+        send_ok(id);
+        break;
+    case OP_SETUP:
+        do_setup(id, nargs, a);
+        break;
+    case OP_EXEC:
+        do_exec(id, nargs, a);
+        break;
+    case OP_SIGNAL: {
+        if (nargs < 2) {
+            send_err(id, EINVAL, "signal needs exec id, signo");
+            break;
+        }
+        char *t = arg_str(&a[0]);
+        char *s = arg_str(&a[1]);
+        struct exec_state *e = t ? exec_by_id((uint32_t)strtoul(t, NULL, 10)) : NULL;
+        int signo = s ? atoi(s) : SIGKILL;
+        free(t);
+        free(s);
+        if (e && !e->exited) {
+            kill(-e->pid, signo);
+            kill(e->pid, signo);
+        }
+        send_ok(id);
+        break;
+    }
+    default:
+        do_file_op(id, op, nargs, a);
+    }
+}
+
+static char *rbuf;
+static size_t rlen, rcap;
+
+/* Parse and dispatch every complete frame in rbuf. Returns -1 on a corrupt stream. */
+static int process_input(void) {
+    size_t off = 0;
+    while (rlen - off >= 16) {
+        uint32_t magic, payload, id;
+        uint16_t op, nargs;
+        memcpy(&magic, rbuf + off, 4);
+        memcpy(&payload, rbuf + off + 4, 4);
+        memcpy(&id, rbuf + off + 8, 4);
+        memcpy(&op, rbuf + off + 12, 2);
+        memcpy(&nargs, rbuf + off + 14, 2);
+        if (magic != MAGIC || payload > MAX_FRAME) {
+            /* resynchronise: skip one byte and look for the next magic */
+            off++;
+            continue;
+        }
+        if (rlen - off - 16 < payload) break;
+        struct arg *args = calloc(nargs ? nargs : 1, sizeof(struct arg));
+        size_t p = off + 16, end = off + 16 + payload;
+        int ok = args != NULL;
+        for (int i = 0; ok && i < nargs; i++) {
+            uint32_t n;
+            if (end - p < 4) {
+                ok = 0;
+                break;
+            }
+            memcpy(&n, rbuf + p, 4);
+            p += 4;
+            if (end - p < n) {
+                ok = 0;
+                break;
+            }
+            args[i].p = rbuf + p;
+            args[i].n = n;
+            p += n;
+        }
+        if (ok) {
+            dispatch(id, op, nargs, args);
+        } else {
+            send_err(id, EINVAL, "malformed frame");
+        }
+        free(args);
+        off = end;
+    }
+    memmove(rbuf, rbuf + off, rlen - off);
+    rlen -= off;
+    return 0;
+}
+
+static int read_port(void) {
+    if (rcap - rlen < 65536) {
+        size_t ncap = rcap ? rcap * 2 : 1 << 20;
+        if (ncap > MAX_FRAME + (1 << 20)) ncap = MAX_FRAME + (1 << 20);
+        if (ncap <= rlen) {
+            rlen = 0; /* unreachable for well-formed input: drop the buffer */
+            return 0;
+        }
+        char *nb = realloc(rbuf, ncap);
+        if (!nb) return 0;
+        rbuf = nb;
+        rcap = ncap;
+    }
+    ssize_t r = read(port_fd, rbuf + rlen, rcap - rlen);
+    if (r < 0) return errno == EINTR || errno == EAGAIN ? 1 : 0;
+    if (r == 0) return 0; /* host not connected */
+    rlen += (size_t)r;
+    process_input();
+    return 1;
+}
+
+/* ------------------------------------------------------------------ startup */
+
+static int open_agent_port(void) {
+    for (int attempt = 0; attempt < 500; attempt++) {
+        DIR *d = opendir("/sys/class/virtio-ports");
+        if (d) {
+            struct dirent *de;
+            while ((de = readdir(d)) != NULL) {
+                if (de->d_name[0] == '.') continue;
+                char p[PATH_MAX], name[64] = {0};
+                snprintf(p, sizeof p, "/sys/class/virtio-ports/%s/name", de->d_name);
+                int fd = open(p, O_RDONLY | O_CLOEXEC);
+                if (fd < 0) continue;
+                ssize_t n = read(fd, name, sizeof name - 1);
+                close(fd);
+                if (n > 0 && name[n - 1] == '\n') name[n - 1] = 0;
+                if (strcmp(name, "agent") != 0) continue;
+                snprintf(p, sizeof p, "/dev/%s", de->d_name);
+                int pfd = open(p, O_RDWR | O_CLOEXEC);
+                if (pfd >= 0) {
+                    closedir(d);
+                    return pfd;
+                }
+            }
+            closedir(d);
+        }
+        usleep(10000);
+    }
+    return -1;
+}
+
+static void hide_ports(void) {
+    DIR *d = opendir("/dev");
+    if (!d) return;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        if (strncmp(de->d_name, "vport", 5) == 0) {
+            char p[PATH_MAX];
+            snprintf(p, sizeof p, "/dev/%s", de->d_name);
+            unlink(p);
+        }
+    }
+    closedir(d);
+    rmdir("/dev/virtio-ports");
+}
+
+static int launch(int argc, char **argv) {
+    int i = 2;
+    for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
+        int fd = open(argv[i], O_WRONLY | O_CLOEXEC);
+        if (fd < 0 || dprintf(fd, "%d\n", getpid()) < 0) {
+            fprintf(stderr, "dsec launch: %s: %s\n", argv[i], strerror(errno));
+            return 125;
+        }
+        close(fd);
+    }
+    if (i + 1 >= argc) {
+        fprintf(stderr, "usage: agent --launch <cgroup.procs>... -- program args\n");
+        return 125;
+    }
+    prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0); /* KSM; EINVAL on kernels without it */
+    prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0);
+    execv(argv[i + 1], &argv[i + 1]);
+    fprintf(stderr, "dsec launch: exec %s: %s\n", argv[i + 1], strerror(errno));
+    return 127;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--launch") == 0) return launch(argc, argv);
+    const char *root = argc > 1 ? argv[1] : "/newroot";
+
+    port_fd = open_agent_port();
+    if (port_fd < 0) {
+        fprintf(stderr, "dsec-agent: no virtio-serial port named 'agent'\n");
+        return 1;
+    }
+    hide_ports();
+    busybox_fd = open("/bin/busybox", O_RDONLY | O_CLOEXEC);
+    upper_fd = open("/rw", O_PATH | O_CLOEXEC);
+    if (chdir(root) < 0 || chroot(".") < 0 || chdir("/") < 0) {
+        fprintf(stderr, "dsec-agent: chroot %s: %s\n", root, strerror(errno));
+        return 1;
+    }
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigaddset(&mask, SIGPIPE);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+
+    struct pollfd pfds[2 + 3 * MAX_EXECS];
+    struct exec_state *owner[2 + 3 * MAX_EXECS];
+    int which[2 + 3 * MAX_EXECS];
+    int port_idle = 0;
+    for (;;) {
+        int n = 0;
+        pfds[n] = (struct pollfd){sfd, POLLIN, 0};
+        owner[n++] = NULL;
+        int port_idx = -1;
+        if (!port_idle) {
+            port_idx = n;
+            pfds[n] = (struct pollfd){port_fd, POLLIN, 0};
+            owner[n++] = NULL;
+        }
+        int64_t now = now_ms();
+        int64_t wake = port_idle ? now + 20 : -1;
+        for (int i = 0; i < MAX_EXECS; i++) {
+            struct exec_state *e = &execs[i];
+            if (!e->used) continue;
+            if (e->fd_out >= 0) {
+                pfds[n] = (struct pollfd){e->fd_out, POLLIN, 0};
+                owner[n] = e;
+                which[n++] = 1;
+            }
+            if (e->fd_err >= 0) {
+                pfds[n] = (struct pollfd){e->fd_err, POLLIN, 0};
+                owner[n] = e;
+                which[n++] = 2;
+            }
+            if (e->fd_in >= 0) {
+                pfds[n] = (struct pollfd){e->fd_in, POLLOUT, 0};
+                owner[n] = e;
+                which[n++] = 0;
+            }
+            int64_t t = e->exited ? e->exit_ms + DRAIN_GRACE_MS : e->deadline_ms;
+            if (t > 0 && (wake < 0 || t < wake)) wake = t;
+        }
+        int timeout = wake < 0 ? -1 : (int)(wake > now ? wake - now : 0);
+        int r = poll(pfds, (nfds_t)n, timeout);
+        if (r < 0 && errno != EINTR) continue;
+        port_idle = 0;
+        for (int i = 0; r > 0 && i < n; i++) {
+            if (!pfds[i].revents) continue;
+            if (i == 0) {
+                struct signalfd_siginfo si;
+                while (read(sfd, &si, sizeof si) > 0) {
+                }
+                reap();
+            } else if (i == port_idx) {
+                if (pfds[i].revents & POLLIN) {
+                    if (!read_port()) port_idle = 1;
+                } else {
+                    port_idle = 1; /* POLLHUP: host not connected; poll again in 20 ms */
+                }
+            } else {
+                struct exec_state *e = owner[i];
+                if (!e->used) continue;
+                if (which[i] == 0) {
+                    ssize_t w = write(e->fd_in, e->stdin_buf + e->stdin_off, e->stdin_len - e->stdin_off);
+                    if (w > 0) e->stdin_off += (size_t)w;
+                    if ((w < 0 && errno != EAGAIN && errno != EINTR) || e->stdin_off >= e->stdin_len) {
+                        close(e->fd_in);
+                        e->fd_in = -1;
+                    }
+                } else {
+                    exec_output(e, which[i]);
+                }
+            }
+        }
+        reap();
+        now = now_ms();
+        for (int i = 0; i < MAX_EXECS; i++) {
+            struct exec_state *e = &execs[i];
+            if (!e->used) continue;
+            if (!e->exited && e->deadline_ms > 0 && now >= e->deadline_ms && !e->timed_out) {
+                e->timed_out = 1;
+                kill(-e->pid, SIGKILL);
+                kill(e->pid, SIGKILL);
+            }
+            if (e->exited && ((e->fd_out < 0 && e->fd_err < 0) || now >= e->exit_ms + DRAIN_GRACE_MS)) {
+                exec_finish(e);
+            }
+        }
+    }
+}

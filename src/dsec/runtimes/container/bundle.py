@@ -1,0 +1,259 @@
+"""OCI bundle of one container sandbox: ``config.json`` and the exec server's policy.
+
+Everything the container's security depends on is decided here, in one place,
+and rendered twice: into the OCI runtime config (applied by crun/runc to the
+container's PID 1) and into ``execd.policy`` (applied by ``dsec_execd`` to each
+exec'd command). Both renderings read the same constants below.
+
+Layout of a sandbox directory (``paths.sandboxes/<id>/``)::
+
+    config.json     OCI runtime config (this module)
+    execd.policy    seccomp + capabilities + rlimits for dsec_execd (this module)
+    rootfs/         overlay of the EROFS layers + tmpfs upper (dsec.layers.rootfs)
+    state.json      what recover() and destroy_orphan() need
+    crun.log        the OCI runtime's log
+    execd.log       the exec server's stderr
+
+Capabilities: Docker's default set minus ``NET_RAW`` (raw sockets: packet
+spoofing, port scans; sandboxes have no network anyway), ``MKNOD`` (a device
+node in the upper layer would be opened by host-side file operations; the
+device cgroup denies device access inside anyway), ``AUDIT_WRITE`` (no auditd in
+a sandbox) and ``SETFCAP`` (file capabilities are only a way to smuggle
+privileges). Kept: ``CHOWN``, ``DAC_OVERRIDE``, ``FOWNER``, ``FSETID``, ``KILL``,
+``SETGID``, ``SETUID``, ``SETPCAP``, ``NET_BIND_SERVICE``, ``SYS_CHROOT``: what
+package managers, build tools and test suites run as root need.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import resource
+from pathlib import Path
+from typing import Any
+
+from dsec.runtimes.container.seccomp import execd_policy_lines, oci_seccomp
+
+__all__ = [
+    "CAPABILITIES",
+    "DEFAULT_PATH",
+    "INIT_PATH_IN_CONTAINER",
+    "MASKED_PATHS",
+    "READONLY_PATHS",
+    "RLIMITS",
+    "cgroup_parent",
+    "execd_policy_text",
+    "oci_config",
+]
+
+# name -> number (linux/capability.h)
+CAPABILITIES: dict[str, int] = {
+    "CAP_CHOWN": 0,
+    "CAP_DAC_OVERRIDE": 1,
+    "CAP_FOWNER": 3,
+    "CAP_FSETID": 4,
+    "CAP_KILL": 5,
+    "CAP_SETGID": 6,
+    "CAP_SETUID": 7,
+    "CAP_SETPCAP": 8,
+    "CAP_NET_BIND_SERVICE": 10,
+    "CAP_SYS_CHROOT": 18,
+}
+
+# (OCI name, resource number, soft, hard). -1 = unlimited.
+RLIMITS: tuple[tuple[str, int, int, int], ...] = (
+    ("RLIMIT_NOFILE", resource.RLIMIT_NOFILE, 4096, 16384),
+    ("RLIMIT_CORE", resource.RLIMIT_CORE, 0, 0),  # no core dumps filling the upper layer
+    ("RLIMIT_MSGQUEUE", resource.RLIMIT_MSGQUEUE, 819200, 819200),
+)
+
+MASKED_PATHS: tuple[str, ...] = (
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/kpagecgroup",
+    "/proc/kpageflags",
+    "/proc/kpagecount",
+    "/proc/sysrq-trigger",
+    "/proc/kmsg",
+    "/proc/vmallocinfo",
+    "/proc/pagetypeinfo",
+    "/proc/slabinfo",
+    "/proc/interrupts",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+    "/sys/kernel/debug",
+    "/sys/kernel/tracing",
+)
+
+READONLY_PATHS: tuple[str, ...] = (
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+)
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# Where the static init is bind-mounted (read-only) inside the container. /dev is a
+# per-container tmpfs, so the mount point never lands in the writable layer.
+INIT_PATH_IN_CONTAINER = "/dev/.dsec-init"
+
+_CPU_PERIOD_US = 100_000
+
+
+def cgroup_parent(home: Path) -> str:
+    """The cgroup directory that holds this install's sandboxes, e.g. ``dsec-3f2a9c01d4``.
+
+    Derived from ``DSEC_HOME`` so two installs on one node never share cgroups."""
+    digest = hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:10]
+    return f"dsec-{digest}"
+
+
+def _device(major: int, minor: int | None, access: str = "rwm") -> dict[str, Any]:
+    d: dict[str, Any] = {"allow": True, "type": "c", "major": major, "access": access}
+    if minor is not None:
+        d["minor"] = minor
+    return d
+
+
+def oci_config(
+    *,
+    rootfs: Path,
+    init_binary: Path,
+    hostname: str,
+    cgroups_path: str,
+    cpu: float,
+    memory_mb: int,
+    pids: int,
+    env: dict[str, str],
+    memsw: bool,
+) -> dict[str, Any]:
+    """The OCI runtime config (``config.json``) of one sandbox.
+
+    Args:
+        rootfs: the assembled overlay root (absolute path on the host).
+        init_binary: the static ``dsec_init`` on the host; bind-mounted read-only.
+        hostname: the container's hostname.
+        cgroups_path: ``/<parent>/<sandbox id>`` (see :func:`cgroup_parent`).
+        cpu: CPU cores, enforced as a CFS quota over a 100 ms period.
+        memory_mb: memory limit, MiB (also the memory+swap limit when ``memsw``).
+        pids: maximum number of processes and threads.
+        env: extra environment of the init process (exec'd commands get their own).
+        memsw: whether the memory cgroup has ``memory.memsw.*`` (swap accounting).
+    """
+    caps = sorted(CAPABILITIES)
+    memory_bytes = memory_mb * 1024 * 1024
+    memory: dict[str, Any] = {"limit": memory_bytes}
+    if memsw:
+        memory["swap"] = memory_bytes
+    process_env = [f"PATH={DEFAULT_PATH}", f"HOSTNAME={hostname}", "HOME=/root"]
+    process_env += [f"{k}={v}" for k, v in env.items()]
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": [INIT_PATH_IN_CONTAINER],
+            "env": process_env,
+            "cwd": "/",
+            "capabilities": {
+                "bounding": caps,
+                "effective": caps,
+                "permitted": caps,
+                "inheritable": [],
+                "ambient": [],
+            },
+            "rlimits": [
+                {"type": name, "soft": soft, "hard": hard} for name, _, soft, hard in RLIMITS
+            ],
+            "noNewPrivileges": True,
+        },
+        "root": {"path": str(rootfs), "readonly": False},
+        "hostname": hostname,
+        "mounts": [
+            {
+                "destination": "/proc",
+                "type": "proc",
+                "source": "proc",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+            },
+            {
+                "destination": "/dev/pts",
+                "type": "devpts",
+                "source": "devpts",
+                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+            },
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+            },
+            {
+                "destination": "/dev/mqueue",
+                "type": "mqueue",
+                "source": "mqueue",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
+            {
+                "destination": "/sys",
+                "type": "sysfs",
+                "source": "sysfs",
+                "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
+            {
+                "destination": INIT_PATH_IN_CONTAINER,
+                "type": "bind",
+                "source": str(init_binary),
+                "options": ["bind", "ro", "nosuid", "nodev"],
+            },
+        ],
+        "linux": {
+            "namespaces": [
+                {"type": t} for t in ("pid", "mount", "ipc", "uts", "network", "cgroup")
+            ],
+            "cgroupsPath": cgroups_path,
+            "resources": {
+                "devices": [
+                    {"allow": False, "access": "rwm"},
+                    _device(1, 3),  # null
+                    _device(1, 5),  # zero
+                    _device(1, 7),  # full
+                    _device(1, 8),  # random
+                    _device(1, 9),  # urandom
+                    _device(5, 0),  # tty
+                    _device(5, 2),  # ptmx
+                    _device(136, None),  # pts/*
+                ],
+                "memory": memory,
+                "cpu": {"quota": max(1000, int(cpu * _CPU_PERIOD_US)), "period": _CPU_PERIOD_US},
+                "pids": {"limit": pids},
+            },
+            "maskedPaths": list(MASKED_PATHS),
+            "readonlyPaths": list(READONLY_PATHS),
+            "seccomp": oci_seccomp(),
+            "rootfsPropagation": "private",
+        },
+    }
+
+
+def execd_policy_text() -> str:
+    """The policy file ``dsec_execd`` applies to each exec'd command (format in dsec_execd.c)."""
+    lines = ["# generated by dsec.runtimes.container.bundle; do not edit"]
+    lines += execd_policy_lines()
+    lines += [f"cap {n}" for n in sorted(CAPABILITIES.values())]
+    lines += [f"rlimit {num} {soft} {hard}" for _, num, soft, hard in RLIMITS]
+    return "\n".join(lines) + "\n"

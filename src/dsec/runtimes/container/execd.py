@@ -1,0 +1,481 @@
+"""The edge's side of ``dsec_execd``, the per-sandbox exec server.
+
+One :class:`ExecServer` per running container. The server joins the container's
+cgroups once at start (so each command is born in them and counts against the
+sandbox's memory and pids limits; a fork bomb at ``pids.max`` makes exec fail with
+``SandboxError`` until the bomb is gone). It starts the server with one end
+of a ``SOCK_SEQPACKET`` socketpair (the only way to talk to it: nothing inside
+the sandbox can reach, signal or forge it) and multiplexes any number of
+concurrent execs over that socket. For each exec the edge makes the
+stdin/stdout/stderr pipes itself, passes the child's ends with ``SCM_RIGHTS``
+and reads the output directly with the event loop: no byte of output passes
+through the server. Wire format: see ``dsec/native/dsec_execd.c``.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsec.errors import InvalidRequest, PayloadTooLarge, SandboxError, SandboxStopped
+
+__all__ = ["ExecOutcome", "ExecServer", "SetupStage"]
+
+log = logging.getLogger(__name__)
+
+T_EXEC, T_SIGNAL, T_RELEASE, T_ATTACH = 1, 2, 3, 4
+R_READY, R_STARTED, R_EXIT, R_ERROR = 100, 101, 102, 103
+_HDR = struct.Struct("<IIQ")
+_EXEC_BODY = struct.Struct("<6I")
+_SNDBUF_BYTES = 8 << 20  # requests carry argv (<= 1 MiB) and env (<= 256 KiB) inline
+_PIPE_BYTES = 256 << 10  # kernel pipe buffer per output stream (root's pipe pages are capped)
+_READ_CHUNK = 1 << 16
+_F_SETPIPE_SZ = 1031
+
+
+class SetupStage:
+    """Steps of the exec'd child before its command runs (``dsec_execd.c``)."""
+
+    OK, CGROUP, SETSID, RLIMIT, BOUNDING, GROUPS, GID, UID, CAPSET, NNP, CHDIR, SECCOMP, EXEC = (
+        range(13)
+    )
+    NAMES = "ok cgroup setsid rlimit bounding groups gid uid capset no_new_privs chdir seccomp exec".split()
+
+
+@dataclass
+class ExecOutcome:
+    """Raw result of one exec. Output is bytes, capped at ``max_output_bytes`` per stream."""
+
+    stdout: bytes = b""
+    stderr: bytes = b""
+    exit_code: int | None = None
+    signal: int | None = None
+    timed_out: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    duration_ms: float = 0.0
+
+
+@dataclass
+class _Pending:
+    started: asyncio.Future[int]
+    exited: asyncio.Future[tuple[int, int, int]]
+
+
+@dataclass
+class _Stream:
+    kind: str
+    fd: int
+    cap: int
+    data: bytearray = field(default_factory=bytearray)
+    truncated: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+Sink = Callable[[str, bytes], Awaitable[None]]
+
+
+class ExecServer:
+    """A ``dsec_execd`` for one container, and the client of its socket.
+
+    Two steps, so that the server's start-up overlaps the OCI runtime's work:
+    :meth:`spawn` starts the process (it compiles its seccomp policy and waits), and
+    :meth:`attach` sends it the container's init pid and cgroups once they exist.
+    :meth:`start` does both.
+    """
+
+    def __init__(self, sock: socket.socket, proc: subprocess.Popen[bytes]) -> None:
+        self._sock = sock
+        self._proc = proc
+        self.pid = proc.pid  # host pid of the server
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._attached = False
+        self._closed = False
+        self._loop = asyncio.get_running_loop()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    @classmethod
+    def spawn(cls, binary: Path, policy_file: Path) -> ExecServer:
+        """Start the server process; it waits for :meth:`attach`. Takes ~0.5 ms.
+
+        Its stderr is the edge's (it only writes there when it dies, and then also sends
+        the reason over the socket)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            try:
+                ours.setsockopt(socket.SOL_SOCKET, 32, _SNDBUF_BYTES)  # SO_SNDBUFFORCE
+            except OSError:
+                ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF_BYTES)
+            proc = subprocess.Popen(
+                [str(binary), str(theirs.fileno()), str(policy_file)],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        except OSError as e:
+            ours.close()
+            raise SandboxError(f"cannot start the exec server: {e}") from e
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        return cls(ours, proc)
+
+    async def attach(self, init_pid: int, cgroup_procs: list[Path], timeout_s: float = 5.0) -> None:
+        """Make the server join the container whose init has host pid ``init_pid``."""
+        paths = [os.fsencode(p) for p in cgroup_procs]
+        payload = _HDR.pack(T_ATTACH, 0, 0) + struct.pack("<iI", init_pid, len(paths))
+        payload += b"".join(p + b"\0" for p in paths)
+        ready: asyncio.Future[bytes] = self._loop.create_future()
+
+        def on_ready() -> None:
+            try:
+                msg = self._sock.recv(4096)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                msg = b""
+                log.debug("exec server socket: %s", e)
+            if not ready.done():
+                ready.set_result(msg)
+
+        self._loop.add_reader(self._sock.fileno(), on_ready)
+        try:
+            self._sock.send(payload)
+            msg = await asyncio.wait_for(ready, timeout_s)
+        except (TimeoutError, OSError):
+            msg = b""
+        finally:
+            self._loop.remove_reader(self._sock.fileno())
+        if len(msg) >= _HDR.size + 4 and _HDR.unpack_from(msg)[0] == R_READY:
+            self._attached = True
+            self._loop.add_reader(self._sock.fileno(), self._on_readable)
+            return
+        await self.close()
+        detail = _error_text(msg) if msg else "no answer"
+        raise SandboxError(f"the exec server did not start: {detail}")
+
+    @classmethod
+    async def start(
+        cls,
+        binary: Path,
+        init_pid: int,
+        policy_file: Path,
+        cgroup_procs: list[Path],
+    ) -> ExecServer:
+        """Spawn and attach in one go (e.g. for a recovered sandbox)."""
+        server = cls.spawn(binary, policy_file)
+        await server.attach(init_pid, cgroup_procs)
+        return server
+
+    @property
+    def alive(self) -> bool:
+        return self._attached and not self._closed and self._proc.poll() is None
+
+    async def close(self) -> None:
+        """Close the socket (the server then kills in-flight execs and exits) and reap it."""
+        if not self._closed:
+            self._closed = True
+            if self._attached:
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._fail_all(SandboxStopped("the sandbox's exec server was closed"))
+        if self._proc.poll() is None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self._proc.wait), 2.0)
+            except TimeoutError:
+                self._proc.kill()
+                await asyncio.to_thread(self._proc.wait)
+
+    # -- socket --------------------------------------------------------------
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for p in self._pending.values():
+            for fut in (p.started, p.exited):
+                if not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()  # mark retrieved: the waiter may be gone already
+
+    def _on_readable(self) -> None:
+        while True:
+            try:
+                msg = self._sock.recv(4096)
+            except BlockingIOError:
+                return
+            except OSError:
+                msg = b""
+            if not msg:
+                self._closed = True
+                self._loop.remove_reader(self._sock.fileno())
+                self._fail_all(SandboxStopped("the sandbox's exec server went away"))
+                return
+            if len(msg) < _HDR.size:
+                continue
+            kind, _, req_id = _HDR.unpack_from(msg)
+            body = msg[_HDR.size :]
+            pending = self._pending.get(req_id)
+            if kind == R_ERROR and req_id == 0:
+                log.warning("exec server %d: %s", self.pid, _error_text(msg))
+            if pending is None:
+                continue
+            if kind == R_STARTED and not pending.started.done():
+                pending.started.set_result(struct.unpack_from("<i", body)[0])
+            elif kind == R_EXIT and not pending.exited.done():
+                pending.exited.set_result(struct.unpack_from("<3i", body))
+            elif kind == R_ERROR:
+                (err,) = struct.unpack_from("<i", body)
+                exc: Exception = SandboxError(f"exec failed: {_error_text(msg)}", errno=err)
+                if err == errno.EAGAIN:
+                    exc = SandboxError(
+                        f"exec failed (sandbox out of processes?): {_error_text(msg)}", errno=err
+                    )
+                for fut in (pending.started, pending.exited):
+                    if not fut.done():
+                        fut.set_exception(exc)
+                        fut.exception()
+
+    async def _send(self, payload: bytes, fds: list[int] | None = None) -> None:
+        if self._closed:
+            raise SandboxStopped("the sandbox's exec server is gone")
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        while True:
+            try:
+                self._sock.sendmsg([payload], anc)
+                return
+            except BlockingIOError:
+                writable = self._loop.create_future()
+                self._loop.add_writer(self._sock.fileno(), writable.set_result, None)
+                try:
+                    await writable
+                finally:
+                    self._loop.remove_writer(self._sock.fileno())
+            except OSError as e:
+                if e.errno == errno.EMSGSIZE:
+                    raise PayloadTooLarge("command and environment are too large") from e
+                raise SandboxStopped(f"the sandbox's exec server is gone: {e}") from e
+
+    def _send_nowait(self, payload: bytes) -> None:
+        """Best-effort send of a small control message (never waits, never raises)."""
+        if self._closed:
+            return
+        with contextlib.suppress(OSError):
+            self._sock.send(payload)
+
+    async def signal(self, req_id: int, signo: int) -> None:
+        with contextlib.suppress(SandboxStopped):
+            await self._send(_HDR.pack(T_SIGNAL, 0, req_id) + struct.pack("<i", signo))
+
+    # -- exec ----------------------------------------------------------------
+
+    async def run(
+        self,
+        argv: list[str],
+        env: list[str],
+        cwd: str,
+        uid: int,
+        gid: int,
+        groups: list[int],
+        stdin: bytes | None,
+        timeout_s: float,
+        max_output_bytes: int,
+        sink: Sink | None = None,
+    ) -> ExecOutcome:
+        """Run one command; return when it has exited and its output is drained.
+
+        The whole process group is SIGKILLed at ``timeout_s`` (then ``timed_out``).
+        Output beyond ``max_output_bytes`` per stream is read and dropped.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        req_id = next(self._ids)
+        strings = [cwd, *argv, *env]
+        payload = b"".join(
+            [
+                _HDR.pack(T_EXEC, 0, req_id),
+                _EXEC_BODY.pack(uid, gid, len(groups), len(argv), len(env), 0),
+                struct.pack(f"<{len(groups)}I", *groups),
+                b"".join(s.encode("utf-8", "surrogateescape") + b"\0" for s in strings),
+            ]
+        )
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        for fd in (out_r, err_r):
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
+            os.set_blocking(fd, False)
+        pending = _Pending(self._loop.create_future(), self._loop.create_future())
+        self._pending[req_id] = pending
+        streams = [
+            _Stream("stdout", out_r, max_output_bytes),
+            _Stream("stderr", err_r, max_output_bytes),
+        ]
+        sink_queue: asyncio.Queue[tuple[str, bytes] | None] | None = None
+        sink_task: asyncio.Task[None] | None = None
+        stdin_task: asyncio.Task[None] | None = None
+        try:
+            try:
+                await self._send(payload, [in_r, out_w, err_w])
+            finally:
+                for fd in (in_r, out_w, err_w):
+                    os.close(fd)
+            if sink is not None:
+                sink_queue = asyncio.Queue()
+                sink_task = asyncio.create_task(_drain_sink(sink_queue, sink))
+            for s in streams:
+                self._loop.add_reader(s.fd, self._read_stream, s, sink_queue)
+            stdin_task = asyncio.create_task(self._write_stdin(in_w, stdin))
+            in_w = -1  # owned by the task now
+            out = ExecOutcome()
+            status: tuple[int, int, int] | None = None
+            # shield: cancelling the gather must not cancel the exit future itself
+            everything = asyncio.gather(
+                asyncio.shield(pending.exited), *(s.done.wait() for s in streams)
+            )
+            try:
+                await asyncio.wait_for(
+                    asyncio.shield(everything), max(0.0, deadline - time.monotonic())
+                )
+                status = pending.exited.result()
+            except TimeoutError:
+                out.timed_out = True
+                await self.signal(req_id, signal.SIGKILL)
+                # the group is dead; the output ends once the last holder of the pipes exits
+                try:
+                    await asyncio.wait_for(asyncio.shield(everything), 5.0)
+                    status = pending.exited.result()
+                except TimeoutError:
+                    log.warning("exec %d: output still open 5 s after SIGKILL; closing it", req_id)
+                    if pending.exited.done() and not pending.exited.exception():
+                        status = pending.exited.result()
+            finally:
+                if not everything.done():
+                    everything.cancel()
+                    with contextlib.suppress(BaseException):
+                        await everything
+            if status is None:
+                raise SandboxError("the command's process could not be reaped")
+            wait_status, stage, err = status
+            if stage != SetupStage.OK:
+                _raise_setup_failure(stage, err, argv, cwd, out)
+            elif os.WIFEXITED(wait_status):
+                out.exit_code = os.WEXITSTATUS(wait_status)
+            elif os.WIFSIGNALED(wait_status):
+                out.signal = os.WTERMSIG(wait_status)
+            out.stdout, out.stderr = bytes(streams[0].data), bytes(streams[1].data) + out.stderr
+            out.stdout_truncated, out.stderr_truncated = streams[0].truncated, streams[1].truncated
+            out.duration_ms = (time.monotonic() - t0) * 1000.0
+            return out
+        finally:
+            for s in streams:
+                self._loop.remove_reader(s.fd)
+                with contextlib.suppress(OSError):
+                    os.close(s.fd)
+            if in_w >= 0:
+                os.close(in_w)
+            if stdin_task is not None and not stdin_task.done():
+                stdin_task.cancel()
+            if sink_queue is not None and sink_task is not None:
+                sink_queue.put_nowait(None)
+                with contextlib.suppress(Exception):
+                    await sink_task
+            self._pending.pop(req_id, None)
+            if not pending.exited.done():
+                # cancelled (e.g. the client went away) or failed: the command must not
+                # outlive its request
+                self._send_nowait(
+                    _HDR.pack(T_SIGNAL, 0, req_id) + struct.pack("<i", signal.SIGKILL)
+                )
+            self._send_nowait(_HDR.pack(T_RELEASE, 0, req_id))
+
+    def _read_stream(
+        self, s: _Stream, sink_queue: asyncio.Queue[tuple[str, bytes] | None] | None
+    ) -> None:
+        for _ in range(16):  # bounded per wake-up, so one flood cannot starve the loop
+            try:
+                chunk = os.read(s.fd, _READ_CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._loop.remove_reader(s.fd)
+                s.done.set()
+                return
+            room = s.cap - len(s.data)
+            if room <= 0:
+                s.truncated = True
+                continue
+            if len(chunk) > room:
+                s.truncated = True
+                chunk = chunk[:room]
+            s.data += chunk
+            if sink_queue is not None:
+                sink_queue.put_nowait((s.kind, chunk))
+
+    async def _write_stdin(self, fd: int, data: bytes | None) -> None:
+        try:
+            if not data:
+                return
+            os.set_blocking(fd, False)
+            view = memoryview(data)
+            while view:
+                try:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                except BlockingIOError:
+                    writable = self._loop.create_future()
+                    self._loop.add_writer(fd, writable.set_result, None)
+                    try:
+                        await writable
+                    finally:
+                        self._loop.remove_writer(fd)
+                except BrokenPipeError:
+                    return  # the command stopped reading; like a shell pipe
+        finally:
+            os.close(fd)
+
+
+async def _drain_sink(queue: asyncio.Queue[tuple[str, bytes] | None], sink: Sink) -> None:
+    while True:
+        item = await queue.get()
+        if item is None:
+            return
+        await sink(*item)
+
+
+def _raise_setup_failure(stage: int, err: int, argv: list[str], cwd: str, out: ExecOutcome) -> None:
+    reason = os.strerror(err) if err else "unknown error"
+    if stage == SetupStage.EXEC:
+        # like a shell: 127 = not found, 126 = found but not executable
+        out.exit_code = 127 if err in (errno.ENOENT, errno.ENOTDIR) else 126
+        out.stderr = f"dsec: {argv[0]}: {reason}\n".encode()
+        return
+    if stage == SetupStage.CHDIR:
+        raise InvalidRequest(f"cannot change to working directory {cwd!r}: {reason}", cwd=cwd)
+    name = SetupStage.NAMES[stage] if 0 <= stage < len(SetupStage.NAMES) else str(stage)
+    raise SandboxError(f"exec setup failed at step {name!r}: {reason}", stage=name, errno=err)
+
+
+def _error_text(msg: bytes) -> str:
+    if len(msg) < _HDR.size + 4:
+        return "malformed reply"
+    (err,) = struct.unpack_from("<i", msg, _HDR.size)
+    text = msg[_HDR.size + 4 :].split(b"\0", 1)[0].decode(errors="replace")
+    return text or os.strerror(err)

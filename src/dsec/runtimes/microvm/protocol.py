@@ -1,0 +1,429 @@
+"""Host side of the guest agent protocol (virtio-serial, see ``dsec/guest/agent.c``).
+
+Frames, both directions, little endian::
+
+    magic u32 "DSA1" | payload_len u32 | request_id u32 | op u16 | nargs u16 | args
+    arg = len u32 | bytes
+
+One :class:`AgentClient` owns the host end of one VM's agent socket (QEMU's chardev, a unix
+socket). Requests are multiplexed by request id; an exec gets any number of ``OUT`` frames
+then one ``EXIT``. :class:`VMFiles` implements :class:`dsec.runtimes.base.SandboxFiles` on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno as errno_mod
+import io
+import os
+import posixpath
+import struct
+import tarfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dsec.errors import (
+    DsecError,
+    FileExists_,
+    FileNotFound,
+    InvalidRequest,
+    PayloadTooLarge,
+    QuotaExceeded,
+    SandboxError,
+    SandboxTimeout,
+)
+from dsec.models import ExecResult, FileInfo
+from dsec.runtimes.base import OutputSink
+
+__all__ = ["AgentClient", "AgentOp", "VMFiles"]
+
+MAGIC = 0x31415344
+_HDR = struct.Struct("<IIIHH")
+_ENTRY = struct.Struct("<BQIqII")
+_TYPES = ("file", "dir", "symlink", "other")
+
+
+class AgentOp:
+    """Operation codes of the wire protocol (mirrors the enum in agent.c)."""
+
+    PING = 1
+    SETUP = 2
+    EXEC = 3
+    SIGNAL = 4
+    READ = 10
+    WRITE = 11
+    LIST = 12
+    STAT = 13
+    REMOVE = 14
+    MKDIR = 15
+    RENAME = 16
+    OK = 100
+    ERR = 101
+    OUT = 102
+    EXIT = 103
+
+
+def encode_frame(req_id: int, op: int, args: list[bytes]) -> bytes:
+    body = b"".join(struct.pack("<I", len(a)) + a for a in args)
+    return _HDR.pack(MAGIC, len(body), req_id, op, len(args)) + body
+
+
+class _Pending:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[int, list[bytes]] | None] = asyncio.Queue()
+
+
+class AgentClient:
+    """One connection to a guest agent. Create with :meth:`connect`; close with :meth:`close`.
+
+    ``on_lost`` is called once when the connection drops (QEMU died or the guest stopped).
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._pending: dict[int, _Pending] = {}
+        self._next_id = 1
+        self._closed = False
+        self._task = asyncio.create_task(self._read_loop())
+        self._write_lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, path: str, timeout_s: float = 10.0) -> AgentClient:
+        """Connect to QEMU's agent socket, retrying until it exists (QEMU starting up)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
+                return cls(reader, writer)
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                if time.monotonic() > deadline:
+                    raise SandboxTimeout(
+                        f"agent socket {path} did not appear in {timeout_s} s"
+                    ) from e
+                await asyncio.sleep(0.002)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def close(self) -> None:
+        self._closed = True
+        self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+        self._fail_all()
+
+    def _fail_all(self) -> None:
+        for p in self._pending.values():
+            p.queue.put_nowait(None)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                hdr = await self._reader.readexactly(_HDR.size)
+                magic, length, req_id, op, nargs = _HDR.unpack(hdr)
+                if magic != MAGIC:
+                    raise SandboxError("agent stream corrupt (bad magic)")
+                body = await self._reader.readexactly(length)
+                args: list[bytes] = []
+                off = 0
+                for _ in range(nargs):
+                    (n,) = struct.unpack_from("<I", body, off)
+                    args.append(body[off + 4 : off + 4 + n])
+                    off += 4 + n
+                pending = self._pending.get(req_id)
+                if pending is not None:
+                    pending.queue.put_nowait((op, args))
+                # frames for unknown ids (a request the host gave up on) are dropped
+        except (asyncio.IncompleteReadError, ConnectionError, SandboxError, OSError):
+            pass
+        finally:
+            self._closed = True
+            self._fail_all()
+
+    async def _send(self, op: int, args: list[bytes]) -> tuple[int, _Pending]:
+        if self._closed:
+            raise SandboxError("the guest agent connection is closed")
+        req_id = self._next_id
+        self._next_id = (self._next_id % 0xFFFFFFF0) + 1
+        pending = _Pending()
+        self._pending[req_id] = pending
+        async with self._write_lock:
+            self._writer.write(encode_frame(req_id, op, args))
+            await self._writer.drain()
+        return req_id, pending
+
+    async def request(self, op: int, args: list[bytes], timeout_s: float = 30.0) -> list[bytes]:
+        """Send one request and return the OK reply's args. Raises the mapped error on ERR."""
+        req_id, pending = await self._send(op, args)
+        try:
+            async with asyncio.timeout(timeout_s):
+                item = await pending.queue.get()
+        except TimeoutError as e:
+            raise SandboxTimeout(f"the guest agent did not answer in {timeout_s} s", op=op) from e
+        finally:
+            self._pending.pop(req_id, None)
+        if item is None:
+            raise SandboxError("the guest agent connection was lost (the VM stopped?)")
+        rop, rargs = item
+        if rop == AgentOp.ERR:
+            raise _map_error(rargs)
+        return rargs
+
+    async def ping(self, timeout_s: float = 5.0) -> None:
+        await self.request(AgentOp.PING, [], timeout_s)
+
+    async def setup(
+        self, hostname: str, disk_mb: int, seed: bytes | None = None, timeout_s: float = 10.0
+    ) -> None:
+        """Set the guest clock to now, reseed its RNG, set the hostname, resize the writable layer."""
+        await self.request(
+            AgentOp.SETUP,
+            [
+                str(time.time_ns()).encode(),
+                seed or os.urandom(64),
+                hostname.encode(),
+                str(disk_mb).encode(),
+            ],
+            timeout_s,
+        )
+
+    async def exec_raw(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        user: str | None,
+        stdin: bytes,
+        timeout_s: float,
+        max_output_bytes: int,
+        tool: bool = False,
+        sink: OutputSink | None = None,
+        grace_s: float = 10.0,
+    ) -> tuple[bytes, bytes, dict[str, Any]]:
+        """Run a command in the guest; returns (stdout, stderr, status fields).
+
+        The agent enforces ``timeout_s`` (SIGKILL to the process group) and the output cap;
+        the host waits ``timeout_s + grace_s`` before declaring the agent unresponsive.
+        ``tool`` runs ``argv[0]`` as an applet of the initramfs busybox (for tar).
+        """
+        head = f"{int(timeout_s * 1000)} {max_output_bytes} {1 if tool else 0} {len(env)}".encode()
+        args = [head, cwd.encode(), (user or "").encode(), stdin]
+        args += [f"{k}={v}".encode() for k, v in env.items()]
+        args += [a.encode() for a in argv]
+        req_id, pending = await self._send(AgentOp.EXEC, args)
+        out, err = bytearray(), bytearray()
+        deadline = time.monotonic() + timeout_s + grace_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    async with asyncio.timeout(max(remaining, 0.001)):
+                        item = await pending.queue.get()
+                except TimeoutError as e:
+                    raise SandboxTimeout(
+                        f"the guest agent did not finish the command {timeout_s + grace_s:.0f} s after it started"
+                    ) from e
+                if item is None:
+                    raise SandboxError(
+                        "the guest agent connection was lost during exec (the VM stopped?)"
+                    )
+                op, rargs = item
+                if op == AgentOp.OUT:
+                    stream = "stdout" if rargs[0] == b"1" else "stderr"
+                    (out if stream == "stdout" else err).extend(rargs[1])
+                    if sink is not None:
+                        await sink(stream, rargs[1])
+                elif op == AgentOp.EXIT:
+                    code, sig, timed_out, t_out, t_err, dur = (int(x) for x in rargs[0].split())
+                    status = {
+                        "exit_code": None if code < 0 else code,
+                        "signal": sig or None,
+                        "timed_out": bool(timed_out),
+                        "stdout_truncated": bool(t_out),
+                        "stderr_truncated": bool(t_err),
+                        "duration_ms": float(dur),
+                    }
+                    return bytes(out), bytes(err), status
+                elif op == AgentOp.ERR:
+                    raise _map_error(rargs)
+        except asyncio.CancelledError:
+            # the caller went away: kill the command in the guest, best effort
+            with contextlib.suppress(Exception):
+                await asyncio.shield(
+                    self.request(AgentOp.SIGNAL, [str(req_id).encode(), b"9"], 2.0)
+                )
+            raise
+        finally:
+            self._pending.pop(req_id, None)
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        user: str | None,
+        stdin: bytes,
+        timeout_s: float,
+        max_output_bytes: int,
+        sink: OutputSink | None = None,
+        grace_s: float = 10.0,
+    ) -> ExecResult:
+        out, err, status = await self.exec_raw(
+            argv, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s,
+            max_output_bytes=max_output_bytes, sink=sink, grace_s=grace_s,
+        )  # fmt: skip
+        return ExecResult(
+            stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"), **status
+        )
+
+
+def _map_error(args: list[bytes]) -> DsecError:
+    code = int(args[0]) if args and args[0].isdigit() else 0
+    msg = args[1].decode("utf-8", "replace") if len(args) > 1 else "guest agent error"
+    if code == errno_mod.ENOENT:
+        return FileNotFound(msg, errno=code)
+    if code == errno_mod.EEXIST or code == errno_mod.ENOTEMPTY:
+        return FileExists_(msg, errno=code)
+    if code == errno_mod.EFBIG:
+        return PayloadTooLarge(msg, errno=code)
+    if code in (errno_mod.ENOSPC, errno_mod.EDQUOT):
+        return QuotaExceeded(f"the sandbox's writable layer is full: {msg}", errno=code)
+    if code in (
+        errno_mod.EISDIR,
+        errno_mod.ENOTDIR,
+        errno_mod.EINVAL,
+        errno_mod.ENAMETOOLONG,
+        errno_mod.ESRCH,
+    ):
+        return InvalidRequest(msg, errno=code)
+    return SandboxError(msg, errno=code)
+
+
+def _entries(args: list[bytes]) -> list[FileInfo]:
+    out: list[FileInfo] = []
+    for i in range(0, len(args) - 2, 3):
+        kind, size, mode, mtime_ns, uid, gid = _ENTRY.unpack(args[i])
+        path = args[i + 1].decode("utf-8", "surrogateescape")
+        target = args[i + 2].decode("utf-8", "surrogateescape")
+        out.append(
+            FileInfo(
+                path=path,
+                name=posixpath.basename(path) or "/",
+                type=_TYPES[kind] if kind < 4 else "other",
+                size=size,
+                mode=mode,
+                mtime=mtime_ns / 1e9,
+                uid=uid,
+                gid=gid,
+                target=target if kind == 2 else None,
+            )
+        )
+    return out
+
+
+def _abs(path: str) -> str:
+    if not path.startswith("/") or "\0" in path:
+        raise InvalidRequest(f"path must be absolute: {path!r}")
+    return posixpath.normpath(path).replace("//", "/")
+
+
+class VMFiles:
+    """:class:`dsec.runtimes.base.SandboxFiles` over the guest agent.
+
+    The whole guest is the sandbox, so every absolute guest path is inside it; paths are
+    normalised (``..`` collapsed) before they cross the channel. ``get_client`` returns the
+    live agent connection (resuming a paused sandbox first, if the runtime does that).
+    """
+
+    def __init__(self, get_client: Callable[[], Any], op_timeout_s: float = 60.0) -> None:
+        self._get_client = get_client
+        self._timeout = op_timeout_s
+
+    async def _client(self) -> AgentClient:
+        c = self._get_client()
+        if asyncio.iscoroutine(c):
+            c = await c
+        assert isinstance(c, AgentClient)
+        return c
+
+    async def _req(self, op: int, args: list[bytes]) -> list[bytes]:
+        return await (await self._client()).request(op, args, self._timeout)
+
+    async def read(self, path: str, max_bytes: int) -> bytes:
+        args = await self._req(AgentOp.READ, [_abs(path).encode(), str(max_bytes).encode()])
+        return args[0] if args else b""
+
+    async def write(
+        self, path: str, data: bytes, mode: int = 0o644, make_parents: bool = True
+    ) -> FileInfo:
+        args = await self._req(
+            AgentOp.WRITE,
+            [_abs(path).encode(), data, str(mode).encode(), b"1" if make_parents else b"0"],
+        )
+        return _entries(args)[0]
+
+    async def list(self, path: str, depth: int = 1) -> list[FileInfo]:
+        args = await self._req(AgentOp.LIST, [_abs(path).encode(), str(max(1, depth)).encode()])
+        return sorted(_entries(args), key=lambda f: f.path)
+
+    async def stat(self, path: str) -> FileInfo:
+        return _entries(await self._req(AgentOp.STAT, [_abs(path).encode()]))[0]
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        p = _abs(path)
+        if p == "/":
+            raise InvalidRequest("refusing to remove /")
+        await self._req(AgentOp.REMOVE, [p.encode(), b"1" if recursive else b"0"])
+
+    async def mkdir(self, path: str, parents: bool = True) -> FileInfo:
+        args = await self._req(AgentOp.MKDIR, [_abs(path).encode(), b"1" if parents else b"0"])
+        return _entries(args)[0]
+
+    async def rename(self, src: str, dst: str) -> FileInfo:
+        args = await self._req(AgentOp.RENAME, [_abs(src).encode(), _abs(dst).encode()])
+        return _entries(args)[0]
+
+    async def upload_tar(self, path: str, data: bytes) -> int:
+        """Extract a tar archive (optionally gzip'd) into directory ``path``; returns members."""
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tf:
+                members = len(tf.getmembers())
+        except tarfile.TarError as e:
+            raise InvalidRequest(f"not a tar archive: {e}") from e
+        p = _abs(path)
+        await self.mkdir(p, parents=True)
+        client = await self._client()
+        _, err, status = await client.exec_raw(
+            ["tar", "-x", "-f", "-", "-C", p], env={"PATH": "/usr/bin:/bin"}, cwd="/", user=None,
+            stdin=data, timeout_s=self._timeout, max_output_bytes=65536, tool=True,
+        )  # fmt: skip
+        if status["exit_code"] != 0:
+            raise SandboxError(
+                f"tar extract into {p} failed: {err.decode('utf-8', 'replace')[-500:]}"
+            )
+        return members
+
+    async def download_tar(self, path: str, max_bytes: int) -> bytes:
+        """A tar archive of ``path`` (file or directory), at most ``max_bytes`` long."""
+        p = _abs(path)
+        await self.stat(p)  # FileNotFound first
+        parent, name = posixpath.split(p) if p != "/" else ("/", ".")
+        client = await self._client()
+        out, err, status = await client.exec_raw(
+            ["tar", "-c", "-f", "-", "-C", parent or "/", name or "."], env={"PATH": "/usr/bin:/bin"},
+            cwd="/", user=None, stdin=b"", timeout_s=self._timeout, max_output_bytes=max_bytes, tool=True,
+        )  # fmt: skip
+        if status["stdout_truncated"]:
+            raise PayloadTooLarge(f"the tar of {p} exceeds {max_bytes} bytes", limit=max_bytes)
+        if status["exit_code"] != 0:
+            raise SandboxError(f"tar of {p} failed: {err.decode('utf-8', 'replace')[-500:]}")
+        return out

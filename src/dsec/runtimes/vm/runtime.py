@@ -1,0 +1,229 @@
+"""The ``vm`` tier: a full QEMU machine (q35, BIOS boot) with a writable qcow2 disk and a display.
+
+Differences from :mod:`dsec.runtimes.microvm` (which this subclasses; same guest agent, same
+init, same exec/files/pause/recover/orphans):
+
+* machine ``q35`` with SeaBIOS, booting the *compressed* Debian cloud kernel (``bzImage``)
+  through the BIOS so the kernel gets the VGA text console (a PVH boot leaves it on the dummy
+  console: nothing to see). Virtio devices on PCI. Cold boot every time (no templates: the
+  writable disk's state would have to be cloned along with RAM).
+* writable layer: a qcow2 overlay per sandbox (``upper.qcow2``) over a node-wide, empty ext4
+  base image of ``disk_mb`` (``$DSEC_HOME/bin/vm-upper-<MiB>M.ext4``, made once with
+  ``mkfs.ext4``); the guest mounts it as the overlay upper. ``disk_mb`` is a real disk size.
+* display: ``-device VGA`` plus a USB tablet (absolute pointer) on ``qemu-xhci``; an
+  interactive shell on tty1 (``dsec.tty=1``). :meth:`screenshot` (QMP ``screendump`` PNG),
+  :meth:`click`, :meth:`type`, :meth:`key` (QMP ``input-send-event`` / ``send-key``).
+  A guest desktop needs its own input drivers (``usbhid``) to act on clicks; the text console
+  receives keyboard input through the i8042 PS/2 keyboard that q35 always has.
+
+Example::
+
+    rt = VMRuntime(Paths.from_env())
+    await rt.start()
+    h = await rt.create(spec)
+    await rt.type(h, "echo hello\\n")
+    png = await rt.screenshot(h)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from dsec.config import Paths
+from dsec.errors import InvalidRequest, SandboxError, TierUnavailable
+from dsec.runtimes.base import Handle, SandboxSpec
+from dsec.runtimes.microvm.runtime import MicroVMConfig, MicroVMRuntime
+
+__all__ = ["KEY_ALIASES", "VMRuntime", "char_to_keys"]
+
+# characters -> (qcode, shift) for a US keyboard layout
+_PLAIN = {c: c for c in "abcdefghijklmnopqrstuvwxyz0123456789"}
+_PLAIN.update({
+    " ": "spc", "\n": "ret", "\t": "tab", "-": "minus", "=": "equal", "[": "bracket_left",
+    "]": "bracket_right", ";": "semicolon", "'": "apostrophe", "`": "grave_accent",
+    "\\": "backslash", ",": "comma", ".": "dot", "/": "slash",
+})  # fmt: skip
+_SHIFTED = {
+    "!": "1", "@": "2", "#": "3", "$": "4", "%": "5", "^": "6", "&": "7", "*": "8", "(": "9",
+    ")": "0", "_": "minus", "+": "equal", "{": "bracket_left", "}": "bracket_right",
+    ":": "semicolon", '"': "apostrophe", "~": "grave_accent", "|": "backslash", "<": "comma",
+    ">": "dot", "?": "slash",
+}  # fmt: skip
+KEY_ALIASES = {
+    "enter": "ret", "return": "ret", "escape": "esc", "backspace": "backspace", "space": "spc",
+    "control": "ctrl", "super": "meta_l", "win": "meta_l", "pageup": "pgup", "pagedown": "pgdn",
+    "del": "delete",
+}  # fmt: skip
+_BUTTONS = {"left": "left", "right": "right", "middle": "middle"}
+
+
+def char_to_keys(ch: str) -> list[str]:
+    """QEMU qcodes pressed together to type ``ch`` (US layout). Raises InvalidRequest."""
+    if ch in _PLAIN:
+        return [_PLAIN[ch]]
+    if ch.isalpha() and ch.lower() in _PLAIN and ch.isascii():
+        return ["shift", ch.lower()]
+    if ch in _SHIFTED:
+        return ["shift", _SHIFTED[ch]]
+    raise InvalidRequest(f"cannot type {ch!r} on a US keyboard")
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise SandboxError("screendump did not produce a PNG")
+    w, h = struct.unpack(">II", data[16:24])
+    return int(w), int(h)
+
+
+class VMRuntime(MicroVMRuntime):
+    """:class:`dsec.runtimes.base.Runtime` (and ``Pausable``) for the ``vm`` tier, with a display."""
+
+    tier = "vm"
+    machine = "q35"
+    display = True
+    _virtio_bus = "pci"
+
+    def __init__(self, paths: Paths | None = None, config: MicroVMConfig | None = None) -> None:
+        # full machines cold-boot: their disk is not part of a template
+        cfg = dataclasses.replace(config or MicroVMConfig(), templates=False, pool_size=0)
+        super().__init__(paths, cfg)
+        self._screen: dict[str, tuple[int, int]] = {}
+
+    # ------------------------------------------------------------------ machine
+
+    def _kernel_image(self) -> Path:
+        assert self.artifacts is not None
+        return self.artifacts.bzimage
+
+    def _machine_args(self) -> list[str]:
+        accel = ["-accel", "kvm", "-cpu", "host"] if self.accel == "kvm" else [
+            "-accel", f"tcg,tb-size={self.config.tb_size_mb}", "-cpu", "max"]  # fmt: skip
+        return ["-M", "q35,memory-backend=mem", *accel]
+
+    def _kernel_args(self, n_layers: int, disk_mb: int) -> str:
+        return super()._kernel_args(n_layers, disk_mb) + " dsec.tty=1"
+
+    def _setup_disk_mb(self, spec: SandboxSpec) -> int:
+        return 0  # the writable layer is a real disk of disk_mb, nothing to resize
+
+    async def _sandbox_devices(self, d: Path, spec: SandboxSpec) -> list[str]:
+        base = await asyncio.to_thread(self._upper_base, spec.disk_mb)
+        overlay = d / "upper.qcow2"
+        await asyncio.to_thread(
+            _run,
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(base), str(overlay)],
+        )
+        return [
+            "-drive", f"file={overlay},if=none,id=upper,format=qcow2,cache=unsafe",
+            "-device", "virtio-blk-pci,drive=upper,serial=upper",
+            "-device", "VGA", "-device", "qemu-xhci", "-device", "usb-tablet",
+        ]  # fmt: skip
+
+    def _upper_base(self, disk_mb: int) -> Path:
+        """The node's empty ext4 image of ``disk_mb`` MiB (sparse), made once."""
+        base = self.paths.bin / f"vm-upper-{disk_mb}M.ext4"
+        if base.exists():
+            return base
+        if shutil.which("mkfs.ext4") is None:
+            raise TierUnavailable("the vm tier needs mkfs.ext4 (Debian: e2fsprogs)")
+        with open(self.paths.bin / ".vm-upper.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if base.exists():
+                return base
+            tmp = base.with_suffix(".tmp")
+            with open(tmp, "wb") as f:
+                f.truncate(disk_mb << 20)
+            _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1",
+                  "-L", "dsec-upper", str(tmp)])  # fmt: skip
+            os.chmod(tmp, 0o444)  # a backing file: never written
+            os.rename(tmp, base)
+        return base
+
+    # ------------------------------------------------------------------ display
+
+    async def _qmp(self, handle: Handle) -> Any:
+        vm = await self._vm(handle)
+        assert vm.qmp is not None
+        return vm.qmp
+
+    async def screenshot(self, handle: Handle) -> bytes:
+        """The guest display as PNG bytes (QMP ``screendump``)."""
+        qmp = await self._qmp(handle)
+        path = Path(handle.state["dir"]) / f"screen-{os.getpid()}.png"
+        try:
+            await qmp.execute("screendump", filename=str(path), format="png")
+            data = await asyncio.to_thread(path.read_bytes)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        self._screen[handle.id] = png_size(data)
+        return data
+
+    async def click(self, handle: Handle, x: int, y: int, button: str = "left") -> None:
+        """Move the absolute pointer to pixel (x, y) and click ``button`` (left/right/middle)."""
+        if button not in _BUTTONS:
+            raise InvalidRequest(f"button must be one of {sorted(_BUTTONS)}")
+        if handle.id not in self._screen:
+            await self.screenshot(handle)
+        w, h = self._screen[handle.id]
+        if not (0 <= x < w and 0 <= y < h):
+            raise InvalidRequest(f"({x}, {y}) is outside the {w}x{h} screen")
+        qmp = await self._qmp(handle)
+        ax, ay = x * 0x7FFF // max(1, w - 1), y * 0x7FFF // max(1, h - 1)
+        move = [
+            {"type": "abs", "data": {"axis": "x", "value": ax}},
+            {"type": "abs", "data": {"axis": "y", "value": ay}},
+        ]
+        await qmp.execute("input-send-event", events=move)
+        for down in (True, False):
+            await qmp.execute(
+                "input-send-event",
+                events=[{"type": "btn", "data": {"down": down, "button": button}}],
+            )
+
+    async def type(self, handle: Handle, text: str) -> None:
+        """Type ``text`` on the keyboard (US layout; ``\\n`` is Enter)."""
+        if len(text) > 10_000:
+            raise InvalidRequest("at most 10,000 characters per call")
+        keys = [char_to_keys(c) for c in text]
+        qmp = await self._qmp(handle)
+        for combo in keys:
+            await qmp.execute(
+                "send-key", keys=[{"type": "qcode", "data": k} for k in combo], **{"hold-time": 5}
+            )
+
+    async def key(self, handle: Handle, name: str) -> None:
+        """Press a key or a chord: ``"enter"``, ``"esc"``, ``"ctrl-c"``, ``"alt-f4"``, ``"f1"``."""
+        parts = [
+            KEY_ALIASES.get(p.strip().lower(), p.strip().lower())
+            for p in name.split("-")
+            if p.strip()
+        ]
+        if not parts:
+            raise InvalidRequest("empty key name")
+        qmp = await self._qmp(handle)
+        try:
+            await qmp.execute(
+                "send-key", keys=[{"type": "qcode", "data": k} for k in parts], **{"hold-time": 20}
+            )
+        except SandboxError as e:
+            raise InvalidRequest(f"unknown key {name!r}: {e.message}") from e
+
+
+def _run(argv: list[str]) -> None:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError as e:
+        raise TierUnavailable(f"{argv[0]} is not installed (Debian: qemu-utils / e2fsprogs)") from e
+    if out.returncode != 0:
+        raise SandboxError(f"{argv[0]} failed: {out.stderr.strip()[-500:]}")

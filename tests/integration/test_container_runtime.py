@@ -1,0 +1,314 @@
+"""The container tier end to end on this node: crun (or runc) over EROFS layers, exec through
+dsec_execd, host-side files, teardown. Needs root, the kernel features of a dsec node, crun
+or runc, gcc, libseccomp-dev and busybox-static."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import shutil
+import tarfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec.config import Paths
+from dsec.errors import InvalidRequest, SandboxError, SandboxStopped
+from dsec.layers.mounts import LayerMounts
+from dsec.layers.store import LayerStore
+from dsec.models import ExecRequest, ExecResult
+from dsec.privileged.cgroups import CGROUP_ROOT
+from dsec.privileged.mount import mount_points
+from dsec.runtimes.base import Handle, Runtime, SandboxSpec
+from dsec.runtimes.container.runtime import ContainerRuntime
+
+pytestmark = pytest.mark.root
+
+Factory = Callable[..., Awaitable[Handle]]
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[tuple[Paths, list[str], list[str]]]:
+    """A private DSEC_HOME with the busybox image built (once per module)."""
+    home = Path(f"/tmp/dsec-ct-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    paths = Paths(home)
+    paths.ensure()
+    store = LayerStore(paths.layers, paths.scratch)
+    image = store.ensure_image_sync("busybox")
+    layer_paths = [str(store.layer_path(d)) for d in image.layers]
+    yield paths, layer_paths, list(image.layers)
+    store.close()
+    mounts = LayerMounts(paths.layer_mounts)
+    mounts.adopt_existing()  # layer mounts held by the runtimes of the tests
+    mounts.unmount_unused()
+    assert not mount_points(home), f"mounts left under {home}"
+    shutil.rmtree(home)
+
+
+@pytest.fixture
+async def runtime(node: tuple[Paths, list[str], list[str]]) -> AsyncIterator[ContainerRuntime]:
+    paths, _, _ = node
+    rt = ContainerRuntime(paths, LayerMounts(paths.layer_mounts))
+    await rt.start()
+    assert rt.capabilities().available, rt.capabilities().reason
+    yield rt
+    await rt.close()
+
+
+@pytest.fixture
+async def make(
+    runtime: ContainerRuntime, node: tuple[Paths, list[str], list[str]]
+) -> AsyncIterator[Factory]:
+    """Factory of sandboxes; destroys what it made and checks nothing is left."""
+    _, layer_paths, digests = node
+    made: list[Handle] = []
+
+    async def factory(**kw: object) -> Handle:
+        args: dict = dict(
+            id=f"sb-t-{uuid.uuid4().hex[:10]}",
+            tier="container",
+            layer_paths=layer_paths,
+            layer_digests=digests,
+            cpu=1.0,
+            memory_mb=256,
+            disk_mb=64,
+            pids=256,
+            env={},
+            user=None,
+            workdir="/",
+        )
+        args.update(kw)
+        handle = await runtime.create(SandboxSpec(**args))
+        made.append(handle)
+        return handle
+
+    yield factory
+    for h in made:
+        await runtime.destroy(h)
+        assert_gone(runtime, h.id)
+
+
+def assert_gone(runtime: ContainerRuntime, sandbox_id: str) -> None:
+    sandbox_dir = runtime.paths.sandboxes / sandbox_id
+    assert not mount_points(sandbox_dir), "mounts left"
+    assert not sandbox_dir.exists(), "sandbox dir left"
+    for hierarchy in CGROUP_ROOT.iterdir():
+        assert not (hierarchy / runtime.cgroup_parent / sandbox_id).exists(), (
+            f"cgroup left in {hierarchy}"
+        )
+    assert not (runtime.state_root / sandbox_id).exists(), "OCI state left"
+
+
+async def run(rt: ContainerRuntime, h: Handle, cmd: str | list[str], **kw: object) -> ExecResult:
+    return await rt.exec(h, ExecRequest(cmd=cmd, **kw))
+
+
+async def test_create_exec_files_destroy(runtime: ContainerRuntime, make: Factory) -> None:
+    assert isinstance(runtime, Runtime)
+    caps = runtime.capabilities()
+    assert caps.tier == "container" and caps.pause and caps.snapshot and not caps.tty
+    h = await make(hostname="box1")
+    assert await runtime.alive(h)
+    r = await run(
+        runtime, h, "echo hello; hostname; cat /proc/1/cmdline; echo; ip -o link | cut -d: -f2"
+    )
+    assert r.ok and r.stdout.replace("\0", "").split("\n")[:3] == [
+        "hello",
+        "box1",
+        "/dev/.dsec-init",
+    ]
+    assert r.stdout.split()[-1] == "lo"  # a network namespace with only loopback
+    files = runtime.files(h)
+    await files.write("/work/a.txt", b"from host")
+    r = await run(runtime, h, "cat /work/a.txt; echo -n inside > /work/b.txt")
+    assert r.stdout == "from host"
+    assert await files.read("/work/b.txt", 100) == b"inside"
+    assert {i.name for i in await files.list("/work")} == {"a.txt", "b.txt"}
+    assert (await files.stat("/bin/sh")).type == "symlink"
+    await files.mkdir("/work/sub")
+    await files.rename("/work/a.txt", "/work/sub/a.txt")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        ti = tarfile.TarInfo("t/x")
+        ti.size = 3
+        tar.addfile(ti, io.BytesIO(b"xyz"))
+    assert await files.upload_tar("/work", buf.getvalue()) == 1
+    r = await run(runtime, h, "cat /work/t/x /work/sub/a.txt")
+    assert r.stdout == "xyzfrom host"
+    with tarfile.open(fileobj=io.BytesIO(await files.download_tar("/work", 1 << 20))) as tar:
+        assert "t/x" in tar.getnames() and "sub/a.txt" in tar.getnames()
+    await files.remove("/work", recursive=True)
+    assert (await run(runtime, h, "test -e /work")).exit_code == 1
+    await runtime.destroy(h)
+    assert_gone(runtime, h.id)
+    assert not await runtime.alive(h)
+    await runtime.destroy(h)  # idempotent
+    with pytest.raises(SandboxStopped):
+        await run(runtime, h, "true")
+
+
+async def test_env_cwd_user_stdin(runtime: ContainerRuntime, make: Factory) -> None:
+    h = await make(env={"FROM_SPEC": "spec", "OVERRIDE": "spec"}, workdir="/tmp", user="sandbox")
+    r = await run(runtime, h, "id -u; id -g; pwd; echo $FROM_SPEC $OVERRIDE $HOME; echo $PATH")
+    lines = r.stdout.splitlines()
+    assert lines[:4] == ["1000", "1000", "/tmp", "spec spec /home/sandbox"]
+    assert "/usr/bin" in lines[4]
+    r = await run(
+        runtime, h, "echo $OVERRIDE; pwd; id -un", env={"OVERRIDE": "req"}, cwd="/", user="root"
+    )
+    assert r.stdout.splitlines() == ["req", "/", "root"]
+    r = await run(runtime, h, ["id", "-u"], user="4321:4321")
+    assert r.stdout.strip() == "4321"
+    r = await run(
+        runtime, h, "wc -c; cat /proc/self/status | grep CapEff", stdin="x" * 100_000, user="0"
+    )
+    assert r.stdout.split()[0] == "100000"
+    assert r.stdout.split()[-1] != "0000000000000000"  # root keeps the container's capabilities
+    r = await run(runtime, h, "cat", stdin_b64="AAEC/w==", user="0")
+    assert r.stdout.encode("utf-8", "surrogateescape")[:2] == b"\x00\x01"
+    r = await run(runtime, h, "grep CapEff /proc/self/status")  # default user: non-root
+    assert r.stdout.split()[-1] == "0000000000000000"
+    with pytest.raises(InvalidRequest):
+        await run(runtime, h, "true", user="nosuchuser")
+    with pytest.raises(InvalidRequest):
+        await run(runtime, h, "true", cwd="/does/not/exist")
+
+
+async def test_exit_codes_and_signals(runtime: ContainerRuntime, make: Factory) -> None:
+    h = await make()
+    assert (await run(runtime, h, "exit 7")).exit_code == 7
+    r = await run(runtime, h, "kill -TERM $$")
+    assert r.exit_code is None and r.signal == 15
+    r = await run(runtime, h, ["/no/such/binary"])
+    assert r.exit_code == 127 and "No such file" in r.stderr
+    r = await run(runtime, h, ["/etc/passwd"])
+    assert r.exit_code == 126
+    r = await run(runtime, h, "echo out; echo err >&2; exit 1")
+    assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 1)
+
+
+async def test_timeout_kills_process_group(runtime: ContainerRuntime, make: Factory) -> None:
+    h = await make()
+    t0 = time.monotonic()
+    r = await run(runtime, h, "sleep 100 & sleep 100 & echo started; sleep 100", timeout_s=0.5)
+    assert r.timed_out and r.signal == 9 and r.stdout == "started\n"
+    assert time.monotonic() - t0 < 5
+    ps = await run(runtime, h, "ps -o comm | grep -c sleep")
+    assert ps.stdout.strip() == "0", ps
+    # a cancelled request (the client went away) does not leave its command running
+    task = asyncio.create_task(run(runtime, h, "sleep 100 & sleep 100"))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.1)
+    ps = await run(runtime, h, "ps -o comm | grep -c sleep")
+    assert ps.stdout.strip() == "0", ps
+
+
+async def test_output_flood_is_capped(runtime: ContainerRuntime, make: Factory) -> None:
+    h = await make()
+    r = await run(runtime, h, "yes | head -c 50000000; echo done >&2", max_output_bytes=1 << 20)
+    assert r.exit_code == 0 and r.stdout_truncated and len(r.stdout) == 1 << 20
+    assert r.stderr == "done\n" and not r.stderr_truncated
+    r = await run(runtime, h, "yes", timeout_s=1.0, max_output_bytes=1000)
+    assert r.timed_out and r.stdout_truncated and len(r.stdout) == 1000
+    assert (await run(runtime, h, "echo alive")).stdout == "alive\n"
+
+
+async def test_streaming(runtime: ContainerRuntime, make: Factory) -> None:
+    h = await make()
+    seen: list[tuple[float, str, bytes]] = []
+
+    async def sink(kind: str, chunk: bytes) -> None:
+        seen.append((time.monotonic(), kind, chunk))
+
+    t0 = time.monotonic()
+    r = await runtime.exec(h, ExecRequest(cmd="echo one; sleep 0.4; echo two >&2"), sink)
+    t_end = time.monotonic()
+    assert r.stdout == "one\n" and r.stderr == "two\n"
+    assert [(k, c) for _, k, c in seen] == [("stdout", b"one\n"), ("stderr", b"two\n")]
+    assert seen[0][0] - t0 < 0.3 < t_end - t0  # the first chunk arrived before the command ended
+
+
+async def test_memory_hog_is_oom_killed(runtime: ContainerRuntime, make: Factory) -> None:
+    h = await make(memory_mb=48)
+    r = await run(runtime, h, "awk 'BEGIN { s = \"x\"; while (1) s = s s }'", timeout_s=30)
+    assert r.oom_killed and r.signal == 9, r
+    r = await run(runtime, h, "echo survived")
+    assert r.stdout == "survived\n" and not r.oom_killed
+
+
+async def test_fork_bomb_is_capped_by_pids(runtime: ContainerRuntime, make: Factory) -> None:
+    h = await make(pids=40)
+    r = await run(runtime, h, "bomb() { bomb | bomb & }; bomb; sleep 2", timeout_s=3)
+    assert r.timed_out or r.exit_code is not None
+    pids_max = CGROUP_ROOT / "pids" / runtime.cgroup_parent / h.id / "pids.max"
+    assert pids_max.read_text().strip() == "40"
+    deadline = time.monotonic() + 10
+    out = ""
+    while out != "alive\n" and time.monotonic() < deadline:
+        try:  # while the bomb still holds every pid, even the exec server cannot fork
+            out = (await run(runtime, h, ["echo", "alive"], timeout_s=5)).stdout
+        except SandboxError as e:
+            assert "out of processes" in e.message
+            await asyncio.sleep(0.2)
+    assert out == "alive\n"
+
+
+async def test_concurrent_execs(runtime: ContainerRuntime, make: Factory) -> None:
+    h = await make()
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(run(runtime, h, f"sleep 0.3; echo {i}") for i in range(10)))
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(10)]
+    assert time.monotonic() - t0 < 2.5  # in parallel, not one after the other
+
+
+async def test_recover_after_restart_and_orphans(
+    runtime: ContainerRuntime, node: tuple[Paths, list[str], list[str]], make: Factory
+) -> None:
+    paths, layer_paths, digests = node
+    h = await make()
+    await run(runtime, h, "echo -n kept > /tmp/state")
+    await runtime.close()  # the edge goes away; the container keeps running
+    fresh = ContainerRuntime(paths, LayerMounts(paths.layer_mounts))
+    await fresh.start()
+    assert await fresh.recover(Handle(h.id, dict(h.state)))
+    assert (await fresh.exec(h, ExecRequest(cmd="cat /tmp/state"))).stdout == "kept"
+    # an unknown sandbox (e.g. the registry lost it) is an orphan
+    other = ContainerRuntime(paths, LayerMounts(paths.layer_mounts))
+    await other.start()
+    orphan = await other.create(
+        SandboxSpec(
+            id=f"sb-orphan-{uuid.uuid4().hex[:8]}",
+            tier="container",
+            layer_paths=layer_paths,
+            layer_digests=digests,
+            cpu=1,
+            memory_mb=64,
+            disk_mb=16,
+            pids=64,
+            env={},
+            user=None,
+            workdir="/",
+        )
+    )
+    await other.close()
+    assert orphan.id in await fresh.list_orphans({h.id})
+    assert h.id not in await fresh.list_orphans({h.id})
+    await fresh.destroy_orphan(orphan.id)
+    assert_gone(fresh, orphan.id)
+    # a sandbox whose container died is not recoverable
+    await fresh.destroy(h)
+    assert not await fresh.recover(Handle(h.id, dict(h.state)))
+    await fresh.close()
+
+
+async def test_create_failure_cleans_up(runtime: ContainerRuntime, make: Factory) -> None:
+    with pytest.raises(InvalidRequest):
+        await make(id="sb-t-baduser", user="nosuchuser")
+    assert_gone(runtime, "sb-t-baduser")

@@ -1,0 +1,1 @@
+"""Security tests: what a sandboxed process must not be able to do."""

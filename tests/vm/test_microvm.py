@@ -1,0 +1,304 @@
+"""The microvm tier on real QEMU guests (TCG here): template restore, exec, files, limits,
+pause, teardown and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import tarfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from dsec.config import Paths
+from dsec.errors import (
+    FileNotFound,
+    PayloadTooLarge,
+    QuotaExceeded,
+    SandboxError,
+    SandboxStopped,
+)
+from dsec.models import ExecRequest
+from dsec.runtimes.base import Handle, Pausable, Runtime
+from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
+from dsec.runtimes.microvm.qemu import pid_alive, qemu_processes
+
+from .conftest import BusyboxImage, new_spec
+
+pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(180)]
+
+MakeVM = Callable[..., Awaitable[Handle]]
+
+
+def _exists(path: str | Path) -> bool:
+    return os.path.exists(path)
+
+
+def test_protocols(microvm: MicroVMRuntime) -> None:
+    assert isinstance(microvm, Runtime)
+    assert isinstance(microvm, Pausable)
+    caps = microvm.capabilities()
+    assert caps.available and caps.pause
+    assert ("TCG" in (caps.reason or "")) or ("KVM" in (caps.reason or ""))
+
+
+async def test_exec_from_template(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    h = await make_vm(cpu=1.0, memory_mb=256)
+    assert microvm.last_create["restored"] == 1.0
+    r = await microvm.exec(
+        h, ExecRequest(cmd="echo $GREETING $EXTRA; pwd; exit 3", env={"EXTRA": "x"}, cwd="/tmp")
+    )
+    assert r.stdout == "hello x\n/tmp\n" and r.exit_code == 3 and not r.timed_out
+    r = await microvm.exec(h, ExecRequest(cmd=["cat"], stdin="from stdin"))
+    assert r.stdout == "from stdin" and r.exit_code == 0
+    r = await microvm.exec(h, ExecRequest(cmd="id -u", user="nobody"))
+    assert r.stdout.strip() == "65534"
+    r = await microvm.exec(h, ExecRequest(cmd=["/no/such/binary"]))
+    assert r.exit_code == 127 and "no/such/binary" in r.stderr
+    r = await microvm.exec(h, ExecRequest(cmd="kill -9 $$"))
+    assert r.exit_code is None and r.signal == 9
+    # its own kernel, not the host's
+    r = await microvm.exec(h, ExecRequest(cmd="uname -r"))
+    assert r.stdout.strip() != os.uname().release and "cloud" in r.stdout
+    # limits: one vCPU, ~256 MiB guest RAM, QEMU inside a cgroup with quota and memory limit
+    r = await microvm.exec(
+        h, ExecRequest(cmd="grep -c ^processor /proc/cpuinfo; grep MemTotal /proc/meminfo")
+    )
+    lines = r.stdout.split("\n")
+    assert lines[0] == "1"
+    assert 200_000 < int(lines[1].split()[1]) <= 262_144
+    cg = microvm._cgroup(h.id)
+    assert h.state["pid"] in cg.procs()
+    assert (cg.path("cpu") / "cpu.cfs_quota_us").read_text().strip() == "100000"
+    limit = int((cg.path("memory") / "memory.limit_in_bytes").read_text())
+    assert limit == (256 + microvm.config.qemu_overhead_mb) << 20
+
+
+async def test_files(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    h = await make_vm()
+    f = microvm.files(h)
+    info = await f.write("/work/a/b.txt", b"data\x00\xff", mode=0o600)
+    assert info.size == 6 and info.mode == 0o600 and info.type == "file"
+    assert await f.read("/work/a/b.txt", 100) == b"data\x00\xff"
+    with pytest.raises(PayloadTooLarge):
+        await f.read("/work/a/b.txt", 3)
+    with pytest.raises(FileNotFound):
+        await f.read("/work/nope", 100)
+    await f.mkdir("/work/d/e")
+    names = [i.path for i in await f.list("/work", depth=2)]
+    assert names == ["/work/a", "/work/a/b.txt", "/work/d", "/work/d/e"]
+    moved = await f.rename("/work/a/b.txt", "/work/c.txt")
+    assert moved.path == "/work/c.txt"
+    assert (await f.stat("/bin/sh")).type == "symlink"
+    r = await microvm.exec(h, ExecRequest(cmd="cat /work/c.txt | wc -c"))
+    assert r.stdout.strip() == "6"
+    # tar in and out
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        data = b"tarred\n"
+        ti = tarfile.TarInfo("pkg/x.txt")
+        ti.size = len(data)
+        tf.addfile(ti, io.BytesIO(data))
+    assert await f.upload_tar("/dst", buf.getvalue()) == 1
+    assert await f.read("/dst/pkg/x.txt", 100) == b"tarred\n"
+    out = await f.download_tar("/dst/pkg", 1 << 20)
+    with tarfile.open(fileobj=io.BytesIO(out)) as tf:
+        assert sorted(tf.getnames()) == ["pkg", "pkg/x.txt"]
+    with pytest.raises(PayloadTooLarge):
+        await f.download_tar("/bin", 100)
+    await f.remove("/work", recursive=True)
+    with pytest.raises(FileNotFound):
+        await f.stat("/work")
+
+
+async def test_timeout_and_output_cap(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    h = await make_vm()
+    t = time.monotonic()
+    r = await microvm.exec(h, ExecRequest(cmd="sleep 30", timeout_s=1.0))
+    assert r.timed_out and r.exit_code is None and time.monotonic() - t < 6
+    r = await microvm.exec(
+        h, ExecRequest(cmd="yes | head -c 200000; echo err >&2", max_output_bytes=1000)
+    )
+    assert (
+        len(r.stdout) == 1000
+        and r.stdout_truncated
+        and not r.stderr_truncated
+        and r.stderr == "err\n"
+    )
+    chunks: list[tuple[str, bytes]] = []
+
+    async def sink(stream: str, data: bytes) -> None:
+        chunks.append((stream, data))
+
+    r = await microvm.exec(h, ExecRequest(cmd="echo one; sleep 0.3; echo two >&2"), sink=sink)
+    assert ("stdout", b"one\n") in chunks and ("stderr", b"two\n") in chunks
+    assert r.stdout == "one\n" and r.stderr == "two\n"
+    # a background child holding the pipe open does not hang the exec
+    t = time.monotonic()
+    r = await microvm.exec(h, ExecRequest(cmd="sleep 20 & echo started"))
+    assert r.stdout == "started\n" and time.monotonic() - t < 5
+
+
+async def test_clones_are_isolated(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    a = await make_vm(hostname="alpha")
+    b = await make_vm(hostname="beta")
+    await microvm.files(a).write("/secret", b"only in a")
+    with pytest.raises(FileNotFound):
+        await microvm.files(b).read("/secret", 100)
+    ra = await microvm.exec(
+        a, ExecRequest(cmd="hostname; head -c 16 /dev/urandom | od -An -x; date +%s")
+    )
+    rb = await microvm.exec(
+        b, ExecRequest(cmd="hostname; head -c 16 /dev/urandom | od -An -x; date +%s")
+    )
+    la, lb = ra.stdout.split("\n"), rb.stdout.split("\n")
+    assert la[0] == "alpha" and lb[0] == "beta"
+    assert la[1] != lb[1], "clones must not share RNG state"
+    for lines in (la, lb):
+        assert abs(int(lines[2]) - time.time()) < 5, "guest clock set after restore"
+    # the agent channel cannot be opened from inside the guest
+    r = await microvm.exec(
+        a, ExecRequest(cmd="ls /dev | grep -c vport; cat /sys/class/virtio-ports/*/name")
+    )
+    assert r.stdout.split("\n")[0] == "0"
+    r = await microvm.exec(
+        a,
+        ExecRequest(
+            cmd="for p in /sys/class/virtio-ports/*; do d=$(cat $p/dev); mknod /tmp/p c ${d%:*} ${d#*:}; done; echo x > /tmp/p"
+        ),
+    )
+    assert r.exit_code != 0 and "busy" in r.stderr.lower()
+
+
+async def test_pause_resume(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    h = await make_vm()
+    info = await microvm.pause(h)
+    assert info["mode"] == "vcpus-stopped"
+    vm = microvm._live[h.id]
+    assert vm.qmp is not None
+    assert (await vm.qmp.execute("query-status"))["status"] == "paused"
+    await asyncio.sleep(2.0)
+    await microvm.resume(h)
+    r = await microvm.exec(h, ExecRequest(cmd="date +%s"))
+    assert abs(int(r.stdout) - time.time()) < 2, "clock reset after resume"
+    # a request on a paused sandbox resumes it
+    await microvm.pause(h)
+    r = await microvm.exec(h, ExecRequest(cmd="echo back"))
+    assert r.stdout == "back\n"
+    assert (await vm.qmp.execute("query-status"))["status"] == "running"
+
+
+async def test_destroy_leaves_nothing(microvm: MicroVMRuntime, busybox_image: BusyboxImage) -> None:
+    h = await microvm.create(new_spec(busybox_image))
+    pid, d = h.state["pid"], Path(h.state["dir"])
+    assert pid_alive(pid) and _exists(d)
+    assert h.id in qemu_processes(microvm.qemu_tag) or h.state["qemu_name"] in qemu_processes(
+        microvm.tag
+    )
+    await microvm.destroy(h)
+    assert not pid_alive(pid) and not _exists(f"/proc/{pid}")
+    assert not _exists(d) and not microvm._cgroup(h.id).exists()
+    await microvm.destroy(h)  # idempotent
+    assert h.id not in await microvm.list_orphans(set())
+
+
+async def test_recover_and_orphans(vm_home: Path, busybox_image: BusyboxImage) -> None:
+    cfg = MicroVMConfig(pool_size=1)
+    rt = MicroVMRuntime(Paths(vm_home), cfg)
+    await rt.start()
+    h = await rt.create(new_spec(busybox_image))
+    await rt.pool_settled()
+    h2 = await rt.create(new_spec(busybox_image))  # comes from the pool (pre-started QEMU)
+    try:
+        assert rt.last_create["pooled"] == 1.0
+        await rt.close()  # "edge restart": connections dropped, VMs keep running
+        rt2 = MicroVMRuntime(Paths(vm_home), cfg)
+        await rt2.start()
+        assert await rt2.recover(h) and await rt2.recover(h2)
+        r = await rt2.exec(h2, ExecRequest(cmd="echo recovered"))
+        assert r.stdout == "recovered\n"
+        assert await rt2.list_orphans({h.id}) == [h2.id]
+        await rt2.destroy_orphan(h2.id)
+        assert not pid_alive(h2.state["pid"])
+        await rt2.destroy(h)
+        await rt2.close()
+    finally:
+        for x in (h, h2):
+            await rt.destroy(x)
+    assert not pid_alive(h.state["pid"])
+
+
+async def test_guest_panic_is_a_typed_error(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    h = await make_vm()
+    t = time.monotonic()
+    with pytest.raises(SandboxStopped):
+        await microvm.exec(
+            h, ExecRequest(cmd="echo c > /proc/sysrq-trigger; sleep 5", timeout_s=10)
+        )
+    assert time.monotonic() - t < 20
+    assert not pid_alive(h.state["pid"])
+    assert not await microvm.alive(h)
+
+
+async def test_unresponsive_agent_is_killed(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    h = await make_vm()
+    vm = microvm._live[h.id]
+    assert vm.qmp is not None
+    await vm.qmp.execute("stop")  # freeze the guest behind the runtime's back
+    t = time.monotonic()
+    with pytest.raises(SandboxStopped):
+        await microvm.exec(h, ExecRequest(cmd="true", timeout_s=1))
+    assert time.monotonic() - t < 1 + microvm.config.exec_grace_s + 5
+    assert not pid_alive(h.state["pid"])
+
+
+async def test_broken_layer_fails_cleanly(
+    microvm: MicroVMRuntime, busybox_image: BusyboxImage, vm_home: Path
+) -> None:
+    bad = vm_home / "not-erofs.img"
+    bad.write_bytes(os.urandom(1 << 20))
+    spec = replace(
+        new_spec(busybox_image), layer_paths=[str(bad)], layer_digests=["sha256:" + "0" * 64]
+    )
+    before = set(qemu_processes(microvm.qemu_tag))
+    t = time.monotonic()
+    with pytest.raises(SandboxError) as ei:
+        await microvm.create(spec)
+    assert time.monotonic() - t < 60
+    assert "mount layer0" in str(ei.value)
+    assert set(qemu_processes(microvm.qemu_tag)) <= before
+    assert not (microvm.sandbox_root / spec.id).exists()
+    assert not microvm._cgroup(spec.id).exists()
+
+
+async def test_bad_kernel_fails_cleanly(vm_home: Path, busybox_image: BusyboxImage) -> None:
+    rt = MicroVMRuntime(
+        Paths(vm_home), MicroVMConfig(pool_size=0, templates=False, cold_boot_timeout_s=20)
+    )
+    await rt.start()
+    assert rt.artifacts is not None
+    bogus = vm_home / "bogus-vmlinux"
+    bogus.write_bytes(b"\x7fELF" + os.urandom(4096))
+    rt.artifacts = replace(rt.artifacts, vmlinux=bogus)
+    spec = new_spec(busybox_image)
+    with pytest.raises(SandboxError):
+        await rt.create(spec)
+    assert spec.id not in qemu_processes(rt.qemu_tag)
+    assert not (rt.sandbox_root / spec.id).exists()
+    await rt.close()
+
+
+async def test_full_writable_layer_is_a_typed_error(
+    microvm: MicroVMRuntime, make_vm: MakeVM
+) -> None:
+    h = await make_vm(disk_mb=8)  # the template was booted with another size: resized at restore
+    r = await microvm.exec(h, ExecRequest(cmd="df -m / | tail -1"))
+    assert r.stdout.split()[1] == "8"
+    with pytest.raises(QuotaExceeded):
+        await microvm.files(h).write("/big", b"\0" * (10 << 20))
+    r = await microvm.exec(h, ExecRequest(cmd="rm -f /big; echo still fine"))
+    assert r.stdout == "still fine\n"
