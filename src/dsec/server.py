@@ -102,9 +102,24 @@ def build_app(edge: EdgeAgent, keys: Any) -> Any:
         app.mount("/e2b", e2b_app)
         app.state.closers.append(e2b_app.state.e2b.aclose)
 
-    mount_runcode = getattr(edge, "mount_runcode", None)
-    if mount_runcode is not None:
-        mount_runcode(app, keys)
+    fncall = edge.runtimes.get("fncall")
+    if fncall is not None:
+        from dsec.apiserver.routes_runcode import make_runcode_router, request_api_key
+        from dsec.runtimes.fncall.service import RunCodeService
+
+        service = RunCodeService(fncall)  # type: ignore[arg-type]
+
+        def authorize(request: Any) -> str | None:
+            key = request_api_key(request)
+            return keys.verify(key) if key else None
+
+        # SandboxFusion clients send no key: an operator may accept them from chosen networks
+        cidrs = [
+            c.strip()
+            for c in os.environ.get("DSEC_RUNCODE_KEYLESS_CIDRS", "").split(",")
+            if c.strip()
+        ]
+        app.include_router(make_runcode_router(lambda: service, authorize, keyless_networks=cidrs))
     return app
 
 

@@ -1,1 +1,43 @@
-"""dsec runtimes/fncall."""
+"""The ``fncall`` tier: warm pools of locked-down, single-use workers (see docs/design/fncall.md).
+
+Modules:
+    runtime    FncallRuntime (the Runtime contract), FncallConfig
+    pool       WorkerPool, Worker, PoolConfig (server side of zygotes and workers)
+    zygote     the zygote and worker agent (runs inside the image's Python; stdlib only)
+    seccomp    the workers' seccomp-BPF program (stdlib only)
+    service    RunCodeService and the SandboxFusion / dsec run_code models
+    languages  LanguageSpec table; toolkits: Debian toolkit layers; files: WorkerFiles
+    testkit    a real runtime on a private DSEC_HOME for tests and benchmarks
+
+Names are imported lazily so that ``zygote`` and ``seccomp`` stay importable on their own.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "FncallConfig",
+    "FncallRuntime",
+    "PoolConfig",
+    "RunCodeLimits",
+    "RunCodeService",
+    "WorkerPool",
+]
+
+_WHERE = {
+    "FncallConfig": "runtime",
+    "FncallRuntime": "runtime",
+    "PoolConfig": "pool",
+    "WorkerPool": "pool",
+    "RunCodeLimits": "service",
+    "RunCodeService": "service",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dsec.runtimes.fncall' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"dsec.runtimes.fncall.{module}"), name)

@@ -1,0 +1,199 @@
+"""``run_code`` routes: SandboxFusion-compatible and dsec-native.
+
+=================================  ===========================================================
+route                              body -> answer
+=================================  ===========================================================
+``POST /run_code``                 SandboxFusion ``RunCodeRequest`` -> ``RunCodeResponse``
+``POST /k/{api_key}/run_code``     same, with the API key in the path (for unmodified clients)
+``POST /v1/run_code``              dsec ``CodeRunRequest`` -> ``CodeRunResult``
+=================================  ===========================================================
+
+Authentication: ``authorize(request)`` returns the caller's owner id or None. It sees the
+``Authorization`` header and, on ``/k/{api_key}/...``, ``request.path_params["api_key"]``
+(:func:`request_api_key` returns whichever is present). SandboxFusion clients send no key, so
+an operator may list client networks in ``keyless_networks`` (CIDRs, e.g. ``10.0.0.0/8``):
+calls from those addresses without a key run as the owner ``keyless``. Everything else
+without a valid key gets 401.
+
+Errors: on the SandboxFusion routes every problem with the request's content (unknown
+language, bad base64, a path outside ``/work``, too large) is answered 200 with
+``status: "SandboxError"`` and a message, as SandboxFusion does; an unparseable body is a
+400. The dsec route answers dsec's error shape (``{"error": {code, message, details}}``) with
+the error's status. No route answers 500 for bad input.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ipaddress
+import json
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from dsec.errors import (
+    AuthenticationError,
+    DsecError,
+    InternalError,
+    InvalidRequest,
+    PayloadTooLarge,
+)
+from dsec.runtimes.fncall.service import (
+    CodeRunRequest,
+    CodeRunResult,
+    RunCodeRequest,
+    RunCodeResponse,
+    RunCodeService,
+    RunStatus,
+)
+
+log = logging.getLogger("dsec.apiserver.runcode")
+
+__all__ = ["KEYLESS_OWNER", "make_runcode_router", "request_api_key"]
+
+KEYLESS_OWNER = "keyless"
+MAX_BODY_BYTES = 200 << 20
+
+Authorize = Callable[[Request], "Awaitable[str | None] | str | None"]
+
+
+def request_api_key(request: Request) -> str | None:
+    """The API key of a request: ``/k/{api_key}/`` in the path, else ``Authorization: Bearer``
+    (or ``X-API-Key``)."""
+    key = request.path_params.get("api_key")
+    if key:
+        return str(key)
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip() or None
+    return request.headers.get("x-api-key") or None
+
+
+def _error(err: DsecError) -> JSONResponse:
+    return JSONResponse(err.to_wire(), status_code=err.http_status)
+
+
+def make_runcode_router(
+    get_service: Callable[[], RunCodeService],
+    authorize: Authorize | None = None,
+    *,
+    keyless_networks: Sequence[str] = (),
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> APIRouter:
+    """The run_code routes.
+
+    Args:
+        get_service: returns the :class:`RunCodeService` (called per request).
+        authorize: ``authorize(request) -> owner | None`` (sync or async). None accepts every
+            caller as ``keyless`` (for a private, loopback-only server).
+        keyless_networks: client CIDRs allowed to call without a key.
+        max_body_bytes: larger bodies get 413.
+    """
+    networks = [ipaddress.ip_network(n, strict=False) for n in keyless_networks]
+    router = APIRouter(tags=["run_code"])
+
+    async def owner_of(request: Request) -> str:
+        if authorize is None:
+            return KEYLESS_OWNER
+        result = authorize(request)
+        owner = await result if inspect.isawaitable(result) else result
+        if owner:
+            return str(owner)
+        if request_api_key(request) is None and request.client is not None and networks:
+            try:
+                addr = ipaddress.ip_address(request.client.host)
+            except ValueError:
+                addr = None
+            if addr is not None and any(addr in n for n in networks):
+                return KEYLESS_OWNER
+        raise AuthenticationError(
+            "missing or invalid API key (send Authorization: Bearer, or use /k/{key}/run_code)"
+        )
+
+    async def body_json(request: Request) -> Any:
+        size = int(request.headers.get("content-length") or 0)
+        if size > max_body_bytes:
+            raise PayloadTooLarge(f"request body is {size} bytes; at most {max_body_bytes}")
+        raw = await request.body()
+        if len(raw) > max_body_bytes:
+            raise PayloadTooLarge(f"request body is larger than {max_body_bytes} bytes")
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise InvalidRequest(f"request body is not JSON: {e}") from e
+
+    async def sandboxfusion(request: Request) -> Response:
+        try:
+            await owner_of(request)
+            data = await body_json(request)
+        except DsecError as e:
+            return _error(e)
+        try:
+            req = RunCodeRequest.model_validate(data)
+        except ValidationError as e:
+            msg = "; ".join(
+                f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors()[:8]
+            )
+            return JSONResponse(
+                RunCodeResponse(
+                    status=RunStatus.SandboxError, message=f"invalid request: {msg}"
+                ).model_dump(mode="json")
+            )
+        resp = await get_service().run_code(req)
+        return JSONResponse(resp.model_dump(mode="json"))
+
+    router.add_api_route(
+        "/run_code",
+        sandboxfusion,
+        methods=["POST"],
+        response_model=RunCodeResponse,
+        summary="Run code (SandboxFusion-compatible)",
+        openapi_extra={"requestBody": _body_schema(RunCodeRequest)},
+    )
+    router.add_api_route(
+        "/k/{api_key}/run_code",
+        sandboxfusion,
+        methods=["POST"],
+        response_model=RunCodeResponse,
+        summary="Run code (SandboxFusion-compatible, API key in the path)",
+        openapi_extra={"requestBody": _body_schema(RunCodeRequest)},
+    )
+
+    async def native(request: Request) -> Response:
+        try:
+            await owner_of(request)
+            data = await body_json(request)
+            try:
+                req = CodeRunRequest.model_validate(data)
+            except ValidationError as e:
+                raise InvalidRequest(
+                    "invalid run_code request", errors=json.loads(e.json())[:16]
+                ) from e
+            result = await get_service().run(req)
+        except DsecError as e:
+            return _error(e)
+        except Exception as e:
+            log.exception("run_code failed")
+            return _error(InternalError(f"{type(e).__name__}"))
+        return JSONResponse(result.model_dump(mode="json"))
+
+    router.add_api_route(
+        "/v1/run_code",
+        native,
+        methods=["POST"],
+        response_model=CodeRunResult,
+        summary="Run code in a fresh fncall worker",
+        openapi_extra={"requestBody": _body_schema(CodeRunRequest)},
+    )
+    return router
+
+
+def _body_schema(model: type[Any]) -> dict[str, Any]:
+    return {
+        "required": True,
+        "content": {"application/json": {"schema": model.model_json_schema()}},
+    }

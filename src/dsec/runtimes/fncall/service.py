@@ -1,0 +1,529 @@
+"""``run_code``: one call, one worker, in SandboxFusion's shape and in dsec's own.
+
+SandboxFusion shape (``POST /run_code``; field names as in the ``sandbox-fusion`` client)::
+
+    RunCodeRequest  {code, language, compile_timeout=10, run_timeout=10, memory_limit_MB=-1,
+                     stdin=None, files={path: base64|None}, fetch_files=[path]}
+    RunCodeResponse {status: Success|Failed|SandboxError, message, compile_result, run_result,
+                     executor_pod_name, files={path: base64}}
+    CommandRunResult {status: Finished|Error|TimeLimitExceeded, execution_time (s),
+                      cpu_time (s), return_code, stdout, stderr}
+
+dsec shape (``POST /v1/run_code``): :class:`CodeRunRequest` -> :class:`CodeRunResult`, with
+``ExecResult`` for the compile and run steps and an explicit ``outcome``.
+
+Both are parsed into one :class:`CodeJob` (validated: language known, base64 valid, paths
+inside ``/work``, sizes under :class:`RunCodeLimits`) and executed by
+:meth:`RunCodeService.execute`: claim a warm worker of the language's pool, lower its memory
+limit if asked, send code + files + stdin, wait (bounded by compile + run timeouts + grace),
+kill the worker. Bad input never reaches a worker; a worker that misbehaves is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import posixpath
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec.errors import DsecError, InvalidRequest, PayloadTooLarge, SandboxError
+from dsec.models import ExecResult
+from dsec.runtimes.fncall.languages import LanguageSpec, resolve_language
+from dsec.runtimes.fncall.runtime import FncallRuntime, result_from_agent
+
+log = logging.getLogger("dsec.fncall.service")
+
+__all__ = [
+    "CodeJob",
+    "CodeRunRequest",
+    "CodeRunResult",
+    "CommandRunResult",
+    "CommandRunStatus",
+    "RunCodeLimits",
+    "RunCodeRequest",
+    "RunCodeResponse",
+    "RunCodeService",
+    "RunStatus",
+]
+
+
+# --- SandboxFusion shapes -------------------------------------------------------------------
+
+
+class CommandRunStatus(StrEnum):
+    Finished = "Finished"
+    Error = "Error"
+    TimeLimitExceeded = "TimeLimitExceeded"
+
+
+class RunStatus(StrEnum):
+    Success = "Success"
+    Failed = "Failed"
+    SandboxError = "SandboxError"
+
+
+class CommandRunResult(BaseModel):
+    """One step (compile or run). ``execution_time``/``cpu_time`` in seconds."""
+
+    status: CommandRunStatus
+    execution_time: float | None = None
+    cpu_time: float | None = None
+    return_code: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+class RunCodeRequest(BaseModel):
+    """SandboxFusion's ``/run_code`` body. Unknown fields are ignored, as SandboxFusion does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    code: str
+    language: str
+    compile_timeout: float = 10
+    run_timeout: float = 10
+    memory_limit_MB: int = -1
+    stdin: str | None = None
+    files: dict[str, str | None] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+
+
+class RunCodeResponse(BaseModel):
+    status: RunStatus
+    message: str
+    compile_result: CommandRunResult | None = None
+    run_result: CommandRunResult | None = None
+    executor_pod_name: str | None = None
+    files: dict[str, str] = Field(default_factory=dict)
+
+
+# --- dsec shapes --------------------------------------------------------------------------
+
+
+class CodeRunRequest(BaseModel):
+    """dsec's ``/v1/run_code``. Times in seconds, sizes in MiB/bytes; files are base64."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: str
+    language: str
+    stdin: str | None = None
+    stdin_b64: str | None = None
+    files: dict[str, str] = Field(
+        default_factory=dict, description="path under /work -> base64 content"
+    )
+    fetch_files: list[str] = Field(default_factory=list, description="paths under /work to return")
+    timeout_s: float = Field(10.0, gt=0, description="run wall-clock limit")
+    compile_timeout_s: float = Field(30.0, gt=0)
+    memory_mb: int | None = Field(None, ge=16, description="memory limit; default: the pool's")
+    max_output_bytes: int = Field(1 << 20, ge=0, description="cap per stream")
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+Outcome = Literal["ok", "compile_error", "runtime_error", "timeout", "compile_timeout", "oom"]
+
+
+class CodeRunResult(BaseModel):
+    outcome: Outcome
+    compile: ExecResult | None = None
+    run: ExecResult | None = None
+    files: dict[str, str] = Field(default_factory=dict, description="fetched files, base64")
+    file_errors: dict[str, str] = Field(default_factory=dict)
+    cpu_time_s: float | None = None
+    worker: str = ""
+    duration_ms: float = 0.0
+
+
+# --- the job --------------------------------------------------------------------------------
+
+
+@dataclass
+class RunCodeLimits:
+    """Caps applied before a worker is claimed. Sizes in bytes, times in seconds."""
+
+    max_code_bytes: int = 4 << 20
+    max_files: int = 512
+    max_files_bytes: int = 64 << 20
+    max_stdin_bytes: int = 16 << 20
+    max_fetch_bytes: int = 64 << 20
+    max_output_bytes: int = 8 << 20
+    max_run_timeout_s: float = 300.0
+    max_compile_timeout_s: float = 300.0
+    min_memory_mb: int = 16
+    max_memory_mb: int = 8192
+    grace_s: float = 5.0
+
+
+@dataclass
+class CodeJob:
+    """A validated call, independent of the wire shape."""
+
+    lang: LanguageSpec
+    code: bytes
+    files: list[tuple[str, bytes]] = field(default_factory=list)
+    stdin: bytes = b""
+    fetch: list[str] = field(default_factory=list)
+    run_timeout_s: float = 10.0
+    compile_timeout_s: float = 10.0
+    memory_mb: int | None = None
+    max_output_bytes: int = 1 << 20
+    env: dict[str, str] = field(default_factory=dict)
+    fetch_names: dict[str, str] = field(default_factory=dict)  # path under /work -> name asked for
+
+
+@dataclass
+class JobOutcome:
+    compile: dict[str, Any] | None
+    run: dict[str, Any] | None
+    compile_result: ExecResult | None
+    run_result: ExecResult | None
+    files: dict[str, bytes]
+    file_errors: dict[str, str]
+    oom: bool
+    worker: str
+    duration_s: float
+
+
+def work_relative(path: str) -> str:
+    """``path`` relative to ``/work`` (relative paths are already so); anything leaving it raises."""
+    if not isinstance(path, str) or not path or "\0" in path or len(path) > 1024:
+        raise InvalidRequest(f"invalid file path {path!r}")
+    rel = path[len("/work/") :] if path.startswith("/work/") else path
+    if rel.startswith("/"):
+        raise InvalidRequest(f"file path {path!r} is outside the work directory /work", path=path)
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise InvalidRequest(f"file path {path!r} is outside the work directory /work", path=path)
+    return posixpath.join(*parts)
+
+
+def _b64(data: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidRequest(f"{what} is not valid base64: {e}") from e
+
+
+class RunCodeService:
+    """Runs code in fncall workers. One instance per server; share it between routes."""
+
+    def __init__(
+        self, runtime: FncallRuntime, limits: RunCodeLimits | None = None, pod_name: str = ""
+    ) -> None:
+        self.runtime = runtime
+        self.limits = limits or RunCodeLimits()
+        self.pod_name = pod_name or f"dsec-fncall@{runtime.paths.home}"
+
+    # --- parsing ------------------------------------------------------------------------
+
+    def _job(
+        self,
+        *,
+        code: str,
+        language: str,
+        files: dict[str, bytes],
+        stdin: bytes,
+        fetch: list[str],
+        run_timeout: float,
+        compile_timeout: float,
+        memory_mb: int | None,
+        max_output: int,
+        env: dict[str, str],
+    ) -> CodeJob:
+        lim = self.limits
+        lang = resolve_language(language)
+        code_b = code.encode("utf-8", "surrogatepass")
+        if len(code_b) > lim.max_code_bytes:
+            raise PayloadTooLarge(f"code is {len(code_b)} bytes; at most {lim.max_code_bytes}")
+        if len(files) > lim.max_files:
+            raise PayloadTooLarge(f"{len(files)} files; at most {lim.max_files}")
+        total = sum(len(v) for v in files.values())
+        if total > lim.max_files_bytes:
+            raise PayloadTooLarge(f"files total {total} bytes; at most {lim.max_files_bytes}")
+        if len(stdin) > lim.max_stdin_bytes:
+            raise PayloadTooLarge(f"stdin is {len(stdin)} bytes; at most {lim.max_stdin_bytes}")
+        rel_files: list[tuple[str, bytes]] = []
+        seen: set[str] = set()
+        for path, data in files.items():
+            rel = work_relative(path)
+            if rel == lang.source_file:
+                raise InvalidRequest(
+                    f"file {path!r} would overwrite the program source {lang.source_file}"
+                )
+            if rel in seen:
+                raise InvalidRequest(f"file {path!r} given twice")
+            seen.add(rel)
+            rel_files.append((rel, data))
+        fetch_rel = [work_relative(p) for p in fetch]
+        if len(fetch_rel) > lim.max_files:
+            raise PayloadTooLarge(f"{len(fetch_rel)} fetch_files; at most {lim.max_files}")
+        if not (0 < run_timeout <= lim.max_run_timeout_s):
+            raise InvalidRequest(
+                f"run timeout must be in (0, {lim.max_run_timeout_s}] s (got {run_timeout})"
+            )
+        if not (0 < compile_timeout <= lim.max_compile_timeout_s):
+            raise InvalidRequest(
+                f"compile timeout must be in (0, {lim.max_compile_timeout_s}] s (got {compile_timeout})"
+            )
+        if memory_mb is not None and not (lim.min_memory_mb <= memory_mb <= lim.max_memory_mb):
+            raise InvalidRequest(
+                f"memory limit must be in [{lim.min_memory_mb}, {lim.max_memory_mb}] MiB (got {memory_mb})"
+            )
+        if not (0 <= max_output <= lim.max_output_bytes):
+            raise InvalidRequest(f"max_output_bytes must be in [0, {lim.max_output_bytes}]")
+        names = dict(zip(fetch_rel, fetch, strict=True))
+        return CodeJob(
+            lang,
+            code_b,
+            rel_files,
+            stdin,
+            list(names),
+            run_timeout,
+            compile_timeout,
+            memory_mb,
+            max_output,
+            env,
+            names,
+        )
+
+    def job_from_sandboxfusion(self, req: RunCodeRequest) -> CodeJob:
+        files = {p: _b64(v, f"file {p!r}") for p, v in req.files.items() if v is not None}
+        return self._job(
+            code=req.code,
+            language=req.language,
+            files=files,
+            stdin=(req.stdin or "").encode("utf-8", "surrogatepass"),
+            fetch=req.fetch_files,
+            run_timeout=float(req.run_timeout),
+            compile_timeout=float(req.compile_timeout),
+            memory_mb=req.memory_limit_MB
+            if req.memory_limit_MB and req.memory_limit_MB > 0
+            else None,
+            max_output=self.limits.max_output_bytes,
+            env={},
+        )
+
+    def job_from_dsec(self, req: CodeRunRequest) -> CodeJob:
+        if req.stdin is not None and req.stdin_b64 is not None:
+            raise InvalidRequest("stdin and stdin_b64 are exclusive")
+        stdin = (
+            req.stdin.encode() if req.stdin is not None else _b64(req.stdin_b64 or "", "stdin_b64")
+        )
+        files = {p: _b64(v, f"file {p!r}") for p, v in req.files.items()}
+        for k in req.env:
+            if not k or "=" in k or "\0" in k or "\0" in req.env[k]:
+                raise InvalidRequest(f"invalid environment variable {k!r}")
+        return self._job(
+            code=req.code,
+            language=req.language,
+            files=files,
+            stdin=stdin,
+            fetch=req.fetch_files,
+            run_timeout=req.timeout_s,
+            compile_timeout=req.compile_timeout_s,
+            memory_mb=req.memory_mb,
+            max_output=req.max_output_bytes,
+            env=dict(req.env),
+        )
+
+    # --- execution ----------------------------------------------------------------------
+
+    async def execute(self, job: CodeJob) -> JobOutcome:
+        """Run one job in a fresh worker; the worker is killed afterwards whatever happens."""
+        t0 = time.monotonic()
+        pool = await self.runtime.pool_for_language(job.lang)
+        w = await pool.claim()
+        try:
+            if job.memory_mb is not None and job.memory_mb != pool.config.memory_mb:
+                w.set_memory_limit(job.memory_mb << 20)
+            lang = job.lang
+            files = [{"path": lang.source_file, "size": len(job.code)}]
+            blobs = [job.code]
+            for rel, data in job.files:
+                files.append({"path": rel, "size": len(data)})
+                blobs.append(data)
+            blobs.append(job.stdin)
+            cpu = job.run_timeout_s
+            run: dict[str, Any] = {
+                "timeout_s": job.run_timeout_s,
+                "cpu_s": cpu,
+                "path": f"/work/{lang.source_file}",
+            }
+            run["argv"] = (
+                None if (lang.warm != "none" and pool.warm == lang.warm) else list(lang.run)
+            )
+            header: dict[str, Any] = {
+                "op": "run",
+                "files": files,
+                "stdin_size": len(job.stdin),
+                "max_output": job.max_output_bytes,
+                "env": {**lang.env, **job.env},
+                "run": run,
+                "fetch": job.fetch,
+                "fetch_max": self.limits.max_fetch_bytes,
+                "compile": (
+                    {
+                        "argv": list(lang.compile),
+                        "timeout_s": job.compile_timeout_s,
+                        "cpu_s": job.compile_timeout_s,
+                    }
+                    if lang.compile
+                    else None
+                ),
+            }
+            await w.send(header, b"".join(blobs))
+            budget = (
+                job.run_timeout_s
+                + (job.compile_timeout_s if lang.compile else 0.0)
+                + self.limits.grace_s
+            )
+            try:
+                reply, blob = await asyncio.wait_for(w.receive(), budget)
+            except TimeoutError:
+                raise SandboxError(
+                    f"the fncall worker did not answer within {budget:.1f} s"
+                ) from None
+            except SandboxError:
+                oom = w.oom_kills() > 0
+                if oom:
+                    raise SandboxError(
+                        "the worker was killed by the memory limit before it could report"
+                    ) from None
+                raise
+            if reply.get("op") != "result":
+                raise SandboxError(f"fncall worker error: {reply.get('message', reply)}")
+            comp, run_res = reply.get("compile"), reply.get("run")
+            signalled = any(r and r.get("signal") == 9 for r in (comp, run_res))
+            oom = signalled and w.oom_kills() > 0
+            offset = 0
+            compile_result = run_result = None
+            if comp is not None:
+                compile_result = result_from_agent(comp, blob, oom=oom, offset=offset)
+                offset += int(comp["stdout_len"]) + int(comp["stderr_len"])
+            if run_res is not None:
+                run_result = result_from_agent(run_res, blob, oom=oom, offset=offset)
+                offset += int(run_res["stdout_len"]) + int(run_res["stderr_len"])
+            fetched: dict[str, bytes] = {}
+            errors: dict[str, str] = {}
+            for f in reply.get("fetched") or []:
+                name = job.fetch_names.get(str(f["path"]), str(f["path"]))
+                if "error" in f:
+                    errors[name] = str(f["error"])
+                else:
+                    size = int(f["size"])
+                    fetched[name] = blob[offset : offset + size]
+                    offset += size
+            return JobOutcome(
+                comp,
+                run_res,
+                compile_result,
+                run_result,
+                fetched,
+                errors,
+                oom,
+                f"{pool.name}/w{w.wid}",
+                time.monotonic() - t0,
+            )
+        finally:
+            pool.discard(w)
+
+    # --- the two wire shapes --------------------------------------------------------------
+
+    async def run_code(self, req: RunCodeRequest) -> RunCodeResponse:
+        """SandboxFusion semantics. Errors of the request or of dsec come back as
+        ``status=SandboxError`` with a message (never raised)."""
+        try:
+            job = self.job_from_sandboxfusion(req)
+            out = await self.execute(job)
+        except DsecError as e:
+            return RunCodeResponse(
+                status=RunStatus.SandboxError, message=e.message, executor_pod_name=self.pod_name
+            )
+        except Exception as e:  # a bug: still answer in the client's shape
+            log.exception("run_code failed")
+            return RunCodeResponse(
+                status=RunStatus.SandboxError,
+                message=f"internal error: {type(e).__name__}",
+                executor_pod_name=self.pod_name,
+            )
+        compile_cr = (
+            _command_result(out.compile, out.compile_result) if out.compile is not None else None
+        )
+        run_cr = _command_result(out.run, out.run_result) if out.run is not None else None
+        ok = (
+            run_cr is not None
+            and run_cr.status == CommandRunStatus.Finished
+            and run_cr.return_code == 0
+        )
+        notes = []
+        if out.oom:
+            notes.append("memory limit exceeded")
+        if any(r is not None and r.truncated for r in (out.compile_result, out.run_result)):
+            notes.append(f"output truncated to {job.max_output_bytes} bytes per stream")
+        if out.file_errors:
+            notes.append("; ".join(f"fetch {p}: {e}" for p, e in out.file_errors.items()))
+        if compile_cr is not None and run_cr is None:
+            notes.insert(
+                0,
+                "compile timed out"
+                if compile_cr.status == CommandRunStatus.TimeLimitExceeded
+                else "compile error",
+            )
+        return RunCodeResponse(
+            status=RunStatus.Success if ok else RunStatus.Failed,
+            message="; ".join(notes),
+            compile_result=compile_cr,
+            run_result=run_cr,
+            executor_pod_name=out.worker or self.pod_name,
+            files={p: base64.b64encode(d).decode() for p, d in out.files.items()},
+        )
+
+    async def run(self, req: CodeRunRequest) -> CodeRunResult:
+        """dsec semantics: request and dsec errors are raised as :class:`DsecError`."""
+        out = await self.execute(self.job_from_dsec(req))
+        outcome: Outcome = "ok"
+        if out.oom:
+            outcome = "oom"
+        elif out.compile_result is not None and out.run_result is None:
+            outcome = "compile_timeout" if out.compile_result.timed_out else "compile_error"
+        elif out.run_result is not None and out.run_result.timed_out:
+            outcome = "timeout"
+        elif out.run_result is None or not out.run_result.ok:
+            outcome = "runtime_error"
+        cpu = (out.run or {}).get("cpu_s")
+        return CodeRunResult(
+            outcome=outcome,
+            compile=out.compile_result,
+            run=out.run_result,
+            files={p: base64.b64encode(d).decode() for p, d in out.files.items()},
+            file_errors=out.file_errors,
+            cpu_time_s=cpu,
+            worker=out.worker,
+            duration_ms=out.duration_s * 1000.0,
+        )
+
+
+def _command_result(raw: dict[str, Any], res: ExecResult | None) -> CommandRunResult:
+    assert res is not None
+    if res.timed_out:
+        status = CommandRunStatus.TimeLimitExceeded
+    elif res.exit_code is None and res.signal is None:
+        status = CommandRunStatus.Error
+    else:
+        status = CommandRunStatus.Finished
+    rc = res.exit_code if res.exit_code is not None else (-res.signal if res.signal else None)
+    return CommandRunResult(
+        status=status,
+        execution_time=res.duration_ms / 1000.0,
+        cpu_time=raw.get("cpu_s"),
+        return_code=rc,
+        stdout=res.stdout,
+        stderr=res.stderr,
+    )

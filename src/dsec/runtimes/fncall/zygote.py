@@ -1,0 +1,1001 @@
+"""The fncall zygote and worker agent. Runs *inside* a pool's root, in the image's own Python.
+
+Standard library only (plus the two sibling modules ``dsec_landlock`` and ``dsec_seccomp``,
+which the server ships in the same bundle). The server starts it as::
+
+    fncall_launch SCRATCH MB LAYERS... -- /usr/bin/python3 -I -B -c BOOTSTRAP   (stdin: bundle)
+
+Process tree of one pool (host pid namespace on the left)::
+
+    dsec server ──(SEQPACKET fd 3)── zygote (root, pool mount ns, modules imported, gc.freeze)
+                                       └─ clone(NEWPID|NEWNS|NEWNET|NEWIPC|NEWUTS|PIDFD)
+                                            worker agent "A" = pid 1 of its namespaces,
+                                            uid 1000, seccomp + Landlock, own cgroup
+                                              └─ warm interpreter "B" (pid 2): Python with the
+                                                 modules imported, or a started bash, blocked
+                                                 on a pipe until the call's code arrives
+
+Zygote <-> server (SEQPACKET, JSON, fds by SCM_RIGHTS):
+    server: {"op": "spawn", "wids": [..]}        zygote: {"op": "worker", "wid", "pid"} + [sock, pidfd]
+    server: {"op": "exit"} (or EOF)              zygote: {"op": "exited", "wid", "status"}
+Agent <-> server (stream socket, frames ``<II`` json_len blob_len, json, blob):
+    agent: {"op": "ready"} | {"op": "error", "message"}
+    server: {"op": "run", ...} -> agent: {"op": "result", ...}       (one per worker)
+    server: {"op": "exec", "id", ...} -> agent: {"op": "chunk"}* {"op": "exit", ...}
+
+The agent never runs user code in its own process: user code runs in B or in processes it
+spawns, so the agent's reports (exit status, output, fetched files) cannot be forged by it
+(ptrace and process_vm_* are denied, the agent is not dumpable).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import gc
+import json
+import os
+import resource
+import selectors
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+try:  # inside the sandbox the server ships these as top-level modules
+    import dsec_landlock as _landlock
+    import dsec_seccomp as _seccomp
+except ImportError:  # imported from the dsec package (tests, type checking)
+    from dsec.privileged import landlock as _landlock
+    from dsec.runtimes.fncall import seccomp as _seccomp
+
+CLONE_NEWNS = 0x00020000
+CLONE_PIDFD = 0x00001000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+SYS_CLONE = 56
+SYS_CLOSE_RANGE = 436
+SYS_OPENAT2 = 437
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_BENEATH = 0x08
+FRAME = struct.Struct("<II")
+MAX_FRAME = 512 << 20
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+]
+_pylibc = ctypes.PyDLL(None, use_errno=True)  # keeps the GIL across clone(), as os.fork() does
+_pylibc.syscall.restype = ctypes.c_long
+
+
+def _oserror(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
+
+
+# --- framing -----------------------------------------------------------------------------
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], blob: bytes = b"") -> None:
+    data = json.dumps(header, separators=(",", ":")).encode()
+    head = FRAME.pack(len(data), len(blob)) + data
+    if len(blob) < 65536:
+        sock.sendall(head + blob)
+    else:
+        sock.sendall(head)
+        sock.sendall(blob)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes] | None:
+    head = _recv_exact(sock, FRAME.size)
+    if head is None:
+        return None
+    jlen, blen = FRAME.unpack(head)
+    if jlen > MAX_FRAME or blen > MAX_FRAME:
+        raise ValueError("frame too large")
+    data = _recv_exact(sock, jlen) if jlen else b""
+    blob = _recv_exact(sock, blen) if blen else b""
+    if data is None or blob is None:
+        return None
+    return json.loads(data), blob
+
+
+# --- small syscalls --------------------------------------------------------------------
+
+
+def _mount(src: str, target: str, fstype: str, flags: int, data: str | None) -> None:
+    d = data.encode() if data else None
+    if _libc.mount(src.encode(), target.encode(), fstype.encode(), flags, d) != 0:
+        raise _oserror(f"mount {fstype} on {target}")
+
+
+def _close_from(lowest: int) -> None:
+    if _libc.syscall(SYS_CLOSE_RANGE, lowest, 0xFFFFFFFF, 0) != 0:
+        os.closerange(lowest, 4096)
+
+
+def _loopback_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = 0x1 | 0x8 | 0x40  # IFF_UP | IFF_LOOPBACK | IFF_RUNNING
+        fcntl.ioctl(s.fileno(), 0x8914, struct.pack("16sH22x", b"lo", flags))  # SIOCSIFFLAGS
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def open_beneath(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
+    """openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS): ``..`` and symlinks cannot leave dir_fd."""
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+    fd = int(
+        _libc.syscall(SYS_OPENAT2, dir_fd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    )
+    if fd < 0:
+        raise _oserror(f"open {path}")
+    return fd
+
+
+# --- the zygote ------------------------------------------------------------------------
+
+
+class Zygote:
+    """Forks workers on request; reaps them and removes their cgroups."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.ctl = socket.socket(fileno=int(cfg["ctl_fd"]))
+        self.cg_fds: dict[str, int] = {k: int(v) for k, v in cfg["cgroup_fds"].items()}
+        self.seccomp_prog = _seccomp.build_filter() if cfg.get("seccomp", True) else b""
+        self.landlock_abi = _landlock.landlock_abi() if cfg.get("landlock", True) else 0
+        self.sel = selectors.DefaultSelector()
+        self.children: dict[int, tuple[int, int]] = {}  # pidfd -> (wid, pid)
+
+    def serve(self) -> None:
+        for name in self.cfg.get("preload", []):
+            try:
+                __import__(name)
+            except Exception as e:
+                print(f"zygote: preload {name}: {e}", file=sys.stderr)
+        gc.collect()
+        gc.freeze()  # keep the imported heap shared copy-on-write in every worker
+        self.sel.register(self.ctl, selectors.EVENT_READ)
+        self.ctl.send(
+            json.dumps(
+                {"op": "zygote_ready", "landlock_abi": self.landlock_abi, "pid": os.getpid()}
+            ).encode()
+        )
+        while True:
+            for key, _ in self.sel.select():
+                if key.fileobj is self.ctl:
+                    raw = self.ctl.recv(1 << 16)
+                    if not raw:
+                        return
+                    msg = json.loads(raw)
+                    if msg["op"] == "exit":
+                        return
+                    if msg["op"] == "spawn":
+                        for wid in msg["wids"]:
+                            self.spawn(int(wid))
+                else:
+                    self.reap(int(key.fd))
+
+    def spawn(self, wid: int) -> None:
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        flags = int(
+            self.cfg.get(
+                "clone_flags",
+                CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS,
+            )
+        )
+        flags |= CLONE_PIDFD | signal.SIGCHLD
+        pidfd = ctypes.c_int(-1)
+        _MARKS[:] = [("clone", time.monotonic())]
+        ctypes.pythonapi.PyOS_BeforeFork()
+        pid = int(
+            _pylibc.syscall(SYS_CLONE, ctypes.c_ulong(flags), None, ctypes.byref(pidfd), None, None)
+        )
+        if pid == 0:
+            _mark("child")
+            ctypes.pythonapi.PyOS_AfterFork_Child()
+            _mark("afterfork")
+            code = 70
+            agent = None
+            try:
+                parent_end.close()
+                agent = Agent(self, wid, child_end)
+                agent.main()
+                code = 0
+            except BaseException as e:
+                msg = f"worker setup failed: {type(e).__name__}: {e}"
+                try:
+                    send_frame(
+                        agent.sock if agent is not None else child_end,
+                        {"op": "error", "message": msg, "trace": traceback.format_exc()[-2000:]},
+                    )
+                except BaseException:
+                    pass
+            os._exit(code)
+        err = ctypes.get_errno()
+        ctypes.pythonapi.PyOS_AfterFork_Parent()
+        child_end.close()
+        if pid < 0:
+            parent_end.close()
+            self.ctl.send(
+                json.dumps({"op": "spawn_failed", "wid": wid, "message": os.strerror(err)}).encode()
+            )
+            return
+        self.children[pidfd.value] = (wid, pid)
+        self.sel.register(pidfd.value, selectors.EVENT_READ)
+        socket.send_fds(
+            self.ctl,
+            [json.dumps({"op": "worker", "wid": wid, "pid": pid}).encode()],
+            [parent_end.fileno(), pidfd.value],
+        )
+        parent_end.close()
+
+    def reap(self, pidfd: int) -> None:
+        wid, pid = self.children.pop(pidfd)
+        self.sel.unregister(pidfd)
+        os.close(pidfd)
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            status = -1
+        name = f"w{wid}"
+        for fd in self.cg_fds.values():
+            for _ in range(200):
+                try:
+                    os.rmdir(name, dir_fd=fd)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # EBUSY: a task is still leaving
+                    time.sleep(0.001)
+        self.ctl.send(json.dumps({"op": "exited", "wid": wid, "status": status}).encode())
+
+
+# --- the worker agent (pid 1 of the worker's namespaces) -------------------------------
+
+
+_MARKS: list[tuple[str, float]] = []
+
+
+def _mark(name: str) -> None:
+    _MARKS.append((name, time.monotonic()))
+
+
+def _write_at(dir_fd: int, name: str, value: str) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+class _Proc:
+    """A running user process: pid, pidfd and the parent's ends of its pipes."""
+
+    def __init__(
+        self, pid: int, stdin_w: int, stdout_r: int, stderr_r: int, status_r: int = -1
+    ) -> None:
+        self.pid = pid
+        self.pidfd = os.pidfd_open(pid)
+        self.stdin_w = stdin_w
+        self.stdout_r = stdout_r
+        self.stderr_r = stderr_r
+        self.status_r = status_r  # the warm interpreter reports its exit code here before exiting
+
+
+class Agent:
+    def __init__(self, zygote: Zygote, wid: int, sock: socket.socket) -> None:
+        self.z = zygote
+        self.cfg = zygote.cfg
+        self.wid = wid
+        self.sock = sock
+        self.warm: _Proc | None = None
+        self.warm_ctl = -1
+
+    # setup runs as root, before anything untrusted exists in these namespaces
+    def setup(self) -> None:
+        cfg = self.cfg
+        name = f"w{self.wid}"
+        lim = cfg["limits"]
+        values = {
+            "memory": [("memory.limit_in_bytes", str(lim["memory_bytes"]))],
+            "pids": [("pids.max", str(lim["pids"]))],
+            "cpu": [
+                ("cpu.cfs_period_us", str(lim["cpu_period_us"])),
+                ("cpu.cfs_quota_us", str(lim["cpu_quota_us"])),
+            ],
+        }
+        for ctrl, fd in self.z.cg_fds.items():
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            for knob, val in values.get(ctrl, []):
+                _write_at(fd, f"{name}/{knob}", val)
+            _write_at(fd, f"{name}/cgroup.procs", "0")
+        for fd in self.z.cg_fds.values():
+            os.close(fd)
+        os.close(int(self.cfg["ctl_fd"])) if int(self.cfg["ctl_fd"]) != self.sock.fileno() else None
+        _mark("cgroup")
+        uid, gid = int(cfg["uid"]), int(cfg["gid"])
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        _mount(
+            "tmpfs",
+            "/work",
+            "tmpfs",
+            MS_NOSUID | MS_NODEV,
+            f"size={cfg['work_mb']}m,mode=0755,uid={uid},gid={gid}",
+        )
+        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_mb']}m,mode=1777")
+        _mount(
+            "tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_mb']}m,mode=1777"
+        )
+        _mark("mounts")
+        host = cfg.get("hostname", "sandbox").encode()
+        if _libc.sethostname(host, len(host)) != 0:
+            raise _oserror("sethostname")
+        _loopback_up()
+        _mark("uts+lo")
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (cfg["nofile"], cfg["nofile"]))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["fsize_bytes"], cfg["fsize_bytes"]))
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 16, 1 << 16))
+        if self.z.landlock_abi:
+            # per worker: a rule on a mount point does not cover what is mounted on it later
+            _landlock.confine(
+                read_only=["/"],
+                writable=["/work", "/tmp", "/dev/shm", "/proc"],
+                devices=["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"],
+                abi=self.z.landlock_abi,
+            )
+        # descriptors: only the server socket survives, as fd 3; 0-2 are /dev/null
+        os.dup2(self.sock.fileno(), 3)
+        self.sock.detach()
+        self.sock = socket.socket(fileno=3)
+        devnull = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        _close_from(4)
+        _mark("rlimit+fds")
+        os.chdir("/work")
+        os.environ.clear()
+        os.environ.update(cfg["env"])
+        # drop privileges for good
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+        _mark("drop+landlock")
+        if self.z.seccomp_prog:
+            _seccomp.install_filter(self.z.seccomp_prog)
+        _mark("seccomp")
+        warm = cfg.get("warm", "none")
+        if warm in ("python", "bash"):
+            self.warm, self.warm_ctl = self._fork_warm(warm)
+        _mark("warm")
+
+    def _fork_warm(self, kind: str) -> tuple[_Proc, int]:
+        ctl_r, ctl_w = os.pipe()
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        st_r, st_w = os.pipe() if kind == "python" else (-1, -1)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.dup2(in_r, 0)
+                os.dup2(out_w, 1)
+                os.dup2(err_w, 2)
+                os.dup2(ctl_r, 3)  # replaces the agent's socket: B never holds it
+                if st_w >= 0:
+                    os.dup2(st_w, 4)
+                _close_from(5 if st_w >= 0 else 4)
+                _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+                if kind == "bash":
+                    script = self.cfg["bash_script"]
+                    os.execv(
+                        "/bin/bash",
+                        [
+                            "bash",
+                            "--noprofile",
+                            "--norc",
+                            "-c",
+                            f"read -r -N 1 -u 3 _ || exit 111; exec 3<&-; unset _; . {script}",
+                        ],
+                    )
+                _warm_python(3, 4)
+            except BaseException:
+                traceback.print_exc()
+            os._exit(111)
+        for fd in (ctl_r, in_r, out_w, err_w, st_w):
+            if fd >= 0:
+                os.close(fd)
+        return _Proc(pid, in_w, out_r, err_r, st_r), ctl_w
+
+    def _prewarm(self) -> None:
+        """Touch the call path once while idle: after forking the warm interpreter every page
+        is shared copy-on-write again, and each first write costs a fault (~5 us here)."""
+        r, w = os.pipe()
+        try:
+            sel = selectors.DefaultSelector()
+            os.set_blocking(r, False)
+            sel.register(r, selectors.EVENT_READ)
+            sel.select(0)
+            sel.unregister(r)
+            sel.close()
+            try:
+                os.read(r, 16)
+            except BlockingIOError:
+                pass
+        finally:
+            os.close(r)
+            os.close(w)
+        work = os.open("/work", os.O_PATH | os.O_DIRECTORY)
+        try:
+            os.close(open_beneath(work, ".", os.O_PATH))
+        finally:
+            os.close(work)
+        sample = {
+            "op": "result",
+            "compile": None,
+            "run": {
+                "exit_code": 0,
+                "signal": None,
+                "timed_out": False,
+                "duration_s": 0.0,
+                "cpu_s": 0.0,
+                "stdout_truncated": False,
+            },
+            "timing": [time.monotonic()],
+        }
+        json.loads(json.dumps(sample, separators=(",", ":")))
+        FRAME.pack(1, 1)
+
+    def main(self) -> None:
+        t0 = time.monotonic()
+        self.setup()
+        self._prewarm()
+        send_frame(
+            self.sock,
+            {
+                "op": "ready",
+                "wid": self.wid,
+                "setup_ms": round((time.monotonic() - t0) * 1000, 3),
+                "marks": _MARKS,
+            },
+        )
+        while True:
+            got = recv_frame(self.sock)
+            if got is None:
+                os._exit(0)
+            req, blob = got
+            op = req.get("op")
+            if op == "run":
+                header, out = self.run(req, blob)
+                send_frame(self.sock, header, out)
+                # one call per worker: wait to be killed (the server may still read our cgroup)
+                while recv_frame(self.sock) is not None:
+                    pass
+                os._exit(0)
+            elif op == "exec":
+                header, out = self.exec(req, blob)
+                send_frame(self.sock, header, out)
+            else:
+                send_frame(self.sock, {"op": "error", "message": f"unknown op {op!r}"})
+
+    # --- running things --------------------------------------------------------------
+
+    def _spawn(self, argv: list[str], cwd: str, env: dict[str, str], new_session: bool) -> _Proc:
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            p = subprocess.Popen(
+                argv,
+                stdin=in_r,
+                stdout=out_w,
+                stderr=err_w,
+                cwd=cwd,
+                env=env,
+                close_fds=True,
+                start_new_session=new_session,
+            )
+        except OSError:
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            raise
+        p.returncode = 0  # we reap it ourselves with wait4; keep Popen from doing so
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        return _Proc(p.pid, in_w, out_r, err_r)
+
+    def _drain(
+        self,
+        proc: _Proc,
+        stdin: bytes,
+        timeout: float,
+        cap: int,
+        kill_all: bool,
+        stream_id: int | None = None,
+    ) -> tuple[dict[str, Any], bytes, bytes]:
+        """Feed stdin, collect capped output, enforce the wall timeout, reap."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        sel = selectors.DefaultSelector()
+        bufs = {proc.stdout_r: bytearray(), proc.stderr_r: bytearray()}
+        names = {proc.stdout_r: "stdout", proc.stderr_r: "stderr"}
+        trunc = {proc.stdout_r: False, proc.stderr_r: False}
+        for fd in (proc.stdout_r, proc.stderr_r):
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        sel.register(proc.pidfd, selectors.EVENT_READ)
+        if proc.status_r >= 0:
+            sel.register(proc.status_r, selectors.EVENT_READ)
+        reported: dict[str, Any] | None = None
+        pending = memoryview(stdin)
+        if pending.nbytes:
+            os.set_blocking(proc.stdin_w, False)
+            sel.register(proc.stdin_w, selectors.EVENT_WRITE)
+        else:
+            os.close(proc.stdin_w)
+            proc.stdin_w = -1
+        timed_out = False
+        exited_at: float | None = None
+        status = 0
+        rusage: Any = None
+        while True:
+            now = time.monotonic()
+            open_out = [fd for fd in bufs if fd in sel.get_map()]
+            if exited_at is not None and (not open_out or now - exited_at > 0.02):
+                break
+            if exited_at is None and now >= deadline:
+                timed_out = True
+                self._kill(proc, kill_all)
+                deadline = now + 5.0
+                continue
+            wait = (deadline - now) if exited_at is None else max(0.0, exited_at + 0.02 - now)
+            for key, _ev in sel.select(wait):
+                fd = int(key.fd)
+                if fd not in sel.get_map():  # unregistered earlier in this batch
+                    continue
+                if fd == proc.pidfd:
+                    sel.unregister(fd)
+                    if reported is None or exited_at is None:
+                        _, status, rusage = os.wait4(proc.pid, 0)
+                        reported = None
+                        exited_at = time.monotonic()
+                        if kill_all:  # a call ends when its main process ends
+                            self._kill(proc, True)
+                elif fd == proc.status_r:
+                    sel.unregister(fd)
+                    raw = os.read(fd, 4096)
+                    try:
+                        reported = json.loads(raw) if raw else None
+                    except ValueError:
+                        reported = None
+                    if reported is not None and exited_at is None:
+                        # the interpreter flushed and closed its output: done, without
+                        # waiting for its exit (the teardown of a Python process is slow)
+                        exited_at = time.monotonic()
+                        sel.unregister(proc.pidfd)
+                        if kill_all:
+                            self._kill(proc, True)
+                elif fd == proc.stdin_w:
+                    try:
+                        n = os.write(fd, pending[:65536])
+                        pending = pending[n:]
+                    except (BrokenPipeError, BlockingIOError) as e:
+                        if isinstance(e, BrokenPipeError):
+                            pending = pending[:0]
+                    if not pending.nbytes:
+                        sel.unregister(fd)
+                        os.close(fd)
+                        proc.stdin_w = -1
+                else:
+                    try:
+                        chunk = os.read(fd, 65536)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        sel.unregister(fd)
+                        continue
+                    buf = bufs[fd]
+                    room = cap - len(buf)
+                    if room < len(chunk):
+                        trunc[fd] = True
+                        chunk = chunk[: max(room, 0)]
+                    if chunk:
+                        buf += chunk
+                        if stream_id is not None:
+                            send_frame(
+                                self.sock,
+                                {"op": "chunk", "id": stream_id, "stream": names[fd]},
+                                bytes(chunk),
+                            )
+        for registered in list(sel.get_map()):
+            sel.unregister(registered)
+        sel.close()
+        for fd in (proc.stdout_r, proc.stderr_r, proc.pidfd, proc.stdin_w, proc.status_r):
+            if fd >= 0:
+                os.close(fd)
+        if exited_at is None:  # killed after the grace period and still not reaped
+            _, status, rusage = os.wait4(proc.pid, 0)
+            exited_at = time.monotonic()
+        if reported is not None:
+            status = (int(reported["rc"]) & 0xFF) << 8
+        cpu = (rusage.ru_utime + rusage.ru_stime) if rusage is not None else None
+        if reported is not None:
+            cpu = float(reported.get("cpu_s", 0.0))
+        res: dict[str, Any] = {
+            "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+            "timed_out": timed_out,
+            "duration_s": exited_at - t0,
+            "cpu_s": cpu,
+            "stdout_truncated": trunc[proc.stdout_r],
+            "stderr_truncated": trunc[proc.stderr_r],
+        }
+        return res, bytes(bufs[proc.stdout_r]), bytes(bufs[proc.stderr_r])
+
+    @staticmethod
+    def _kill(proc: _Proc, kill_all: bool) -> None:
+        try:
+            if kill_all:
+                os.kill(-1, signal.SIGKILL)  # from pid 1: every other process of this worker
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _write_files(self, files: list[dict[str, Any]], blob: bytes, offset: int) -> int:
+        work = os.open("/work", os.O_PATH | os.O_DIRECTORY)
+        try:
+            for f in files:
+                path = f["path"]
+                parent = os.path.dirname(path)
+                if parent:
+                    os.makedirs(os.path.join("/work", parent), exist_ok=True)
+                fd = open_beneath(
+                    work,
+                    path,
+                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                    f.get("mode", 0o644),
+                )
+                try:
+                    data = memoryview(blob)[offset : offset + f["size"]]
+                    while data.nbytes:
+                        n = os.write(fd, data)
+                        data = data[n:]
+                finally:
+                    os.close(fd)
+                offset += f["size"]
+        finally:
+            os.close(work)
+        return offset
+
+    def _fetch(self, paths: list[str], max_bytes: int) -> tuple[list[dict[str, Any]], bytes]:
+        work = os.open("/work", os.O_PATH | os.O_DIRECTORY)
+        out: list[dict[str, Any]] = []
+        blob = bytearray()
+        try:
+            for path in paths:
+                try:
+                    fd = open_beneath(work, path, os.O_RDONLY | os.O_NONBLOCK)
+                except OSError as e:
+                    out.append({"path": path, "error": e.strerror or str(e)})
+                    continue
+                try:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        out.append({"path": path, "error": "not a regular file"})
+                        continue
+                    if len(blob) + st.st_size > max_bytes:
+                        out.append(
+                            {"path": path, "error": f"fetched files exceed {max_bytes} bytes"}
+                        )
+                        continue
+                    data = bytearray()
+                    while len(data) <= max_bytes - len(blob):
+                        chunk = os.read(fd, 1 << 20)
+                        if not chunk:
+                            break
+                        data += chunk
+                    if len(blob) + len(data) > max_bytes:
+                        out.append(
+                            {"path": path, "error": f"fetched files exceed {max_bytes} bytes"}
+                        )
+                        continue
+                    out.append({"path": path, "size": len(data)})
+                    blob += data
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(work)
+        return out, bytes(blob)
+
+    def run(self, req: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        """One SandboxFusion-style call: write files, compile (maybe), run, fetch files."""
+        t_recv = time.monotonic()
+        off = self._write_files(req.get("files", []), blob, 0)
+        stdin = blob[off : off + int(req.get("stdin_size", 0))]
+        cap = int(req["max_output"])
+        env = dict(self.cfg["env"])
+        env.update(req.get("env", {}))
+        header: dict[str, Any] = {"op": "result", "compile": None, "run": None}
+        outs: list[bytes] = []
+        comp = req.get("compile")
+        if comp:
+            proc = self._spawn(comp["argv"], "/work", env, new_session=False)
+            self._limit_cpu(proc.pid, comp["cpu_s"])
+            res, o, e = self._drain(proc, b"", float(comp["timeout_s"]), cap, kill_all=True)
+            res["stdout_len"], res["stderr_len"] = len(o), len(e)
+            header["compile"] = res
+            outs += [o, e]
+            if res["timed_out"] or res["exit_code"] != 0:
+                return header, b"".join(outs)
+        run = req["run"]
+        t_started = time.monotonic()
+        if run.get("argv") is None and self.warm is not None:
+            proc = self.warm
+            self.warm = None
+            if self.cfg.get("warm") == "bash":
+                self._limit_cpu(proc.pid, run["cpu_s"])
+                os.write(self.warm_ctl, b"g")
+            else:
+                msg = json.dumps(
+                    {
+                        "path": run["path"],
+                        "argv": run.get("args") or [run["path"]],
+                        "env": env,
+                        "cpu_s": run["cpu_s"],
+                        "cwd": "/work",
+                    }
+                ).encode()
+                # length-prefixed: one write wakes the interpreter once (no wait for EOF)
+                os.write(self.warm_ctl, struct.pack("<I", len(msg)) + msg)
+            os.close(self.warm_ctl)
+        else:
+            proc = self._spawn(run["argv"], "/work", env, new_session=False)
+            self._limit_cpu(proc.pid, run["cpu_s"])
+        res, o, e = self._drain(proc, stdin, float(run["timeout_s"]), cap, kill_all=True)
+        res["stdout_len"], res["stderr_len"] = len(o), len(e)
+        header["run"] = res
+        # CLOCK_MONOTONIC instants (comparable with the server's time.monotonic()) for diagnostics
+        header["timing"] = {"recv": t_recv, "started": t_started, "done": time.monotonic()}
+        outs += [o, e]
+        if req.get("fetch"):
+            header["fetched"], fetched = self._fetch(
+                req["fetch"], int(req.get("fetch_max", 64 << 20))
+            )
+            outs.append(fetched)
+        return header, b"".join(outs)
+
+    @staticmethod
+    def _limit_cpu(pid: int, cpu_s: float) -> None:
+        soft = max(1, int(cpu_s + 1.999))
+        try:
+            resource.prlimit(pid, resource.RLIMIT_CPU, (soft, soft + 1))
+        except ProcessLookupError:
+            pass
+
+    def exec(self, req: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        """One command of a long-lived fncall sandbox (its processes may outlive the call)."""
+        env = dict(self.cfg["env"])
+        env.update(req.get("env", {}))
+        rid = int(req["id"])
+        try:
+            proc = self._spawn(req["argv"], req.get("cwd") or "/work", env, new_session=True)
+        except OSError as e:
+            res = {
+                "exit_code": 127 if e.errno == 2 else 126,
+                "signal": None,
+                "timed_out": False,
+                "duration_s": 0.0,
+                "cpu_s": 0.0,
+                "stdout_truncated": False,
+                "stderr_truncated": False,
+                "stdout_len": 0,
+                "stderr_len": 0,
+                "spawn_error": f"{req['argv'][0]}: {e.strerror}",
+            }
+            return {"op": "exit", "id": rid, "result": res}, b""
+        res, out_b, err_b = self._drain(
+            proc,
+            blob,
+            float(req["timeout_s"]),
+            int(req["max_output"]),
+            kill_all=False,
+            stream_id=rid if req.get("stream") else None,
+        )
+        res["stdout_len"], res["stderr_len"] = len(out_b), len(err_b)
+        return {"op": "exit", "id": rid, "result": res}, out_b + err_b
+
+
+# --- the warm Python interpreter (B) ---------------------------------------------------
+
+
+def _warm_python(ctl_fd: int, status_fd: int) -> None:
+    """Wait for the call, then run the user's file as ``__main__`` in this interpreter.
+
+    Everything that does not depend on the call is done first (stdio objects, a throw-away
+    compile and exec), so its copy-on-write page faults happen while the worker is idle.
+    At the end the exit code goes to ``status_fd`` after stdout/stderr are flushed and
+    closed, so the agent can answer before this process has finished exiting.
+    """
+    import builtins
+    import io
+    import types
+
+    stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
+    stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8")
+    stderr = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
+        encoding="utf-8",
+        errors="backslashreplace",
+        line_buffering=True,
+    )
+    for name in ("dsec_zygote", "dsec_landlock", "dsec_seccomp"):
+        sys.modules.pop(name, None)
+    main = types.ModuleType("__main__")
+    exec(compile("_ = [str(i) for i in range(3)]\n", "<warm>", "exec"), dict(main.__dict__))
+    json.loads(json.dumps({"warm": [1, 2.0, "x"]}))
+    # pre-fault the end-of-call path too (copy-on-write faults cost ~5 us each on this kind of VM)
+    import atexit
+    import threading
+
+    resource.getrusage(resource.RUSAGE_SELF)
+    resource.getrusage(resource.RUSAGE_CHILDREN)
+    json.dumps({"rc": 0, "cpu_s": 0.0})
+    resource.getrlimit(resource.RLIMIT_CPU)
+    _ = (threading.main_thread(), atexit._ncallbacks(), dict(os.environ))
+    # keep the runtime's two descriptors out of the user's way (top of the table, close-on-exec)
+    devnull = os.open("/dev/null", os.O_WRONLY)
+    os.dup2(devnull, 1022, inheritable=False)
+    os.close(devnull)
+    devnull = 1022
+    os.dup2(status_fd, 1023, inheritable=False)
+    os.close(status_fd)
+    status_fd = 1023
+    buf = b""
+    need = 4
+    while len(buf) < need:
+        b = os.read(ctl_fd, 1 << 16)
+        if not b:
+            os._exit(111)  # the agent went away without a call
+        buf += b
+        if need == 4 and len(buf) >= 4:
+            need = 4 + struct.unpack_from("<I", buf)[0]
+    os.close(ctl_fd)
+    msg = json.loads(buf[4:need])
+    soft = max(
+        1, int(float(msg["cpu_s"]) + 1.999)
+    )  # the wall clock fires first for one busy thread
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 1))
+    if os.getcwd() != msg["cwd"]:
+        os.chdir(msg["cwd"])
+    if dict(os.environ) != msg["env"]:
+        os.environ.clear()
+        os.environ.update(msg["env"])
+    path = msg["path"]
+    for name, stream in (("stdin", stdin), ("stdout", stdout), ("stderr", stderr)):
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    sys.argv = list(msg["argv"])
+    sys.path[0:0] = [os.path.dirname(path) or "."]
+    main.__dict__.update({"__file__": path, "__builtins__": builtins, "__cached__": None})
+    sys.modules["__main__"] = main
+    rc = 0
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+        code = compile(source, path, "exec")
+        exec(code, main.__dict__)
+    except SystemExit as e:
+        rc = _exit_code(e.code)
+    except BaseException:
+        etype, value, tb = sys.exc_info()
+        # drop this runner's frame so the traceback starts at the user's file, as in `python3 file`
+        if tb is not None and tb.tb_frame.f_code.co_name == "_warm_python":
+            tb = tb.tb_next
+        try:
+            if value is not None:
+                value.__traceback__ = tb  # excepthook prints the exception's own traceback
+            sys.excepthook(etype, value, tb)  # type: ignore[arg-type]
+        except BaseException:
+            pass
+        rc = 1
+    try:
+        import threading
+
+        threading._shutdown()  # type: ignore[attr-defined]
+        import atexit
+
+        atexit._run_exitfuncs()
+    except SystemExit as e:
+        rc = _exit_code(e.code)
+    except BaseException:
+        pass
+    for out_stream in (sys.stdout, sys.stderr):
+        try:
+            out_stream.flush()
+        except BaseException:
+            rc = rc or 120
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = usage.ru_utime + usage.ru_stime + children.ru_utime + children.ru_stime
+        os.write(status_fd, json.dumps({"rc": rc, "cpu_s": cpu}).encode())
+    except BaseException:
+        pass
+    os._exit(rc)
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except BaseException:
+        pass
+    return 1
+
+
+def main(cfg: dict[str, Any]) -> None:
+    """Entry point of the zygote process."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    Zygote(cfg).serve()
+    # server gone or asked us to exit: workers die with us (PDEATHSIG) or by their pidfds
+    os._exit(0)
+
+
+BOOTSTRAP = r"""
+import sys, json, types
+_b = json.loads(sys.stdin.buffer.read())
+sys.stdin.close()
+import os
+_n = os.open("/dev/null", os.O_RDONLY); os.dup2(_n, 0); os.close(_n)
+for _name, _src in _b["modules"]:
+    _m = types.ModuleType(_name); _m.__file__ = "<dsec:" + _name + ">"
+    sys.modules[_name] = _m
+    exec(compile(_src, "<dsec:" + _name + ">", "exec"), _m.__dict__)
+sys.modules["dsec_zygote"].main(_b["config"])
+"""
+"""The ``-c`` program of the zygote: reads the bundle {"modules": [[name, src]...], "config"}
+from stdin, installs the modules and calls ``dsec_zygote.main(config)``."""

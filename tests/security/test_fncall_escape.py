@@ -1,0 +1,226 @@
+"""Escape attempts from fncall workers: each must fail with the errno of the layer that stops it.
+
+EPERM (1) from seccomp or missing capabilities, EACCES (13) from permissions or Landlock
+(``mknod`` in the writable ``/work``: Landlock never grants MAKE_CHAR), EROFS (30) from the read-only
+root, EAFNOSUPPORT (97) for socket families outside the allowlist, ENOSYS (38) for clone3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from dsec.errors import DsecError, PathOutsideSandbox
+from dsec.models import ExecRequest
+from dsec.privileged import landlock
+from dsec.runtimes.base import SandboxSpec
+from dsec.runtimes.fncall import seccomp
+from dsec.runtimes.fncall.pool import PoolConfig
+from dsec.runtimes.fncall.service import RunCodeRequest, RunCodeService
+from dsec.runtimes.fncall.testkit import fncall_service
+
+pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def svc(dsec_home_root: Path) -> AsyncIterator[RunCodeService]:
+    async with fncall_service(
+        dsec_home_root / f"fncall-sec-{secrets.token_hex(3)}",
+        pool=PoolConfig(min_ready=2, max_ready=4, memory_mb=256, pids=64),
+    ) as s:
+        yield s
+
+
+async def probe(svc: RunCodeService, body: str) -> str:
+    code = "import ctypes, errno, os, socket, fcntl\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+    code += "def e(rc):\n    return 0 if rc >= 0 else ctypes.get_errno()\n" + body
+    resp = await svc.run_code(RunCodeRequest(code=code, language="python"))
+    assert resp.run_result is not None, resp
+    assert resp.run_result.return_code == 0, resp.run_result.stderr
+    return resp.run_result.stdout or ""
+
+
+pytestmark_async = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytestmark_async
+@pytest.mark.debian
+@pytest.mark.parametrize(
+    ("name", "body", "expected"),
+    [
+        ("bpf", "print(e(libc.syscall(321, 0, 0, 0)))", "1"),
+        ("keyctl", "print(e(libc.syscall(250, 0, 0, 0, 0, 0)))", "1"),
+        (
+            "setns",
+            "fd = os.open('/proc/self/ns/net', os.O_RDONLY)\nprint(e(libc.setns(fd, 0)))",
+            "1",
+        ),
+        ("clone_newuser", "print(e(libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)))", "1"),
+        ("clone3", "print(e(libc.syscall(435, 0, 0)))", "38"),
+        ("kexec", "print(e(libc.syscall(246, 0, 0, 0, 0)))", "1"),
+        ("init_module", "print(e(libc.syscall(175, 0, 0, 0)))", "1"),
+        ("io_uring", "print(e(libc.syscall(425, 1, 0)))", "1"),
+        ("perf_event_open", "print(e(libc.syscall(298, 0, 0, -1, -1, 0)))", "1"),
+        ("tiocsti", "print(e(libc.ioctl(0, 0x5412, b'x')))", "1"),
+        (
+            "ficlone",
+            "a = os.open('/work/a', os.O_CREAT|os.O_RDWR); b = os.open('/work/b', os.O_CREAT|os.O_RDWR)\nprint(e(libc.ioctl(b, 0x40049409, a)))",
+            "1",
+        ),
+        (
+            "xfs_swapext",
+            "a = os.open('/work/a', os.O_CREAT|os.O_RDWR)\nprint(e(libc.ioctl(a, 0xC0C0586D, 0)))",
+            "1",
+        ),
+        (
+            "af_packet",
+            "try:\n    socket.socket(17, socket.SOCK_RAW)\n    print('opened')\nexcept OSError as x: print(x.errno)",
+            "97",
+        ),
+        (
+            "af_vsock",
+            "try:\n    socket.socket(40, socket.SOCK_STREAM)\n    print('opened')\nexcept OSError as x: print(x.errno)",
+            "97",
+        ),
+        (
+            "overwrite_bash",
+            "try:\n    open('/bin/bash', 'wb')\nexcept OSError as x: print(x.errno)",
+            "30",
+        ),
+        (
+            "write_etc",
+            "try:\n    open('/etc/evil', 'w')\nexcept OSError as x: print(x.errno)",
+            "30",
+        ),
+        (
+            "kpagecgroup",
+            "try:\n    open('/proc/kpagecgroup', 'rb').read(8)\nexcept OSError as x: print(x.errno)",
+            "13",
+        ),
+        (
+            "sysrq",
+            "try:\n    open('/proc/sysrq-trigger', 'w').write('c')\nexcept OSError as x: print(x.errno)",
+            "13|2",
+        ),
+        (
+            "agent_mem",
+            "try:\n    open('/proc/1/mem', 'rb')\nexcept OSError as x: print(x.errno)",
+            "13",
+        ),
+        (
+            "mknod",
+            "try:\n    os.mknod('/work/dev', 0o20666, os.makedev(1, 3))\nexcept OSError as x: print(x.errno)",
+            "13",
+        ),
+        ("setuid_root", "print(e(libc.setuid(0)))", "1"),
+        ("sethostname", "print(e(libc.sethostname(b'x', 1)))", "1"),
+    ],
+)
+async def test_escape_attempt_fails(
+    svc: RunCodeService, name: str, body: str, expected: str
+) -> None:
+    assert (await probe(svc, body)).strip() in expected.split("|"), name
+
+
+@pytestmark_async
+@pytest.mark.debian
+async def test_killing_the_agent_does_not_break_the_call(svc: RunCodeService) -> None:
+    out = await probe(
+        svc, "import signal\nprint(e(os.kill(1, signal.SIGKILL) or 0))\nprint(os.getpid())"
+    )
+    assert out.split() == ["0", "2"]  # pid 1 ignores signals from inside its namespace
+
+
+@pytestmark_async
+@pytest.mark.debian
+async def test_host_side_files_stay_in_the_worker_root(svc: RunCodeService) -> None:
+    rt = svc.runtime
+    files, digests = await rt.image_layers("debian")
+    spec = SandboxSpec(
+        id="sb-sec-files",
+        tier="fncall",
+        layer_paths=[str(f) for f in files],
+        layer_digests=digests,
+        cpu=1,
+        memory_mb=128,
+        disk_mb=16,
+        pids=32,
+        env={},
+        user=None,
+        workdir="/work",
+    )
+    h = await rt.create(spec)
+    try:
+        r = await rt.exec(
+            h,
+            ExecRequest(
+                cmd="ln -s /../../../../etc/hostname /work/abs; ln -s /proc/1/root/etc /work/magic; echo done"
+            ),
+        )
+        assert r.stdout == "done\n", r
+        f = rt.files(h)
+        # resolves inside the worker: the image's /etc/hostname, never the host's
+        host = await asyncio.to_thread(Path("/etc/hostname").read_bytes)
+        try:
+            got = await f.read("/work/abs", 4096)
+            assert got != host or host == b""
+        except Exception:
+            pass
+        with pytest.raises(DsecError):  # a /proc magic link is refused
+            await f.read("/work/magic/hostname", 4096)
+        with pytest.raises(PathOutsideSandbox):
+            await f.read("/../../etc/shadow", 4096)
+    finally:
+        await rt.destroy(h)
+
+
+def _in_child(fn: object) -> int:
+    """Run ``fn()`` in a forked child; its return value is the child's exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            code = fn()  # type: ignore[operator]
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.WEXITSTATUS(status)
+
+
+def test_landlock_denies_writes_outside_writable_dirs() -> None:
+    if landlock.landlock_abi() < 1:
+        pytest.skip("no Landlock")
+    with tempfile.TemporaryDirectory() as allowed, tempfile.TemporaryDirectory() as denied:
+
+        def child() -> int:
+            landlock.confine(read_only=["/"], writable=[allowed])
+            Path(allowed, "ok").write_text("ok")
+            try:
+                Path(denied, "no").write_text("no")
+            except PermissionError:
+                return 0
+            return 1
+
+        assert _in_child(child) == 0
+        assert Path(allowed, "ok").exists() and not Path(denied, "no").exists()
+
+
+def test_seccomp_filter_denies_namespaces_even_for_root() -> None:
+    prog = seccomp.build_filter()
+
+    def child() -> int:
+        import ctypes
+
+        seccomp.install_filter(prog)
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.unshare(0x04000000)  # CLONE_NEWUTS: allowed for root without the filter
+        return 0 if rc == -1 and ctypes.get_errno() == 1 else 1
+
+    assert _in_child(child) == 0

@@ -1,0 +1,229 @@
+"""Hermetic tests of the fncall tier's pure parts: seccomp program, framing, validation, router.
+
+The router is driven through FastAPI's test client with a recording service that speaks the
+real request/response models (no kernel needed).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+
+from dsec.apiserver.routes_runcode import make_runcode_router, request_api_key
+from dsec.config import Paths
+from dsec.errors import InvalidRequest, PayloadTooLarge
+from dsec.runtimes.fncall import seccomp
+from dsec.runtimes.fncall.languages import LANGUAGES, resolve_language
+from dsec.runtimes.fncall.pool import _FrameReader, encode_frame
+from dsec.runtimes.fncall.runtime import FncallRuntime, result_from_agent
+from dsec.runtimes.fncall.service import (
+    CodeRunRequest,
+    CodeRunResult,
+    RunCodeLimits,
+    RunCodeRequest,
+    RunCodeResponse,
+    RunCodeService,
+    RunStatus,
+    work_relative,
+)
+from dsec.runtimes.fncall.toolkits import TOOLKITS, toolkit_key
+
+
+def _decode(prog: bytes) -> list[tuple[int, int, int, int]]:
+    return [struct.unpack_from("=HBBI", prog, i) for i in range(0, len(prog), 8)]
+
+
+def test_seccomp_program_checks_arch_first_and_allows_by_default() -> None:
+    insns = _decode(seccomp.build_filter())
+    assert insns[0] == (0x20, 0, 0, 4)  # load arch
+    assert insns[1][3] == seccomp.AUDIT_ARCH_X86_64
+    assert insns[2] == (0x06, 0, 0, seccomp.RET_KILL_PROCESS)
+    assert insns[-1] == (0x06, 0, 0, seccomp.RET_ALLOW)
+    compared = {k for code, _jt, _jf, k in insns if code == 0x15}
+    for name in (
+        "mount",
+        "ptrace",
+        "bpf",
+        "unshare",
+        "setns",
+        "keyctl",
+        "kexec_load",
+        "init_module",
+        "userfaultfd",
+    ):
+        assert seccomp.DENIED_SYSCALLS[name] in compared, name
+    for name in ("XFS_IOC_SWAPEXT", "FICLONE", "TIOCSTI"):
+        assert seccomp.DENIED_IOCTLS[name] in compared, name
+    # every conditional jump stays inside the program
+    for i, (code, jt, jf, _k) in enumerate(insns):
+        if code in (0x15, 0x35, 0x45):
+            assert i + 1 + max(jt, jf) < len(insns)
+
+
+def test_frames_roundtrip_in_pieces() -> None:
+    data = encode_frame({"op": "result", "n": 1}, b"\x00blob") + encode_frame({"op": "chunk"}, b"")
+    reader = _FrameReader()
+    got = []
+    for i in range(len(data)):
+        got += reader.feed(data[i : i + 1])
+    assert got == [({"op": "result", "n": 1}, b"\x00blob"), ({"op": "chunk"}, b"")]
+
+
+def test_result_from_agent_slices_the_blob() -> None:
+    res = {
+        "exit_code": 0,
+        "signal": None,
+        "stdout_len": 3,
+        "stderr_len": 2,
+        "duration_s": 0.5,
+        "timed_out": False,
+    }
+    r = result_from_agent(res, b"xxoutER", offset=2)
+    assert (r.stdout, r.stderr, r.exit_code, r.duration_ms) == ("out", "ER", 0, 500.0)
+
+
+@pytest.mark.parametrize(
+    ("path", "rel"), [("a.txt", "a.txt"), ("/work/d/e.txt", "d/e.txt"), ("./x//y", "x/y")]
+)
+def test_work_relative_accepts_paths_in_work(path: str, rel: str) -> None:
+    assert work_relative(path) == rel
+
+
+@pytest.mark.parametrize(
+    "path", ["/etc/passwd", "../x", "a/../../b", "/work/../etc", "", "/work", "a\0b"]
+)
+def test_work_relative_rejects_paths_outside(path: str) -> None:
+    with pytest.raises(InvalidRequest):
+        work_relative(path)
+
+
+def test_languages_and_aliases() -> None:
+    assert resolve_language("Python3").name == "python"
+    assert resolve_language("c++").name == "cpp"
+    assert {"python", "bash", "c", "cpp"} <= set(LANGUAGES)
+    for spec in LANGUAGES.values():
+        assert spec.toolkit is None or spec.toolkit in TOOLKITS
+    with pytest.raises(InvalidRequest, match="unsupported language"):
+        resolve_language("cobol")
+
+
+def test_toolkit_key_is_a_function_of_inputs() -> None:
+    a = toolkit_key(["sha256:" + "1" * 64], ("gcc", "g++"))
+    assert a == toolkit_key(["sha256:" + "1" * 64], ("g++", "gcc"))
+    assert a != toolkit_key(["sha256:" + "2" * 64], ("gcc", "g++"))
+
+
+def _service(tmp_path: Path, **limits: Any) -> RunCodeService:
+    return RunCodeService(FncallRuntime(Paths(tmp_path)), RunCodeLimits(**limits))
+
+
+def test_job_validation(tmp_path: Path) -> None:
+    svc = _service(tmp_path, max_files_bytes=10, max_stdin_bytes=4)
+    job = svc.job_from_sandboxfusion(
+        RunCodeRequest(
+            code="print(1)",
+            language="python",
+            files={"/work/a": base64.b64encode(b"hi").decode(), "b": None},
+            fetch_files=["/work/out.txt"],
+        )
+    )
+    assert (
+        job.files == [("a", b"hi")]
+        and job.fetch == ["out.txt"]
+        and job.fetch_names == {"out.txt": "/work/out.txt"}
+    )
+    with pytest.raises(PayloadTooLarge):
+        svc.job_from_sandboxfusion(
+            RunCodeRequest(
+                code="", language="python", files={"a": base64.b64encode(b"x" * 11).decode()}
+            )
+        )
+    with pytest.raises(PayloadTooLarge):
+        svc.job_from_sandboxfusion(RunCodeRequest(code="", language="python", stdin="12345"))
+    with pytest.raises(InvalidRequest, match="overwrite"):
+        svc.job_from_sandboxfusion(
+            RunCodeRequest(code="", language="python", files={"main.py": ""})
+        )
+    with pytest.raises(InvalidRequest, match="base64"):
+        svc.job_from_dsec(CodeRunRequest(code="", language="python", stdin_b64="@@"))
+    with pytest.raises(InvalidRequest, match="memory"):
+        svc.job_from_dsec(CodeRunRequest(code="", language="python", memory_mb=1 << 20))
+
+
+class RecordingService:
+    """Speaks RunCodeService's two methods; records what the routes passed."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    async def run_code(self, req: RunCodeRequest) -> RunCodeResponse:
+        self.calls.append(req)
+        return RunCodeResponse(status=RunStatus.Success, message="")
+
+    async def run(self, req: CodeRunRequest) -> CodeRunResult:
+        self.calls.append(req)
+        if req.language == "cobol":
+            raise InvalidRequest("unsupported language 'cobol'")
+        return CodeRunResult(outcome="ok")
+
+
+def _client(keyless: list[str]) -> tuple[TestClient, RecordingService]:
+    rec = RecordingService()
+
+    def authorize(request: Request) -> str | None:
+        return "owner" if request_api_key(request) == "good" else None
+
+    app = FastAPI()
+    app.include_router(make_runcode_router(lambda: rec, authorize, keyless_networks=keyless))  # type: ignore[arg-type,return-value]
+    return TestClient(app, client=("127.0.0.1", 40000)), rec
+
+
+def test_router_keyless_networks() -> None:
+    client, rec = _client(["127.0.0.0/8"])
+    r = client.post("/run_code", json={"code": "print(1)", "language": "python"})
+    assert r.status_code == 200 and r.json()["status"] == "Success"
+    client, rec = _client(["10.0.0.0/8"])
+    r = client.post("/run_code", json={"code": "print(1)", "language": "python"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
+    assert rec.calls == []
+
+
+def test_router_key_in_path_or_header() -> None:
+    client, rec = _client([])
+    assert (
+        client.post("/k/good/run_code", json={"code": "1", "language": "python"}).status_code == 200
+    )
+    assert (
+        client.post("/k/bad/run_code", json={"code": "1", "language": "python"}).status_code == 401
+    )
+    r = client.post(
+        "/run_code",
+        json={"code": "1", "language": "python"},
+        headers={"Authorization": "Bearer good"},
+    )
+    assert r.status_code == 200
+    assert len(rec.calls) == 2
+
+
+def test_router_shapes_of_bad_input() -> None:
+    client, _rec = _client(["0.0.0.0/0"])
+    r = client.post("/run_code", json={"language": "python"})  # no code: SandboxFusion shape
+    assert (
+        r.status_code == 200
+        and r.json()["status"] == "SandboxError"
+        and "code" in r.json()["message"]
+    )
+    r = client.post("/run_code", content=b"{oops")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    r = client.post("/v1/run_code", json={"code": "x", "language": "cobol"})
+    assert r.status_code == 400 and "cobol" in r.json()["error"]["message"]
+    r = client.post("/v1/run_code", json={"code": "x", "language": "python", "bogus": 1})
+    assert r.status_code == 400
+    r = client.post("/v1/run_code", json={"code": "x", "language": "python"})
+    assert r.status_code == 200 and r.json()["outcome"] == "ok"
