@@ -14,6 +14,11 @@ Every error is a :class:`DsecError` (see :mod:`dsec.errors` for the tree).
 Whole training jobs (every sandbox created with ``job="run-42"``) are paused, resumed,
 killed or listed through :mod:`dsec.jobs`: ``from dsec import jobs; jobs.pause("run-42")``
 (sync), or ``dsec.jobs.AsyncJobs`` (async).
+
+Sandboxes have no network unless created with a :class:`NetworkPolicy`
+(``Sandbox.create(network={"allow_domains": ["pypi.org"]})``); ``sb.network.update(...)``
+changes it while the sandbox runs and ``sb.network.stats()`` reports what was allowed and
+blocked.
 """
 
 import sys
@@ -59,6 +64,7 @@ from dsec.models import (
     NodeInfo,
     SandboxInfo,
 )
+from dsec.network.policy import NetworkPolicy
 from dsec.sdk import (
     AsyncClient,
     AsyncSandbox,
@@ -94,6 +100,7 @@ __all__ = [
     "InvalidRequest",
     "LayerInfo",
     "LayerNotFound",
+    "NetworkPolicy",
     "NodeInfo",
     "NotFound",
     "OutcomeUnknown",

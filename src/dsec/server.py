@@ -34,9 +34,36 @@ def _become_subreaper() -> None:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def build_network(paths: Paths) -> Any:
-    """The node's network manager (started by the edge). ``DSEC_NET_SUBNET`` picks the
-    sandbox subnet; ``DSEC_NETWORK=off`` disables networking."""
+def _json_env(name: str) -> Any:
+    import json
+
+    try:
+        return json.loads(os.environ[name])
+    except ValueError as e:
+        from dsec.errors import InvalidRequest
+
+        raise InvalidRequest(f"${name} is not valid JSON: {e}") from None
+
+
+def _list_env(name: str) -> list[str]:
+    return [item.strip() for item in os.environ[name].split(",") if item.strip()]
+
+
+def build_network(paths: Paths, options: dict[str, Any] | None = None) -> Any:
+    """The node's network manager (started by the edge), configured by the operator:
+
+    * ``DSEC_NETWORK=off`` disables networking;
+    * ``DSEC_NET_SUBNET``: the sandbox subnet (default ``10.203.0.0/16``);
+    * ``DSEC_NET_UPSTREAM_DNS``: comma-separated resolvers allowed names are forwarded to
+      (``ip`` or ``ip:port``); unset: only static records are answered;
+    * ``DSEC_NET_STATIC_RECORDS``: JSON ``{"name": ["ipv4", ...]}`` answered locally;
+    * ``DSEC_NET_PRESETS``: JSON ``{"name": {"domains": [...], "cidrs": [...]}}``
+      replacing the built-in presets of the same name;
+    * ``DSEC_NET_PROTECTED_CIDRS``: comma-separated networks no sandbox may reach.
+
+    ``options`` (keyword arguments of :class:`dsec.network.NetworkManager`) override the
+    environment; embedders and tests pass them through :func:`embedded_edge`.
+    """
     if os.environ.get("DSEC_NETWORK", "on") == "off":
         return None
     from dsec.network import NetworkManager
@@ -44,6 +71,15 @@ def build_network(paths: Paths) -> Any:
     kw: dict[str, Any] = {}
     if os.environ.get("DSEC_NET_SUBNET"):
         kw["subnet"] = os.environ["DSEC_NET_SUBNET"]
+    if os.environ.get("DSEC_NET_UPSTREAM_DNS"):
+        kw["upstream_dns"] = _list_env("DSEC_NET_UPSTREAM_DNS")
+    if os.environ.get("DSEC_NET_STATIC_RECORDS"):
+        kw["static_records"] = _json_env("DSEC_NET_STATIC_RECORDS")
+    if os.environ.get("DSEC_NET_PRESETS"):
+        kw["presets"] = _json_env("DSEC_NET_PRESETS")
+    if os.environ.get("DSEC_NET_PROTECTED_CIDRS"):
+        kw["protected_cidrs"] = _list_env("DSEC_NET_PROTECTED_CIDRS")
+    kw.update(options or {})
     return NetworkManager(paths.home / "net", **kw)
 
 
@@ -132,15 +168,22 @@ async def close_app(app: Any) -> None:
 
 @contextlib.asynccontextmanager
 async def embedded_edge(
-    home: Path | None = None, *, tiers: list[str] | None = None, limits: EdgeLimits | None = None
+    home: Path | None = None,
+    *,
+    tiers: list[str] | None = None,
+    limits: EdgeLimits | None = None,
+    network_options: dict[str, Any] | None = None,
 ) -> AsyncIterator[EdgeAgent]:
-    """An in-process edge for tests and embedding: ``async with embedded_edge() as edge``."""
+    """An in-process edge for tests and embedding: ``async with embedded_edge() as edge``.
+
+    ``network_options``: keyword arguments of the node's
+    :class:`~dsec.network.NetworkManager` (see :func:`build_network`)."""
     from dsec.layers.store import LayerStore
 
     paths = Paths(home) if home else Paths.from_env()
     paths.ensure()
     store = LayerStore(paths.layers, paths.scratch)
-    network = build_network(paths)
+    network = build_network(paths, network_options)
     edge = EdgeAgent(
         paths, build_runtimes(paths, store, tiers, network), store, limits=limits, network=network
     )
@@ -201,6 +244,9 @@ class BackgroundServer:
 
         with BackgroundServer(home=Path("/tmp/dsec")) as srv:
             sb = Sandbox.create(url=srv.url, api_key=srv.api_key)
+
+    ``network_options`` configure the node's network manager (see :func:`build_network`),
+    e.g. ``{"subnet": "10.210.0.0/16", "static_records": {"mirror.test": ["198.19.0.2"]}}``.
     """
 
     def __init__(
@@ -210,11 +256,13 @@ class BackgroundServer:
         port: int = 0,
         tiers: list[str] | None = None,
         limits: EdgeLimits | None = None,
+        network_options: dict[str, Any] | None = None,
     ) -> None:
         self.home = home
         self.port = port or _free_port()
         self.tiers = tiers
         self.limits = limits
+        self.network_options = network_options
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = ""
         self.edge: EdgeAgent | None = None
@@ -242,7 +290,12 @@ class BackgroundServer:
         ready = threading.Event()
 
         async def main() -> None:
-            async with embedded_edge(self.home, tiers=self.tiers, limits=self.limits) as edge:
+            async with embedded_edge(
+                self.home,
+                tiers=self.tiers,
+                limits=self.limits,
+                network_options=self.network_options,
+            ) as edge:
                 self.edge = edge
                 self.keys = KeyStore(self.home)
                 app = build_app(edge, self.keys)

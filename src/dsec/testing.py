@@ -68,6 +68,7 @@ import dsec
 from dsec.edge.jobs import for_each_sandbox
 from dsec.edge.trajectory import TrajectoryLog
 from dsec.errors import (
+    CapabilityNotSupported,
     DsecError,
     FileExists_,
     FileNotFound,
@@ -967,18 +968,41 @@ class FakeEdge:
 
     # --- network --------------------------------------------------------------
     async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo:
-        """Record the new policy (nothing is enforced: fake sandboxes have no network)."""
+        """Record the new policy (nothing is enforced: fake sandboxes send no traffic).
+
+        As on a real node, a sandbox created without a network cannot get one
+        (``CapabilityNotSupported``) and a stopped one answers ``SandboxStopped``."""
         self._record("update_network", sandbox_id=sandbox_id, owner=owner, policy=policy)
         sb = self._get(sandbox_id, owner)
+        if sb.info.network is None:
+            raise CapabilityNotSupported(
+                f"sandbox {sandbox_id} was created without networking (network=None); "
+                "networking cannot be added to a running sandbox",
+                sandbox_id=sandbox_id,
+            )
         sb.info.network = policy
         sb.request = sb.request.model_copy(update={"network": policy})
         return self._public(sb)
 
     async def network_stats(self, sandbox_id: str, owner: str) -> dict[str, Any]:
-        """``enabled`` (a policy is set) and zero counters: the fake sends no traffic."""
+        """The real stats shape with zero counters (the fake sends no traffic);
+        ``{"enabled": False}`` for a sandbox without a network."""
         self._record("network_stats", sandbox_id=sandbox_id, owner=owner)
         sb = self._get(sandbox_id, owner)
-        return {"enabled": sb.info.network is not None, "allowed": {}, "blocked": {}}
+        if sb.info.network is None:
+            return {"enabled": False}
+        return {
+            "enabled": True,
+            "sandbox_id": sandbox_id,
+            "ip": "10.203.0.2",
+            "policy": sb.info.network.model_dump(),
+            "allowed": [],
+            "blocked": [],
+            "allowed_total": 0,
+            "blocked_total": 0,
+            "admitted": {},
+            "dns": {"queries": 0, "answered": 0, "refused": 0, "rate_limited": 0},
+        }
 
     # --- images and layers --------------------------------------------------
     async def list_images(self) -> list[ImageInfo]:

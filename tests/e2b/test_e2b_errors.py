@@ -42,8 +42,9 @@ def test_invalid_metadata_and_envs_are_400(e2b_server: E2BServer) -> None:
 def test_refused_features_say_so(e2b_server: E2BServer) -> None:
     for kwargs in (
         {"lifecycle": {"on_timeout": "pause", "auto_resume": False}},
-        {"allow_internet_access": True},
-        {"network": {"allow_out": ["pypi.org"]}},
+        # network policies are mapped (tests/unit/test_network_api.py); these are not
+        {"network": {"allow_out": ["a.example.com"], "egress_proxy": {"address": "p:1080"}}},
+        {"network": {"rules": {"a.example.com": [{"transform": {"headers": {"X": "1"}}}]}}},
     ):
         with pytest.raises(SandboxException) as exc:
             Sandbox.create("base", **kwargs)

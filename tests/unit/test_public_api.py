@@ -17,6 +17,8 @@ EXPECTED = {
     # models
     "Capabilities", "CreateSandboxRequest", "ExecEvent", "ExecRequest", "ExecResult",
     "FileInfo", "ImageInfo", "LayerInfo", "NodeInfo", "SandboxInfo",
+    # network
+    "NetworkPolicy",
 }  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""``/v1/sandboxes``: lifecycle, exec, files, pause/resume, snapshots, fork, trajectory.
+"""``/v1/sandboxes``: lifecycle, exec, files, pause/resume, snapshots, fork, trajectory,
+network policy.
 
 Routes only parse; the edge acts. Every state-changing route (exec, exec/stream, file
 PUT/DELETE, mkdir, rename, tar PUT, snapshot) reads two optional headers and hands them
@@ -18,10 +19,11 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
 from dsec.apiserver.schemas import (
@@ -51,8 +53,9 @@ from dsec.models import (
     SetTTLRequest,
     SnapshotRequest,
 )
+from dsec.network.policy import NetworkPolicy
 
-__all__ = ["UPLOAD_ROUTES", "Sequencing", "router", "sequencing"]
+__all__ = ["UPLOAD_ROUTES", "NetworkStats", "Sequencing", "router", "sequencing"]
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -438,3 +441,76 @@ async def export_trajectory(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner
         media_type="application/x-ndjson",
         headers={"cache-control": "no-store"},
     )
+
+
+# --- network policy ------------------------------------------------------------
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class AllowedDestination(_Open):
+    """New connections a sandbox made to one destination (first packets counted)."""
+
+    destination: str = Field(description="IPv4 address")
+    protocol: str = Field(description="tcp, udp or icmp")
+    port: int | None = Field(None, description="destination port (None for icmp)")
+    connections: int = 0
+    names: list[str] = Field(default_factory=list, description="DNS names that admitted it")
+
+
+class BlockedDestination(_Open):
+    """Packets dropped on their way to one destination (a retried SYN counts again)."""
+
+    destination: str = Field(description="IPv4 address")
+    protocol: str = Field(description="tcp, udp or icmp")
+    port: int | None = Field(None, description="destination port (None for icmp)")
+    packets: int = 0
+
+
+class NetworkStats(_Open):
+    """``GET /v1/sandboxes/{id}/network``. A sandbox without a network answers only
+    ``{"enabled": false}``. Counters of a destination age out after an hour idle."""
+
+    enabled: bool
+    sandbox_id: str | None = None
+    ip: str | None = Field(None, description="the sandbox's address on the node")
+    policy: dict[str, Any] | None = Field(None, description="the NetworkPolicy in force")
+    allowed: list[AllowedDestination] = Field(default_factory=list)
+    blocked: list[BlockedDestination] = Field(default_factory=list)
+    allowed_total: int = Field(0, description="new connections allowed, all destinations")
+    blocked_total: int = Field(0, description="packets dropped, all destinations")
+    admitted: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="address -> {names, expires_in_s}: what DNS answers admitted",
+    )
+    dns: dict[str, Any] = Field(
+        default_factory=dict,
+        description="resolver counters: queries, answered, refused, rate_limited, ..., "
+        "refused_names",
+    )
+
+
+@router.post(
+    "/{sandbox_id}/network",
+    response_model=SandboxInfo,
+    summary="Replace the network policy of a running sandbox",
+    description="The body is a NetworkPolicy. New connections see the new policy at once; "
+    "established ones continue; DNS admissions it no longer allows are revoked. A bad "
+    "policy or an unknown preset is a 400 ``invalid_request``; a sandbox created without "
+    "a network is a 422 ``capability_not_supported``; a dead one is a 409 "
+    "``sandbox_stopped``.",
+)
+async def update_network(
+    sandbox_id: SandboxIdParam, policy: NetworkPolicy, edge: Edge, owner: Owner
+) -> SandboxInfo:
+    return await edge.update_network(sandbox_id, owner, policy)
+
+
+@router.get(
+    "/{sandbox_id}/network",
+    response_model=NetworkStats,
+    response_model_exclude_unset=True,
+    summary="Network counters: allowed and blocked attempts by destination",
+)
+async def network_stats(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> NetworkStats:
+    return NetworkStats.model_validate(await edge.network_stats(sandbox_id, owner))

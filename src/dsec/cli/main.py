@@ -3,8 +3,13 @@
 Commands::
 
     dsec serve [--host 127.0.0.1] [--port 7070] [--home DIR]
-    dsec run [--image I] [--tier T] [--keep] [--timeout S] [--env K=V]... -- CMD...
+    dsec run [--image I] [--tier T] [--keep] [--timeout S] [--env K=V]...
+             [--allow-domain D]... [--allow-cidr C]... [--port P]... [--preset NAME]... -- CMD...
     dsec exec ID -- CMD...
+    dsec network ID show [--json]
+    dsec network ID update [--allow-domain D]... [--allow-cidr C]... [--deny-domain D]...
+                           [--deny-cidr C]... [--port P]... [--protocol tcp|udp|icmp]...
+                           [--preset NAME]... | --file POLICY.json
     dsec ps [--all]
     dsec kill ID...
     dsec pause ID... | dsec resume ID...
@@ -17,6 +22,9 @@ Commands::
     dsec image build PATH --name N [--kind K] [--base B]
     dsec info
     dsec key create|ls|revoke        (local key store in $DSEC_HOME, no server needed)
+
+Sandboxes have no network unless a network option is given (``--allow-domain``,
+``--allow-cidr`` or ``--preset``; see docs/network.md for the policy format).
 
 ``CMD`` given as one argument runs under ``/bin/sh -c``; several arguments are exec'd as
 an argv. ``run`` and ``exec`` exit with the command's exit code (124 on timeout,
@@ -35,10 +43,12 @@ environment variable for this.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -50,6 +60,7 @@ from rich.table import Table
 
 from dsec.errors import DsecError, InvalidRequest
 from dsec.models import ExecResult, JobActionResult, PauseReport, SandboxInfo
+from dsec.network.policy import NetworkPolicy
 from dsec.sdk import AsyncSandbox, Client, Jobs, Sandbox
 from dsec.sdk.sync import runner
 
@@ -195,6 +206,84 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+# --- network policy options (shared by `run` and `network update`) -------------------
+AllowDomainOption = Annotated[
+    list[str],
+    typer.Option("--allow-domain", help="allow a domain (exact, or *.example.com); repeatable"),
+]
+AllowCidrOption = Annotated[
+    list[str], typer.Option("--allow-cidr", help="allow an IPv4 address/network; repeatable")
+]
+DenyDomainOption = Annotated[
+    list[str], typer.Option("--deny-domain", help="deny a domain (wins over allows); repeatable")
+]
+DenyCidrOption = Annotated[
+    list[str], typer.Option("--deny-cidr", help="deny an IPv4 network (wins); repeatable")
+]
+PortOption = Annotated[
+    list[str],
+    typer.Option("--port", help="destination port or lo-hi range; repeatable (default: all)"),
+]
+ProtocolOption = Annotated[
+    list[str], typer.Option("--protocol", help="tcp, udp or icmp; repeatable (default: tcp)")
+]
+PresetOption = Annotated[
+    list[str],
+    typer.Option("--preset", help="operator preset (pypi, npm, debian, github...); repeatable"),
+]
+
+
+def _policy_from_options(
+    allow_domain: list[str],
+    allow_cidr: list[str],
+    deny_domain: list[str],
+    deny_cidr: list[str],
+    port: list[str],
+    protocol: list[str],
+    preset: list[str],
+) -> NetworkPolicy | None:
+    """The policy the network options describe; None when none was given."""
+    if not (allow_domain or allow_cidr or preset):
+        if deny_domain or deny_cidr or port or protocol:
+            raise InvalidRequest(
+                "--deny-domain, --deny-cidr, --port and --protocol restrict a network: "
+                "also name what to allow (--allow-domain, --allow-cidr or --preset)"
+            )
+        return None
+    fields: dict[str, Any] = {
+        "allow_domains": allow_domain,
+        "allow_cidrs": allow_cidr,
+        "deny_domains": deny_domain,
+        "deny_cidrs": deny_cidr,
+        "presets": preset,
+    }
+    if port:
+        fields["ports"] = port
+    if protocol:
+        fields["protocols"] = protocol
+    return NetworkPolicy(**fields)
+
+
+def _describe_policy(policy: NetworkPolicy | dict[str, Any] | None) -> str:
+    if policy is None:
+        return "none (no network)"
+    p = NetworkPolicy.parse(policy)
+    parts = [
+        f"{name}={','.join(str(v) for v in values)}"
+        for name, values in (
+            ("allow_domains", p.allow_domains),
+            ("allow_cidrs", p.allow_cidrs),
+            ("presets", p.presets),
+            ("deny_domains", p.deny_domains),
+            ("deny_cidrs", p.deny_cidrs),
+        )
+        if values
+    ]
+    parts.append("ports=" + (",".join(str(v) for v in p.ports) if p.ports else "all"))
+    parts.append("protocols=" + ",".join(p.protocols))
+    return " ".join(parts)
+
+
 # --- commands ----------------------------------------------------------------
 @app.command()
 def serve(
@@ -223,13 +312,27 @@ def run(
     env: Annotated[list[str], typer.Option("--env", "-e", help="KEY=VALUE; repeatable")] = [],  # noqa: B006
     cpu: Annotated[float, typer.Option(help="CPU cores")] = 1.0,
     memory_mb: Annotated[int, typer.Option(help="memory limit, MiB")] = 512,
+    allow_domain: AllowDomainOption = [],  # noqa: B006
+    allow_cidr: AllowCidrOption = [],  # noqa: B006
+    deny_domain: DenyDomainOption = [],  # noqa: B006
+    deny_cidr: DenyCidrOption = [],  # noqa: B006
+    port: PortOption = [],  # noqa: B006
+    protocol: ProtocolOption = [],  # noqa: B006
+    preset: PresetOption = [],  # noqa: B006
 ) -> None:
-    """Create a sandbox, run CMD in it, print its output and exit with its exit code."""
+    """Create a sandbox, run CMD in it, print its output and exit with its exit code.
+
+    No network unless --allow-domain, --allow-cidr or --preset is given."""
     command = _command(cmd)
     env_vars = _parse_env(env)
+    policy = _policy_from_options(
+        allow_domain, allow_cidr, deny_domain, deny_cidr, port, protocol, preset
+    )
     client = make_client()
     try:
-        sb = Sandbox.create(tier=tier, image=image, cpu=cpu, memory_mb=memory_mb, client=client)
+        sb = Sandbox.create(
+            tier=tier, image=image, cpu=cpu, memory_mb=memory_mb, network=policy, client=client
+        )
         try:
             code = _run_streaming(sb, command, timeout, env_vars)
         finally:
@@ -260,6 +363,103 @@ def exec_(
     finally:
         client.close()
     raise typer.Exit(code)
+
+
+class NetworkAction(StrEnum):
+    """What ``dsec network ID ACTION`` does."""
+
+    show = "show"
+    update = "update"
+
+
+def _network_tables(stats: dict[str, Any]) -> list[Table]:
+    allowed = Table(box=None, header_style="bold", title="allowed (new connections)")
+    for name in ("DESTINATION", "PROTO", "PORT", "CONNECTIONS", "NAMES"):
+        allowed.add_column(name)
+    for row in stats.get("allowed", []):
+        allowed.add_row(
+            str(row.get("destination", "")),
+            str(row.get("protocol", "")),
+            "" if row.get("port") is None else str(row["port"]),
+            str(row.get("connections", 0)),
+            ",".join(row.get("names", [])),
+        )
+    blocked = Table(box=None, header_style="bold", title="blocked (dropped packets)")
+    for name in ("DESTINATION", "PROTO", "PORT", "PACKETS"):
+        blocked.add_column(name)
+    for row in stats.get("blocked", []):
+        blocked.add_row(
+            str(row.get("destination", "")),
+            str(row.get("protocol", "")),
+            "" if row.get("port") is None else str(row["port"]),
+            str(row.get("packets", 0)),
+        )
+    return [allowed, blocked]
+
+
+@app.command()
+@handle_errors
+def network(
+    sandbox_id: Annotated[str, typer.Argument(help="sandbox id", show_default=False)],
+    action: Annotated[NetworkAction, typer.Argument(help="show | update", show_default=False)],
+    allow_domain: AllowDomainOption = [],  # noqa: B006
+    allow_cidr: AllowCidrOption = [],  # noqa: B006
+    deny_domain: DenyDomainOption = [],  # noqa: B006
+    deny_cidr: DenyCidrOption = [],  # noqa: B006
+    port: PortOption = [],  # noqa: B006
+    protocol: ProtocolOption = [],  # noqa: B006
+    preset: PresetOption = [],  # noqa: B006
+    file: Annotated[
+        str | None,
+        typer.Option("--file", "-f", help="update: the policy as a JSON file ('-': stdin)"),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="show: print the raw JSON")] = False,
+) -> None:
+    """Show a sandbox's network policy and counters, or replace its policy (update).
+
+    `update` replaces the whole policy (it does not merge): name everything to allow."""
+    client = make_client()
+    try:
+        sb = Sandbox.connect(sandbox_id, client=client)
+        if action is NetworkAction.show:
+            stats = sb.network.stats()
+            if as_json:
+                sys.stdout.write(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+                return
+            if not stats.get("enabled"):
+                stdout.print(f"{sandbox_id}: no network (created with network=None)")
+                return
+            stdout.print(escape(f"{sandbox_id}: address {stats.get('ip', '?')}"))
+            stdout.print(escape(f"policy: {_describe_policy(stats.get('policy'))}"))
+            for table in _network_tables(stats):
+                stdout.print(table)
+            dns = stats.get("dns", {})
+            counters = " ".join(
+                f"{k}={dns.get(k, 0)}" for k in ("queries", "answered", "refused", "rate_limited")
+            )
+            refused = ", ".join(f"{n} ({c})" for n, c in dns.get("refused_names", {}).items())
+            stdout.print(escape(f"dns: {counters}" + (f"; refused: {refused}" if refused else "")))
+            return
+        policy = _policy_from_options(
+            allow_domain, allow_cidr, deny_domain, deny_cidr, port, protocol, preset
+        )
+        if file is not None:
+            if policy is not None:
+                raise InvalidRequest("give the policy either as options or with --file, not both")
+            try:
+                text = sys.stdin.read() if file == "-" else Path(file).read_text()
+                data = json.loads(text)
+            except (OSError, ValueError) as exc:
+                raise InvalidRequest(f"cannot read a JSON policy from {file}: {exc}") from None
+            policy = NetworkPolicy.parse(data)
+        if policy is None:
+            raise InvalidRequest(
+                "update needs a policy: --allow-domain, --allow-cidr, --preset or --file"
+            )
+        info = sb.network.update(policy)
+    finally:
+        client.close()
+    stdout.print(escape(f"{info.id}: policy {_describe_policy(info.network)}"))
 
 
 def _sandbox_table(sandboxes: list[SandboxInfo]) -> Table:

@@ -16,10 +16,13 @@ Mapping:
   ``lifecycle.on_timeout`` -> ``on_timeout``; snapshots -> ``snapshot_sandbox``
   tagged as an image (the snapshot id is that image name, so it works as a
   template); fork -> ``fork_sandbox``.
+* ``allow_internet_access`` and ``network`` (``allow_out``/``deny_out``/
+  ``dns_servers``) -> a dsec ``NetworkPolicy`` (:mod:`dsec.e2b.network`);
+  ``update_network`` -> ``update_network``; ``get_info`` shows the policy back.
 * features dsec does not have (listing/deleting snapshots, metrics, logs,
-  network rules, MCP, volumes, template builds) answer 422 (or 501 for routes
-  not implemented at all) with a message that says so; the SDK raises
-  ``SandboxException("<status>: <message>")``.
+  egress proxies and request transforms, MCP, volumes, template builds) answer
+  422 (or 501 for routes not implemented at all) with a message that says so;
+  the SDK raises ``SandboxException("<status>: <message>")``.
 """
 
 from __future__ import annotations
@@ -37,11 +40,13 @@ from e2b.api.client.models import (
     ListedSandbox,
     NewSandboxV2,
     SandboxDetail,
+    SandboxNetworkConfig,
+    SandboxNetworkUpdateConfig,
     SandboxState,
     SnapshotInfo,
 )
 from e2b.api.client.models import Sandbox as E2BSandbox
-from e2b.api.client.types import Unset
+from e2b.api.client.types import UNSET, Unset
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -50,6 +55,7 @@ from starlette.routing import Route
 from dsec.e2b.access import AccessTokens, TemplateMap
 from dsec.e2b.errors import E2BError, control_status
 from dsec.e2b.filesystem import FilesystemService
+from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
 from dsec.e2b.process import ProcessRegistry
 from dsec.edge.interface import EdgeAPI
 from dsec.errors import DsecError, ImageNotFound
@@ -122,7 +128,7 @@ class ControlPlane:
             Route("/sandboxes/{sandbox_id}/resume", g(self.resume), methods=["POST"]),
             Route("/sandboxes/{sandbox_id}/snapshots", g(self.snapshot), methods=["POST"]),
             Route("/sandboxes/{sandbox_id}/fork", g(self.fork), methods=["POST"]),
-            Route("/sandboxes/{sandbox_id}/network", g(self.refuse_on_sandbox), methods=["PUT"]),
+            Route("/sandboxes/{sandbox_id}/network", g(self.update_network), methods=["PUT"]),
             Route("/sandboxes/{sandbox_id}/metrics", g(self.refuse_on_sandbox), methods=["GET"]),
             Route("/sandboxes/{sandbox_id}/logs", g(self.refuse_on_sandbox), methods=["GET"]),
             Route("/v2/sandboxes/{sandbox_id}/logs", g(self.refuse_on_sandbox), methods=["GET"]),
@@ -214,6 +220,7 @@ class ControlPlane:
         ).to_dict()
 
     def _detail(self, info: SandboxInfo, owner: str) -> dict[str, Any]:
+        internet, network = e2b_view(info.network)
         return SandboxDetail(
             template_id=self._template(info),
             sandbox_id=info.id,
@@ -227,7 +234,8 @@ class ControlPlane:
             state=self._state(info),
             alias=self._template(info),
             envd_access_token=self.tokens.issue(info.id, owner),
-            allow_internet_access=False,
+            allow_internet_access=internet,
+            network=SandboxNetworkConfig.from_dict(network) if network is not None else UNSET,
             domain=None,
             metadata=self._metadata(info),
         ).to_dict()
@@ -252,10 +260,6 @@ class ControlPlane:
             refused.append(
                 "lifecycle auto_resume=False (a paused dsec sandbox resumes on any request)"
             )
-        if new.allow_internet_access is True:
-            refused.append("allow_internet_access=True (dsec sandboxes have no network yet)")
-        if _unset(new.network) is not None:
-            refused.append("network rules (dsec network policy lands in a later release)")
         if _unset(new.mcp) is not None:
             refused.append("mcp")
         if _unset(new.volume_mounts):
@@ -264,6 +268,14 @@ class ControlPlane:
             refused.append("iam")
         if refused:
             raise E2BError(422, "not supported by dsec: " + "; ".join(refused))
+        internet = _unset(new.allow_internet_access)
+        if internet is not None and not isinstance(internet, bool):
+            raise E2BError(400, "allowInternetAccess must be a boolean")
+        wire_network = _unset(new.network)
+        policy = policy_from_e2b(
+            internet,
+            E2BEgress.from_wire(wire_network) if wire_network is not None else None,
+        )
         target = self.templates.resolve(new.template_id)
         metadata = _unset(new.metadata) or {}
         envs = _unset(new.env_vars) or {}
@@ -281,6 +293,7 @@ class ControlPlane:
                 },
                 ttl_s=float(timeout if timeout is not None else DEFAULT_TIMEOUT_S),
                 on_timeout="pause" if new.auto_pause is True else "kill",
+                network=policy,
             )
         except ValidationError as e:
             msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
@@ -475,13 +488,30 @@ class ControlPlane:
             out.append({"sandbox": self._created(child, owner)})
         return JSONResponse(out, status_code=201)
 
+    async def update_network(self, request: Request, owner: str) -> Response:
+        """Replace the egress rules of a running sandbox (E2B: omitted fields are reset to
+        their defaults). The sandbox must have been created with a network."""
+        sandbox_id = request.path_params["sandbox_id"]
+        body = await self._json(request)
+        try:
+            wire = SandboxNetworkUpdateConfig.from_dict(body)
+        except (KeyError, TypeError, ValueError) as e:
+            raise E2BError(400, f"invalid network update: {e}") from None
+        internet = _unset(wire.allow_internet_access)
+        if internet is not None and not isinstance(internet, bool):
+            raise E2BError(400, "allow_internet_access must be a boolean")
+        policy = policy_from_e2b(internet, E2BEgress.from_wire(wire), updating=True)
+        await self._live(sandbox_id, owner)
+        await self.edge.update_network(sandbox_id, owner, policy)
+        return Response(status_code=204)
+
     async def refuse_on_sandbox(self, request: Request, owner: str) -> Response:
         await self._live(request.path_params["sandbox_id"], owner)
         what = request.url.path.rstrip("/").rsplit("/", 1)[-1]
         return _error(
             422,
-            f"'{what}' is not supported by dsec yet (per-sandbox metrics, logs and network "
-            "rules arrive in later releases)",
+            f"'{what}' is not supported by dsec yet (per-sandbox metrics and logs arrive in "
+            "later releases)",
         )
 
     async def refuse_metrics(self, request: Request, owner: str) -> Response:

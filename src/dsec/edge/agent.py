@@ -35,6 +35,7 @@ from dsec.errors import (
     DsecError,
     InternalError,
     InvalidRequest,
+    PathOutsideSandbox,
     PayloadTooLarge,
     QuotaExceeded,
     SandboxError,
@@ -751,6 +752,7 @@ class EdgeAgent:
 
     # ------------------------------------------------------------------ files
     async def read_file(self, sandbox_id: str, owner: str, path: str) -> bytes:
+        check_path(path)
         self.metrics.file_ops.labels("read").inc()
         return await self._use(
             sandbox_id, owner, lambda lv: self._files(lv).read(path, self.limits.max_read_bytes)
@@ -789,6 +791,7 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> FileInfo:
+        check_path(path)
         if not 0 <= mode <= 0o7777:
             raise InvalidRequest(f"mode {mode:o} is not a permission mode")
         return await self._logged_file_op(
@@ -806,12 +809,14 @@ class EdgeAgent:
     async def list_files(
         self, sandbox_id: str, owner: str, path: str, depth: int = 1
     ) -> list[FileInfo]:
+        check_path(path)
         self.metrics.file_ops.labels("list").inc()
         if not 1 <= depth <= 32:
             raise InvalidRequest("depth must be between 1 and 32")
         return await self._use(sandbox_id, owner, lambda lv: self._files(lv).list(path, depth))
 
     async def stat_file(self, sandbox_id: str, owner: str, path: str) -> FileInfo:
+        check_path(path)
         self.metrics.file_ops.labels("stat").inc()
         return await self._use(sandbox_id, owner, lambda lv: self._files(lv).stat(path))
 
@@ -825,6 +830,7 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> None:
+        check_path(path)
         await self._logged_file_op(
             sandbox_id,
             owner,
@@ -846,6 +852,7 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> FileInfo:
+        check_path(path)
         return await self._logged_file_op(
             sandbox_id,
             owner,
@@ -868,6 +875,8 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> FileInfo:
+        check_path(src)
+        check_path(dst)
         return await self._logged_file_op(
             sandbox_id,
             owner,
@@ -892,6 +901,8 @@ class EdgeAgent:
     ) -> int:
         if len(data) > self.limits.max_tar_bytes:
             raise PayloadTooLarge(f"tar upload is larger than {self.limits.max_tar_bytes} bytes")
+        check_path(path)
+        await asyncio.to_thread(check_tar, data)
         return await self._logged_file_op(
             sandbox_id,
             owner,
@@ -905,6 +916,7 @@ class EdgeAgent:
         )
 
     async def download_tar(self, sandbox_id: str, owner: str, path: str) -> bytes:
+        check_path(path)
         self.metrics.file_ops.labels("download_tar").inc()
         return await self._use(
             sandbox_id,
@@ -1138,6 +1150,51 @@ class EdgeAgent:
             "live": len(self._live),
             "by_tier_state": {f"{t}/{s}": n for (t, s), n in self.registry.count_by().items()},
         }
+
+
+def check_path(path: str) -> str:
+    """Refuse sandbox paths that are not absolute or that climb with ``..`` (every tier gets
+    the same answer, whatever its file backend would make of them)."""
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise InvalidRequest(f"path {path!r} must be absolute", path=path)
+    if "\0" in path or len(path) > 4096:
+        raise InvalidRequest("path contains a NUL byte or is longer than 4096 bytes")
+    if ".." in path.split("/"):
+        raise PathOutsideSandbox(f"path {path!r} contains '..'", path=path)
+    return path
+
+
+def check_tar(data: bytes, max_members: int = 1_000_000) -> int:
+    """Validate an uploaded tar before any tier sees it: no absolute names, no ``..``, no
+    device nodes or FIFOs, no links that point outside the upload. Returns the member count."""
+    import io
+    import tarfile
+
+    def bad(name: str) -> bool:
+        return name.startswith("/") or ".." in name.split("/")
+
+    n = 0
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tf:
+            for m in tf:
+                n += 1
+                if n > max_members:
+                    raise PayloadTooLarge(f"tar has more than {max_members} members")
+                if bad(m.name):
+                    raise PathOutsideSandbox(
+                        f"tar member {m.name!r} escapes the target", member=m.name
+                    )
+                if m.ischr() or m.isblk() or m.isfifo():
+                    raise PathOutsideSandbox(
+                        f"tar member {m.name!r} is a device or FIFO", member=m.name
+                    )
+                if m.islnk() and bad(m.linkname):
+                    raise PathOutsideSandbox(
+                        f"tar hard link {m.name!r} points outside the upload", member=m.name
+                    )
+    except tarfile.TarError as e:
+        raise InvalidRequest(f"not a valid tar archive: {e}") from e
+    return n
 
 
 def _dump(model: Any) -> dict[str, Any]:

@@ -3,20 +3,28 @@
 from dsec.sdk import jobs
 from dsec.sdk.client import AsyncClient
 from dsec.sdk.jobs import AsyncJobs, Jobs
-from dsec.sdk.sandbox import AsyncCommands, AsyncFiles, AsyncSandbox, CommandResult
-from dsec.sdk.sync_api import Client, Commands, Files, Sandbox
+from dsec.sdk.sandbox import (
+    AsyncCommands,
+    AsyncFiles,
+    AsyncNetwork,
+    AsyncSandbox,
+    CommandResult,
+)
+from dsec.sdk.sync_api import Client, Commands, Files, Network, Sandbox
 
 __all__ = [
     "AsyncClient",
     "AsyncCommands",
     "AsyncFiles",
     "AsyncJobs",
+    "AsyncNetwork",
     "AsyncSandbox",
     "Client",
     "CommandResult",
     "Commands",
     "Files",
     "Jobs",
+    "Network",
     "Sandbox",
     "jobs",
 ]

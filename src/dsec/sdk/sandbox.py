@@ -14,6 +14,13 @@ Example (all sizes in MiB, times in seconds)::
 
     asyncio.run(main())
 
+Networking is off unless asked for (``network=None``): pass a :class:`dsec.NetworkPolicy`
+(or its dict form) to :meth:`AsyncSandbox.create`, change it while the sandbox runs with
+``await sb.network.update(...)`` and read its counters with ``await sb.network.stats()``::
+
+    sb = await AsyncSandbox.create(network={"allow_domains": ["pypi.org"], "ports": [443]})
+    await sb.network.update({"presets": ["pypi", "github"]})
+
 The sync :class:`dsec.Sandbox` is generated from this class (:mod:`dsec.sdk.sync`).
 
 Trajectory sequence numbers: every state-changing call of one sandbox object (``commands.run``
@@ -47,7 +54,7 @@ import os
 import posixpath
 import re
 import tarfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -79,6 +86,7 @@ from dsec.models import (
     SandboxInfo,
     SnapshotRequest,
 )
+from dsec.network.policy import NetworkPolicy
 from dsec.sdk._http import not_delivered
 from dsec.sdk.client import AsyncClient, _validated
 
@@ -88,8 +96,10 @@ __all__ = [
     "SEQ_HEADER",
     "AsyncCommands",
     "AsyncFiles",
+    "AsyncNetwork",
     "AsyncSandbox",
     "CommandResult",
+    "NetworkPolicyLike",
     "OutputCallback",
 ]
 
@@ -126,6 +136,9 @@ EXEC_GRACE_S = 30.0
 
 TRANSFER_TIMEOUT_S = 600.0
 """Default wait for a file or tar transfer, seconds."""
+
+NetworkPolicyLike = NetworkPolicy | Mapping[str, Any]
+"""A :class:`dsec.NetworkPolicy` or its dict form (``{"allow_domains": [...], ...}``)."""
 
 _SANDBOX_ID = re.compile(r"^sb-[a-z0-9-]{1,64}$")
 _FILES = TypeAdapter(list[FileInfo])
@@ -403,12 +416,72 @@ class AsyncFiles:
         return await asyncio.to_thread(_safe_extract, r.content, Path(local_dir))
 
 
+def _policy(policy: NetworkPolicyLike) -> NetworkPolicy:
+    """Validate a policy client-side (``InvalidRequest`` naming the field and value)."""
+    if isinstance(policy, NetworkPolicy):
+        return policy
+    if not isinstance(policy, Mapping):
+        raise InvalidRequest(
+            f"network policy must be a NetworkPolicy or a dict, got {type(policy).__name__}"
+        )
+    return NetworkPolicy.parse(policy)
+
+
+class AsyncNetwork:
+    """The network policy of one sandbox: ``sb.network``.
+
+    A sandbox created with ``network=None`` (the default) has no network at all and none
+    can be added later (``CapabilityNotSupported``); one created with a policy can have it
+    replaced at any time. Policy format and presets: ``docs/network.md``.
+    """
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    @property
+    def policy(self) -> NetworkPolicy | None:
+        """The policy as the server last reported it (None: no network)."""
+        return self._sandbox.info.network
+
+    async def update(self, policy: NetworkPolicyLike) -> SandboxInfo:
+        """Replace the sandbox's policy. New connections see it at once; established ones
+        continue. DNS admissions the new policy no longer allows are revoked.
+
+        Raises ``InvalidRequest`` (bad policy, unknown preset), ``CapabilityNotSupported``
+        (the sandbox was created without a network), ``SandboxStopped`` (it is dead).
+        Returns the sandbox's updated info (``info.network`` is the new policy).
+        """
+        body = _policy(policy).model_dump(mode="json")
+        sb = self._sandbox
+        r = await sb._client._http.request("POST", sb._path("/network"), json=body)
+        sb._info = SandboxInfo.model_validate(r.json())
+        return sb._info
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters of the sandbox's network, as a dict:
+
+        * ``enabled``: False for a sandbox without a network (then nothing else);
+        * ``allowed``: new connections by destination, ``[{"destination", "protocol",
+          "port", "connections", "names"}]`` (``names``: the DNS names that admitted it);
+        * ``blocked``: dropped packets by destination, ``[{"destination", "protocol",
+          "port", "packets"}]`` (a retried SYN counts again);
+        * ``allowed_total``, ``blocked_total``; ``admitted``: addresses admitted by DNS
+          answers with the names and seconds until they expire;
+        * ``dns``: resolver counters (``queries``, ``answered``, ``refused``,
+          ``rate_limited``, ..., ``refused_names``); ``policy``: the policy in force.
+        """
+        sb = self._sandbox
+        r = await sb._client._http.request("GET", sb._path("/network"))
+        stats: dict[str, Any] = r.json()
+        return stats
+
+
 class AsyncSandbox:
     """One sandbox on a dsec server. Build it with :meth:`create` or :meth:`connect`.
 
     ``async with`` kills the sandbox on exit. Attributes: ``id``, ``info`` (as last seen;
-    :meth:`refresh` updates it), ``commands``, ``files``, ``next_seq``. See the module
-    docstring for how state-changing calls are numbered.
+    :meth:`refresh` updates it), ``commands``, ``files``, ``network``, ``next_seq``. See
+    the module docstring for how state-changing calls are numbered.
     """
 
     def __init__(
@@ -454,6 +527,7 @@ class AsyncSandbox:
         workdir: str = "/",
         on_timeout: OnTimeout = "kill",
         paused_ttl_s: float | None = 24 * 3600.0,
+        network: NetworkPolicyLike | None = None,
         url: str | None = None,
         api_key: str | None = None,
         timeout: float = CREATE_TIMEOUT_S,
@@ -475,6 +549,11 @@ class AsyncSandbox:
             on_timeout: ``"kill"`` or ``"pause"`` (free its memory, keep its state) when
                 ``ttl_s`` passes without activity; any request resumes a paused sandbox.
             paused_ttl_s: seconds a paused sandbox lives before it is killed (None: no limit).
+            network: None (default): no network at all. Else a :class:`dsec.NetworkPolicy`
+                or its dict form: allowed domains (``*.`` wildcards), CIDRs, ports,
+                protocols, deny rules and operator presets, enforced outside the
+                sandbox; :attr:`network` changes it later. Validated here
+                (``InvalidRequest``).
             url, api_key, transport: connection (ignored when ``client`` is given).
             timeout: how long to wait for creation, seconds.
             client: a shared :class:`AsyncClient` (its connection pool is reused).
@@ -496,6 +575,7 @@ class AsyncSandbox:
             workdir=workdir,
             on_timeout=on_timeout,
             paused_ttl_s=paused_ttl_s,
+            network=None if network is None else _policy(network),
         )
         conn, owned = cls._client_for(client, url, api_key, transport)
         body = req.model_dump(mode="json")  # keep an explicit ttl_s=None
@@ -572,6 +652,11 @@ class AsyncSandbox:
     def files(self) -> AsyncFiles:
         """File access: ``read``, ``write``, ``list``, ``upload_dir``, ..."""
         return AsyncFiles(self)
+
+    @property
+    def network(self) -> AsyncNetwork:
+        """Network policy: ``update``, ``stats``, ``policy``."""
+        return AsyncNetwork(self)
 
     @property
     def next_seq(self) -> int:

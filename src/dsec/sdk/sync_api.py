@@ -15,10 +15,10 @@ import httpx
 
 from dsec.sdk._http import DEFAULT_TIMEOUT_S
 from dsec.sdk.client import AsyncClient
-from dsec.sdk.sandbox import AsyncCommands, AsyncFiles, AsyncSandbox
+from dsec.sdk.sandbox import AsyncCommands, AsyncFiles, AsyncNetwork, AsyncSandbox
 from dsec.sdk.sync import SyncWrapper, synchronize
 
-__all__ = ["Client", "Commands", "Files", "Sandbox"]
+__all__ = ["Client", "Commands", "Files", "Network", "Sandbox"]
 
 
 @synchronize(AsyncClient)
@@ -44,6 +44,11 @@ class Commands(SyncWrapper):
 @synchronize(AsyncFiles)
 class Files(SyncWrapper):
     """Files of one sandbox (sync): ``read``, ``write``, ``list``, ``upload_dir``, ..."""
+
+
+@synchronize(AsyncNetwork)
+class Network(SyncWrapper):
+    """The network policy of one sandbox (sync): ``update``, ``stats``, ``policy``."""
 
 
 @synchronize(AsyncSandbox)

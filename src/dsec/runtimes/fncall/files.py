@@ -354,9 +354,12 @@ class WorkerFiles:
         base = "/" + "/".join(normalize_sandbox_path(path))
         with tarfile.open(fileobj=buf, mode="w") as tar:
             info = self._stat_sync(path)
-            entries = [info] if info.type != "dir" else [info, *self._list_sync(path, 64)]
+            # a directory's entries relative to it (what upload_tar takes back); a file
+            # under its own name
+            is_dir = info.type == "dir"
+            entries = self._list_sync(path, 64) if is_dir else [info]
             for e in entries:
-                arc = posixpath.relpath(e.path, posixpath.dirname(base) or "/")
+                arc = posixpath.relpath(e.path, base) if is_dir else posixpath.basename(base)
                 ti = tarfile.TarInfo(arc)
                 ti.mode, ti.mtime, ti.uid, ti.gid = e.mode, int(e.mtime), e.uid, e.gid
                 if e.type == "dir":
