@@ -212,8 +212,11 @@ def serve(
     _become_subreaper()
     paths = Paths.from_env()
 
+    # DSEC_TIERS=container,fncall limits the tiers this node serves (default: all it can)
+    tiers = [t.strip() for t in os.environ.get("DSEC_TIERS", "").split(",") if t.strip()] or None
+
     async def main() -> None:
-        async with embedded_edge(paths.home) as edge:
+        async with embedded_edge(paths.home, tiers=tiers) as edge:
             keys = KeyStore(paths.home)
             app = build_app(edge, keys)
             config = uvicorn.Config(

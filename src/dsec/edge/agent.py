@@ -93,6 +93,23 @@ class EdgeLimits:
     gap_wait_s: float = 5.0  # how long a seq that skips ahead waits for the missing ones
     job_concurrency: int = 64
 
+    @classmethod
+    def from_env(cls) -> EdgeLimits:
+        """Defaults, overridden by ``DSEC_MAX_SANDBOXES``, ``DSEC_CPU_OVERCOMMIT`` and
+        ``DSEC_MEMORY_OVERCOMMIT`` (operator settings of ``dsec serve``)."""
+        lim = cls()
+        env = os.environ
+        try:
+            if "DSEC_MAX_SANDBOXES" in env:
+                lim.max_sandboxes = int(env["DSEC_MAX_SANDBOXES"])
+            if "DSEC_CPU_OVERCOMMIT" in env:
+                lim.cpu_overcommit = float(env["DSEC_CPU_OVERCOMMIT"])
+            if "DSEC_MEMORY_OVERCOMMIT" in env:
+                lim.memory_overcommit = float(env["DSEC_MEMORY_OVERCOMMIT"])
+        except ValueError as e:
+            raise SystemExit(f"invalid edge limit in the environment: {e}") from e
+        return lim
+
 
 @dataclass
 class _Live:
@@ -138,7 +155,7 @@ class EdgeAgent:
         self.runtimes = runtimes
         self.layers = layer_store
         self.network = network  # dsec.network.NetworkManager (started by the edge) or None
-        self.limits = limits or EdgeLimits()
+        self.limits = limits or EdgeLimits.from_env()
         self.node = node or node_name()
         self.registry = Registry(paths.state_db)
         self.trajectory = TrajectoryLog(paths.home / "trajectory.db")
@@ -420,12 +437,12 @@ class EdgeAgent:
                 f"node {self.node} is at its limit of {self.limits.max_sandboxes} sandboxes"
             )
         cpu_sum = sum(r.get("cpu", 0) for r in live) + req.cpu * count
-        if cpu_sum > self._cpus * self.limits.cpu_overcommit:
+        if cpu_sum > self._cpus * self.limits.cpu_overcommit + 1e-6:
             raise QuotaExceeded(
                 f"node {self.node} CPU overcommit cap reached ({cpu_sum:.1f} > {self._cpus * self.limits.cpu_overcommit:.1f} cores requested)"
             )
         mem_sum = sum(r.get("memory_mb", 0) for r in live) + req.memory_mb * count
-        if mem_sum > self._mem_mb * self.limits.memory_overcommit:
+        if mem_sum > self._mem_mb * self.limits.memory_overcommit + 1e-6:
             raise QuotaExceeded(
                 f"node {self.node} memory overcommit cap reached ({mem_sum} MiB requested)"
             )
