@@ -402,6 +402,74 @@ def test_e2b_view_round_trips() -> None:
     assert e2b_view(BLOCK_ALL) == (False, {"allowOut": [], "denyOut": [ALL_TRAFFIC]})
 
 
+E2B_BAD_CREATES: list[tuple[dict[str, Any], int]] = [
+    ({"network": []}, 400),
+    ({"network": "x"}, 400),
+    ({"network": {"allowOut": "pypi.org"}}, 400),
+    ({"network": {"allowOut": [1]}}, 400),
+    ({"network": {"denyOut": ["a.com"]}}, 400),
+    ({"network": {"allowOut": ["::1"]}}, 400),
+    ({"network": {"dnsServers": ["x"]}}, 400),
+    ({"network": {"rules": {"a": "b"}}}, 400),
+    ({"network": {"allowOut": ["a" * 300]}}, 400),
+    ({"network": {"allowOut": ["10.0.0.1/8"]}}, 400),
+    ({"network": {"allowOut": [f"h{i}.t.test" for i in range(600)], "denyOut": [ALL_TRAFFIC]}}, 400),
+    ({"network": {"denyOut": [f"{i}.0.0.0/8" for i in range(1, 200)],
+                  "allowOut": [f"{i}.1.2.3" for i in range(1, 200)]}}, 400),
+    ({"allow_internet_access": "yes"}, 400),
+    ({"network": {"egressProxy": {"address": "p:1080"}}}, 422),
+    ({"network": {"allowPublicTraffic": True}}, 422),
+    ({"network": {"httpsPorts": [443]}}, 422),
+    ({"network": {"maskRequestHost": "x.example.com"}}, 422),
+]  # fmt: skip
+
+E2B_BAD_UPDATES: list[tuple[Any, int]] = [
+    ([], 400),
+    ({"allowOut": "x"}, 400),
+    ({"allow_internet_access": "no"}, 400),
+    ({"denyOut": ["a.com"]}, 400),
+    ({"allowOut": ["bad..x"]}, 400),
+    ({"egressProxy": {"address": "p:1080"}}, 422),
+    ({"rules": {"a.test": [{"transform": {"headers": {"a": "b"}}}]}}, 422),
+]
+
+
+@pytest.fixture
+async def e2b_http(edge: FakeEdge) -> AsyncIterator[httpx.AsyncClient]:
+    from dsec.e2b import make_e2b_app
+
+    app = make_e2b_app(edge, {"e2b-key": "alice"}.get)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://e2b",
+        headers={"x-api-key": "e2b-key"},
+    ) as c:
+        yield c
+
+
+@pytest.mark.parametrize(("extra", "status"), E2B_BAD_CREATES)
+async def test_e2b_raw_bad_creates(
+    e2b_http: httpx.AsyncClient, edge: FakeEdge, extra: dict[str, Any], status: int
+) -> None:
+    r = await e2b_http.post("/sandboxes", json={"templateID": "busybox", **extra})
+    assert r.status_code == status, r.text
+    assert r.json()["message"]
+    assert edge.calls_to("create_sandbox") == []
+
+
+@pytest.mark.parametrize(("body", "status"), E2B_BAD_UPDATES)
+async def test_e2b_raw_bad_updates(
+    e2b_http: httpx.AsyncClient, edge: FakeEdge, body: Any, status: int
+) -> None:
+    r = await e2b_http.post("/sandboxes", json={"templateID": "busybox", "network": {}})
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    assert edge.calls_to("create_sandbox")[0]["req"].network == policy_from_e2b(True, None)
+    r = await e2b_http.put(f"/sandboxes/{sid}/network", json=body)
+    assert r.status_code == status, r.text
+    assert edge.calls_to("update_network") == []
+
+
 # --- E2B through the unmodified e2b SDK --------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:

@@ -250,6 +250,8 @@ class ControlPlane:
     # --- routes ---------------------------------------------------------------
     async def create(self, request: Request, owner: str) -> Response:
         body = await self._json(request)
+        if not isinstance(body.get("network", {}), dict):
+            raise E2BError(400, "network must be an object")
         try:
             new = NewSandboxV2.from_dict(body)
         except (KeyError, TypeError, ValueError) as e:
@@ -270,7 +272,7 @@ class ControlPlane:
             raise E2BError(422, "not supported by dsec: " + "; ".join(refused))
         internet = _unset(new.allow_internet_access)
         if internet is not None and not isinstance(internet, bool):
-            raise E2BError(400, "allowInternetAccess must be a boolean")
+            raise E2BError(400, "allow_internet_access must be a boolean")
         wire_network = _unset(new.network)
         policy = policy_from_e2b(
             internet,

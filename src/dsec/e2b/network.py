@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dsec.e2b.errors import E2BError
-from dsec.network.policy import NetworkPolicy, normalize_cidr
+from dsec.network.policy import MAX_CIDRS, NetworkPolicy, normalize_cidr
 
 __all__ = ["ALL_TRAFFIC", "BLOCK_ALL", "E2BEgress", "e2b_view", "policy_from_e2b"]
 
@@ -186,6 +186,12 @@ def policy_from_e2b(
     v4_allows = [n for n in map(_network, allow_nets) if isinstance(n, ipaddress.IPv4Network)]
     v4_denies = [d for d in denies if isinstance(d, ipaddress.IPv4Network)]
     deny_cidrs = [str(n) for n in _subtract(v4_denies, v4_allows)]
+    if len(deny_cidrs) > MAX_CIDRS:
+        raise E2BError(
+            400,
+            f"network.deny_out minus the addresses of allow_out is {len(deny_cidrs)} networks; "
+            f"dsec takes at most {MAX_CIDRS} (allow fewer addresses inside denied ranges)",
+        )
     return NetworkPolicy(
         allow_domains=domains,
         allow_cidrs=[ALL_TRAFFIC],
