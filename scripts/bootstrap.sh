@@ -8,7 +8,7 @@ APT_PACKAGES=(
   python3 python3-venv python3-dev gcc libc6-dev make libseccomp-dev
   crun runc erofs-utils busybox-static debootstrap bubblewrap
   iproute2 nftables fuse3 libfuse3-dev pkg-config curl ca-certificates util-linux
-  qemu-system-x86 qemu-utils lz4 e2fsprogs cpio
+  qemu-system-x86 qemu-utils lz4 e2fsprogs cpio docker-registry openssl
 )
 if [[ -n "${DSEC_EXTRA_APT:-}" ]]; then
   # shellcheck disable=SC2206

@@ -372,6 +372,23 @@ class BuildImageRequest(_Model):
         return v
 
 
+class PullImageRequest(_Model):
+    """Pull an image from an OCI / Docker v2 registry into the node's layer store.
+    Registry credentials are server-side configuration, never sent over this API."""
+
+    ref: str = Field(
+        min_length=1, max_length=1024, description="[registry/]repo[:tag][@sha256:...]"
+    )
+    name: str | None = Field(None, description="name[:tag] in the store (default: from the ref)")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME.match(v):
+            raise ValueError(f"invalid image name {v!r}")
+        return v
+
+
 class SetTTLRequest(_Model):
     ttl_s: float = Field(gt=0, le=30 * 24 * 3600)
 

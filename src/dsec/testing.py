@@ -1045,6 +1045,11 @@ class FakeEdge:
         self._images[name] = image
         return image
 
+    async def pull_image(self, ref: str, name: str | None = None) -> ImageInfo:
+        self._record("pull_image", ref=ref, name=name)
+        image_name = name or ref.rsplit("/", 1)[-1].split("@")[0]
+        return await self.build_image(f"registry:{ref}", image_name, "base")
+
     # --- node ---------------------------------------------------------------
     async def node_info(self) -> NodeInfo:
         self._record("node_info")

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Path
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, current_owner
 from dsec.apiserver.schemas import IMAGE_REF_PATTERN, CapabilityList, ImageList, LayerList
-from dsec.models import BuildImageRequest, ImageInfo, NodeInfo
+from dsec.models import BuildImageRequest, ImageInfo, NodeInfo, PullImageRequest
 
 __all__ = ["router"]
 
@@ -39,6 +39,17 @@ async def get_image(
 )
 async def build_image(req: BuildImageRequest, edge: Edge) -> ImageInfo:
     return await edge.build_image(req.path, req.name, req.kind, req.base)
+
+
+@router.post(
+    "/images/pull",
+    response_model=ImageInfo,
+    status_code=201,
+    tags=["images"],
+    summary="Pull an image from an OCI / Docker v2 registry",
+)
+async def pull_image(req: PullImageRequest, edge: Edge) -> ImageInfo:
+    return await edge.pull_image(req.ref, req.name)
 
 
 @router.get("/layers", response_model=LayerList, tags=["images"], summary="List layers")

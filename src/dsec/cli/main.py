@@ -782,6 +782,24 @@ def image_ls() -> None:
     stdout.print(table)
 
 
+@image_app.command("pull")
+@handle_errors
+def image_pull(
+    ref: Annotated[
+        str, typer.Argument(help="[registry/]repo[:tag][@sha256:...]", show_default=False)
+    ],
+    name: Annotated[str | None, typer.Option(help="image name[:tag] in the store")] = None,
+) -> None:
+    """Pull an image from an OCI / Docker v2 registry into the node's layer store."""
+    client = make_client()
+    try:
+        with stderr.status(f"pulling {ref} ..."):
+            image = client.pull_image(ref, name)
+    finally:
+        client.close()
+    stdout.print(f"pulled {image.name}: {len(image.layers)} layers, {_size(image.size)}")
+
+
 @image_app.command("build")
 @handle_errors
 def image_build(

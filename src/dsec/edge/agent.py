@@ -470,6 +470,12 @@ class EdgeAgent:
         try:
             rt = self._runtime(tier)
             caps = rt.capabilities()
+            if req.network is not None and not caps.network:
+                raise CapabilityNotSupported(
+                    f"the {tier} tier on node {self.node} cannot give sandboxes a network "
+                    "(create with network=None, or use a tier whose capabilities say network)",
+                    tier=tier,
+                )
             self._check_admission(req, caps)
             image = await self.layers.ensure_image(req.image)
             extra: list[LayerInfo] = self.layers.resolve_layers(req.layers) if req.layers else []
@@ -1113,6 +1119,22 @@ class EdgeAgent:
     async def get_image(self, name: str) -> ImageInfo:
         return self.layers.get_image(name)
 
+    async def pull_image(self, ref: str, name: str | None = None) -> ImageInfo:
+        """Pull ``ref`` from its registry (credentials from ``DSEC_REGISTRY_AUTH``, JSON
+        ``{"registry": ["user", "password"]}``) and convert it into EROFS layers."""
+        import json as _json
+
+        from dsec.layers.oci import pull_image
+
+        creds: Any = None
+        raw = os.environ.get("DSEC_REGISTRY_AUTH")
+        if raw:
+            try:
+                creds = {k: tuple(v) for k, v in _json.loads(raw).items()}
+            except (ValueError, TypeError, AttributeError) as e:
+                raise InvalidRequest(f"DSEC_REGISTRY_AUTH is not valid JSON: {e}") from e
+        return await asyncio.to_thread(pull_image, self.layers, ref, name=name, credentials=creds)
+
     async def list_layers(self) -> list[LayerInfo]:
         return list(self.layers.list_layers())
 
@@ -1167,6 +1189,93 @@ class EdgeAgent:
             "live": len(self._live),
             "by_tier_state": {f"{t}/{s}": n for (t, s), n in self.registry.count_by().items()},
         }
+
+    # --- interactive processes (E2B)
+    async def start_process(
+        self,
+        sandbox_id: str,
+        owner: str,
+        req: ExecRequest,
+        *,
+        stdin: bool = False,
+        pty: Any = None,
+    ) -> Any:
+        """Start ``req`` and return while it runs: ``dsec.e2b.interactive.InteractiveExec``.
+
+        ``stdin``: keep the process's stdin open for writes (``req.stdin`` is ignored);
+        ``pty``: a terminal size (``cols``, ``rows``) to run it on a new terminal. Returns the
+        runtime's process object (``InteractiveProcess``). A tier without interactive
+        processes raises ``CapabilityNotSupported`` (so does a runtime without terminals
+        when ``pty`` is given). The call is logged in the trajectory
+        as an ``exec`` entry (request plus ``interactive``/``stdin_open``/``pty``), committed
+        with the exit result (no output) when the process ends. The sandbox's TTL keeps
+        running meanwhile: a process does not keep its sandbox alive.
+        """
+        request = req.model_dump(mode="json", exclude_defaults=True)
+        request["interactive"] = True
+        request["stdin_open"] = stdin
+        if pty is not None:
+            request["pty"] = {"cols": int(pty.cols), "rows": int(pty.rows)}
+
+        async def run(lv: _Live) -> Any:
+            rt = self.runtimes[lv.row.tier]
+            start = getattr(rt, "start_process", None)
+            if start is None:
+                raise CapabilityNotSupported(
+                    f"tier {lv.row.tier} has no interactive processes (stdin after start, pty)"
+                )
+            if lv.row.request.get("workdir") and req.cwd is None:
+                req.cwd = lv.row.request["workdir"]
+            sid = lv.row.id
+            entry = await self._begin(sid, None, None, "exec", request)
+            t0 = time.time()
+            try:
+                proc = await start(lv.handle, req, stdin=stdin, pty=pty)
+            except DsecError as e:
+                self.metrics.execs.labels(lv.row.tier, "error").inc()
+                if isinstance(e, SandboxStopped):
+                    self.trajectory.abort(sid, entry.seq, e)
+                else:
+                    self.trajectory.commit_error(sid, entry.seq, e)
+                raise
+            except BaseException as e:
+                with contextlib.suppress(Exception):
+                    self.trajectory.commit_error(sid, entry.seq, SandboxError(f"exec failed: {e}"))
+                raise
+            task = asyncio.create_task(self._finish_process(lv, entry.seq, t0, proc))
+            tasks: set[asyncio.Task[None]] = self.__dict__.setdefault("_process_finishers", set())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            return proc
+
+        return await self._use(sandbox_id, owner, run)
+
+    async def _finish_process(self, lv: _Live, seq: int, t0: float, proc: Any) -> None:
+        """Commit an interactive process's trajectory entry and metrics when it exits."""
+        tier, sid = lv.row.tier, lv.row.id
+        try:
+            res: ExecResult = await proc.wait()
+        except DsecError as e:
+            self.metrics.execs.labels(tier, "error").inc()
+            with contextlib.suppress(Exception):
+                self.trajectory.commit_error(sid, seq, e)
+            return
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                self.trajectory.commit_error(sid, seq, SandboxError(f"exec failed: {e}"))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        self.metrics.exec_seconds.labels(tier).observe(time.time() - t0)
+        outcome = "timeout" if res.timed_out else ("ok" if res.exit_code == 0 else "nonzero")
+        self.metrics.execs.labels(tier, outcome).inc()
+        with contextlib.suppress(Exception):  # the sandbox may be gone (and purged) by now
+            self.trajectory.commit(
+                sid,
+                seq,
+                res.model_dump(mode="json", exclude={"replayed"}),
+                {"started_at": t0, "run_ms": (time.time() - t0) * 1000},
+            )
 
 
 def check_path(path: str) -> str:

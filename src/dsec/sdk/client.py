@@ -24,6 +24,7 @@ from dsec.models import (
     ImageInfo,
     LayerInfo,
     NodeInfo,
+    PullImageRequest,
     SandboxInfo,
 )
 from dsec.sdk._http import DEFAULT_TIMEOUT_S, HttpClient
@@ -114,6 +115,23 @@ class AsyncClient:
         req = _validated(BuildImageRequest, path=path, name=name, kind=kind, base=base)
         r = await self._http.request(
             "POST", "/v1/images/build", json=req.model_dump(mode="json"), timeout=timeout
+        )
+        return ImageInfo.model_validate(r.json())
+
+    async def pull_image(
+        self, ref: str, name: str | None = None, *, timeout: float = BUILD_TIMEOUT_S
+    ) -> ImageInfo:
+        """Pull ``ref`` (``[registry/]repo[:tag][@sha256:...]``) from an OCI / Docker v2
+        registry into the server's layer store; returns the new image.
+
+        Args:
+            ref: the image reference.
+            name: name[:tag] in the store (default: derived from the reference).
+            timeout: how long to wait, seconds.
+        """
+        req = _validated(PullImageRequest, ref=ref, name=name)
+        r = await self._http.request(
+            "POST", "/v1/images/pull", json=req.model_dump(mode="json"), timeout=timeout
         )
         return ImageInfo.model_validate(r.json())
 

@@ -1,0 +1,1002 @@
+"""``dsec image pull REF``: import an image from an OCI / Docker v2 registry as EROFS layers.
+
+Glossary:
+    ref: ``[registry/]repository[:tag][@sha256:<hex>]``, Docker style. No registry part means
+        Docker Hub (``registry-1.docker.io``, ``library/`` added to one-component names).
+    manifest: JSON naming a config blob and the layer blobs, bottom first (OCI
+        ``application/vnd.oci.image.manifest.v1+json`` or Docker
+        ``application/vnd.docker.distribution.manifest.v2+json``).
+    index: a list of manifests, one per platform (OCI image index or Docker manifest list);
+        resolved to ``linux/amd64``.
+    blob: content-addressed bytes (``sha256:<hex>``): a config or a compressed layer tarball.
+    group: consecutive layers merged into one EROFS layer (see ``merge_threshold_bytes``).
+
+How a pull goes:
+
+1. Fetch the manifest (an index is resolved to ``linux/amd64``); every manifest fetched by
+   digest is checked against that digest. Then the config blob (checked).
+2. Plan groups: consecutive layers whose compressed sizes add up to at most
+   ``merge_threshold_bytes`` become one group; a layer at least that large stands alone.
+   The plan depends only on the manifest, so every node makes the same EROFS layers.
+3. Per group, unless the store already holds a layer built from exactly those blobs: download
+   each blob into the store's scratch dir (size and sha256 checked while streaming; a
+   mismatch raises :class:`BlobDigestMismatch` and nothing is stored), decompress it (gzip or
+   zstd, detected by magic bytes; the uncompressed sha256 is checked against the config's
+   ``diff_ids``), extract it with :func:`dsec.layers.store.extract_tarball`, convert OCI
+   whiteouts to overlay form, and merge it into the group tree with overlay semantics.
+4. Build each group tree into an EROFS layer (``LayerStore.build_layer``, kind ``base``) and
+   record the image with ``LayerStore.put_image`` (meta: source ref, manifest, config and
+   blob digests, the image config's ``Env``/``Entrypoint``/``Cmd``/``WorkingDir``/``User``).
+
+Whiteouts: an OCI ``.wh.<name>`` entry becomes a 0:0 character device ``<name>`` and
+``.wh..wh..opq`` in a directory sets ``trusted.overlay.opaque=y`` on it: what overlayfs uses
+in its layers, and what ``mkfs.erofs`` keeps (as :mod:`dsec.layers.snapshot` relies on). Both
+need root (``CAP_MKNOD``, ``CAP_SYS_ADMIN`` for ``trusted.*``): without it a layer that has a
+whiteout raises :class:`~dsec.errors.Unsupported`.
+
+All scratch files of a pull live under ``scratch/layer-<build id>`` with the store's build lock
+held: they are removed when the pull ends (success or failure), and by the next
+``LayerStore()`` open if the process crashed. A half-written layer is never published.
+
+Authentication: anonymous, or ``credentials=(user, password)``; a ``401`` with
+``WWW-Authenticate: Bearer realm=..,service=..,scope=..`` is answered by fetching a token from
+the realm (with the credentials as HTTP Basic when given), a ``Basic`` challenge by sending the
+credentials. Plain HTTP is used for loopback registries (``insecure_http=None``), or always
+(``True``), or never (``False``).
+
+Example::
+
+    store = LayerStore(paths.layers, paths.scratch)
+    info = pull_image(store, "127.0.0.1:5000/tools/python:3.12", name="python:3.12")
+    info.layers        # EROFS layer digests, bottom first
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import gzip
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from dsec.errors import (
+    AuthenticationError,
+    DsecError,
+    ImageNotFound,
+    InvalidRequest,
+    SandboxError,
+    ServiceUnavailable,
+    Unsupported,
+)
+from dsec.layers.store import LayerStore, extract_tarball
+from dsec.models import ImageInfo, LayerInfo
+
+__all__ = [
+    "DEFAULT_MERGE_THRESHOLD_BYTES",
+    "BlobDigestMismatch",
+    "ImageRef",
+    "LayerGroup",
+    "RegistryClient",
+    "RegistryUnauthorized",
+    "RegistryUnavailable",
+    "apply_oci_whiteouts",
+    "default_image_name",
+    "merge_layer_tree",
+    "parse_challenge",
+    "parse_ref",
+    "plan_groups",
+    "pull_image",
+    "select_platform",
+    "strip_overlay_markers",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MERGE_THRESHOLD_BYTES = 64 * 1024 * 1024
+"""Consecutive layers are merged while their compressed sizes add up to at most this (bytes)."""
+
+MT_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+MT_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MT_DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+MT_DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+_INDEX_TYPES = (MT_OCI_INDEX, MT_DOCKER_LIST)
+_MANIFEST_TYPES = (MT_OCI_MANIFEST, MT_DOCKER_MANIFEST)
+_ACCEPT = ", ".join((*_INDEX_TYPES, *_MANIFEST_TYPES))
+
+DOCKER_HUB = "registry-1.docker.io"
+_DOCKER_HUB_ALIASES = ("docker.io", "index.docker.io", DOCKER_HUB)
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_REPO_RE = re.compile(
+    r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$"
+)
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_IMAGE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
+_CHALLENGE_PARAM_RE = re.compile(r'([A-Za-z_]+)\s*=\s*(?:"([^"]*)"|([^\s,]+))')
+_MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+_MAX_CONFIG_BYTES = 8 * 1024 * 1024
+_CHUNK_BYTES = 1 << 20
+_GZIP_MAGIC = b"\x1f\x8b"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_WH_PREFIX = ".wh."
+_WH_OPAQUE = ".wh..wh..opq"
+_OPAQUE_XATTR = "trusted.overlay.opaque"
+
+
+class RegistryUnauthorized(AuthenticationError):
+    """The registry refused the credentials (or anonymous access) for this repository.
+
+    Wire code ``unauthenticated`` (inherited)."""
+
+
+class RegistryUnavailable(ServiceUnavailable):
+    """The registry could not be reached, broke a connection, sent a truncated body or
+    answered with a server error. Nothing was stored. Wire code ``unavailable``."""
+
+
+class BlobDigestMismatch(SandboxError):
+    """A downloaded blob or manifest does not hash to its digest (or has the wrong size, or
+    its uncompressed content does not match the config's ``diff_ids``). It is refused and
+    nothing is stored. Wire code ``sandbox_error``."""
+
+
+# --- references ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """A parsed image reference. ``reference`` is the digest if given, else the tag."""
+
+    registry: str
+    repository: str
+    tag: str | None
+    digest: str | None
+
+    @property
+    def reference(self) -> str:
+        """What goes in ``/v2/<repo>/manifests/<reference>``."""
+        return self.digest or self.tag or "latest"
+
+    def __str__(self) -> str:
+        out = f"{self.registry}/{self.repository}"
+        if self.tag:
+            out += f":{self.tag}"
+        if self.digest:
+            out += f"@{self.digest}"
+        return out
+
+
+def parse_ref(ref: str) -> ImageRef:
+    """Parse ``[registry[:port]/]repo[:tag][@sha256:hex]`` (Docker rules; default tag
+    ``latest``; a first component with ``.`` or ``:``, or ``localhost``, is a registry).
+
+    Raises:
+        InvalidRequest: malformed reference.
+    """
+    rest = ref.strip()
+    digest = None
+    if "@" in rest:
+        rest, digest = rest.split("@", 1)
+        if not _DIGEST_RE.match(digest):
+            raise InvalidRequest(f"invalid digest in image reference {ref!r}", ref=ref)
+    registry = DOCKER_HUB
+    first, sep, remainder = rest.partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost"):
+        registry, rest = first, remainder
+    if registry in _DOCKER_HUB_ALIASES:
+        registry = DOCKER_HUB
+    tag = None
+    last_slash = rest.rfind("/")
+    colon = rest.rfind(":")
+    if colon > last_slash:
+        rest, tag = rest[:colon], rest[colon + 1 :]
+        if not _TAG_RE.match(tag):
+            raise InvalidRequest(f"invalid tag in image reference {ref!r}", ref=ref)
+    if registry == DOCKER_HUB and "/" not in rest:
+        rest = f"library/{rest}"
+    if not rest or not _REPO_RE.match(rest):
+        raise InvalidRequest(f"invalid repository in image reference {ref!r}", ref=ref)
+    if tag is None and digest is None:
+        tag = "latest"
+    return ImageRef(registry=registry, repository=rest, tag=tag, digest=digest)
+
+
+def default_image_name(ref: ImageRef) -> str:
+    """The store name for a pulled image: the repository (``library/`` dropped, ``/`` -> ``-``)
+    and the tag, or ``sha256-<12 hex>`` when pulled by digest only."""
+    repo = ref.repository.removeprefix("library/").replace("/", "-").replace("__", "_")
+    tag = ref.tag if ref.tag else f"sha256-{(ref.digest or '')[7:19]}"
+    return f"{repo[:128]}:{tag}"
+
+
+def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    """Split a ``WWW-Authenticate`` header into its scheme (lower-case) and parameters."""
+    scheme, _, params = header.strip().partition(" ")
+    found = {
+        m.group(1).lower(): m.group(2) or m.group(3) or ""
+        for m in _CHALLENGE_PARAM_RE.finditer(params)
+    }
+    return scheme.lower(), found
+
+
+def _is_loopback(host: str) -> bool:
+    hostname = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    hostname = hostname.strip("[]")
+    if hostname == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(hostname).is_loopback
+    except ValueError:
+        return False
+
+
+# --- the registry client -------------------------------------------------------------------
+
+
+class RegistryClient:
+    """A pull-only client for the OCI distribution (Docker v2) API of one repository.
+
+    Args:
+        ref: the image reference (its registry and repository are used).
+        credentials: ``(username, password)`` for Basic auth or for the token realm.
+        insecure_http: plain HTTP for loopback registries when ``None``; ``True``/``False``
+            force HTTP/HTTPS.
+        timeout_s: connect/read timeout per request, seconds.
+        retries: extra attempts after a transport error or 5xx (manifests and blobs).
+        transport: an httpx transport (tests pass ``httpx.MockTransport``).
+    """
+
+    def __init__(
+        self,
+        ref: ImageRef,
+        *,
+        credentials: tuple[str, str] | None = None,
+        insecure_http: bool | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.ref = ref
+        plain = _is_loopback(ref.registry) if insecure_http is None else insecure_http
+        self.base_url = f"{'http' if plain else 'https'}://{ref.registry}"
+        self._credentials = credentials
+        self._retries = max(0, retries)
+        self._auth_header: str | None = None
+        self._client = httpx.Client(
+            timeout=httpx.Timeout(timeout_s),
+            follow_redirects=True,
+            transport=transport,
+            headers={"User-Agent": "dsec-image-pull"},
+        )
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self._client.close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- auth ------------------------------------------------------------------------------
+
+    def _authenticate(self, challenge_header: str) -> None:
+        """Answer a 401 challenge by setting ``self._auth_header``.
+
+        Raises:
+            RegistryUnauthorized: no usable scheme, no credentials for Basic, token refused.
+        """
+        scheme, params = parse_challenge(challenge_header)
+        if scheme == "basic":
+            if self._credentials is None:
+                raise RegistryUnauthorized(
+                    f"registry {self.ref.registry} requires credentials", registry=self.ref.registry
+                )
+            user, password = self._credentials
+            basic_b64 = base64.b64encode(f"{user}:{password}".encode()).decode()
+            self._auth_header = f"Basic {basic_b64}"
+            return
+        if scheme != "bearer" or "realm" not in params:
+            raise RegistryUnauthorized(
+                f"registry {self.ref.registry} asks for unsupported auth {challenge_header!r}",
+                registry=self.ref.registry,
+            )
+        realm = params["realm"]
+        if not realm.startswith(("https://", "http://")):
+            raise RegistryUnauthorized(f"token realm {realm!r} is not an HTTP(S) URL")
+        query: dict[str, str] = {
+            "scope": params.get("scope") or f"repository:{self.ref.repository}:pull"
+        }
+        if "service" in params:
+            query["service"] = params["service"]
+        auth: httpx.BasicAuth | None = None
+        if self._credentials is not None:
+            if realm.startswith("http://") and not _is_loopback(httpx.URL(realm).host):
+                raise RegistryUnauthorized(f"refusing to send credentials to plain-HTTP {realm}")
+            auth = httpx.BasicAuth(*self._credentials)
+        try:
+            resp = self._client.get(realm, params=query, auth=auth)
+        except httpx.HTTPError as e:
+            raise RegistryUnavailable(f"token service {realm} unreachable: {e}") from e
+        if resp.status_code in (401, 403):
+            raise RegistryUnauthorized(
+                f"token service {realm} refused {'the credentials' if auth else 'anonymous access'}"
+                f" for {self.ref.repository} (HTTP {resp.status_code})",
+                registry=self.ref.registry,
+                repository=self.ref.repository,
+            )
+        if resp.status_code != 200:
+            raise RegistryUnavailable(f"token service {realm} answered HTTP {resp.status_code}")
+        token: Any = None
+        with contextlib.suppress(ValueError, AttributeError):
+            body = resp.json()
+            token = body.get("token") or body.get("access_token")
+        if not isinstance(token, str) or not token:
+            raise RegistryUnavailable(f"token service {realm} sent no token")
+        self._auth_header = f"Bearer {token}"
+
+    @contextlib.contextmanager
+    def _open(self, path: str, accept: str | None = None) -> Iterator[httpx.Response]:
+        """GET ``/v2/<repo>/<path>`` streaming, answering one auth challenge and retrying
+        transport errors and 5xx. Yields a 2xx response (body not yet read).
+
+        Raises:
+            ImageNotFound (404), RegistryUnauthorized (401/403), RegistryUnavailable.
+        """
+        url = f"{self.base_url}/v2/{self.ref.repository}/{path}"
+        challenged = False
+        attempt = 0
+        while True:
+            headers = {"Accept": accept} if accept else {}
+            if self._auth_header:
+                headers["Authorization"] = self._auth_header
+            try:
+                request = self._client.build_request("GET", url, headers=headers)
+                resp = self._client.send(request, stream=True)
+            except httpx.HTTPError as e:
+                if attempt < self._retries:
+                    attempt += 1
+                    time.sleep(0.2 * attempt)
+                    continue
+                raise RegistryUnavailable(
+                    f"registry {self.ref.registry} unreachable: {e}", registry=self.ref.registry
+                ) from e
+            try:
+                status = resp.status_code
+                if status == 401 and not challenged and "www-authenticate" in resp.headers:
+                    challenged = True
+                    self._authenticate(resp.headers["www-authenticate"])
+                    continue
+                if status in (401, 403):
+                    raise RegistryUnauthorized(
+                        f"registry {self.ref.registry} refused access to {self.ref.repository}"
+                        f" (HTTP {status})",
+                        registry=self.ref.registry,
+                        repository=self.ref.repository,
+                    )
+                if status == 404:
+                    raise ImageNotFound(
+                        f"{self.ref}: {path} not found in registry", image=str(self.ref)
+                    )
+                if status >= 500 and attempt < self._retries:
+                    attempt += 1
+                    time.sleep(0.2 * attempt)
+                    continue
+                if not 200 <= status < 300:
+                    raise RegistryUnavailable(
+                        f"registry {self.ref.registry} answered HTTP {status} for {path}",
+                        status=status,
+                    )
+                yield resp
+                return
+            finally:
+                resp.close()
+
+    # --- manifests and blobs -------------------------------------------------------------
+
+    def get_manifest(self, reference: str) -> tuple[dict[str, Any], str, str]:
+        """Fetch one manifest or index. Returns ``(json, media type, digest)``; a ``sha256:``
+        reference is verified against the bytes.
+
+        Raises:
+            ImageNotFound, RegistryUnauthorized, RegistryUnavailable, BlobDigestMismatch,
+            InvalidRequest (not JSON), Unsupported (schema 1).
+        """
+        with self._open(f"manifests/{reference}", accept=_ACCEPT) as resp:
+            body = _read_limited(resp, _MAX_MANIFEST_BYTES, f"manifest {reference}")
+            content_type = resp.headers.get("content-type", "").split(";")[0].strip()
+        digest = f"sha256:{hashlib.sha256(body).hexdigest()}"
+        if reference.startswith("sha256:") and digest != reference:
+            raise BlobDigestMismatch(
+                f"manifest {reference} of {self.ref} hashes to {digest}",
+                expected=reference,
+                actual=digest,
+            )
+        try:
+            doc = json.loads(body)
+        except ValueError as e:
+            raise InvalidRequest(f"manifest {reference} of {self.ref} is not JSON: {e}") from e
+        if not isinstance(doc, dict):
+            raise InvalidRequest(f"manifest {reference} of {self.ref} is not a JSON object")
+        if doc.get("schemaVersion") == 1:
+            raise Unsupported(f"{self.ref}: Docker schema 1 manifests are not supported")
+        media_type = doc.get("mediaType") or content_type
+        if media_type not in (*_INDEX_TYPES, *_MANIFEST_TYPES):
+            media_type = MT_OCI_INDEX if "manifests" in doc else MT_OCI_MANIFEST
+        return doc, media_type, digest
+
+    def get_blob_bytes(self, digest: str, max_bytes: int) -> bytes:
+        """A small blob (a config) in memory, verified against ``digest``."""
+        with self._open(f"blobs/{digest}") as resp:
+            body = _read_limited(resp, max_bytes, f"blob {digest}")
+        actual = f"sha256:{hashlib.sha256(body).hexdigest()}"
+        if actual != digest:
+            raise BlobDigestMismatch(
+                f"blob {digest} of {self.ref} hashes to {actual}", expected=digest, actual=actual
+            )
+        return body
+
+    def download_blob(self, digest: str, size: int | None, dest: Path) -> None:
+        """Stream a blob to ``dest``, checking size and sha256. On any failure ``dest`` is
+        removed. A broken connection restarts the download (``retries`` times).
+
+        Raises:
+            BlobDigestMismatch, RegistryUnavailable (truncated or broken), ImageNotFound,
+            RegistryUnauthorized.
+        """
+        for attempt in range(self._retries + 1):
+            try:
+                self._download_once(digest, size, dest)
+                return
+            except RegistryUnavailable:
+                dest.unlink(missing_ok=True)
+                if attempt == self._retries:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+            except BaseException:
+                dest.unlink(missing_ok=True)
+                raise
+
+    def _download_once(self, digest: str, size: int | None, dest: Path) -> None:
+        hasher = hashlib.sha256()
+        written = 0
+        with self._open(f"blobs/{digest}") as resp, open(dest, "wb") as out:
+            try:
+                for chunk in resp.iter_bytes(_CHUNK_BYTES):
+                    written += len(chunk)
+                    if size is not None and written > size:
+                        raise BlobDigestMismatch(
+                            f"blob {digest} of {self.ref} is larger than its {size} bytes",
+                            expected_size=size,
+                        )
+                    hasher.update(chunk)
+                    out.write(chunk)
+            except httpx.HTTPError as e:
+                raise RegistryUnavailable(
+                    f"download of blob {digest} from {self.ref.registry} broke after "
+                    f"{written} bytes: {e}",
+                    digest=digest,
+                    bytes=written,
+                ) from e
+        if size is not None and written < size:
+            raise RegistryUnavailable(
+                f"download of blob {digest} from {self.ref.registry} truncated: "
+                f"{written} of {size} bytes",
+                digest=digest,
+                bytes=written,
+            )
+        actual = f"sha256:{hasher.hexdigest()}"
+        if actual != digest:
+            raise BlobDigestMismatch(
+                f"blob {digest} of {self.ref} hashes to {actual}", expected=digest, actual=actual
+            )
+
+
+def _read_limited(resp: httpx.Response, limit: int, what: str) -> bytes:
+    parts: list[bytes] = []
+    total = 0
+    try:
+        for chunk in resp.iter_bytes(_CHUNK_BYTES):
+            total += len(chunk)
+            if total > limit:
+                raise InvalidRequest(f"{what} is larger than {limit} bytes")
+            parts.append(chunk)
+    except httpx.HTTPError as e:
+        raise RegistryUnavailable(f"reading {what} failed: {e}") from e
+    return b"".join(parts)
+
+
+# --- resolution ------------------------------------------------------------------------------
+
+
+def select_platform(index: dict[str, Any], os_name: str = "linux", arch: str = "amd64") -> str:
+    """The digest of the index entry for ``os_name/arch`` (first match; entries without a
+    platform, e.g. attestations, are skipped).
+
+    Raises:
+        ImageNotFound: no entry for that platform (``details['platforms']`` lists them).
+    """
+    seen = []
+    for entry in index.get("manifests") or []:
+        platform = entry.get("platform") or {}
+        seen.append(f"{platform.get('os')}/{platform.get('architecture')}")
+        if platform.get("os") == os_name and platform.get("architecture") == arch:
+            digest = entry.get("digest", "")
+            if _DIGEST_RE.match(digest):
+                return str(digest)
+    raise ImageNotFound(
+        f"the image has no {os_name}/{arch} manifest (has: {', '.join(seen) or 'none'})",
+        platforms=seen,
+    )
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Consecutive manifest layers (indexes into the manifest's ``layers``) built into one
+    EROFS layer; ``blobs`` are their digests, bottom first."""
+
+    indexes: tuple[int, ...]
+    blobs: tuple[str, ...]
+    compressed_bytes: int
+
+
+def plan_groups(layers: list[dict[str, Any]], merge_threshold_bytes: int) -> list[LayerGroup]:
+    """Merge consecutive layers while their compressed sizes sum to at most
+    ``merge_threshold_bytes``; ``0`` keeps one EROFS layer per OCI layer. Deterministic."""
+    groups: list[LayerGroup] = []
+    current: list[int] = []
+    current_bytes = 0
+    for i, desc in enumerate(layers):
+        size = int(desc.get("size") or 0)
+        if current and current_bytes + size > merge_threshold_bytes:
+            groups.append(_group(layers, current, current_bytes))
+            current, current_bytes = [], 0
+        current.append(i)
+        current_bytes += size
+    if current:
+        groups.append(_group(layers, current, current_bytes))
+    return groups
+
+
+def _group(layers: list[dict[str, Any]], idx: list[int], size: int) -> LayerGroup:
+    return LayerGroup(tuple(idx), tuple(str(layers[i]["digest"]) for i in idx), size)
+
+
+# --- layer trees -----------------------------------------------------------------------------
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _is_opaque(path: Path) -> bool:
+    try:
+        return os.getxattr(path, _OPAQUE_XATTR, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def _set_opaque(path: Path) -> None:
+    try:
+        os.setxattr(path, _OPAQUE_XATTR, b"y", follow_symlinks=False)
+    except PermissionError as e:
+        raise Unsupported(
+            "an OCI layer has an opaque directory: setting trusted.overlay.opaque needs root"
+        ) from e
+
+
+def _make_whiteout(path: Path) -> None:
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+    except PermissionError as e:
+        raise Unsupported("an OCI layer has a whiteout: making a 0:0 device needs root") from e
+
+
+def _remove(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def apply_oci_whiteouts(tree: Path) -> dict[str, int]:
+    """Convert OCI whiteouts in an extracted layer to overlay form, in place.
+
+    ``.wh..wh..opq`` is removed and its directory marked ``trusted.overlay.opaque=y``;
+    ``.wh.<name>`` is replaced by a 0:0 character device ``<name>`` (unless the same layer
+    also has ``<name>``, which then wins). Returns counts ``whiteouts``, ``opaque_dirs``.
+
+    Raises:
+        Unsupported: not root (whiteouts need ``CAP_MKNOD``, opaque dirs ``CAP_SYS_ADMIN``).
+    """
+    counts = {"whiteouts": 0, "opaque_dirs": 0}
+    for dirpath, dirnames, filenames in os.walk(tree):
+        directory = Path(dirpath)
+        for fname in [*filenames, *dirnames]:
+            if not fname.startswith(_WH_PREFIX):
+                continue
+            entry = directory / fname
+            dir_mtime = os.lstat(directory).st_mtime_ns
+            if fname == _WH_OPAQUE:
+                _remove(entry)
+                _set_opaque(directory)
+                counts["opaque_dirs"] += 1
+            else:
+                wh_mtime = os.lstat(entry).st_mtime_ns  # the device keeps the entry's time
+                _remove(entry)
+                victim = directory / fname[len(_WH_PREFIX) :]
+                if not os.path.lexists(victim):
+                    _make_whiteout(victim)
+                    os.utime(victim, ns=(wh_mtime, wh_mtime), follow_symlinks=False)
+                    counts["whiteouts"] += 1
+            os.utime(directory, ns=(dir_mtime, dir_mtime), follow_symlinks=False)
+        dirnames[:] = [d for d in dirnames if not d.startswith(_WH_PREFIX)]
+    return counts
+
+
+def strip_overlay_markers(tree: Path) -> None:
+    """Remove whiteouts and opaque marks from a tree that will be an image's bottom layer:
+    there is nothing below it to hide, and overlayfs would list a whiteout in a directory
+    that no other layer has as a 0:0 character device."""
+    for dirpath, dirnames, filenames in os.walk(tree):
+        directory = Path(dirpath)
+        if _is_opaque(directory):
+            os.removexattr(directory, _OPAQUE_XATTR, follow_symlinks=False)
+        removed = False
+        dir_mtime = os.lstat(directory).st_mtime_ns
+        for fname in filenames:
+            entry = directory / fname
+            if _is_whiteout(os.lstat(entry)):
+                os.unlink(entry)
+                removed = True
+        if removed:
+            os.utime(directory, ns=(dir_mtime, dir_mtime), follow_symlinks=False)
+        dirnames.sort()
+
+
+def _zero_implicit_dir_times(tree: Path, extract_started_ns: int) -> None:
+    """Set mtime 0 on directories the tar did not describe (the root, usually, and parents
+    missing from the archive): they got the extraction time, which would make the layer's
+    digest differ from node to node. Recognised by an mtime no older than 1 s before the
+    extraction started (the kernel's file-time clock is coarse)."""
+    cutoff = extract_started_ns - 1_000_000_000
+    for dirpath, _dirnames, _filenames in os.walk(tree):
+        if os.lstat(dirpath).st_mtime_ns >= cutoff:
+            os.utime(dirpath, ns=(0, 0), follow_symlinks=False)
+
+
+def _copy_dir_meta(src: Path, dst: Path) -> None:
+    """Give ``dst`` the owner, mode, mtime and xattrs of ``src`` (an opaque mark on ``dst``
+    is kept: it hides layers below the group and stays true)."""
+    st = os.lstat(src)
+    if os.geteuid() == 0:
+        os.chown(dst, st.st_uid, st.st_gid)
+    os.chmod(dst, stat.S_IMODE(st.st_mode))
+    with contextlib.suppress(OSError):
+        for attr in os.listxattr(src, follow_symlinks=False):
+            os.setxattr(dst, attr, os.getxattr(src, attr, follow_symlinks=False))
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def merge_layer_tree(upper: Path, group: Path) -> None:
+    """Merge the converted layer tree ``upper`` into ``group`` (the layers below it in the
+    same group), moving entries, so that ``group`` alone shows what overlay(upper over group)
+    would. Entries of ``upper`` are consumed.
+
+    Rules, per entry of ``upper`` at path P:
+    * whiteout: whatever ``group`` has at P is removed and the whiteout kept (it still hides
+      P in the layers below the group);
+    * opaque directory: replaces P entirely (keeps its opaque mark);
+    * directory over a directory: merged recursively, then takes the upper's metadata;
+    * directory over a whiteout or non-directory: replaces it and is marked opaque (in the
+      overlay the group's entry stopped the lookup, so nothing below may show through);
+    * anything else: replaces P.
+    """
+    for entry in list(os.scandir(upper)):
+        src = Path(entry.path)
+        dst = group / entry.name
+        src_st = os.lstat(src)
+        try:
+            dst_st: os.stat_result | None = os.lstat(dst)
+        except FileNotFoundError:
+            dst_st = None
+        if stat.S_ISDIR(src_st.st_mode) and not _is_opaque(src):
+            if dst_st is not None and stat.S_ISDIR(dst_st.st_mode):
+                merge_layer_tree(src, dst)
+                _copy_dir_meta(src, dst)
+                continue
+            if dst_st is not None:
+                _remove(dst)
+                os.rename(src, dst)
+                _set_opaque(dst)
+                continue
+        elif dst_st is not None:
+            _remove(dst)
+        os.rename(src, dst)
+
+
+# --- decompression -------------------------------------------------------------------------
+
+
+def _open_decompressed(blob: Path, raw: IO[bytes]) -> IO[bytes]:
+    """A reader of the uncompressed tar stream of a layer blob (gzip, zstd or plain tar,
+    detected from the first bytes)."""
+    head = raw.read(4)
+    raw.seek(0)
+    if head.startswith(_GZIP_MAGIC):
+        gz: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
+        return gz
+    if head == _ZSTD_MAGIC:
+        try:
+            import zstandard
+        except ImportError as e:
+            raise Unsupported(
+                f"layer {blob.name} is zstd-compressed: install the python 'zstandard' package"
+            ) from e
+        reader: IO[bytes] = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        return reader
+    return raw
+
+
+def _decompress_layer(blob: Path, tar_out: Path, diff_id: str | None, blob_digest: str) -> None:
+    """Decompress ``blob`` into ``tar_out``, checking the uncompressed sha256 against
+    ``diff_id`` when the config gives one.
+
+    Raises:
+        InvalidRequest: corrupt compressed data. BlobDigestMismatch: wrong ``diff_id``.
+    """
+    hasher = hashlib.sha256()
+    with open(blob, "rb") as raw, _open_decompressed(blob, raw) as src, open(tar_out, "wb") as out:
+        while True:
+            try:
+                chunk = src.read(_CHUNK_BYTES)
+            except (OSError, EOFError, zlib.error) as e:
+                raise InvalidRequest(
+                    f"layer {blob_digest}: corrupt compressed data: {e}", digest=blob_digest
+                ) from e
+            except Exception as e:  # zstandard.ZstdError does not subclass OSError
+                if type(e).__module__.startswith("zstandard"):
+                    raise InvalidRequest(
+                        f"layer {blob_digest}: corrupt zstd data: {e}", digest=blob_digest
+                    ) from e
+                raise
+            if not chunk:
+                break
+            hasher.update(chunk)
+            out.write(chunk)  # a full disk raises OSError here: pull_image maps it
+    actual = f"sha256:{hasher.hexdigest()}"
+    if diff_id is not None and actual != diff_id:
+        raise BlobDigestMismatch(
+            f"layer {blob_digest}: uncompressed content hashes to {actual}, "
+            f"the config's diff_id is {diff_id}",
+            expected=diff_id,
+            actual=actual,
+        )
+
+
+# --- the pull --------------------------------------------------------------------------------
+
+
+def _find_built_group(store: LayerStore, blobs: tuple[str, ...], *, bottom: bool) -> str | None:
+    """The digest of a stored layer built from exactly these OCI blobs (at the same
+    position: bottom or not), if any."""
+    for layer in store.list_layers():
+        meta = layer.meta
+        if (
+            meta.get("source") == "oci"
+            and meta.get("oci_blobs") == list(blobs)
+            and meta.get("bottom") == bottom
+        ):
+            return layer.digest
+    return None
+
+
+def _resolve_manifest(
+    client: RegistryClient, ref: ImageRef
+) -> tuple[dict[str, Any], str, str | None]:
+    """The image manifest for linux/amd64, its digest and the index digest (if any)."""
+    doc, media_type, digest = client.get_manifest(ref.reference)
+    index_digest = None
+    if media_type in _INDEX_TYPES:
+        index_digest = digest
+        doc, media_type, digest = client.get_manifest(select_platform(doc))
+        if media_type in _INDEX_TYPES:
+            raise InvalidRequest(f"{ref}: an index entry points to another index")
+    layers = doc.get("layers")
+    config = doc.get("config")
+    if not isinstance(layers, list) or not layers or not isinstance(config, dict):
+        raise InvalidRequest(f"{ref}: manifest {digest} has no config or no layers")
+    for desc in [config, *layers]:
+        if (
+            not isinstance(desc, dict)
+            or not _DIGEST_RE.match(str(desc.get("digest", "")))
+            or not isinstance(desc.get("size", 0), int)
+            or desc.get("size", 0) < 0
+        ):
+            raise InvalidRequest(f"{ref}: manifest {digest} has a bad descriptor {desc!r}")
+    return doc, digest, index_digest
+
+
+def pull_image(
+    store: LayerStore,
+    ref: str,
+    *,
+    name: str | None = None,
+    credentials: tuple[str, str] | None = None,
+    insecure_http: bool | None = None,
+    merge_threshold_bytes: int = DEFAULT_MERGE_THRESHOLD_BYTES,
+    timeout_s: float = 30.0,
+    retries: int = 2,
+    transport: httpx.BaseTransport | None = None,
+) -> ImageInfo:
+    """Pull ``ref`` from its registry into ``store`` as EROFS layers and record the image.
+
+    Args:
+        store: the node's layer store (scratch files go under ``store.scratch``).
+        ref: ``[registry/]repo[:tag][@sha256:...]``.
+        name: the image name in the store (default :func:`default_image_name`).
+        credentials: ``(user, password)`` for Basic auth or the token service.
+        insecure_http: see :class:`RegistryClient` (default: plain HTTP only on loopback).
+        merge_threshold_bytes: merge consecutive layers up to this many compressed bytes
+            (0: one EROFS layer per OCI layer).
+        timeout_s, retries, transport: see :class:`RegistryClient`.
+
+    Returns:
+        The stored image (layers bottom first; ``meta`` has ``source="oci"``, ``ref``,
+        ``manifest_digest``, ``index_digest``, ``config_digest``, ``blobs``, ``config``).
+
+    Raises:
+        InvalidRequest: bad ref or name, malformed manifest, corrupt tar or compression.
+        ImageNotFound: no such repository/tag/digest, or no linux/amd64 manifest.
+        RegistryUnauthorized: access refused. RegistryUnavailable: network or server failure,
+        truncated download. BlobDigestMismatch: corrupted content.
+        Unsupported: whiteouts without root, zstd without ``zstandard``, schema 1.
+        SandboxError: mkfs.erofs failed.
+    """
+    parsed = parse_ref(ref)
+    image_name = name or default_image_name(parsed)
+    if not _IMAGE_NAME_RE.match(image_name):
+        raise InvalidRequest(f"invalid image name {image_name!r}", name=image_name)
+    if merge_threshold_bytes < 0:
+        raise InvalidRequest("merge_threshold_bytes must be >= 0")
+    started = time.monotonic()
+    with RegistryClient(
+        parsed,
+        credentials=credentials,
+        insecure_http=insecure_http,
+        timeout_s=timeout_s,
+        retries=retries,
+        transport=transport,
+    ) as client:
+        manifest, manifest_digest, index_digest = _resolve_manifest(client, parsed)
+        config_digest = str(manifest["config"]["digest"])
+        try:
+            config = json.loads(client.get_blob_bytes(config_digest, _MAX_CONFIG_BYTES))
+        except ValueError as e:
+            raise InvalidRequest(f"{parsed}: config {config_digest} is not JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise InvalidRequest(f"{parsed}: config {config_digest} is not a JSON object")
+        layers: list[dict[str, Any]] = manifest["layers"]
+        diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
+        if diff_ids and len(diff_ids) != len(layers):
+            raise InvalidRequest(
+                f"{parsed}: config lists {len(diff_ids)} diff_ids for {len(layers)} layers"
+            )
+        digests: list[str] = []
+        fetched = 0
+        for group in plan_groups(layers, merge_threshold_bytes):
+            bottom = group.indexes[0] == 0
+            built = _find_built_group(store, group.blobs, bottom=bottom)
+            if built is not None:
+                digests.append(built)
+                continue
+            try:
+                layer = _build_group(store, client, parsed, layers, diff_ids, group, bottom=bottom)
+            except DsecError:
+                raise
+            except OSError as e:  # a full disk, a permission problem in the scratch dir
+                raise SandboxError(
+                    f"pull of {parsed} failed writing under {store.scratch}: {e}",
+                    errno=e.errno,
+                ) from e
+            digests.append(layer.digest)
+            fetched += group.compressed_bytes
+    image_config = config.get("config") or {}
+    meta: dict[str, Any] = {
+        "source": "oci",
+        "ref": str(parsed),
+        "manifest_digest": manifest_digest,
+        "index_digest": index_digest,
+        "config_digest": config_digest,
+        "blobs": [str(d["digest"]) for d in layers],
+        "platform": "linux/amd64",
+        "merge_threshold_bytes": merge_threshold_bytes,
+        "config": {
+            k: image_config[k]
+            for k in ("Env", "Entrypoint", "Cmd", "WorkingDir", "User")
+            if image_config.get(k) is not None
+        },
+    }
+    info = store.put_image(image_name, digests, meta=meta)
+    log.info(
+        "pulled %s as %s: %d OCI layers -> %d EROFS layers, %d bytes fetched, %.2f s",
+        parsed,
+        image_name,
+        len(layers),
+        len(digests),
+        fetched,
+        time.monotonic() - started,
+    )
+    return info
+
+
+def _build_group(
+    store: LayerStore,
+    client: RegistryClient,
+    ref: ImageRef,
+    layers: list[dict[str, Any]],
+    diff_ids: list[str],
+    group: LayerGroup,
+    *,
+    bottom: bool,
+) -> LayerInfo:
+    """Download, convert and merge one group's layers, then build its EROFS layer."""
+    # The store's build slot: scratch/layer-<id> is removed on exit and after a crash.
+    with store._build_slot() as build_id:
+        work = store.scratch / f"layer-{build_id}"
+        tree = work / "tree"
+        tree.mkdir(parents=True)
+        counts = {"whiteouts": 0, "opaque_dirs": 0}
+        for i in group.indexes:
+            desc = layers[i]
+            digest = str(desc["digest"])
+            blob = work / "blob"
+            tar = work / "layer.tar"
+            client.download_blob(digest, int(desc["size"]) if "size" in desc else None, blob)
+            _decompress_layer(blob, tar, str(diff_ids[i]) if diff_ids else None, digest)
+            blob.unlink()
+            layer_tree = work / f"l{i}"
+            extract_started_ns = time.time_ns()
+            extract_tarball(tar, layer_tree)
+            tar.unlink()
+            _zero_implicit_dir_times(layer_tree, extract_started_ns)
+            for key, n in apply_oci_whiteouts(layer_tree).items():
+                counts[key] += n
+            if i == group.indexes[0]:
+                os.rmdir(tree)
+                os.rename(layer_tree, tree)
+            else:
+                merge_layer_tree(layer_tree, tree)
+                shutil.rmtree(layer_tree)
+        if bottom:
+            strip_overlay_markers(tree)
+        meta = {
+            "source": "oci",
+            "ref": str(ref),
+            "bottom": bottom,
+            "oci_blobs": list(group.blobs),
+            "diff_ids": [diff_ids[i] for i in group.indexes] if diff_ids else [],
+            "compressed_bytes": group.compressed_bytes,
+            **counts,
+        }
+        return store.build_layer(
+            tree, "base", name=f"{ref.repository}@{group.blobs[-1][7:19]}", meta=meta
+        )
