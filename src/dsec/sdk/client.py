@@ -135,6 +135,57 @@ class AsyncClient:
         )
         return ImageInfo.model_validate(r.json())
 
+    async def run_code(
+        self,
+        code: str,
+        language: str = "python",
+        *,
+        stdin: str | None = None,
+        files: dict[str, bytes] | None = None,
+        fetch_files: list[str] | None = None,
+        timeout: float = 10.0,
+        compile_timeout: float = 30.0,
+        memory_mb: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Any:
+        """Run one snippet in a fresh ``fncall`` worker and return its
+        :class:`~dsec.runtimes.fncall.service.CodeRunResult` (``outcome`` is ok,
+        compile_error, runtime_error, timeout, compile_timeout or oom).
+
+        Args:
+            code: the program text.
+            language: python, bash, c, cpp (node, go, java where the node has the toolkit).
+            stdin: text fed to the program.
+            files: path under /work -> content, written before the run.
+            fetch_files: paths under /work to return (base64) after the run.
+            timeout: run wall-clock limit, seconds.
+            compile_timeout: compile limit for compiled languages, seconds.
+            memory_mb: memory limit, MiB (default: the pool's).
+            env: extra environment variables.
+        """
+        import base64
+
+        from dsec.runtimes.fncall.service import CodeRunRequest, CodeRunResult
+
+        req = CodeRunRequest(
+            code=code,
+            language=language,
+            stdin=stdin,
+            files={k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
+            fetch_files=list(fetch_files or []),
+            timeout_s=timeout,
+            compile_timeout_s=compile_timeout,
+            memory_mb=memory_mb,
+            env=dict(env or {}),
+        )
+        r = await self._http.request(
+            "POST",
+            "/v1/run_code",
+            json=req.model_dump(mode="json"),
+            timeout=timeout + compile_timeout + 30,
+        )
+        return CodeRunResult.model_validate(r.json())
+
     async def list_sandboxes(
         self,
         *,
