@@ -1,18 +1,24 @@
 """E2B compatibility benchmark (issue 9): create + ``commands.run("echo hi")`` + kill.
 
-The same server (dsec's apiserver with the E2B app mounted at ``/e2b``, one
-in-process edge) is driven two ways in one run, interleaved A/B so drift hits
-both equally:
+The same server is driven two ways in one run, interleaved A/B so drift hits
+both equally. By default that server is a real ``dsec serve`` child process (its
+apiserver mounts the E2B app at ``/e2b``; container tier, network off), which is
+what a user runs and keeps the benchmark client's CPU apart from the server's:
 
   * ``e2b``    the unmodified ``e2b.AsyncSandbox`` (E2B_API_URL / E2B_SANDBOX_URL)
-  * ``native`` dsec's own ``dsec.AsyncSandbox``
+  * ``native`` dsec's own ``dsec.AsyncSandbox`` over one shared ``dsec.AsyncClient``
+    (the overhead target compares with this one)
+  * ``native-new-client`` the same with a new client per sandbox (``url=``/``api_key=``),
+    which pays for a new httpx client and connection each cycle
 
 It prints p50/p90 latency (ms) of one create-run-kill cycle and the sequential
 rate (cycles/s) for each, the E2B overhead at p50, and writes
-``benchmarks/results/e2b_compat.json``. Target: E2B p50 <= 1.2 x native p50.
+``benchmarks/results/e2b_compat.json`` (``_inprocess`` / ``_fake`` for those modes). Target: E2B p50 <= 1.2 x native p50.
 
 Usage:
     .venv/bin/python benchmarks/e2b_compat.py [-n 30] [--image busybox] [--home DIR]   (root)
+    .venv/bin/python benchmarks/e2b_compat.py --in-process   (server in a thread of this
+                                                              process, as before)
     .venv/bin/python benchmarks/e2b_compat.py --fake    (fake edge from tests/e2b: bwrap,
                                                           no root; protocol cost only)
 """
@@ -26,6 +32,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -139,6 +146,71 @@ class Server:
         self._thread.join(300)
 
 
+class ServeProcess:
+    """``dsec serve`` as a child process on a free loopback port with its own DSEC_HOME.
+
+    Its layers directory points at the shared test layer cache when it exists
+    (``DSEC_TEST_LAYER_CACHE``, default ``/var/cache/dsec-test-layers``), so the built-in
+    image is built once per machine. Its log is ``<home>/serve.log``.
+    """
+
+    def __init__(self, home: Path) -> None:
+        import socket
+
+        self.home = home
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ServeProcess:
+        import httpx
+
+        self.home.mkdir(parents=True, exist_ok=True)
+        cache = Path(os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers"))
+        if cache.is_dir() and not (self.home / "layers").exists():
+            (self.home / "layers").symlink_to(cache, target_is_directory=True)
+        env = {
+            **os.environ,
+            "DSEC_HOME": str(self.home),
+            "DSEC_NETWORK": "off",
+            "DSEC_TIERS": "container",
+        }
+        with open(self.home / "serve.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    *("-m", "dsec.cli.main", "serve"),
+                    *("--port", str(self.port), "--home", str(self.home)),
+                ],
+                env=env,
+                stdout=log,
+                stderr=log,
+            )
+        deadline = time.monotonic() + 300
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"dsec serve did not start; see {self.home / 'serve.log'}")
+            time.sleep(0.1)
+        self.api_key = (self.home / "api_key").read_text().strip()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM: dsec serve kills its sandboxes and exits
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 async def e2b_cycle(template: str) -> None:
     from e2b import AsyncSandbox
 
@@ -148,33 +220,56 @@ async def e2b_cycle(template: str) -> None:
     await sbx.kill()
 
 
-def native_cycle_factory(
+def native_cycle_factories(
     url: str, api_key: str, image: str
-) -> Callable[[], Awaitable[None]] | None:
+) -> tuple[dict[str, Callable[[], Awaitable[None]]], Callable[[], Awaitable[None]]] | None:
+    """The native paths and a closer: ``native`` shares one ``dsec.AsyncClient`` (one
+    connection pool, as the e2b SDK keeps one per process), ``native-new-client`` opens a
+    client per sandbox (``AsyncSandbox.create(url=...)``: a new httpx client each time)."""
     try:
-        from dsec import AsyncSandbox
+        from dsec import AsyncClient, AsyncSandbox
     except ImportError:
         return None
+    shared: list[AsyncClient] = []
 
-    async def cycle() -> None:
+    async def pooled() -> None:
+        if not shared:
+            shared.append(AsyncClient(url, api_key))
+        sb = await AsyncSandbox.create(image=image, client=shared[0], ttl_s=300)
+        r = await sb.commands.run("echo hi")
+        assert r.stdout == "hi\n", r
+        await sb.kill()
+
+    async def fresh() -> None:
         sb = await AsyncSandbox.create(image=image, url=url, api_key=api_key, ttl_s=300)
         r = await sb.commands.run("echo hi")
         assert r.stdout == "hi\n", r
         await sb.kill()
 
-    return cycle
+    async def close() -> None:
+        for client in shared:
+            await client.close()
+
+    return {"native": pooled, "native-new-client": fresh}, close
 
 
 async def measure(
-    n: int, warmup: int, paths: dict[str, Callable[[], Awaitable[None]]]
+    n: int,
+    warmup: int,
+    paths: dict[str, Callable[[], Awaitable[None]]],
+    close: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in paths}
-    for i in range(warmup + n):
-        for name, cycle in paths.items():  # interleaved A/B
-            t0 = time.perf_counter()
-            await cycle()
-            if i >= warmup:
-                times[name].append((time.perf_counter() - t0) * 1000)
+    try:
+        for i in range(warmup + n):
+            for name, cycle in paths.items():  # interleaved A/B
+                t0 = time.perf_counter()
+                await cycle()
+                if i >= warmup:
+                    times[name].append((time.perf_counter() - t0) * 1000)
+    finally:
+        if close is not None:
+            await close()
     return times
 
 
@@ -189,6 +284,11 @@ def main() -> None:
         "--home", default=None, help="DSEC_HOME for the real edge (default: a temp dir)"
     )
     ap.add_argument("--fake", action="store_true", help="use the bwrap fake edge from tests/e2b")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="serve from a thread of this process instead of a `dsec serve` child",
+    )
     args = ap.parse_args()
     if not args.fake and os.geteuid() != 0:
         raise SystemExit("the real edge needs root; use --fake to measure the protocol layer only")
@@ -196,7 +296,11 @@ def main() -> None:
     if args.fake:
         args.image = "debian" if args.image == "busybox" else args.image
     try:
-        with Server(args.fake, home) as srv:
+        subprocess_server = not (args.fake or args.in_process)
+        server: Server | ServeProcess = (
+            ServeProcess(home) if subprocess_server else Server(args.fake, home)
+        )
+        with server as srv:
             os.environ.update(
                 {
                     "E2B_API_URL": f"{srv.url}/e2b",
@@ -204,22 +308,31 @@ def main() -> None:
                     "E2B_API_KEY": srv.api_key,
                 }
             )
-            paths: dict[str, Callable[[], Awaitable[None]]] = {"e2b": lambda: e2b_cycle(args.image)}
-            native = native_cycle_factory(srv.url, srv.api_key, args.image)
+            # "<tier>/<image>": the same tier and image as the native path
+            template = args.image if args.fake else f"container/{args.image}"
+            paths: dict[str, Callable[[], Awaitable[None]]] = {"e2b": lambda: e2b_cycle(template)}
+            native = native_cycle_factories(srv.url, srv.api_key, args.image)
+            close = None
             if native is None:
                 print(
                     "dsec.AsyncSandbox is not available (native SDK not installed yet): e2b path only"
                 )
             else:
-                paths["native"] = native
+                paths.update(native[0])
+                close = native[1]
             t0 = time.perf_counter()
-            times = asyncio.run(measure(args.n, args.warmup, paths))
+            times = asyncio.run(measure(args.n, args.warmup, paths, close))
             wall = time.perf_counter() - t0
     finally:
         if not args.home:
             shutil.rmtree(home, ignore_errors=True)
     report: dict[str, Any] = {
-        "edge": "fake (bwrap)" if args.fake else "real (in-process EdgeAgent)",
+        "edge": (
+            "fake (bwrap)"
+            if args.fake
+            else ("real, in-process" if args.in_process else "real, `dsec serve` child process")
+        ),
+        "tier": "fake" if args.fake else "container",
         "image": args.image,
         "n": args.n,
         "wall_s": round(wall, 2),
@@ -228,7 +341,7 @@ def main() -> None:
     print(
         f"\ncreate + commands.run('echo hi') + kill, {args.n} cycles per path, edge: {report['edge']}"
     )
-    print(f"{'path':8} {'p50 ms':>9} {'p90 ms':>9} {'mean ms':>9} {'cycles/s':>9}")
+    print(f"{'path':18} {'p50 ms':>9} {'p90 ms':>9} {'mean ms':>9} {'cycles/s':>9}")
     for name, xs in times.items():
         row = {
             "p50_ms": round(pct(xs, 50), 2),
@@ -238,7 +351,7 @@ def main() -> None:
         }
         report["paths"][name] = row
         print(
-            f"{name:8} {row['p50_ms']:9.1f} {row['p90_ms']:9.1f} {row['mean_ms']:9.1f} {row['rate_per_s']:9.2f}"
+            f"{name:18} {row['p50_ms']:9.1f} {row['p90_ms']:9.1f} {row['mean_ms']:9.1f} {row['rate_per_s']:9.2f}"
         )
     if "native" in times:
         overhead = pct(times["e2b"], 50) / pct(times["native"], 50) - 1
@@ -248,7 +361,8 @@ def main() -> None:
             f"E2B overhead at p50: {overhead * 100:+.1f}% (target <= +20%: {'met' if overhead <= 0.2 else 'NOT met'})"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("e2b_compat_fake.json" if args.fake else "e2b_compat.json")
+    suffix = "_fake" if args.fake else ("_inprocess" if args.in_process else "")
+    out = RESULTS / f"e2b_compat{suffix}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from e2b.sandbox.commands.command_handle import PtySize
 
-from conftest import E2BServer, StreamOnlyEdge
+from conftest import E2BServer, StreamOnlyEdge, serve_e2b
 from dsec.e2b import InteractiveExec
+from dsec.errors import CapabilityNotSupported
 from e2b import CommandExitException, Sandbox, SandboxException, TimeoutException
 
 
@@ -56,3 +58,34 @@ def test_commands_over_exec_stream(stream_only_server: E2BServer) -> None:
         assert sbx.commands.list() == []
     finally:
         sbx.kill()
+
+
+class TierWithoutInteractiveEdge:
+    """An edge that has ``start_process`` but refuses it for the sandbox's tier, as dsec's
+    EdgeAgent does for a runtime without interactive processes."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.refused = 0
+
+    async def start_process(self, *args: Any, **kwargs: Any) -> Any:
+        self.refused += 1
+        raise CapabilityNotSupported("tier test has no interactive processes")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_tier_without_interactive_processes_falls_back(fake_edge: object) -> None:
+    edge = TierWithoutInteractiveEdge(fake_edge)
+    assert isinstance(edge, InteractiveExec)
+    with serve_e2b(edge) as (root, _app, _loop):
+        sbx = Sandbox.create("base", api_key="key-alice", api_url=root, sandbox_url=f"{root}/envd")
+        try:
+            r = sbx.commands.run("echo over; echo stream >&2")
+            assert r.stdout == "over\n" and r.stderr == "stream\n" and edge.refused == 1
+            with pytest.raises(SandboxException) as err:
+                sbx.pty.create(size=PtySize(rows=10, cols=40))
+            assert "unimplemented" in str(err.value).lower()
+        finally:
+            sbx.kill()

@@ -204,9 +204,16 @@ async def start_interactive(
     stdin: bool,
     pty: PtySize | None,
 ) -> InteractiveProcess:
-    """Start ``req`` with :class:`InteractiveExec` when the edge has it, else over ``exec_stream``."""
+    """Start ``req`` with :class:`InteractiveExec` when the edge has it (and it works for this
+    sandbox's tier), else over ``exec_stream``."""
     if isinstance(edge, InteractiveExec):
-        return await edge.start_process(sandbox_id, owner, req, stdin=stdin, pty=pty)
+        try:
+            return await edge.start_process(sandbox_id, owner, req, stdin=stdin, pty=pty)
+        except CapabilityNotSupported:
+            # The edge has the call but not this sandbox's tier (e.g. dsec's EdgeAgent on a
+            # tier whose runtime has no interactive processes): run it over exec_stream.
+            if pty is not None:
+                raise
     if pty is not None:
         raise CapabilityNotSupported(
             "this dsec edge has no interactive processes (InteractiveExec): no PTY"

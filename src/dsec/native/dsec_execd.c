@@ -19,9 +19,12 @@
  *     ATTACH (4): i32 init pid (host pid namespace), u32 count,
  *                 count NUL-terminated cgroup.procs paths to join. Must come first;
  *                 the server compiles its policy while it waits for it.
- *     EXEC   (1): u32 uid, gid, ngroups, argc, envc, reserved;
+ *     EXEC   (1): u32 uid, gid, ngroups, argc, envc, flags;
  *                 u32 groups[ngroups]; NUL-terminated cwd, argv[argc], env[envc];
  *                 exactly 3 fds (stdin, stdout, stderr) as SCM_RIGHTS.
+ *                 flags bit 0 (EXEC_F_CTTY): fd 0 is a terminal (the slave of a pty
+ *                 the edge opened); after setsid() the child makes it its controlling
+ *                 terminal (TIOCSCTTY), so job control, ^C and SIGWINCH work.
  *     SIGNAL (2): i32 signo  -> killpg() of that exec's process group.
  *     RELEASE(3): forget the exec (the edge has its result, or gave up on it).
  *   reply    = u32 type, u32 reserved, u64 id, body
@@ -59,6 +62,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -75,6 +79,7 @@
 #define CLONE_NEWCGROUP 0x02000000
 #endif
 
+enum { EXEC_F_CTTY = 1u };
 enum { T_EXEC = 1, T_SIGNAL = 2, T_RELEASE = 3, T_ATTACH = 4 };
 enum { R_READY = 100, R_STARTED = 101, R_EXIT = 102, R_ERROR = 103 };
 enum {
@@ -88,7 +93,7 @@ enum {
 #define MAX_RLIMITS 16
 
 struct hdr { uint32_t type; uint32_t reserved; uint64_t id; };
-struct exec_body { uint32_t uid, gid, ngroups, argc, envc, reserved; };
+struct exec_body { uint32_t uid, gid, ngroups, argc, envc, flags; };
 
 struct child {
     uint64_t id;
@@ -234,8 +239,9 @@ static void child_fail(int errfd, int stage) {
     _exit(127);
 }
 
-static void run_child(int errfd, const int fds[3], uid_t uid, gid_t gid, uint32_t ngroups,
-                      const gid_t *groups, const char *cwd, char **argv, char **envp) {
+static void run_child(int errfd, const int fds[3], uint32_t flags, uid_t uid, gid_t gid,
+                      uint32_t ngroups, const gid_t *groups, const char *cwd, char **argv,
+                      char **envp) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -247,6 +253,7 @@ static void run_child(int errfd, const int fds[3], uid_t uid, gid_t gid, uint32_
     if (errfd > 3) syscall(SYS_close_range, 3, errfd - 1, 0);
     syscall(SYS_close_range, errfd + 1, ~0u, 0);
     if (setsid() < 0) child_fail(errfd, STAGE_SETSID);
+    if ((flags & EXEC_F_CTTY) && ioctl(0, TIOCSCTTY, 0) < 0) child_fail(errfd, STAGE_SETSID);
     for (int i = 0; i < n_rlimits; i++)
         if (setrlimit(rlimits[i].res, &rlimits[i].lim) < 0) child_fail(errfd, STAGE_RLIMIT);
     for (int c = 0; c <= cap_last; c++)
@@ -345,7 +352,7 @@ static void handle_exec(uint64_t id, const char *body, size_t len, int *fds, int
     pid_t pid = c ? fork() : -1;
     if (pid == 0) {
         close(ep[0]);
-        run_child(ep[1], fds, eb.uid, eb.gid, eb.ngroups, groups, cwd, argv, envp);
+        run_child(ep[1], fds, eb.flags, eb.uid, eb.gid, eb.ngroups, groups, cwd, argv, envp);
     }
     int e = errno;
     close(ep[1]);
@@ -376,7 +383,9 @@ static void handle_signal(uint64_t id, const char *body, size_t len) {
         for (struct child *o = children; o; o = o->next)
             if (!o->exited && o->pid == c->pid) return;
     }
-    killpg(c->pid, sig);
+    /* Right after fork the child may not have called setsid() yet: no such group then,
+     * so signal the child itself (its setsid() and exec come after, or never). */
+    if (killpg(c->pid, sig) < 0 && errno == ESRCH && !c->exited) kill(c->pid, sig);
 }
 
 static void handle_release(uint64_t id) {

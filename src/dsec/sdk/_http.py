@@ -101,6 +101,7 @@ class HttpClient:
                 base_url=self.url,
                 headers=headers,
                 transport=self.transport,
+                verify=_ssl_context(),
                 timeout=self.timeout,
                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
             )
@@ -188,3 +189,17 @@ class HttpClient:
         client, self._client = self._client, None
         if client is not None and self._loop is asyncio.get_running_loop():
             await client.aclose()
+
+
+_SSL_CONTEXT: Any = None
+
+
+def _ssl_context() -> Any:
+    """One TLS context per process: building one loads the CA bundle (~0.1-0.3 s here), and
+    every sandbox object may open its own client."""
+    global _SSL_CONTEXT
+    if _SSL_CONTEXT is None:
+        import ssl
+
+        _SSL_CONTEXT = ssl.create_default_context()
+    return _SSL_CONTEXT

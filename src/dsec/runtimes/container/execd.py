@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import contextlib
 import errno
 import fcntl
@@ -26,18 +27,34 @@ import signal
 import socket
 import struct
 import subprocess
+import termios
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from dsec.errors import InvalidRequest, PayloadTooLarge, SandboxError, SandboxStopped
+from dsec.errors import (
+    Conflict,
+    DsecError,
+    InvalidRequest,
+    PayloadTooLarge,
+    SandboxError,
+    SandboxStopped,
+)
 
-__all__ = ["ExecOutcome", "ExecServer", "SetupStage"]
+__all__ = [
+    "ExecOutcome",
+    "ExecServer",
+    "InteractiveExecution",
+    "SetupStage",
+    "TerminalSize",
+]
 
 log = logging.getLogger(__name__)
 
 T_EXEC, T_SIGNAL, T_RELEASE, T_ATTACH = 1, 2, 3, 4
+_EXEC_F_CTTY = 1  # the child makes its stdin (a pty slave) its controlling terminal
 R_READY, R_STARTED, R_EXIT, R_ERROR = 100, 101, 102, 103
 _HDR = struct.Struct("<IIQ")
 _EXEC_BODY = struct.Struct("<6I")
@@ -106,6 +123,7 @@ class ExecServer:
         self._pending: dict[int, _Pending] = {}
         self._attached = False
         self._closed = False
+        self.closed_by_edge = False  # close() was called (e.g. the sandbox is being destroyed)
         self._loop = asyncio.get_running_loop()
 
     # -- lifecycle -----------------------------------------------------------
@@ -192,6 +210,7 @@ class ExecServer:
         """Close the socket (the server then kills in-flight execs and exits) and reap it."""
         if not self._closed:
             self._closed = True
+            self.closed_by_edge = True
             if self._attached:
                 self._loop.remove_reader(self._sock.fileno())
             self._sock.close()
@@ -304,15 +323,7 @@ class ExecServer:
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         req_id = next(self._ids)
-        strings = [cwd, *argv, *env]
-        payload = b"".join(
-            [
-                _HDR.pack(T_EXEC, 0, req_id),
-                _EXEC_BODY.pack(uid, gid, len(groups), len(argv), len(env), 0),
-                struct.pack(f"<{len(groups)}I", *groups),
-                b"".join(s.encode("utf-8", "surrogateescape") + b"\0" for s in strings),
-            ]
-        )
+        payload = _exec_payload(req_id, argv, env, cwd, uid, gid, groups, 0)
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -404,6 +415,94 @@ class ExecServer:
                 )
             self._send_nowait(_HDR.pack(T_RELEASE, 0, req_id))
 
+    async def start_process(
+        self,
+        argv: list[str],
+        env: list[str],
+        cwd: str,
+        uid: int,
+        gid: int,
+        groups: list[int],
+        *,
+        stdin: bool,
+        pty: TerminalSize | None,
+        timeout_s: float,
+        max_output_bytes: int,
+    ) -> InteractiveExecution:
+        """Start one command and return at once; see :class:`InteractiveExecution`.
+
+        ``stdin``: keep the command's stdin open for :meth:`InteractiveExecution.write_stdin`
+        (otherwise it reads EOF). ``pty``: give it a new terminal of that size instead of
+        pipes (a pty opened here, on the host; the child makes its slave its controlling
+        terminal), so stdout and stderr arrive merged as ``pty`` output. The whole process
+        group is SIGKILLed at ``timeout_s`` (seconds). Output beyond ``max_output_bytes``
+        per stream is read and dropped.
+        """
+        req_id = next(self._ids)
+        flags = _EXEC_F_CTTY if pty is not None else 0
+        payload = _exec_payload(req_id, argv, env, cwd, uid, gid, groups, flags)
+        ours: list[int] = []  # our ends: closed here only if the start fails
+        theirs: list[int] = []  # the child's ends: closed here once sent
+        streams: list[tuple[str, int]] = []
+        stdin_fd = -1
+        try:
+            if pty is not None:
+                master, slave = os.openpty()
+                os.set_inheritable(master, False)
+                os.set_inheritable(slave, False)
+                ours.append(master)
+                theirs.append(slave)
+                _set_winsize(master, pty)
+                os.set_blocking(master, False)
+                streams.append(("pty", master))
+                stdin_fd = master
+                send_fds = [slave, slave, slave]
+            else:
+                in_r, in_w = os.pipe2(os.O_CLOEXEC)
+                ours.append(in_w)
+                theirs.append(in_r)
+                out_r, out_w = os.pipe2(os.O_CLOEXEC)
+                ours.append(out_r)
+                theirs.append(out_w)
+                err_r, err_w = os.pipe2(os.O_CLOEXEC)
+                ours.append(err_r)
+                theirs.append(err_w)
+                for fd in (out_r, err_r):
+                    with contextlib.suppress(OSError):
+                        fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
+                    os.set_blocking(fd, False)
+                streams += [("stdout", out_r), ("stderr", err_r)]
+                send_fds = [in_r, out_w, err_w]
+                if stdin:
+                    stdin_fd = in_w
+                else:
+                    os.close(in_w)  # the command reads EOF at once
+                    ours.remove(in_w)
+            pending = _Pending(self._loop.create_future(), self._loop.create_future())
+            self._pending[req_id] = pending
+            try:
+                await self._send(payload, send_fds)
+            except BaseException:
+                self._pending.pop(req_id, None)
+                raise
+        except BaseException:
+            for fd in ours:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+        finally:
+            for fd in theirs:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        return InteractiveExecution(
+            self, req_id, pending, streams, stdin_fd, argv, cwd, timeout_s, max_output_bytes
+        )
+
+    def _forget(self, req_id: int) -> None:
+        """The edge has an exec's result: let the server free it."""
+        self._pending.pop(req_id, None)
+        self._send_nowait(_HDR.pack(T_RELEASE, 0, req_id))
+
     def _read_stream(
         self, s: _Stream, sink_queue: asyncio.Queue[tuple[str, bytes] | None] | None
     ) -> None:
@@ -450,6 +549,292 @@ class ExecServer:
                     return  # the command stopped reading; like a shell pipe
         finally:
             os.close(fd)
+
+
+def _exec_payload(
+    req_id: int,
+    argv: list[str],
+    env: list[str],
+    cwd: str,
+    uid: int,
+    gid: int,
+    groups: list[int],
+    flags: int,
+) -> bytes:
+    strings = [cwd, *argv, *env]
+    return b"".join(
+        [
+            _HDR.pack(T_EXEC, 0, req_id),
+            _EXEC_BODY.pack(uid, gid, len(groups), len(argv), len(env), flags),
+            struct.pack(f"<{len(groups)}I", *groups),
+            b"".join(s.encode("utf-8", "surrogateescape") + b"\0" for s in strings),
+        ]
+    )
+
+
+class TerminalSize(Protocol):
+    """A terminal size in character cells (e.g. ``dsec.e2b.interactive.PtySize``)."""
+
+    @property
+    def cols(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+
+
+def _set_winsize(fd: int, size: TerminalSize) -> None:
+    if not (0 < size.cols <= 0xFFFF and 0 < size.rows <= 0xFFFF):
+        raise InvalidRequest(f"bad terminal size {size.cols}x{size.rows}")
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", size.rows, size.cols, 0, 0))
+
+
+class InteractiveExecution:
+    """One command started by :meth:`ExecServer.start_process`, still running.
+
+    Its output is read by the event loop into a queue that :meth:`read_output` empties;
+    while more than ``_QUEUE_BYTES`` wait there, reading stops (the command then blocks
+    on a full pipe, as it would under a slow reader). Once the command exited the rest
+    is drained regardless. :meth:`wait` returns the exit status; stdout/stderr of the
+    outcome are empty (they were streamed), only the ``*_truncated`` flags are set.
+    """
+
+    _QUEUE_BYTES = 1 << 20
+
+    def __init__(
+        self,
+        server: ExecServer,
+        req_id: int,
+        pending: _Pending,
+        streams: list[tuple[str, int]],
+        stdin_fd: int,
+        argv: list[str],
+        cwd: str,
+        timeout_s: float,
+        max_output_bytes: int,
+    ) -> None:
+        self._server = server
+        self._loop = server._loop
+        self._req_id = req_id
+        self._pending = pending
+        self._open: dict[int, str] = dict((fd, kind) for kind, fd in streams)
+        self._sizes: dict[str, int] = {kind: 0 for kind, _ in streams}
+        self._truncated: set[str] = set()
+        self._cap = max_output_bytes
+        self._pty_fd = next((fd for kind, fd in streams if kind == "pty"), -1)
+        self._stdin_fd = stdin_fd
+        self._stdin_lock = asyncio.Lock()
+        self._chunks: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._queued = 0
+        self._reading = False
+        self._wake = asyncio.Event()
+        self._argv, self._cwd = argv, cwd
+        self._t0 = time.monotonic()
+        self._timed_out = False
+        self._exited = False
+        self._timer = self._loop.call_later(timeout_s, self._on_timeout)
+        self._outcome: asyncio.Future[ExecOutcome] = self._loop.create_future()
+        self._start_reading()
+        pending.exited.add_done_callback(self._on_exit)
+
+    # -- output ----------------------------------------------------------------
+
+    def _start_reading(self) -> None:
+        if not self._reading:
+            self._reading = True
+            for fd, kind in self._open.items():
+                self._loop.add_reader(fd, self._on_readable, fd, kind)
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            for fd in self._open:
+                self._loop.remove_reader(fd)
+
+    def _on_readable(self, fd: int, kind: str) -> None:
+        for _ in range(16):  # bounded per wake-up, so one flood cannot starve the loop
+            try:
+                chunk = os.read(fd, _READ_CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:  # EIO: every holder of a pty's slave closed it
+                chunk = b""
+            if not chunk:
+                self._close_stream(fd)
+                return
+            room = self._cap - self._sizes[kind]
+            if len(chunk) > room:
+                self._truncated.add(kind)
+                chunk = chunk[: max(0, room)]
+            if not chunk:
+                continue
+            self._sizes[kind] += len(chunk)
+            self._chunks.append((kind, chunk))
+            self._queued += len(chunk)
+            self._wake.set()
+            if self._queued > self._QUEUE_BYTES and not self._exited:
+                self._stop_reading()
+                return
+
+    def _close_stream(self, fd: int) -> None:
+        if fd not in self._open:
+            return
+        if self._reading:
+            self._loop.remove_reader(fd)
+        del self._open[fd]
+        if fd == self._pty_fd:
+            self._pty_fd = -1
+            if self._stdin_fd == fd:
+                self._stdin_fd = -1
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        self._wake.set()
+
+    async def read_output(self) -> tuple[str, bytes] | None:
+        """The next ``(stream, bytes)`` (stream: stdout, stderr or pty); ``None`` once every
+        stream is closed and the command exited."""
+        while True:
+            if self._chunks:
+                kind, chunk = self._chunks.popleft()
+                self._queued -= len(chunk)
+                if self._queued <= self._QUEUE_BYTES // 2 and self._open:
+                    self._start_reading()
+                return kind, chunk
+            if not self._open and self._outcome.done():
+                return None  # after the exit, so a failed exec's message comes first
+            self._wake.clear()
+            await self._wake.wait()
+
+    # -- input and control --------------------------------------------------------
+
+    async def write_stdin(self, data: bytes) -> None:
+        """Write all of ``data`` to the command's stdin (its terminal's input with a pty).
+
+        Raises ``Conflict`` when stdin was not kept open, is closed, or the command exited.
+        """
+        async with self._stdin_lock:
+            if self._stdin_fd < 0:
+                raise Conflict("the process's stdin is closed")
+            fd = self._stdin_fd
+            os.set_blocking(fd, False)
+            view = memoryview(data)
+            while view:
+                try:
+                    view = view[os.write(fd, view) :]
+                except BlockingIOError:
+                    writable: asyncio.Future[None] = self._loop.create_future()
+                    self._loop.add_writer(fd, writable.set_result, None)
+                    try:
+                        await writable
+                    finally:
+                        self._loop.remove_writer(fd)
+                    if self._stdin_fd != fd:
+                        raise Conflict("the process's stdin was closed") from None
+                except OSError as e:  # EPIPE / EIO: nobody reads it any more
+                    raise Conflict(f"the process no longer reads its stdin: {e}") from None
+
+    async def close_stdin(self) -> None:
+        """Close stdin (with a pty: send end-of-file, ^D, to the terminal). Idempotent."""
+        async with self._stdin_lock:
+            if self._stdin_fd < 0:
+                return
+            if self._stdin_fd == self._pty_fd:
+                with contextlib.suppress(OSError):
+                    os.write(self._stdin_fd, b"\x04")
+                return
+            with contextlib.suppress(OSError):
+                os.close(self._stdin_fd)
+            self._stdin_fd = -1
+
+    async def signal(self, signo: int) -> None:
+        """Send ``signo`` to the command's process group; a no-op once it exited."""
+        if not self._exited:
+            await self._server.signal(self._req_id, signo)
+
+    def resize(self, size: TerminalSize) -> None:
+        """Resize the terminal (the kernel sends SIGWINCH); ``InvalidRequest`` without a pty."""
+        if self._pty_fd < 0:
+            if self._exited or "pty" in self._sizes:
+                return
+            raise InvalidRequest("the process has no terminal")
+        _set_winsize(self._pty_fd, size)
+
+    @property
+    def server_closed_by_edge(self) -> bool:
+        """The exec server was closed on purpose (its sandbox is being destroyed)."""
+        return self._server.closed_by_edge
+
+    @property
+    def has_pty(self) -> bool:
+        return "pty" in self._sizes
+
+    # -- end ---------------------------------------------------------------------
+
+    def _on_timeout(self) -> None:
+        if not self._exited:
+            self._timed_out = True
+            self._server._send_nowait(
+                _HDR.pack(T_SIGNAL, 0, self._req_id) + struct.pack("<i", signal.SIGKILL)
+            )
+
+    def _on_exit(self, fut: asyncio.Future[tuple[int, int, int]]) -> None:
+        try:
+            self._finish(fut)
+        finally:
+            self._wake.set()
+
+    def _finish(self, fut: asyncio.Future[tuple[int, int, int]]) -> None:
+        self._exited = True
+        self._timer.cancel()
+        self._server._forget(self._req_id)
+        self._start_reading()  # drain what is left, whatever the queue holds
+        if self._stdin_fd >= 0 and self._stdin_fd != self._pty_fd:
+            with contextlib.suppress(OSError):
+                os.close(self._stdin_fd)
+        self._stdin_fd = -1
+        if fut.cancelled():
+            self._outcome.set_exception(SandboxStopped("the exec was cancelled"))
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._outcome.set_exception(exc)
+            self._outcome.exception()  # the waiter may never come
+            return
+        wait_status, stage, err = fut.result()
+        out = ExecOutcome(timed_out=self._timed_out)
+        try:
+            if stage != SetupStage.OK:
+                _raise_setup_failure(stage, err, self._argv, self._cwd, out)
+            elif os.WIFEXITED(wait_status):
+                out.exit_code = os.WEXITSTATUS(wait_status)
+            elif os.WIFSIGNALED(wait_status):
+                out.signal = os.WTERMSIG(wait_status)
+        except DsecError as e:
+            self._outcome.set_exception(e)
+            self._outcome.exception()
+            return
+        if out.stderr:  # exec failed: tell it like a shell on the error stream
+            kind = "pty" if "pty" in self._sizes else "stderr"
+            self._chunks.append((kind, out.stderr))
+            self._wake.set()
+            out.stderr = b""
+        out.duration_ms = (time.monotonic() - self._t0) * 1000.0
+        self._outcome.set_result(out)
+
+    async def wait(self) -> ExecOutcome:
+        """Wait for the command to exit; its status (output flags only, no output)."""
+        out = await asyncio.shield(self._outcome)
+        out.stdout_truncated = "stdout" in self._truncated
+        out.stderr_truncated = bool(self._truncated & {"stderr", "pty"})
+        return out
+
+    def close(self) -> None:
+        """Kill the command if it still runs and drop its output (the edge gave up on it)."""
+        if not self._exited:
+            self._on_timeout()
+            self._timed_out = False
+        self._stop_reading()
+        for fd in list(self._open):
+            self._close_stream(fd)
+        self._chunks.clear()
 
 
 async def _drain_sink(queue: asyncio.Queue[tuple[str, bytes] | None], sink: Sink) -> None:

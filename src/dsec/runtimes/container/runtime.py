@@ -69,7 +69,7 @@ from dsec.runtimes.container.bundle import (
     execd_policy_text,
     oci_config,
 )
-from dsec.runtimes.container.execd import ExecServer
+from dsec.runtimes.container.execd import ExecServer, InteractiveExecution, TerminalSize
 from dsec.runtimes.container.files import RootedFiles
 from dsec.runtimes.container.native import build_native
 from dsec.runtimes.container.users import ResolvedUser, resolve_user
@@ -217,7 +217,7 @@ class ContainerRuntime:
             snapshot=True,
             fork=True,
             network=self.network is not None and bool(self.network.started),
-            tty=False,
+            tty=True,
             display=False,
             persistent=True,
             max_cpu=float(os.cpu_count() or 1),
@@ -464,16 +464,7 @@ class ContainerRuntime:
         self, handle: Handle, req: ExecRequest, sink: OutputSink | None = None
     ) -> ExecResult:
         """Run one command in the sandbox (see :class:`dsec.models.ExecRequest`)."""
-        state = self._load_state(handle)
-        live = self._live.get(handle.id)
-        if live is None or live.server is None or not live.server.alive:
-            if not await self.alive(handle):
-                raise SandboxStopped(f"sandbox {handle.id} is not running")
-            if not await self.recover(handle):
-                raise SandboxStopped(f"sandbox {handle.id} is not running")
-            live = self._live[handle.id]
-        server = live.server
-        assert server is not None
+        server, env_list, cwd, user, oom_control = await self._exec_context(handle, req)
         if req.stdin is not None and req.stdin_b64 is not None:
             raise InvalidRequest("give stdin or stdin_b64, not both")
         stdin: bytes | None = None
@@ -484,22 +475,11 @@ class ContainerRuntime:
                 stdin = base64.b64decode(req.stdin_b64, validate=True)
             except (binascii.Error, ValueError) as e:
                 raise InvalidRequest(f"stdin_b64 is not valid base64: {e}") from e
-        user_spec = req.user if req.user is not None else state.get("user")
-        user = self._resolve_user(rootfs_path(self._sandbox_dir(handle.id)), user_spec)
-        env = {
-            "PATH": DEFAULT_PATH,
-            "HOSTNAME": state.get("hostname", "sandbox"),
-            "HOME": user.home,
-        }
-        env.update(state.get("env") or {})
-        env.update(req.env)
-        cwd = req.cwd or state.get("workdir") or "/"
-        oom_control = f"{CGROUP_ROOT}/memory/{state.get('cgroup') or self._cgroup_rel(handle.id)}/memory.oom_control"
         oom_before = _oom_kills(oom_control)
         try:
             out = await server.run(
                 req.argv(),
-                [f"{k}={v}" for k, v in env.items()],
+                env_list,
                 cwd,
                 user.uid,
                 user.gid,
@@ -510,12 +490,7 @@ class ContainerRuntime:
                 sink,
             )
         except (SandboxStopped, SandboxError) as e:
-            if not await self.alive(handle):
-                raise SandboxStopped(
-                    f"sandbox {handle.id} stopped while running the command"
-                ) from None
-            if isinstance(e, SandboxStopped):
-                raise SandboxError(f"the exec server of {handle.id} went away") from None
+            await self._explain_exec_failure(handle, e)
             raise
         oom_after = _oom_kills(oom_control)
         return ExecResult(
@@ -529,6 +504,75 @@ class ContainerRuntime:
             duration_ms=out.duration_ms,
             oom_killed=oom_after > oom_before,
         )
+
+    async def _explain_exec_failure(self, handle: Handle, e: DsecError) -> None:
+        """Turn an exec server failure into ``SandboxStopped`` (sandbox gone) or ``SandboxError``."""
+        if not await self.alive(handle):
+            raise SandboxStopped(f"sandbox {handle.id} stopped while running the command") from None
+        if isinstance(e, SandboxStopped):
+            raise SandboxError(f"the exec server of {handle.id} went away") from None
+
+    async def _exec_context(
+        self, handle: Handle, req: ExecRequest
+    ) -> tuple[ExecServer, list[str], str, ResolvedUser, str]:
+        """The live exec server (recovered if needed), environment, cwd, user and the
+        ``memory.oom_control`` path for running ``req`` in the sandbox."""
+        state = self._load_state(handle)
+        live = self._live.get(handle.id)
+        if live is None or live.server is None or not live.server.alive:
+            if not await self.alive(handle):
+                raise SandboxStopped(f"sandbox {handle.id} is not running")
+            if not await self.recover(handle):
+                raise SandboxStopped(f"sandbox {handle.id} is not running")
+            live = self._live[handle.id]
+        server = live.server
+        assert server is not None
+        user_spec = req.user if req.user is not None else state.get("user")
+        user = self._resolve_user(rootfs_path(self._sandbox_dir(handle.id)), user_spec)
+        env = {
+            "PATH": DEFAULT_PATH,
+            "HOSTNAME": state.get("hostname", "sandbox"),
+            "HOME": user.home,
+        }
+        env.update(state.get("env") or {})
+        env.update(req.env)
+        cwd = req.cwd or state.get("workdir") or "/"
+        oom_control = f"{CGROUP_ROOT}/memory/{state.get('cgroup') or self._cgroup_rel(handle.id)}/memory.oom_control"
+        return server, [f"{k}={v}" for k, v in env.items()], cwd, user, oom_control
+
+    async def start_process(
+        self,
+        handle: Handle,
+        req: ExecRequest,
+        *,
+        stdin: bool,
+        pty: TerminalSize | None,
+    ) -> ContainerProcess:
+        """Start ``req`` and return while it runs (interactive processes, e.g. for E2B).
+
+        ``stdin``: keep its stdin open for writes (else it reads EOF; ``req.stdin`` is
+        ignored). ``pty``: run it on a new terminal of that size (cols x rows) instead of
+        pipes. ``req.timeout_s`` (seconds) kills its process group.
+        """
+        server, env_list, cwd, user, oom_control = await self._exec_context(handle, req)
+        oom_before = _oom_kills(oom_control)
+        try:
+            execution = await server.start_process(
+                req.argv(),
+                env_list,
+                cwd,
+                user.uid,
+                user.gid,
+                user.groups,
+                stdin=stdin,
+                pty=pty,
+                timeout_s=req.timeout_s,
+                max_output_bytes=req.max_output_bytes,
+            )
+        except (SandboxStopped, SandboxError) as e:
+            await self._explain_exec_failure(handle, e)
+            raise
+        return ContainerProcess(self, handle, execution, oom_control, oom_before)
 
     def files(self, handle: Handle) -> SandboxFiles:
         """File access confined to the sandbox's root; new files belong to its default user."""
@@ -734,6 +778,76 @@ class ContainerRuntime:
                     state["oci_runtime"] = shutil.which(root.name)
                     state["state_root"] = str(root)
         await self._destroy(Handle(sandbox_id, state), keep_live=False)
+
+
+class ContainerProcess:
+    """A process started by :meth:`ContainerRuntime.start_process`.
+
+    Implements ``dsec.e2b.interactive.InteractiveProcess``: read output until ``None``,
+    then :meth:`wait` for the :class:`ExecResult` (its stdout/stderr are empty: they
+    were streamed).
+    """
+
+    def __init__(
+        self,
+        runtime: ContainerRuntime,
+        handle: Handle,
+        execution: InteractiveExecution,
+        oom_control: str,
+        oom_before: int,
+    ) -> None:
+        self._runtime = runtime
+        self._handle = handle
+        self._execution = execution
+        self._oom_control = oom_control
+        self._oom_before = oom_before
+
+    async def read_output(self) -> tuple[str, bytes] | None:
+        """The next ``(stream, bytes)`` (``stdout``, ``stderr`` or ``pty``), ``None`` at the end."""
+        return await self._execution.read_output()
+
+    async def write_stdin(self, data: bytes) -> None:
+        """Write ``data`` to stdin (terminal input with a pty); ``Conflict`` once closed."""
+        await self._execution.write_stdin(data)
+
+    async def close_stdin(self) -> None:
+        """Close stdin (EOF; with a pty: ^D). Idempotent."""
+        await self._execution.close_stdin()
+
+    async def signal(self, signum: int) -> None:
+        """Send ``signum`` to the process group; a no-op once it exited."""
+        await self._execution.signal(signum)
+
+    async def resize(self, size: TerminalSize) -> None:
+        """Resize its terminal; ``CapabilityNotSupported`` if it has none."""
+        if not self._execution.has_pty:
+            raise CapabilityNotSupported("the process has no terminal (start it with a pty)")
+        self._execution.resize(size)
+
+    async def wait(self) -> ExecResult:
+        """Wait for exit. ``SandboxStopped`` if the sandbox went away meanwhile."""
+        try:
+            out = await self._execution.wait()
+        except (SandboxStopped, SandboxError) as e:
+            if self._execution.server_closed_by_edge:
+                raise SandboxStopped(
+                    f"sandbox {self._handle.id} was stopped while the process ran"
+                ) from None
+            await self._runtime._explain_exec_failure(self._handle, e)
+            raise
+        return ExecResult(
+            exit_code=out.exit_code,
+            signal=out.signal,
+            timed_out=out.timed_out,
+            stdout_truncated=out.stdout_truncated,
+            stderr_truncated=out.stderr_truncated,
+            duration_ms=out.duration_ms,
+            oom_killed=_oom_kills(self._oom_control) > self._oom_before,
+        )
+
+    def close(self) -> None:
+        """Kill the process if it still runs and drop its output."""
+        self._execution.close()
 
 
 def _private_tmpfs_dir(name: str) -> Path | None:

@@ -1,0 +1,313 @@
+"""The unmodified ``e2b`` SDK against a real ``dsec serve`` on the container tier.
+
+A full server (apiserver + edge, ``dsec.server.BackgroundServer``) with the container
+runtime; the SDK is pointed at it through ``E2B_API_URL=<url>/e2b``,
+``E2B_SANDBOX_URL=<url>/e2b/envd`` and ``E2B_API_KEY``, as a user would. Template
+``container/busybox`` is the dsec image ``busybox`` (built once into the shared test
+layer cache). Interactive processes (stdin after start, kill, connect, pty) go through
+the edge's ``start_process`` and the container exec server.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2b.sandbox.commands.command_handle import PtySize
+
+from e2b import (
+    CommandExitException,
+    FileNotFoundException,
+    FileType,
+    Sandbox,
+    SandboxNotFoundException,
+    SandboxQuery,
+    TimeoutException,
+)
+
+pytestmark = pytest.mark.root
+
+TEMPLATE = "container/busybox"
+
+
+class RealServer:
+    """The server's URLs and keys (``other_key`` belongs to another owner)."""
+
+    def __init__(self, url: str, api_key: str, other_key: str, bg: Any) -> None:
+        self.url = url
+        self.api_key = api_key
+        self.other_key = other_key
+        self.bg = bg
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[RealServer]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    from dsec.server import BackgroundServer
+
+    base = Path(os.environ.get("DSEC_TEST_HOME", f"/tmp/dsec-test-{os.getpid()}"))
+    home = base / "e2b-real"
+    cache = Path(os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers"))
+    cache.mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "layers").exists():
+        (home / "layers").symlink_to(cache, target_is_directory=True)
+    with BackgroundServer(home, tiers=["container"]) as bg:
+        assert bg.edge is not None
+        if "container" not in bg.edge.runtimes:
+            pytest.skip("the container tier is not available on this node")
+        bg.call(bg.edge.layers.ensure_image("busybox"))
+        env = {
+            "E2B_API_URL": f"{bg.url}/e2b",
+            "E2B_SANDBOX_URL": f"{bg.url}/e2b/envd",
+            "E2B_API_KEY": bg.api_key,
+        }
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield RealServer(bg.url, bg.api_key, bg.keys.create_key("e2b-other"), bg)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sbx(real: RealServer) -> Iterator[Sandbox]:
+    s = Sandbox.create(TEMPLATE, envs={"GREETING": "hello"}, metadata={"suite": "real"})
+    yield s
+    s.kill()
+
+
+def test_lifecycle_list_info_timeout_pause_connect_kill(real: RealServer) -> None:
+    s = Sandbox.create(TEMPLATE, timeout=120, metadata={"batch": "real-lc"}, envs={"A": "1"})
+    try:
+        info = s.get_info()
+        assert info.sandbox_id == s.sandbox_id and info.metadata == {"batch": "real-lc"}
+        assert 100 < (info.end_at - info.started_at).total_seconds() <= 121
+        s.set_timeout(600)
+        assert (s.get_info().end_at - info.started_at).total_seconds() > 590
+        listed = Sandbox.list(query=SandboxQuery(metadata={"batch": "real-lc"})).next_items()
+        assert [x.sandbox_id for x in listed] == [s.sandbox_id]
+        assert s.commands.run("echo a=$A").stdout == "a=1\n"
+        s.commands.run("echo kept > /tmp/state")
+
+        assert s.pause() is True
+        assert s.get_info().state.value == "paused"
+        again = Sandbox.connect(s.sandbox_id)  # resumes it
+        assert s.get_info().state.value == "running"
+        assert again.commands.run("cat /tmp/state").stdout == "kept\n"
+
+        # another key's owner sees nothing
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.connect(s.sandbox_id, api_key=real.other_key)
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.get_info(s.sandbox_id, api_key=real.other_key)
+        assert Sandbox.kill(s.sandbox_id, api_key=real.other_key) is False
+        others = Sandbox.list(api_key=real.other_key).next_items()
+        assert s.sandbox_id not in {x.sandbox_id for x in others}
+    finally:
+        assert s.kill() is True
+    assert s.kill() is False
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(s.sandbox_id)
+
+
+def test_run_foreground(sbx: Sandbox) -> None:
+    r = sbx.commands.run("echo $GREETING $EXTRA; pwd; id -u", envs={"EXTRA": "world"}, cwd="/tmp")
+    assert r.stdout == "hello world\n/tmp\n0\n" and r.exit_code == 0
+    assert sbx.commands.run("id -u", user="65534").stdout == "65534\n"
+    out: list[str] = []
+    err: list[str] = []
+    r = sbx.commands.run(
+        "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.05; done",
+        on_stdout=out.append,
+        on_stderr=err.append,
+    )
+    assert "".join(out) == "out1\nout2\nout3\n" and len(out) == 3
+    assert "".join(err) == "err1\nerr2\nerr3\n"
+    # more output than the edge buffers (1 MiB) and the pipes hold: nothing lost
+    big = sbx.commands.run("head -c 3000000 /dev/zero | tr '\\0' a")
+    assert len(big.stdout) == 3_000_000 and set(big.stdout) == {"a"}
+    with pytest.raises(CommandExitException) as exc:
+        sbx.commands.run("echo partial; exit 3")
+    assert exc.value.exit_code == 3 and exc.value.stdout == "partial\n"
+    started = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30", timeout=1)
+    assert time.monotonic() - started < 10
+    wait_no_processes(sbx)  # the timed-out command was killed
+
+
+def wait_no_processes(sbx: Sandbox, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sbx.commands.list() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sbx.commands.list() == []
+
+
+def test_background_stdin_list_connect_kill(sbx: Sandbox) -> None:
+    wait_no_processes(sbx)
+    handle = sbx.commands.run("cat; echo eof >&2", background=True, stdin=True)
+    assert [p.pid for p in sbx.commands.list()] == [handle.pid]
+    sbx.commands.send_stdin(handle.pid, "line one\n")
+    sbx.commands.send_stdin(handle.pid, "two\n")
+    sbx.commands.close_stdin(handle.pid)
+    result = handle.wait()
+    assert result.stdout == "line one\ntwo\n" and result.stderr == "eof\n"
+    assert result.exit_code == 0
+
+    sleeper = sbx.commands.run("echo started; sleep 30", background=True)
+    attached = sbx.commands.connect(sleeper.pid)
+    assert {p.pid for p in sbx.commands.list()} == {sleeper.pid}
+    assert sbx.commands.kill(sleeper.pid) is True
+    with pytest.raises(CommandExitException):
+        sleeper.wait()
+    with pytest.raises(CommandExitException):
+        attached.wait()
+    assert sbx.commands.kill(sleeper.pid) is False
+    wait_no_processes(sbx)
+    # the process group died with it: no sleep left in the sandbox
+    ps = sbx.commands.run("ps -o pid,args").stdout
+    assert "ps -o pid,args" in ps and "sleep 30" not in ps
+
+
+def test_pty(sbx: Sandbox) -> None:
+    out = bytearray()
+    term = sbx.pty.create(PtySize(rows=24, cols=100), timeout=20)
+    sbx.pty.resize(term.pid, PtySize(rows=30, cols=120))
+    sbx.pty.send_stdin(term.pid, b"stty size; [ -t 0 ] && echo is-tty; echo pty-$((40+2))\n")
+    sbx.pty.send_stdin(term.pid, b"exit 0\n")
+    result = term.wait(on_pty=out.extend)
+    assert result.exit_code == 0
+    text = out.decode(errors="replace")
+    assert "pty-42" in text and "30 120" in text and "is-tty" in text
+
+
+def test_files(sbx: Sandbox) -> None:
+    info = sbx.files.write("/srv/dir/a.txt", "alpha")
+    assert info.path == "/srv/dir/a.txt" and info.type == FileType.FILE
+    assert sbx.files.read("/srv/dir/a.txt") == "alpha"
+    assert sbx.commands.run("cat /srv/dir/a.txt").stdout == "alpha"
+    blob = bytes(range(256)) * 40
+    sbx.files.write_files(
+        [{"path": "/srv/dir/b.bin", "data": blob}, {"path": "/srv/dir/sub/c.txt", "data": "c"}]
+    )
+    assert bytes(sbx.files.read("/srv/dir/b.bin", format="bytes")) == blob
+    assert sorted(e.name for e in sbx.files.list("/srv/dir")) == ["a.txt", "b.bin", "sub"]
+    assert "/srv/dir/sub/c.txt" in {e.path for e in sbx.files.list("/srv/dir", depth=2)}
+    st = sbx.files.get_info("/srv/dir/b.bin")
+    assert st.size == len(blob) and st.type == FileType.FILE
+    assert sbx.files.exists("/srv/dir/a.txt") and not sbx.files.exists("/nope")
+    moved = sbx.files.rename("/srv/dir/a.txt", "/srv/moved.txt")
+    assert moved.path == "/srv/moved.txt" and not sbx.files.exists("/srv/dir/a.txt")
+    assert sbx.files.make_dir("/srv/newdir") is True
+    assert sbx.files.make_dir("/srv/newdir") is False
+    assert sbx.files.get_info("/srv/newdir").type == FileType.DIR
+    sbx.files.remove("/srv/dir")
+    assert not sbx.files.exists("/srv/dir/sub/c.txt")
+    with pytest.raises(FileNotFoundException):
+        sbx.files.read("/srv/missing.txt")
+
+
+def test_edge_start_process_directly(real: RealServer, sbx: Sandbox) -> None:
+    """``EdgeAgent.start_process`` (the InteractiveExec the E2B layer uses), without the SDK."""
+    import asyncio
+    import json
+    import signal
+
+    from dsec.e2b.interactive import InteractiveProcess, PtySize
+    from dsec.errors import CapabilityNotSupported, Conflict, SandboxNotFound
+    from dsec.models import ExecRequest
+
+    edge = real.bg.edge
+    sid = sbx.sandbox_id
+    owner = edge.registry.get(sid).owner
+
+    async def drain(p: InteractiveProcess) -> list[tuple[str, bytes]]:
+        chunks: list[tuple[str, bytes]] = []
+        while (c := await p.read_output()) is not None:
+            chunks.append(c)
+        return chunks
+
+    async def scenario() -> None:
+        p = await edge.start_process(sid, owner, ExecRequest(cmd="cat; echo bye >&2"), stdin=True)
+        assert isinstance(p, InteractiveProcess)
+        await p.write_stdin(b"ping\n")
+        assert await p.read_output() == ("stdout", b"ping\n")
+        with pytest.raises(CapabilityNotSupported):
+            await p.resize(PtySize(80, 24))
+        await p.close_stdin()
+        assert await drain(p) == [("stderr", b"bye\n")]
+        res = await p.wait()
+        assert res.exit_code == 0 and res.stdout == ""
+        with pytest.raises(Conflict):
+            await p.write_stdin(b"late")
+        await p.signal(signal.SIGKILL)  # after exit: a no-op
+
+        # a signal right after start reaches the command (even before its setsid)
+        p = await edge.start_process(sid, owner, ExecRequest(cmd="sleep 30"))
+        await p.signal(signal.SIGTERM)
+        assert await drain(p) == []
+        assert (await asyncio.wait_for(p.wait(), 5)).signal == signal.SIGTERM
+
+        p = await edge.start_process(sid, owner, ExecRequest(cmd="sleep 30", timeout_s=0.3))
+        await drain(p)
+        res = await p.wait()
+        assert res.timed_out and res.signal == signal.SIGKILL
+
+        p = await edge.start_process(sid, owner, ExecRequest(cmd=["/no/such/binary"]))
+        assert b"/no/such/binary" in b"".join(c for _, c in await drain(p))
+        assert (await p.wait()).exit_code == 127
+
+        p = await edge.start_process(
+            sid, owner, ExecRequest(cmd="stty size; exit 5"), stdin=True, pty=PtySize(91, 17)
+        )
+        out = b"".join(c for kind, c in await drain(p) if kind == "pty")
+        assert b"17 91" in out and (await p.wait()).exit_code == 5
+
+        with pytest.raises(SandboxNotFound):
+            await edge.start_process(sid, "someone-else", ExecRequest(cmd="true"))
+
+        await asyncio.sleep(0.2)  # the trajectory entry is committed just after the exit
+        lines = (await edge.export_trajectory(sid, owner)).splitlines()
+        entries = [json.loads(x) for x in lines if '"interactive":true' in x.replace(" ", "")]
+        stty = [e for e in entries if e["request"].get("pty") == {"cols": 91, "rows": 17}]
+        assert stty and stty[-1]["status"] == "ok" and stty[-1]["result"]["exit_code"] == 5
+
+    real.bg.call(scenario(), timeout=60)
+
+
+def test_process_survives_pause_and_ends_with_its_sandbox(real: RealServer) -> None:
+    from dsec.errors import SandboxStopped
+    from dsec.models import CreateSandboxRequest, ExecRequest
+
+    edge = real.bg.edge
+
+    async def scenario() -> None:
+        req = CreateSandboxRequest(tier="container", image="busybox")
+        sid = (await edge.create_sandbox(req, "e2b-real-owner")).id
+        p = await edge.start_process(sid, "e2b-real-owner", ExecRequest(cmd="cat"), stdin=True)
+        await p.write_stdin(b"before\n")
+        assert await p.read_output() == ("stdout", b"before\n")
+        await edge.pause_sandbox(sid, "e2b-real-owner")
+        await edge.resume_sandbox(sid, "e2b-real-owner")
+        await p.write_stdin(b"after\n")
+        assert await p.read_output() == ("stdout", b"after\n")
+        sleeper = await edge.start_process(sid, "e2b-real-owner", ExecRequest(cmd="sleep 60"))
+        await edge.kill_sandbox(sid, "e2b-real-owner")
+        assert await p.read_output() is None and await sleeper.read_output() is None
+        for proc in (p, sleeper):
+            with pytest.raises(SandboxStopped):
+                await proc.wait()
+
+    real.bg.call(scenario(), timeout=60)
