@@ -207,5 +207,8 @@ def test_unread_background_output_never_stalls_the_process(sbx: Sandbox) -> None
     while not sbx.files.exists("/tmp/chatty-done") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sbx.files.read("/tmp/chatty-done") == "done\n"
+    # the process exits right after writing the marker; give the table a moment to notice
+    while sbx.commands.list() and time.monotonic() < deadline + 10:
+        time.sleep(0.1)
     assert sbx.commands.list() == []
     handle.disconnect()
