@@ -380,7 +380,10 @@ def test_tarball_layer_with_whiteout_hides_lower_file(node: Node) -> None:
 
 @pytest.mark.slow
 @pytest.mark.debian
-async def test_debian_image_builds_and_runs_python(node: Node) -> None:
+async def test_debian_image_builds_and_runs_python(node: Node, shared_layers: Path) -> None:
+    # the session's shared layer cache: debootstrap runs once per machine, not once per test
+    node.store.close()
+    node.store = LayerStore(shared_layers, node.home / "images")
     t0 = time.perf_counter()
     image = await node.store.ensure_image("debian")
     elapsed = time.perf_counter() - t0
