@@ -68,7 +68,10 @@ def _build_image(home: Path) -> BusyboxImage:
 def vm_home() -> Iterator[Path]:
     VM_HOME.mkdir(parents=True, exist_ok=True)
     yield VM_HOME
-    # session teardown: templates (RAM files on /dev/shm), cgroup parents
+    # session teardown: templates of both tiers (RAM files on /dev/shm), cgroup parents
+    from dsec.runtimes.vm import VMRuntime
+
+    VMRuntime(Paths(VM_HOME)).remove_templates()
     rt = MicroVMRuntime(Paths(VM_HOME))
     rt.remove_templates()
     for c in CONTROLLERS:

@@ -17,6 +17,8 @@ import pytest
 from dsec.config import Paths
 from dsec.errors import (
     FileNotFound,
+    InvalidRequest,
+    PathOutsideSandbox,
     PayloadTooLarge,
     QuotaExceeded,
     SandboxError,
@@ -36,6 +38,37 @@ MakeVM = Callable[..., Awaitable[Handle]]
 
 def _exists(path: str | Path) -> bool:
     return os.path.exists(path)
+
+
+def _tar(*members: tarfile.TarInfo) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for m in members:
+            tf.addfile(m, io.BytesIO(b"x" * m.size) if m.isfile() else None)
+    return buf.getvalue()
+
+
+def _member(
+    name: str, kind: bytes = tarfile.REGTYPE, link: str = "", size: int = 1
+) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.linkname, ti.size = kind, link, size if kind == tarfile.REGTYPE else 0
+    return ti
+
+
+def _escaping_tars() -> list[bytes]:
+    """Archives upload_tar must refuse: ``..``, absolute names, a hard link out of the
+    archive, a device node, a PAX path that climbs out."""
+    pax = _member("innocent.txt")
+    pax.pax_headers = {"path": "../../pax-escape"}
+    return [
+        _tar(_member("../../escape.txt")),
+        _tar(_member("ok/../../escape.txt")),
+        _tar(_member("/etc/escape")),
+        _tar(_member("link", tarfile.LNKTYPE, "../../etc/passwd")),
+        _tar(_member("dev", tarfile.CHRTYPE)),
+        _tar(pax),
+    ]
 
 
 def test_protocols(microvm: MicroVMRuntime) -> None:
@@ -64,18 +97,33 @@ async def test_exec_from_template(microvm: MicroVMRuntime, make_vm: MakeVM) -> N
     # its own kernel, not the host's
     r = await microvm.exec(h, ExecRequest(cmd="uname -r"))
     assert r.stdout.strip() != os.uname().release and "cloud" in r.stdout
-    # limits: one vCPU, ~256 MiB guest RAM, QEMU inside a cgroup with quota and memory limit
+    # limits: one vCPU; guest RAM = 256 MiB for the commands + the guest kernel's reserve;
+    # every command in a guest cgroup holding it to memory_mb and pids; QEMU inside a host
+    # cgroup with quota and memory limit
     r = await microvm.exec(
-        h, ExecRequest(cmd="grep -c ^processor /proc/cpuinfo; grep MemTotal /proc/meminfo")
+        h,
+        ExecRequest(
+            cmd="grep -c ^processor /proc/cpuinfo; grep MemTotal /proc/meminfo; cat /proc/self/cgroup"
+        ),
     )
     lines = r.stdout.split("\n")
     assert lines[0] == "1"
-    assert 200_000 < int(lines[1].split()[1]) <= 262_144
+    ram_kib = microvm.guest_ram_mb(256) * 1024
+    assert ram_kib - 100_000 < int(lines[1].split()[1]) <= ram_kib
+    assert lines[2].startswith("0::/cmd/c")
+    r = await microvm.exec(
+        h,
+        ExecRequest(
+            cmd="mount -t cgroup2 none /sys/fs/cgroup && cat /sys/fs/cgroup/cmd/memory.max "
+            "/sys/fs/cgroup/cmd/pids.max; umount /sys/fs/cgroup"
+        ),
+    )
+    assert r.stdout.split() == [str(256 << 20), "256"], r.stderr
     cg = microvm._cgroup(h.id)
     assert h.state["pid"] in cg.procs()
     assert (cg.path("cpu") / "cpu.cfs_quota_us").read_text().strip() == "100000"
     limit = int((cg.path("memory") / "memory.limit_in_bytes").read_text())
-    assert limit == (256 + microvm.config.qemu_overhead_mb) << 20
+    assert limit == (microvm.guest_ram_mb(256) + microvm.config.qemu_overhead_mb) << 20
 
 
 async def test_files(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
@@ -105,11 +153,26 @@ async def test_files(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
         tf.addfile(ti, io.BytesIO(data))
     assert await f.upload_tar("/dst", buf.getvalue()) == 1
     assert await f.read("/dst/pkg/x.txt", 100) == b"tarred\n"
+    # a directory's archive lists its entries relative to it (what upload_tar takes back)
+    await f.write("/dst/pkg/sub/y.txt", b"y")
     out = await f.download_tar("/dst/pkg", 1 << 20)
     with tarfile.open(fileobj=io.BytesIO(out)) as tf:
-        assert sorted(tf.getnames()) == ["pkg", "pkg/x.txt"]
+        assert sorted(tf.getnames()) == ["sub", "sub/y.txt", "x.txt"]
+    assert await f.upload_tar("/copy", out) == 3
+    assert await f.read("/copy/sub/y.txt", 10) == b"y"
+    # a file's archive holds it under its own name
+    with tarfile.open(fileobj=io.BytesIO(await f.download_tar("/dst/pkg/x.txt", 1 << 20))) as tf:
+        assert tf.getnames() == ["x.txt"]
     with pytest.raises(PayloadTooLarge):
         await f.download_tar("/bin", 100)
+    # escaping members are refused before anything is extracted
+    for bad in _escaping_tars():
+        with pytest.raises(InvalidRequest) as ei:
+            await f.upload_tar("/dst", bad)
+        assert ei.value.code in ("path_outside_sandbox", "invalid_request")
+    assert (await f.list("/dst", 1))[0].path == "/dst/pkg" and len(await f.list("/dst", 1)) == 1
+    with pytest.raises(PathOutsideSandbox):
+        await f.read("/../../etc/passwd", 100)
     await f.remove("/work", recursive=True)
     with pytest.raises(FileNotFound):
         await f.stat("/work")
@@ -302,3 +365,23 @@ async def test_full_writable_layer_is_a_typed_error(
         await microvm.files(h).write("/big", b"\0" * (10 << 20))
     r = await microvm.exec(h, ExecRequest(cmd="rm -f /big; echo still fine"))
     assert r.stdout == "still fine\n"
+
+
+async def test_guest_limits_hold(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    """memory_mb and pids hold inside the guest; what exceeds them dies visibly, the sandbox
+    and its agent live on; a timeout kills the command's whole cgroup (setsid'ed children
+    too)."""
+    h = await make_vm(memory_mb=64, pids=32)
+    r = await microvm.exec(h, ExecRequest(cmd="awk 'BEGIN{s=\"x\"; while(1) s=s s}'", timeout_s=60))
+    assert r.signal == 9 and r.oom_killed and not r.timed_out, r
+    r = await microvm.exec(
+        h, ExecRequest(cmd="i=0; while [ $i -lt 100 ]; do sleep 5 & i=$((i+1)); done; wait")
+    )
+    assert r.exit_code != 0 and "fork" in r.stderr.lower(), r
+    await microvm.exec(h, ExecRequest(cmd="kill -9 -1 2>/dev/null; true"))
+    r = await microvm.exec(h, ExecRequest(cmd="setsid sleep 300 & sleep 300", timeout_s=1))
+    assert r.timed_out
+    r = await microvm.exec(h, ExecRequest(cmd="sleep 1; ps -o args | grep -c '^sleep 300' || true"))
+    assert r.stdout.strip() == "0", r.stdout
+    r = await microvm.exec(h, ExecRequest(cmd="echo survived"))
+    assert r.stdout == "survived\n" and not r.oom_killed

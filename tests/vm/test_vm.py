@@ -1,21 +1,36 @@
-"""The vm tier: a q35 machine with a qcow2 writable disk and a display driven over QMP."""
+"""The vm tier: a q35 machine with a qcow2 writable disk, restored from templates like the
+microvm tier, and a display driven over QMP, through the HTTP display API and the SDK."""
 
 from __future__ import annotations
 
 import asyncio
 import string
+import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import pytest
 
+from dsec.apiserver.app import create_app
+from dsec.apiserver.auth import StaticKeys, owner_id
+from dsec.apiserver.routes_display import DisplayEdge
 from dsec.config import Paths
-from dsec.errors import InvalidRequest
-from dsec.models import ExecRequest
+from dsec.errors import (
+    CapabilityNotSupported,
+    FileNotFound,
+    InvalidRequest,
+    SandboxNotFound,
+)
+from dsec.models import ExecRequest, SandboxInfo
 from dsec.runtimes.base import Handle, Pausable, Runtime
 from dsec.runtimes.microvm import MicroVMConfig
 from dsec.runtimes.microvm.qemu import pid_alive
 from dsec.runtimes.vm import VMRuntime
+from dsec.sdk.client import AsyncClient
+from dsec.sdk.display import AsyncDisplay
+from dsec.sdk.sandbox import AsyncSandbox
 
 from .conftest import BusyboxImage, new_spec
 from .screen_text import decode_png, learn_glyphs, read_screen
@@ -23,71 +38,162 @@ from .screen_text import decode_png, learn_glyphs, read_screen
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(180)]
 
 CHARSET = string.ascii_letters + string.digits + string.punctuation
+API_KEY = "dsec_vm_display_test_key"
+
+
+class RuntimeDisplayEdge:
+    """A :class:`DisplayEdge` over one VMRuntime and a fixed set of sandboxes of one owner:
+    what the edge does (ownership check, then the runtime), without the rest of the edge."""
+
+    def __init__(self, rt: VMRuntime, handles: list[Handle]) -> None:
+        self.rt = rt
+        self.handles = {h.id: h for h in handles}
+        self.owner = owner_id(API_KEY)
+
+    def _handle(self, sandbox_id: str, owner: str) -> Handle:
+        if owner != self.owner or sandbox_id not in self.handles:
+            raise SandboxNotFound(f"no sandbox {sandbox_id}")
+        return self.handles[sandbox_id]
+
+    async def display_screenshot(self, sandbox_id: str, owner: str) -> bytes:
+        return await self.rt.screenshot(self._handle(sandbox_id, owner))
+
+    async def display_click(self, sandbox_id: str, owner: str, x: int, y: int, button: str) -> None:
+        await self.rt.click(self._handle(sandbox_id, owner), x, y, button)
+
+    async def display_type(self, sandbox_id: str, owner: str, text: str) -> None:
+        await self.rt.type(self._handle(sandbox_id, owner), text)
+
+    async def display_key(self, sandbox_id: str, owner: str, name: str) -> None:
+        await self.rt.key(self._handle(sandbox_id, owner), name)
+
+
+def _display(edge: object, sandbox_id: str) -> tuple[AsyncDisplay, AsyncClient]:
+    """``sb.display`` of a sandbox served by an apiserver in front of ``edge`` (in-process ASGI)."""
+    app = create_app(edge, StaticKeys([API_KEY]))  # type: ignore[arg-type]
+    client = AsyncClient("http://dsec.test", API_KEY, transport=httpx.ASGITransport(app=app))
+    now = datetime.now(UTC)
+    info = SandboxInfo(
+        id=sandbox_id, tier="vm", image="busybox", state="running", cpu=1.0, memory_mb=256,
+        disk_mb=96, node="test", created_at=now, updated_at=now,
+    )  # fmt: skip
+    return AsyncDisplay(AsyncSandbox(info, client, owns_client=False)), client
+
+
+@pytest.fixture
+async def vm_runtime(vm_home: Path) -> AsyncIterator[VMRuntime]:
+    rt = VMRuntime(Paths(vm_home), MicroVMConfig(exec_grace_s=3.0, pool_size=1))
+    await rt.start()
+    assert rt.capabilities().available, rt.capabilities().reason
+    yield rt
+    await rt.close()
 
 
 @pytest.fixture
 async def vm_sandbox(
-    vm_home: Path, busybox_image: BusyboxImage
+    vm_runtime: VMRuntime, busybox_image: BusyboxImage
 ) -> AsyncIterator[tuple[VMRuntime, Handle]]:
-    rt = VMRuntime(Paths(vm_home), MicroVMConfig(exec_grace_s=3.0))
-    await rt.start()
-    assert rt.capabilities().available, rt.capabilities().reason
+    rt = vm_runtime
     h = await rt.create(new_spec(busybox_image, tier="vm", disk_mb=96))
     try:
         yield rt, h
     finally:
         await rt.destroy(h)
-        await rt.close()
     assert not pid_alive(h.state["pid"])
+    assert not rt.disk_of(h).exists()
 
 
-async def _screen_lines(rt: VMRuntime, h: Handle, glyphs: dict[tuple[bool, ...], str]) -> list[str]:
-    px = await asyncio.to_thread(decode_png, await rt.screenshot(h))
+async def _screen_lines(display: AsyncDisplay, glyphs: dict[tuple[bool, ...], str]) -> list[str]:
+    px = await asyncio.to_thread(decode_png, await display.screenshot())
     return await asyncio.to_thread(read_screen, px, glyphs)
 
 
-async def test_vm_exec_disk_and_display(vm_sandbox: tuple[VMRuntime, Handle]) -> None:
+async def test_vm_templates_disk_and_display(
+    vm_sandbox: tuple[VMRuntime, Handle], busybox_image: BusyboxImage
+) -> None:
     rt, h = vm_sandbox
     assert isinstance(rt, Runtime) and isinstance(rt, Pausable)
     assert rt.capabilities().display
+    assert rt.last_create["restored"] == 1.0  # cold boot once (the template), then a clone
+    assert isinstance(RuntimeDisplayEdge(rt, []), DisplayEdge)
     # same agent as microvm; the writable layer is the qcow2 disk of disk_mb
-    r = await rt.exec(h, ExecRequest(cmd="df -m / | tail -1; grep -c ' /rw ' /proc/mounts || true"))
+    r = await rt.exec(h, ExecRequest(cmd="df -m / | tail -1"))
     assert 80 <= int(r.stdout.split()[1]) <= 96
-    assert (Path(h.state["dir"]) / "upper.qcow2").exists()
+    assert rt.disk_of(h).exists()
     await rt.files(h).write("/persist.txt", b"kept")
     await rt.pause(h)
     await rt.resume(h)
     assert await rt.files(h).read("/persist.txt", 10) == b"kept"
 
-    # learn the console font from known text the agent writes to tty1
-    await rt.exec(
-        h,
-        ExecRequest(cmd=f"printf '\\033[H\\033[J%s' '{CHARSET.replace(chr(39), '')}' > /dev/tty1"),
-    )
-    await asyncio.sleep(0.5)
-    png = await rt.screenshot(h)
-    assert png.startswith(b"\x89PNG")
-    px = await asyncio.to_thread(decode_png, png)
-    assert (len(px[0]), len(px)) == (720, 400)
-    glyphs = await asyncio.to_thread(learn_glyphs, px, CHARSET.replace("'", ""))
-    space = tuple(False for _ in range(9 * 16))
-    glyphs[space] = " "
+    # a second sandbox is a clone too (from the pool): its own disk over the template's
+    await rt.pool_settled()
+    t0 = time.monotonic()
+    h2 = await rt.create(new_spec(busybox_image, tier="vm", disk_mb=96))
+    try:
+        assert rt.last_create["pooled"] == 1.0 and time.monotonic() - t0 < 3
+        with pytest.raises(FileNotFound):
+            await rt.files(h2).read("/persist.txt", 10)
+        r = await rt.exec(h2, ExecRequest(cmd="echo clone > /c.txt; cat /c.txt; hostname"))
+        assert r.stdout.split("\n")[0] == "clone"
+    finally:
+        await rt.destroy(h2)
+    assert not rt.disk_of(h2).exists()
+    with pytest.raises(FileNotFound):
+        await rt.files(h).read("/c.txt", 10)
 
-    # type on the keyboard into the shell on tty1 and read the result off the screen
-    await rt.exec(h, ExecRequest(cmd="printf '\\033[H\\033[J' > /dev/tty1"))
-    await rt.type(h, "echo dsec-$((6*7))-ok\n")
-    lines: list[str] = []
-    for _ in range(40):
-        await asyncio.sleep(0.25)
-        lines = await _screen_lines(rt, h, glyphs)
-        if any(line.strip() == "dsec-42-ok" for line in lines):
-            break
-    assert any("echo dsec-$((6*7))-ok" in line for line in lines), lines
-    assert any(line.strip() == "dsec-42-ok" for line in lines), lines
+    display, client = _display(RuntimeDisplayEdge(rt, [h]), h.id)
+    try:
+        # learn the console font from known text the agent writes to tty1
+        await rt.exec(
+            h,
+            ExecRequest(
+                cmd=f"printf '\\033[H\\033[J%s' '{CHARSET.replace(chr(39), '')}' > /dev/tty1"
+            ),
+        )
+        await asyncio.sleep(0.5)
+        png = await display.screenshot()
+        assert png.startswith(b"\x89PNG")
+        px = await asyncio.to_thread(decode_png, png)
+        assert (len(px[0]), len(px)) == (720, 400)
+        glyphs = await asyncio.to_thread(learn_glyphs, px, CHARSET.replace("'", ""))
+        glyphs[tuple(False for _ in range(9 * 16))] = " "
 
-    await rt.key(h, "ctrl-c")
-    await rt.click(h, 100, 200)
-    with pytest.raises(InvalidRequest):
-        await rt.click(h, 5000, 5000)
-    with pytest.raises(InvalidRequest):
-        await rt.key(h, "no-such-key-name")
+        # type on the keyboard into the shell on tty1 and read the result off the screen
+        await rt.exec(h, ExecRequest(cmd="printf '\\033[H\\033[J' > /dev/tty1"))
+        await display.type("echo dsec-$((6*7))-ok\n")
+        lines: list[str] = []
+        for _ in range(40):
+            await asyncio.sleep(0.25)
+            lines = await _screen_lines(display, glyphs)
+            if any(line.strip() == "dsec-42-ok" for line in lines):
+                break
+        assert any("echo dsec-$((6*7))-ok" in line for line in lines), lines
+        assert any(line.strip() == "dsec-42-ok" for line in lines), lines
+
+        await display.key("ctrl-c")
+        await display.click(100, 200)
+        await display.click(719, 399, button="right")
+        with pytest.raises(InvalidRequest):
+            await display.click(5000, 5000)  # off the 720x400 screen
+        with pytest.raises(InvalidRequest):
+            await display.click(-1, 3)  # refused by the route's schema
+        with pytest.raises(InvalidRequest):
+            await display.key("no-such-key-name")
+        with pytest.raises(InvalidRequest):
+            await display.type("\u00e9")  # not on a US keyboard
+    finally:
+        await client.close()
+
+    # another owner's (or an unknown) sandbox is not found; an edge without displays says so
+    other, client = _display(RuntimeDisplayEdge(rt, []), h.id)
+    try:
+        with pytest.raises(SandboxNotFound):
+            await other.screenshot()
+    finally:
+        await client.close()
+    plain, client = _display(object(), h.id)
+    try:
+        with pytest.raises(CapabilityNotSupported):
+            await plain.key("enter")
+    finally:
+        await client.close()

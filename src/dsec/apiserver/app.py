@@ -21,6 +21,7 @@ from dsec.apiserver.auth import KeyVerifier
 from dsec.apiserver.errors import install_error_handlers
 from dsec.apiserver.metrics import ApiMetrics
 from dsec.apiserver.middleware import ApiMiddleware
+from dsec.apiserver.routes_display import router as display_router
 from dsec.apiserver.routes_images import router as images_router
 from dsec.apiserver.routes_jobs import router as jobs_router
 from dsec.apiserver.routes_sandboxes import UPLOAD_ROUTES
@@ -75,6 +76,7 @@ def create_app(
     app.include_router(sandboxes_router)
     app.include_router(images_router)
     app.include_router(jobs_router)
+    app.include_router(display_router)
 
     @app.get("/healthz", response_model=Health, tags=["node"], summary="Liveness (no auth)")
     async def healthz() -> Health:

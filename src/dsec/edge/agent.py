@@ -1082,6 +1082,43 @@ class EdgeAgent:
             outcomes={sid: JobOutcome.model_validate(o) for sid, o in outcomes.items()},
         )
 
+    # ------------------------------------------------------------------ display (vm tier)
+    def _display_runtime(self, lv: _Live) -> Any:
+        rt = self.runtimes.get(lv.row.tier)
+        if rt is None or not rt.capabilities().display or not hasattr(rt, "screenshot"):
+            raise CapabilityNotSupported(
+                f"tier {lv.row.tier} has no display (use tier='vm')", tier=lv.row.tier
+            )
+        return rt
+
+    async def display_screenshot(self, sandbox_id: str, owner: str) -> bytes:
+        """The sandbox's screen as PNG bytes."""
+
+        async def run(lv: _Live) -> bytes:
+            return await self._display_runtime(lv).screenshot(lv.handle)
+
+        return await self._use(sandbox_id, owner, run)
+
+    async def display_click(
+        self, sandbox_id: str, owner: str, x: int, y: int, button: str = "left"
+    ) -> None:
+        async def run(lv: _Live) -> None:
+            await self._display_runtime(lv).click(lv.handle, x, y, button)
+
+        await self._use(sandbox_id, owner, run)
+
+    async def display_type(self, sandbox_id: str, owner: str, text: str) -> None:
+        async def run(lv: _Live) -> None:
+            await self._display_runtime(lv).type(lv.handle, text)
+
+        await self._use(sandbox_id, owner, run)
+
+    async def display_key(self, sandbox_id: str, owner: str, name: str) -> None:
+        async def run(lv: _Live) -> None:
+            await self._display_runtime(lv).key(lv.handle, name)
+
+        await self._use(sandbox_id, owner, run)
+
     # ------------------------------------------------------------------ network
     async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo:
         """Replace a running sandbox's network policy; new connections see it at once."""

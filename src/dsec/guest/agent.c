@@ -89,11 +89,16 @@ struct exec_state {
     int trunc_out, trunc_err;
     int64_t start_ms, deadline_ms, exit_ms;
     int exited, status, timed_out;
+    char cgroup[32]; /* leaf under the commands cgroup ("" if cgroups are unavailable) */
 };
 
 static int port_fd = -1;
 static int busybox_fd = -1;
 static int upper_fd = -1;
+static int cmd_cg_fd = -1; /* O_PATH fd of the commands cgroup (cgroup2, outside the chroot) */
+static unsigned long exec_seq;
+#define MAX_STALE_CGROUPS 256
+static char stale_cgroups[MAX_STALE_CGROUPS][32]; /* leaves still holding background processes */
 static struct exec_state execs[MAX_EXECS];
 
 static int64_t now_ms(void) {
@@ -325,6 +330,16 @@ static void reply_stat(uint32_t id, const char *path) {
     list_free(&l);
 }
 
+/* 1 if `p` is absolute and has no ".." component. The host sends normalised paths; the agent
+ * still refuses anything else so that no request can walk above a directory it names. */
+static int path_ok(const char *p) {
+    if (!p || p[0] != '/') return 0;
+    for (const char *c = p; (c = strstr(c, "..")) != NULL; c += 2) {
+        if (c[-1] == '/' && (c[2] == '/' || c[2] == 0)) return 0;
+    }
+    return 1;
+}
+
 static void do_file_op(uint32_t id, uint16_t op, int nargs, struct arg *a) {
     if (nargs < 1) {
         send_err(id, EINVAL, "missing path");
@@ -334,6 +349,11 @@ static void do_file_op(uint32_t id, uint16_t op, int nargs, struct arg *a) {
     char *path2 = NULL;
     if (!path) {
         send_err(id, ENOMEM, "alloc");
+        return;
+    }
+    if (!path_ok(path) || strlen(path) != a[0].n) {
+        send_err(id, EINVAL, "path must be absolute, without '..' or NUL");
+        free(path);
         return;
     }
     switch (op) {
@@ -486,6 +506,10 @@ static void do_file_op(uint32_t id, uint16_t op, int nargs, struct arg *a) {
             break;
         }
         path2 = arg_str(&a[1]);
+        if (path2 && (!path_ok(path2) || strlen(path2) != a[1].n)) {
+            send_err(id, EINVAL, "path must be absolute, without '..' or NUL");
+            break;
+        }
         if (!path2 || rename(path, path2) < 0) {
             send_err(id, path2 ? errno : ENOMEM, path);
             break;
@@ -500,10 +524,121 @@ static void do_file_op(uint32_t id, uint16_t op, int nargs, struct arg *a) {
     free(path2);
 }
 
+/* ------------------------------------------------------------------ guest cgroups
+ *
+ * Every command runs in its own leaf cgroup under /cgroup/cmd (cgroup2, mounted outside the
+ * chroot: the sandbox's processes do not see it unless they mount cgroup2 themselves). The
+ * "cmd" cgroup carries the sandbox's limits: pids.max (the create request's `pids`, set by
+ * SETUP) and memory.max (guest RAM minus a reserve for the kernel and this agent), so a fork
+ * bomb or a memory hog is stopped inside its cgroup instead of starving the agent. The leaf
+ * tells whether the OOM killer hit the command (memory.events oom_kill) and lets a timeout
+ * kill everything the command started (cgroup.kill), including setsid'ed children. */
+
+static int cg_write(int dirfd, const char *file, const char *value) {
+    int fd = openat(dirfd, file, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    ssize_t n = write(fd, value, strlen(value));
+    int err = n < 0 ? -errno : 0;
+    close(fd);
+    return err;
+}
+
+/* The value of `key` in a flat-keyed cgroup file (memory.events), or -1. */
+static long long cg_read_key(int dirfd, const char *file, const char *key) {
+    int fd = openat(dirfd, file, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    char buf[1024];
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    size_t klen = strlen(key);
+    for (char *line = buf; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        if (strncmp(line, key, klen) == 0 && line[klen] == ' ') return atoll(line + klen + 1);
+    }
+    return -1;
+}
+
+static long long mem_total_bytes(void) {
+    FILE *f = fopen("/proc/meminfo", "re");
+    if (!f) return -1;
+    char line[256];
+    long long kb = -1;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "MemTotal: %lld kB", &kb) == 1) break;
+    }
+    fclose(f);
+    return kb < 0 ? -1 : kb * 1024;
+}
+
+/* Mount cgroup2 at /cgroup (initramfs root, before the chroot) and make /cgroup/cmd. */
+static void setup_cgroups(void) {
+    mkdir("/cgroup", 0700);
+    if (mount("cgroup2", "/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0 && errno != EBUSY) {
+        fprintf(stderr, "dsec-agent: cgroup2: %s (commands run without limits)\n", strerror(errno));
+        return;
+    }
+    int root = open("/cgroup", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (root < 0) return;
+    cg_write(root, "cgroup.subtree_control", "+memory +pids");
+    if (mkdirat(root, "cmd", 0700) < 0 && errno != EEXIST) {
+        close(root);
+        return;
+    }
+    cmd_cg_fd = openat(root, "cmd", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    close(root);
+    if (cmd_cg_fd < 0) return;
+    cg_write(cmd_cg_fd, "cgroup.subtree_control", "+memory +pids");
+    long long total = mem_total_bytes();
+    if (total > 0) {
+        /* reserve for the kernel, page cache of the agent and the writable layer's metadata */
+        long long reserve = total / 8;
+        if (reserve < (12LL << 20)) reserve = 12LL << 20;
+        if (reserve > (64LL << 20)) reserve = 64LL << 20;
+        if (total > 2 * reserve) {
+            char v[32];
+            snprintf(v, sizeof v, "%lld", total - reserve);
+            cg_write(cmd_cg_fd, "memory.max", v);
+            cg_write(cmd_cg_fd, "memory.swap.max", "0");
+        }
+    }
+}
+
+/* Remove leaves whose background processes have exited since their command ended. */
+static void sweep_stale_cgroups(void) {
+    if (cmd_cg_fd < 0) return;
+    for (int i = 0; i < MAX_STALE_CGROUPS; i++) {
+        if (stale_cgroups[i][0] && unlinkat(cmd_cg_fd, stale_cgroups[i], AT_REMOVEDIR) == 0) stale_cgroups[i][0] = 0;
+    }
+}
+
+static void release_cgroup(const char *name) {
+    if (cmd_cg_fd < 0 || !name[0]) return;
+    if (unlinkat(cmd_cg_fd, name, AT_REMOVEDIR) == 0) return;
+    for (int i = 0; i < MAX_STALE_CGROUPS; i++) {
+        if (!stale_cgroups[i][0]) {
+            snprintf(stale_cgroups[i], sizeof stale_cgroups[i], "%s", name);
+            return;
+        }
+    }
+}
+
+/* Kill every process of a command (its leaf cgroup, else its process group). */
+static void kill_command(struct exec_state *e) {
+    if (cmd_cg_fd >= 0 && e->cgroup[0]) {
+        char p[64];
+        snprintf(p, sizeof p, "%s/cgroup.kill", e->cgroup);
+        cg_write(cmd_cg_fd, p, "1");
+    }
+    kill(-e->pid, SIGKILL);
+    kill(e->pid, SIGKILL);
+}
+
 /* ------------------------------------------------------------------ setup after boot/restore */
 
 static void do_setup(uint32_t id, int nargs, struct arg *a) {
-    /* args: unix time ns, random seed, hostname, writable layer MiB (0 = keep) */
+    /* args: unix time ns, random seed, hostname, writable layer MiB (0 = keep)
+     *       [, pids limit of the commands (0 = keep) [, their memory limit in MiB (0 = keep)]] */
     if (nargs < 4) {
         send_err(id, EINVAL, "setup needs time, seed, hostname, disk_mb");
         return;
@@ -545,6 +680,30 @@ static void do_setup(uint32_t id, int nargs, struct arg *a) {
         if (mount(NULL, target, NULL, MS_REMOUNT, opts) < 0) {
             send_err(id, errno, "remount writable layer");
             return;
+        }
+    }
+    if (nargs > 4 && cmd_cg_fd >= 0) {
+        unsigned long long pids = arg_num(&a[4], 0);
+        if (pids > 0) {
+            char v[32];
+            snprintf(v, sizeof v, "%llu", pids);
+            int r = cg_write(cmd_cg_fd, "pids.max", v);
+            if (r < 0) {
+                send_err(id, -r, "pids.max");
+                return;
+            }
+        }
+    }
+    if (nargs > 5 && cmd_cg_fd >= 0) {
+        unsigned long long mb = arg_num(&a[5], 0);
+        if (mb > 0) {
+            char v[32];
+            snprintf(v, sizeof v, "%llu", mb << 20);
+            int r = cg_write(cmd_cg_fd, "memory.max", v);
+            if (r < 0) {
+                send_err(id, -r, "memory.max");
+                return;
+            }
         }
     }
     send_ok(id);
@@ -653,9 +812,17 @@ static void do_exec(uint32_t id, int nargs, struct arg *a) {
         send_err(id, errno, "pipe");
         goto out;
     }
+    char leaf[32] = "";
+    if (cmd_cg_fd >= 0) {
+        sweep_stale_cgroups();
+        snprintf(leaf, sizeof leaf, "c%lu", ++exec_seq);
+        if (mkdirat(cmd_cg_fd, leaf, 0700) < 0) leaf[0] = 0;
+    }
     pid_t pid = fork();
     if (pid < 0) {
-        send_err(id, errno, "fork");
+        int err = errno;
+        release_cgroup(leaf);
+        send_err(id, err, "fork");
         goto out;
     }
     if (pid == 0) {
@@ -663,6 +830,11 @@ static void do_exec(uint32_t id, int nargs, struct arg *a) {
         sigemptyset(&all);
         sigprocmask(SIG_SETMASK, &all, NULL);
         setsid();
+        if (leaf[0]) {
+            char procs[64];
+            snprintf(procs, sizeof procs, "%s/cgroup.procs", leaf);
+            cg_write(cmd_cg_fd, procs, "0");
+        }
         dup2(p_in[0], 0);
         dup2(p_out[1], 1);
         dup2(p_err[1], 2);
@@ -694,6 +866,7 @@ static void do_exec(uint32_t id, int nargs, struct arg *a) {
     e->used = 1;
     e->id = id;
     e->pid = pid;
+    snprintf(e->cgroup, sizeof e->cgroup, "%s", leaf);
     e->fd_out = p_out[0];
     e->fd_err = p_err[0];
     e->fd_in = p_in[1];
@@ -750,12 +923,18 @@ static void exec_finish(struct exec_state *e) {
     if (e->fd_out >= 0) close(e->fd_out);
     if (e->fd_err >= 0) close(e->fd_err);
     if (e->fd_in >= 0) close(e->fd_in);
-    int code = -1, sig = 0;
+    int code = -1, sig = 0, oom = 0;
     if (WIFEXITED(e->status)) code = WEXITSTATUS(e->status);
     if (WIFSIGNALED(e->status)) sig = WTERMSIG(e->status);
+    if (cmd_cg_fd >= 0 && e->cgroup[0]) {
+        char p[64];
+        snprintf(p, sizeof p, "%s/memory.events", e->cgroup);
+        oom = cg_read_key(cmd_cg_fd, p, "oom_kill") > 0;
+        release_cgroup(e->cgroup);
+    }
     char text[128];
-    snprintf(text, sizeof text, "%d %d %d %d %d %lld", code, sig, e->timed_out, e->trunc_out, e->trunc_err,
-             (long long)(now_ms() - e->start_ms));
+    snprintf(text, sizeof text, "%d %d %d %d %d %lld %d", code, sig, e->timed_out, e->trunc_out, e->trunc_err,
+             (long long)(now_ms() - e->start_ms), oom);
     struct arg a = str_arg(text);
     send_frame(e->id, OP_EXIT, 1, &a);
     free(e->stdin_buf);
@@ -803,8 +982,12 @@ static void dispatch(uint32_t id, uint16_t op, int nargs, struct arg *a) {
         free(t);
         free(s);
         if (e && !e->exited) {
-            kill(-e->pid, signo);
-            kill(e->pid, signo);
+            if (signo == SIGKILL) {
+                kill_command(e);
+            } else {
+                kill(-e->pid, signo);
+                kill(e->pid, signo);
+            }
         }
         send_ok(id);
         break;
@@ -964,6 +1147,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     hide_ports();
+    setup_cgroups();
     busybox_fd = open("/bin/busybox", O_RDONLY | O_CLOEXEC);
     upper_fd = open("/rw", O_PATH | O_CLOEXEC);
     if (chdir(root) < 0 || chroot(".") < 0 || chdir("/") < 0) {
@@ -1058,8 +1242,7 @@ int main(int argc, char **argv) {
             if (!e->used) continue;
             if (!e->exited && e->deadline_ms > 0 && now >= e->deadline_ms && !e->timed_out) {
                 e->timed_out = 1;
-                kill(-e->pid, SIGKILL);
-                kill(e->pid, SIGKILL);
+                kill_command(e);
             }
             if (e->exited && ((e->fd_out < 0 && e->fd_err < 0) || now >= e->exit_ms + DRAIN_GRACE_MS)) {
                 exec_finish(e);

@@ -124,6 +124,30 @@ def kernel_package() -> tuple[str, str]:
     return name, (v.group(1) if v else "unknown")
 
 
+_APT_STATE = (Path("/var/lib/apt/lists"), Path("/var/cache/apt/pkgcache.bin"))
+
+
+def _cached_kernel_package(bin_dir: Path) -> tuple[str, str]:
+    """:func:`kernel_package`, remembered in ``bin_dir`` until apt's package lists change
+    (asking apt-cache costs 1-4 s on a busy node, on every runtime start)."""
+    stamp = []
+    for p in _APT_STATE:
+        with contextlib.suppress(OSError):
+            stamp.append(os.stat(p).st_mtime_ns)
+    cache = bin_dir / ".kernel-package.json"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        data = json.loads(cache.read_text())
+        if data["apt_state"] == stamp and stamp:
+            return str(data["package"]), str(data["version"])
+    package, version = kernel_package()
+    with contextlib.suppress(OSError):
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"apt_state": stamp, "package": package, "version": version}))
+        os.rename(tmp, cache)
+    return package, version
+
+
 def _download_deb(package: str, dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     os.chmod(dest, 0o755)
@@ -356,7 +380,7 @@ def ensure_guest_artifacts(bin_dir: Path, deb: Path | None = None) -> GuestArtif
     if deb is not None:
         package, version = deb.name.split("_")[0], hashlib.sha256(deb.read_bytes()).hexdigest()[:12]
     else:
-        package, version = kernel_package()
+        package, version = _cached_kernel_package(bin_dir)
     out_dir = bin_dir / f"guest-{_sources_hash(package, version)}"
     meta_path = out_dir / "meta.json"
     bin_dir.mkdir(parents=True, exist_ok=True)

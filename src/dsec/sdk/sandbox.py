@@ -57,7 +57,7 @@ import tarfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -89,6 +89,9 @@ from dsec.models import (
 from dsec.network.policy import NetworkPolicy
 from dsec.sdk._http import not_delivered
 from dsec.sdk.client import AsyncClient, _validated
+
+if TYPE_CHECKING:
+    from dsec.sdk.display import AsyncDisplay
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
@@ -657,6 +660,13 @@ class AsyncSandbox:
     def network(self) -> AsyncNetwork:
         """Network policy: ``update``, ``stats``, ``policy``."""
         return AsyncNetwork(self)
+
+    @property
+    def display(self) -> AsyncDisplay:
+        """Screen, keyboard and pointer of a sandbox with a display (vm tier)."""
+        from dsec.sdk.display import AsyncDisplay
+
+        return AsyncDisplay(self)
 
     @property
     def next_seq(self) -> int:

@@ -29,6 +29,7 @@ from dsec.errors import (
     FileExists_,
     FileNotFound,
     InvalidRequest,
+    PathOutsideSandbox,
     PayloadTooLarge,
     QuotaExceeded,
     SandboxError,
@@ -180,9 +181,17 @@ class AgentClient:
         await self.request(AgentOp.PING, [], timeout_s)
 
     async def setup(
-        self, hostname: str, disk_mb: int, seed: bytes | None = None, timeout_s: float = 10.0
+        self,
+        hostname: str,
+        disk_mb: int,
+        seed: bytes | None = None,
+        timeout_s: float = 10.0,
+        pids: int = 0,
+        memory_mb: int = 0,
     ) -> None:
-        """Set the guest clock to now, reseed its RNG, set the hostname, resize the writable layer."""
+        """Set the guest clock to now, reseed its RNG, set the hostname, resize the writable
+        layer to ``disk_mb`` MiB, cap the commands (the guest cgroup every command runs in)
+        at ``pids`` processes and ``memory_mb`` MiB. 0 keeps a value as it is."""
         await self.request(
             AgentOp.SETUP,
             [
@@ -190,6 +199,8 @@ class AgentClient:
                 seed or os.urandom(64),
                 hostname.encode(),
                 str(disk_mb).encode(),
+                str(pids).encode(),
+                str(memory_mb).encode(),
             ],
             timeout_s,
         )
@@ -242,7 +253,8 @@ class AgentClient:
                     if sink is not None:
                         await sink(stream, rargs[1])
                 elif op == AgentOp.EXIT:
-                    code, sig, timed_out, t_out, t_err, dur = (int(x) for x in rargs[0].split())
+                    fields = [int(x) for x in rargs[0].split()]
+                    code, sig, timed_out, t_out, t_err, dur = fields[:6]
                     status = {
                         "exit_code": None if code < 0 else code,
                         "signal": sig or None,
@@ -250,6 +262,7 @@ class AgentClient:
                         "stdout_truncated": bool(t_out),
                         "stderr_truncated": bool(t_err),
                         "duration_ms": float(dur),
+                        "oom_killed": len(fields) > 6 and bool(fields[6]),
                     }
                     return bytes(out), bytes(err), status
                 elif op == AgentOp.ERR:
@@ -331,9 +344,127 @@ def _entries(args: list[bytes]) -> list[FileInfo]:
 
 
 def _abs(path: str) -> str:
-    if not path.startswith("/") or "\0" in path:
-        raise InvalidRequest(f"path must be absolute: {path!r}")
-    return posixpath.normpath(path).replace("//", "/")
+    """``path`` normalised (``.``, ``//`` and inner ``..`` collapsed). Refuses relative paths
+    and a ``..`` that would climb above ``/`` (``PathOutsideSandbox``), as the container tier
+    does, so the agent never receives a ``..`` component."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise InvalidRequest(f"path must be absolute: {path!r}", path=path)
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not parts:
+                raise PathOutsideSandbox(f"path {path!r} leaves the sandbox root", path=path)
+            parts.pop()
+        else:
+            parts.append(part)
+    return "/" + "/".join(parts)
+
+
+def _member_parts(name: str) -> list[str]:
+    """Relative components of a tar member name; refuses absolute names and ``..``."""
+    if name.startswith("/") or "\0" in name:
+        raise PathOutsideSandbox(f"tar member {name!r} has an absolute path")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise PathOutsideSandbox(f"tar member {name!r} contains '..'")
+    return parts
+
+
+def sanitize_upload_tar(data: bytes) -> tuple[bytes, int]:
+    """Check an uploaded archive and re-serialise it for the guest's busybox ``tar``.
+
+    Returns (plain GNU-format tar, number of members extracted). Refused with
+    ``PathOutsideSandbox``: absolute member names, ``..`` components, hard links whose target
+    is outside the archive's directory. Refused with ``InvalidRequest``: device nodes, FIFOs
+    and anything else that is not a file, directory or link; input that is not a tar (gzip,
+    bzip2 and xz are accepted). The guest sees only names checked here (no PAX or GNU header
+    the host and busybox could read differently).
+    """
+    try:
+        src = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise InvalidRequest(f"not a tar archive: {e}") from e
+    out = io.BytesIO()
+    count = 0
+    try:
+        with src, tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as dst:
+            for member in src:
+                parts = _member_parts(member.name)
+                if not parts:
+                    continue  # the archive's own root entry
+                ti = tarfile.TarInfo("/".join(parts))
+                ti.mode = member.mode & 0o7777
+                ti.mtime = member.mtime
+                ti.uid, ti.gid = member.uid, member.gid
+                ti.uname, ti.gname = member.uname, member.gname
+                fileobj = None
+                if member.isdir():
+                    ti.type = tarfile.DIRTYPE
+                elif member.isfile():
+                    ti.size = member.size
+                    fileobj = src.extractfile(member)
+                elif member.issym():
+                    if "\0" in member.linkname or not member.linkname:
+                        raise InvalidRequest(f"tar member {member.name!r}: bad link target")
+                    ti.type, ti.linkname = tarfile.SYMTYPE, member.linkname
+                elif member.islnk():
+                    target = _member_parts(member.linkname)
+                    if not target:
+                        raise PathOutsideSandbox(
+                            f"tar member {member.name!r} links outside the archive"
+                        )
+                    ti.type, ti.linkname = tarfile.LNKTYPE, "/".join(target)
+                else:
+                    raise InvalidRequest(
+                        f"tar member {member.name!r}: devices and FIFOs are not allowed"
+                    )
+                dst.addfile(ti, fileobj)
+                count += 1
+    except tarfile.TarError as e:
+        raise InvalidRequest(f"corrupt tar archive: {e}") from e
+    return out.getvalue(), count
+
+
+def relative_download_tar(raw: bytes, strip_root: bool, max_bytes: int) -> bytes:
+    """Rewrite the guest's ``tar -c -C dir .`` output with member names relative to ``dir``
+    (``./a`` -> ``a``, the ``.`` entry dropped) as the container tier produces them, so that
+    ``upload_tar(dir, archive)`` puts everything back. Devices, FIFOs and sockets are left
+    out. ``strip_root=False`` keeps names as they are (a single file archived under its
+    own name). Raises ``PayloadTooLarge`` past ``max_bytes``."""
+    out = io.BytesIO()
+    try:
+        with (
+            tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as src,
+            tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst,
+        ):
+            for member in src:
+                name = member.name
+                if strip_root:
+                    parts = [p for p in name.split("/") if p not in ("", ".")]
+                    if not parts:
+                        continue
+                    name = "/".join(parts)
+                if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+                    continue
+                if member.islnk() and strip_root:
+                    member.linkname = "/".join(
+                        p for p in member.linkname.split("/") if p not in ("", ".")
+                    )
+                member.name = name
+                dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+                if out.tell() > max_bytes:
+                    raise PayloadTooLarge(f"the archive exceeds {max_bytes} bytes", limit=max_bytes)
+    except tarfile.TarError as e:
+        raise SandboxError(f"the guest produced a corrupt tar archive: {e}") from e
+    if out.tell() > max_bytes:
+        raise PayloadTooLarge(f"the archive exceeds {max_bytes} bytes", limit=max_bytes)
+    return out.getvalue()
+
+
+# top-level directories of the guest that are other filesystems (kernel views, devices)
+_GUEST_PSEUDO_DIRS = frozenset({"proc", "sys", "dev", "run"})
 
 
 class VMFiles:
@@ -393,37 +524,52 @@ class VMFiles:
         return _entries(args)[0]
 
     async def upload_tar(self, path: str, data: bytes) -> int:
-        """Extract a tar archive (optionally gzip'd) into directory ``path``; returns members."""
-        try:
-            with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tf:
-                members = len(tf.getmembers())
-        except tarfile.TarError as e:
-            raise InvalidRequest(f"not a tar archive: {e}") from e
+        """Extract a tar archive (optionally compressed) into directory ``path``; returns the
+        number of members extracted. Members are checked on the host first
+        (:func:`sanitize_upload_tar`); the guest's busybox ``tar`` extracts the checked copy."""
         p = _abs(path)
+        clean, members = sanitize_upload_tar(data)
         await self.mkdir(p, parents=True)
         client = await self._client()
         _, err, status = await client.exec_raw(
             ["tar", "-x", "-f", "-", "-C", p], env={"PATH": "/usr/bin:/bin"}, cwd="/", user=None,
-            stdin=data, timeout_s=self._timeout, max_output_bytes=65536, tool=True,
+            stdin=clean, timeout_s=self._timeout, max_output_bytes=65536, tool=True,
         )  # fmt: skip
         if status["exit_code"] != 0:
-            raise SandboxError(
-                f"tar extract into {p} failed: {err.decode('utf-8', 'replace')[-500:]}"
-            )
+            message = err.decode("utf-8", "replace")[-500:]
+            if "No space left" in message:
+                raise QuotaExceeded(f"the sandbox's writable layer is full: {message}")
+            raise SandboxError(f"tar extract into {p} failed: {message}")
         return members
 
     async def download_tar(self, path: str, max_bytes: int) -> bytes:
-        """A tar archive of ``path`` (file or directory), at most ``max_bytes`` long."""
+        """A tar archive of ``path``, at most ``max_bytes`` long. A directory's members are
+        relative to it (``a.txt``, ``sub/b.txt``); a file is archived under its own name.
+        Devices, FIFOs and sockets are left out; archiving ``/`` skips /proc, /sys, /dev, /run."""
         p = _abs(path)
-        await self.stat(p)  # FileNotFound first
-        parent, name = posixpath.split(p) if p != "/" else ("/", ".")
+        info = await self.stat(p)  # FileNotFound first
+        if info.type == "dir":
+            names = ["."]
+            if p == "/":
+                names = [
+                    "./" + e.name for e in await self.list(p, 1) if e.name not in _GUEST_PSEUDO_DIRS
+                ]
+                if not names:
+                    return relative_download_tar(_EMPTY_TAR, True, max_bytes)
+            argv = ["tar", "-c", "-f", "-", "-C", p, *names]
+        else:
+            parent, name = posixpath.split(p)
+            argv = ["tar", "-c", "-f", "-", "-C", parent or "/", name]
         client = await self._client()
         out, err, status = await client.exec_raw(
-            ["tar", "-c", "-f", "-", "-C", parent or "/", name or "."], env={"PATH": "/usr/bin:/bin"},
-            cwd="/", user=None, stdin=b"", timeout_s=self._timeout, max_output_bytes=max_bytes, tool=True,
+            argv, env={"PATH": "/usr/bin:/bin"}, cwd="/", user=None, stdin=b"",
+            timeout_s=self._timeout, max_output_bytes=max_bytes + (1 << 20), tool=True,
         )  # fmt: skip
         if status["stdout_truncated"]:
             raise PayloadTooLarge(f"the tar of {p} exceeds {max_bytes} bytes", limit=max_bytes)
         if status["exit_code"] != 0:
             raise SandboxError(f"tar of {p} failed: {err.decode('utf-8', 'replace')[-500:]}")
-        return out
+        return relative_download_tar(out, info.type == "dir", max_bytes)
+
+
+_EMPTY_TAR = b"\0" * 10240

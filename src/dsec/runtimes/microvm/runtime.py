@@ -68,7 +68,7 @@ from dsec.guest.build import GuestArtifacts, ensure_guest_artifacts, host_tsc_kh
 from dsec.models import Capabilities, ExecRequest, ExecResult, Tier
 from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS, CgroupV1
 from dsec.runtimes.base import Handle, OutputSink, SandboxFiles, SandboxSpec
-from dsec.runtimes.microvm.protocol import AgentClient, VMFiles
+from dsec.runtimes.microvm.protocol import AgentClient, AgentOp, VMFiles
 from dsec.runtimes.microvm.qemu import (
     QemuProcess,
     QMPClient,
@@ -83,6 +83,9 @@ __all__ = ["MicroVMConfig", "MicroVMRuntime"]
 
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+POOL_WARMUP_CMD = "true; echo warm | cat > /dev/null; ls / > /dev/null; cd /tmp && pwd > /dev/null"
+"""What a warmed pool guest runs once before it is handed out (see MicroVMConfig.pool_warm)."""
+
 
 @dataclass
 class MicroVMConfig:
@@ -92,18 +95,34 @@ class MicroVMConfig:
     restore_timeout_s: float = 30.0  # QEMU start to agent ready on a template clone
     accel: str | None = None  # "kvm" | "tcg" | None: probe (or $DSEC_VM_ACCEL)
     kvm_probe_timeout_s: float = 8.0
-    tb_size_mb: int = 16  # TCG translation cache per QEMU (trims ~40 MB of RSS)
+    # TCG translation cache per QEMU, MiB. At 16 it fills while a clone runs its first commands
+    # and QEMU flushes it (every later command translates again: 0.3-1 s each); 64 holds the
+    # working set for ~2-4 MiB more private memory per idle clone. Touched as used.
+    tb_size_mb: int = 64
     qemu_overhead_mb: int = 256  # cgroup memory limit = guest RAM + this
+    # guest RAM = memory_mb + this + memory_mb/64: the guest kernel, agent and page tables;
+    # the sandbox's commands are held to memory_mb by a cgroup inside the guest
+    guest_reserve_mb: int = 96
+    # guest RAM is sized for at least this much command memory, so that sandboxes asking for
+    # less share one template (their limit is the guest cgroup's memory.max)
+    min_guest_memory_mb: int = 256
     qemu_pids: int = 256  # cgroup pids limit around one QEMU (its threads)
     templates: bool = True  # False: every sandbox cold-boots with private RAM (no sharing)
     exec_grace_s: float = 10.0  # past an exec's timeout, how long before the agent counts as hung
-    pool_size: int = 2  # pre-started QEMUs (waiting in -incoming defer) per recently used template
+    pool_size: int = 2  # pre-started QEMUs per recently used template
+    # pool QEMUs are restored from the template and run POOL_WARMUP_CMD before they are handed
+    # out: under TCG each QEMU translates guest code afresh, so a clone's first command costs
+    # 0.3-1 s; a warmed clone answers its first command in ~10-50 ms. False: pool QEMUs wait
+    # in -incoming defer and the restore happens at create.
+    pool_warm: bool = True
     extra_kernel_args: list[str] = field(default_factory=list)
-    shm_dir: Path = Path("/dev/shm")
+    shm_dir: Path = Path("/dev/shm")  # template RAM goes to <shm_dir>/dsec-tpl-<tag>/
 
 
 @dataclass
-class _Template:
+class Template:
+    """One template's files: ``dir`` (device state, meta.json; the vm tier's disk) and ``ram``."""
+
     key: str
     dir: Path
     ram: Path
@@ -112,12 +131,14 @@ class _Template:
 
 @dataclass
 class _Pooled:
-    """A QEMU started ahead of demand for one template, waiting in ``-incoming defer``."""
+    """A QEMU started ahead of demand for one template: waiting in ``-incoming defer``, or
+    (``restored``) already restored from the template and warmed up, waiting for ``setup``."""
 
     name: str
     proc: QemuProcess
     qmp: QMPClient
     agent: AgentClient
+    restored: bool = False
 
 
 @dataclass
@@ -149,6 +170,9 @@ class MicroVMRuntime:
         self.sandbox_root = self.root / "sandboxes"
         self.template_root = self.root / "templates"
         self.cgroup_prefix = f"dsec-{self.tag}/{self.tier}"
+        # template RAM files of this node (both VM tiers); ``home`` in it names $DSEC_HOME so
+        # that a later start can delete the files of a DSEC_HOME that no longer exists
+        self.shm_dir = self.config.shm_dir / f"dsec-tpl-{self.tag}"
         # QEMUs are named dsec:<qemu_tag>:<name>; per tier so tiers never touch each other's
         self.qemu_tag = f"{self.tag}-{self.tier}"
         self.artifacts: GuestArtifacts | None = None
@@ -194,6 +218,7 @@ class MicroVMRuntime:
         """
         for d in (self.sandbox_root, self.template_root, self.paths.bin):
             d.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self._prepare_shm)
         try:
             self.qemu = find_qemu()
             self.artifacts = await asyncio.to_thread(ensure_guest_artifacts, self.paths.bin)
@@ -205,6 +230,20 @@ class MicroVMRuntime:
             self._unavailable = e.message
         except DsecError as e:
             self._unavailable = f"guest build failed: {e.message}"
+
+    def _prepare_shm(self) -> None:
+        """Make this node's template RAM directory; delete those of vanished DSEC_HOMEs
+        (test servers remove their home, not /dev/shm: each template holds up to guest RAM)."""
+        with contextlib.suppress(OSError):
+            for d in self.config.shm_dir.glob("dsec-tpl-*"):
+                with contextlib.suppress(OSError):
+                    home = (d / "home").read_text()
+                    if d != self.shm_dir and not Path(home).is_dir():
+                        shutil.rmtree(d, ignore_errors=True)
+        self.shm_dir.mkdir(mode=0o700, exist_ok=True)
+        marker = self.shm_dir / "home"
+        if not marker.exists():
+            marker.write_text(str(self.paths.home.resolve()))
 
     async def close(self) -> None:
         """Stop the pool; drop connections. Sandbox VMs keep running (``recover()`` reattaches)."""
@@ -286,6 +325,13 @@ class MicroVMRuntime:
 
     # ------------------------------------------------------------------ QEMU command line
 
+    def guest_ram_mb(self, memory_mb: int) -> int:
+        """Guest RAM for a sandbox of ``memory_mb`` MiB: the commands get ``memory_mb`` (a
+        cgroup in the guest), the guest kernel and agent the reserve on top (MiB). Sizes
+        below ``min_guest_memory_mb`` get the RAM of that size (one template for all)."""
+        sized = max(memory_mb, self.config.min_guest_memory_mb)
+        return sized + self.config.guest_reserve_mb + sized // 64
+
     def _vcpus(self, cpu: float) -> int:
         return max(1, min(math.ceil(cpu), os.cpu_count() or 1))
 
@@ -297,9 +343,22 @@ class MicroVMRuntime:
         assert self.artifacts is not None
         return self.artifacts.vmlinux
 
-    async def _sandbox_devices(self, d: Path, spec: SandboxSpec) -> list[str]:
-        """Extra QEMU arguments for one sandbox (the vm tier adds its disk and display)."""
+    async def _sandbox_devices(self, d: Path, spec: SandboxSpec, tpl: Template | None) -> list[str]:
+        """Extra QEMU arguments for the machine in directory ``d`` (the vm tier adds its disk
+        and display). ``tpl``: the template the machine is restored from (None: it boots)."""
         return []
+
+    def _template_key_extra(self, spec: SandboxSpec) -> list[Any]:
+        """What else a template depends on (the vm tier: the writable disk's size)."""
+        return []
+
+    def _discard_files(self, name: str) -> None:
+        """Remove what the machine named ``name`` (sandbox id or pool name) keeps outside its
+        directory (the vm tier: its writable disk). Idempotent."""
+
+    def _template_complete(self, t: Template) -> bool:
+        """Whether every file of template ``t`` is present."""
+        return (t.dir / "meta.json").exists() and t.ram.exists() and t.state.exists()
 
     def _setup_disk_mb(self, spec: SandboxSpec) -> int:
         """Writable-layer size the agent applies after boot/restore (tmpfs remount), MiB."""
@@ -308,8 +367,13 @@ class MicroVMRuntime:
     def _kernel_args(self, n_layers: int, disk_mb: int) -> str:
         args = ["console=ttyS0", "quiet", "panic=-1", "cryptomgr.notests", "random.trust_cpu=on",
                 "8250.nr_uarts=1", f"dsec.layers={n_layers}", f"dsec.disk_mb={disk_mb}"]  # fmt: skip
-        if self.accel == "tcg" and self._tsc_khz:
-            args.append(f"tsc_early_khz={self._tsc_khz}")
+        if self.accel == "tcg":
+            if self._tsc_khz:
+                args.append(f"tsc_early_khz={self._tsc_khz}")
+            # the emulated CPU does not speculate, so the guest's Meltdown/Spectre workarounds
+            # buy nothing under TCG; page-table isolation alone doubles the cost of every
+            # syscall there (each CR3 switch flushes QEMU's soft TLB): fork+exec 2x faster
+            args.append("mitigations=off")
         return " ".join(args + self.config.extra_kernel_args)
 
     def _machine_args(self) -> list[str]:
@@ -327,12 +391,13 @@ class MicroVMRuntime:
         ram: Path | None, share: bool, incoming: bool, extra: list[str] | None = None,
     ) -> list[str]:  # fmt: skip
         assert self.artifacts is not None and self.qemu is not None
-        mem = f"memory-backend-ram,id=mem,size={memory_mb}M"
+        ram_mb = self.guest_ram_mb(memory_mb)
+        mem = f"memory-backend-ram,id=mem,size={ram_mb}M"
         if ram is not None:
-            mem = f"memory-backend-file,id=mem,size={memory_mb}M,mem-path={ram},share={'on' if share else 'off'}"
+            mem = f"memory-backend-file,id=mem,size={ram_mb}M,mem-path={ram},share={'on' if share else 'off'}"
         argv = [
             self.qemu, "-name", f"dsec:{self.qemu_tag}:{name}", *self._machine_args(),
-            "-smp", str(vcpus), "-m", f"{memory_mb}M", "-object", mem,
+            "-smp", str(vcpus), "-m", f"{ram_mb}M", "-object", mem,
             "-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-display", "none",
             "-kernel", str(self._kernel_image()), "-initrd", str(self.artifacts.initramfs),
             "-append", self._kernel_args(len(layer_paths), disk_mb),
@@ -356,16 +421,18 @@ class MicroVMRuntime:
 
     def _template_key(self, spec: SandboxSpec, vcpus: int) -> str:
         assert self.artifacts is not None
-        blob = json.dumps([self.artifacts.key, spec.layer_digests, spec.memory_mb, vcpus, self.accel,
-                           self.config.tb_size_mb, self.tier, self.config.extra_kernel_args])  # fmt: skip
+        blob = json.dumps([self.artifacts.key, spec.layer_digests, vcpus, self.accel,
+                           self.config.tb_size_mb, self.tier, self.config.extra_kernel_args,
+                           self.guest_ram_mb(spec.memory_mb), self._kernel_args(len(spec.layer_paths), 0),
+                           *self._template_key_extra(spec)])  # fmt: skip
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
-    def _template_paths(self, key: str) -> _Template:
+    def _template_paths(self, key: str) -> Template:
         d = self.template_root / key
-        return _Template(
+        return Template(
             key=key,
             dir=d,
-            ram=self.config.shm_dir / f"dsec-{self.tag}-{key}.ram",
+            ram=self.shm_dir / f"{self.tier}-{key}.ram",
             state=d / "state",
         )
 
@@ -376,15 +443,20 @@ class MicroVMRuntime:
         return sorted(p.name for p in self.template_root.iterdir() if (p / "meta.json").exists())
 
     def remove_templates(self) -> None:
-        """Delete every template (its RAM file on /dev/shm and its directory)."""
+        """Delete every template of this tier (its RAM file on /dev/shm and its directory)."""
         if self.template_root.is_dir():
             for d in self.template_root.iterdir():
                 t = self._template_paths(d.name)
                 with contextlib.suppress(FileNotFoundError):
                     t.ram.unlink()
                 shutil.rmtree(d, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            for ram in self.shm_dir.glob(f"{self.tier}-*.ram"):
+                ram.unlink()
+        if self.shm_dir.is_dir() and not any(self.shm_dir.glob("*.ram")):
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
 
-    async def _ensure_template(self, spec: SandboxSpec, vcpus: int) -> tuple[_Template, bool]:
+    async def _ensure_template(self, spec: SandboxSpec, vcpus: int) -> tuple[Template, bool]:
         """The template for this spec, cold-booting and snapshotting it if needed.
 
         Returns (template, built_now)."""
@@ -392,21 +464,23 @@ class MicroVMRuntime:
         t = self._template_paths(key)
         lock = self._template_locks.setdefault(key, asyncio.Lock())
         async with lock:
-            if (t.dir / "meta.json").exists() and t.ram.exists() and t.state.exists():
+            if self._template_complete(t):
                 return t, False
             await self._build_template(t, spec, vcpus)
             return t, True
 
-    async def _build_template(self, t: _Template, spec: SandboxSpec, vcpus: int) -> None:
+    async def _build_template(self, t: Template, spec: SandboxSpec, vcpus: int) -> None:
         assert self.artifacts is not None
         shutil.rmtree(t.dir, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             t.ram.unlink()
         t.dir.mkdir(parents=True)
         name = f"tpl-{t.key}"
+        extra = await self._sandbox_devices(t.dir, spec, None)
         argv = self._argv(
-            name, t.dir, spec.layer_paths, spec.memory_mb, vcpus, spec.disk_mb, t.ram, True, False
-        )
+            name, t.dir, spec.layer_paths, spec.memory_mb, vcpus, spec.disk_mb, t.ram, True, False,
+            extra,
+        )  # fmt: skip
         proc = QemuProcess.launch(self.artifacts.agent, [], argv, t.dir)
         qmp: QMPClient | None = None
         agent: AgentClient | None = None
@@ -491,7 +565,7 @@ class MicroVMRuntime:
         self._pool_tasks.add(task)
         task.add_done_callback(self._pool_tasks.discard)
 
-    def _refill_pool(self, tpl: _Template, spec: SandboxSpec, vcpus: int) -> None:
+    def _refill_pool(self, tpl: Template, spec: SandboxSpec, vcpus: int) -> None:
         if self.config.pool_size <= 0:
             return
         pool = self._pool.setdefault(tpl.key, [])
@@ -501,30 +575,56 @@ class MicroVMRuntime:
             self._pool_tasks.add(task)
             task.add_done_callback(self._pool_tasks.discard)
 
-    async def _start_pooled(self, tpl: _Template, spec: SandboxSpec, vcpus: int) -> None:
+    async def _start_pooled(self, tpl: Template, spec: SandboxSpec, vcpus: int) -> None:
         assert self.artifacts is not None
         name = f"pool-{os.urandom(6).hex()}"
         d = self.sandbox_root / name
         d.mkdir(parents=True)
+        try:
+            extra = await self._sandbox_devices(d, spec, tpl)
+        except BaseException:
+            shutil.rmtree(d, ignore_errors=True)
+            self._discard_files(name)
+            raise
         argv = self._argv(
-            name, d, spec.layer_paths, spec.memory_mb, vcpus, spec.disk_mb, tpl.ram, False, True
-        )
+            name, d, spec.layer_paths, spec.memory_mb, vcpus, spec.disk_mb, tpl.ram, False, True,
+            extra,
+        )  # fmt: skip
         proc = QemuProcess.launch(self.artifacts.agent, [], argv, d)
         try:
             qmp = await QMPClient.connect(str(d / "q.sock"), pid=proc.pid)
             agent = await AgentClient.connect(str(d / "a.sock"))
             await self._prepare_incoming(qmp)
+            if self.config.pool_warm:
+                await qmp.execute("migrate-incoming", uri=f"exec:cat {tpl.state}")
+                await self._until_ready(proc, agent, self.config.restore_timeout_s, "restore")
+                await self._warm_up(agent)
         except BaseException:
             await kill_and_wait(proc.pid)
             shutil.rmtree(d, ignore_errors=True)
+            self._discard_files(name)
             raise
-        self._pool.setdefault(tpl.key, []).append(_Pooled(name, proc, qmp, agent))
+        self._pool.setdefault(tpl.key, []).append(
+            _Pooled(name, proc, qmp, agent, restored=self.config.pool_warm)
+        )
+
+    async def _warm_up(self, agent: AgentClient) -> None:
+        """Run :data:`POOL_WARMUP_CMD` in a restored pool guest so that QEMU has translated the
+        guest's exec, fork, pipe and file paths before a user's first command. An image
+        without /bin/sh just skips it."""
+        with contextlib.suppress(DsecError):
+            await agent.exec_raw(
+                ["/bin/sh", "-c", POOL_WARMUP_CMD], env={"PATH": _DEFAULT_PATH}, cwd="/",
+                user=None, stdin=b"", timeout_s=20.0, max_output_bytes=4096, grace_s=5.0,
+            )  # fmt: skip
+            await agent.request(AgentOp.STAT, [b"/"], 10.0)
 
     async def _discard_pooled(self, p: _Pooled) -> None:
         await p.agent.close()
         await p.qmp.close()
         await kill_and_wait(p.proc.pid)
         shutil.rmtree(p.proc.dir, ignore_errors=True)
+        self._discard_files(p.name)
 
     async def pool_settled(self) -> None:
         """Wait until the pre-started QEMUs being launched are up (benchmarks, tests)."""
@@ -555,6 +655,12 @@ class MicroVMRuntime:
         if self.sandbox_root.is_dir():
             for d in self.sandbox_root.glob("pool-*"):
                 shutil.rmtree(d, ignore_errors=True)
+        for name in self._stale_pool_names(adopted):
+            self._discard_files(name)
+
+    def _stale_pool_names(self, adopted: set[Any]) -> list[str]:
+        """Pool machine names with files outside their directory and no sandbox using them."""
+        return []
 
     # ------------------------------------------------------------------ create / destroy
 
@@ -596,14 +702,16 @@ class MicroVMRuntime:
                 self.config.cold_boot_timeout_s + self.config.restore_timeout_s + 90
             ):
                 template_built = False
-                tpl: _Template | None = None
+                tpl: Template | None = None
                 if self.config.templates:
                     tpl, template_built = await self._ensure_template(spec, vcpus)
                 t1 = time.perf_counter()
                 cg = self._cgroup(spec.id)
                 cg.create()
                 cg.set_cpu(spec.cpu)
-                cg.set_memory((spec.memory_mb + self.config.qemu_overhead_mb) << 20)
+                cg.set_memory(
+                    (self.guest_ram_mb(spec.memory_mb) + self.config.qemu_overhead_mb) << 20
+                )
                 cg.set_pids(self.config.qemu_pids)
                 assert self.artifacts is not None
                 pooled = self._take_pooled(tpl.key) if tpl is not None else None
@@ -621,7 +729,7 @@ class MicroVMRuntime:
                     argv = self._argv(
                         spec.id, d, spec.layer_paths, spec.memory_mb, vcpus, spec.disk_mb,
                         tpl.ram if tpl else None, False, tpl is not None,
-                        await self._sandbox_devices(d, spec),
+                        await self._sandbox_devices(d, spec, tpl),
                     )  # fmt: skip
                     proc = QemuProcess.launch(self.artifacts.agent, procs, argv, d)
                     qemu_name = spec.id
@@ -643,17 +751,22 @@ class MicroVMRuntime:
                 if tpl is not None:
                     if pooled is None:
                         await self._prepare_incoming(vm.qmp)
-                    await vm.qmp.execute("migrate-incoming", uri=f"exec:cat {tpl.state}")
+                    if pooled is None or not pooled.restored:
+                        await vm.qmp.execute("migrate-incoming", uri=f"exec:cat {tpl.state}")
                     t_mig = time.perf_counter()
                     # the first request after the restore sets clock, RNG, hostname, disk size
                     await self._until_ready(proc, vm.agent, self.config.restore_timeout_s, "restore",
-                                            vm.agent.setup(spec.hostname, self._setup_disk_mb(spec)))  # fmt: skip
+                                            vm.agent.setup(spec.hostname, self._setup_disk_mb(spec),
+                                                           pids=spec.pids, memory_mb=spec.memory_mb))  # fmt: skip
                     self._refill_pool(tpl, spec, vcpus)
                 else:
                     await self._until_ready(
                         proc, vm.agent, self.config.cold_boot_timeout_s, "cold boot"
                     )
-                    await vm.agent.setup(spec.hostname, self._setup_disk_mb(spec))
+                    await vm.agent.setup(
+                        spec.hostname, self._setup_disk_mb(spec), pids=spec.pids,
+                        memory_mb=spec.memory_mb,
+                    )  # fmt: skip
                 t_ready = time.perf_counter()
                 t2 = t_ready
                 self.last_create = {
@@ -663,6 +776,7 @@ class MicroVMRuntime:
                     "restored": float(tpl is not None),
                     "qemu_start_s": t_qmp - t1,
                     "pooled": float(pooled is not None),
+                    "prewarmed": float(pooled is not None and pooled.restored),
                     "agent_ready_s": t_ready - t1,
                 }
                 if tpl is not None:
@@ -690,6 +804,8 @@ class MicroVMRuntime:
         await asyncio.to_thread(self._remove_cgroup, handle.id)
         d = self.sandbox_root / handle.id
         await asyncio.to_thread(shutil.rmtree, d, True)
+        for machine in {handle.id, name}:
+            self._discard_files(machine)
 
     def _remove_cgroup(self, sandbox_id: str) -> None:
         cg = self._cgroup(sandbox_id)
