@@ -220,7 +220,13 @@ def serve(
             keys = KeyStore(paths.home)
             app = build_app(edge, keys)
             config = uvicorn.Config(
-                app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False
+                app,
+                host=host,
+                port=port,
+                log_level=log_level,
+                lifespan="on",
+                timeout_keep_alive=75,
+                access_log=False,
             )
             server = uvicorn.Server(config)
             loop = asyncio.get_running_loop()
@@ -237,7 +243,12 @@ def serve(
             finally:
                 await close_app(app)
 
-    asyncio.run(main())
+    try:  # uvloop cuts the event loop's share of every request
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())
 
 
 class BackgroundServer:
@@ -304,7 +315,12 @@ class BackgroundServer:
                 app = build_app(edge, self.keys)
                 server = uvicorn.Server(
                     uvicorn.Config(
-                        app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+                        app,
+                        host="127.0.0.1",
+                        port=self.port,
+                        log_level="warning",
+                        lifespan="on",
+                        timeout_keep_alive=75,
                     )
                 )
                 self._server = server

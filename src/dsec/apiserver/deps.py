@@ -31,7 +31,7 @@ async def current_owner(
     return str(owner)
 
 
-def get_edge(request: Request) -> EdgeAPI:
+async def get_edge(request: Request) -> EdgeAPI:
     """The edge this app was created with."""
     edge: EdgeAPI = request.app.state.edge
     return edge

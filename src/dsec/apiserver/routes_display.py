@@ -87,7 +87,7 @@ router = APIRouter(
 SandboxIdParam = Annotated[str, Path(pattern=SANDBOX_ID_PATTERN, description="sb-<node>-<random>")]
 
 
-def display_edge(request: Request) -> DisplayEdge:
+async def display_edge(request: Request) -> DisplayEdge:
     """The app's edge, if it implements :class:`DisplayEdge`."""
     edge = request.app.state.edge
     if not isinstance(edge, DisplayEdge):
