@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from dsec import AsyncSandbox
+from dsec.server import ServeProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -141,71 +142,6 @@ async def bench_idle_memory(m: int, kw: dict[str, Any]) -> dict[str, float]:
         await asyncio.gather(*(sb.kill() for sb in sbs), return_exceptions=True)
 
 
-class ServeProcess:
-    """`dsec serve` as a child process on a free loopback port with its own DSEC_HOME."""
-
-    def __init__(self, home: Path) -> None:
-        import socket
-
-        self.home = home
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = ""
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> ServeProcess:
-        import httpx
-
-        cache = Path(os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers"))
-        if cache.is_dir() and not (self.home / "layers").exists():
-            self.home.mkdir(parents=True, exist_ok=True)
-            (self.home / "layers").symlink_to(cache, target_is_directory=True)
-        env = {
-            **os.environ,
-            "DSEC_HOME": str(self.home),
-            "DSEC_NETWORK": "off",
-            "DSEC_TIERS": "container",
-        }
-        log = open(self.home / "serve.log", "ab")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dsec.cli.main",
-                "serve",
-                "--port",
-                str(self.port),
-                "--home",
-                str(self.home),
-            ],
-            env=env,
-            stdout=log,
-            stderr=log,
-        )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise SystemExit(f"dsec serve exited; see {self.home / 'serve.log'}")
-            time.sleep(0.1)
-        self.api_key = (self.home / "api_key").read_text().strip()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 def crun_bin() -> str | None:
     return shutil.which("crun") or shutil.which("runc")
 
@@ -283,7 +219,9 @@ def main() -> None:
     ap.add_argument(
         "--home", default=None, help="DSEC_HOME for the benchmark server (default: a temp dir)"
     )
-    ap.add_argument("--out", default=str(RESULTS / "container.json"))
+    ap.add_argument(
+        "--out", default=None, help="default: results/container.json (_quick with --quick)"
+    )
     args = ap.parse_args()
     q = args.quick
     n_seq = 20 if q else 100
@@ -382,7 +320,7 @@ def main() -> None:
         "podman_p50_ms": pct(pod, 50) if isinstance(pod, list) else None,
     }
     results["summary"] = summary
-    out = Path(args.out)
+    out = Path(args.out or RESULTS / ("container_quick.json" if args.quick else "container.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"\nwrote {out}")

@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +42,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from dsec.server import ServeProcess  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -144,71 +146,6 @@ class Server:
         if self._server is not None:
             self._server.should_exit = True
         self._thread.join(300)
-
-
-class ServeProcess:
-    """``dsec serve`` as a child process on a free loopback port with its own DSEC_HOME.
-
-    Its layers directory points at the shared test layer cache when it exists
-    (``DSEC_TEST_LAYER_CACHE``, default ``/var/cache/dsec-test-layers``), so the built-in
-    image is built once per machine. Its log is ``<home>/serve.log``.
-    """
-
-    def __init__(self, home: Path) -> None:
-        import socket
-
-        self.home = home
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = ""
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> ServeProcess:
-        import httpx
-
-        self.home.mkdir(parents=True, exist_ok=True)
-        cache = Path(os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers"))
-        if cache.is_dir() and not (self.home / "layers").exists():
-            (self.home / "layers").symlink_to(cache, target_is_directory=True)
-        env = {
-            **os.environ,
-            "DSEC_HOME": str(self.home),
-            "DSEC_NETWORK": "off",
-            "DSEC_TIERS": "container",
-        }
-        with open(self.home / "serve.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    *("-m", "dsec.cli.main", "serve"),
-                    *("--port", str(self.port), "--home", str(self.home)),
-                ],
-                env=env,
-                stdout=log,
-                stderr=log,
-            )
-        deadline = time.monotonic() + 300
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    break
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"dsec serve did not start; see {self.home / 'serve.log'}")
-            time.sleep(0.1)
-        self.api_key = (self.home / "api_key").read_text().strip()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM: dsec serve kills its sandboxes and exits
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 async def e2b_cycle(template: str) -> None:

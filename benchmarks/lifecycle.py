@@ -35,7 +35,6 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from dsec import AsyncClient, AsyncSandbox
 from dsec.runtimes.container.bundle import cgroup_parent
 from dsec.sdk.jobs import AsyncJobs
+from dsec.server import ServeProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 1 << 20
@@ -69,66 +69,6 @@ def pct(xs: list[float], p: float) -> float:
 def ms_since(t0: float) -> float:
     """Milliseconds elapsed since the ``time.perf_counter()`` value ``t0``."""
     return (time.perf_counter() - t0) * 1000
-
-
-class ServeProcess:
-    """`dsec serve` as a child process on a free loopback port with its own DSEC_HOME
-    (the pattern of benchmarks/container.py: busybox comes from the shared test layer cache)."""
-
-    def __init__(self, home: Path) -> None:
-        import socket
-
-        self.home = home
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = ""
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> ServeProcess:
-        import httpx
-
-        cache = Path(os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers"))
-        self.home.mkdir(parents=True, exist_ok=True)
-        if cache.is_dir() and not (self.home / "layers").exists():
-            (self.home / "layers").symlink_to(cache, target_is_directory=True)
-        env = {
-            **os.environ,
-            "DSEC_HOME": str(self.home),
-            "DSEC_NETWORK": "off",
-            "DSEC_TIERS": "container",
-        }
-        log = open(self.home / "serve.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dsec.cli.main", "serve", "--port", str(self.port),
-             "--home", str(self.home)],
-            env=env, stdout=log, stderr=log,
-        )  # fmt: skip
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise SystemExit(f"dsec serve exited; see {self.home / 'serve.log'}")
-            time.sleep(0.1)
-        else:
-            self.__exit__()
-            raise SystemExit(f"dsec serve did not become healthy; see {self.home / 'serve.log'}")
-        self.api_key = (self.home / "api_key").read_text().strip()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 class MemoryCgroup:

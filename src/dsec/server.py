@@ -368,3 +368,88 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class ServeProcess:
+    """``dsec serve`` as a child process on a free loopback port with its own ``DSEC_HOME``:
+    what benchmarks measure (an in-process server would share the GIL with the clients).
+
+    ``layer_cache`` (default ``$DSEC_TEST_LAYER_CACHE`` or ``/var/cache/dsec-test-layers``) is
+    linked as the home's layer store when it exists, so built-in images are built once per
+    machine. ``env`` adds operator settings (``DSEC_TIERS`` defaults to ``container`` and
+    ``DSEC_NETWORK`` to ``off``).
+    """
+
+    def __init__(
+        self,
+        home: Path,
+        *,
+        env: dict[str, str] | None = None,
+        layer_cache: Path | None = None,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        self.home = home
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = ""
+        self.env = {"DSEC_TIERS": "container", "DSEC_NETWORK": "off", **(env or {})}
+        self.layer_cache = layer_cache or Path(
+            os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers")
+        )
+        self.start_timeout_s = start_timeout_s
+        self.proc: Any = None
+
+    def __enter__(self) -> ServeProcess:
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+
+        self.home.mkdir(parents=True, exist_ok=True)
+        if self.layer_cache.is_dir() and not (self.home / "layers").exists():
+            (self.home / "layers").symlink_to(self.layer_cache, target_is_directory=True)
+        env = {**os.environ, "DSEC_HOME": str(self.home), **self.env}
+        log_file = open(self.home / "serve.log", "ab")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dsec.cli.main",
+                "serve",
+                "--port",
+                str(self.port),
+                "--home",
+                str(self.home),
+            ],
+            env=env,
+            stdout=log_file,
+            stderr=log_file,
+        )
+        log_file.close()
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dsec serve exited; see {self.home / 'serve.log'}")
+            time.sleep(0.1)
+        else:
+            self.__exit__()
+            raise RuntimeError(f"dsec serve did not become healthy; see {self.home / 'serve.log'}")
+        self.api_key = (self.home / "api_key").read_text().strip()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import subprocess
+
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
