@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 
 from dsec.errors import (
     AuthenticationError,
+    BlobDigestMismatch,
     CapabilityNotSupported,
     Conflict,
     DsecError,
@@ -41,6 +42,8 @@ from dsec.errors import (
     PathOutsideSandbox,
     PayloadTooLarge,
     QuotaExceeded,
+    RegistryUnauthorized,
+    RegistryUnavailable,
     SandboxError,
     SandboxNotFound,
     SandboxStopped,
@@ -81,6 +84,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "AuthenticationError",
+    "BlobDigestMismatch",
     "Capabilities",
     "CapabilityNotSupported",
     "Client",
@@ -107,6 +111,8 @@ __all__ = [
     "PathOutsideSandbox",
     "PayloadTooLarge",
     "QuotaExceeded",
+    "RegistryUnauthorized",
+    "RegistryUnavailable",
     "Sandbox",
     "SandboxError",
     "SandboxInfo",

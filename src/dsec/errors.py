@@ -30,8 +30,11 @@ TimeoutError`` or ``except LookupError`` work as expected::
     │   └── CapabilityNotSupported               422 capability_not_supported
     ├── QuotaExceeded                            429 quota_exceeded
     ├── SandboxError                             500 sandbox_error
-    │   (the runtime failed to do what was asked, e.g. the OCI runtime crashed)
+    │   │ (the runtime failed to do what was asked, e.g. the OCI runtime crashed)
+    │   └── BlobDigestMismatch                   502 blob_digest_mismatch
+    ├── RegistryUnauthorized (PermissionError)   403 registry_unauthorized
     ├── ServiceUnavailable (ConnectionError)     503 unavailable
+    │   └── RegistryUnavailable                  503 registry_unavailable
     └── InternalError                            500 internal
 
 ``Unsupported`` means a tier cannot do something at all (and its capability
@@ -44,6 +47,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "AuthenticationError",
+    "BlobDigestMismatch",
     "CapabilityNotSupported",
     "Conflict",
     "DsecError",
@@ -58,6 +62,8 @@ __all__ = [
     "PathOutsideSandbox",
     "PayloadTooLarge",
     "QuotaExceeded",
+    "RegistryUnauthorized",
+    "RegistryUnavailable",
     "SandboxError",
     "SandboxNotFound",
     "SandboxStopped",
@@ -248,6 +254,29 @@ class ServiceUnavailable(DsecError, ConnectionError):
 
     code = "unavailable"
     http_status = 503
+
+
+class BlobDigestMismatch(SandboxError):
+    """A blob or manifest from a registry does not hash to its digest (or has the wrong size,
+    or its content does not match the image config). It is refused and nothing is stored."""
+
+    code = "blob_digest_mismatch"
+    http_status = 502
+
+
+class RegistryUnauthorized(DsecError, PermissionError):
+    """An image registry refused the credentials (or anonymous access) for a repository.
+    Not about the dsec API key: that is ``AuthenticationError``."""
+
+    code = "registry_unauthorized"
+    http_status = 403
+
+
+class RegistryUnavailable(ServiceUnavailable):
+    """An image registry could not be reached, broke a connection, sent a truncated body or
+    answered with a server error. Nothing was stored."""
+
+    code = "registry_unavailable"
 
 
 class InternalError(DsecError):

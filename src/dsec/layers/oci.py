@@ -74,12 +74,13 @@ from typing import IO, Any
 import httpx
 
 from dsec.errors import (
-    AuthenticationError,
+    BlobDigestMismatch,
     DsecError,
     ImageNotFound,
     InvalidRequest,
+    RegistryUnauthorized,
+    RegistryUnavailable,
     SandboxError,
-    ServiceUnavailable,
     Unsupported,
 )
 from dsec.layers.store import LayerStore, extract_tarball
@@ -134,23 +135,6 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _WH_PREFIX = ".wh."
 _WH_OPAQUE = ".wh..wh..opq"
 _OPAQUE_XATTR = "trusted.overlay.opaque"
-
-
-class RegistryUnauthorized(AuthenticationError):
-    """The registry refused the credentials (or anonymous access) for this repository.
-
-    Wire code ``unauthenticated`` (inherited)."""
-
-
-class RegistryUnavailable(ServiceUnavailable):
-    """The registry could not be reached, broke a connection, sent a truncated body or
-    answered with a server error. Nothing was stored. Wire code ``unavailable``."""
-
-
-class BlobDigestMismatch(SandboxError):
-    """A downloaded blob or manifest does not hash to its digest (or has the wrong size, or
-    its uncompressed content does not match the config's ``diff_ids``). It is refused and
-    nothing is stored. Wire code ``sandbox_error``."""
 
 
 # --- references ----------------------------------------------------------------------------
