@@ -466,7 +466,7 @@ class FakeEdge:
             seq,
             idem_key,
             "exec",
-            req.model_dump(mode="json"),
+            req.model_dump(mode="json", exclude_defaults=True),  # as the real edge records it
             lambda: self._answer(sb, req),
             lambda r: r.model_dump(mode="json", exclude={"replayed"}),
             lambda d: ExecResult.model_validate({**d, "replayed": True}),

@@ -735,6 +735,7 @@ class ContainerRuntime:
                 scrub=req.scrub,
                 meta=meta,
                 secret_values=req.secret_values,
+                compress="lz4" if req.compress else None,
             )
         finally:
             if not was_frozen:
