@@ -346,11 +346,13 @@ class EnvdApp:
 
     async def _upload(self, request: Request) -> Response:
         async def handler(sandbox_id: str, owner: str) -> Response:
+            # read the body before any refusal: answering mid-upload makes the client see a
+            # reset connection instead of the error
+            body = await self._read_body(request)
             if any(k.lower().startswith("x-metadata-") for k in request.headers):
                 raise E2BError(501, "file metadata (user.e2b.* xattrs) is not supported by dsec")
             query_path = request.query_params.get("path")
             content_type = request.headers.get("content-type", "")
-            body = await self._read_body(request)
             files: list[tuple[str, bytes]] = []
             if content_type.lower().startswith("multipart/form-data"):
                 parts = _split_multipart(body, content_type)
