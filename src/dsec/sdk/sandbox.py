@@ -220,10 +220,8 @@ class AsyncCommands:
         sb = self._sandbox
         if on_stdout is None and on_stderr is None:
             if sb._replay_pending or sb._replay_log is not None:
-                # the request as the edge records it (parsed from this JSON, defaults left out)
-                seen = ExecRequest.model_validate(_dump(req)).model_dump(
-                    mode="json", exclude_defaults=True
-                )
+                # the request as the edge records it (defaults left out)
+                seen = req.model_dump(mode="json", exclude_defaults=True)
                 recorded = await sb._local_replay("exec", seen)
                 if recorded is not None:
                     answer = CommandResult.model_validate(recorded)
