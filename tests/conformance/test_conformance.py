@@ -363,3 +363,33 @@ def test_fork_bomb_is_capped(make_sandbox: Callable[..., Sandbox]) -> None:
     assert r.exit_code != 0 or "fork" in r.stderr.lower() or "resource" in r.stderr.lower()
     sb.commands.run("kill -9 -1 2>/dev/null; true", timeout=10)
     assert sb.commands.run("echo survived", timeout=20).stdout == "survived\n"
+
+
+def test_pause_resume_or_typed_refusal(sandbox: Sandbox, caps: Any) -> None:
+    sandbox.commands.run("echo before > /tmp/paused.txt")
+    if not caps.pause:
+        with pytest.raises(CapabilityNotSupported):
+            sandbox.pause()
+        return
+    info = sandbox.pause()
+    assert info.state == "paused" and info.paused_at is not None
+    assert info.last_pause is not None
+    # any request resumes a paused sandbox transparently
+    assert sandbox.commands.run("cat /tmp/paused.txt").stdout == "before\n"
+    assert sandbox.refresh().state == "running"
+    sandbox.pause()
+    assert sandbox.resume().state == "running"
+
+
+def test_snapshot_restores_or_typed_refusal(
+    sandbox: Sandbox, caps: Any, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    sandbox.commands.run("mkdir -p /srv/app && echo built > /srv/app/out.txt")
+    if not caps.snapshot:
+        with pytest.raises(CapabilityNotSupported):
+            sandbox.snapshot()
+        return
+    layer = sandbox.snapshot()
+    assert layer.digest.startswith("sha256:")
+    restored = make_sandbox(layers=[layer.digest])
+    assert restored.files.read("/srv/app/out.txt") == b"built\n"

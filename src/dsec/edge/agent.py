@@ -961,7 +961,7 @@ class EdgeAgent:
         async with lv.lock:
             if lv.row.state != "running":
                 return
-            report = PauseReport.model_validate(await rt.pause(lv.handle))
+            report = _pause_report(await rt.pause(lv.handle))
             now = time.time()
             lv.row.state = "paused"
             lv.row.paused_at = now
@@ -1358,6 +1358,19 @@ def check_tar(data: bytes, max_members: int = 1_000_000) -> int:
     except tarfile.TarError as e:
         raise InvalidRequest(f"not a valid tar archive: {e}") from e
     return n
+
+
+def _pause_report(raw: dict[str, Any]) -> PauseReport:
+    """A runtime's pause report as the API model: known fields kept, the rest as notes (each
+    tier reports what it has: cgroup memory for containers, vCPU state for VMs)."""
+    fields = PauseReport.model_fields
+    known = {k: v for k, v in raw.items() if k in fields}
+    extra = [f"{k}={v}" for k, v in raw.items() if k not in fields]
+    if "method" not in known and "mode" in raw:
+        known["method"] = str(raw["mode"])
+    if extra:
+        known["notes"] = [*known.get("notes", []), *extra]
+    return PauseReport.model_validate(known)
 
 
 def _dump(model: Any) -> dict[str, Any]:
