@@ -13,8 +13,8 @@ demo: setup
 	@bash scripts/demo.sh
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks scripts
-	$(VENV)/bin/ruff format --check src tests benchmarks scripts
+	$(VENV)/bin/ruff check src tests benchmarks scripts examples
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples
 
 typecheck: setup
 	$(VENV)/bin/mypy
