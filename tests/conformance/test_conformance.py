@@ -393,3 +393,18 @@ def test_snapshot_restores_or_typed_refusal(
     assert layer.digest.startswith("sha256:")
     restored = make_sandbox(layers=[layer.digest])
     assert restored.files.read("/srv/app/out.txt") == b"built\n"
+
+
+def test_idle_ttl_pauses_when_asked(caps: Any, make_sandbox: Callable[..., Sandbox]) -> None:
+    if not caps.pause:
+        pytest.skip("this tier cannot pause (its capability table says so)")
+    sb = make_sandbox(ttl_s=1, on_timeout="pause", paused_ttl_s=600)
+    sb.commands.run("echo kept > /tmp/ttl.txt")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and sb.refresh().state != "paused":
+        time.sleep(0.3)
+    assert sb.info.state == "paused"
+    assert sb.info.expires_at is not None  # now the paused TTL
+    assert sb.commands.run("cat /tmp/ttl.txt").stdout == "kept\n"  # resumed by the request
+    sb.set_ttl(600)
+    assert sb.refresh().state == "running"
