@@ -26,6 +26,18 @@ DEFAULT_HOME = "/var/lib/dsec"
 DEFAULT_URL = "http://127.0.0.1:7070"
 
 
+def host_memory_mb() -> int:
+    """This node's physical memory (``MemTotal``), MiB; 0 when it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return 0
+
+
 def dsec_home() -> Path:
     return Path(os.environ.get("DSEC_HOME", DEFAULT_HOME))
 

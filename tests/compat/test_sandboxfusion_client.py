@@ -12,13 +12,13 @@ import base64
 import contextlib
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from tests.conftest import free_port
 
 sandbox_fusion = pytest.importorskip("sandbox_fusion")
 
@@ -36,12 +36,6 @@ pytestmark = [
 ]
 
 API_KEY = "dsec_test_" + secrets.token_hex(8)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _make_app(home: Path, keyless: list[str]) -> FastAPI:
@@ -69,7 +63,7 @@ def _make_app(home: Path, keyless: list[str]) -> FastAPI:
 def _serve(app: FastAPI) -> Iterator[str]:
     import uvicorn
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )

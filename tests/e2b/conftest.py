@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -24,6 +23,7 @@ import uvicorn
 from fake_edge import FakeEdge
 from starlette.applications import Starlette
 from starlette.routing import Mount
+from tests.conftest import free_port
 
 from dsec.e2b import make_e2b_app
 
@@ -45,12 +45,6 @@ class E2BServer:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class StreamOnlyEdge:
     """The fake edge seen through ``EdgeAPI`` alone (no ``InteractiveExec``), like an edge
     that has not implemented interactive processes: the E2B layer falls back to exec_stream."""
@@ -69,7 +63,7 @@ def serve_e2b(edge: Any) -> Iterator[tuple[str, Any, asyncio.AbstractEventLoop]]
     """Serve ``make_e2b_app(edge)`` mounted at ``/e2b`` (as ``dsec serve`` does) on a loopback port."""
     app = make_e2b_app(edge, KEYS.get, watch_poll_interval_s=0.05, max_upload_bytes=1 << 20)
     outer = Starlette(routes=[Mount("/e2b", app=app)])
-    port = _free_port()
+    port = free_port()
     config = uvicorn.Config(outer, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
     loop = asyncio.new_event_loop()

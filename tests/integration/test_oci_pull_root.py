@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.conftest import free_port
 
 from dsec.errors import ImageNotFound, SandboxError
 from dsec.layers import LayerMounts, LayerStore, assemble_rootfs, teardown_rootfs
@@ -249,12 +250,6 @@ def tree_of(root: Path) -> dict[str, str]:
 
 
 # --- registries ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class DistributionRegistry:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -19,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.conftest import free_port
 from typer.testing import CliRunner
 
 import dsec.cli.main as cli
@@ -471,10 +471,6 @@ async def test_e2b_raw_bad_updates(
 
 
 # --- E2B through the unmodified e2b SDK --------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -490,7 +486,7 @@ def _serve_e2b(edge: FakeEdge) -> Iterator[str]:
         uvicorn.Config(
             Starlette(routes=[Mount("/e2b", app=app)]),
             host="127.0.0.1",
-            port=_free_port(),
+            port=free_port(),
             log_level="warning",
             lifespan="off",
         )

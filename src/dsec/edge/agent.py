@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from dsec import __version__
-from dsec.config import Paths
+from dsec.config import Paths, host_memory_mb
 from dsec.edge.jobs import for_each_sandbox
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.registry import Registry, SandboxRow
@@ -168,7 +168,7 @@ class EdgeAgent:
         self._closing = False
         self._closed = False
         self._cpus = os.cpu_count() or 1
-        self._mem_mb = _total_memory_mb()
+        self._mem_mb = host_memory_mb() or 1024  # unknown: admit as a small node would
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -1375,14 +1375,3 @@ def _pause_report(raw: dict[str, Any]) -> PauseReport:
 
 def _dump(model: Any) -> dict[str, Any]:
     return model.model_dump(mode="json")
-
-
-def _total_memory_mb() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) // 1024
-    except OSError:
-        pass
-    return 1024

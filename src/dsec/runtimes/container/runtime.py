@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.config import Paths
+from dsec.config import Paths, host_memory_mb
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
@@ -221,7 +221,7 @@ class ContainerRuntime:
             display=False,
             persistent=True,
             max_cpu=float(os.cpu_count() or 1),
-            max_memory_mb=_total_memory_mb(),
+            max_memory_mb=host_memory_mb(),
         )
 
     async def start(self) -> None:
@@ -926,14 +926,4 @@ def _oom_kills(oom_control: str) -> int:
     for line in data.split(b"\n"):
         if line.startswith(b"oom_kill "):
             return int(line.split()[1])
-    return 0
-
-
-def _total_memory_mb() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) // 1024
-    except OSError:
-        pass
     return 0

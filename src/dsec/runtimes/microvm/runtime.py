@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from dsec.config import Paths
+from dsec.config import Paths, host_memory_mb
 from dsec.errors import (
     DsecError,
     InvalidRequest,
@@ -207,7 +207,7 @@ class MicroVMRuntime:
             display=self.display,
             persistent=True,
             max_cpu=float(os.cpu_count() or 1),
-            max_memory_mb=_host_memory_mb() // 2,
+            max_memory_mb=host_memory_mb() // 2,
         )
 
     async def start(self) -> None:
@@ -1004,11 +1004,3 @@ def _is_our_qemu(pid: int, tag: str, sandbox_id: str) -> bool:
     except OSError:
         return False
     return f"dsec:{tag}:{sandbox_id}".encode() in argv and pid_alive(pid)
-
-
-def _host_memory_mb() -> int:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) // 1024
-    return 0
