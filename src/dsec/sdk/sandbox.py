@@ -64,6 +64,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import TypeAdapter
 
+from dsec.edge.trajectory import canonical_digest  # the edge's request digest, to match it
 from dsec.errors import (
     DsecError,
     FileNotFound,
@@ -723,15 +724,12 @@ class AsyncSandbox:
             if not self._replay_pending:
                 return None
             self._replay_pending = False
-            from dsec.edge.trajectory import canonical_digest
-
             log: dict[int, dict[str, Any]] = {}
             for line in (await self.trajectory()).splitlines():
                 entry = json.loads(line)
                 if entry.get("type") == "entry" and entry.get("status") == "ok":
                     log[int(entry["seq"])] = entry
             self._replay_log = log
-            self._replay_digest = canonical_digest
         if self._free_seqs:
             return None
         seq = self._next_seq
@@ -743,7 +741,7 @@ class AsyncSandbox:
         result = entry.get("result")
         if (
             entry.get("op") != op
-            or entry.get("request_digest") != self._replay_digest(request)
+            or entry.get("request_digest") != canonical_digest(request)
             or not isinstance(result, dict)
             or any(isinstance(v, dict) and "$sha256" in v for v in result.values())
         ):
