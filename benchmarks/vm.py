@@ -2,7 +2,7 @@
 
 Run as root (a dsec node)::
 
-    .venv/bin/python benchmarks/vm.py [--runs 7] [--clones 10] [--ksm]
+    .venv/bin/python benchmarks/vm.py [--runs 7] [--clones 20] [--suspends 5]
 
 Prints a table and writes ``benchmarks/results/vm.json``. What is measured:
 
@@ -12,9 +12,15 @@ Prints a table and writes ``benchmarks/results/vm.json``. What is measured:
 * 8 at once: 8 creates started together, cold and restored; the slowest one's time.
 * exec round trip: ``echo hi`` as argv (no shell), p50 over warm execs.
 * memory: N idle sandboxes from a template (RAM file shared copy-on-write) against N idle
-  cold-booted ones (private RAM). Host memory = sum of the QEMUs' private pages plus, for the
-  shared case, the template RAM file once. ``--ksm`` also turns ksmd on for a while and
-  measures again (QEMUs are started with PR_SET_MEMORY_MERGE).
+  cold-booted ones (private RAM), each with ksmd off and then on (QEMUs are started with
+  PR_SET_MEMORY_MERGE and guest RAM merge=on; ksmd runs with pages_to_scan=--ksm-pages until
+  it has done two full scans and stopped merging more, at most --ksm-wait seconds). Host
+  memory = the sum of the QEMUs' PSS (/proc/PID/smaps_rollup: shared template and KSM pages
+  divided among the processes mapping them). The previous ksmd settings are put back.
+* suspend / resume: ``suspend`` (RAM + devices to a file, QEMU exits) and the transparent
+  restore (new QEMU, state loaded, clock/RNG reset, agent ready), with both transports
+  (``fd``: QEMU writes the file itself; ``exec``: through a ``cat`` child), p50; and a memory
+  fork (capture of a running sandbox + one child to agent ready).
 
 Uses ``DSEC_HOME=/tmp/dsec-vmbench`` unless set. Reports whether KVM or TCG ran.
 """
@@ -38,6 +44,7 @@ from dsec.models import ExecRequest
 from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS
 from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
+from dsec.runtimes.microvm.ksm import KSM_SYSFS, ksmd_set, wait_ksm_settled
 from dsec.runtimes.vm import VMRuntime
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vm.json"
@@ -90,17 +97,95 @@ def private_bytes(pid: int) -> int:
     return total
 
 
-def template_file_bytes(tag: str) -> int:
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of ``pid`` (shared pages divided among their mappers), bytes."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def template_file_bytes(rt: MicroVMRuntime) -> int:
     """Resident bytes of this node's template RAM files on /dev/shm."""
-    return sum(p.stat().st_blocks * 512 for p in Path("/dev/shm").glob(f"dsec-{tag}-*.ram"))
+    return sum(p.stat().st_blocks * 512 for p in rt.shm_dir.glob("*.ram"))
 
 
-def set_ksm(value: str) -> str:
-    """Write /sys/kernel/mm/ksm/run; returns the previous value."""
-    ksm = Path("/sys/kernel/mm/ksm/run")
-    old = ksm.read_text().strip()
-    ksm.write_text(value)
-    return old
+async def measure_ksm(
+    hs: list[Handle], pages_to_scan: int, wait_s: float
+) -> tuple[int, int, dict[str, int]]:
+    """Sum of PSS of the sandboxes' QEMUs with ksmd off, then with ksmd on once settled
+    (bytes, bytes, ksmd counters). Restores the previous ksmd settings."""
+    pids = [int(h.state["pid"]) for h in hs]
+    prev = ksmd_set(0)  # run=0 keeps merged pages merged: unmerge first for a clean "off"
+    try:
+        (KSM_SYSFS / "run").write_text("2")  # 2: unmerge everything
+        (KSM_SYSFS / "run").write_text("0")
+        await asyncio.sleep(2.0)
+        off = sum(pss_bytes(p) for p in pids)
+        ksmd_set(1, pages_to_scan)
+        stats = await asyncio.to_thread(wait_ksm_settled, wait_s)
+        on = sum(pss_bytes(p) for p in pids)
+    finally:
+        (KSM_SYSFS / "pages_to_scan").write_text(prev["pages_to_scan"])
+        (KSM_SYSFS / "run").write_text(prev["run"])
+    return off, on, stats
+
+
+async def suspend_resume(
+    b: Bench, transport: str, runs: int
+) -> tuple[list[float], list[float], list[float], int]:
+    """(suspend s, restore-to-ready s, first exec after restore s, state bytes) per run."""
+    rt = await b.runtime(templates=True, pool_size=0, snapshot_transport=transport)
+    sus, res, first = [], [], []
+    size = 0
+    try:
+        h = await rt.create(b.spec())
+        try:
+            await rt.exec(h, ExecRequest(cmd="sleep 1000 &"))
+            for _ in range(runs):
+                t = time.perf_counter()
+                rep = await rt.suspend(h)
+                sus.append(time.perf_counter() - t)
+                size = int(rep["state_bytes"])
+                t = time.perf_counter()
+                await rt.resume(h)
+                res.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                r = await rt.exec(h, ExecRequest(cmd=["echo", "hi"]))
+                first.append(time.perf_counter() - t)
+                assert r.stdout == "hi\n"
+        finally:
+            await rt.destroy(h)
+    finally:
+        await rt.close()
+    return sus, res, first, size
+
+
+async def memory_forks(b: Bench, runs: int) -> tuple[list[float], list[float]]:
+    """(capture s, child-to-ready s) for memory forks of one running sandbox."""
+    rt = await b.runtime(templates=True, pool_size=0)
+    cap, child = [], []
+    try:
+        h = await rt.create(b.spec())
+        try:
+            await rt.exec(h, ExecRequest(cmd="sleep 1000 &"))
+            for _ in range(runs):
+                t = time.perf_counter()
+                snap = await rt.memory_snapshot(h)
+                cap.append(time.perf_counter() - t)
+                try:
+                    t = time.perf_counter()
+                    c = await rt.create_from_memory(snap, b.spec())
+                    child.append(time.perf_counter() - t)
+                    await rt.destroy(c)
+                finally:
+                    await rt.drop_memory_snapshot(snap)
+        finally:
+            await rt.destroy(h)
+    finally:
+        await rt.close()
+    return cap, child
 
 
 async def sequential_creates(
@@ -136,17 +221,121 @@ async def idle_memory(
     return hs, total
 
 
+async def memory_section(
+    res: dict[str, Any], warm: MicroVMRuntime, cold: MicroVMRuntime, b: Bench, args: Any
+) -> None:
+    """N idle template clones and N idle cold-booted guests, PSS with ksmd off and on."""
+    res["clones"] = args.clones
+    res["ksm_pages_to_scan"] = args.ksm_pages
+    hs, clone_private = await idle_memory(warm, b, args.clones)
+    try:
+        res["template_ram_file_bytes"] = template_file_bytes(warm)
+        res["shared_per_clone_private_bytes"] = clone_private / args.clones
+        off, on, stats = await measure_ksm(hs, args.ksm_pages, args.ksm_wait)
+        res["clones_pss_ksm_off_bytes"], res["clones_pss_ksm_on_bytes"] = off, on
+        res["clones_ksm_stats"] = stats
+    finally:
+        await asyncio.gather(*(warm.destroy(h) for h in hs))
+    hs, _ = await idle_memory(cold, b, args.clones)
+    try:
+        off, on, stats = await measure_ksm(hs, args.ksm_pages, args.ksm_wait)
+        res["cold_pss_ksm_off_bytes"], res["cold_pss_ksm_on_bytes"] = off, on
+        res["cold_ksm_stats"] = stats
+    finally:
+        await asyncio.gather(*(cold.destroy(h) for h in hs))
+    base = res["cold_pss_ksm_off_bytes"]
+    mib = 1 << 20
+    for key in ("cold_pss_ksm_off", "cold_pss_ksm_on", "clones_pss_ksm_off", "clones_pss_ksm_on"):
+        v = res[f"{key}_bytes"]
+        print(f"{args.clones} idle VMs, {key}: {v / mib:.0f} MiB, {v / args.clones / mib:.1f} MiB/VM, "
+              f"{100 * (1 - v / base):.0f}% below unshared")  # fmt: skip
+
+
+async def suspend_section(res: dict[str, Any], b: Bench, args: Any) -> None:
+    for transport in ("fd", "exec"):
+        sus, rest, first, size = await suspend_resume(b, transport, args.suspends)
+        res[f"suspend_{transport}_s"], res[f"resume_{transport}_s"] = sus, rest
+        res[f"first_exec_after_resume_{transport}_s"] = first
+        res["suspend_state_bytes"] = size
+        print(f"suspend ({transport}) p50 {p50(sus) * 1000:.0f} ms, resume to ready p50 "
+              f"{p50(rest) * 1000:.0f} ms, first exec {p50(first) * 1000:.0f} ms, "
+              f"state {size / (1 << 20):.0f} MiB")  # fmt: skip
+    cap, child = await memory_forks(b, max(2, args.suspends // 2))
+    res["memory_fork_capture_s"], res["memory_fork_child_ready_s"] = cap, child
+    print(f"memory fork: capture p50 {p50(cap) * 1000:.0f} ms, child ready p50 "
+          f"{p50(child) * 1000:.0f} ms")  # fmt: skip
+
+
+def summary_rows(res: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Table rows of the memory and suspend sections (those present in ``res``)."""
+    mib = 1 << 20
+    rows: list[tuple[str, str, str]] = []
+    n = res.get("clones", 0)
+    if "cold_pss_ksm_off_bytes" in res:
+        base = res["cold_pss_ksm_off_bytes"]
+        for key, what in (("cold_pss_ksm_off", "cold-booted, KSM off (unshared)"),
+                          ("cold_pss_ksm_on", "cold-booted, KSM on"),
+                          ("clones_pss_ksm_off", "template clones, KSM off"),
+                          ("clones_pss_ksm_on", "template clones, KSM on")):  # fmt: skip
+            v = res[f"{key}_bytes"]
+            rows.append((f"host memory (PSS), {n} idle VMs, {what}", f"{v / mib:.0f} MiB",
+                         f"{v / n / mib:.1f} MiB/VM; {100 * (1 - v / base):.0f}% below unshared"))  # fmt: skip
+    for t in ("fd", "exec"):
+        if f"suspend_{t}_s" in res:
+            rows.append((f"suspend to file ({t}) p50", f"{p50(res[f'suspend_{t}_s']) * 1000:.0f} ms",
+                         f"state {res['suspend_state_bytes'] / mib:.0f} MiB"))  # fmt: skip
+            rows.append((f"resume from file ({t}) -> agent ready p50",
+                         f"{p50(res[f'resume_{t}_s']) * 1000:.0f} ms",
+                         f"first exec {p50(res[f'first_exec_after_resume_{t}_s']) * 1000:.0f} ms"))  # fmt: skip
+    if "memory_fork_capture_s" in res:
+        rows.append(("memory fork: capture / child ready p50",
+                     f"{p50(res['memory_fork_capture_s']) * 1000:.0f} ms",
+                     f"child {p50(res['memory_fork_child_ready_s']) * 1000:.0f} ms"))  # fmt: skip
+    return rows
+
+
+async def partial(args: Any, b: Bench) -> None:
+    """``--only memory|suspend``: run one section, merge it into the saved results."""
+    res: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if args.only == "memory":
+        cold = await b.runtime(templates=False, pool_size=0)
+        warm = await b.runtime(templates=True, pool_size=0)
+        res["accel"], res["accel_reason"] = warm.accel, warm.accel_reason
+        await warm.destroy(await warm.create(b.spec()))  # the template
+        await memory_section(res, warm, cold, b, args)
+        await warm.close()
+        await cold.close()
+    else:
+        await suspend_section(res, b, args)
+    cleanup = MicroVMRuntime(b.paths)  # template RAM on /dev/shm, cgroup parents
+    cleanup.remove_templates()
+    for c in CONTROLLERS:
+        for rel in (cleanup.cgroup_prefix, cleanup.cgroup_prefix.split("/")[0]):
+            with contextlib.suppress(OSError):
+                (CGROUP_ROOT / c / rel).rmdir()
+    for name, value, note in summary_rows(res):
+        print(f"{name:<55}  {value:>10}  {note}")
+    RESULTS.write_text(json.dumps(res, indent=2))
+    print(f"updated {RESULTS}")
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--clones", type=int, default=10)
+    ap.add_argument("--clones", type=int, default=20)
     ap.add_argument("--parallel", type=int, default=8)
-    ap.add_argument("--ksm", action="store_true", help="also measure with ksmd running")
+    ap.add_argument("--suspends", type=int, default=5)
+    ap.add_argument("--ksm-pages", type=int, default=4000, help="ksmd pages_to_scan")
+    ap.add_argument("--ksm-wait", type=float, default=120.0, help="max wait for ksmd, s")
+    ap.add_argument("--only", choices=["all", "memory", "suspend"], default="all")
     args = ap.parse_args()
 
     os.environ.setdefault("DSEC_HOME", "/tmp/dsec-vmbench")
     paths = Paths.from_env()
     b = Bench(paths, busybox_layers(paths))
+    if args.only != "all":
+        await partial(args, b)
+        return
     res: dict[str, Any] = {
         "host": platform.node(),
         "kernel": platform.release(),
@@ -191,26 +380,8 @@ async def main() -> None:
     res["parallel_restore_s"] = await parallel_creates(warm, b, args.parallel)
     res["parallel_cold_s"] = await parallel_creates(cold, b, args.parallel)
 
-    # memory: N idle template clones vs N idle cold-booted guests
-    hs, clone_private = await idle_memory(warm, b, args.clones)
-    tpl_file = template_file_bytes(warm.tag)
-    res["clones"] = args.clones
-    res["shared_total_bytes"] = clone_private + tpl_file
-    res["shared_per_clone_private_bytes"] = clone_private / args.clones
-    res["template_ram_file_bytes"] = tpl_file
-    if args.ksm:
-        old = set_ksm("1")
-        try:
-            await asyncio.sleep(30)
-            res["shared_ksm_total_bytes"] = (
-                sum(private_bytes(int(h.state["pid"])) for h in hs) + tpl_file
-            )
-        finally:
-            set_ksm(old)
-    await asyncio.gather(*(warm.destroy(h) for h in hs))
-    hs, cold_private = await idle_memory(cold, b, args.clones)
-    res["unshared_total_bytes"] = cold_private
-    await asyncio.gather(*(cold.destroy(h) for h in hs))
+    await memory_section(res, warm, cold, b, args)
+    await suspend_section(res, b, args)
     await warm.close()
     await cold.close()
     cold.remove_templates()
@@ -236,7 +407,6 @@ async def main() -> None:
         print(f"vm tier failed: {e.message}")
     await full.close()
 
-    mib = 1 << 20
     cold_p50 = p50(res["cold_boot_ready_s"])
     rows = [
         ("accelerator", res["accel"].upper(), ""),
@@ -248,21 +418,14 @@ async def main() -> None:
         (f"{args.parallel} at once, restore (all ready)", f"{res['parallel_restore_s']:.2f} s", ""),
         (f"{args.parallel} at once, cold (all ready)", f"{res['parallel_cold_s']:.2f} s", ""),
         ("exec echo round trip p50", f"{p50(res['exec_echo_s']) * 1000:.1f} ms", "target <= 10 ms"),
-        (f"host memory, {args.clones} idle clones (shared)", f"{res['shared_total_bytes'] / mib:.0f} MiB",
-         f"{res['shared_total_bytes'] / args.clones / mib:.1f} MiB each; target <= 40"),
-        (f"host memory, {args.clones} idle cold VMs (unshared)", f"{res['unshared_total_bytes'] / mib:.0f} MiB",
-         f"sharing saves {100 * (1 - res['shared_total_bytes'] / res['unshared_total_bytes']):.0f}%; target >= 40%"),
     ]  # fmt: skip
+    rows += summary_rows(res)
     rows.append(
         ("vm tier (q35) boot -> agent ready p50", f"{p50(res['vm_tier_boot_ready_s']):.2f} s", "")
     )
     rows.append(
         ("vm tier screenshot (PNG) p50", f"{p50(res['vm_tier_screenshot_s']) * 1000:.0f} ms", "")
     )
-    if "shared_ksm_total_bytes" in res:
-        rows.append(
-            ("  ... with ksmd on for 30 s", f"{res['shared_ksm_total_bytes'] / mib:.0f} MiB", "")
-        )
     w = max(len(r[0]) for r in rows)
     for name, value, note in rows:
         print(f"{name:<{w}}  {value:>10}  {note}")

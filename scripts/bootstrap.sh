@@ -9,6 +9,7 @@ APT_PACKAGES=(
   crun runc erofs-utils busybox-static debootstrap bubblewrap
   iproute2 nftables fuse3 libfuse3-dev pkg-config curl ca-certificates util-linux
   qemu-system-x86 qemu-utils lz4 e2fsprogs cpio docker-registry openssl
+  libfuse3-3 git postgresql
 )
 if [[ -n "${DSEC_EXTRA_APT:-}" ]]; then
   # shellcheck disable=SC2206
@@ -37,6 +38,6 @@ fi
 stamp=.venv/.dsec-installed
 if [[ ! -f $stamp || pyproject.toml -nt $stamp || constraints.txt -nt $stamp ]]; then
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -c constraints.txt -e '.[dev]'
+  .venv/bin/pip install -q -c constraints.txt -e '.[dev,cluster]'
   touch "$stamp"
 fi

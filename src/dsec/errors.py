@@ -57,6 +57,7 @@ __all__ = [
     "InternalError",
     "InvalidRequest",
     "LayerNotFound",
+    "NodeLost",
     "NotFound",
     "OutcomeUnknown",
     "PathOutsideSandbox",
@@ -143,6 +144,13 @@ class SandboxNotFound(NotFound):
     """No sandbox with this id is visible to this key."""
 
     code = "sandbox_not_found"
+
+
+class NodeLost(SandboxNotFound):
+    """The node holding this sandbox was lost (cluster mode: Ray reported it dead, or its
+    edge stopped answering): the sandbox is gone. ``details.node`` names the node."""
+
+    code = "node_lost"
 
 
 class ImageNotFound(NotFound):

@@ -216,11 +216,48 @@ class ForkRequest(_Model):
     n: int = Field(ge=1, le=256)
     labels: dict[str, str] = Field(default_factory=dict)
     scrub: list[str] = Field(default_factory=list, max_length=256)
+    memory: bool = Field(
+        False,
+        description="VM tiers: the new sandboxes resume this one's memory and device state "
+        "(running processes carry over), each with its own copy-on-write disk, a new RNG "
+        "seed and clock; no layer is made. Other tiers: capability_not_supported.",
+    )
 
 
 class ForkResult(_Model):
-    layer: LayerInfo
+    layer: LayerInfo | None = Field(None, description="the snapshot layer (None: memory fork)")
     sandboxes: list[SandboxInfo]
+
+
+# --- batch creation ----------------------------------------------------------------
+
+MAX_BATCH = 1024
+"""Most sandboxes one batch call may ask for (larger jobs send several batches)."""
+
+
+class BatchCreateRequest(_Model):
+    """Create ``n`` sandboxes from one request. By default partial success is returned as
+    is (each failure reported by index); ``all_or_nothing`` kills what was made if any fails."""
+
+    n: int = Field(ge=1, le=MAX_BATCH, description=f"how many sandboxes (1..{MAX_BATCH})")
+    sandbox: CreateSandboxRequest = Field(default_factory=CreateSandboxRequest)
+    all_or_nothing: bool = False
+
+
+class BatchItemError(_Model):
+    """Why sandbox ``index`` (0-based, in request order) of a batch was not created."""
+
+    index: int
+    code: str = Field(description="the error's wire code, e.g. quota_exceeded")
+    message: str
+
+
+class BatchCreateResult(_Model):
+    """Per-sandbox outcome of a batch: ``len(sandboxes) + len(errors) == requested``."""
+
+    requested: int
+    sandboxes: list[SandboxInfo] = Field(default_factory=list)
+    errors: list[BatchItemError] = Field(default_factory=list)
 
 
 class JobOutcome(_Model):
@@ -351,6 +388,12 @@ class LayerInfo(_Model):
     size: int
     created_at: datetime
     meta: dict[str, Any] = Field(default_factory=dict)
+    remote: str | None = Field(
+        None, description="blob store the layer's data is read from on demand (None: local)"
+    )
+    cached_fraction: float | None = Field(
+        None, description="share (0..1) of the layer's bytes on this node's disk"
+    )
 
 
 class ImageInfo(_Model):
@@ -359,6 +402,9 @@ class ImageInfo(_Model):
     size: int
     created_at: datetime
     meta: dict[str, Any] = Field(default_factory=dict)
+    cached_fraction: float | None = Field(
+        None, description="share (0..1) of the image's bytes on this node's disk (by size)"
+    )
 
 
 class BuildImageRequest(_Model):
@@ -385,6 +431,11 @@ class PullImageRequest(_Model):
         min_length=1, max_length=1024, description="[registry/]repo[:tag][@sha256:...]"
     )
     name: str | None = Field(None, description="name[:tag] in the store (default: from the ref)")
+    lazy: bool = Field(
+        False,
+        description="an image pushed with `dsec image push`: record its layers as remote and "
+        "fetch their data on first read instead of downloading them now",
+    )
 
     @field_validator("name")
     @classmethod
@@ -414,6 +465,8 @@ class Capabilities(_Model):
     tty: bool = False
     display: bool = False
     persistent: bool = True
+    suspend: bool = Field(False, description="pause mode=suspend: memory to a file, process exits")
+    memory_fork: bool = Field(False, description="fork with memory=True (running processes)")
     max_cpu: float | None = None
     max_memory_mb: int | None = None
 
@@ -433,6 +486,64 @@ class RemoveRequest(_Model):
 
 
 SandboxId = Annotated[str, Field(pattern=r"^sb-[a-z0-9-]{1,64}$")]
+
+
+# --- pause modes (issue 5: suspend to file on the VM tiers) -------------------------
+class PauseRequest(_Model):
+    """Optional body of ``POST /v1/sandboxes/{id}/pause``.
+
+    ``auto``: the tier's default pause (containers: freezer + reclaim; VMs: vCPUs stopped).
+    ``freeze``: the same, spelled out. ``suspend`` (tiers whose capabilities say
+    ``suspend``): RAM and device state are written to a file in the sandbox directory and
+    the VM process exits, so the host memory is freed; any later request restores it."""
+
+    mode: Literal["auto", "freeze", "suspend"] = "auto"
+
+
+# --- cluster migration (issue 8: POST /v1/sandboxes/{id}/migrate) --------------------
+class MigrateRequest(_Model):
+    """Move a sandbox to another node of a cluster. ``node``: the target node's name
+    (``None``: the placer chooses any other node that admits it)."""
+
+    node: str | None = Field(None, max_length=64, pattern=r"^[a-z0-9]{1,64}$")
+
+
+class MigrateResult(_Model):
+    """Where a sandbox went. ``sandbox`` is the new sandbox (a new id on ``to_node``); the
+    old one was killed only after the new one was up. ``method``: ``pack_diff`` (the
+    writable layer moved as a layer; processes are not carried, ``processes_carried`` is
+    false) or ``memory_snapshot`` (VM memory and devices carried). ``duration_ms``:
+    wall-clock time of the whole move, milliseconds."""
+
+    sandbox: SandboxInfo
+    from_id: str
+    from_node: str
+    to_node: str
+    method: Literal["pack_diff", "memory_snapshot"]
+    processes_carried: bool
+    layer_bytes: int = Field(0, description="bytes of layer files moved between nodes")
+    duration_ms: float
+
+
+# --- image publishing (issue 4: POST /v1/images/{name}/push) -------------------------
+class PushImageRequest(_Model):
+    """Publish an image's EROFS layers to an OCI registry as a dsec artifact. Registry
+    credentials are server-side configuration (``DSEC_REGISTRY_AUTH``)."""
+
+    target: str = Field(
+        min_length=8,
+        max_length=1024,
+        pattern=r"^oci://[^/\s]+/[^\s]+$",
+        description="oci://HOST[:PORT]/REPOSITORY[:TAG] (tag default: the image's, or latest)",
+    )
+
+
+class PushImageResult(_Model):
+    """What was pushed: ``manifest_digest`` names the artifact manifest (``sha256:...``)."""
+
+    image: str
+    target: str
+    manifest_digest: str
 
 
 SandboxInfo.model_rebuild()

@@ -14,6 +14,7 @@ import ctypes
 import logging
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,7 @@ def build_runtimes(
     return runtimes
 
 
-def build_app(edge: EdgeAgent, keys: Any) -> Any:
+def build_app(edge: Any, keys: Any) -> Any:
     """The full HTTP surface of one server: the dsec API, the E2B-compatible API under
     ``/e2b`` (control plane) and ``/e2b/envd`` (in-sandbox API), and SandboxFusion's
     ``/run_code`` when the fncall tier is present."""
@@ -138,12 +139,13 @@ def build_app(edge: EdgeAgent, keys: Any) -> Any:
         app.mount("/e2b", e2b_app)
         app.state.closers.append(e2b_app.state.e2b.aclose)
 
-    fncall = edge.runtimes.get("fncall")
+    # a cluster edge has no local runtimes: run_code is served by embedded nodes only
+    fncall = getattr(edge, "runtimes", {}).get("fncall")
     if fncall is not None:
         from dsec.apiserver.routes_runcode import make_runcode_router, request_api_key
         from dsec.runtimes.fncall.service import RunCodeService
 
-        service = RunCodeService(fncall)  # type: ignore[arg-type]
+        service = RunCodeService(fncall)
 
         def authorize(request: Any) -> str | None:
             key = request_api_key(request)
@@ -188,17 +190,32 @@ async def embedded_edge(
         paths, build_runtimes(paths, store, tiers, network), store, limits=limits, network=network
     )
     await edge.start()
+    store.prestart_lazy()  # the on-demand layer server's ~1 s start off the first sandbox
     try:
         yield edge
     finally:
-        await edge.close()
+        try:
+            await edge.close()
+        finally:
+            store.close()  # stops the lazy layer server cleanly
 
 
 def serve(
-    host: str = "127.0.0.1", port: int = 7070, home: str | None = None, log_level: str = "info"
+    host: str = "127.0.0.1",
+    port: int = 7070,
+    home: str | None = None,
+    log_level: str = "info",
+    *,
+    cluster: str | None = None,
+    database: str | None = None,
+    node_root: str | None = None,
 ) -> None:
-    """Run the server in the foreground until SIGINT/SIGTERM."""
-    import uvicorn
+    """Run the server in the foreground until SIGINT/SIGTERM.
+
+    ``cluster``: a Ray address (``host:port`` or ``auto``): serve a Ray cluster through
+    :class:`~dsec.cluster.edge.ClusterEdge` instead of an in-process edge (see
+    :func:`serve_cluster`); ``database``: its PostgreSQL registry; ``node_root``: parent of
+    each node's data dir."""
 
     from dsec.apiserver.auth import KeyStore
 
@@ -207,6 +224,18 @@ def serve(
     )
     if home:
         os.environ["DSEC_HOME"] = home
+    if cluster:
+        serve_cluster(
+            cluster,
+            database=database,
+            node_root=node_root,
+            host=host,
+            port=port,
+            log_level=log_level,
+        )
+        return
+    if database:
+        raise SystemExit("--database needs --cluster (embedded mode keeps its state in SQLite)")
     if os.geteuid() != 0:
         raise SystemExit("dsec serve must run as root (it mounts layers and manages cgroups)")
     _become_subreaper()
@@ -219,29 +248,10 @@ def serve(
         async with embedded_edge(paths.home, tiers=tiers) as edge:
             keys = KeyStore(paths.home)
             app = build_app(edge, keys)
-            config = uvicorn.Config(
-                app,
-                host=host,
-                port=port,
-                log_level=log_level,
-                lifespan="on",
-                timeout_keep_alive=75,
-                access_log=False,
-            )
-            server = uvicorn.Server(config)
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-            # our handlers, not uvicorn's: it would re-raise the signal after shutdown and
-            # kill the process before the edge closes its registry
-            server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
             log.info(
                 "dsec serve on http://%s:%d (home %s, node %s)", host, port, paths.home, edge.node
             )
-            try:
-                await server.serve()
-            finally:
-                await close_app(app)
+            await _serve_http(app, host, port, log_level)
 
     try:  # uvloop cuts the event loop's share of every request
         import uvloop
@@ -249,6 +259,154 @@ def serve(
         asyncio.run(main())
     else:
         uvloop.run(main())
+
+
+async def _serve_http(app: Any, host: str, port: int, log_level: str) -> None:
+    """Serve ``app`` with uvicorn until SIGINT/SIGTERM, then release what the app holds."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_keep_alive=75,
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    # our handlers, not uvicorn's: it would re-raise the signal after shutdown and kill the
+    # process before the edge closes its registry
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    try:
+        await server.serve()
+    finally:
+        await close_app(app)
+
+
+def connect_ray(address: str, *, timeout_s: float = 15.0) -> None:
+    """``ray.init(address)`` in namespace ``dsec``, or ``SystemExit`` with a clear message
+    when the cluster does not answer within ``timeout_s`` seconds (or Ray is missing)."""
+    import threading
+
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit("cluster mode needs Ray: pip install 'dsec[cluster]'") from None
+    outcome: list[BaseException | None] = []
+
+    # which of this host's addresses the driver announces (default: Ray's choice)
+    node_ip = os.environ.get("DSEC_RAY_NODE_IP") or None
+
+    def init() -> None:
+        try:
+            ray.init(
+                address=address,
+                _node_ip_address=node_ip,
+                namespace="dsec",
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+                configure_logging=False,
+            )
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    # ray.init retries an unreachable address for a long time: bound it from outside
+    thread = threading.Thread(target=init, name="dsec-ray-init", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        sys.stderr.write(
+            f"dsec serve: cannot reach the Ray cluster at {address!r} within {timeout_s:.0f} s "
+            "(is `ray start --head` running there?)\n"
+        )
+        sys.stderr.flush()
+        os._exit(2)  # the init thread cannot be interrupted; leave now
+    if outcome[0] is not None:
+        raise SystemExit(
+            f"dsec serve: cannot connect to the Ray cluster at {address!r}: {outcome[0]}"
+        )
+
+
+def serve_cluster(
+    address: str,
+    *,
+    database: str | None = None,
+    node_root: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 7070,
+    log_level: str = "info",
+) -> None:
+    """``dsec serve --cluster``: an apiserver replica in front of a Ray cluster.
+
+    Connects to Ray (``address``) and to PostgreSQL (``database``; each within ~15 s, else
+    a clear message and a non-zero exit), starts or finds one edge actor per alive Ray
+    node, and serves the HTTP API through :class:`~dsec.cluster.edge.ClusterEdge`. Any
+    number of replicas can run against the same cluster and database.
+
+    Settings from the environment: ``DSEC_CLUSTER_NODE_ROOT`` (each node's data dir is
+    ``<root>/<node>``; default ``/var/lib/dsec/nodes``), ``DSEC_CLUSTER_SHARED_LAYERS`` (a
+    layer directory every node sees), ``DSEC_TIERS``, ``DSEC_NETWORK=off``, and the
+    timings of :meth:`ClusterOptions.from_env <dsec.cluster.edge.ClusterOptions.from_env>`.
+    """
+
+    from dsec.apiserver.auth import KeyStore
+    from dsec.cluster.actor import NodeConfig
+    from dsec.cluster.edge import ClusterEdge, ClusterOptions
+    from dsec.errors import DsecError
+
+    paths = Paths.from_env()
+    paths.home.mkdir(parents=True, exist_ok=True)
+    state: Any = None
+    if database:
+        from dsec.cluster.state import ClusterState
+
+        try:
+            state = ClusterState(database, connect_timeout_s=10)
+        except DsecError as e:
+            raise SystemExit(f"dsec serve: {e.message}") from None
+    connect_ray(address)
+    tiers = [t.strip() for t in os.environ.get("DSEC_TIERS", "").split(",") if t.strip()]
+    config = NodeConfig(
+        node_root=node_root or os.environ.get("DSEC_CLUSTER_NODE_ROOT", "/var/lib/dsec/nodes"),
+        shared_layers=os.environ.get("DSEC_CLUSTER_SHARED_LAYERS") or None,
+        tiers=tuple(tiers) or None,
+        network=os.environ.get("DSEC_NETWORK", "on") != "off",
+    )
+    try:
+        options = ClusterOptions.from_env()
+    except DsecError as e:
+        raise SystemExit(f"dsec serve: {e.message}") from None
+
+    async def main() -> None:
+        edge = ClusterEdge(state, config, options)
+        await edge.start()
+        if state is not None:
+            from dsec.cluster.state import PgKeyStore
+
+            keys: Any = PgKeyStore(state, paths.home)
+        else:
+            keys = KeyStore(paths.home)
+        app = build_app(edge, keys)
+        log.info(
+            "dsec serve on http://%s:%d: cluster %s, nodes %s",
+            host,
+            port,
+            address,
+            ", ".join(sorted(edge.nodes)),
+        )
+        try:
+            await _serve_http(app, host, port, log_level)
+        finally:
+            await edge.close()
+            if state is not None:
+                state.close()
+
+    asyncio.run(main())
 
 
 class BackgroundServer:

@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import dsec
-from dsec.edge.jobs import for_each_sandbox
+from dsec.edge.jobs import create_batch, for_each_sandbox
 from dsec.edge.trajectory import TrajectoryLog
 from dsec.errors import (
     CapabilityNotSupported,
@@ -85,6 +85,7 @@ from dsec.errors import (
 )
 from dsec.models import (
     TIERS,
+    BatchCreateResult,
     Capabilities,
     CreateSandboxRequest,
     ExecEvent,
@@ -98,6 +99,7 @@ from dsec.models import (
     JobActionResult,
     JobOutcome,
     LayerInfo,
+    MigrateResult,
     NodeInfo,
     PauseReport,
     SandboxInfo,
@@ -367,6 +369,19 @@ class FakeEdge:
         sb = _FakeSandbox(info=info, owner=owner, request=req.model_copy(deep=True), fs=fs)
         self._sandboxes[sandbox_id] = sb
         return self._public(sb)
+
+    async def create_sandboxes(
+        self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
+    ) -> BatchCreateResult:
+        self._record("create_sandboxes", req=req, n=n, owner=owner)
+        if all_or_nothing:
+            self._admit(owner, n)
+        return await create_batch(
+            n,
+            lambda _i: self.create_sandbox(req, owner),
+            lambda sid: self.kill_sandbox(sid, owner),
+            all_or_nothing=all_or_nothing,
+        )
 
     def _layer_digest(self, ref: str) -> str:
         if ref in self._layers:
@@ -935,6 +950,17 @@ class FakeEdge:
             children.append(await self.create_sandbox(create, owner))
             self.calls.pop()
         return ForkResult(layer=layer, sandboxes=children)
+
+    async def migrate_sandbox(
+        self, sandbox_id: str, owner: str, node: str | None = None
+    ) -> MigrateResult:
+        """One node, like an embedded server: ``CapabilityNotSupported``."""
+        self._record("migrate_sandbox", sandbox_id=sandbox_id, owner=owner, node=node)
+        self._get(sandbox_id, owner)
+        raise CapabilityNotSupported(
+            "migration needs cluster mode (dsec serve --cluster): this server has one node",
+            node=self.node,
+        )
 
     async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult:
         self._record("job_action", owner=owner, job=job, action=action)

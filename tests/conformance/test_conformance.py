@@ -381,6 +381,19 @@ def test_pause_resume_or_typed_refusal(sandbox: Sandbox, caps: Any) -> None:
     assert sandbox.resume().state == "running"
 
 
+def test_kill_of_a_paused_sandbox_is_prompt(
+    caps: Any, make_sandbox: Callable[..., Sandbox]
+) -> None:
+    if not caps.pause:
+        pytest.skip("this tier cannot pause (its capability table says so)")
+    sb = make_sandbox()
+    sb.commands.run("sleep 1000 >/dev/null 2>&1 &")  # a process that must die with it
+    sb.pause()
+    t0 = time.monotonic()
+    assert sb.kill().state == "stopped"
+    assert time.monotonic() - t0 < 15, "killing a paused sandbox must not wait on it"
+
+
 def test_snapshot_restores_or_typed_refusal(
     sandbox: Sandbox, caps: Any, make_sandbox: Callable[..., Sandbox]
 ) -> None:

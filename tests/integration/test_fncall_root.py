@@ -104,6 +104,32 @@ async def test_isolation_processes_between_calls(svc: RunCodeService) -> None:
     assert "sleep" not in out(resp), out(resp)
 
 
+async def test_background_processes_do_not_hold_the_answer(svc: RunCodeService) -> None:
+    """The interpreter reports and stops; the agent answers as soon as the output pipes are at
+    EOF, killing the call's other processes only if they keep them open (a forked child, a
+    `sleep` that inherited stdout). Output written before the report is kept."""
+    code = (
+        "import os, subprocess, time\n"
+        "subprocess.Popen(['sleep', '30'])\n"
+        "subprocess.Popen(['sleep', '31'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "if os.fork() == 0:\n"
+        "    time.sleep(30)\n"
+        "    os._exit(0)\n"
+        "print('main done')\n"
+    )
+    t0 = time.monotonic()
+    resp = await run(svc, code, run_timeout=20)
+    assert out(resp) == "main done\n", resp
+    assert resp.run_result is not None and resp.run_result.return_code == 0
+    assert resp.run_result.status.value == "Finished"
+    assert time.monotonic() - t0 < 5
+    follow = await run(
+        svc,
+        "import os\nprint(sorted(open(f'/proc/{p}/cmdline').read().split(chr(0))[0] for p in os.listdir('/proc') if p.isdigit()))",
+    )
+    assert "sleep" not in out(follow), out(follow)
+
+
 async def test_isolation_env_between_calls(svc: RunCodeService) -> None:
     os.environ["DSEC_FNCALL_SERVER_SECRET"] = "s3cret"
     try:

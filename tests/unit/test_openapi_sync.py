@@ -25,6 +25,7 @@ def test_openapi_describes_routes_security_and_errors() -> None:
     paths = doc["paths"]
     expected = {
         "/v1/sandboxes": {"get", "post"},
+        "/v1/sandboxes/batch": {"post"},
         "/v1/sandboxes/{sandbox_id}": {"get", "delete"},
         "/v1/sandboxes/{sandbox_id}/ttl": {"post"},
         "/v1/sandboxes/{sandbox_id}/exec": {"post"},
@@ -39,6 +40,7 @@ def test_openapi_describes_routes_security_and_errors() -> None:
         "/v1/sandboxes/{sandbox_id}/resume": {"post"},
         "/v1/sandboxes/{sandbox_id}/snapshot": {"post"},
         "/v1/sandboxes/{sandbox_id}/fork": {"post"},
+        "/v1/sandboxes/{sandbox_id}/migrate": {"post"},
         "/v1/sandboxes/{sandbox_id}/trajectory": {"get"},
         "/v1/sandboxes/{sandbox_id}/network": {"get", "post"},
         "/v1/jobs/{job}": {"get"},
@@ -47,6 +49,7 @@ def test_openapi_describes_routes_security_and_errors() -> None:
         "/v1/images/{name}": {"get"},
         "/v1/images/build": {"post"},
         "/v1/images/pull": {"post"},
+        "/v1/images/{name}/push": {"post"},
         "/v1/sandboxes/{sandbox_id}/display/click": {"post"},
         "/v1/sandboxes/{sandbox_id}/display/key": {"post"},
         "/v1/sandboxes/{sandbox_id}/display/screenshot": {"get"},

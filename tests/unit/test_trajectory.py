@@ -379,3 +379,14 @@ async def test_replay_rejects_foreign_input() -> None:
         await replay_lines(['{"type": "header", "format": "other/1"}'], Target())
     with pytest.raises(InvalidRequest):
         await replay_lines(["not json"], Target())
+
+
+def test_next_seqs_matches_next_seq_for_many(log: TrajectoryLog) -> None:
+    ids = [f"sb-n-{i:04d}" for i in range(1203)]
+    for i, sid in enumerate(ids[:40]):
+        for seq in range(1, i % 4 + 2):
+            log.begin(sid, seq, None, "exec", _exec_req(f"echo {seq}"))
+            log.commit(sid, seq, {"exit_code": 0})
+    got = log.next_seqs(ids)
+    assert got == {sid: log.next_seq(sid) for sid in ids}
+    assert got[ids[3]] == 5 and got[ids[1000]] == 1 and log.next_seqs([]) == {}

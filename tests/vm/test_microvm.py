@@ -305,6 +305,9 @@ async def test_guest_panic_is_a_typed_error(microvm: MicroVMRuntime, make_vm: Ma
     assert time.monotonic() - t < 20
     assert not pid_alive(h.state["pid"])
     assert not await microvm.alive(h)
+    # cleaned up: no QEMU of it left, its host cgroup gone
+    assert h.id not in qemu_processes(microvm.qemu_tag)
+    assert not microvm._cgroup(h.id).exists()
 
 
 async def test_unresponsive_agent_is_killed(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
@@ -317,6 +320,8 @@ async def test_unresponsive_agent_is_killed(microvm: MicroVMRuntime, make_vm: Ma
         await microvm.exec(h, ExecRequest(cmd="true", timeout_s=1))
     assert time.monotonic() - t < 1 + microvm.config.exec_grace_s + 5
     assert not pid_alive(h.state["pid"])
+    assert h.id not in qemu_processes(microvm.qemu_tag)
+    assert not microvm._cgroup(h.id).exists()
 
 
 async def test_broken_layer_fails_cleanly(

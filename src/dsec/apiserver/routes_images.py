@@ -8,7 +8,16 @@ from fastapi import APIRouter, Depends, Path
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, current_owner
 from dsec.apiserver.schemas import IMAGE_REF_PATTERN, CapabilityList, ImageList, LayerList
-from dsec.models import BuildImageRequest, ImageInfo, NodeInfo, PullImageRequest
+from dsec.edge.interface import ImagePublisher
+from dsec.errors import Unsupported
+from dsec.models import (
+    BuildImageRequest,
+    ImageInfo,
+    NodeInfo,
+    PullImageRequest,
+    PushImageRequest,
+    PushImageResult,
+)
 
 __all__ = ["router"]
 
@@ -49,7 +58,27 @@ async def build_image(req: BuildImageRequest, edge: Edge) -> ImageInfo:
     summary="Pull an image from an OCI / Docker v2 registry",
 )
 async def pull_image(req: PullImageRequest, edge: Edge) -> ImageInfo:
+    if req.lazy:
+        if not isinstance(edge, ImagePublisher):
+            raise Unsupported("this server's edge cannot attach images lazily")
+        return await edge.attach_image(req.ref, req.name, lazy=True)
     return await edge.pull_image(req.ref, req.name)
+
+
+@router.post(
+    "/images/{name}/push",
+    response_model=PushImageResult,
+    tags=["images"],
+    summary="Publish an image's EROFS layers to an OCI registry",
+)
+async def push_image(
+    name: Annotated[str, Path(pattern=IMAGE_REF_PATTERN, description="name[:tag] or sha256:<hex>")],
+    req: PushImageRequest,
+    edge: Edge,
+) -> PushImageResult:
+    if not isinstance(edge, ImagePublisher):
+        raise Unsupported("this server's edge cannot push images")
+    return await edge.push_image(name, req.target)
 
 
 @router.get("/layers", response_model=LayerList, tags=["images"], summary="List layers")

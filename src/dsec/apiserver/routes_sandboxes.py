@@ -39,8 +39,17 @@ from dsec.apiserver.schemas import (
     SandboxList,
     TarUploadResult,
 )
-from dsec.errors import DsecError, InternalError, InvalidRequest, SandboxStopped
+from dsec.edge.interface import PauseModes
+from dsec.errors import (
+    CapabilityNotSupported,
+    DsecError,
+    InternalError,
+    InvalidRequest,
+    SandboxStopped,
+)
 from dsec.models import (
+    BatchCreateRequest,
+    BatchCreateResult,
     CreateSandboxRequest,
     ExecEvent,
     ExecRequest,
@@ -49,6 +58,9 @@ from dsec.models import (
     ForkRequest,
     ForkResult,
     LayerInfo,
+    MigrateRequest,
+    MigrateResult,
+    PauseRequest,
     SandboxInfo,
     SetTTLRequest,
     SnapshotRequest,
@@ -142,6 +154,18 @@ def _parse_labels(raw: list[str]) -> dict[str, str]:
 @router.post("", status_code=201, response_model=SandboxInfo, summary="Create a sandbox")
 async def create_sandbox(req: CreateSandboxRequest, edge: Edge, owner: Owner) -> SandboxInfo:
     return await edge.create_sandbox(req, owner)
+
+
+@router.post(
+    "/batch",
+    response_model=BatchCreateResult,
+    summary="Create n sandboxes in one call",
+    description="Answers 200 with one outcome per sandbox: ``sandboxes`` (created, in request "
+    "order) and ``errors`` (index, code, message of each one that was not). With "
+    "``all_or_nothing`` a failure kills what was made and answers that failure's error.",
+)
+async def create_sandboxes(req: BatchCreateRequest, edge: Edge, owner: Owner) -> BatchCreateResult:
+    return await edge.create_sandboxes(req.sandbox, req.n, owner, all_or_nothing=req.all_or_nothing)
 
 
 @router.get("", response_model=SandboxList, summary="List this key's sandboxes")
@@ -377,10 +401,20 @@ async def download_tar(
     response_model=SandboxInfo,
     summary="Pause: freeze the sandbox and reclaim its memory",
     description="Idempotent. ``last_pause`` in the answer reports memory before and after. "
-    "Any later request to the sandbox resumes it transparently.",
+    "Any later request to the sandbox resumes it transparently. Optional body "
+    '``{"mode": "auto"|"freeze"|"suspend"}``: ``suspend`` (tiers whose capabilities say '
+    "``suspend``) writes memory and device state to a file and frees the host memory; "
+    "elsewhere it is a 422 ``capability_not_supported``.",
 )
-async def pause_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxInfo:
-    return await edge.pause_sandbox(sandbox_id, owner)
+async def pause_sandbox(
+    sandbox_id: SandboxIdParam, edge: Edge, owner: Owner, req: PauseRequest | None = None
+) -> SandboxInfo:
+    mode = (req or PauseRequest()).mode
+    if mode == "auto":
+        return await edge.pause_sandbox(sandbox_id, owner)
+    if not isinstance(edge, PauseModes):
+        raise CapabilityNotSupported(f"this server cannot pause with mode={mode}")
+    return await edge.pause_sandbox_mode(sandbox_id, owner, mode)
 
 
 @router.post(
@@ -420,6 +454,22 @@ async def fork_sandbox(
     sandbox_id: SandboxIdParam, req: ForkRequest, edge: Edge, owner: Owner
 ) -> ForkResult:
     return await edge.fork_sandbox(sandbox_id, owner, req)
+
+
+@router.post(
+    "/{sandbox_id}/migrate",
+    response_model=MigrateResult,
+    summary="Move a sandbox to another node of the cluster",
+    description="Cluster mode only (422 ``capability_not_supported`` on a single-node "
+    "server). The writable layer moves as a ``pack_diff`` layer and the same spec is "
+    "recreated on the target under a new id; the source is killed only once the target "
+    "runs. Processes are not carried (``processes_carried: false``). Unknown or lost "
+    "target: 404 ``not_found``; full target: 429 ``quota_exceeded``; nothing half-created.",
+)
+async def migrate_sandbox(
+    sandbox_id: SandboxIdParam, req: MigrateRequest, edge: Edge, owner: Owner
+) -> MigrateResult:
+    return await edge.migrate_sandbox(sandbox_id, owner, req.node)
 
 
 @router.get(

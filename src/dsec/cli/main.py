@@ -3,6 +3,7 @@
 Commands::
 
     dsec serve [--host 127.0.0.1] [--port 7070] [--home DIR]
+               [--cluster RAY_ADDRESS [--database postgresql://...] [--node-root DIR]]
     dsec run [--image I] [--tier T] [--keep] [--timeout S] [--env K=V]...
              [--allow-domain D]... [--allow-cidr C]... [--port P]... [--preset NAME]... -- CMD...
     dsec exec ID -- CMD...
@@ -20,6 +21,8 @@ Commands::
     dsec replay LOG.jsonl [--image I] [--keep]
     dsec image ls
     dsec image build PATH --name N [--kind K] [--base B]
+    dsec image push NAME oci://HOST[:PORT]/REPO[:TAG]
+    dsec image pull [--lazy] REF
     dsec info
     dsec key create|ls|revoke        (local key store in $DSEC_HOME, no server needed)
 
@@ -290,13 +293,33 @@ def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 7070,
     home: Annotated[Path | None, typer.Option(help="state directory (default $DSEC_HOME)")] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option(help="Ray cluster address (host:port): serve a cluster, one edge per node"),
+    ] = None,
+    database: Annotated[
+        str | None,
+        typer.Option(help="PostgreSQL URL of the cluster registry (with --cluster)"),
+    ] = None,
+    node_root: Annotated[
+        str | None,
+        typer.Option(help="parent of each node's data dir (with --cluster)"),
+    ] = None,
 ) -> None:
-    """Run the apiserver and this node's edge in one process."""
+    """Run the apiserver and this node's edge in one process (with --cluster: an apiserver
+    replica in front of a Ray cluster)."""
     try:
         from dsec.server import serve as run_server
     except ImportError as exc:
         raise _fail(f"the server is not available in this installation: {exc}") from None
-    handle_errors(run_server)(host=host, port=port, home=str(home) if home else None)
+    handle_errors(run_server)(
+        host=host,
+        port=port,
+        home=str(home) if home else None,
+        cluster=cluster,
+        database=database,
+        node_root=node_root,
+    )
 
 
 @app.command(context_settings=_CMD_SETTINGS)
@@ -776,9 +799,11 @@ def image_ls() -> None:
     table.add_column("NAME", no_wrap=True)
     table.add_column("LAYERS")
     table.add_column("SIZE")
+    table.add_column("CACHED")
     table.add_column("AGE")
     for im in images:
-        table.add_row(im.name, str(len(im.layers)), _size(im.size), _age(im.created_at))
+        cached = "-" if im.cached_fraction is None else f"{im.cached_fraction:.0%}"
+        table.add_row(im.name, str(len(im.layers)), _size(im.size), cached, _age(im.created_at))
     stdout.print(table)
 
 
@@ -789,15 +814,36 @@ def image_pull(
         str, typer.Argument(help="[registry/]repo[:tag][@sha256:...]", show_default=False)
     ],
     name: Annotated[str | None, typer.Option(help="image name[:tag] in the store")] = None,
+    lazy: Annotated[
+        bool, typer.Option("--lazy", help="pushed dsec images: fetch layer data on first read")
+    ] = False,
 ) -> None:
     """Pull an image from an OCI / Docker v2 registry into the node's layer store."""
     client = make_client()
     try:
         with stderr.status(f"pulling {ref} ..."):
-            image = client.pull_image(ref, name)
+            image = client.pull_image(ref, name, lazy=lazy)
     finally:
         client.close()
     stdout.print(f"pulled {image.name}: {len(image.layers)} layers, {_size(image.size)}")
+
+
+@image_app.command("push")
+@handle_errors
+def image_push(
+    name: Annotated[str, typer.Argument(help="image name[:tag]", show_default=False)],
+    target: Annotated[
+        str, typer.Argument(help="oci://HOST[:PORT]/REPOSITORY[:TAG]", show_default=False)
+    ],
+) -> None:
+    """Publish an image's EROFS layers to an OCI registry (pull it elsewhere with --lazy)."""
+    client = make_client()
+    try:
+        with stderr.status(f"pushing {name} to {target} ..."):
+            result = client.push_image(name, target)
+    finally:
+        client.close()
+    stdout.print(f"pushed {result.image} to {result.target}: {result.manifest_digest}")
 
 
 @image_app.command("build")

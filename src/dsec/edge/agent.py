@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from dsec import __version__
 from dsec.config import Paths, host_memory_mb
-from dsec.edge.jobs import for_each_sandbox
+from dsec.edge.jobs import create_batch, for_each_sandbox
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.registry import Registry, SandboxRow
 from dsec.edge.trajectory import TrajectoryLog
@@ -44,8 +44,10 @@ from dsec.errors import (
     SequenceGap,
     TierUnavailable,
 )
+from dsec.layers.workspace import check_stack
 from dsec.models import (
     TIERS,
+    BatchCreateResult,
     Capabilities,
     CreateSandboxRequest,
     ExecEvent,
@@ -59,13 +61,16 @@ from dsec.models import (
     JobActionResult,
     JobOutcome,
     LayerInfo,
+    MigrateResult,
     NodeInfo,
     PauseReport,
+    PushImageResult,
     SandboxInfo,
     SnapshotRequest,
 )
 from dsec.runtimes.base import (
     Handle,
+    MemoryStateful,
     Networked,
     Pausable,
     Runtime,
@@ -92,6 +97,7 @@ class EdgeLimits:
     reap_interval_s: float = 1.0
     gap_wait_s: float = 5.0  # how long a seq that skips ahead waits for the missing ones
     job_concurrency: int = 64
+    create_concurrency: int = 8  # creations in flight per batch call
 
     @classmethod
     def from_env(cls) -> EdgeLimits:
@@ -163,6 +169,8 @@ class EdgeAgent:
             tuple[str, int], asyncio.Future[tuple[str, dict[str, Any]]]
         ] = {}
         self.metrics = EdgeMetrics(self.node, self.registry.count_by)
+        if hasattr(layer_store, "lazy_stats"):  # on-demand layer loading counters
+            self.metrics.add_lazy_layers(layer_store.lazy_stats)
         self._live: dict[str, _Live] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._closing = False
@@ -219,7 +227,9 @@ class EdgeAgent:
             ok = False
             if rt is not None and row.state != "creating":
                 try:
-                    if row.state == "paused" and isinstance(rt, Pausable):
+                    # a VM suspended to a file stays suspended: the next request restores it
+                    suspended = isinstance(rt, MemoryStateful) and rt.is_suspended(handle)
+                    if row.state == "paused" and isinstance(rt, Pausable) and not suspended:
                         # thaw before the exec path re-attaches (a frozen cgroup would freeze it);
                         # the TTL policy pauses it again if it stays idle
                         with contextlib.suppress(Exception):
@@ -287,7 +297,12 @@ class EdgeAgent:
                     rt = self.runtimes.get(row.tier)
                     if row.request.get("on_timeout") == "pause" and isinstance(rt, Pausable):
                         try:
-                            await self._pause(lv)
+                            # VM tiers: suspend to a file (host memory freed), others: freeze
+                            idle_suspend = (
+                                isinstance(rt, MemoryStateful)
+                                and self.runtimes[row.tier].capabilities().suspend
+                            )
+                            await self._pause(lv, "suspend" if idle_suspend else "auto")
                         except Exception as e:
                             log.warning("ttl pause of %s failed (%s); killing it", row.id, e)
                             await self._destroy(lv, "ttl expired")
@@ -316,7 +331,7 @@ class EdgeAgent:
             raise TierUnavailable(f"tier {tier!r} is not available: {caps.reason}", tier=tier)
         return rt
 
-    def _info(self, row: SandboxRow) -> SandboxInfo:
+    def _info(self, row: SandboxRow, next_seq: int | None = None) -> SandboxInfo:
         req = row.request
         exp = row.expires_at if row.state in ("running", "creating") else None
         if row.state == "paused" and row.paused_at is not None and req.get("paused_ttl_s"):
@@ -346,7 +361,7 @@ class EdgeAgent:
             paused_ttl_s=req.get("paused_ttl_s"),
             paused_at=_now_dt(row.paused_at) if row.paused_at else None,
             last_pause=lv.last_pause if lv is not None else None,
-            next_seq=self.trajectory.next_seq(row.id),
+            next_seq=self.trajectory.next_seq(row.id) if next_seq is None else next_seq,
             network=req.get("network"),
         )
 
@@ -464,7 +479,14 @@ class EdgeAgent:
             self.metrics.kills.labels(lv.row.tier, reason.split()[0]).inc()
 
     # ------------------------------------------------------------------ sandboxes
-    async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
+    async def create_sandbox(
+        self,
+        req: CreateSandboxRequest,
+        owner: str,
+        *,
+        maker: Callable[[SandboxSpec], Awaitable[Handle]] | None = None,
+    ) -> SandboxInfo:
+        """Create a sandbox; ``maker`` (memory forks) replaces ``runtime.create``."""
         t0 = time.perf_counter()
         tier = req.tier
         try:
@@ -480,6 +502,7 @@ class EdgeAgent:
             image = await self.layers.ensure_image(req.image)
             extra: list[LayerInfo] = self.layers.resolve_layers(req.layers) if req.layers else []
             digests = list(image.layers) + [x.digest for x in extra]
+            check_stack([self.layers.get_layer(d) for d in digests])  # before any mount
             layer_paths = [str(self.layers.layer_path(d)) for d in digests]
         except DsecError as e:
             self.metrics.creations.labels(tier, "rejected").inc()
@@ -501,6 +524,12 @@ class EdgeAgent:
             last_active=now,
             ttl_s=req.ttl_s,
         )
+        try:  # re-checked now: other creations may have been admitted during the awaits above
+            self._check_admission(req, caps)
+        except DsecError as e:
+            self.metrics.creations.labels(tier, "rejected").inc()
+            self.metrics.errors.labels(e.code).inc()
+            raise
         self.registry.insert(row)
         lv = _Live(row, Handle(sid))
         self._live[sid] = lv
@@ -521,7 +550,7 @@ class EdgeAgent:
         )
         try:
             async with lv.lock:
-                handle = await rt.create(spec)
+                handle = await (maker(spec) if maker is not None else rt.create(spec))
                 lv.handle = handle
                 row.state = "running"
                 row.last_active = time.time()
@@ -545,6 +574,30 @@ class EdgeAgent:
         self.metrics.create_seconds.labels(tier).observe(time.perf_counter() - t0)
         return self._info(row)
 
+    async def create_sandboxes(
+        self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
+    ) -> BatchCreateResult:
+        """Create ``n`` sandboxes like ``req`` (see :func:`dsec.edge.jobs.create_batch`).
+
+        A batch that can never fit this node (``n`` above its sandbox limit), or with
+        ``all_or_nothing`` one that does not fit now, is refused up front (QuotaExceeded)."""
+        caps = self._runtime(req.tier).capabilities()
+        if n > self.limits.max_sandboxes:
+            raise QuotaExceeded(
+                f"a batch of {n} is more than node {self.node} can ever hold "
+                f"({self.limits.max_sandboxes} sandboxes)",
+                batch_size=n,
+            )
+        if all_or_nothing:
+            self._check_admission(req, caps, count=n)
+        return await create_batch(
+            n,
+            lambda _i: self.create_sandbox(req, owner),
+            lambda sid: self.kill_sandbox(sid, owner),
+            all_or_nothing=all_or_nothing,
+            concurrency=self.limits.create_concurrency,
+        )
+
     async def get_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
         return self._info(self._lookup_row(sandbox_id, owner))
 
@@ -563,15 +616,15 @@ class EdgeAgent:
             states = None
         else:
             states = ("creating", "running", "paused")
-        rows = self.registry.select(owner=owner, states=states, job=job)
-        out = []
-        for r in rows:
+        rows = []
+        for r in self.registry.select(owner=owner, states=states, job=job):
             lv = self._live.get(r.id)
             row = lv.row if lv is not None else r
             if labels and any(row.labels.get(k) != v for k, v in labels.items()):
                 continue
-            out.append(self._info(row))
-        return out
+            rows.append(row)
+        seqs = self.trajectory.next_seqs([r.id for r in rows])  # one query, not one per row
+        return [self._info(row, seqs[row.id]) for row in rows]
 
     async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
         row = self._lookup_row(sandbox_id, owner)
@@ -956,12 +1009,27 @@ class EdgeAgent:
             )
         return rt
 
-    async def _pause(self, lv: _Live) -> None:
+    async def _pause(self, lv: _Live, mode: str = "auto") -> None:
+        """Pause ``lv``: ``auto``/``freeze`` the tier's pause, ``suspend`` memory to a file
+        (VM tiers; a frozen sandbox can be suspended too)."""
         rt = self._pausable(lv)
+        if mode == "suspend" and (
+            not isinstance(rt, MemoryStateful)
+            or not self.runtimes[lv.row.tier].capabilities().suspend
+        ):
+            raise CapabilityNotSupported(
+                f"tier {lv.row.tier} cannot suspend sandboxes to a file (use mode=freeze)",
+                tier=lv.row.tier,
+            )
         async with lv.lock:
-            if lv.row.state != "running":
-                return
-            report = _pause_report(await rt.pause(lv.handle))
+            if mode == "suspend" and isinstance(rt, MemoryStateful):
+                if lv.row.state not in ("running", "paused") or rt.is_suspended(lv.handle):
+                    return
+                report = _pause_report(await rt.suspend(lv.handle))
+            else:
+                if lv.row.state != "running":
+                    return
+                report = _pause_report(await rt.pause(lv.handle))
             now = time.time()
             lv.row.state = "paused"
             lv.row.paused_at = now
@@ -981,10 +1049,14 @@ class EdgeAgent:
             self.registry.set_paused(lv.row.id, None)
             self.metrics.resumes.labels(lv.row.tier).inc()
 
-    async def pause_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
+    async def pause_sandbox(self, sandbox_id: str, owner: str, mode: str = "auto") -> SandboxInfo:
         lv = self._live_for(sandbox_id, owner)
-        await self._pause(lv)
+        await self._pause(lv, mode)
         return self._info(lv.row)
+
+    async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
+        """:class:`dsec.edge.interface.PauseModes`: pause with ``auto``/``freeze``/``suspend``."""
+        return await self.pause_sandbox(sandbox_id, owner, mode)
 
     async def resume_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
         lv = self._live_for(sandbox_id, owner)
@@ -1041,6 +1113,8 @@ class EdgeAgent:
         base = CreateSandboxRequest.model_validate(lv.row.request)
         # admission for all n first, so a fork that cannot fit creates nothing
         self._check_admission(base, self._runtime(base.tier).capabilities(), count=req.n)
+        if req.memory:
+            return await self._fork_memory(sandbox_id, owner, base, req)
         layer = await self._use(
             sandbox_id, owner, lambda lv: self._snapshot(lv, SnapshotRequest(scrub=req.scrub))
         )
@@ -1060,6 +1134,83 @@ class EdgeAgent:
                     await self.kill_sandbox(info.id, owner)
             raise
         return ForkResult(layer=layer, sandboxes=created)
+
+    # --- migration primitives (cluster mode: dsec.cluster.migrate moves sandboxes) ---
+    async def export_sandbox(self, sandbox_id: str, owner: str) -> dict[str, Any]:
+        """Capture what a migration needs to recreate ``sandbox_id`` on another node: its
+        create request, its image's layer digests and a ``pack_diff`` layer of its writable
+        layer (the default snapshot scrub applies). The sandbox keeps running; processes are
+        not captured. Raises ``CapabilityNotSupported`` for tiers that cannot snapshot."""
+        lv = self._live_for(sandbox_id, owner)
+        layer = await self._use(sandbox_id, owner, lambda lv: self._snapshot(lv, SnapshotRequest()))
+        return {
+            "request": dict(lv.row.request),
+            "image_layers": list(lv.row.image_layers),
+            "diff_layer": layer,
+            "method": "pack_diff",
+        }
+
+    async def import_sandbox(
+        self, request: dict[str, Any], owner: str, image_layers: list[str], diff_layer: str
+    ) -> SandboxInfo:
+        """Create a sandbox from an :meth:`export_sandbox` of another node (its layers must
+        already be in this node's store): same request, the image's layers by digest, the
+        exported diff on top. Admission applies as for any creation (``QuotaExceeded``)."""
+        base = CreateSandboxRequest.model_validate(request)
+        if not image_layers:
+            raise InvalidRequest("an exported sandbox needs its image layers")
+        try:
+            image = list(self.layers.get_image(base.image).layers)
+        except DsecError:
+            image = []
+        # image_layers = the image's digests, then the extra layers' digests: keep the image
+        # name when it means the same layers here, else name every layer by digest
+        same_image = bool(image) and image_layers[: len(image)] == image
+        head = base.image if same_image else image_layers[0]
+        rest = image_layers[len(image) :] if same_image else image_layers[1:]
+        req = base.model_copy(update={"image": head, "layers": [*rest, diff_layer]})
+        return await self.create_sandbox(req, owner)
+
+    async def migrate_sandbox(
+        self, sandbox_id: str, owner: str, node: str | None = None
+    ) -> MigrateResult:
+        """Migration moves a sandbox between nodes: only a cluster (``dsec serve
+        --cluster``) has another node. Raises ``CapabilityNotSupported`` here."""
+        self._lookup_row(sandbox_id, owner)
+        raise CapabilityNotSupported(
+            "migration needs cluster mode (dsec serve --cluster): this server has one node",
+            node=self.node,
+        )
+
+    async def _fork_memory(
+        self, sandbox_id: str, owner: str, base: CreateSandboxRequest, req: ForkRequest
+    ) -> ForkResult:
+        """n sandboxes resuming one capture of this sandbox's memory (VM tiers)."""
+        rt = self._runtime(base.tier)
+        if not isinstance(rt, MemoryStateful) or not rt.capabilities().memory_fork:
+            raise CapabilityNotSupported(
+                f"tier {base.tier} cannot fork from memory (use memory=false)", tier=base.tier
+            )
+        snap = await self._use(sandbox_id, owner, lambda lv: rt.memory_snapshot(lv.handle))
+        child_req = base.model_copy(
+            update={"labels": {**base.labels, **req.labels, "dsec/forked-from": sandbox_id}}
+        )
+        created: list[SandboxInfo] = []
+        try:
+            for _ in range(req.n):
+                created.append(
+                    await self.create_sandbox(
+                        child_req, owner, maker=lambda spec: rt.create_from_memory(snap, spec)
+                    )
+                )
+        except DsecError:
+            for info in created:  # nothing half-done: undo the ones already made
+                with contextlib.suppress(Exception):
+                    await self.kill_sandbox(info.id, owner)
+            raise
+        finally:
+            await rt.drop_memory_snapshot(snap)
+        return ForkResult(layer=None, sandboxes=created)
 
     async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult:
         rows = self.registry.select(owner=owner, states=("creating", "running", "paused"), job=job)
@@ -1150,30 +1301,62 @@ class EdgeAgent:
         return "".join(self.trajectory.export_jsonl(sandbox_id, header=header))
 
     # ------------------------------------------------------------------ images
+    def _layer_cache_info(self, layer: LayerInfo) -> LayerInfo:
+        """``layer`` with ``remote`` and ``cached_fraction`` filled in (lazy layers)."""
+        try:
+            frac = self.layers.cached_fraction(layer.digest)
+            remote = self.layers.remote_source(layer.digest)
+        except DsecError:
+            return layer
+        return layer.model_copy(update={"remote": remote, "cached_fraction": frac})
+
+    def _image_cache_info(self, image: ImageInfo) -> ImageInfo:
+        """``image`` with ``cached_fraction``: the size-weighted share of its layers' bytes
+        present on this node (1.0 when every layer is local)."""
+        total = present = 0.0
+        for digest in image.layers:
+            try:
+                layer = self._layer_cache_info(self.layers.get_layer(digest))
+            except DsecError:
+                continue
+            total += layer.size
+            present += layer.size * (
+                layer.cached_fraction if layer.cached_fraction is not None else 1.0
+            )
+        frac = present / total if total else 1.0
+        return image.model_copy(update={"cached_fraction": round(frac, 4)})
+
     async def list_images(self) -> list[ImageInfo]:
-        return list(self.layers.list_images())
+        return [self._image_cache_info(im) for im in self.layers.list_images()]
 
     async def get_image(self, name: str) -> ImageInfo:
-        return self.layers.get_image(name)
+        return self._image_cache_info(self.layers.get_image(name))
 
     async def pull_image(self, ref: str, name: str | None = None) -> ImageInfo:
-        """Pull ``ref`` from its registry (credentials from ``DSEC_REGISTRY_AUTH``, JSON
-        ``{"registry": ["user", "password"]}``) and convert it into EROFS layers."""
-        import json as _json
+        """Pull ``ref`` (``oci://HOST/REPO:TAG`` or ``[registry/]repo[:tag]``): an image
+        pushed with ``dsec image push`` gets its EROFS layers downloaded; any other image is
+        converted from its tar layers. Credentials from ``DSEC_REGISTRY_AUTH`` (JSON
+        ``{"host:port": ["user", "password"]}``)."""
+        return await self.attach_image(ref, name, lazy=False)
 
-        from dsec.layers.oci import pull_image
+    async def attach_image(self, ref: str, name: str | None, lazy: bool) -> ImageInfo:
+        """Register a pushed image (``lazy``: layers stay remote and are fetched on first
+        read; other images fall back to a full pull): :func:`dsec.layers.publish.attach_image`."""
+        from dsec.layers.publish import attach_image
 
-        creds: Any = None
-        raw = os.environ.get("DSEC_REGISTRY_AUTH")
-        if raw:
-            try:
-                creds = {k: tuple(v) for k, v in _json.loads(raw).items()}
-            except (ValueError, TypeError, AttributeError) as e:
-                raise InvalidRequest(f"DSEC_REGISTRY_AUTH is not valid JSON: {e}") from e
-        return await asyncio.to_thread(pull_image, self.layers, ref, name=name, credentials=creds)
+        return await asyncio.to_thread(attach_image, self.layers, ref, name, lazy)
+
+    async def push_image(self, name: str, target: str) -> PushImageResult:
+        """Publish image ``name`` to ``target`` (``oci://HOST[:PORT]/REPO[:TAG]``) as a dsec
+        artifact (credentials from ``DSEC_REGISTRY_AUTH``)."""
+        from dsec.layers.publish import push_image
+
+        await self.layers.ensure_image(name)
+        digest = await asyncio.to_thread(push_image, self.layers, name, target)
+        return PushImageResult(image=name, target=target, manifest_digest=digest)
 
     async def list_layers(self) -> list[LayerInfo]:
-        return list(self.layers.list_layers())
+        return [self._layer_cache_info(layer) for layer in self.layers.list_layers()]
 
     async def build_image(
         self, path: str, name: str, kind: str = "workspace", base: str | None = None

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
 from dsec.models import (
+    BatchCreateResult,
     Capabilities,
     CreateSandboxRequest,
     ExecEvent,
@@ -38,7 +39,9 @@ from dsec.models import (
     JobAction,
     JobActionResult,
     LayerInfo,
+    MigrateResult,
     NodeInfo,
+    PushImageResult,
     SandboxInfo,
     SnapshotRequest,
 )
@@ -48,6 +51,12 @@ from dsec.models import (
 class EdgeAPI(Protocol):
     # --- sandboxes -------------------------------------------------------
     async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo: ...
+    async def create_sandboxes(
+        self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
+    ) -> BatchCreateResult:
+        """``n`` sandboxes like ``req``; per-sandbox results (partial success is reported)."""
+        ...
+
     async def get_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo: ...
     async def list_sandboxes(
         self,
@@ -152,6 +161,13 @@ class EdgeAPI(Protocol):
         idem_key: str | None = None,
     ) -> LayerInfo: ...
     async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult: ...
+    async def migrate_sandbox(
+        self, sandbox_id: str, owner: str, node: str | None = None
+    ) -> MigrateResult:
+        """Move the sandbox to ``node`` (None: the placer chooses); a single-node edge
+        raises ``CapabilityNotSupported``."""
+        ...
+
     async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult: ...
     async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
         """The sandbox's trajectory log as JSONL text (a header line, then one entry per line)."""
@@ -175,3 +191,30 @@ class EdgeAPI(Protocol):
     async def capabilities(self) -> list[Capabilities]: ...
     def metrics_text(self) -> bytes: ...
     async def stats(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class PauseModes(Protocol):
+    """Optional ability of an edge: ``POST /v1/sandboxes/{id}/pause`` with a body
+    ``{"mode": "freeze"|"suspend"}`` (``auto``, the default, is ``pause_sandbox``). The
+    apiserver answers ``capability_not_supported`` for an edge without it."""
+
+    async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
+        """Pause with ``mode``: ``freeze`` the tier's pause, ``suspend`` memory to a file."""
+        ...
+
+
+@runtime_checkable
+class ImagePublisher(Protocol):
+    """Optional ability of an edge: images as dsec artifacts in an OCI registry
+    (``dsec image push``: ``POST /v1/images/{name}/push``; ``dsec image pull --lazy``:
+    ``POST /v1/images/pull`` with ``lazy``). The apiserver answers ``unsupported`` for an
+    edge without it."""
+
+    async def push_image(self, name: str, target: str) -> PushImageResult:
+        """Push image ``name`` to ``target`` (``oci://HOST[:PORT]/REPO[:TAG]``)."""
+        ...
+
+    async def attach_image(self, ref: str, name: str | None, lazy: bool) -> ImageInfo:
+        """Register a pushed image; ``lazy``: its layers stay remote, read on demand."""
+        ...

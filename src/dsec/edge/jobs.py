@@ -24,8 +24,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypedDict
 
 from dsec.errors import DsecError, InternalError, InvalidRequest, SandboxTimeout
+from dsec.models import BatchCreateResult, BatchItemError, SandboxInfo
 
-__all__ = ["DEFAULT_CONCURRENCY", "Outcome", "for_each_sandbox", "summarize"]
+__all__ = ["DEFAULT_CONCURRENCY", "Outcome", "create_batch", "for_each_sandbox", "summarize"]
 
 log = logging.getLogger("dsec.edge.jobs")
 
@@ -118,3 +119,64 @@ def summarize(outcomes: dict[str, Outcome]) -> dict[str, int]:
             code = (o["error"] or {}).get("code", "unknown")
             out[f"error:{code}"] = out.get(f"error:{code}", 0) + 1
     return out
+
+
+async def create_batch(
+    n: int,
+    create: Callable[[int], Awaitable[SandboxInfo]],
+    kill: Callable[[str], Awaitable[Any]],
+    *,
+    all_or_nothing: bool = False,
+    concurrency: int = 8,
+) -> BatchCreateResult:
+    """Create ``n`` sandboxes with ``create(index)``, at most ``concurrency`` at once.
+
+    Each failure is reported by index (its wire code and message); the others go on. With
+    ``all_or_nothing``, the first failure stops the batch: creations not yet started are
+    skipped, the sandboxes already made are killed with ``kill(id)`` and the failure is raised
+    (its own :class:`DsecError` type), so nothing is left half-created.
+
+    Returns:
+        ``BatchCreateResult`` whose ``sandboxes`` are in index order.
+    """
+    if n < 1 or concurrency < 1:
+        raise InvalidRequest(f"a batch needs n >= 1 and concurrency >= 1 (got {n}, {concurrency})")
+    gate = asyncio.Semaphore(concurrency)
+    made: dict[int, SandboxInfo] = {}
+    errors: dict[int, BatchItemError] = {}
+    first_failure: list[DsecError] = []
+
+    async def one(i: int) -> None:
+        async with gate:
+            if all_or_nothing and first_failure:
+                return
+            try:
+                made[i] = await create(i)
+            except DsecError as e:
+                errors[i] = BatchItemError(index=i, code=e.code, message=e.message)
+                first_failure.append(e)
+            except Exception as e:  # one broken creation must not sink the batch call
+                log.exception("batch creation %d failed", i)
+                err = InternalError(f"{type(e).__name__}: {e}")
+                errors[i] = BatchItemError(index=i, code=err.code, message=err.message)
+                first_failure.append(err)
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    if all_or_nothing and first_failure:
+        outcomes = await for_each_sandbox([s.id for s in made.values()], kill)
+        leaked = [sid for sid, o in outcomes.items() if not o["ok"]]
+        cause = first_failure[0]
+        details = dict(cause.details)
+        details.update(batch_size=n, created_then_killed=len(made) - len(leaked))
+        if leaked:
+            details["kill_failed"] = leaked
+        raise type(cause)(
+            f"batch of {n} failed (all_or_nothing): {cause.message}; "
+            f"{len(made)} sandbox(es) already created were killed",
+            **details,
+        )
+    return BatchCreateResult(
+        requested=n,
+        sandboxes=[made[i] for i in sorted(made)],
+        errors=[errors[i] for i in sorted(errors)],
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -105,6 +106,12 @@ class EdgeMetrics:
         self.file_ops = Counter(
             "dsec_file_ops", "File operations by kind", ["op"], registry=self.registry
         )
+
+    def add_lazy_layers(self, stats: Callable[[], dict[str, Any]]) -> None:
+        """Export on-demand layer loading counters (``LayerStore.lazy_stats``)."""
+        from dsec.layers.lazy import LazyStatsCollector
+
+        self.registry.register(LazyStatsCollector(self.node, stats))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -460,6 +460,20 @@ class TrajectoryLog:
         with self._lock:
             return self._last_seq(sandbox_id) + 1
 
+    def next_seqs(self, sandbox_ids: list[str]) -> dict[str, int]:
+        """:meth:`next_seq` of many sandboxes in one query per 500 ids (list calls)."""
+        out = dict.fromkeys(sandbox_ids, 1)
+        with self._lock:
+            for i in range(0, len(sandbox_ids), 500):
+                chunk = sandbox_ids[i : i + 500]
+                marks = ",".join("?" * len(chunk))
+                for sid, last in self._db.execute(
+                    f"SELECT sandbox_id, last_seq FROM trajectory_head WHERE sandbox_id IN ({marks})",
+                    chunk,
+                ):
+                    out[sid] = int(last) + 1
+        return out
+
     def entries(self, sandbox_id: str) -> Iterator[dict[str, Any]]:
         """The sandbox's entries in ``seq`` order, as stored (full results)."""
         with self._lock:

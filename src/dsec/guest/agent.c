@@ -14,7 +14,8 @@
  * request is answered by any number of OUT frames and one EXIT frame (or one ERR frame).
  *
  * Host mode: `agent --launch <cgroup.procs file>... -- <program> <args>` writes its own pid to
- * each file, enables KSM merging for itself (prctl PR_SET_MEMORY_MERGE, inherited across exec)
+ * each file, enables KSM merging for itself (prctl PR_SET_MEMORY_MERGE, inherited across exec;
+ * not if the environment has DSEC_KSM=0)
  * and execs the program. The runtime uses it to start QEMU inside its cgroup from the first
  * instruction.
  */
@@ -1130,7 +1131,9 @@ static int launch(int argc, char **argv) {
         fprintf(stderr, "usage: agent --launch <cgroup.procs>... -- program args\n");
         return 125;
     }
-    prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0); /* KSM; EINVAL on kernels without it */
+    /* KSM (EINVAL on kernels without it); DSEC_KSM=0 leaves the process unmergeable */
+    const char *ksm = getenv("DSEC_KSM");
+    if (ksm == NULL || strcmp(ksm, "0") != 0) prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0);
     prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0);
     execv(argv[i + 1], &argv[i + 1]);
     fprintf(stderr, "dsec launch: exec %s: %s\n", argv[i + 1], strerror(errno));

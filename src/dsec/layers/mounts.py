@@ -12,6 +12,10 @@ private clone of each lower mount, so unmounting a layer that a live overlay sti
 harmless to that overlay (the filesystem stays alive until the overlay goes); the count only
 decides when the node-wide mountpoint disappears.
 
+Remote layers: ``erofs_file`` may be a file served by the lazy FUSE server
+(:mod:`dsec.layers.lazy`, ``<lazy>/mnt/<hex>.erofs``); the mount is the same. If that server
+died, :meth:`LayerMounts.adopt_existing` unmounts such layers instead of adopting them.
+
 Restarts: the mounts outlive the edge process. :meth:`LayerMounts.adopt_existing` reads
 ``/proc/self/mountinfo`` and takes over the EROFS mounts found under ``mount_root`` with
 refcount 0 (the edge re-acquires for every sandbox it reconciles; :meth:`unmount_unused`
@@ -235,6 +239,11 @@ class LayerMounts:
                     log.warning("unmounting stray %s mount at %s", entry.fstype, entry.mountpoint)
                     _umount_all(entry.mountpoint)
                     continue
+                if not _source_alive(entry.source):
+                    # a lazily served layer whose FUSE server died: every read would fail
+                    log.warning("unmounting layer %s: its source %s is gone", digest, entry.source)
+                    _umount_all(entry.mountpoint)
+                    continue
                 if digest not in self._layers:
                     self._layers[digest] = _Layer(entry.mountpoint, 0)
             known = {e.mountpoint for e in self._layers.values()}
@@ -278,6 +287,17 @@ class LayerMounts:
 def _same_layer(source: str, digest: str) -> bool:
     m = _BLOB_NAME_RE.match(os.path.basename(source))
     return m is not None and f"sha256:{m.group(1)}" == digest
+
+
+def _source_alive(source: str) -> bool:
+    """False if a mount's source file is gone or sits on a dead FUSE mount (ENOTCONN).
+    ``statvfs`` because FUSE always asks the server for it (``stat`` may be cached)."""
+    try:
+        os.stat(source)
+        os.statvfs(source)
+    except OSError:
+        return False
+    return True
 
 
 def _umount_all(mountpoint: Path) -> None:

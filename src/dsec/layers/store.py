@@ -56,7 +56,14 @@ from typing import Any, get_args
 
 from dsec.errors import ImageNotFound, InvalidRequest, LayerNotFound, SandboxError
 from dsec.layers import builtin
+from dsec.layers.blobstore import open_blob_store
 from dsec.layers.erofs import is_erofs_file, mkfs_erofs
+from dsec.layers.lazy import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_READAHEAD_CHUNKS,
+    LazyServer,
+)
 from dsec.models import ImageInfo, LayerInfo, LayerKind
 from dsec.privileged.mount import mount_points, umount_quiet
 
@@ -76,6 +83,11 @@ CREATE TABLE IF NOT EXISTS layers (
     size       INTEGER NOT NULL,
     created_at TEXT NOT NULL,
     meta       TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS remote_layers (
+    digest     TEXT PRIMARY KEY,
+    source_url TEXT NOT NULL,
+    size       INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS images (
     name       TEXT PRIMARY KEY,
@@ -333,8 +345,22 @@ class LayerStore:
             (``$DSEC_HOME/images``); created if missing.
     """
 
-    def __init__(self, root: Path, scratch: Path) -> None:
+    def __init__(
+        self,
+        root: Path,
+        scratch: Path,
+        *,
+        lazy_chunk_size: int | None = None,
+        lazy_cache_bytes: int | None = None,
+    ) -> None:
         self.root = Path(root)
+        self._lazy_chunk_size = lazy_chunk_size or int(
+            os.environ.get("DSEC_LAZY_CHUNK_SIZE", DEFAULT_CHUNK_SIZE)
+        )
+        self._lazy_cache_bytes = lazy_cache_bytes or int(
+            os.environ.get("DSEC_LAZY_CACHE_BYTES", DEFAULT_CACHE_BYTES)
+        )
+        self._lazy: LazyServer | None = None
         self.scratch = Path(scratch)
         self._blobs = self.root / "blobs" / "sha256"
         self._tmp = self.root / "tmp"
@@ -356,12 +382,18 @@ class LayerStore:
         with self._process_lock():
             self._clean_stale_builds()
             self._reconcile_blobs()
+        if os.environ.get("DSEC_LAZY_PRESTART") == "1":
+            self.prestart_lazy()
 
     # --- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the database and the lock file. The store is unusable afterwards."""
+        """Stop the lazy FUSE server (if started), close the database and the lock file. The
+        store is unusable afterwards. Unmount EROFS mounts of remote layers first."""
         with self._lock:
+            if self._lazy is not None:
+                self._lazy.stop()
+                self._lazy = None
             self._db.close()
             with contextlib.suppress(OSError):
                 os.close(self._store_lock_fd)
@@ -421,9 +453,11 @@ class LayerStore:
         with self._lock:
             rows = self._db.execute("SELECT digest FROM layers").fetchall()
         known = set()
+        with self._lock:
+            remote = {r["digest"] for r in self._db.execute("SELECT digest FROM remote_layers")}
         for row in rows:
             hex_ = row["digest"].split(":", 1)[1]
-            if (self._blobs / f"{hex_}.erofs").is_file():
+            if (self._blobs / f"{hex_}.erofs").is_file() or row["digest"] in remote:
                 known.add(hex_)
             else:
                 log.warning(
@@ -581,11 +615,21 @@ class LayerStore:
             return self._publish(tmp_file, kind, name, meta)
 
     def layer_path(self, digest: str) -> Path:
-        """The EROFS file of a layer. Raises LayerNotFound (InvalidRequest if malformed)."""
+        """The EROFS file of a layer to mount: the local blob if present, else (a remote
+        layer) the file the lazy FUSE server serves, starting the server on first use.
+
+        Raises:
+            LayerNotFound: unknown layer, or a local layer whose file is gone.
+            InvalidRequest: malformed digest.
+            SandboxError: the lazy server cannot start.
+        """
         hex_ = parse_digest(digest)
         self.get_layer(digest)
         path = self._blobs / f"{hex_}.erofs"
         if not path.is_file():
+            remote = self.remote_source(digest)
+            if remote is not None:
+                return self._lazy_server().file_path(digest)
             raise LayerNotFound(
                 f"layer {digest} is registered but its file is missing", digest=digest
             )
@@ -605,6 +649,147 @@ class LayerStore:
         with self._lock:
             rows = self._db.execute("SELECT * FROM layers ORDER BY created_at, digest").fetchall()
         return [self._row_to_layer(r) for r in rows]
+
+    # --- remote layers (blob stores, lazy loading) ----------------------------------------
+
+    def add_remote_layer(
+        self,
+        digest: str,
+        size: int,
+        source_url: str,
+        meta: dict[str, Any] | None = None,
+        *,
+        kind: LayerKind | None = None,
+        name: str | None = None,
+    ) -> LayerInfo:
+        """Record a layer whose blob lives in the blob store at ``source_url`` (see
+        :func:`dsec.layers.blobstore.open_blob_store`). No data is copied: a mount reads it
+        on demand through the lazy FUSE server (:meth:`layer_path`), or :meth:`fetch_layer`
+        downloads it. ``kind``/``name`` default to ``meta["kind"]``/``meta["name"]``, then
+        ``base``/None. Idempotent.
+
+        Raises:
+            InvalidRequest: malformed digest, size < 0, bad kind/name or URL scheme.
+        """
+        parse_digest(digest)
+        meta = dict(meta or {})
+        kind_ = kind or meta.get("kind") or "base"
+        name_ = name if name is not None else meta.get("name")
+        self._check_kind(kind_)
+        self._check_label(name_)
+        if size < 0:
+            raise InvalidRequest(f"negative layer size {size}", digest=digest)
+        open_blob_store(source_url)  # validates the URL (InvalidRequest for an unknown scheme)
+        meta.setdefault("blob_store", source_url)
+        meta_json = json.dumps(meta, sort_keys=True, default=str)
+        with self._process_lock():
+            self._db.execute(
+                "INSERT OR IGNORE INTO layers (digest, kind, name, size, created_at, meta) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (digest, kind_, name_, int(size), _now().isoformat(), meta_json),
+            )
+            self._db.execute(
+                "INSERT OR REPLACE INTO remote_layers (digest, source_url, size) VALUES (?, ?, ?)",
+                (digest, source_url, int(size)),
+            )
+        self._lazy_server().register(digest, int(size), source_url)
+        return self.get_layer(digest)
+
+    def remote_source(self, digest: str) -> str | None:
+        """The blob store URL a remote layer was recorded with, or None."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT source_url FROM remote_layers WHERE digest = ?", (digest,)
+            ).fetchone()
+        return None if row is None else str(row["source_url"])
+
+    def is_local(self, digest: str) -> bool:
+        """True if the layer's blob is on this node's disk (not served lazily)."""
+        return (self._blobs / f"{parse_digest(digest)}.erofs").is_file()
+
+    def fetch_layer(self, digest: str) -> LayerInfo:
+        """Download a remote layer's whole blob into the store (the "full pull"): streamed to
+        ``tmp/``, sha256 verified, fsynced, renamed into ``blobs/``. Afterwards
+        :meth:`layer_path` returns the local file. No-op for a local layer.
+
+        Raises:
+            LayerNotFound: unknown layer or absent from its store. BlobDigestMismatch:
+                corrupt blob (nothing kept). RegistryUnavailable: the store failed.
+        """
+        info = self.get_layer(digest)
+        if self.is_local(digest):
+            return info
+        url = self.remote_source(digest)
+        if url is None:
+            raise LayerNotFound(f"layer {digest} has neither a file nor a blob store")
+        store = open_blob_store(url)
+        with self._build_slot() as build_id:
+            tmp_file = self._tmp / f"{build_id}.erofs"
+            store.fetch(digest, tmp_file)
+            os.chmod(tmp_file, 0o444)
+            with self._process_lock():
+                blob = self._blobs / f"{parse_digest(digest)}.erofs"
+                if not blob.is_file():
+                    os.rename(tmp_file, blob)
+                    _fsync_dir(self._blobs)
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
+        return info
+
+    def _lazy_server(self) -> LazyServer:
+        with self._lock:
+            if self._lazy is None:
+                readahead = os.environ.get("DSEC_LAZY_READAHEAD_CHUNKS")
+                self._lazy = LazyServer(
+                    self.root / "lazy",
+                    chunk_size=self._lazy_chunk_size,
+                    cache_bytes=self._lazy_cache_bytes,
+                    readahead_chunks=(
+                        int(readahead) if readahead is not None else DEFAULT_READAHEAD_CHUNKS
+                    ),
+                )
+            return self._lazy
+
+    def prestart_lazy(self) -> None:
+        """Start the lazy FUSE server in the background now if a layer is served lazily,
+        so the first sandbox of a remote image does not wait for it (~1 s). A node daemon
+        calls this at start-up (``DSEC_LAZY_PRESTART=1`` does it when the store opens)."""
+        with self._lock:
+            rows = self._db.execute("SELECT digest FROM remote_layers").fetchall()
+        if all(self.is_local(r["digest"]) for r in rows):
+            return
+        server = self._lazy_server()
+
+        def start() -> None:
+            try:
+                server.ensure_running()
+            except SandboxError as e:
+                log.error("lazy layer server did not start: %s", e)
+
+        threading.Thread(target=start, name="dsec-lazy-prestart", daemon=True).start()
+
+    @property
+    def lazy(self) -> LazyServer:
+        """The node's lazy FUSE server client (created on first use, started on first
+        mount of a remote layer)."""
+        return self._lazy_server()
+
+    def cached_fraction(self, digest: str) -> float:
+        """Fraction (0..1) of a layer's bytes on this node: 1.0 for a local layer, the share
+        of its chunks in the chunk cache for a remote one. For ``dsec image ls``."""
+        info = self.get_layer(digest)
+        if self.is_local(digest):
+            return 1.0
+        return self._lazy_server().cached_fraction(digest, info.size)
+
+    def lazy_stats(self) -> dict[str, Any]:
+        """On-demand loading counters: ``{"node": {...}, "layers": {digest: {...}},
+        "running": bool}``. Per layer and node: ``bytes_fetched``, ``bytes_written`` (to the
+        chunk cache), ``cache_hits``, ``cache_misses``, ``fetches``, ``fetch_seconds_total``
+        / ``_max`` / ``_p50`` / ``_p99``, ``fetch_errors``, ``cache_write_errors``,
+        ``prefetched_chunks``, ``cached_fraction``. Empty when the server is not running."""
+        return self._lazy_server().stats()
 
     # --- images --------------------------------------------------------------------------
 

@@ -96,11 +96,11 @@ class CgroupV1:
         return self._read("freezer", "freezer.state").strip()
 
     def kill_all(self, timeout_s: float = 5.0) -> None:
-        """SIGKILL every process in the cgroup (thawing first) until it is empty."""
+        """SIGKILL every process in the cgroup until it is empty. A frozen cgroup is thawed
+        after the signals are queued (frozen tasks only die once thawed; signalling first
+        means no user code runs in between)."""
         if not self.exists():
             return
-        with contextlib.suppress(OSError):
-            self.thaw()
         deadline = time.monotonic() + timeout_s
         while True:
             pids = self.procs()
@@ -109,6 +109,9 @@ class CgroupV1:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                if self.freezer_state() != "THAWED":
+                    self.thaw()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cgroup {self.rel} still has processes {pids}")
             time.sleep(0.005)

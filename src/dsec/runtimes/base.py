@@ -123,3 +123,22 @@ class Snapshottable(Protocol):
     async def snapshot(
         self, handle: Handle, store: Any, req: SnapshotRequest, meta: dict[str, Any]
     ) -> LayerInfo: ...
+
+
+@runtime_checkable
+class MemoryStateful(Protocol):
+    """VM tiers: a sandbox's RAM and device state written to a file.
+
+    ``suspend`` writes it and ends the sandbox's VM process (host memory freed); the sandbox
+    stays ``paused`` and ``resume`` (or any exec/file call) restores it, also after an edge
+    restart. ``memory_snapshot`` captures a running sandbox once (it keeps running);
+    ``create_from_memory`` starts a new sandbox from that capture (call it n times), with
+    its own copy-on-write disk and a fresh identity (clock, RNG seed, hostname);
+    ``drop_memory_snapshot`` deletes the capture. ``suspend`` returns
+    :class:`dsec.models.PauseReport` fields."""
+
+    def is_suspended(self, handle: Handle) -> bool: ...
+    async def suspend(self, handle: Handle) -> dict[str, Any]: ...
+    async def memory_snapshot(self, handle: Handle) -> Any: ...
+    async def create_from_memory(self, snapshot: Any, spec: SandboxSpec) -> Handle: ...
+    async def drop_memory_snapshot(self, snapshot: Any) -> None: ...

@@ -8,9 +8,10 @@ from dsec.sdk.sandbox import (
     AsyncFiles,
     AsyncNetwork,
     AsyncSandbox,
+    AsyncSandboxBatch,
     CommandResult,
 )
-from dsec.sdk.sync_api import Client, Commands, Files, Network, Sandbox
+from dsec.sdk.sync_api import Client, Commands, Files, Network, Sandbox, SandboxBatch
 
 __all__ = [
     "AsyncClient",
@@ -19,6 +20,7 @@ __all__ = [
     "AsyncJobs",
     "AsyncNetwork",
     "AsyncSandbox",
+    "AsyncSandboxBatch",
     "Client",
     "CommandResult",
     "Commands",
@@ -26,5 +28,6 @@ __all__ = [
     "Jobs",
     "Network",
     "Sandbox",
+    "SandboxBatch",
     "jobs",
 ]

@@ -56,6 +56,23 @@ def not_delivered(err: DsecError) -> bool:
     return err.details.get("delivered") is False
 
 
+_BROKEN_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+"""Transport errors where the connection broke without an answer (not timeouts: a slow
+request may still be running, and repeating it would only wait twice)."""
+
+_IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+
+
+def _retry_safe(method: str, headers: Mapping[str, str] | None) -> bool:
+    """Whether repeating a request cannot do its work twice: an idempotent method, or a
+    request carrying its sandbox sequence number or an idempotency key (the edge records
+    those and answers a repeat from its trajectory log without running it again)."""
+    if method.upper() in _IDEMPOTENT_METHODS:
+        return True
+    names = {k.lower() for k in (headers or {})}
+    return "x-dsec-seq" in names or "idempotency-key" in names
+
+
 def _error_body(response: httpx.Response) -> Any:
     try:
         return response.json()
@@ -143,20 +160,30 @@ class HttpClient:
         headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
     ) -> httpx.Response:
-        """Send one request; return the 2xx response or raise the mapped DsecError."""
+        """Send one request; return the 2xx response or raise the mapped DsecError.
+
+        A request that is safe to repeat (see :func:`_retry_safe`) is sent once more when the
+        connection broke before any answer arrived (typically a pooled keep-alive connection
+        the server closed just as it was reused)."""
         t = self.timeout if timeout is None else timeout
-        try:
-            response = await self._http().request(
-                method,
-                path,
-                json=json,
-                params=params,
-                content=content,
-                headers=headers,
-                timeout=self._timeout(t),
-            )
-        except httpx.TransportError as exc:
-            raise self._transport_error(exc, f"{method} {path}", t) from exc
+        for attempt in range(2):
+            try:
+                response = await self._http().request(
+                    method,
+                    path,
+                    json=json,
+                    params=params,
+                    content=content,
+                    headers=headers,
+                    timeout=self._timeout(t),
+                )
+                break
+            except _BROKEN_CONNECTION as exc:
+                if attempt == 0 and _retry_safe(method, headers):
+                    continue
+                raise self._transport_error(exc, f"{method} {path}", t) from exc
+            except httpx.TransportError as exc:
+                raise self._transport_error(exc, f"{method} {path}", t) from exc
         if response.is_success:
             return response
         raise error_from_wire(response.status_code, _error_body(response))

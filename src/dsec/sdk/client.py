@@ -25,6 +25,8 @@ from dsec.models import (
     LayerInfo,
     NodeInfo,
     PullImageRequest,
+    PushImageRequest,
+    PushImageResult,
     SandboxInfo,
 )
 from dsec.sdk._http import DEFAULT_TIMEOUT_S, HttpClient
@@ -119,21 +121,50 @@ class AsyncClient:
         return ImageInfo.model_validate(r.json())
 
     async def pull_image(
-        self, ref: str, name: str | None = None, *, timeout: float = BUILD_TIMEOUT_S
+        self,
+        ref: str,
+        name: str | None = None,
+        *,
+        lazy: bool = False,
+        timeout: float = BUILD_TIMEOUT_S,
     ) -> ImageInfo:
-        """Pull ``ref`` (``[registry/]repo[:tag][@sha256:...]``) from an OCI / Docker v2
-        registry into the server's layer store; returns the new image.
+        """Pull ``ref`` (``[registry/]repo[:tag][@sha256:...]`` or ``oci://HOST/REPO:TAG``)
+        from an OCI / Docker v2 registry into the server's layer store; returns the new image.
 
         Args:
             ref: the image reference.
             name: name[:tag] in the store (default: derived from the reference).
+            lazy: for an image pushed with :meth:`push_image`: record its layers as remote
+                and fetch their data on first read (the first start reads only what it needs).
             timeout: how long to wait, seconds.
         """
-        req = _validated(PullImageRequest, ref=ref, name=name)
+        req = _validated(PullImageRequest, ref=ref, name=name, lazy=lazy)
         r = await self._http.request(
             "POST", "/v1/images/pull", json=req.model_dump(mode="json"), timeout=timeout
         )
         return ImageInfo.model_validate(r.json())
+
+    async def push_image(
+        self, name: str, target: str, *, timeout: float = BUILD_TIMEOUT_S
+    ) -> PushImageResult:
+        """Publish the server's image ``name`` to an OCI registry as a dsec artifact.
+
+        Args:
+            name: the image (name[:tag]).
+            target: ``oci://HOST[:PORT]/REPOSITORY[:TAG]``.
+            timeout: how long to wait, seconds.
+
+        Returns:
+            The pushed manifest's digest, with the image and target.
+        """
+        req = _validated(PushImageRequest, target=target)
+        r = await self._http.request(
+            "POST",
+            f"/v1/images/{quote(name, safe=':')}/push",
+            json=req.model_dump(mode="json"),
+            timeout=timeout,
+        )
+        return PushImageResult.model_validate(r.json())
 
     async def run_code(
         self,

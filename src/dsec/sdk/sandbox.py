@@ -71,11 +71,15 @@ from dsec.errors import (
     InvalidRequest,
     OutcomeUnknown,
     SandboxNotFound,
+    SandboxStopped,
     SandboxTimeout,
     SequenceConflict,
     error_from_wire,
 )
 from dsec.models import (
+    BatchCreateRequest,
+    BatchCreateResult,
+    BatchItemError,
     CreateSandboxRequest,
     ExecEvent,
     ExecRequest,
@@ -84,7 +88,10 @@ from dsec.models import (
     ForkRequest,
     ForkResult,
     LayerInfo,
+    MigrateRequest,
+    MigrateResult,
     OnTimeout,
+    PauseRequest,
     SandboxInfo,
     SnapshotRequest,
 )
@@ -573,29 +580,84 @@ class AsyncSandbox:
             timeout: how long to wait for creation, seconds.
             client: a shared :class:`AsyncClient` (its connection pool is reused).
         """
-        req = _validated(
-            CreateSandboxRequest,
+        req = cls._request(
             tier=tier,
             image=image,
-            layers=layers or [],
+            layers=layers,
             cpu=cpu,
             memory_mb=memory_mb,
             disk_mb=disk_mb,
             pids=pids,
-            env=env or {},
+            env=env,
             ttl_s=ttl_s,
-            labels=labels or {},
+            labels=labels,
             user=user,
             job=job,
             workdir=workdir,
             on_timeout=on_timeout,
             paused_ttl_s=paused_ttl_s,
-            network=None if network is None else _policy(network),
+            network=network,
         )
         conn, owned = cls._client_for(client, url, api_key, transport)
         body = req.model_dump(mode="json")  # keep an explicit ttl_s=None
         r = await conn._http.request("POST", "/v1/sandboxes", json=body, timeout=timeout)
         return cls(SandboxInfo.model_validate(r.json()), conn, owns_client=owned)
+
+    @staticmethod
+    def _request(**fields: Any) -> CreateSandboxRequest:
+        """The validated creation request from :meth:`create`'s keyword arguments
+        (``InvalidRequest`` on a bad or unknown field)."""
+        for name in ("layers", "env", "labels"):
+            if fields.get(name) is None:
+                fields.pop(name, None)
+        if fields.get("network") is not None:
+            fields["network"] = _policy(fields["network"])
+        req: CreateSandboxRequest = _validated(CreateSandboxRequest, **fields)
+        return req
+
+    @classmethod
+    async def create_many(
+        cls,
+        n: int,
+        *,
+        all_or_nothing: bool = False,
+        url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = CREATE_TIMEOUT_S,
+        transport: httpx.AsyncBaseTransport | None = None,
+        client: AsyncClient | None = None,
+        **sandbox: Any,
+    ) -> AsyncSandboxBatch:
+        """Create ``n`` sandboxes in one API call (one placement pass on the server).
+
+        Args:
+            n: how many (1..1024; larger jobs send several batches).
+            all_or_nothing: if any creation fails, kill the ones made and raise that error
+                (typed, e.g. ``QuotaExceeded``). Default: partial success is returned and
+                every failure is listed in :attr:`AsyncSandboxBatch.errors`.
+            timeout: seconds to wait for the whole batch (default scales with ``n``).
+            sandbox: the same keyword arguments as :meth:`create` (``tier``, ``image``,
+                ``cpu``, ``labels``, ``job``...), applied to every sandbox.
+
+        Returns:
+            an :class:`AsyncSandboxBatch` (``async with`` kills them all on exit).
+        """
+        req = cls._request(**sandbox)
+        body = _validated(
+            BatchCreateRequest, n=n, sandbox=req, all_or_nothing=all_or_nothing
+        ).model_dump(mode="json")
+        conn, owned = cls._client_for(client, url, api_key, transport)
+        try:
+            r = await conn._http.request(
+                "POST", "/v1/sandboxes/batch", json=body, timeout=timeout + 0.5 * n
+            )
+        except BaseException:
+            if owned:
+                await conn.close()
+            raise
+        result = BatchCreateResult.model_validate(r.json())
+        sandboxes = [cls(info, conn, owns_client=False) for info in result.sandboxes]
+        return AsyncSandboxBatch(result.requested, sandboxes, result.errors, conn, owned)
 
     @classmethod
     async def connect(
@@ -776,14 +838,22 @@ class AsyncSandbox:
         self._info = SandboxInfo.model_validate(r.json())
         return self._info
 
-    async def pause(self) -> SandboxInfo:
+    async def pause(self, mode: str = "auto") -> SandboxInfo:
         """Pause: freeze every process and give back what memory can be given back.
 
         Idempotent. ``info.last_pause`` reports memory before and after (bytes) and how
         long it took (ms). Any later request (a command, a file read...) resumes the
         sandbox transparently; :meth:`resume` does it explicitly.
+
+        Args:
+            mode: ``"auto"`` (the tier's pause), ``"freeze"`` (the same, explicitly) or
+                ``"suspend"``: memory and device state to a file, the VM process exits and
+                its host memory is freed (tiers whose capabilities say ``suspend``, else
+                ``CapabilityNotSupported``).
         """
-        r = await self._client._http.request("POST", self._path("/pause"))
+        req = _validated(PauseRequest, mode=mode)
+        body = None if req.mode == "auto" else req.model_dump(mode="json")
+        r = await self._client._http.request("POST", self._path("/pause"), json=body)
         self._info = SandboxInfo.model_validate(r.json())
         return self._info
 
@@ -834,6 +904,7 @@ class AsyncSandbox:
         *,
         labels: dict[str, str] | None = None,
         scrub: builtins.list[str] | None = None,
+        memory: bool = False,
         timeout: float = FORK_TIMEOUT_S,
     ) -> builtins.list[AsyncSandbox]:
         """Make ``n`` new sandboxes from one snapshot of this one (same image, limits, job;
@@ -846,14 +917,40 @@ class AsyncSandbox:
             n: how many (1..256).
             labels: labels added to (or overriding) this sandbox's.
             scrub: extra paths left out of the snapshot (see :meth:`snapshot`).
+            memory: VM tiers: fork from a memory snapshot instead (running processes carry
+                over; each new sandbox gets its own copy-on-write disk, RNG seed and clock).
             timeout: how long to wait for the snapshot and every creation, seconds.
         """
-        req = _validated(ForkRequest, n=n, labels=labels or {}, scrub=scrub or [])
+        req = _validated(ForkRequest, n=n, labels=labels or {}, scrub=scrub or [], memory=memory)
         r = await self._client._http.request(
             "POST", self._path("/fork"), json=req.model_dump(mode="json"), timeout=timeout
         )
         result = ForkResult.model_validate(r.json())
         return [type(self)(info, self._client, owns_client=False) for info in result.sandboxes]
+
+    async def migrate(
+        self, node: str | None = None, *, timeout: float = SNAPSHOT_TIMEOUT_S
+    ) -> MigrateResult:
+        """Move the sandbox to another node of a cluster (``node``, or one the server
+        picks). Files carry over (its writable layer moves as a ``pack_diff`` layer);
+        running processes do not (``result.processes_carried`` says so). This object then
+        refers to the new sandbox (a new id on the target node, numbering its calls from 1).
+
+        Raises ``CapabilityNotSupported`` on a single-node server, ``NotFound`` for an
+        unknown node, ``QuotaExceeded`` when the target is full (the sandbox stays where it
+        was). ``timeout``: how long to wait, seconds.
+        """
+        req = _validated(MigrateRequest, node=node)
+        r = await self._client._http.request(
+            "POST", self._path("/migrate"), json=req.model_dump(mode="json"), timeout=timeout
+        )
+        result = MigrateResult.model_validate(r.json())
+        self._info = result.sandbox
+        self._next_seq = result.sandbox.next_seq or 1
+        self._free_seqs = []
+        self._replay_pending = False
+        self._replay_log = None
+        return result
 
     async def trajectory(self) -> str:
         """The sandbox's trajectory log as JSONL text: a header line (format and the
@@ -891,6 +988,99 @@ class AsyncSandbox:
             await self.kill()
         except SandboxNotFound:
             pass  # already gone (expired and purged): nothing to clean up
+
+
+class AsyncSandboxBatch:
+    """What :meth:`AsyncSandbox.create_many` made: the created ``sandboxes`` (request order)
+    and the ``errors`` of those that were not (``index``, ``code``, ``message``).
+    ``async with`` kills every created sandbox on exit."""
+
+    def __init__(
+        self,
+        requested: int,
+        sandboxes: builtins.list[AsyncSandbox],
+        errors: builtins.list[BatchItemError],
+        client: AsyncClient,
+        owns_client: bool,
+    ) -> None:
+        self._requested = requested
+        self._sandboxes = sandboxes
+        self._errors = errors
+        self._client = client
+        self._owns_client = owns_client
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(requested={self._requested}, "
+            f"created={len(self._sandboxes)}, failed={len(self._errors)})"
+        )
+
+    @property
+    def requested(self) -> int:
+        """How many sandboxes the call asked for."""
+        return self._requested
+
+    @property
+    def sandboxes(self) -> builtins.list[AsyncSandbox]:
+        """The sandboxes created, in request order."""
+        return builtins.list(self._sandboxes)
+
+    @property
+    def errors(self) -> builtins.list[BatchItemError]:
+        """One entry per sandbox not created: ``index`` (0-based), ``code``, ``message``."""
+        return builtins.list(self._errors)
+
+    @property
+    def ok(self) -> bool:
+        """True when every requested sandbox was created."""
+        return not self._errors
+
+    def raise_on_error(self) -> None:
+        """Raise the first failure as its typed error (``QuotaExceeded``...) if any failed;
+        the created sandboxes stay (kill them with :meth:`kill_all`)."""
+        if self._errors:
+            first = self._errors[0]
+            message = (
+                f"{len(self._errors)} of {self._requested} sandboxes were not created; "
+                f"first (index {first.index}): {first.message}"
+            )
+            details = {"failed": len(self._errors), "created": len(self._sandboxes)}
+            raise error_from_wire(
+                500, {"error": {"code": first.code, "message": message, "details": details}}
+            )
+
+    async def kill_all(self) -> int:
+        """Kill every created sandbox (those already gone are skipped). Returns how many
+        this call killed."""
+
+        async def one(sb: AsyncSandbox) -> int:
+            try:
+                await sb.kill()
+            except (SandboxNotFound, SandboxStopped):
+                return 0
+            return 1
+
+        try:
+            return sum(await asyncio.gather(*(one(sb) for sb in self._sandboxes)))
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Release connections without killing the sandboxes."""
+        if self._owns_client:
+            self._owns_client = False
+            await self._client.close()
+
+    async def __aenter__(self) -> AsyncSandboxBatch:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.kill_all()
 
 
 def _dump(model: Any) -> Any:

@@ -11,14 +11,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import httpx
 
 from dsec.sdk._http import DEFAULT_TIMEOUT_S
 from dsec.sdk.client import AsyncClient
-from dsec.sdk.sandbox import AsyncCommands, AsyncFiles, AsyncNetwork, AsyncSandbox
+from dsec.sdk.sandbox import (
+    AsyncCommands,
+    AsyncFiles,
+    AsyncNetwork,
+    AsyncSandbox,
+    AsyncSandboxBatch,
+)
 from dsec.sdk.sync import SyncWrapper, synchronize
 
-__all__ = ["Client", "Commands", "Files", "Network", "Sandbox"]
+__all__ = ["Client", "Commands", "Files", "Network", "Sandbox", "SandboxBatch"]
 
 
 @synchronize(AsyncClient)
@@ -55,3 +64,15 @@ class Network(SyncWrapper):
 class Sandbox(SyncWrapper):
     """One sandbox (sync). Build it with ``Sandbox.create(...)`` or ``Sandbox.connect(id)``;
     ``with`` kills it on exit. Same methods as :class:`dsec.AsyncSandbox`, without ``await``."""
+
+
+@synchronize(AsyncSandboxBatch)
+class SandboxBatch(SyncWrapper):
+    """What :meth:`Sandbox.create_many` made (sync): ``sandboxes``, ``errors``, ``ok``,
+    ``raise_on_error()``, ``kill_all()``; ``with`` kills them all on exit."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.sandboxes)
+
+    def __len__(self) -> int:
+        return len(self._impl.sandboxes)

@@ -638,6 +638,12 @@ class ContainerRuntime:
     async def _destroy(self, handle: Handle, *, keep_live: bool) -> None:
         sandbox_dir = self._sandbox_dir(handle.id)
         state = self._load_state(handle)
+        cg = CgroupV1(state.get("cgroup") or self._cgroup_rel(handle.id))
+        # a paused sandbox: its processes (and the exec server, which closing below waits
+        # for) sit in the freezer and ignore SIGKILL until thawed: kill, then thaw
+        with contextlib.suppress(OSError):
+            if cg.exists() and cg.freezer_state() != "THAWED":
+                await asyncio.to_thread(cg.kill_all)
         live = self._live.get(handle.id)
         if live is not None and live.server is not None:
             await live.server.close()

@@ -248,6 +248,7 @@ class Worker:
             op = header.get("op")
             if op == "ready":
                 self.marks = header.get("marks")
+                self.setup_minflt = header.get("minflt")  # diagnostics: agent page faults
                 self.pool._on_ready(self)
             elif op == "chunk" and self.sink is not None:
                 sink = self.sink

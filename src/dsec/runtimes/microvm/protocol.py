@@ -107,6 +107,11 @@ class AgentClient:
                 await asyncio.sleep(0.002)
 
     @property
+    def in_flight(self) -> int:
+        """Requests sent and not answered yet."""
+        return len(self._pending)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

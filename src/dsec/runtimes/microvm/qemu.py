@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -136,13 +137,24 @@ class QemuProcess:
 
     @classmethod
     def launch(
-        cls, launcher: Path, cgroup_procs: list[Path], argv: list[str], dir: Path
+        cls,
+        launcher: Path,
+        cgroup_procs: list[Path],
+        argv: list[str],
+        dir: Path,
+        ksm: bool = True,
     ) -> QemuProcess:
-        """Start ``argv`` (QEMU) through the launcher in a new session; stdout/stderr to qemu.log."""
+        """Start ``argv`` (QEMU) through the launcher in a new session; stdout/stderr to qemu.log.
+
+        ``ksm``: the launcher marks the process mergeable (``PR_SET_MEMORY_MERGE``) before exec;
+        False sets ``DSEC_KSM=0`` so it does not."""
         log = dir / "qemu.log"
+        env = dict(os.environ)
+        env["DSEC_KSM"] = "1" if ksm else "0"
         with open(log, "ab") as logf:
             popen = subprocess.Popen(
                 [str(launcher), "--launch", *map(str, cgroup_procs), "--", *argv],
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
@@ -232,6 +244,47 @@ class QMPClient:
                 raise SandboxTimeout(f"QMP {command} did not answer in {timeout_s} s") from e
             except (ConnectionError, OSError) as e:
                 raise SandboxError(f"QMP {command}: connection lost ({e})") from e
+
+    async def send_fd(self, name: str, fd: int, timeout_s: float = 10.0) -> None:
+        """Hand ``fd`` to QEMU as ``name`` (QMP ``getfd`` with the fd in SCM_RIGHTS), for a
+        ``fd:<name>`` migration URI."""
+        msg = json.dumps({"execute": "getfd", "arguments": {"fdname": name}}).encode() + b"\n"
+        transport_sock = self._writer.get_extra_info("socket")
+        if transport_sock is None:
+            raise SandboxError("QMP connection has no socket to pass a file descriptor")
+        async with self._lock:
+            # a dup of the transport's socket: sendmsg with ancillary data is not exposed by
+            # asyncio streams; the message is small, so one non-blocking send takes it all
+            raw = socket.socket(fileno=os.dup(transport_sock.fileno()))
+            try:
+                deadline = time.monotonic() + timeout_s
+                while True:
+                    try:
+                        sent = socket.send_fds(raw, [msg], [fd])
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise SandboxTimeout("QMP getfd: socket not writable") from None
+                        await asyncio.sleep(0.001)
+                if sent != len(msg):
+                    raise SandboxError("QMP getfd: short write")
+            except OSError as e:
+                raise SandboxError(f"QMP getfd: {e}") from e
+            finally:
+                raw.close()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    while True:
+                        reply = await self._read_message()
+                        if "event" in reply:
+                            self.events.append(reply)
+                            del self.events[:-100]
+                            continue
+                        if "error" in reply:
+                            raise SandboxError(f"QMP getfd: {reply['error'].get('desc')}")
+                        return
+            except TimeoutError as e:
+                raise SandboxTimeout(f"QMP getfd did not answer in {timeout_s} s") from e
 
     async def wait_migration(self, timeout_s: float) -> dict[str, Any]:
         """Poll ``query-migrate`` until completed; raises on failure or timeout."""

@@ -47,6 +47,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -57,6 +58,8 @@ from typing import Any, cast
 
 from dsec.config import Paths, host_memory_mb
 from dsec.errors import (
+    CapabilityNotSupported,
+    Conflict,
     DsecError,
     InvalidRequest,
     SandboxError,
@@ -68,6 +71,7 @@ from dsec.guest.build import GuestArtifacts, ensure_guest_artifacts, host_tsc_kh
 from dsec.models import Capabilities, ExecRequest, ExecResult, Tier
 from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS, CgroupV1
 from dsec.runtimes.base import Handle, OutputSink, SandboxFiles, SandboxSpec
+from dsec.runtimes.microvm.ksm import ksmd_acquire, ksmd_release
 from dsec.runtimes.microvm.protocol import AgentClient, AgentOp, VMFiles
 from dsec.runtimes.microvm.qemu import (
     QemuProcess,
@@ -78,8 +82,13 @@ from dsec.runtimes.microvm.qemu import (
     qemu_processes,
     wait_exit,
 )
+from dsec.runtimes.microvm.stream import StreamFormatError, diff_against_template
 
-__all__ = ["MicroVMConfig", "MicroVMRuntime"]
+__all__ = ["SUSPEND_DIR", "MemorySnapshot", "MicroVMConfig", "MicroVMRuntime"]
+
+SUSPEND_DIR = "suspend"
+"""Sub-directory of a sandbox directory holding a suspended VM: ``state`` (RAM + devices),
+``meta.json``."""
 
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -117,6 +126,20 @@ class MicroVMConfig:
     pool_warm: bool = True
     extra_kernel_args: list[str] = field(default_factory=list)
     shm_dir: Path = Path("/dev/shm")  # template RAM goes to <shm_dir>/dsec-tpl-<tag>/
+    # KSM: guest RAM marked mergeable (memory backend merge=on) and the whole QEMU process
+    # (PR_SET_MEMORY_MERGE by the launcher). Merging happens only while ksmd runs.
+    ksm: bool = True
+    # turn ksmd on at start (/sys/kernel/mm/ksm/run=1, pages_to_scan below) and put the
+    # previous values back at close. Off: ksmd is node policy (node setup sets it).
+    ksmd: bool = False
+    ksm_pages_to_scan: int = 1000  # pages per ksmd wake-up (every sleep_millisecs, 20 ms)
+    # how RAM + device state go to and from files (suspend, memory fork): "fd" (QEMU writes
+    # the file itself, fd passed over QMP) or "exec" (a `cat` child through a pipe)
+    snapshot_transport: str = "fd"
+    # template clones: leave the pages still equal to the template out of suspend and fork
+    # files (restored over the template RAM file, share=off: those pages stay shared)
+    snapshot_diff: bool = True
+    suspend_timeout_s: float = 120.0  # writing or loading one memory state file
 
 
 @dataclass
@@ -127,6 +150,19 @@ class Template:
     dir: Path
     ram: Path
     state: Path
+
+
+@dataclass
+class MemorySnapshot:
+    """A running sandbox's RAM + device state (and, on the vm tier, a frozen copy of its
+    disk) in ``dir``, for :meth:`MicroVMRuntime.create_from_memory`."""
+
+    dir: Path
+    state: Path
+    state_bytes: int
+    parent_id: str
+    source: dict[str, Any]  # the parent's handle state: the machine's shape (layers, RAM, vCPUs)
+    ram_backing: Path | None = None  # the template RAM file the state is a difference from
 
 
 @dataclass
@@ -187,6 +223,8 @@ class MicroVMRuntime:
         # template key -> pre-started QEMUs waiting for migrate-incoming
         self._pool: dict[str, list[_Pooled]] = {}
         self._pool_tasks: set[asyncio.Task[None]] = set()
+        self._restore_locks: dict[str, asyncio.Lock] = {}
+        self._ksmd_held = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -202,6 +240,8 @@ class MicroVMRuntime:
             pause=True,
             snapshot=False,
             fork=False,
+            suspend=True,
+            memory_fork=True,
             network=False,
             tty=False,
             display=self.display,
@@ -225,6 +265,8 @@ class MicroVMRuntime:
             self._tsc_khz = await asyncio.to_thread(host_tsc_khz)
             await self._choose_accel()
             await self._kill_stale_helpers()
+            if self.config.ksmd and not self._ksmd_held:
+                self._ksmd_held = ksmd_acquire(self.config.ksm_pages_to_scan)
             self._unavailable = None
         except TierUnavailable as e:
             self._unavailable = e.message
@@ -251,6 +293,9 @@ class MicroVMRuntime:
         for vm in list(self._live.values()):
             await self._disconnect(vm)
         self._live.clear()
+        if self._ksmd_held:
+            ksmd_release()
+            self._ksmd_held = False
         # our cgroup parents, if no sandbox is left in them (EBUSY otherwise)
         for rel in (self.cgroup_prefix, self.cgroup_prefix.split("/")[0]):
             for c in CONTROLLERS:
@@ -302,7 +347,7 @@ class MicroVMRuntime:
                 "-append", "console=ttyS0 panic=-1 dsec.layers=0",
                 "-chardev", f"file,id=con,path={d}/console.log", "-serial", "chardev:con",
             ]  # fmt: skip
-            proc = QemuProcess.launch(self.artifacts.agent, [], argv, d)
+            proc = QemuProcess.launch(self.artifacts.agent, [], argv, d, ksm=False)
             exited = await wait_exit(proc.pid, self.config.kvm_probe_timeout_s)
             if not exited:
                 await kill_and_wait(proc.pid)
@@ -395,6 +440,7 @@ class MicroVMRuntime:
         mem = f"memory-backend-ram,id=mem,size={ram_mb}M"
         if ram is not None:
             mem = f"memory-backend-file,id=mem,size={ram_mb}M,mem-path={ram},share={'on' if share else 'off'}"
+        mem += f",merge={'on' if self.config.ksm else 'off'}"
         argv = [
             self.qemu, "-name", f"dsec:{self.qemu_tag}:{name}", *self._machine_args(),
             "-smp", str(vcpus), "-m", f"{ram_mb}M", "-object", mem,
@@ -481,7 +527,7 @@ class MicroVMRuntime:
             name, t.dir, spec.layer_paths, spec.memory_mb, vcpus, spec.disk_mb, t.ram, True, False,
             extra,
         )  # fmt: skip
-        proc = QemuProcess.launch(self.artifacts.agent, [], argv, t.dir)
+        proc = QemuProcess.launch(self.artifacts.agent, [], argv, t.dir, self.config.ksm)
         qmp: QMPClient | None = None
         agent: AgentClient | None = None
         ok = False
@@ -590,7 +636,7 @@ class MicroVMRuntime:
             name, d, spec.layer_paths, spec.memory_mb, vcpus, spec.disk_mb, tpl.ram, False, True,
             extra,
         )  # fmt: skip
-        proc = QemuProcess.launch(self.artifacts.agent, [], argv, d)
+        proc = QemuProcess.launch(self.artifacts.agent, [], argv, d, self.config.ksm)
         try:
             qmp = await QMPClient.connect(str(d / "q.sock"), pid=proc.pid)
             agent = await AgentClient.connect(str(d / "a.sock"))
@@ -667,6 +713,16 @@ class MicroVMRuntime:
     def _cgroup(self, sandbox_id: str) -> CgroupV1:
         return CgroupV1(f"{self.cgroup_prefix}/{sandbox_id}")
 
+    def _make_cgroup(self, sandbox_id: str, cpu: float, memory_mb: int) -> CgroupV1:
+        """The sandbox's host cgroup (created if missing): CPU quota ``cpu`` cores, memory =
+        guest RAM for ``memory_mb`` MiB + QEMU overhead, the QEMU pids limit."""
+        cg = self._cgroup(sandbox_id)
+        cg.create()
+        cg.set_cpu(cpu)
+        cg.set_memory((self.guest_ram_mb(memory_mb) + self.config.qemu_overhead_mb) << 20)
+        cg.set_pids(self.config.qemu_pids)
+        return cg
+
     def _check_spec(self, spec: SandboxSpec) -> None:
         if self._unavailable is not None:
             raise TierUnavailable(f"the {self.tier} tier is unavailable: {self._unavailable}")
@@ -695,7 +751,8 @@ class MicroVMRuntime:
         handle = Handle(id=spec.id, state={
             "dir": str(d), "pid": 0, "accel": self.accel, "vcpus": vcpus, "memory_mb": spec.memory_mb,
             "disk_mb": spec.disk_mb, "workdir": spec.workdir, "env": dict(spec.env), "user": spec.user,
-            "hostname": spec.hostname, "template": None,
+            "hostname": spec.hostname, "template": None, "cpu": spec.cpu, "pids": spec.pids,
+            "layer_paths": list(spec.layer_paths),
         })  # fmt: skip
         try:
             async with asyncio.timeout(
@@ -706,13 +763,7 @@ class MicroVMRuntime:
                 if self.config.templates:
                     tpl, template_built = await self._ensure_template(spec, vcpus)
                 t1 = time.perf_counter()
-                cg = self._cgroup(spec.id)
-                cg.create()
-                cg.set_cpu(spec.cpu)
-                cg.set_memory(
-                    (self.guest_ram_mb(spec.memory_mb) + self.config.qemu_overhead_mb) << 20
-                )
-                cg.set_pids(self.config.qemu_pids)
+                cg = self._make_cgroup(spec.id, spec.cpu, spec.memory_mb)
                 assert self.artifacts is not None
                 pooled = self._take_pooled(tpl.key) if tpl is not None else None
                 if pooled is not None:
@@ -731,7 +782,7 @@ class MicroVMRuntime:
                         tpl.ram if tpl else None, False, tpl is not None,
                         await self._sandbox_devices(d, spec, tpl),
                     )  # fmt: skip
-                    proc = QemuProcess.launch(self.artifacts.agent, procs, argv, d)
+                    proc = QemuProcess.launch(self.artifacts.agent, procs, argv, d, self.config.ksm)
                     qemu_name = spec.id
                 handle.state["pid"] = proc.pid
                 handle.state["qemu_name"] = qemu_name
@@ -825,6 +876,9 @@ class MicroVMRuntime:
     async def _vm(self, handle: Handle, resume: bool = True) -> _VM:
         """The live VM of ``handle`` (reconnecting after a restart), resumed if paused."""
         vm = self._live.get(handle.id)
+        if vm is None and self.is_suspended(handle):
+            await self._restore_suspended(handle)  # transparent: any call restores it
+            vm = self._live.get(handle.id)
         if vm is None:
             if not await self.recover(handle):
                 raise SandboxStopped(f"sandbox {handle.id} is not running")
@@ -850,7 +904,14 @@ class MicroVMRuntime:
         raise SandboxStopped(f"sandbox {vm.id}: {why}; QEMU was stopped\n{evidence}".strip())
 
     async def recover(self, handle: Handle) -> bool:
-        """Reattach to a running QEMU after an edge restart (QMP + agent sockets)."""
+        """Reattach to a running QEMU after an edge restart (QMP + agent sockets). A suspended
+        sandbox (state file on disk, no QEMU) counts as recovered: the next call restores it."""
+        saved = self._saved_state(handle.id)
+        for k in ("pid", "qemu_name"):  # the pid changes when a suspended sandbox is restored
+            if k in saved:
+                handle.state[k] = saved[k]
+        if self.is_suspended(handle):
+            return True
         pid = int(handle.state.get("pid") or 0)
         d = Path(handle.state.get("dir") or self.sandbox_root / handle.id)
         if not pid or not _is_our_qemu(
@@ -875,7 +936,9 @@ class MicroVMRuntime:
         vm = self._live.get(handle.id)
         if vm is None:
             return await self.recover(handle)
-        if vm.dead or not pid_alive(vm.pid):
+        if vm.dead:
+            return False
+        if not pid_alive(vm.pid):
             return False
         if vm.paused:
             return True
@@ -935,7 +998,10 @@ class MicroVMRuntime:
     # ------------------------------------------------------------------ pause
 
     async def pause(self, handle: Handle) -> dict[str, Any]:
-        """Stop the vCPUs (QMP ``stop``). Guest memory stays resident."""
+        """Stop the vCPUs (QMP ``stop``). Guest memory stays resident. (A suspended sandbox
+        stays suspended.)"""
+        if handle.id not in self._live and self.is_suspended(handle):
+            return {"mode": "suspended", "notes": ["already suspended to a file"]}
         vm = await self._vm(handle, resume=False)
         async with vm.lock:
             if not vm.paused:
@@ -945,10 +1011,11 @@ class MicroVMRuntime:
         return {"mode": "vcpus-stopped", "paused_at": time.time()}
 
     async def resume(self, handle: Handle) -> None:
-        """Continue the vCPUs and reset the guest clock (it lags by the paused time)."""
+        """Continue the vCPUs and reset the guest clock (it lags by the paused time); a
+        suspended sandbox is restored from its state file."""
         vm = self._live.get(handle.id)
         if vm is None:
-            vm = await self._vm(handle, resume=False)
+            vm = await self._vm(handle, resume=False)  # restores a suspended one
         async with vm.lock:
             if not vm.paused:
                 return
@@ -956,6 +1023,355 @@ class MicroVMRuntime:
             await vm.qmp.execute("cont")
             vm.paused = False
             await vm.agent.setup(handle.state.get("hostname") or "sandbox", 0)
+
+    # ------------------------------------------------------------------ suspend, memory fork
+
+    def _sandbox_dir(self, handle: Handle) -> Path:
+        return Path(handle.state.get("dir") or self.sandbox_root / handle.id)
+
+    def is_suspended(self, handle: Handle) -> bool:
+        """True if the sandbox's RAM and device state are in a file and no QEMU runs for it."""
+        return (self._sandbox_dir(handle) / SUSPEND_DIR / "meta.json").exists()
+
+    def _check_restorable(self, state: dict[str, Any]) -> None:
+        if not state.get("layer_paths") or not state.get("vcpus"):
+            raise CapabilityNotSupported(
+                "this sandbox was created before memory snapshots existed (its handle lacks "
+                "the machine description); recreate it to suspend or memory-fork it",
+                tier=self.tier,
+            )
+
+    def _save_handle(self, handle: Handle) -> None:
+        d = self._sandbox_dir(handle)
+        tmp = d / "handle.json.tmp"
+        tmp.write_text(json.dumps({"id": handle.id, **handle.state}))
+        os.rename(tmp, d / "handle.json")
+
+    async def _write_state(self, qmp: QMPClient, dest: Path) -> int:
+        """Write the stopped VM's RAM and device state to ``dest`` (QMP ``migrate``, every
+        RAM page: zero pages as a flag). Returns the file size in bytes."""
+        tmp = dest.with_name(dest.name + ".tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        await qmp.execute("migrate-set-capabilities",
+                          capabilities=[{"capability": "x-ignore-shared", "state": False}])  # fmt: skip
+        # QEMU's default migration bandwidth cap (128 MiB/s) would throttle a local file
+        await qmp.execute("migrate-set-parameters", **{"max-bandwidth": 1 << 40})
+        timeout = self.config.suspend_timeout_s
+        if self.config.snapshot_transport == "fd":
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                await qmp.send_fd("dsec-state", fd)
+            finally:
+                os.close(fd)
+            await qmp.execute("migrate", uri="fd:dsec-state")
+            await qmp.wait_migration(timeout)
+            os.rename(tmp, dest)
+        elif self.config.snapshot_transport == "exec":
+            # the shell renames the file only once cat has written all of it: QEMU reports
+            # "completed" before its exec child has drained the pipe
+            q_tmp, q_dest = shlex.quote(str(tmp)), shlex.quote(str(dest))
+            await qmp.execute("migrate", uri=f"exec:cat > {q_tmp} && mv {q_tmp} {q_dest}")
+            await qmp.wait_migration(timeout)
+            deadline = time.monotonic() + timeout
+            while not await asyncio.to_thread(dest.exists):
+                if time.monotonic() > deadline:
+                    raise SandboxTimeout(f"memory state file {dest} not complete in {timeout} s")
+                await asyncio.sleep(0.005)
+        else:
+            raise InvalidRequest(
+                f"snapshot_transport must be fd or exec, not {self.config.snapshot_transport!r}"
+            )
+        return os.stat(dest).st_size
+
+    async def _diff_state(self, state: Path, st: dict[str, Any]) -> tuple[Path | None, int]:
+        """Shrink ``state`` of a template clone to the pages that differ from its template
+        (:mod:`dsec.runtimes.microvm.stream`). Returns (template RAM file the state now
+        depends on, or None if it was left whole; the file size in bytes)."""
+        key = st.get("template")
+        if not self.config.snapshot_diff or not key:
+            return None, os.stat(state).st_size
+        ram = self._template_paths(str(key)).ram
+        if not await asyncio.to_thread(ram.exists):
+            return None, os.stat(state).st_size
+        tmp = state.with_name(state.name + ".diff")
+        try:
+            await asyncio.to_thread(diff_against_template, state, tmp, ram)
+        except (StreamFormatError, OSError) as e:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            (state.parent / "diff-skipped.txt").write_text(str(e))
+            return None, os.stat(state).st_size
+        os.rename(tmp, state)
+        return ram, os.stat(state).st_size
+
+    async def _load_state(self, proc: QemuProcess, qmp: QMPClient, state: Path) -> None:
+        """Load ``state`` into a QEMU waiting in ``-incoming defer`` and wait until the guest
+        runs again (QEMU exits on a bad stream: SandboxError with its log)."""
+        await qmp.execute("migrate-set-capabilities",
+                          capabilities=[{"capability": "x-ignore-shared", "state": False}])  # fmt: skip
+        if self.config.snapshot_transport == "fd":
+            fd = os.open(state, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                await qmp.send_fd("dsec-state", fd)
+            finally:
+                os.close(fd)
+            await qmp.execute("migrate-incoming", uri="fd:dsec-state")
+        else:
+            await qmp.execute("migrate-incoming", uri=f"exec:cat {shlex.quote(str(state))}")
+        deadline = time.monotonic() + self.config.suspend_timeout_s
+        delay = 0.002
+        while True:
+            try:
+                status: dict[str, Any] = await qmp.execute("query-status", timeout_s=10.0) or {}
+            except SandboxError as e:
+                if not pid_alive(proc.pid):
+                    raise SandboxError(
+                        f"QEMU exited while loading {state.name}\n{proc.evidence()}"
+                    ) from e
+                raise
+            if status.get("running"):
+                return
+            if status.get("status") == "paused":
+                # the state was written from stopped vCPUs, so QEMU keeps them stopped
+                migration: dict[str, Any] = await qmp.execute("query-migrate") or {}
+                if migration.get("status") == "completed":
+                    await qmp.execute("cont")
+                    return
+            if status.get("status") in ("internal-error", "guest-panicked", "shutdown", "io-error"):
+                raise SandboxError(f"loading {state.name} left the VM {status.get('status')}\n"
+                                   f"{proc.evidence()}")  # fmt: skip
+            if time.monotonic() > deadline:
+                raise SandboxTimeout(
+                    f"loading {state.name} did not finish in {self.config.suspend_timeout_s} s"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    async def _start_from_state(
+        self, name: str, d: Path, st: dict[str, Any], state: Path, cg: CgroupV1,
+        ram_backing: Path | None = None,
+    ) -> tuple[QemuProcess, QMPClient, AgentClient]:  # fmt: skip
+        """A new QEMU (same machine as ``st`` describes, private RAM, in cgroup ``cg``) that
+        loads ``state`` and runs. Killed again on any failure."""
+        assert self.artifacts is not None
+        if ram_backing is not None and not await asyncio.to_thread(ram_backing.exists):
+            raise SandboxError(
+                f"the template RAM file {ram_backing} this memory state is a difference from "
+                "is gone (templates were removed); the state cannot be restored"
+            )
+        for sock in ("q.sock", "a.sock"):
+            with contextlib.suppress(FileNotFoundError):
+                (d / sock).unlink()
+        extra = await self._restore_devices(d, name)
+        procs = [cg.path(c) / "cgroup.procs" for c in CONTROLLERS]
+        argv = self._argv(
+            name, d, list(st["layer_paths"]), int(st["memory_mb"]), int(st["vcpus"]),
+            int(st["disk_mb"]), ram_backing, False, True, extra,
+        )  # fmt: skip
+        proc = QemuProcess.launch(self.artifacts.agent, procs, argv, d, self.config.ksm)
+        qmp: QMPClient | None = None
+        agent: AgentClient | None = None
+        try:
+            try:
+                qmp = await QMPClient.connect(str(d / "q.sock"), pid=proc.pid)
+            except SandboxError as e:
+                raise SandboxError(f"{e.message}\n{proc.evidence()}") from e
+            agent = await AgentClient.connect(str(d / "a.sock"))
+            await self._load_state(proc, qmp, state)
+            return proc, qmp, agent
+        except BaseException:
+            if agent is not None:
+                await agent.close()
+            if qmp is not None:
+                await qmp.close()
+            await kill_and_wait(proc.pid)
+            raise
+
+    async def _restore_devices(self, d: Path, name: str) -> list[str]:
+        """Extra QEMU arguments of a machine restored from a state file (the vm tier: its
+        existing disk and the display)."""
+        return []
+
+    async def _freeze_disk(self, handle: Handle, dest_dir: Path) -> None:
+        """Copy what the stopped VM keeps on a host disk into ``dest_dir`` (the vm tier's
+        writable disk; the microvm's writable layer is in guest RAM)."""
+
+    async def _adopt_disk(self, src_dir: Path, name: str) -> None:
+        """Give the machine ``name`` its own copy of the disk frozen in ``src_dir``."""
+
+    async def suspend(self, handle: Handle) -> dict[str, Any]:
+        """Write RAM + device state to ``<sandbox dir>/suspend/state`` and end QEMU (host
+        memory freed). The sandbox stays paused; resume or any exec/file call restores it.
+
+        Returns PauseReport fields: memory before (QEMU PSS) and after (0), bytes."""
+        if handle.id not in self._live and self.is_suspended(handle):
+            return {"method": "suspended", "notes": ["already suspended to a file"]}
+        self._check_restorable(handle.state)
+        t0 = time.perf_counter()
+        vm = await self._vm(handle, resume=False)
+        async with vm.lock:
+            assert vm.qmp is not None
+            if vm.agent is not None and vm.agent.in_flight:
+                raise Conflict(
+                    f"sandbox {handle.id} has {vm.agent.in_flight} requests in flight; "
+                    "suspend it once they are done (they would be lost with the VM process)"
+                )
+            before = self.memory_of(handle)
+            sdir = vm.dir / SUSPEND_DIR
+            shutil.rmtree(sdir, ignore_errors=True)
+            sdir.mkdir(mode=0o700)
+            was_paused = vm.paused
+            try:
+                if not was_paused:
+                    await vm.qmp.execute("stop")
+                full_size = await self._write_state(vm.qmp, sdir / "state")
+                ram_backing, size = await self._diff_state(sdir / "state", handle.state)
+            except BaseException:
+                shutil.rmtree(sdir, ignore_errors=True)
+                if not was_paused and vm.qmp is not None:
+                    with contextlib.suppress(DsecError):
+                        await vm.qmp.execute("cont")
+                raise
+            t_written = time.perf_counter()
+            (sdir / "meta.json").write_text(json.dumps({
+                "suspended_at": time.time(), "state_bytes": size, "pid": vm.pid,
+                "transport": self.config.snapshot_transport,
+                "ram_backing": str(ram_backing) if ram_backing else None,
+            }))  # fmt: skip
+            with contextlib.suppress(DsecError):
+                await vm.qmp.execute("quit", timeout_s=5.0)
+            await self._disconnect(vm)
+            if not await wait_exit(vm.pid, 10.0):
+                await kill_and_wait(vm.pid)
+            self._live.pop(handle.id, None)
+            handle.state["pid"] = 0
+            self._save_handle(handle)
+        t1 = time.perf_counter()
+        return {
+            "method": "suspended-to-file",
+            "memory_before_bytes": before["pss"],
+            "memory_after_bytes": 0,
+            "duration_ms": (t1 - t0) * 1000,
+            "state_bytes": size,
+            "full_state_bytes": full_size,
+            "write_ms": round((t_written - t0) * 1000, 1),
+            "transport": self.config.snapshot_transport,
+        }
+
+    async def _restore_suspended(self, handle: Handle) -> None:
+        """Start a new QEMU from the sandbox's suspend file (same directory, cgroup, name and
+        disk), reset the guest clock and reseed its RNG; then delete the file."""
+        lock = self._restore_locks.setdefault(handle.id, asyncio.Lock())
+        async with lock:
+            if handle.id in self._live or not self.is_suspended(handle):
+                return
+            t0 = time.perf_counter()
+            saved = self._saved_state(handle.id)
+            st = {**handle.state, **{k: v for k, v in saved.items() if k != "id"}}
+            self._check_restorable(st)
+            d = self._sandbox_dir(handle)
+            name = st.get("qemu_name") or handle.id
+            cg = self._make_cgroup(handle.id, float(st.get("cpu") or 1.0), int(st["memory_mb"]))
+            meta = json.loads(await asyncio.to_thread((d / SUSPEND_DIR / "meta.json").read_text))
+            backing = Path(meta["ram_backing"]) if meta.get("ram_backing") else None
+            proc, qmp, agent = await self._start_from_state(
+                name, d, st, d / SUSPEND_DIR / "state", cg, backing
+            )
+            try:
+                await self._until_ready(proc, agent, self.config.restore_timeout_s, "resume",
+                                        agent.setup(st.get("hostname") or "sandbox", 0))  # fmt: skip
+            except BaseException:
+                await agent.close()
+                await qmp.close()
+                await kill_and_wait(proc.pid)
+                raise
+            handle.state.update({k: v for k, v in st.items() if k != "id"})
+            handle.state["pid"] = proc.pid
+            handle.state["last_restore_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+            self._save_handle(handle)
+            self._live[handle.id] = _VM(id=handle.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent)
+            shutil.rmtree(d / SUSPEND_DIR, ignore_errors=True)
+
+    async def memory_snapshot(self, handle: Handle) -> MemorySnapshot:
+        """Capture the running sandbox's RAM + device state (and the vm tier's disk) for
+        memory forks. The vCPUs stop for the time of the write, then continue."""
+        self._check_restorable(handle.state)
+        vm = await self._vm(handle)
+        snap_dir = self.root / "forks" / f"{handle.id}-{os.urandom(4).hex()}"
+        snap_dir.mkdir(mode=0o700, parents=True)
+        async with vm.lock:
+            assert vm.qmp is not None and vm.agent is not None
+            was_paused = vm.paused
+            try:
+                if not was_paused:
+                    await vm.qmp.execute("stop")
+                await self._write_state(vm.qmp, snap_dir / "state")
+                await self._freeze_disk(handle, snap_dir)
+            except BaseException:
+                shutil.rmtree(snap_dir, ignore_errors=True)
+                raise
+            finally:
+                if not was_paused and vm.qmp is not None:
+                    with contextlib.suppress(DsecError):
+                        await vm.qmp.execute("cont")
+            if not was_paused:
+                with contextlib.suppress(DsecError):  # the clock lags by the stop
+                    await vm.agent.setup(handle.state.get("hostname") or "sandbox", 0)
+        # the vCPUs run again: shrinking the file does not hold up the parent
+        ram_backing, size = await self._diff_state(snap_dir / "state", handle.state)
+        return MemorySnapshot(
+            dir=snap_dir, state=snap_dir / "state", state_bytes=size, parent_id=handle.id,
+            source=dict(handle.state), ram_backing=ram_backing,
+        )  # fmt: skip
+
+    async def create_from_memory(self, snapshot: MemorySnapshot, spec: SandboxSpec) -> Handle:
+        """A new sandbox ``spec.id`` resuming ``snapshot``: the parent's processes and memory,
+        its own copy of the disk, its own clock, RNG seed, hostname and limits."""
+        self._check_spec(spec)
+        src = snapshot.source
+        if self.guest_ram_mb(spec.memory_mb) != self.guest_ram_mb(int(src["memory_mb"])):
+            raise InvalidRequest("a memory fork has the parent's memory size")
+        t0 = time.perf_counter()
+        d = self.sandbox_root / spec.id
+        if d.exists():
+            raise SandboxError(f"sandbox directory {d} already exists")
+        d.mkdir(mode=0o700, parents=True)
+        handle = Handle(id=spec.id, state={
+            "dir": str(d), "pid": 0, "accel": self.accel, "vcpus": int(src["vcpus"]),
+            "memory_mb": spec.memory_mb, "disk_mb": int(src["disk_mb"]), "workdir": spec.workdir,
+            "env": dict(spec.env), "user": spec.user, "hostname": spec.hostname,
+            "template": src.get("template"), "cpu": spec.cpu, "pids": spec.pids,
+            "layer_paths": list(src["layer_paths"]), "qemu_name": spec.id,
+            "forked_from": snapshot.parent_id,
+        })  # fmt: skip
+        try:
+            async with asyncio.timeout(
+                self.config.suspend_timeout_s + self.config.restore_timeout_s
+            ):
+                cg = self._make_cgroup(spec.id, spec.cpu, spec.memory_mb)
+                await self._adopt_disk(snapshot.dir, spec.id)
+                self._save_handle(handle)
+                proc, qmp, agent = await self._start_from_state(
+                    spec.id, d, handle.state, snapshot.state, cg, snapshot.ram_backing
+                )
+                handle.state["pid"] = proc.pid
+                self._save_handle(handle)
+                self._live[spec.id] = _VM(id=spec.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent)
+                await self._until_ready(proc, agent, self.config.restore_timeout_s, "fork",
+                                        agent.setup(spec.hostname, self._setup_disk_mb(spec),
+                                                    pids=spec.pids, memory_mb=spec.memory_mb))  # fmt: skip
+        except BaseException as e:
+            await self.destroy(handle)
+            if isinstance(e, TimeoutError) and not isinstance(e, DsecError):
+                raise SandboxTimeout("memory fork did not finish in time") from e
+            raise
+        self.last_create = {"total_s": time.perf_counter() - t0, "forked": 1.0}
+        return handle
+
+    async def drop_memory_snapshot(self, snapshot: MemorySnapshot) -> None:
+        """Delete a capture made by :meth:`memory_snapshot` (children keep their own copies)."""
+        await asyncio.to_thread(shutil.rmtree, snapshot.dir, True)
 
     # ------------------------------------------------------------------ orphans
 

@@ -147,11 +147,33 @@ class VMRuntime(MicroVMRuntime):
                 str(overlay),
             ],
         )
+        return self._device_args(overlay)
+
+    def _device_args(self, disk: Path) -> list[str]:
+        """The writable disk ``disk``, the VGA display and the USB tablet."""
         return [
-            "-drive", f"file={overlay},if=none,id=upper,format=qcow2,cache=unsafe",
+            "-drive", f"file={disk},if=none,id=upper,format=qcow2,cache=unsafe",
             "-device", "virtio-blk-pci,drive=upper,serial=upper",
             "-device", "VGA", "-device", "qemu-xhci", "-device", "usb-tablet",
         ]  # fmt: skip
+
+    async def _restore_devices(self, d: Path, name: str) -> list[str]:
+        """The machine's existing disk (suspend) or its fork copy, and the display."""
+        disk = self.root / "disks" / f"{name}.qcow2"
+        if not await asyncio.to_thread(disk.exists):
+            raise SandboxError(f"the writable disk {disk} of {name} is gone")
+        return self._device_args(disk)
+
+    async def _freeze_disk(self, handle: Handle, dest_dir: Path) -> None:
+        """Copy the stopped VM's qcow2 overlay (its writes since the template; the backing
+        chain is shared read-only) to ``dest_dir/disk.qcow2``. QEMU flushed and released the
+        image when the state migration completed."""
+        await asyncio.to_thread(shutil.copyfile, self.disk_of(handle), dest_dir / "disk.qcow2")
+
+    async def _adopt_disk(self, src_dir: Path, name: str) -> None:
+        disks = self.root / "disks"
+        disks.mkdir(mode=0o700, exist_ok=True)
+        await asyncio.to_thread(shutil.copyfile, src_dir / "disk.qcow2", disks / f"{name}.qcow2")
 
     def _disk_path(self, d: Path) -> Path:
         """The writable disk of the machine whose directory is ``d``.

@@ -1,0 +1,444 @@
+"""Cluster state in PostgreSQL: nodes, the sandbox registry, jobs, API keys, migrations.
+
+Embedded mode keeps this in SQLite on the one node; in cluster mode every apiserver
+replica reads and writes the same PostgreSQL database, so replicas stay stateless. The
+edges stay the authority on what runs on their node: the registry here is what the
+apiserver replicas learned (creations, kills, migrations, node reports), used to list
+sandboxes of lost nodes, to answer job queries, and to report lost sandboxes.
+
+Tables (created on first connect, idempotent)::
+
+    dsec_nodes       name, ray_node_id, state ('alive' | 'lost'), last_seen (unix s), info
+    dsec_sandboxes   id, node, owner, tier, state, job, labels, info (last SandboxInfo JSON),
+                     stopped_reason, created_at, updated_at (unix s)
+    dsec_jobs        owner, job, created_at
+    dsec_api_keys    sha256, owner, name, created_at
+    dsec_migrations  id, owner, from_id, to_id, from_node, to_node, method, state,
+                     started_at, finished_at, error
+
+One connection per :class:`ClusterState`, guarded by a lock (calls are short; the async
+callers run them in a thread with :func:`asyncio.to_thread`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dsec.errors import ServiceUnavailable
+from dsec.models import SandboxInfo
+
+__all__ = ["ClusterState", "PgKeyStore", "connect_database"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS dsec_nodes (
+    name TEXT PRIMARY KEY,
+    ray_node_id TEXT NOT NULL DEFAULT '',
+    state TEXT NOT NULL,
+    last_seen DOUBLE PRECISION NOT NULL,
+    info JSONB NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS dsec_sandboxes (
+    id TEXT PRIMARY KEY,
+    node TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    tier TEXT NOT NULL,
+    state TEXT NOT NULL,
+    job TEXT,
+    labels JSONB NOT NULL DEFAULT '{}',
+    info JSONB NOT NULL,
+    stopped_reason TEXT,
+    created_at DOUBLE PRECISION NOT NULL,
+    updated_at DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS dsec_sandboxes_owner ON dsec_sandboxes (owner, state);
+CREATE INDEX IF NOT EXISTS dsec_sandboxes_node ON dsec_sandboxes (node, state);
+CREATE INDEX IF NOT EXISTS dsec_sandboxes_job ON dsec_sandboxes (owner, job);
+CREATE TABLE IF NOT EXISTS dsec_jobs (
+    owner TEXT NOT NULL,
+    job TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (owner, job)
+);
+CREATE TABLE IF NOT EXISTS dsec_api_keys (
+    sha256 TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    name TEXT NOT NULL DEFAULT '',
+    created_at DOUBLE PRECISION NOT NULL
+);
+CREATE TABLE IF NOT EXISTS dsec_migrations (
+    id BIGSERIAL PRIMARY KEY,
+    owner TEXT NOT NULL,
+    from_id TEXT NOT NULL,
+    to_id TEXT,
+    from_node TEXT NOT NULL,
+    to_node TEXT,
+    method TEXT NOT NULL,
+    state TEXT NOT NULL,
+    started_at DOUBLE PRECISION NOT NULL,
+    finished_at DOUBLE PRECISION,
+    error TEXT
+);
+"""
+
+_LIVE_STATES = ("creating", "running", "paused")
+
+
+def connect_database(dsn: str, *, timeout_s: float = 10.0) -> Any:
+    """Open a PostgreSQL connection (autocommit) or raise ``ServiceUnavailable`` within
+    about ``timeout_s`` seconds with the reason (bad DSN, refused, auth)."""
+    try:
+        import psycopg
+    except ImportError as e:  # pragma: no cover - the cluster extra installs it
+        raise ServiceUnavailable(
+            "cluster mode needs psycopg: pip install 'dsec[cluster]'", missing="psycopg"
+        ) from e
+    try:
+        return psycopg.connect(dsn, autocommit=True, connect_timeout=max(1, int(timeout_s)))
+    except psycopg.Error as e:
+        raise ServiceUnavailable(
+            f"cannot connect to the cluster database: {str(e).strip()}", database=_redact(dsn)
+        ) from None
+
+
+def _redact(dsn: str) -> str:
+    """The DSN without its password (for error messages and logs)."""
+    import re
+
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", re.sub(r"password=\S+", "password=***", dsn))
+
+
+class ClusterState:
+    """The cluster registry in PostgreSQL. Thread-safe (one locked connection).
+
+    Args:
+        dsn: a libpq connection string or ``postgresql://`` URL.
+        connect_timeout_s: how long connecting may take, seconds.
+    """
+
+    def __init__(self, dsn: str, *, connect_timeout_s: float = 10.0) -> None:
+        self.dsn = dsn
+        self._connect_timeout_s = connect_timeout_s
+        self._lock = threading.Lock()
+        self._conn = connect_database(dsn, timeout_s=connect_timeout_s)
+        with self._cursor() as cur:
+            cur.execute("SELECT pg_advisory_lock(74210917)")  # replicas create the schema once
+            try:
+                cur.execute(_SCHEMA)
+            finally:
+                cur.execute("SELECT pg_advisory_unlock(74210917)")
+
+    def close(self) -> None:
+        with self._lock, contextlib.suppress(Exception):
+            self._conn.close()
+
+    @contextlib.contextmanager
+    def _cursor(self) -> Iterator[Any]:
+        import psycopg
+
+        with self._lock:
+            if self._conn.closed:  # reconnect once after a dropped connection
+                self._conn = connect_database(self.dsn, timeout_s=self._connect_timeout_s)
+            try:
+                with self._conn.cursor() as cur:
+                    yield cur
+            except psycopg.OperationalError as e:
+                with contextlib.suppress(Exception):
+                    self._conn.close()
+                raise ServiceUnavailable(f"cluster database error: {str(e).strip()}") from None
+
+    # --- nodes -------------------------------------------------------------------------
+    def upsert_node(self, name: str, ray_node_id: str, state: str, info: dict[str, Any]) -> None:
+        """Record a node's membership state (``alive`` or ``lost``) and its last report."""
+        with self._cursor() as cur:
+            cur.execute(
+                "INSERT INTO dsec_nodes (name, ray_node_id, state, last_seen, info) "
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (name) DO UPDATE SET "
+                "ray_node_id = EXCLUDED.ray_node_id, state = EXCLUDED.state, "
+                "last_seen = EXCLUDED.last_seen, info = EXCLUDED.info",
+                (name, ray_node_id, state, time.time(), json.dumps(info)),
+            )
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        """Every known node: name -> {ray_node_id, state, last_seen, info}."""
+        with self._cursor() as cur:
+            cur.execute("SELECT name, ray_node_id, state, last_seen, info FROM dsec_nodes")
+            return {
+                r[0]: {"ray_node_id": r[1], "state": r[2], "last_seen": r[3], "info": r[4]}
+                for r in cur.fetchall()
+            }
+
+    def mark_node_lost(self, name: str, reason: str) -> int:
+        """Mark a node lost and every live sandbox on it stopped with ``reason``.
+        Returns how many sandboxes were marked."""
+        now = time.time()
+        with self._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_nodes SET state = 'lost', last_seen = %s WHERE name = %s",
+                (now, name),
+            )
+            cur.execute(
+                "UPDATE dsec_sandboxes SET state = 'stopped', stopped_reason = %s, "
+                "updated_at = %s WHERE node = %s AND state = ANY(%s)",
+                (reason, now, name, list(_LIVE_STATES)),
+            )
+            return int(cur.rowcount or 0)
+
+    # --- sandboxes ---------------------------------------------------------------------
+    def record_sandbox(self, owner: str, info: SandboxInfo) -> None:
+        """Insert or update one sandbox as an edge last described it."""
+        now = time.time()
+        with self._cursor() as cur:
+            cur.execute(
+                "INSERT INTO dsec_sandboxes (id, node, owner, tier, state, job, labels, info, "
+                "stopped_reason, created_at, updated_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, info = EXCLUDED.info, "
+                "labels = EXCLUDED.labels, stopped_reason = EXCLUDED.stopped_reason, "
+                "updated_at = EXCLUDED.updated_at",
+                (
+                    info.id,
+                    info.node,
+                    owner,
+                    info.tier,
+                    info.state,
+                    info.job,
+                    json.dumps(info.labels),
+                    info.model_dump_json(),
+                    info.stopped_reason,
+                    info.created_at.timestamp(),
+                    now,
+                ),
+            )
+            if info.job:
+                cur.execute(
+                    "INSERT INTO dsec_jobs (owner, job, created_at) VALUES (%s, %s, %s) "
+                    "ON CONFLICT DO NOTHING",
+                    (owner, info.job, now),
+                )
+
+    def sync_node(self, node: str, live: dict[str, tuple[str, SandboxInfo]]) -> int:
+        """Reconcile the registry with a node's report: ``live`` maps sandbox id ->
+        (owner, info) of what runs there now. Registry rows of that node that are live here
+        but absent from the report are marked stopped. Returns rows changed."""
+        changed = 0
+        for owner, info in live.values():
+            self.record_sandbox(owner, info)
+        now = time.time()
+        with self._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_sandboxes SET state = 'stopped', "
+                "stopped_reason = COALESCE(stopped_reason, 'gone from its node'), updated_at = %s "
+                "WHERE node = %s AND state = ANY(%s) AND NOT (id = ANY(%s))",
+                (now, node, list(_LIVE_STATES), list(live)),
+            )
+            changed += int(cur.rowcount or 0)
+        return changed + len(live)
+
+    def mark_stopped(self, sandbox_id: str, reason: str) -> None:
+        with self._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_sandboxes SET state = 'stopped', stopped_reason = %s, updated_at = %s "
+                "WHERE id = %s",
+                (reason, time.time(), sandbox_id),
+            )
+
+    def sandbox(self, sandbox_id: str) -> tuple[str, SandboxInfo] | None:
+        """(owner, info) of a sandbox as last recorded, or None."""
+        with self._cursor() as cur:
+            cur.execute(
+                "SELECT owner, info, state, stopped_reason FROM dsec_sandboxes WHERE id = %s",
+                (sandbox_id,),
+            )
+            row = cur.fetchone()
+        return None if row is None else (row[0], _info(row[1], row[2], row[3]))
+
+    def sandboxes(
+        self,
+        owner: str,
+        *,
+        nodes: list[str] | None = None,
+        states: tuple[str, ...] | None = None,
+        job: str | None = None,
+    ) -> list[SandboxInfo]:
+        """Recorded sandboxes of ``owner``, optionally only on ``nodes``/in ``states``/of ``job``."""
+        sql = "SELECT info, state, stopped_reason FROM dsec_sandboxes WHERE owner = %s"
+        args: list[Any] = [owner]
+        if nodes is not None:
+            sql += " AND node = ANY(%s)"
+            args.append(nodes)
+        if states is not None:
+            sql += " AND state = ANY(%s)"
+            args.append(list(states))
+        if job is not None:
+            sql += " AND job = %s"
+            args.append(job)
+        with self._cursor() as cur:
+            cur.execute(sql + " ORDER BY created_at", args)
+            return [_info(r[0], r[1], r[2]) for r in cur.fetchall()]
+
+    def jobs(self, owner: str) -> list[str]:
+        with self._cursor() as cur:
+            cur.execute("SELECT job FROM dsec_jobs WHERE owner = %s ORDER BY job", (owner,))
+            return [r[0] for r in cur.fetchall()]
+
+    # --- migrations --------------------------------------------------------------------
+    def begin_migration(self, owner: str, from_id: str, from_node: str, method: str) -> int:
+        with self._cursor() as cur:
+            cur.execute(
+                "INSERT INTO dsec_migrations (owner, from_id, from_node, method, state, started_at)"
+                " VALUES (%s, %s, %s, %s, 'running', %s) RETURNING id",
+                (owner, from_id, from_node, method, time.time()),
+            )
+            row = cur.fetchone()
+            return int(row[0])
+
+    def end_migration(
+        self,
+        migration_id: int,
+        *,
+        to_id: str | None,
+        to_node: str | None,
+        error: str | None = None,
+    ) -> None:
+        with self._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_migrations SET to_id = %s, to_node = %s, state = %s, "
+                "finished_at = %s, error = %s WHERE id = %s",
+                (
+                    to_id,
+                    to_node,
+                    "failed" if error else "done",
+                    time.time(),
+                    error,
+                    migration_id,
+                ),
+            )
+
+    def migrations(self, owner: str) -> list[dict[str, Any]]:
+        with self._cursor() as cur:
+            cur.execute(
+                "SELECT from_id, to_id, from_node, to_node, method, state, error "
+                "FROM dsec_migrations WHERE owner = %s ORDER BY id",
+                (owner,),
+            )
+            keys = ("from_id", "to_id", "from_node", "to_node", "method", "state", "error")
+            return [dict(zip(keys, r, strict=True)) for r in cur.fetchall()]
+
+    # --- API keys ----------------------------------------------------------------------
+    def key_records(self) -> list[tuple[str, str]]:
+        """(sha256, owner) of every key."""
+        with self._cursor() as cur:
+            cur.execute("SELECT sha256, owner FROM dsec_api_keys")
+            return [(r[0], r[1]) for r in cur.fetchall()]
+
+    def add_key(self, sha256: str, owner: str, name: str) -> None:
+        with self._cursor() as cur:
+            cur.execute(
+                "INSERT INTO dsec_api_keys (sha256, owner, name, created_at) VALUES "
+                "(%s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                (sha256, owner, name, time.time()),
+            )
+
+    def remove_key(self, key_or_owner: str) -> bool:
+        import hashlib
+
+        digest = hashlib.sha256(key_or_owner.encode("utf-8", "surrogateescape")).hexdigest()
+        with self._cursor() as cur:
+            cur.execute(
+                "DELETE FROM dsec_api_keys WHERE owner = %s OR sha256 = %s", (key_or_owner, digest)
+            )
+            return bool(cur.rowcount)
+
+
+def _info(raw: Any, state: str, stopped_reason: str | None) -> SandboxInfo:
+    data = raw if isinstance(raw, dict) else json.loads(raw)
+    data["state"] = state
+    data["stopped_reason"] = stopped_reason
+    if state == "stopped":
+        data["expires_at"] = None
+    return SandboxInfo.model_validate(data)
+
+
+class PgKeyStore:
+    """API keys shared by every apiserver replica (PostgreSQL), with the local
+    :class:`~dsec.apiserver.auth.KeyStore` interface the apiserver and tests use.
+
+    ``verify`` answers from a cache refreshed at most every ``refresh_s`` seconds (a key
+    created or revoked by another replica takes effect within that time). On first start
+    against an empty table a key is generated and written to ``home/api_key`` (mode 0600),
+    like the embedded server does.
+    """
+
+    def __init__(self, state: ClusterState, home: Path, *, refresh_s: float = 2.0) -> None:
+        self.state = state
+        self.home = home
+        self.refresh_s = refresh_s
+        self._cache: list[tuple[str, str]] = []
+        self._loaded_at = 0.0
+        self._lock = threading.Lock()
+        self._bootstrap()
+
+    def _bootstrap(self) -> None:
+        from dsec.apiserver.auth import KeyStore
+
+        if self.state.key_records():
+            return
+        local = KeyStore(self.home)  # reuses (and imports) the local first key if there is one
+        key_file = self.home / "api_key"
+        key = key_file.read_text().strip() if key_file.exists() else local.create_key("cluster")
+        self._add(key, "cluster bootstrap")
+
+    def _add(self, key: str, name: str) -> None:
+        import hashlib
+
+        from dsec.apiserver.auth import owner_id
+
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+        self.state.add_key(digest, owner_id(key), name)
+        self._loaded_at = 0.0
+
+    def verify(self, key: str) -> str | None:
+        import hashlib
+
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+        found = self._find(digest, max_age_s=self.refresh_s)
+        if found is None:  # a key another replica just created: look again (at most 5/s)
+            found = self._find(digest, max_age_s=0.2)
+        return found
+
+    def _find(self, digest: str, *, max_age_s: float) -> str | None:
+        import hmac
+
+        now = time.monotonic()
+        with self._lock:
+            if now - self._loaded_at > max_age_s:
+                try:
+                    self._cache = self.state.key_records()
+                    self._loaded_at = now
+                except ServiceUnavailable:
+                    pass  # keep answering from the last good copy while the database is down
+            records = self._cache
+        found: str | None = None
+        for sha, owner in records:  # constant time over all records
+            if hmac.compare_digest(sha, digest):
+                found = owner
+        return found
+
+    def create_key(self, name: str = "") -> str:
+        """A new key, stored (hashed) in the database; returned once in plaintext."""
+        from dsec.apiserver.auth import generate_key
+
+        key = generate_key()
+        self._add(key, name)
+        return key
+
+    def revoke(self, key_or_owner: str) -> bool:
+        ok = self.state.remove_key(key_or_owner)
+        self._loaded_at = 0.0
+        return ok

@@ -1,0 +1,60 @@
+"""Hermetic checks of the cluster pieces that need no Ray, database or root: sandbox-id
+routing, the NodeLost wire shape, and migration refused on a single-node server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from dsec.apiserver.app import create_app
+from dsec.apiserver.auth import StaticKeys, owner_id
+from dsec.cluster import NodeLost, node_of_sandbox
+from dsec.errors import SandboxNotFound, error_from_wire
+from dsec.models import CreateSandboxRequest, MigrateRequest
+from dsec.testing import FakeEdge
+
+pytestmark = pytest.mark.cluster
+
+
+def test_node_of_sandbox() -> None:
+    assert node_of_sandbox("sb-w1-0123456789ab") == "w1"
+    for bad in ("sb-w1", "xx-w1-01", "sb--01", "sb-a-b-c"):
+        with pytest.raises(SandboxNotFound):
+            node_of_sandbox(bad)
+
+
+def test_node_lost_is_its_own_typed_error_and_a_sandbox_not_found() -> None:
+    err = NodeLost("gone", sandbox_id="sb-w1-00", node="w1")
+    wire = err.to_wire()
+    assert wire["error"]["code"] == "node_lost" and err.http_status == 404
+    back = error_from_wire(404, wire)
+    assert isinstance(back, NodeLost) and isinstance(back, SandboxNotFound)
+    assert back.details == {"sandbox_id": "sb-w1-00", "node": "w1"}
+
+
+def test_migrate_request_validates_node_names() -> None:
+    assert MigrateRequest(node=None).node is None
+    with pytest.raises(ValueError):
+        MigrateRequest(node="Bad Name")
+
+
+async def test_migrate_on_a_single_node_server_is_refused() -> None:
+    edge = FakeEdge()
+    app = create_app(edge, StaticKeys(["dsec_key"]))
+    owner = owner_id("dsec_key")
+    info = await edge.create_sandbox(CreateSandboxRequest(), owner)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        r = await c.post(
+            f"/v1/sandboxes/{info.id}/migrate",
+            json={"node": "w2"},
+            headers={"authorization": "Bearer dsec_key"},
+        )
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["code"] == "capability_not_supported"
+        r = await c.post(
+            "/v1/sandboxes/sb-nonode-000000000000/migrate",
+            json={},
+            headers={"authorization": "Bearer dsec_key"},
+        )
+        assert r.status_code == 404

@@ -1,0 +1,205 @@
+"""Root tests of lazily loaded layers: EROFS mounted from a file served by the node's FUSE
+server, data fetched in chunks from a blob store behind a loopback HTTP range server.
+
+Every test uses its own DSEC_HOME-like directory and asserts that nothing stays mounted
+under it and that the FUSE server process is gone after ``LayerStore.close()``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec.errors import BlobDigestMismatch
+from dsec.layers.blobstore import BlobHTTPServer, LocalDirStore
+from dsec.layers.erofs import mkfs_erofs
+from dsec.layers.mounts import LayerMounts, mountinfo_entries
+from dsec.layers.store import LayerStore
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (FUSE and EROFS mounts)"),
+    pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="needs /dev/fuse"),
+]
+
+KIB = 1024
+CHUNK = 256 * KIB
+
+
+def _mounts_under(home: Path) -> list[str]:
+    return [
+        f"{e.fstype} {e.mountpoint}"
+        for e in mountinfo_entries()
+        if str(e.mountpoint).startswith(f"{home}/") or e.source.startswith(f"{home}/")
+    ]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is as good as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path
+    leftovers = _mounts_under(tmp_path)
+    for e in sorted(mountinfo_entries(tmp_path), key=lambda e: -len(e.mountpoint.parts)):
+        os.system(f"umount -l {e.mountpoint} 2>/dev/null")
+    assert leftovers == []
+
+
+@pytest.fixture
+def remote(home: Path) -> Iterator[tuple[BlobHTTPServer, str, int, bytes]]:
+    """A 4 MiB-data EROFS layer published to a dir store served over loopback HTTP."""
+    src = home / "src"
+    (src / "dir").mkdir(parents=True)
+    big = os.urandom(4 << 20)
+    (src / "big").write_bytes(big)
+    (src / "dir" / "hello").write_text("hello from a lazy layer\n")
+    img = home / "layer.erofs"
+    mkfs_erofs(src, img, compress=None)
+    digest = "sha256:" + hashlib.sha256(img.read_bytes()).hexdigest()
+    blobs = LocalDirStore(home / "blobs")
+    blobs.put(img, digest)
+    with BlobHTTPServer(blobs.root) as srv:
+        yield srv, digest, img.stat().st_size, big
+
+
+def _store(home: Path) -> LayerStore:
+    return LayerStore(home / "layers", home / "images", lazy_chunk_size=CHUNK)
+
+
+def test_lazy_mount_fetches_only_touched_chunks_and_second_start_prefetches(
+    home: Path, remote: tuple[BlobHTTPServer, str, int, bytes]
+) -> None:
+    srv, digest, size, big = remote
+    store = _store(home)
+    mounts = LayerMounts(home / "mnt")
+    info = store.add_remote_layer(digest, size, srv.url, {"kind": "base", "name": "lazy"})
+    assert info.digest == digest and info.kind == "base" and info.name == "lazy"
+    assert not store.is_local(digest) and store.cached_fraction(digest) == 0.0
+    path = store.layer_path(digest)
+    assert path.name == f"{digest[7:]}.erofs" and path.stat().st_size == size
+    pid = store.lazy.stats()["pid"]
+    mp = mounts.acquire(digest, path)
+    assert (mp / "dir" / "hello").read_text() == "hello from a lazy layer\n"
+    with open(mp / "big", "rb") as f:
+        f.seek(2 << 20)
+        assert f.read(1000) == big[(2 << 20) : (2 << 20) + 1000]
+    stats = store.lazy_stats()
+    layer = stats["layers"][digest]
+    chunks = -(-size // CHUNK)
+    assert 0 < layer["bytes_fetched"] <= 6 * CHUNK < size  # metadata + the touched chunks
+    assert layer["cache_misses"] >= 1 and layer["cached_chunks"] < chunks
+    assert stats["node"]["bytes_fetched"] == layer["bytes_fetched"]
+    assert 0 < store.cached_fraction(digest) < 0.5
+    store.lazy.flush_records()
+    record = home / "layers" / "lazy" / "records" / f"{digest[7:]}.json"
+    assert record.is_file()
+    mounts.release(digest)
+    store.close()
+    assert not _pid_alive(pid)
+    assert _mounts_under(home) == []
+
+    # second start, cold chunk cache: the record is prefetched without any read
+    store = _store(home)
+    store.lazy.drop_cache()
+    store.layer_path(digest)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        layer = store.lazy_stats()["layers"].get(digest, {})
+        if layer.get("prefetched_chunks", 0) >= 2 and layer.get("cached_chunks", 0) >= 2:
+            break
+        time.sleep(0.05)
+    assert layer["prefetched_chunks"] >= 2 and layer["cache_misses"] == 0
+    mp = mounts.acquire(digest, store.layer_path(digest))
+    assert (mp / "dir" / "hello").read_text() == "hello from a lazy layer\n"
+    assert store.lazy_stats()["layers"][digest]["cache_hits"] >= 1
+    mounts.release(digest)
+    store.close()
+    assert _mounts_under(home) == []
+
+
+def test_full_fetch_makes_layer_local_and_refuses_corrupt_blob(
+    home: Path, remote: tuple[BlobHTTPServer, str, int, bytes]
+) -> None:
+    srv, digest, size, _ = remote
+    store = _store(home)
+    store.add_remote_layer(digest, size, srv.url)
+    blob = LocalDirStore(home / "blobs").blob_path(digest)
+    os.chmod(blob, 0o644)
+    original = blob.read_bytes()
+    with open(blob, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"corrupt!")
+    with pytest.raises(BlobDigestMismatch):
+        store.fetch_layer(digest)
+    assert not store.is_local(digest)
+    assert list((home / "layers" / "tmp").glob("*.erofs")) == []
+    blob.write_bytes(original)
+    store.fetch_layer(digest)
+    assert store.is_local(digest) and store.cached_fraction(digest) == 1.0
+    assert store.layer_path(digest).parent == home / "layers" / "blobs" / "sha256"
+    store.close()
+    reopened = _store(home)  # the remote row and local blob survive a restart
+    assert reopened.is_local(digest) and reopened.remote_source(digest) == srv.url
+    reopened.close()
+
+
+def test_dead_store_gives_eio_within_bounded_time(
+    home: Path, remote: tuple[BlobHTTPServer, str, int, bytes]
+) -> None:
+    srv, digest, size, _ = remote
+    store = _store(home)
+    store.add_remote_layer(digest, size, srv.url)
+    mounts = LayerMounts(home / "mnt")
+    mp = mounts.acquire(digest, store.layer_path(digest))
+    assert (mp / "dir" / "hello").exists()
+    srv.close()
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as ei, open(mp / "big", "rb") as f:
+        f.seek(3 << 20)
+        f.read(1000)
+    assert ei.value.errno == errno.EIO
+    assert time.monotonic() - t0 < 25
+    assert store.lazy_stats()["layers"][digest]["fetch_errors"] >= 1
+    mounts.release(digest)
+    store.close()
+
+
+def test_stale_fuse_mount_of_a_killed_server_is_cleaned(
+    home: Path, remote: tuple[BlobHTTPServer, str, int, bytes]
+) -> None:
+    srv, digest, size, _ = remote
+    store = _store(home)
+    store.add_remote_layer(digest, size, srv.url)
+    mounts = LayerMounts(home / "mnt")
+    mounts.acquire(digest, store.layer_path(digest))
+    pid = store.lazy.stats()["pid"]
+    os.kill(pid, 9)  # the server dies without unmounting
+    deadline = time.monotonic() + 5
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert any(e.fstype.startswith("fuse") for e in mountinfo_entries(home / "layers"))
+    restarted = LayerMounts(home / "mnt")
+    restarted.adopt_existing()  # the EROFS mount over the dead FUSE file is dropped
+    assert restarted.mounted() == {}
+    store.close()  # detaches the stale FUSE mount
+    assert _mounts_under(home) == []
+    store = _store(home)
+    mp = restarted.acquire(digest, store.layer_path(digest))  # a new server serves again
+    assert (mp / "dir" / "hello").read_text() == "hello from a lazy layer\n"
+    restarted.release(digest)
+    store.close()
