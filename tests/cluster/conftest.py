@@ -104,6 +104,11 @@ def ray_cluster() -> Iterator[RayTestCluster]:
     if os.geteuid() != 0:
         pytest.skip("needs root")
     ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
+    # Ray records the head's address in <user temp dir>/ray/ray_current_cluster whatever
+    # temp_dir the nodes use, and does not create that directory on a fresh machine
+    from ray._common.utils import get_ray_address_file
+
+    os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
     cluster = ray_cluster_utils.Cluster(
         initialize_head=True,
         connect=False,
