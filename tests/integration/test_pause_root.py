@@ -40,8 +40,9 @@ print("ready", flush=True)
 n = 0
 while True:                                  # a heartbeat that stops while frozen
     n += 1
-    with open(sys.argv[3], "w") as f:
-        f.write(str(n))
+    with open(sys.argv[3] + ".tmp", "w") as f:  # renamed: a freeze mid-write never
+        f.write(str(n))                          # leaves the beat file empty
+    os.replace(sys.argv[3] + ".tmp", sys.argv[3])
     time.sleep(0.002)
 """
 
@@ -70,6 +71,7 @@ def sandbox_cgroup(tmp_path: Path) -> Iterator[tuple[CgroupV1, Path]]:
         yield cg, beat
     finally:
         proc.kill()
+        cg.thaw()  # a test that failed while frozen: a frozen child only dies once thawed
         proc.wait()
         cg.remove()
         parent = CgroupV1(cg.rel.split("/")[0])

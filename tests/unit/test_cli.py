@@ -151,6 +151,11 @@ def test_pause_resume_and_ps(runner: CliRunner, edge: FakeEdge) -> None:
     resumed = runner.invoke(cli.app, ["resume", sid, "sb-fake-00000000"])
     assert resumed.exit_code == 1  # one of the two does not exist
     assert f"resumed {sid}: running" in resumed.stdout and "sandbox_not_found" in resumed.stderr
+    # the fake edge has no pause modes: a suspend is refused with a typed error
+    suspended = runner.invoke(cli.app, ["pause", sid, "--mode", "suspend"])
+    assert suspended.exit_code == 1 and "capability_not_supported" in suspended.stderr
+    bad = runner.invoke(cli.app, ["pause", sid, "--mode", "hibernate"])
+    assert bad.exit_code == 1 and "invalid_request" in bad.stderr
 
 
 def test_snapshot_and_fork(runner: CliRunner, edge: FakeEdge) -> None:

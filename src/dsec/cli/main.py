@@ -586,9 +586,16 @@ def _for_each_id(sandbox_ids: list[str], verb: str, act: Callable[[Any], Sandbox
 @handle_errors
 def pause(
     sandbox_ids: Annotated[list[str], typer.Argument(help="sandbox ids", show_default=False)],
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="auto (the tier's pause), freeze, or suspend (VM tiers: memory to a file, "
+            "the VM process exits)"
+        ),
+    ] = "auto",
 ) -> None:
     """Pause sandboxes: freeze them and reclaim memory (any request resumes them)."""
-    _for_each_id(sandbox_ids, "paused", lambda sb: sb.pause())
+    _for_each_id(sandbox_ids, "paused", lambda sb: sb.pause(mode=mode))
 
 
 @app.command()

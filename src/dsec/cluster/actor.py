@@ -69,6 +69,7 @@ _CALLABLE = frozenset(
         "upload_tar",
         "download_tar",
         "pause_sandbox",
+        "pause_sandbox_mode",
         "resume_sandbox",
         "snapshot_sandbox",
         "fork_sandbox",

@@ -880,6 +880,11 @@ class ClusterEdge:
         info: SandboxInfo = await self._on_sandbox(sandbox_id, "pause_sandbox", owner, *args, **kw)
         return info
 
+    async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
+        """``freeze`` or ``suspend`` on the sandbox's node (see ``PauseModes``)."""
+        info: SandboxInfo = await self._on_sandbox(sandbox_id, "pause_sandbox_mode", owner, mode)
+        return info
+
     async def resume_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
         info: SandboxInfo = await self._on_sandbox(sandbox_id, "resume_sandbox", owner)
         return info
