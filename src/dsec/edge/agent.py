@@ -503,7 +503,12 @@ class EdgeAgent:
             extra: list[LayerInfo] = self.layers.resolve_layers(req.layers) if req.layers else []
             digests = list(image.layers) + [x.digest for x in extra]
             check_stack([self.layers.get_layer(d) for d in digests])  # before any mount
-            layer_paths = [str(self.layers.layer_path(d)) for d in digests]
+            if all(self.layers.is_local(d) for d in digests):
+                layer_paths = [str(self.layers.layer_path(d)) for d in digests]
+            else:  # a lazy layer may start the node's FUSE server (~1 s): not on the loop
+                layer_paths = await asyncio.to_thread(
+                    lambda: [str(self.layers.layer_path(d)) for d in digests]
+                )
         except DsecError as e:
             self.metrics.creations.labels(tier, "rejected").inc()
             self.metrics.errors.labels(e.code).inc()
