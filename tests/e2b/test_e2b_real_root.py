@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from e2b.sandbox.commands.command_handle import PtySize
+from tests.conftest import _seed_layers
 
 from e2b import (
     CommandExitException,
@@ -46,18 +47,13 @@ class RealServer:
 
 
 @pytest.fixture(scope="module")
-def real() -> Iterator[RealServer]:
+def real(dsec_home_root: Path, shared_layers: Path) -> Iterator[RealServer]:
     if os.geteuid() != 0:
         pytest.skip("needs root")
     from dsec.server import BackgroundServer
 
-    base = Path(os.environ.get("DSEC_TEST_HOME", f"/tmp/dsec-test-{os.getpid()}"))
-    home = base / "e2b-real"
-    cache = Path(os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers"))
-    cache.mkdir(parents=True, exist_ok=True)
-    home.mkdir(parents=True, exist_ok=True)
-    if not (home / "layers").exists():
-        (home / "layers").symlink_to(cache, target_is_directory=True)
+    home = dsec_home_root / "e2b-real"
+    _seed_layers(home, shared_layers)
     with BackgroundServer(home, tiers=["container"]) as bg:
         assert bg.edge is not None
         if "container" not in bg.edge.runtimes:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.conftest import _seed_layers
 
 from e2b import CommandExitException, FileType, Sandbox, SandboxQuery
 
@@ -24,18 +25,13 @@ TIER_TEMPLATES = {"fncall": "fncall/debian", "microvm": "microvm/busybox", "vm":
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Any]:
+def server(dsec_home_root: Path, shared_layers: Path) -> Iterator[Any]:
     if os.geteuid() != 0:
         pytest.skip("needs root")
     from dsec.server import BackgroundServer
 
-    base = Path(os.environ.get("DSEC_TEST_HOME", f"/tmp/dsec-test-{os.getpid()}"))
-    home = base / "e2b-tiers"
-    cache = Path(os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers"))
-    cache.mkdir(parents=True, exist_ok=True)
-    home.mkdir(parents=True, exist_ok=True)
-    if not (home / "layers").exists():
-        (home / "layers").symlink_to(cache, target_is_directory=True)
+    home = dsec_home_root / "e2b-tiers"
+    _seed_layers(home, shared_layers)
     with BackgroundServer(home, tiers=list(TIER_TEMPLATES)) as bg:
         env = {
             "E2B_API_URL": f"{bg.url}/e2b",
