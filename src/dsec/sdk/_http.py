@@ -24,7 +24,20 @@ import dsec
 from dsec.config import DEFAULT_HOME, DEFAULT_URL
 from dsec.errors import DsecError, SandboxTimeout, ServiceUnavailable, error_from_wire
 
-__all__ = ["HttpClient", "not_delivered", "resolve_api_key", "resolve_url"]
+__all__ = [
+    "IDEMPOTENCY_HEADER",
+    "SEQ_HEADER",
+    "HttpClient",
+    "not_delivered",
+    "resolve_api_key",
+    "resolve_url",
+]
+
+SEQ_HEADER = "X-Dsec-Seq"
+"""Request header carrying a call's trajectory sequence number."""
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+"""Request header carrying a client-chosen idempotency key."""
 
 DEFAULT_TIMEOUT_S = 30.0
 """Default per-request timeout, seconds (exec and create extend it)."""
@@ -70,7 +83,7 @@ def _retry_safe(method: str, headers: Mapping[str, str] | None) -> bool:
     if method.upper() in _IDEMPOTENT_METHODS:
         return True
     names = {k.lower() for k in (headers or {})}
-    return "x-dsec-seq" in names or "idempotency-key" in names
+    return SEQ_HEADER.lower() in names or IDEMPOTENCY_HEADER.lower() in names
 
 
 def _error_body(response: httpx.Response) -> Any:

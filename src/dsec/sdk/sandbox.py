@@ -96,7 +96,7 @@ from dsec.models import (
     SnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
-from dsec.sdk._http import not_delivered
+from dsec.sdk._http import IDEMPOTENCY_HEADER, SEQ_HEADER, not_delivered
 from dsec.sdk.client import AsyncClient, _validated
 
 if TYPE_CHECKING:
@@ -119,12 +119,6 @@ CommandResult = ExecResult
 """The result of ``commands.run``: ``stdout``, ``stderr``, ``exit_code``, ``.ok``,
 ``.truncated``, and ``replayed`` (True when the edge answered from the trajectory log
 without running the command)."""
-
-SEQ_HEADER = "X-Dsec-Seq"
-"""Request header carrying a call's trajectory sequence number."""
-
-IDEMPOTENCY_HEADER = "Idempotency-Key"
-"""Request header carrying a client-chosen idempotency key."""
 
 REPLAYED_HEADER = "X-Dsec-Replayed"
 """Response header, ``1`` when the edge answered from the trajectory log."""
