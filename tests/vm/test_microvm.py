@@ -390,3 +390,36 @@ async def test_guest_limits_hold(microvm: MicroVMRuntime, make_vm: MakeVM) -> No
     assert r.stdout.strip() == "0", r.stdout
     r = await microvm.exec(h, ExecRequest(cmd="echo survived"))
     assert r.stdout == "survived\n" and not r.oom_killed
+
+
+async def test_command_spawn_semantics(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    """Commands start through clone3 (shared memory until execve, born in a reused leaf
+    cgroup): PATH comes from the command's env, a script without ``#!`` runs with the shell,
+    a leaf's earlier OOM kill is not reported again, and a leaf whose command left a
+    background process is not handed to the next command."""
+    h = await make_vm(memory_mb=64)
+    script = "mkdir -p /opt/b && printf 'echo from-script \"$@\"\\n' > /opt/b/noshebang"
+    await microvm.exec(h, ExecRequest(cmd=script + " && chmod 755 /opt/b/noshebang"))
+    r = await microvm.exec(
+        h, ExecRequest(cmd=["noshebang", "a1"], env={"PATH": "/opt/b:/bin:/usr/bin"})
+    )
+    assert r.exit_code == 0 and r.stdout == "from-script a1\n", r
+    r = await microvm.exec(h, ExecRequest(cmd=["noshebang"], env={"PATH": "/bin"}))
+    assert r.exit_code == 127 and "noshebang" in r.stderr, r
+    r = await microvm.exec(h, ExecRequest(cmd="awk 'BEGIN{s=\"x\"; while(1) s=s s}'", timeout_s=60))
+    assert r.oom_killed, r
+    for _ in range(3):  # whichever leaf comes next, no stale OOM report
+        r = await microvm.exec(h, ExecRequest(cmd=["true"]))
+        assert r.exit_code == 0 and not r.oom_killed, r
+    r = await microvm.exec(h, ExecRequest(cmd="setsid sleep 300 >/dev/null 2>&1 & echo started"))
+    assert r.stdout == "started\n"
+    bg_cgroup = (await microvm.exec(h, ExecRequest(cmd="cat /proc/$(pidof sleep)/cgroup"))).stdout
+    seen = set()
+    for _ in range(4):
+        r = await microvm.exec(h, ExecRequest(cmd="cat /proc/self/cgroup", timeout_s=5))
+        seen.add(r.stdout)
+    assert bg_cgroup.strip() and bg_cgroup not in seen, (bg_cgroup, seen)
+    r = await microvm.exec(h, ExecRequest(cmd="sleep 60", timeout_s=1))  # kills its own leaf only
+    assert r.timed_out
+    r = await microvm.exec(h, ExecRequest(cmd="pidof sleep"))
+    assert r.stdout.strip(), "the background sleep of another command was killed"
