@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -203,3 +204,55 @@ def test_stale_fuse_mount_of_a_killed_server_is_cleaned(
     assert (mp / "dir" / "hello").read_text() == "hello from a lazy layer\n"
     restarted.release(digest)
     store.close()
+
+
+def test_mount_warms_recorded_chunks_into_page_cache(
+    home: Path, remote: tuple[BlobHTTPServer, str, int, bytes]
+) -> None:
+    """A mount of a layer with a start record reads the recorded chunks into the page cache
+    of the FUSE file (counted as ``warmed_bytes``, not as reads), so the readers of the next
+    start find them in memory: their reads never reach the server."""
+    srv, digest, size, big = remote
+    store = _store(home)
+    mounts = LayerMounts(home / "mnt")
+    store.add_remote_layer(digest, size, srv.url, {"kind": "base", "name": "lazy"})
+    mp = mounts.acquire(digest, store.layer_path(digest))
+    with open(mp / "big", "rb") as f:  # the first start reads 1 MiB in the middle
+        f.seek(2 << 20)
+        assert f.read(1 << 20) == big[2 << 20 : 3 << 20]
+    store.lazy.flush_records()
+    mounts.release(digest)
+    first = store.lazy_stats()["layers"][digest]
+    assert first["warmed_bytes"] == 0  # no record yet at the first mount
+    fuse_file = store.layer_path(digest)
+    # forget the FUSE file's pages (what a page cache drop or memory pressure does)
+    fd = os.open(fuse_file, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+    record = json.loads((home / "layers" / "lazy" / "records" / f"{digest[7:]}.json").read_text())
+    expected = sum(min(CHUNK, size - i * CHUNK) for i in record["chunks"])
+    assert expected >= 1 << 20, record  # the 1 MiB read and the metadata
+    mp = mounts.acquire(digest, fuse_file)  # second start: EROFS opens the file
+    deadline = time.monotonic() + 10
+    layer = store.lazy_stats()["layers"][digest]
+    while time.monotonic() < deadline and layer["warmed_bytes"] < expected:
+        time.sleep(0.05)
+        layer = store.lazy_stats()["layers"][digest]
+    # every recorded byte was warmed, except what was already cached: the mount's own read
+    # of the superblock with the kernel's readahead around it (<= 1 window, 128 KiB)
+    assert expected - (160 << 10) <= layer["warmed_bytes"] <= expected, (
+        layer["warmed_bytes"],
+        expected,
+    )
+    time.sleep(0.3)  # the warm-up's last requests
+    reads_before = store.lazy_stats()["layers"][digest]["reads"]
+    with open(mp / "big", "rb") as f:
+        f.seek(2 << 20)
+        assert f.read(1 << 20) == big[2 << 20 : 3 << 20]
+    after = store.lazy_stats()["layers"][digest]
+    assert after["reads"] == reads_before, (reads_before, after)
+    assert after["cache_misses"] == first["cache_misses"]
+    mounts.release(digest)
+    store.close()
+    assert _mounts_under(home) == []

@@ -374,6 +374,7 @@ class LayerStats:
     cache_write_errors: int = 0
     prefetched_chunks: int = 0
     reads: int = 0
+    warmed_bytes: int = 0  # read into the kernel's page cache by mount warm-ups
     last_error: str | None = None
     fetch_latencies: list[float] = field(default_factory=list, repr=False)
 
@@ -521,12 +522,16 @@ class LazyLayer:
                 f"layer {self.digest} chunk {index}: no data after {self.read_timeout} s"
             ) from None
 
-    def read(self, offset: int, length: int) -> bytes:
+    def read(self, offset: int, length: int, *, warm: bool = False) -> bytes:
         """Bytes ``[offset, offset + length)`` clipped to the layer. Misses of several chunks
-        are fetched in parallel."""
+        are fetched in parallel. ``warm``: a mount warm-up's read, counted as
+        ``warmed_bytes`` and not as a reader's (no hit/miss, not recorded as touched)."""
         span = chunk_span(offset, length, self.chunk_size, self.size)
         with self._lock:
-            self.stats.reads += 1
+            if warm:
+                self.stats.warmed_bytes += max(0, min(length, self.size - offset))
+            else:
+                self.stats.reads += 1
         if not span:
             return b""
         ahead = range(0)
@@ -542,7 +547,9 @@ class LazyLayer:
         for i in span:
             lo = max(offset, i * self.chunk_size)
             hi = min(end, (i + 1) * self.chunk_size)
-            parts.append(self.chunk(i, start=lo - i * self.chunk_size, length=hi - lo))
+            parts.append(
+                self.chunk(i, prefetch=warm, start=lo - i * self.chunk_size, length=hi - lo)
+            )
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
@@ -577,6 +584,12 @@ class _LazyFS:
             max_workers=_PREFETCH_WORKERS, thread_name_prefix="dsec-lazy-prefetch"
         )
         self.started = time.time_ns()
+        # warm on mount: see _warm_on_open; DSEC_LAZY_WARM_ON_MOUNT=0 turns it off
+        self.warm_on_mount = os.environ.get("DSEC_LAZY_WARM_ON_MOUNT", "1") != "0"
+        self._warming: set[str] = set()
+        # prefetch threads that have issued warm-ups: the FUSE requests a warm-up causes
+        # carry the thread id, possibly after the warm-up returned (readahead is asynchronous)
+        self._warm_tids: set[int] = set()
         (state / "records").mkdir(exist_ok=True)
 
     # layer table -------------------------------------------------------------------------
@@ -641,6 +654,73 @@ class _LazyFS:
         except (DsecError, OSError) as e:
             log.debug("layer %s: prefetch of chunk %d failed: %s", lay.digest, index, e)
 
+    def _recorded_chunks(self, lay: LazyLayer) -> list[int]:
+        """The chunks a start of ``lay`` reads, from its start record (none before the first
+        start has been recorded)."""
+        try:
+            rec = json.loads(self._record_path(lay.hex).read_text())
+            if rec["chunk_size"] == lay.chunk_size:
+                return sorted(int(i) for i in rec["chunks"])
+        except (FileNotFoundError, ValueError, KeyError):
+            pass
+        return []
+
+    def _warm_on_open(self, lay: LazyLayer) -> None:
+        """EROFS opens a layer's file once per mount: each mount is a start. Bring the chunks
+        the layer's starts read into the kernel's page cache of the FUSE file, ahead of the
+        readers and in large requests, so that the readers' EROFS reads are served from
+        memory instead of each going through this process (on a warm node this is what stands
+        between a lazy layer and a local one). The same prefetch fetches recorded chunks that
+        are not cached yet. One warm-up per layer at a time; pages already cached cost
+        nothing."""
+        if not self.warm_on_mount:
+            return
+        with self._lock:
+            if lay.hex in self._warming:
+                return
+            self._warming.add(lay.hex)
+        self._prefetch_pool.submit(self._warm, lay)
+
+    def _readahead_bytes(self) -> int:
+        """The kernel's readahead window of the FUSE mount (its bdi's ``read_ahead_kb``)."""
+        try:
+            dev = os.stat(self.state / "mnt").st_dev
+            knob = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+            with open(knob) as f:
+                return max(4, int(f.read())) << 10
+        except (OSError, ValueError):
+            return 128 << 10
+
+    def _warm(self, lay: LazyLayer) -> None:
+        try:
+            chunks = self._recorded_chunks(lay)
+            if not chunks:
+                return
+            # opening our own file comes back to open() and finds the warm-up running
+            with self._lock:
+                self._warm_tids.add(threading.get_native_id())
+            fd = os.open(self.state / "mnt" / f"{lay.hex}.erofs", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                # WILLNEED starts asynchronous readahead (FUSE READs served by the other
+                # threads) but the kernel caps one call at this file's readahead window:
+                # step by it. SEQUENTIAL doubles the window of this fd only (half the FUSE
+                # requests; the readers' window is unchanged).
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                step = 2 * self._readahead_bytes()
+                for i in chunks:
+                    start = i * lay.chunk_size
+                    end = min(start + lay.chunk_size, lay.size)
+                    for off in range(start, end, step):
+                        os.posix_fadvise(fd, off, min(step, end - off), os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+            log.info("layer %s: warming %d recorded chunks", lay.digest, len(chunks))
+        except OSError as e:
+            log.warning("layer %s: warm-up failed: %s", lay.digest, e)
+        finally:
+            with self._lock:
+                self._warming.discard(lay.hex)
+
     def flush_records(self, *, final: bool = False) -> None:
         """Write the start record of each layer still recording; stop those past their
         window (or all if ``final``)."""
@@ -686,6 +766,7 @@ class _LazyFS:
             "cache_write_errors",
             "prefetched_chunks",
             "reads",
+            "warmed_bytes",
         )
         node: dict[str, Any] = {k: sum(d[k] for d in per.values()) for k in keys}
         node["fetch_seconds_max"] = max((d["fetch_seconds_max"] for d in per.values()), default=0)
@@ -734,8 +815,10 @@ class _LazyFS:
         if flags & (os.O_WRONLY | os.O_RDWR):
             raise OSError(errno.EROFS, path)
         hex_ = self._path_hex(path)
-        if hex_ is None or self.layer(hex_) is None:
+        lay = self.layer(hex_) if hex_ else None
+        if lay is None:
             raise OSError(errno.ENOENT, path)
+        self._warm_on_open(lay)
         return 0
 
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
@@ -744,10 +827,19 @@ class _LazyFS:
         if lay is None:
             raise OSError(errno.ENOENT, path)
         try:
-            return lay.read(offset, size)
+            return lay.read(offset, size, warm=self._from_warm_up())
         except (DsecError, OSError) as e:  # TimeoutError is an OSError
             log.error("read %s at %d+%d: %s", lay.digest, offset, size, e)
             raise OSError(errno.EIO, str(e)) from e
+
+    def _from_warm_up(self) -> bool:
+        """Whether the FUSE request being served comes from a warm-up of this server (the
+        kernel puts the thread id of the task that caused it in the request)."""
+        if not self._warm_tids:
+            return False
+        import mfusepy
+
+        return mfusepy.fuse_get_context()[2] in self._warm_tids
 
     def statfs(self, path: str) -> dict[str, int]:
         return {"f_bsize": 4096, "f_frsize": 4096, "f_namemax": 255}
@@ -1104,6 +1196,7 @@ _METRIC_FIELDS = (
     ("fetch_seconds_total", "dsec_lazy_fetch_seconds", "Seconds spent fetching chunks"),
     ("fetch_errors", "dsec_lazy_fetch_errors", "Chunk fetches that failed or timed out"),
     ("prefetched_chunks", "dsec_lazy_prefetched_chunks", "Chunks fetched ahead of reads"),
+    ("warmed_bytes", "dsec_lazy_warmed_bytes", "Bytes read into page cache by mount warm-ups"),
 )
 
 
