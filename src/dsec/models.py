@@ -512,8 +512,8 @@ class MigrateResult(_Model):
     """Where a sandbox went. ``sandbox`` is the new sandbox (a new id on ``to_node``); the
     old one was killed only after the new one was up. ``method``: ``pack_diff`` (the
     writable layer moved as a layer; processes are not carried, ``processes_carried`` is
-    false) or ``memory_snapshot`` (VM memory and devices carried). ``duration_ms``:
-    wall-clock time of the whole move, milliseconds."""
+    false) or ``memory_snapshot`` (VM memory and devices carried, ``state_bytes`` moved).
+    ``duration_ms``: wall-clock time of the whole move, milliseconds."""
 
     sandbox: SandboxInfo
     from_id: str
@@ -522,6 +522,11 @@ class MigrateResult(_Model):
     method: Literal["pack_diff", "memory_snapshot"]
     processes_carried: bool
     layer_bytes: int = Field(0, description="bytes of layer files moved between nodes")
+    state_bytes: int = Field(
+        0,
+        description="bytes of VM memory state (and the vm tier's disk) moved between nodes "
+        "(memory_snapshot)",
+    )
     duration_ms: float
 
 

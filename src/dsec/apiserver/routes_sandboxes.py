@@ -461,9 +461,11 @@ async def fork_sandbox(
     response_model=MigrateResult,
     summary="Move a sandbox to another node of the cluster",
     description="Cluster mode only (422 ``capability_not_supported`` on a single-node "
-    "server). The writable layer moves as a ``pack_diff`` layer and the same spec is "
-    "recreated on the target under a new id; the source is killed only once the target "
-    "runs. Processes are not carried (``processes_carried: false``). Unknown or lost "
+    "server). VM tiers (microvm, vm) move their RAM and device state "
+    "(``method: memory_snapshot``, ``processes_carried: true``); other tiers move their "
+    "writable layer as a ``pack_diff`` layer and the same spec is recreated "
+    "(``processes_carried: false``). The new sandbox has a new id on the target; the "
+    "source is killed only once the target runs. Unknown or lost "
     "target: 404 ``not_found``; full target: 429 ``quota_exceeded``; nothing half-created.",
 )
 async def migrate_sandbox(

@@ -1,8 +1,8 @@
 """The edge actor: one :class:`~dsec.edge.agent.EdgeAgent` per Ray node, as a Ray actor.
 
 :func:`ensure_edge_actor` starts it pinned to its node (``NodeAffinitySchedulingStrategy``,
-``soft=False``), detached and named ``dsec-edge-<node>-<ray node id>`` in the ``dsec`` namespace, with
-``max_restarts=-1``: Ray restarts it on the same node when its process dies, and the new
+``soft=False``), detached and named ``dsec-edge-<node>-<ray node id>-<node root hash>`` in the
+``dsec`` namespace, with ``max_restarts=-1``: Ray restarts it on the same node when its process dies, and the new
 incarnation's ``EdgeAgent.start()`` reconciles with what still runs there (the data dir
 is the same). A second apiserver replica finds the same actor by name (``get_if_exists``).
 
@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import re
+import secrets
+import shutil
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
@@ -126,10 +129,13 @@ def node_name_of(ray_node: dict[str, Any]) -> str:
     return name or "n" + str(ray_node["NodeID"])[:11]
 
 
-def actor_name(node: str, ray_node_id: str) -> str:
-    """``dsec-edge-<node>-<first 12 hex of the Ray node id>``: every replica finds the same
-    actor for a node; a node that rejoins (a new Ray node id) gets a fresh one."""
-    return f"{ACTOR_PREFIX}{node}-{ray_node_id[:12]}"
+def actor_name(node: str, ray_node_id: str, node_root: str) -> str:
+    """``dsec-edge-<node>-<first 12 hex of the Ray node id>-<6 hex of node_root's hash>``:
+    every replica of one deployment (same ``node_root``) finds the same actor for a node; a
+    node that rejoins (a new Ray node id) gets a fresh one, and so does a second deployment
+    on the same Ray cluster with another ``node_root`` (its own data dirs, tiers, settings)."""
+    root = hashlib.sha256(node_root.encode()).hexdigest()[:6]
+    return f"{ACTOR_PREFIX}{node}-{ray_node_id[:12]}-{root}"
 
 
 def _ok(value: Any) -> tuple[str, Any]:
@@ -155,6 +161,11 @@ class EdgeActor:
         self._start_lock: asyncio.Lock | None = None
         self._started_at = 0.0
         self._cpu_sample: tuple[float, float] | None = None  # (monotonic s, cpuacct ns)
+        # memory migrations: captures leaving this node (export id -> (tier, snapshot,
+        # file name -> bytes)) and staging dirs of captures arriving (import id -> (dir,
+        # the source's export description))
+        self._exports: dict[str, tuple[str, Any, dict[str, int]]] = {}
+        self._imports: dict[str, tuple[Path, dict[str, Any]]] = {}
         for k, v in config.env.items():
             os.environ[k] = v
         os.environ["DSEC_NODE"] = node
@@ -348,6 +359,167 @@ class EdgeActor:
         except BaseException as e:
             return _err(e)
 
+    # --- VM migration by memory state (dsec.cluster.migrate drives these) ----------------
+    # Source: export_memory -> read_export_chunk (one object per chunk, handed by reference
+    # to the target's write_import_chunk) -> drop_export. Target: prepare_import ->
+    # write_import_chunk ... -> finish_import, or abort_import.
+
+    async def export_memory(self, sandbox_id: str, owner: str) -> Any:
+        """Capture ``sandbox_id``'s memory for migration (:meth:`EdgeAgent.export_memory`;
+        the sandbox keeps running). ``("ok", export)``: the description without this node's
+        snapshot handle, plus ``export_id`` for :meth:`read_export_chunk` and
+        :meth:`drop_export`."""
+        try:
+            agent = await self._agent()
+            export = dict(await agent.export_memory(sandbox_id, owner))
+            snapshot = export.pop("snapshot")
+            export_id = secrets.token_hex(8)
+            self._exports[export_id] = (str(export["tier"]), snapshot, dict(export["files"]))
+            export["export_id"] = export_id
+            return _ok(export)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return _err(e)
+
+    async def read_export_chunk(self, export_id: str, name: str, offset: int, length: int) -> Any:
+        """``("ok", bytes)``: ``length`` bytes at ``offset`` of file ``name`` of a capture.
+        The caller passes this call's object reference on to the target's
+        :meth:`write_import_chunk`: the bytes go node to node through the object store."""
+        try:
+            entry = self._exports.get(export_id)
+            if entry is None:
+                raise InvalidRequest(f"no memory export {export_id!r} on node {self.node}")
+            _, snapshot, files = entry
+            if name not in files or offset < 0 or length < 0 or offset + length > files[name]:
+                raise InvalidRequest(f"{name!r} [{offset}, +{length}) is not in the export")
+            path = Path(snapshot.dir) / name
+
+            def read() -> bytes:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    return os.pread(fd, length, offset)
+                finally:
+                    os.close(fd)
+
+            data = await asyncio.to_thread(read)
+            if len(data) != length:
+                raise InternalError(f"{name} of export {export_id} is shorter than recorded")
+            return _ok(data)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return _err(e)
+
+    async def drop_export(self, export_id: str) -> Any:
+        """Delete a capture made by :meth:`export_memory` (idempotent)."""
+        try:
+            entry = self._exports.pop(export_id, None)
+            if entry is not None:
+                agent = await self._agent()
+                await agent.drop_memory_export(entry[0], entry[1])
+            return _ok(None)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return _err(e)
+
+    def _staging_root(self, agent: Any) -> Path:
+        return Path(agent.paths.scratch) / "migrate-in"
+
+    async def prepare_import(self, export: dict[str, Any]) -> Any:
+        """Check that this node can take the capture ``export`` (another node's
+        :meth:`export_memory` answer; :meth:`EdgeAgent.check_memory_import`) and make its
+        staging directory with empty files. ``("ok", import_id)``. Staging dirs an earlier
+        incarnation of this actor left behind are removed here."""
+        try:
+            agent = await self._agent()
+            await agent.check_memory_import(export)
+            for name in export["files"]:
+                if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", name):
+                    raise InvalidRequest(f"bad file name {name!r} in a memory export")
+            root = self._staging_root(agent)
+            known = {str(d) for d, _ in self._imports.values()}
+            if root.is_dir():
+                for stale in root.iterdir():
+                    if str(stale) not in known:
+                        await asyncio.to_thread(shutil.rmtree, stale, True)
+            import_id = secrets.token_hex(8)
+            d = root / import_id
+            d.mkdir(mode=0o700, parents=True)
+            for name in export["files"]:
+                (d / name).touch(mode=0o600)
+            self._imports[import_id] = (d, dict(export))
+            return _ok(import_id)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return _err(e)
+
+    async def write_import_chunk(
+        self, import_id: str, name: str, offset: int, read_result: Any
+    ) -> Any:
+        """Write one chunk of a capture into its staging file: ``read_result`` is the
+        source's :meth:`read_export_chunk` answer (Ray resolves the object reference to it
+        here). ``("ok", bytes written)``."""
+        try:
+            status, value = read_result
+            if status == "error":
+                return ("error", value)
+            entry = self._imports.get(import_id)
+            if entry is None:
+                raise InvalidRequest(f"no memory import {import_id!r} on node {self.node}")
+            d, export = entry
+            size = int(export["files"].get(name, -1))
+            data: bytes = value
+            if size < 0 or offset < 0 or offset + len(data) > size:
+                raise InvalidRequest(f"{name!r} [{offset}, +{len(data)}) is not in the export")
+
+            def write() -> int:
+                fd = os.open(d / name, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    return os.pwrite(fd, data, offset)
+                finally:
+                    os.close(fd)
+
+            return _ok(await asyncio.to_thread(write))
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return _err(e)
+
+    async def finish_import(self, import_id: str, owner: str) -> Any:
+        """Start the migrated sandbox from the staged files
+        (:meth:`EdgeAgent.import_memory`); the staging directory is removed whatever the
+        outcome. ``("ok", SandboxInfo)``."""
+        try:
+            entry = self._imports.pop(import_id, None)
+            if entry is None:
+                raise InvalidRequest(f"no memory import {import_id!r} on node {self.node}")
+            d, export = entry
+            try:
+                for name, size in export["files"].items():
+                    got = (await asyncio.to_thread((d / name).stat)).st_size
+                    if got != int(size):
+                        raise InternalError(
+                            f"{name} arrived with {got} of {size} bytes", import_id=import_id
+                        )
+                agent = await self._agent()
+                return _ok(await agent.import_memory(export, owner, str(d)))
+            finally:
+                await asyncio.to_thread(shutil.rmtree, d, True)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return _err(e)
+
+    async def abort_import(self, import_id: str) -> Any:
+        """Drop a capture's staging directory (idempotent)."""
+        entry = self._imports.pop(import_id, None)
+        if entry is not None:
+            await asyncio.to_thread(shutil.rmtree, entry[0], True)
+        return _ok(None)
+
     async def shutdown(self, kill_sandboxes: bool = False) -> None:
         """Close the edge (sandboxes keep running unless ``kill_sandboxes``)."""
         if self.agent is not None:
@@ -364,7 +536,7 @@ def ensure_edge_actor(ray_node: dict[str, Any], config: NodeConfig) -> Any:
     node = node_name_of(ray_node)
     remote_cls = ray.remote(EdgeActor)
     return remote_cls.options(
-        name=actor_name(node, ray_node["NodeID"]),
+        name=actor_name(node, ray_node["NodeID"], config.node_root),
         namespace=ACTOR_NAMESPACE,
         lifetime="detached",
         get_if_exists=True,

@@ -448,12 +448,30 @@ class ClusterEdge:
         sandbox_id: str | None = None,
         **kwargs: Any,
     ) -> Any:
+        """Relay ``EdgeAgent.<method>(*args, **kwargs)`` to ``node``'s edge actor; its
+        ``("error", ...)`` answer is raised as the typed error."""
         h = self._handle(node, sandbox_id)
-        ref = h.actor.call.remote(method, args, kwargs)
-        status, value = await self._await(h, ref, timeout or self.options.call_timeout_s, method)
+        return await self._answer(h, h.actor.call.remote(method, args, kwargs), timeout, method)
+
+    async def _answer(self, h: Any, ref: Any, timeout: float | None, what: str) -> Any:
+        status, value = await self._await(h, ref, timeout or self.options.call_timeout_s, what)
         if status == "error":
             raise error_from_wire(0, value)
         return value
+
+    async def _actor_call(
+        self,
+        node: str,
+        method: str,
+        *args: Any,
+        timeout: float | None = None,
+        sandbox_id: str | None = None,
+    ) -> Any:
+        """Call the edge actor's own method ``method`` on ``node`` (not a relayed
+        ``EdgeAgent`` call: e.g. the memory migration steps of :mod:`dsec.cluster.migrate`);
+        its ``("error", ...)`` answer is raised as the typed error."""
+        h = self._handle(node, sandbox_id)
+        return await self._answer(h, getattr(h.actor, method).remote(*args), timeout, method)
 
     async def _on_sandbox(
         self, sandbox_id: str, method: str, *args: Any, timeout: float | None = None, **kw: Any

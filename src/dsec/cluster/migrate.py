@@ -1,34 +1,65 @@
 """Sandbox migration between the nodes of a cluster.
 
-Method ``pack_diff`` (every tier whose runtime can snapshot its writable layer; the
-container tier here):
+The method follows the tier: ``memory_snapshot`` for the VM tiers (``microvm``, ``vm``)
+whose runtime captures memory state, ``pack_diff`` for the others (containers).
 
-1. check everything that can be checked before touching anything: the sandbox is live,
-   the target node exists, is alive, serves the tier and (in the placer's view) admits
-   the sandbox; with no target given, the placer picks one (never the source);
-2. the source edge packs the writable layer into a content-addressed layer
+Both start by checking everything that can be checked before touching anything: the
+sandbox is live, the target node exists, is alive, serves the tier and (in the placer's
+view) admits the sandbox; with no target given, the placer picks one (never the source).
+Both end the same way: only once the new sandbox runs is the source killed. A failure
+before that leaves the source running and nothing half-created on the target (moved
+layers stay in the target's store: they are content-addressed cache, not sandbox state).
+The new sandbox has a new id (``sb-<target>-...``) and a fresh trajectory log; the move
+is recorded in PostgreSQL (``dsec_migrations``).
+
+Method ``memory_snapshot`` (``processes_carried=true``):
+
+1. the source edge captures the running VM (``EdgeAgent.export_memory``): QMP ``stop``,
+   every RAM page + device state to a file (a *portable* capture: not a difference from
+   the node's template RAM file, which is another file on every node), on the vm tier a
+   copy of the writable disk with its backing chain folded in; then ``cont``. The source
+   keeps running (its vCPUs stop only for the write: ~0.3-1 s under TCG);
+2. the target edge checks that it can load it (``prepare_import``: tier with memory
+   snapshots, same accelerator, same guest RAM size, room by its own admission) before
+   any byte moves;
+3. layer files the target lacks move as in ``pack_diff`` (below), then the capture's files
+   in chunks of :data:`CHUNK_BYTES`: each chunk is the object of one source call
+   (``read_export_chunk``) whose reference is handed to the target (``write_import_chunk``),
+   :data:`WINDOW` chunks in flight: the bytes go node to node through the Ray object store,
+   never through the apiserver, and no node holds more than a few chunks in memory;
+4. the target starts a QEMU with the same devices in the same order (its own paths for
+   the same layer digests), private RAM, ``-incoming defer``, loads the state and
+   continues the guest (``finish_import`` -> ``EdgeAgent.import_memory``): the same
+   processes (same pids in the guest), memory, tmpfs files and, on the vm tier, disk. The
+   guest clock is set and the RNG reseeded as after any restore; the hostname becomes the
+   new id's;
+5. the source is killed; the capture is deleted on the source whatever the outcome, the
+   staging files on the target too.
+
+What the source does between step 1 and its kill (writes, output, network traffic) is
+not carried, and for the time between the target's start and the source's kill both
+copies run. Nodes must run the same QEMU (a state from another QEMU version fails to load:
+``SandboxError``, the source keeps running). Measured on this host (TCG, 3 Ray nodes on one
+machine): see docs/design/cluster.md.
+
+Method ``pack_diff`` (``processes_carried=false``; containers):
+
+1. the source edge packs the writable layer into a content-addressed layer
    (``EdgeAgent.export_sandbox``; the default snapshot scrub applies: ``/tmp``, shell
    histories and package caches are not carried); the sandbox keeps running;
-3. layer files the target lacks move node to node through the Ray object store (the
+2. layer files the target lacks move node to node through the Ray object store (the
    source's ``read_layer`` result is handed to the target's ``put_layer`` as an object
    reference: the bytes never pass through the apiserver); with a shared layer directory
    nothing moves;
-4. the target edge creates the same spec on top of the moved layer
+3. the target edge creates the same spec on top of the moved layer
    (``EdgeAgent.import_sandbox``; its admission applies: a full target raises
    ``QuotaExceeded`` and, when no node was named, the next candidate is tried);
-5. only once the new sandbox runs is the source killed. A failure before that leaves the
-   source untouched and nothing half-created (moved layers stay in the target's store:
-   they are content-addressed cache, not sandbox state).
+4. the source is killed.
 
-Processes are not carried (``processes_carried=false``): CRIU cannot run on this kernel
-(see MACHINE.md), so the new sandbox starts with the files but no running programs.
-Writes made between step 2 and step 5 are not carried either. The new sandbox has a new
-id (``sb-<target>-...``) and a fresh trajectory log; the migration is recorded in
-PostgreSQL (``dsec_migrations``).
-
-VM tiers (``microvm``, ``vm``): the same ``pack_diff`` path when their runtime supports
-snapshots, else ``CapabilityNotSupported``; memory snapshots (``memory_snapshot``) are not
-moved between nodes yet.
+Processes are not carried by ``pack_diff``: CRIU cannot run on this kernel (see
+MACHINE.md), so the new sandbox starts with the files but no running programs. Writes
+made between step 1 and step 4 are not carried either. A VM tier whose runtime has
+neither memory snapshots nor disk snapshots raises ``CapabilityNotSupported``.
 """
 
 from __future__ import annotations
@@ -37,11 +68,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
+    InternalError,
     InvalidRequest,
     NotFound,
     QuotaExceeded,
@@ -54,9 +87,14 @@ from dsec.models import CreateSandboxRequest, LayerInfo, MigrateResult, SandboxI
 if TYPE_CHECKING:
     from dsec.cluster.edge import ClusterEdge
 
-__all__ = ["migrate_sandbox"]
+__all__ = ["CHUNK_BYTES", "WINDOW", "migrate_sandbox"]
 
 log = logging.getLogger("dsec.cluster.migrate")
+
+CHUNK_BYTES = 8 << 20
+"""Bytes per object of a memory capture's transfer (Ray's test nodes have 150 MiB stores)."""
+WINDOW = 4
+"""Chunks in flight at once during a memory capture's transfer."""
 
 
 def _targets(
@@ -106,7 +144,10 @@ async def migrate_sandbox(
         InvalidRequest: ``target`` is the sandbox's own node.
         TierUnavailable: ``target`` does not offer the sandbox's tier.
         QuotaExceeded: the target (or, with no target, every other node) is full.
-        CapabilityNotSupported: the tier cannot pack its writable layer.
+        CapabilityNotSupported: the tier can neither capture its memory nor pack its
+            writable layer, or (memory_snapshot) the target cannot load the capture
+            (another accelerator or guest RAM size).
+        SandboxError: (memory_snapshot) the target failed to load the capture.
     """
     t0 = time.perf_counter()
     info = await edge.get_sandbox(sandbox_id, owner)
@@ -121,20 +162,32 @@ async def migrate_sandbox(
         disk_mb=info.disk_mb or 1024,
     )
     candidates = _targets(edge, info, base, target)
+    method: Literal["pack_diff", "memory_snapshot"] = "pack_diff"
     if info.tier in ("microvm", "vm"):
         caps = {c.tier: c for c in await edge._call(source, "capabilities")}
-        if not caps[info.tier].snapshot:
+        tier_caps = caps.get(info.tier)
+        if tier_caps is not None and tier_caps.memory_fork:
+            method = "memory_snapshot"
+        elif tier_caps is None or not tier_caps.snapshot:
             raise CapabilityNotSupported(
-                f"the {info.tier} tier cannot pack its disk here, so it cannot migrate",
+                f"the {info.tier} tier here can neither capture its memory nor pack its "
+                "disk, so it cannot migrate",
                 tier=info.tier,
             )
     mig_id = None
     if edge.state is not None:
         mig_id = await asyncio.to_thread(
-            edge.state.begin_migration, owner, sandbox_id, source, "pack_diff"
+            edge.state.begin_migration, owner, sandbox_id, source, method
         )
+    explicit = target is not None
+    state_bytes = 0
     try:
-        result = await _move(edge, info, owner, candidates, explicit=target is not None)
+        if method == "memory_snapshot":
+            new, moved_bytes, state_bytes = await _move_memory(
+                edge, info, owner, candidates, explicit=explicit
+            )
+        else:
+            new, moved_bytes = await _move(edge, info, owner, candidates, explicit=explicit)
     except BaseException as e:
         if mig_id is not None:
             with contextlib.suppress(Exception):
@@ -146,7 +199,6 @@ async def migrate_sandbox(
                     error=str(e)[:500] or type(e).__name__,
                 )
         raise
-    new, moved_bytes = result
     # the target is up: now the source goes
     try:
         await edge.kill_sandbox(sandbox_id, owner)
@@ -166,11 +218,58 @@ async def migrate_sandbox(
         from_id=sandbox_id,
         from_node=source,
         to_node=new.node,
-        method="pack_diff",
-        processes_carried=False,
+        method=method,
+        processes_carried=method == "memory_snapshot",
         layer_bytes=moved_bytes,
+        state_bytes=state_bytes,
         duration_ms=(time.perf_counter() - t0) * 1000,
     )
+
+
+_T = TypeVar("_T")
+
+
+async def _on_first_admitting(
+    edge: ClusterEdge,
+    info: SandboxInfo,
+    owner: str,
+    candidates: list[str],
+    req: CreateSandboxRequest,
+    attempt: Callable[[str], Awaitable[tuple[SandboxInfo, _T]]],
+    *,
+    explicit: bool,
+    refusals: tuple[type[DsecError], ...] = (QuotaExceeded,),
+) -> tuple[SandboxInfo, _T]:
+    """Run ``attempt(node)`` on the candidates in order under a placement reservation for
+    ``req`` until one succeeds; a refusal (``refusals``, or the placer's own) moves on to the
+    next candidate unless the target was ``explicit``. The new sandbox is recorded."""
+    preq = edge._placement_request(req)
+    last: DsecError | None = None
+    for node in candidates:
+        placer = edge.placer
+        try:
+            reservation = placer.begin(node, preq)
+        except (QuotaExceeded, NotFound) as e:
+            if explicit:
+                raise
+            last = e
+            continue
+        try:
+            new, extra = await attempt(node)
+        except refusals as e:
+            placer.abort(reservation)
+            if explicit:
+                raise
+            last = e
+            continue
+        except BaseException:
+            placer.abort(reservation)
+            raise
+        with contextlib.suppress(DsecError):
+            placer.commit(reservation)
+        await edge._record(owner, new)
+        return new, extra
+    raise last or QuotaExceeded(f"no node admits sandbox {info.id}", sandbox_id=info.id)
 
 
 async def _move(
@@ -187,43 +286,22 @@ async def _move(
     )
     diff: LayerInfo = export["diff_layer"]
     digests = [*export["image_layers"], diff.digest]
-    req = CreateSandboxRequest.model_validate(export["request"])
-    preq = edge._placement_request(req)
-    last: DsecError | None = None
-    for node in candidates:
-        placer = edge.placer
-        try:
-            reservation = placer.begin(node, preq)
-        except (QuotaExceeded, NotFound) as e:
-            if explicit:
-                raise
-            last = e
-            continue
-        try:
-            moved = await _move_layers(edge, source, node, digests)
-            new: SandboxInfo = await edge._call(
-                node,
-                "import_sandbox",
-                export["request"],
-                owner,
-                export["image_layers"],
-                diff.digest,
-                timeout=edge.options.create_timeout_s,
-            )
-        except QuotaExceeded as e:
-            placer.abort(reservation)
-            if explicit:
-                raise
-            last = e
-            continue
-        except BaseException:
-            placer.abort(reservation)
-            raise
-        with contextlib.suppress(DsecError):
-            placer.commit(reservation)
-        await edge._record(owner, new)
+
+    async def attempt(node: str) -> tuple[SandboxInfo, int]:
+        moved = await _move_layers(edge, source, node, digests)
+        new: SandboxInfo = await edge._call(
+            node,
+            "import_sandbox",
+            export["request"],
+            owner,
+            export["image_layers"],
+            diff.digest,
+            timeout=edge.options.create_timeout_s,
+        )
         return new, moved
-    raise last or QuotaExceeded(f"no node admits sandbox {info.id}", sandbox_id=info.id)
+
+    req = CreateSandboxRequest.model_validate(export["request"])
+    return await _on_first_admitting(edge, info, owner, candidates, req, attempt, explicit=explicit)
 
 
 async def _move_layers(edge: ClusterEdge, source: str, target: str, digests: list[str]) -> int:
@@ -244,4 +322,117 @@ async def _move_layers(edge: ClusterEdge, source: str, target: str, digests: lis
         if status == "error":
             raise error_from_wire(0, layer)
         moved += int(layer.size or 0)
+    return moved
+
+
+async def _move_memory(
+    edge: ClusterEdge, info: SandboxInfo, owner: str, candidates: list[str], *, explicit: bool
+) -> tuple[SandboxInfo, int, int]:
+    """The ``memory_snapshot`` move (module docstring, steps 1-4). Returns (the new
+    sandbox, layer bytes moved, capture bytes moved)."""
+    source = info.node
+    timeout = edge.options.create_timeout_s
+    t0 = time.perf_counter()
+    export: dict[str, Any] = await edge._actor_call(
+        source, "export_memory", info.id, owner, timeout=timeout, sandbox_id=info.id
+    )
+    t_export = time.perf_counter()
+
+    async def attempt(node: str) -> tuple[SandboxInfo, tuple[int, int]]:
+        import_id: str = await edge._actor_call(node, "prepare_import", export)
+        try:
+            layer_bytes = await _move_layers(edge, source, node, list(export["image_layers"]))
+            t_moved = time.perf_counter()
+            state_bytes = await _move_files(
+                edge, source, node, export["export_id"], import_id, export["files"]
+            )
+            t_state = time.perf_counter()
+            new: SandboxInfo = await edge._actor_call(
+                node, "finish_import", import_id, owner, timeout=timeout
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await edge._actor_call(node, "abort_import", import_id)
+            raise
+        log.info(
+            "memory migration %s -> %s (%s -> %s): capture %.2f s, %d state bytes in "
+            "%.2f s, resume %.2f s",
+            info.id,
+            new.id,
+            source,
+            node,
+            t_export - t0,
+            state_bytes,
+            t_state - t_moved,
+            time.perf_counter() - t_state,
+        )
+        return new, (layer_bytes, state_bytes)
+
+    try:
+        req = CreateSandboxRequest.model_validate(export["request"])
+        new, (layer_bytes, state_bytes) = await _on_first_admitting(
+            edge,
+            info,
+            owner,
+            candidates,
+            req,
+            attempt,
+            explicit=explicit,
+            refusals=(QuotaExceeded, CapabilityNotSupported),
+        )
+        return new, layer_bytes, state_bytes
+    finally:
+        with contextlib.suppress(Exception):
+            await edge._actor_call(source, "drop_export", export["export_id"])
+
+
+async def _move_files(
+    edge: ClusterEdge,
+    source: str,
+    target: str,
+    export_id: str,
+    import_id: str,
+    files: dict[str, int],
+) -> int:
+    """Copy a capture's files from ``source`` to ``target`` in :data:`CHUNK_BYTES` objects,
+    :data:`WINDOW` at a time, node to node; returns the bytes moved."""
+    src, dst = edge._handle(source), edge._handle(target)
+    timeout = edge.options.call_timeout_s
+    chunks = [
+        (name, offset, min(CHUNK_BYTES, size - offset))
+        for name, size in sorted(files.items())
+        for offset in range(0, int(size), CHUNK_BYTES)
+    ]
+
+    async def one(name: str, offset: int, length: int) -> int:
+        data_ref = src.actor.read_export_chunk.remote(export_id, name, offset, length)
+        status, written = await edge._await(
+            dst,
+            dst.actor.write_import_chunk.remote(import_id, name, offset, data_ref),
+            timeout,
+            "write_import_chunk",
+        )
+        if status == "error":
+            raise error_from_wire(0, written)
+        if int(written) != length:
+            raise InternalError(f"{name}: {written} of {length} bytes written at {offset}")
+        return length
+
+    moved = 0
+    in_flight: set[asyncio.Task[int]] = set()
+    try:
+        for chunk in chunks:
+            if len(in_flight) >= WINDOW:
+                done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                moved += sum(t.result() for t in done)
+            in_flight.add(asyncio.create_task(one(*chunk)))
+        if in_flight:
+            done, in_flight = await asyncio.wait(in_flight)
+            moved += sum(t.result() for t in done)
+    finally:
+        for t in in_flight:
+            t.cancel()
+        for t in in_flight:
+            with contextlib.suppress(BaseException):
+                await t
     return moved

@@ -926,8 +926,10 @@ class AsyncSandbox:
         self, node: str | None = None, *, timeout: float = SNAPSHOT_TIMEOUT_S
     ) -> MigrateResult:
         """Move the sandbox to another node of a cluster (``node``, or one the server
-        picks). Files carry over (its writable layer moves as a ``pack_diff`` layer);
-        running processes do not (``result.processes_carried`` says so). This object then
+        picks). VM tiers move their memory state (``method="memory_snapshot"``: running
+        processes, memory and files carry over); other tiers move their writable layer as a
+        ``pack_diff`` layer (files carry over, running processes do not);
+        ``result.processes_carried`` says which. This object then
         refers to the new sandbox (a new id on the target node, numbering its calls from 1).
 
         Raises ``CapabilityNotSupported`` on a single-node server, ``NotFound`` for an

@@ -1293,9 +1293,14 @@ class MicroVMRuntime:
             self._live[handle.id] = _VM(id=handle.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent)
             shutil.rmtree(d / SUSPEND_DIR, ignore_errors=True)
 
-    async def memory_snapshot(self, handle: Handle) -> MemorySnapshot:
+    async def memory_snapshot(self, handle: Handle, *, portable: bool = False) -> MemorySnapshot:
         """Capture the running sandbox's RAM + device state (and the vm tier's disk) for
-        memory forks. The vCPUs stop for the time of the write, then continue."""
+        memory forks. The vCPUs stop for the time of the write, then continue.
+
+        ``portable`` (migration to another node): the state keeps every RAM page (it is not
+        made a difference from this node's template RAM file) and the vm tier's disk copy is
+        made standalone (no backing file of this node), so any node with the same layers,
+        QEMU and accelerator can load it."""
         self._check_restorable(handle.state)
         vm = await self._vm(handle)
         snap_dir = self.root / "forks" / f"{handle.id}-{os.urandom(4).hex()}"
@@ -1319,7 +1324,15 @@ class MicroVMRuntime:
                 with contextlib.suppress(DsecError):  # the clock lags by the stop
                     await vm.agent.setup(handle.state.get("hostname") or "sandbox", 0)
         # the vCPUs run again: shrinking the file does not hold up the parent
-        ram_backing, size = await self._diff_state(snap_dir / "state", handle.state)
+        if portable:
+            try:
+                await _standalone_disk(snap_dir / "disk.qcow2")
+            except BaseException:
+                shutil.rmtree(snap_dir, ignore_errors=True)
+                raise
+            ram_backing, size = None, os.stat(snap_dir / "state").st_size
+        else:
+            ram_backing, size = await self._diff_state(snap_dir / "state", handle.state)
         return MemorySnapshot(
             dir=snap_dir, state=snap_dir / "state", state_bytes=size, parent_id=handle.id,
             source=dict(handle.state), ram_backing=ram_backing,
@@ -1412,6 +1425,26 @@ class MicroVMRuntime:
                 elif k in ("Private_Clean", "Private_Dirty"):
                     out["private"] += int(v.split()[0]) * 1024
         return out
+
+
+async def _standalone_disk(disk: Path) -> None:
+    """Rewrite the qcow2 overlay ``disk`` (if there is one) with its backing chain folded in
+    (``qemu-img convert``: only allocated, non-zero clusters are written)."""
+    if not await asyncio.to_thread(disk.exists):
+        return
+    flat = disk.with_name(disk.name + ".flat")
+    proc = await asyncio.create_subprocess_exec(
+        "qemu-img", "convert", "-q", "-O", "qcow2", str(disk), str(flat),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        with contextlib.suppress(FileNotFoundError):
+            flat.unlink()
+        raise SandboxError(
+            f"qemu-img convert of {disk.name} failed: {err.decode(errors='replace')}"
+        )
+    os.rename(flat, disk)
 
 
 def _is_our_qemu(pid: int, tag: str, sandbox_id: str) -> bool:
