@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from dsec import AsyncSandbox
 from dsec.layers.blobstore import BlobHTTPServer, LocalDirStore, copy_into_dir_store
 from dsec.layers.erofs import mkfs_erofs
+from dsec.layers.lazy import LazyServer
 from dsec.layers.mounts import mountinfo_entries
 from dsec.layers.store import LayerStore
 from dsec.server import ServeProcess
@@ -163,6 +164,8 @@ def lazy_counters(home: Path) -> dict[str, Any]:
 
 
 def cleanup_mounts(home: Path) -> None:
+    if (home / "layers" / "lazy").is_dir():  # the node's server outlives `dsec serve`
+        LazyServer(home / "layers" / "lazy").shutdown()
     for e in sorted(mountinfo_entries(home), key=lambda e: -len(e.mountpoint.parts)):
         subprocess.run(["umount", "-l", str(e.mountpoint)], check=False)
 

@@ -80,6 +80,26 @@ def dsec_home_root() -> Iterator[Path]:
     _release_test_homes(base, remove=not keep)
 
 
+def _stop_lazy_servers(base: Path) -> None:
+    """Stop the lazy layer servers whose state directory is under ``base``: they run in their
+    own session and outlive the process that started them (a killed ``dsec serve``)."""
+    from dsec.layers.lazy import LazyServer
+
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dsec.layers.lazy" not in argv or b"--state" not in argv:
+            continue
+        state = Path(os.fsdecode(argv[argv.index(b"--state") + 1]))
+        if state.resolve().is_relative_to(base.resolve()):
+            with contextlib.suppress(Exception):
+                LazyServer(state).shutdown()
+
+
 def _release_test_homes(base: Path, *, remove: bool) -> None:
     """After the session: free the VM template RAM (on /dev/shm, i.e. host memory) of the
     servers whose home was under ``base``, and delete ``base`` unless something is still
@@ -88,6 +108,7 @@ def _release_test_homes(base: Path, *, remove: bool) -> None:
         with contextlib.suppress(OSError):
             if Path((tpl / "home").read_text()).is_relative_to(base):
                 shutil.rmtree(tpl, ignore_errors=True)
+    _stop_lazy_servers(base)
     if not remove:
         return
     prefix = str(base.resolve()) + "/"

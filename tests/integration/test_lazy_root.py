@@ -11,6 +11,8 @@ import errno
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from dsec.layers.blobstore import BlobHTTPServer, LocalDirStore
 from dsec.layers.erofs import mkfs_erofs
 from dsec.layers.mounts import LayerMounts, mountinfo_entries
 from dsec.layers.store import LayerStore
+from dsec.privileged.mount import umount
 
 pytestmark = [
     pytest.mark.root,
@@ -255,4 +258,54 @@ def test_mount_warms_recorded_chunks_into_page_cache(
     assert after["cache_misses"] == first["cache_misses"]
     mounts.release(digest)
     store.close()
+    assert _mounts_under(home) == []
+
+
+def test_server_outlives_its_starter_and_is_adopted(
+    home: Path, remote: tuple[BlobHTTPServer, str, int, bytes]
+) -> None:
+    """The node's server runs in its own session: when the process that started it dies (a
+    killed ``dsec serve``), layers mounted from it keep reading; the next store adopts the
+    server instead of starting a second one, keeps it while a layer is mounted and stops it
+    once nothing is."""
+    srv, digest, size, big = remote
+    script = f"""
+import os
+from pathlib import Path
+from dsec.layers.mounts import LayerMounts
+from dsec.layers.store import LayerStore
+store = LayerStore(Path({str(home / "layers")!r}), Path({str(home / "images")!r}),
+                   lazy_chunk_size={CHUNK})
+store.add_remote_layer({digest!r}, {size}, {srv.url!r}, {{"kind": "base", "name": "lazy"}})
+mp = LayerMounts(Path({str(home / "mnt")!r})).acquire({digest!r}, store.layer_path({digest!r}))
+print(mp, store.lazy.stats()["pid"], flush=True)
+os.kill(os.getpid(), 9)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == -9, out.stderr
+    mp_text, pid_text = out.stdout.split()
+    mp, pid = Path(mp_text), int(pid_text)
+    try:
+        assert _pid_alive(pid)
+        with open(mp / "big", "rb") as f:  # chunks not read before are fetched now
+            f.seek(3 << 20)
+            assert f.read(4096) == big[3 << 20 : (3 << 20) + 4096]
+        store = _store(home)
+        store.layer_path(digest)  # adopts: no second server on the same mount point
+        assert store.lazy.pid == pid and store.lazy_stats()["pid"] == pid
+        store.close()  # a layer is still mounted: the server stays
+        assert _pid_alive(pid)
+        assert (mp / "dir" / "hello").read_text() == "hello from a lazy layer\n"
+    finally:
+        umount(mp)
+    store = _store(home)
+    store.layer_path(digest)
+    assert store.lazy.pid == pid
+    store.close()  # nothing mounted any more: stopped
+    deadline = time.monotonic() + 5
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_alive(pid)
     assert _mounts_under(home) == []

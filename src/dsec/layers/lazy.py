@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import ctypes
 import errno
 import functools
 import json
@@ -99,7 +98,6 @@ bytes for no speed-up at 100 MB/s; worth turning on for high-latency stores)."""
 _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 _EROFS_SB_OFFSET = 1024
 _EROFS_MAGIC = 0xE0F5E1E2
-_PR_SET_PDEATHSIG = 1
 _PREFETCH_WORKERS = 4
 
 
@@ -890,8 +888,6 @@ def serve_forever(
     """Run the node's FUSE server in this process (blocks until unmounted or SIGTERM)."""
     import mfusepy
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     mnt = state / "mnt"
     cache = ChunkCache(state / "cache", cache_bytes)
     fs = _LazyFS(
@@ -945,6 +941,15 @@ def serve_forever(
 # --- the client side: start, register, stop ------------------------------------------------
 
 
+def _pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _fuse_mount_at(mnt: Path) -> bool:
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -991,6 +996,7 @@ class LazyServer:
             d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._adopted_pid: int | None = None  # a server another process started
 
     # registration -------------------------------------------------------------------------
 
@@ -1045,8 +1051,42 @@ class LazyServer:
         return resp
 
     def running(self) -> bool:
-        """True if this object's server process is alive."""
-        return self._proc is not None and self._proc.poll() is None
+        """True if the server this object started or adopted is alive."""
+        if self._proc is not None:
+            return self._proc.poll() is None
+        return self._adopted_pid is not None and _pid_alive(self._adopted_pid)
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid (started or adopted), or None."""
+        if self._proc is not None:
+            return self._proc.pid
+        return self._adopted_pid
+
+    def _adopt(self) -> bool:
+        """Take over a server that already serves this state directory (one started by a
+        ``dsec serve`` that has since exited or been killed: the server outlives it, so the
+        sandboxes reading its layers keep working). True if there is one (lock held)."""
+        if not (self.state / "ctl.sock").exists() or not _fuse_mount_at(self.mountpoint):
+            return False
+        try:
+            resp = self._request({"op": "ping"}, timeout=2.0)
+            os.statvfs(self.mountpoint)
+        except (SandboxError, OSError):
+            return False
+        pid = resp.get("pid")
+        if not isinstance(pid, int) or not _pid_alive(pid):
+            return False
+        self._proc, self._adopted_pid = None, pid
+        log.info("lazy layers: adopted the running server (pid %d)", pid)
+        return True
+
+    def mounted_layers(self) -> list[str]:
+        """Mount points of EROFS mounts of this server's files (sandboxes' layers)."""
+        from dsec.layers.mounts import mountinfo_entries
+
+        prefix = f"{self.mountpoint}/"
+        return [str(e.mountpoint) for e in mountinfo_entries() if e.source.startswith(prefix)]
 
     def _reachable(self) -> bool:
         """True if a server (ours or another process's, e.g. ``dsec serve``) answers."""
@@ -1083,7 +1123,7 @@ class LazyServer:
         """Start the server if it is not running (detaching a stale mount first); waits
         until it serves (<= 15 s). Raises SandboxError if it cannot start."""
         with self._lock:
-            if self.running():
+            if self.running() or self._adopt():
                 return
             self.clean_stale()
             if not os.path.exists("/dev/fuse"):
@@ -1107,9 +1147,17 @@ class LazyServer:
                 str(self.readahead_chunks),
             ]
             try:
+                # its own session, no parent-death signal: the server is the node's and
+                # outlives the process that started it (see stop)
                 self._proc = subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, close_fds=True
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=logf,
+                    close_fds=True,
+                    start_new_session=True,
                 )
+                self._adopted_pid = None
             finally:
                 logf.close()
             deadline = time.monotonic() + 15.0
@@ -1166,24 +1214,54 @@ class LazyServer:
         else:
             ChunkCache(self.state / "cache", self.cache_bytes).drop()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the server (SIGTERM: libfuse unmounts) and make sure nothing stays mounted.
-        EROFS mounts of its files must be unmounted first (they keep the FUSE mount busy;
-        it is then detached lazily)."""
+    def stop(self, timeout: float = 10.0, *, force: bool = False) -> None:
+        """Stop the server this object started or adopted (SIGTERM: libfuse unmounts) and
+        make sure nothing stays mounted, unless EROFS mounts of its files remain (sandboxes
+        still running on its layers, e.g. across a ``dsec serve`` restart): then the server is
+        left running for them and the next store adopts it. ``force`` stops it anyway (its
+        mounts then fail with EIO/ENOTCONN)."""
         with self._lock:
+            if not force and self.running():
+                busy = self.mounted_layers()
+                if busy:
+                    log.info(
+                        "lazy layers: %d layer mounts in use, the server (pid %s) keeps running",
+                        len(busy),
+                        self.pid,
+                    )
+                    self._proc, self._adopted_pid = None, None
+                    return
             self._stop_locked(timeout)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop whatever server serves this state directory, started here or not, mounts or
+        not (operators' and tests' clean-up: the layers' EROFS mounts then fail)."""
+        with self._lock:
+            if not self.running():
+                self._adopt()
+            self._stop_locked(timeout)
+            self.clean_stale(force=True)
 
     def _stop_locked(self, timeout: float = 10.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
+        adopted, self._adopted_pid = self._adopted_pid, None
+        if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        elif adopted is not None and _pid_alive(adopted):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(adopted, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while _pid_alive(adopted) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(adopted, signal.SIGKILL)
+        elif proc is None and adopted is None:
+            return
         self.clean_stale(force=True)
 
 
