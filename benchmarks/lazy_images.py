@@ -21,7 +21,9 @@ Phases, all in one run:
 The task (per sandbox): ``gcc --version``, ``python3 -c 'import json'``, read a 96 MiB slice
 of the data file shared by all tasks plus 1 MiB of its own: < 10% of the image.
 Reported: wall time until all tasks are done, bytes fetched from the blob server, bytes
-written to local disk (layer blobs for full, chunk cache for lazy).
+written to local disk (layer blobs for full, chunk cache for lazy). Every layer has a chunk
+table in the blob store (as ``dsec image push`` publishes), so lazy phases check each fetched
+chunk against it; "fetched" counts the tables too.
 
 Usage: .venv/bin/python benchmarks/lazy_images.py [--sandboxes 32] [--rate 100e6]
        [--data-mib 1024] [--chunk-sizes 1048576] [--quick]
@@ -48,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from dsec import AsyncSandbox
 from dsec.layers.blobstore import BlobHTTPServer, LocalDirStore, copy_into_dir_store
+from dsec.layers.chunktable import publish_chunk_table
 from dsec.layers.erofs import mkfs_erofs
 from dsec.layers.lazy import LazyServer
 from dsec.layers.mounts import mountinfo_entries
@@ -246,8 +249,11 @@ def main() -> None:
     data_file, data_digest = data_layer(work, args.data_mib)
     layers.append((data_file, data_digest, "workspace", "bench-data", {}))
     blobs = LocalDirStore(work / "blobs")
-    for path, digest, *_ in layers:
+    for i, (path, digest, kind, name, meta) in enumerate(layers):
         copy_into_dir_store(blobs, path, digest)
+        # each fetched chunk is checked against the layer's chunk table, as for pushed images
+        table, _ = publish_chunk_table(blobs, path)
+        layers[i] = (path, digest, kind, name, {**meta, "chunk_table": table})
     image_bytes = sum(p.stat().st_size for p, *_ in layers)
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "kernel": os.uname().release},

@@ -621,6 +621,8 @@ def test_pull_index_from_distribution_gives_expected_tree(
     assert info.meta["index_digest"] is not None
     assert info.meta["config"]["Cmd"] == ["/bin/tool"]
     assert node.store.get_image("sample:v1").layers == info.layers
+    for d in info.layers:  # inspected at conversion: nothing this sample's files would show
+        assert node.store.get_layer(d).meta["provides"] == []
     tree = node.mounted_tree(info.layers)
     assert tree == EXPECTED_TREE
     assert node.leftovers() == []

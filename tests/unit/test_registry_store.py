@@ -28,12 +28,14 @@ from dsec.errors import (
     RegistryUnauthorized,
     RegistryUnavailable,
 )
+from dsec.layers.chunktable import fetch_chunk_table
 from dsec.layers.erofs import mkfs_erofs
 from dsec.layers.publish import (
     ANN_KIND,
     ANN_PROVIDES,
     ANN_REQUIRES,
     ARTIFACT_TYPE,
+    CHUNK_TABLE_MEDIA_TYPE,
     LAYER_MEDIA_TYPE,
     attach_image,
     build_config,
@@ -468,6 +470,51 @@ def test_attach_corrupted_blob_stores_nothing(layer_store: LayerStore, tmp_path:
             attach_image(other, f"{URL}:v1", lazy=False, blob_store=blob_store(reg))
     finally:
         other.close()
+
+
+def test_push_publishes_chunk_tables_and_lazy_attach_registers_them(
+    layer_store: LayerStore, tmp_path: Path
+) -> None:
+    """Each pushed layer gets a chunk table: listed in the manifest (so registries keep it),
+    named by the layer's metadata; a lazy attach checks the tables first and hands them to
+    the lazy server with the layers; a corrupted table is refused before anything is
+    recorded."""
+    base = _erofs_layer(layer_store, tmp_path, "base", kind="base", name="b")
+    ws = _erofs_layer(layer_store, tmp_path, "ws", kind="workspace", name="w")
+    layer_store.put_image("app:v1", [base.digest, ws.digest])
+    reg = FakeOciRegistry()
+    digest = push_image(layer_store, "app:v1", f"{URL}:v1", blob_store=blob_store(reg))
+    doc = json.loads(reg.manifests[digest][1])
+    tables = [d for d in doc["layers"] if d["mediaType"] == CHUNK_TABLE_MEDIA_TYPE]
+    assert len(tables) == 2 and all(d["digest"] in reg.blobs for d in tables)
+    published = parse_dsec_manifest(doc)  # the table entries are not layers
+    assert [x.digest for x in published] == [base.digest, ws.digest]
+    named = {x.digest: x.meta["chunk_table"] for x in published}
+    assert sorted(named.values()) == sorted(d["digest"] for d in tables)
+    for layer in (base, ws):
+        fetch_chunk_table(blob_store(reg), named[layer.digest], layer.size).verify(
+            0, layer_store.layer_path(layer.digest).read_bytes()
+        )
+
+    other = LayerStore(tmp_path / "o" / "layers", tmp_path / "o" / "images")
+    try:
+        info = attach_image(other, f"{URL}:v1", name="app:lazy", blob_store=blob_store(reg))
+        assert info.layers == [base.digest, ws.digest]
+        for d in info.layers:
+            reg_file = tmp_path / "o" / "layers" / "lazy" / "layers" / f"{d[7:]}.json"
+            assert json.loads(reg_file.read_text())["chunk_table"] == named[d]
+            assert other.get_layer(d).meta["chunk_table"] == named[d]
+    finally:
+        other.close()
+
+    reg.blobs[named[ws.digest]] = b"\0" * len(reg.blobs[named[ws.digest]])
+    third = LayerStore(tmp_path / "t" / "layers", tmp_path / "t" / "images")
+    try:
+        with pytest.raises(BlobDigestMismatch):
+            attach_image(third, f"{URL}:v1", blob_store=blob_store(reg))
+        assert third.list_layers() == [] and third.list_images() == []
+    finally:
+        third.close()
 
 
 # --- stacks ----------------------------------------------------------------------------------

@@ -66,8 +66,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.errors import DsecError, InvalidRequest, SandboxError
+from dsec.errors import BlobDigestMismatch, DsecError, InvalidRequest, SandboxError
 from dsec.layers.blobstore import BlobStore, open_blob_store
+from dsec.layers.chunktable import PIECE, ChunkTable, fetch_chunk_table
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
@@ -373,6 +374,7 @@ class LayerStats:
     prefetched_chunks: int = 0
     reads: int = 0
     warmed_bytes: int = 0  # read into the kernel's page cache by mount warm-ups
+    integrity_errors: int = 0  # fetched chunks that did not match the chunk table
     last_error: str | None = None
     fetch_latencies: list[float] = field(default_factory=list, repr=False)
 
@@ -400,6 +402,10 @@ class LazyLayer:
         read_timeout: seconds a read waits for a chunk.
         readahead_chunks: when a read continues a sequential run (the chunk before it was
             read), fetch this many following chunks in the background (0 = off).
+        chunk_table: digest of the layer's chunk table in ``store``
+            (:mod:`dsec.layers.chunktable`): every fetched chunk is checked against it, and a
+            chunk that does not match is fetched once more, then refused (EIO for the
+            reader, nothing cached). None: chunks are not checked.
     """
 
     def __init__(
@@ -412,6 +418,7 @@ class LazyLayer:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         readahead_chunks: int = 0,
+        chunk_table: str | None = None,
     ) -> None:
         self.digest = digest
         self.hex = _hex_of(digest)
@@ -429,6 +436,43 @@ class LazyLayer:
         self._fetch_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=16, thread_name_prefix=f"dsec-lazy-{self.hex[:8]}"
         )
+        self.chunk_table = chunk_table
+        self._table: ChunkTable | None = None
+        self._table_lock = threading.Lock()
+
+    def _checked(self, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` from the store, checked against the chunk table
+        (one more fetch on a mismatch: a damaged transfer is not a damaged blob)."""
+        for attempt in (1, 2):
+            data = self.store.read_range(self.digest, offset, length)
+            if len(data) != length:
+                raise SandboxError(
+                    f"layer {self.digest} at {offset}: store returned {len(data)} of "
+                    f"{length} bytes",
+                    digest=self.digest,
+                )
+            if self.chunk_table is None:
+                return data
+            try:
+                self._load_table().verify(offset, data, what=f"layer {self.digest}")
+                return data
+            except BlobDigestMismatch:
+                with self._lock:
+                    self.stats.integrity_errors += 1
+                if attempt == 2:
+                    raise
+                log.warning(
+                    "layer %s at %d: chunk table mismatch, fetching again", self.digest, offset
+                )
+        raise AssertionError("unreachable")
+
+    def _load_table(self) -> ChunkTable:
+        """The layer's chunk table, fetched and checked once."""
+        assert self.chunk_table is not None
+        with self._table_lock:
+            if self._table is None:
+                self._table = fetch_chunk_table(self.store, self.chunk_table, self.size)
+            return self._table
 
     def close(self) -> None:
         """Stop the fetch threads (in-flight fetches finish)."""
@@ -439,13 +483,7 @@ class LazyLayer:
         length = min(self.chunk_size, self.size - offset)
         t0 = time.monotonic()
         try:
-            data = self.store.read_range(self.digest, offset, length)
-            if len(data) != length:
-                raise SandboxError(
-                    f"layer {self.digest} chunk {index}: store returned {len(data)} of "
-                    f"{length} bytes",
-                    digest=self.digest,
-                )
+            data = self._checked(offset, length)
         except BaseException as e:
             with self._lock:
                 self.stats.fetch_errors += 1
@@ -614,6 +652,7 @@ class _LazyFS:
                 chunk_size=self.chunk_size,
                 read_timeout=self.read_timeout,
                 readahead_chunks=self.readahead_chunks,
+                chunk_table=reg.get("chunk_table"),
             )
             self.layers[hex_] = lay
         self._start(lay)
@@ -765,6 +804,7 @@ class _LazyFS:
             "prefetched_chunks",
             "reads",
             "warmed_bytes",
+            "integrity_errors",
         )
         node: dict[str, Any] = {k: sum(d[k] for d in per.values()) for k in keys}
         node["fetch_seconds_max"] = max((d["fetch_seconds_max"] for d in per.values()), default=0)
@@ -983,8 +1023,10 @@ class LazyServer:
         record_seconds: float = DEFAULT_RECORD_SECONDS,
         readahead_chunks: int = DEFAULT_READAHEAD_CHUNKS,
     ) -> None:
-        if not (64 << 10) <= chunk_size <= (16 << 20):
-            raise InvalidRequest(f"chunk size {chunk_size} outside 64 KiB..16 MiB")
+        if not (64 << 10) <= chunk_size <= (16 << 20) or chunk_size % PIECE:
+            raise InvalidRequest(
+                f"chunk size {chunk_size}: a multiple of 64 KiB from 64 KiB to 16 MiB"
+            )
         self.state = Path(os.path.abspath(state))
         self.mountpoint = self.state / "mnt"
         self.chunk_size = chunk_size
@@ -1000,13 +1042,17 @@ class LazyServer:
 
     # registration -------------------------------------------------------------------------
 
-    def register(self, digest: str, size: int, url: str) -> None:
+    def register(self, digest: str, size: int, url: str, chunk_table: str | None = None) -> None:
         """Make ``<mnt>/<hex>.erofs`` serve the blob ``digest`` (``size`` bytes) from the
-        store at ``url``. Idempotent; atomic (temp file + rename)."""
+        store at ``url``, each fetched chunk checked against the chunk table ``chunk_table``
+        (a digest in the same store) if given. Idempotent; atomic (temp file + rename)."""
         hex_ = _hex_of(digest)
+        if chunk_table is not None:
+            _hex_of(chunk_table)  # InvalidRequest for a malformed digest
         reg = self.state / "layers" / f"{hex_}.json"
         tmp = reg.with_suffix(f".{secrets.token_hex(4)}.tmp")
-        tmp.write_text(json.dumps({"digest": digest, "size": int(size), "url": url}))
+        doc = {"digest": digest, "size": int(size), "url": url, "chunk_table": chunk_table}
+        tmp.write_text(json.dumps(doc))
         os.rename(tmp, reg)
 
     def unregister(self, digest: str) -> None:
@@ -1275,6 +1321,7 @@ _METRIC_FIELDS = (
     ("fetch_errors", "dsec_lazy_fetch_errors", "Chunk fetches that failed or timed out"),
     ("prefetched_chunks", "dsec_lazy_prefetched_chunks", "Chunks fetched ahead of reads"),
     ("warmed_bytes", "dsec_lazy_warmed_bytes", "Bytes read into page cache by mount warm-ups"),
+    ("integrity_errors", "dsec_lazy_integrity_errors", "Fetched chunks refused by the chunk table"),
 )
 
 

@@ -84,6 +84,7 @@ from dsec.errors import (
     Unsupported,
 )
 from dsec.layers.store import LayerStore, extract_tarball
+from dsec.layers.workspace import detect_provides
 from dsec.models import ImageInfo, LayerInfo
 
 __all__ = [
@@ -979,6 +980,9 @@ def _build_group(
             "oci_blobs": list(group.blobs),
             "diff_ids": [diff_ids[i] for i in group.indexes] if diff_ids else [],
             "compressed_bytes": group.compressed_bytes,
+            # what the files show (glibc, debian-12, apt, ...): lets toolkit layers stack
+            # on images that carry no labels of their own
+            "provides": detect_provides(tree),
             **counts,
         }
         return store.build_layer(

@@ -20,8 +20,12 @@ Layer annotations (all strings, as OCI requires):
 ``dev.dsec.layer.meta``             the layer's metadata as JSON (omitted above 16 KiB)
 ==================================  =====================================================
 
-Push: each layer blob is uploaded unless the repository has it (``HEAD`` first), then the
-config, then the manifest under the tag. Attach: the manifest is read; ``lazy=True`` records
+Push: each layer blob is uploaded unless the repository has it (``HEAD`` first), with the
+layer's chunk table (:mod:`dsec.layers.chunktable`: per-64 KiB SHA-256 digests, named by the
+layer metadata's ``chunk_table`` and listed after the layers as
+:data:`CHUNK_TABLE_MEDIA_TYPE` entries so that registries keep them), then the config, then
+the manifest under the tag. A lazy attach fetches and checks every named table before it
+records anything, and the on-demand loader checks each fetched chunk against it. Attach: the manifest is read; ``lazy=True`` records
 each layer as remote (``LayerStore.add_remote_layer``: mounted through the on-demand FUSE
 loader), ``lazy=False`` downloads each blob (sha256 checked while streaming) into the store's
 scratch and imports it (a failure leaves nothing: the scratch slot is removed). A manifest
@@ -50,6 +54,8 @@ from dsec.errors import (
     LayerNotFound,
     Unsupported,
 )
+from dsec.layers.chunktable import MEDIA_TYPE as CHUNK_TABLE_MT
+from dsec.layers.chunktable import fetch_chunk_table, publish_chunk_table
 from dsec.layers.oci import (
     MT_OCI_MANIFEST,
     default_image_name,
@@ -62,6 +68,7 @@ from dsec.models import ImageInfo, LayerInfo, LayerKind
 
 __all__ = [
     "ARTIFACT_TYPE",
+    "CHUNK_TABLE_MEDIA_TYPE",
     "CONFIG_MEDIA_TYPE",
     "LAYER_MEDIA_TYPE",
     "PublishedLayer",
@@ -83,6 +90,7 @@ ANN_TITLE = "org.opencontainers.image.title"
 ANN_PROVIDES = "dev.dsec.layer.provides"
 ANN_REQUIRES = "dev.dsec.layer.requires"
 ANN_META = "dev.dsec.layer.meta"
+CHUNK_TABLE_MEDIA_TYPE = CHUNK_TABLE_MT
 _MAX_META_JSON = 16 * 1024
 _MAX_CONFIG_BYTES = 4 * 1024 * 1024
 _TIMEOUT_S = 30.0  # per request (push PUTs of up to 64 MiB)
@@ -126,7 +134,7 @@ def build_config(image: ImageInfo) -> bytes:
     )
 
 
-def _layer_descriptor(layer: LayerInfo) -> dict[str, Any]:
+def _layer_descriptor(layer: LayerInfo, chunk_table: str | None = None) -> dict[str, Any]:
     provides, requires = layer_labels(layer)
     annotations = {
         ANN_KIND: layer.kind,
@@ -137,6 +145,9 @@ def _layer_descriptor(layer: LayerInfo) -> dict[str, Any]:
     if layer.name:
         annotations[ANN_TITLE] = layer.name
     meta = {k: v for k, v in (layer.meta or {}).items() if k not in _LOCAL_META_KEYS}
+    meta.pop("chunk_table", None)
+    if chunk_table is not None:
+        meta["chunk_table"] = chunk_table
     meta_json = json.dumps(meta, sort_keys=True, separators=(",", ":"), default=str)
     if len(meta_json) <= _MAX_META_JSON:
         annotations[ANN_META] = meta_json
@@ -148,9 +159,17 @@ def _layer_descriptor(layer: LayerInfo) -> dict[str, Any]:
     }
 
 
-def build_manifest(image: ImageInfo, layers: list[LayerInfo], config: bytes) -> bytes:
+def build_manifest(
+    image: ImageInfo,
+    layers: list[LayerInfo],
+    config: bytes,
+    chunk_tables: dict[str, tuple[str, int]] | None = None,
+) -> bytes:
     """The OCI image manifest (bytes, canonical JSON) of a dsec artifact: ``layers`` are the
-    image's layers bottom first, ``config`` the bytes of :func:`build_config`."""
+    image's layers bottom first, ``config`` the bytes of :func:`build_config`,
+    ``chunk_tables`` maps a layer digest to its chunk table's (digest, size): named in the
+    layer's metadata and listed after the layers (so that registries keep the blobs)."""
+    tables = chunk_tables or {}
     doc = {
         "schemaVersion": 2,
         "mediaType": MT_OCI_MANIFEST,
@@ -160,7 +179,13 @@ def build_manifest(image: ImageInfo, layers: list[LayerInfo], config: bytes) -> 
             "digest": _digest_of(config),
             "size": len(config),
         },
-        "layers": [_layer_descriptor(x) for x in layers],
+        "layers": [
+            *(_layer_descriptor(x, tables.get(x.digest, (None, 0))[0]) for x in layers),
+            *(
+                {"mediaType": CHUNK_TABLE_MEDIA_TYPE, "digest": d, "size": n}
+                for d, n in dict.fromkeys(tables[x.digest] for x in layers if x.digest in tables)
+            ),
+        ],
         "annotations": {"org.opencontainers.image.ref.name": image.name},
     }
     return _json_bytes(doc)
@@ -190,6 +215,8 @@ def parse_dsec_manifest(doc: dict[str, Any]) -> list[PublishedLayer]:
         raise InvalidRequest("dsec image manifest has no layers")
     out: list[PublishedLayer] = []
     for i, desc in enumerate(descs):
+        if isinstance(desc, dict) and desc.get("mediaType") == CHUNK_TABLE_MEDIA_TYPE:
+            continue  # named by a layer's metadata
         if not isinstance(desc, dict) or desc.get("mediaType") != LAYER_MEDIA_TYPE:
             raise InvalidRequest(f"dsec manifest layer {i} is not a {LAYER_MEDIA_TYPE}")
         digest = str(desc.get("digest", ""))
@@ -277,8 +304,17 @@ def push_image(
     uploaded = 0
     owned = blob_store is None
     remote = blob_store or RegistryBlobStore(loc.store_url, auth, timeout_s=_TIMEOUT_S)
+    tables: dict[str, tuple[str, int]] = {}
     try:
         for layer in layers:
+            if store.is_local(layer.digest):
+                path = store.layer_path(layer.digest)
+                # the chunk table lets lazy readers check each range they fetch
+                tables[layer.digest] = publish_chunk_table(remote, path)
+            else:
+                table = (layer.meta or {}).get("chunk_table")
+                if isinstance(table, str) and remote.has(table):
+                    tables[layer.digest] = (table, remote.stat(table))
             if remote.has(layer.digest):
                 continue
             path = store.layer_path(layer.digest)  # LayerNotFound for a remote-only layer
@@ -286,7 +322,7 @@ def push_image(
             uploaded += layer.size
         config = build_config(info)
         remote.put_bytes(config, _digest_of(config))
-        manifest = build_manifest(info, layers, config)
+        manifest = build_manifest(info, layers, config, tables)
         digest = remote.put_manifest(tag, manifest, MT_OCI_MANIFEST)
     finally:
         if owned:
@@ -360,6 +396,13 @@ def attach_image(
         published = parse_dsec_manifest(doc)
         config = _read_config(remote, doc)
         image_name = name or default_image_name(parse_ref(docker_ref))
+        if lazy:  # every named chunk table is there and fits its layer, before any is recorded
+            for layer in published:
+                table = layer.meta.get("chunk_table")
+                if table is not None and not _have_local(store, layer.digest):
+                    if not isinstance(table, str):
+                        raise InvalidRequest(f"layer {layer.digest}: bad chunk_table {table!r}")
+                    fetch_chunk_table(remote, table, layer.size)
         started = time.monotonic()
         digests: list[str] = []
         fetched = 0

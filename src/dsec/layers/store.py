@@ -666,7 +666,9 @@ class LayerStore:
         :func:`dsec.layers.blobstore.open_blob_store`). No data is copied: a mount reads it
         on demand through the lazy FUSE server (:meth:`layer_path`), or :meth:`fetch_layer`
         downloads it. ``kind``/``name`` default to ``meta["kind"]``/``meta["name"]``, then
-        ``base``/None. Idempotent.
+        ``base``/None. ``meta["chunk_table"]``: the digest of the layer's chunk table in the
+        same store (:mod:`dsec.layers.chunktable`); on-demand reads are then checked chunk by
+        chunk. Idempotent.
 
         Raises:
             InvalidRequest: malformed digest, size < 0, bad kind/name or URL scheme.
@@ -692,7 +694,10 @@ class LayerStore:
                 "INSERT OR REPLACE INTO remote_layers (digest, source_url, size) VALUES (?, ?, ?)",
                 (digest, source_url, int(size)),
             )
-        self._lazy_server().register(digest, int(size), source_url)
+        table = meta.get("chunk_table")
+        self._lazy_server().register(
+            digest, int(size), source_url, chunk_table=table if isinstance(table, str) else None
+        )
         return self.get_layer(digest)
 
     def remote_source(self, digest: str) -> str | None:

@@ -16,8 +16,10 @@ Layers that carry no labels get defaults from what they are (:func:`layer_labels
 * a ``toolkit`` layer (Debian packages installed over a Debian base, see
   :mod:`dsec.runtimes.fncall.toolkits`) requires ``glibc`` and ``debian-12`` and provides its
   toolkit name and packages;
-* anything else provides and requires nothing (an OCI image pulled from a registry is not
-  inspected: give it labels when you push it, or build workspaces that require nothing).
+* a layer converted from an OCI image (``dsec image pull``) provides what its files show
+  (:func:`detect_provides`): ``glibc`` or ``musl``, ``<os id>`` and ``<os id>-<version>``
+  from os-release (``debian-12``), ``apt`` / ``apk``, ``busybox``, ``python3``;
+* anything else provides and requires nothing (give it labels when you push it).
 
 :func:`check_stack` refuses a stack with an unmet requirement, naming the layer and the
 missing labels: the edge calls it at create time, before anything is mounted.
@@ -38,6 +40,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
@@ -53,6 +56,7 @@ __all__ = [
     "TOOLKIT_REQUIRES",
     "build_workspace_layer",
     "check_stack",
+    "detect_provides",
     "layer_labels",
     "normalise_labels",
 ]
@@ -92,6 +96,64 @@ def normalise_labels(labels: Iterable[str] | str | None, *, what: str = "labels"
             raise InvalidRequest(f"invalid {what} label {label!r}: [a-z0-9][a-z0-9._+-]*")
         out.add(label)
     return sorted(out)
+
+
+_MARKERS: tuple[tuple[str, str], ...] = (
+    ("glibc", "usr/lib/x86_64-linux-gnu/libc.so.6"),
+    ("glibc", "lib/x86_64-linux-gnu/libc.so.6"),
+    ("glibc", "lib64/ld-linux-x86-64.so.2"),
+    ("musl", "lib/ld-musl-x86_64.so.1"),
+    ("apt", "usr/bin/apt-get"),
+    ("apk", "sbin/apk"),
+    ("busybox", "bin/busybox"),
+    ("python3", "usr/bin/python3"),
+)
+_OS_RELEASE = ("etc/os-release", "usr/lib/os-release")
+
+
+def _inside(tree: Path, rel: str) -> Path | None:
+    """``tree/rel`` if every directory on the way is a real directory of the tree (no
+    symlinked directory: an absolute link such as ``lib -> /usr/lib`` would resolve on the
+    host), else None. The last component may be a link (``libc.so.6`` usually is)."""
+    parts = rel.split("/")
+    cur = tree
+    for part in parts[:-1]:
+        cur = cur / part
+        try:
+            st = os.lstat(cur)
+        except OSError:
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+    path = cur / parts[-1]
+    return path if os.path.lexists(path) else None
+
+
+def detect_provides(tree: Path) -> list[str]:
+    """Labels a root filesystem tree provides, read from its files (see the module
+    docstring); symlinks are never followed out of the tree. For the layers of images
+    pulled from OCI registries, which carry no labels of their own."""
+    found = {label for label, rel in _MARKERS if _inside(tree, rel) is not None}
+    for rel in _OS_RELEASE:
+        path = _inside(tree, rel)
+        if path is None or not stat.S_ISREG(os.lstat(path).st_mode):
+            continue
+        try:
+            text = path.read_text(errors="replace")[:8192]
+        except OSError:
+            continue
+        fields = {}
+        for line in text.splitlines():
+            key, sep, value = line.partition("=")
+            if sep:
+                fields[key.strip()] = value.strip().strip("\"'")
+        os_id = fields.get("ID", "").lower()
+        version = fields.get("VERSION_ID", "").lower()
+        for label in (os_id, f"{os_id}-{version}" if os_id and version else ""):
+            if label and _LABEL_RE.match(label):
+                found.add(label)
+        break
+    return sorted(found)
 
 
 def layer_labels(layer: LayerInfo) -> tuple[list[str], list[str]]:
