@@ -80,6 +80,24 @@ def dsec_home_root() -> Iterator[Path]:
     _release_test_homes(base, remove=not keep)
 
 
+def _free_node_resources(base: Path) -> None:
+    """Free what the servers whose home was under ``base`` keep outside it: their VM
+    template RAM on /dev/shm (host memory) and their lazy layer servers."""
+    for tpl in Path("/dev/shm").glob("dsec-tpl-*"):
+        with contextlib.suppress(OSError):
+            if Path((tpl / "home").read_text()).is_relative_to(base):
+                shutil.rmtree(tpl, ignore_errors=True)
+    _stop_lazy_servers(base)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _free_tmp_path_homes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Homes made under pytest's ``tmp_path`` (kept for inspection) still must not hold
+    host memory after the session."""
+    yield
+    _free_node_resources(tmp_path_factory.getbasetemp())
+
+
 def _stop_lazy_servers(base: Path) -> None:
     """Stop the lazy layer servers whose state directory is under ``base``: they run in their
     own session and outlive the process that started them (a killed ``dsec serve``)."""
@@ -104,11 +122,7 @@ def _release_test_homes(base: Path, *, remove: bool) -> None:
     """After the session: free the VM template RAM (on /dev/shm, i.e. host memory) of the
     servers whose home was under ``base``, and delete ``base`` unless something is still
     mounted below it (never recurse into a mount)."""
-    for tpl in Path("/dev/shm").glob("dsec-tpl-*"):
-        with contextlib.suppress(OSError):
-            if Path((tpl / "home").read_text()).is_relative_to(base):
-                shutil.rmtree(tpl, ignore_errors=True)
-    _stop_lazy_servers(base)
+    _free_node_resources(base)
     if not remove:
         return
     prefix = str(base.resolve()) + "/"
