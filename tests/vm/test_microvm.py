@@ -406,6 +406,18 @@ async def test_command_spawn_semantics(microvm: MicroVMRuntime, make_vm: MakeVM)
     assert r.exit_code == 0 and r.stdout == "from-script a1\n", r
     r = await microvm.exec(h, ExecRequest(cmd=["noshebang"], env={"PATH": "/bin"}))
     assert r.exit_code == 127 and "noshebang" in r.stderr, r
+    # a file without the x bit earlier in PATH is passed over; alone it is "permission denied"
+    await microvm.exec(
+        h, ExecRequest(cmd="mkdir -p /opt/a && echo 'echo wrong' > /opt/a/noshebang")
+    )
+    r = await microvm.exec(
+        h, ExecRequest(cmd=["noshebang", "a2"], env={"PATH": "/opt/a:/opt/b:/bin"})
+    )
+    assert r.exit_code == 0 and r.stdout == "from-script a2\n", r
+    r = await microvm.exec(h, ExecRequest(cmd=["noshebang"], env={"PATH": "/opt/a"}))
+    assert r.exit_code == 126 and "denied" in r.stderr.lower(), r
+    r = await microvm.exec(h, ExecRequest(cmd=[""]))
+    assert r.exit_code == 127, r
     r = await microvm.exec(h, ExecRequest(cmd="awk 'BEGIN{s=\"x\"; while(1) s=s s}'", timeout_s=60))
     assert r.oom_killed, r
     for _ in range(3):  # whichever leaf comes next, no stale OOM report

@@ -823,8 +823,10 @@ struct child_ctx {
 };
 
 /* execvp() with the PATH of ``envp`` (not of this process) and no writes to shared memory:
- * safe in a child that shares the agent's memory (CLONE_VM). Returns the errno to report. */
+ * safe in a child that shares the agent's memory (CLONE_VM). Only candidates that exist and
+ * are executable are execve'd. Returns the errno to report. */
 static int exec_search(const char *file, char **argv, char **envp) {
+    if (!*file) return ENOENT;
     if (strchr(file, '/')) {
         execve(file, argv, envp);
         return errno;
@@ -843,7 +845,9 @@ static int exec_search(const char *file, char **argv, char **envp) {
             size_t off = dlen;
             if (dlen > 0) buf[off++] = '/';
             memcpy(buf + off, file, flen + 1);
-            execve(buf, argv, envp);
+            /* a path walk first: a failing execve builds a whole new mm and copies argv and
+             * envp into it before it looks the file up (~0.5 ms per PATH entry under TCG) */
+            if (faccessat(AT_FDCWD, buf, X_OK, AT_EACCESS) == 0) execve(buf, argv, envp);
             if (errno == EACCES)
                 seen_eacces = 1;
             else if (errno != ENOENT && errno != ENOTDIR)
