@@ -29,9 +29,9 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from dsec import __version__
 from dsec.cluster.actor import BURST_LABEL, NodeConfig, ensure_edge_actor, node_name_of
@@ -82,6 +82,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("dsec.cluster")
+
+_T = TypeVar("_T")
 
 PREFER_NODE_LABEL = "dsec.io/prefer-node"
 """Sandbox label naming a node to try first (soft: other nodes are tried if it rejects)."""
@@ -549,22 +551,71 @@ class ClusterEdge:
         if req.tier not in TIERS:
             raise InvalidRequest(f"unknown tier {req.tier!r}")
         preq = self._placement_request(req)
-        last: DsecError | None = None
-        for node in self.candidates(preq, prefer=req.labels.get(PREFER_NODE_LABEL)):
-            placer = self.placer
-            try:
-                reservation = placer.begin(node, preq)
-            except (QuotaExceeded, NotFound) as e:
-                last = e
-                continue
+        candidates = self.candidates(preq, prefer=req.labels.get(PREFER_NODE_LABEL))
+
+        async def attempt(node: str) -> tuple[SandboxInfo, None]:
             try:
                 info: SandboxInfo = await self._call(
                     node, "create_sandbox", req, owner, timeout=self.options.create_timeout_s
                 )
             except (QuotaExceeded, NodeLost, ServiceUnavailable) as e:
-                placer.abort(reservation)
                 self.rejections_retried += 1
                 log.info("node %s did not admit a %s sandbox: %s", node, req.tier, e.message)
+                raise
+            return info, None
+
+        def none_admits(last: DsecError | None) -> DsecError:
+            if isinstance(last, QuotaExceeded) or last is None:
+                return QuotaExceeded(
+                    "no node of the cluster admits this sandbox"
+                    + (f" (last refusal: {last.message})" if last else ""),
+                    tier=req.tier,
+                )
+            return last
+
+        info, _ = await self._on_first_admitting(
+            candidates,
+            preq,
+            owner,
+            attempt,
+            refusals=(QuotaExceeded, NodeLost, ServiceUnavailable),
+            none_admits=none_admits,
+        )
+        return info
+
+    async def _on_first_admitting(
+        self,
+        candidates: list[str],
+        preq: PlacementRequest,
+        owner: str,
+        attempt: Callable[[str], Awaitable[tuple[SandboxInfo, _T]]],
+        *,
+        refusals: tuple[type[DsecError], ...] = (QuotaExceeded,),
+        explicit: bool = False,
+        none_admits: Callable[[DsecError | None], DsecError],
+    ) -> tuple[SandboxInfo, _T]:
+        """Run ``attempt(node)`` on the candidates in order, each under a placement
+        reservation for ``preq``, until one succeeds: the reservation is committed and the
+        new sandbox recorded. A refusal (``refusals`` from the node, or the placer's own)
+        moves on to the next candidate, unless the target was ``explicit`` (then it is
+        raised); when none admits, ``none_admits(last refusal)`` is raised. Used by creation
+        and by both migration methods (:mod:`dsec.cluster.migrate`)."""
+        last: DsecError | None = None
+        for node in candidates:
+            placer = self.placer
+            try:
+                reservation = placer.begin(node, preq)
+            except (QuotaExceeded, NotFound) as e:
+                if explicit:
+                    raise
+                last = e
+                continue
+            try:
+                info, extra = await attempt(node)
+            except refusals as e:
+                placer.abort(reservation)
+                if explicit:
+                    raise
                 last = e
                 continue
             except BaseException:
@@ -573,14 +624,8 @@ class ClusterEdge:
             with contextlib.suppress(DsecError):
                 placer.commit(reservation)
             await self._record(owner, info)
-            return info
-        if isinstance(last, QuotaExceeded) or last is None:
-            raise QuotaExceeded(
-                "no node of the cluster admits this sandbox"
-                + (f" (last refusal: {last.message})" if last else ""),
-                tier=req.tier,
-            )
-        raise last
+            return info, extra
+        raise none_admits(last)
 
     async def create_sandboxes(
         self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False

@@ -68,8 +68,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 from dsec.errors import (
     CapabilityNotSupported,
@@ -226,50 +226,13 @@ async def migrate_sandbox(
     )
 
 
-_T = TypeVar("_T")
+def _none_admits(info: SandboxInfo) -> Callable[[DsecError | None], DsecError]:
+    """The error of a migration that no candidate admitted: the last refusal, if any."""
 
+    def error(last: DsecError | None) -> DsecError:
+        return last or QuotaExceeded(f"no node admits sandbox {info.id}", sandbox_id=info.id)
 
-async def _on_first_admitting(
-    edge: ClusterEdge,
-    info: SandboxInfo,
-    owner: str,
-    candidates: list[str],
-    req: CreateSandboxRequest,
-    attempt: Callable[[str], Awaitable[tuple[SandboxInfo, _T]]],
-    *,
-    explicit: bool,
-    refusals: tuple[type[DsecError], ...] = (QuotaExceeded,),
-) -> tuple[SandboxInfo, _T]:
-    """Run ``attempt(node)`` on the candidates in order under a placement reservation for
-    ``req`` until one succeeds; a refusal (``refusals``, or the placer's own) moves on to the
-    next candidate unless the target was ``explicit``. The new sandbox is recorded."""
-    preq = edge._placement_request(req)
-    last: DsecError | None = None
-    for node in candidates:
-        placer = edge.placer
-        try:
-            reservation = placer.begin(node, preq)
-        except (QuotaExceeded, NotFound) as e:
-            if explicit:
-                raise
-            last = e
-            continue
-        try:
-            new, extra = await attempt(node)
-        except refusals as e:
-            placer.abort(reservation)
-            if explicit:
-                raise
-            last = e
-            continue
-        except BaseException:
-            placer.abort(reservation)
-            raise
-        with contextlib.suppress(DsecError):
-            placer.commit(reservation)
-        await edge._record(owner, new)
-        return new, extra
-    raise last or QuotaExceeded(f"no node admits sandbox {info.id}", sandbox_id=info.id)
+    return error
 
 
 async def _move(
@@ -301,7 +264,14 @@ async def _move(
         return new, moved
 
     req = CreateSandboxRequest.model_validate(export["request"])
-    return await _on_first_admitting(edge, info, owner, candidates, req, attempt, explicit=explicit)
+    return await edge._on_first_admitting(
+        candidates,
+        edge._placement_request(req),
+        owner,
+        attempt,
+        explicit=explicit,
+        none_admits=_none_admits(info),
+    )
 
 
 async def _move_layers(edge: ClusterEdge, source: str, target: str, digests: list[str]) -> int:
@@ -370,15 +340,14 @@ async def _move_memory(
 
     try:
         req = CreateSandboxRequest.model_validate(export["request"])
-        new, (layer_bytes, state_bytes) = await _on_first_admitting(
-            edge,
-            info,
-            owner,
+        new, (layer_bytes, state_bytes) = await edge._on_first_admitting(
             candidates,
-            req,
+            edge._placement_request(req),
+            owner,
             attempt,
             explicit=explicit,
             refusals=(QuotaExceeded, CapabilityNotSupported),
+            none_admits=_none_admits(info),
         )
         return new, layer_bytes, state_bytes
     finally:
