@@ -648,7 +648,6 @@ static int leaf_populated(const char *name) {
  * in a freshly made memory cgroup (and the teardown of the last one) cost ~10 ms there.
  * ``oom_base`` gets the leaf's oom_kill count so far. */
 static void take_leaf(char *name, size_t len, long long *oom_base) {
-    *oom_base = 0;
     while (n_free_leaves > 0) {
         n_free_leaves--;
         snprintf(name, len, "%s", free_leaves[n_free_leaves].name);
