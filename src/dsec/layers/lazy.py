@@ -664,10 +664,8 @@ class _LazyFS:
     def _start(self, lay: LazyLayer) -> None:
         """Prefetch metadata, then either the start record's chunks or begin recording."""
         self._prefetch_pool.submit(self._prefetch_metadata, lay)
-        try:
-            rec = json.loads(self._record_path(lay.hex).read_text())
-            chunks = [int(i) for i in rec["chunks"]] if rec["chunk_size"] == lay.chunk_size else []
-        except (FileNotFoundError, ValueError, KeyError):
+        chunks = self._read_record(lay)
+        if chunks is None:
             with self._lock:
                 self._recording[lay.hex] = time.monotonic() + self.record_seconds
             return
@@ -691,16 +689,16 @@ class _LazyFS:
         except (DsecError, OSError) as e:
             log.debug("layer %s: prefetch of chunk %d failed: %s", lay.digest, index, e)
 
-    def _recorded_chunks(self, lay: LazyLayer) -> list[int]:
-        """The chunks a start of ``lay`` reads, from its start record (none before the first
-        start has been recorded)."""
+    def _read_record(self, lay: LazyLayer) -> list[int] | None:
+        """The chunks a start of ``lay`` reads, in first-touch order, from its start record:
+        None if there is no readable record yet, [] if it was made with another chunk size."""
         try:
             rec = json.loads(self._record_path(lay.hex).read_text())
-            if rec["chunk_size"] == lay.chunk_size:
-                return sorted(int(i) for i in rec["chunks"])
+            if rec["chunk_size"] != lay.chunk_size:
+                return []
+            return [int(i) for i in rec["chunks"]]
         except (FileNotFoundError, ValueError, KeyError):
-            pass
-        return []
+            return None
 
     def _warm_on_open(self, lay: LazyLayer) -> None:
         """EROFS opens a layer's file once per mount: each mount is a start. Bring the chunks
@@ -730,7 +728,7 @@ class _LazyFS:
 
     def _warm(self, lay: LazyLayer) -> None:
         try:
-            chunks = self._recorded_chunks(lay)
+            chunks = sorted(self._read_record(lay) or [])
             if not chunks:
                 return
             # opening our own file comes back to open() and finds the warm-up running
