@@ -97,6 +97,17 @@ async def test_exec_from_template(microvm: MicroVMRuntime, make_vm: MakeVM) -> N
     # its own kernel, not the host's
     r = await microvm.exec(h, ExecRequest(cmd="uname -r"))
     assert r.stdout.strip() != os.uname().release and "cloud" in r.stdout
+    # the guest kernel runs with the arguments the runtime chose for the accelerator, and
+    # under TCG sees a CPU without ERMS (no byte-wise `rep movsb/stosb`)
+    r = await microvm.exec(h, ExecRequest(cmd="cat /proc/cmdline; grep -m1 ^flags /proc/cpuinfo"))
+    cmdline, flags = r.stdout.split("\n")[:2]
+    assert "lsm=landlock,yama,bpf" in cmdline.split()
+    tcg_args = {"mitigations=off", "init_on_alloc=0", "clearcpuid=rep_good"}
+    if microvm.accel == "tcg":
+        assert tcg_args <= set(cmdline.split()), cmdline
+        assert not {"erms", "rep_good"} & set(flags.split()), flags
+    else:
+        assert not tcg_args & set(cmdline.split()), cmdline
     # limits: one vCPU; guest RAM = 256 MiB for the commands + the guest kernel's reserve;
     # every command in a guest cgroup holding it to memory_mb and pids; QEMU inside a host
     # cgroup with quota and memory limit

@@ -135,38 +135,59 @@ static void write_all(int fd, const void *buf, size_t n) {
     }
 }
 
-/* Send one frame with up to 16 args. */
-static void send_frame(uint32_t id, uint16_t op, int nargs, const struct arg *args) {
-    uint32_t payload = 0;
-    for (int i = 0; i < nargs; i++) payload += 4 + args[i].n;
+/* Frames to the host are gathered in one buffer and written once per turn of the main loop
+ * (out_flush before it waits), so a command's last output and its exit status reach the host
+ * in one virtio-serial write: one host wake-up instead of two. */
+static char *obuf;
+static size_t olen, ocap;
+#define OBUF_FLUSH_AT (256 * 1024)
+
+static void out_flush(void) {
+    if (olen > 0) write_all(port_fd, obuf, olen);
+    olen = 0;
+}
+
+static void out_put(const void *p, size_t n) {
+    if (olen + n > ocap) {
+        out_flush();
+        if (n > OBUF_FLUSH_AT) { /* too big to copy: straight through, order kept */
+            write_all(port_fd, p, n);
+            return;
+        }
+        if (!obuf) {
+            ocap = 2 * OBUF_FLUSH_AT;
+            obuf = malloc(ocap);
+            if (!obuf) {
+                ocap = 0;
+                write_all(port_fd, p, n);
+                return;
+            }
+        }
+    }
+    memcpy(obuf + olen, p, n);
+    olen += n;
+    if (olen >= OBUF_FLUSH_AT) out_flush();
+}
+
+static void frame_header(uint32_t id, uint16_t op, uint32_t payload, uint16_t nargs) {
     char hdr[16];
     uint32_t magic = MAGIC;
-    uint16_t na = (uint16_t)nargs;
     memcpy(hdr, &magic, 4);
     memcpy(hdr + 4, &payload, 4);
     memcpy(hdr + 8, &id, 4);
     memcpy(hdr + 12, &op, 2);
-    memcpy(hdr + 14, &na, 2);
-    /* coalesce small frames into one write */
-    if (payload <= 65536) {
-        char *buf = malloc(16 + payload);
-        if (!buf) return;
-        memcpy(buf, hdr, 16);
-        size_t off = 16;
-        for (int i = 0; i < nargs; i++) {
-            memcpy(buf + off, &args[i].n, 4);
-            off += 4;
-            if (args[i].n) memcpy(buf + off, args[i].p, args[i].n);
-            off += args[i].n;
-        }
-        write_all(port_fd, buf, off);
-        free(buf);
-        return;
-    }
-    write_all(port_fd, hdr, 16);
+    memcpy(hdr + 14, &nargs, 2);
+    out_put(hdr, 16);
+}
+
+/* Queue one frame with up to 16 args. */
+static void send_frame(uint32_t id, uint16_t op, int nargs, const struct arg *args) {
+    uint32_t payload = 0;
+    for (int i = 0; i < nargs; i++) payload += 4 + args[i].n;
+    frame_header(id, op, payload, (uint16_t)nargs);
     for (int i = 0; i < nargs; i++) {
-        write_all(port_fd, &args[i].n, 4);
-        write_all(port_fd, args[i].p, args[i].n);
+        out_put(&args[i].n, 4);
+        out_put(args[i].p, args[i].n);
     }
 }
 
@@ -269,18 +290,12 @@ static void list_free(struct entry_list *l) {
 static void send_entries(uint32_t id, struct entry_list *l) {
     uint32_t payload = 0;
     for (int i = 0; i < l->n; i++) payload += 4 + l->args[i].n;
-    char hdr[16];
-    uint32_t magic = MAGIC, nargs = (uint32_t)l->n;
-    uint16_t op = OP_OK, na = (uint16_t)(nargs > 65535 ? 65535 : nargs);
-    memcpy(hdr, &magic, 4);
-    memcpy(hdr + 4, &payload, 4);
-    memcpy(hdr + 8, &id, 4);
-    memcpy(hdr + 12, &op, 2);
-    memcpy(hdr + 14, &na, 2);
-    write_all(port_fd, hdr, 16);
+    uint32_t nargs = (uint32_t)l->n;
+    uint16_t na = (uint16_t)(nargs > 65535 ? 65535 : nargs);
+    frame_header(id, OP_OK, payload, na);
     for (int i = 0; i < (int)na; i++) {
-        write_all(port_fd, &l->args[i].n, 4);
-        write_all(port_fd, l->args[i].p, l->args[i].n);
+        out_put(&l->args[i].n, 4);
+        out_put(l->args[i].p, l->args[i].n);
     }
 }
 
@@ -660,11 +675,11 @@ static void take_leaf(char *name, size_t len, long long *oom_base) {
     if (mkdirat(cmd_cg_fd, name, 0700) < 0) name[0] = 0;
 }
 
-/* Give back a command's leaf: kept for the next command when empty, else removed once its
- * background processes are gone (sweep_stale_cgroups). */
+/* Give back a command's leaf for a later command. Whether it is empty is checked when it is
+ * taken again (take_leaf), the moment that matters: one cgroup.events read per command. */
 static void put_leaf(const char *name, long long oom_kills) {
     if (cmd_cg_fd < 0 || !name[0]) return;
-    if (n_free_leaves < MAX_FREE_LEAVES && !leaf_populated(name)) {
+    if (n_free_leaves < MAX_FREE_LEAVES) {
         snprintf(free_leaves[n_free_leaves].name, sizeof free_leaves[0].name, "%s", name);
         free_leaves[n_free_leaves++].oom_kills = oom_kills;
         return;
@@ -1052,6 +1067,8 @@ static void do_exec(uint32_t id, int nargs, struct arg *a) {
     e->fd_err = p_err[0];
     e->fd_in = p_in[1];
     fcntl(e->fd_in, F_SETFL, O_NONBLOCK);
+    fcntl(e->fd_out, F_SETFL, O_NONBLOCK);
+    fcntl(e->fd_err, F_SETFL, O_NONBLOCK);
     e->max_out = (uint64_t)max_out;
     e->start_ms = now_ms();
     e->deadline_ms = timeout_ms > 0 ? e->start_ms + timeout_ms : 0;
@@ -1078,15 +1095,17 @@ out:
     free(user);
 }
 
-static void exec_output(struct exec_state *e, int which) {
+/* Forward what one of a command's pipes holds. Returns 1 if it read data, 0 if the pipe is
+ * empty (the agent's ends are non-blocking) or at its end (then closed). */
+static int exec_output(struct exec_state *e, int which) {
     int *fd = which == 1 ? &e->fd_out : &e->fd_err;
     char buf[65536];
     ssize_t r = read(*fd, buf, sizeof buf);
-    if (r < 0 && (errno == EINTR || errno == EAGAIN)) return;
+    if (r < 0 && (errno == EINTR || errno == EAGAIN)) return 0;
     if (r <= 0) {
         close(*fd);
         *fd = -1;
-        return;
+        return 0;
     }
     uint64_t *count = which == 1 ? &e->n_out : &e->n_err;
     int *trunc = which == 1 ? &e->trunc_out : &e->trunc_err;
@@ -1098,6 +1117,16 @@ static void exec_output(struct exec_state *e, int which) {
         struct arg out[2] = {{which == 1 ? "1" : "2", 1}, {buf, (uint32_t)keep}};
         send_frame(e->id, OP_OUT, 2, out);
     }
+    return 1;
+}
+
+/* Once a command has exited, take what is left in its pipes now rather than on later turns of
+ * the loop, so its last output and its exit status usually leave in one write. Bounded: a
+ * background process that keeps writing is read on later turns (until DRAIN_GRACE_MS). */
+static void exec_drain(struct exec_state *e) {
+    for (int which = 1; which <= 2; which++)
+        for (int i = 0; i < 16 && (which == 1 ? e->fd_out : e->fd_err) >= 0; i++)
+            if (!exec_output(e, which)) break;
 }
 
 static void exec_finish(struct exec_state *e) {
@@ -1391,6 +1420,7 @@ int main(int argc, char **argv) {
             if (t > 0 && (wake < 0 || t < wake)) wake = t;
         }
         int timeout = wake < 0 ? -1 : (int)(wake > now ? wake - now : 0);
+        out_flush();
         int r = poll(pfds, (nfds_t)n, timeout);
         if (r < 0 && errno != EINTR) continue;
         port_idle = 0;
@@ -1431,6 +1461,7 @@ int main(int argc, char **argv) {
                 e->timed_out = 1;
                 kill_command(e);
             }
+            if (e->exited && (e->fd_out >= 0 || e->fd_err >= 0)) exec_drain(e);
             if (e->exited && ((e->fd_out < 0 && e->fd_err < 0) || now >= e->exit_ms + DRAIN_GRACE_MS)) {
                 exec_finish(e);
             }

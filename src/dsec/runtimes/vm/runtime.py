@@ -107,9 +107,7 @@ class VMRuntime(MicroVMRuntime):
         return self.artifacts.bzimage
 
     def _machine_args(self) -> list[str]:
-        accel = ["-accel", "kvm", "-cpu", "host"] if self.accel == "kvm" else [
-            "-accel", f"tcg,tb-size={self.config.tb_size_mb}", "-cpu", "max"]  # fmt: skip
-        return ["-M", "q35,memory-backend=mem", *accel]
+        return ["-M", "q35,memory-backend=mem", *self._accel_args()]
 
     def _kernel_args(self, n_layers: int, disk_mb: int) -> str:
         return super()._kernel_args(n_layers, disk_mb) + " dsec.tty=1"
