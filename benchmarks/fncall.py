@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hostprobe import host_probe_s
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -466,15 +468,24 @@ def main() -> None:
         },
         "targets": {"http_p50_ms": 3.0, "calls_per_s": 500, "vs_cold_container": 20},
     }
+    probes: dict[str, float] = {}
+    results["host_probe_ms"] = probes  # hostprobe.py: ~11 ms at full host speed, higher = slower
+
+    def probe(phase: str) -> None:
+        probes[phase] = round(host_probe_s() * 1000, 1)
+
     with Server(home, min_ready=min(args.concurrency * 2, 64), max_ready=128) as srv:
         time.sleep(3)  # let the first pools fill
         srv.call(_inproc_latency(srv.svc, 5))
+        probe("inproc_latency")
         results["inproc_latency_idle_pool"] = summary(
             srv.call(_inproc_latency(srv.svc, n, gap_s=0.02))
         )
+        probe("http_latency")
         results["http_latency"] = _load_process(srv.url, n, 1, 0.02)
         results["http_latency"]["load_avg_1m"] = os.getloadavg()[0]
         results["http_latency_httpx"] = _load_process(srv.url, n // 2, 1, 0.02, client="httpx")
+        probe("throughput")
         cpu0 = srv.tree_cpu_s()
         results["inproc_throughput"] = srv.call(
             _inproc_throughput(srv.svc, total, args.concurrency)
@@ -502,6 +513,7 @@ def main() -> None:
             results["c_compile_and_run"] = {"error": repr(e)[:500]}
         results["pools"] = srv.svc.runtime.pools()
         layer_files, digests = srv.call(srv.svc.runtime.image_layers("debian"))
+    probe("bwrap_and_cold_container")
     results["bwrap_python"] = _bwrap(layer_files[0], 20 if args.quick else 50)
     try:
         results["cold_container"] = asyncio.run(
@@ -542,6 +554,10 @@ def main() -> None:
     print(
         f"worker refill: {results['refill']['workers_per_s']:.0f} workers/s; "
         f"HTTP vs cold container: {results['speedup_vs_cold_container']}x; vs bwrap: {results['speedup_vs_bwrap']}x"
+    )
+    print(
+        "host CPU probe (SHA-256 of 16 MiB, ~11 ms at full speed) before each phase: "
+        + ", ".join(f"{k} {v:.0f} ms" for k, v in probes.items())
     )
     shutil.rmtree(home, ignore_errors=True)
 

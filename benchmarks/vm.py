@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import platform
@@ -49,6 +48,7 @@ from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 from dsec.runtimes.microvm.ksm import KSM_SYSFS, ksmd_set, wait_ksm_settled
 from dsec.runtimes.vm import VMRuntime
+from hostprobe import host_probe_s
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vm.json"
 
@@ -85,21 +85,6 @@ class Bench:
         if not rt.capabilities().available:
             raise SystemExit(f"microvm unavailable: {rt.capabilities().reason}")
         return rt
-
-
-def host_probe_s() -> float:
-    """Seconds for a fixed CPU-bound job (SHA-256 of 16 MiB) on this host, best of 3.
-
-    The exec round trip is emulated guest code, so it scales with how fast the host CPU runs
-    at that moment; on a VM on shared cores that swings by 2x or more from one minute to the
-    next. The probe before each exec batch shows which state each batch ran in."""
-    data = b"\0" * (16 << 20)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        hashlib.sha256(data).digest()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def p50(xs: list[float]) -> float:
