@@ -268,8 +268,8 @@ async def test_no_server_fd_inherited(svc: RunCodeService) -> None:
         leak.close()
     child_fds, own_fds, agent_fds_readable = text.split("\n")[:3]
     assert child_fds == "['0', '1', '2', '3']", text  # 3 is ls's own directory descriptor
-    # the interpreter itself holds only the runtime's status pipe and /dev/null, close-on-exec
-    assert own_fds == "{1022: '/dev/null', 1023: 'pipe'}", text
+    # the interpreter itself holds only the runtime's status socket and /dev/null, close-on-exec
+    assert own_fds == "{1022: '/dev/null', 1023: 'socket'}", text
     assert agent_fds_readable == "False"
 
 

@@ -224,3 +224,43 @@ def test_seccomp_filter_denies_namespaces_even_for_root() -> None:
         return 0 if rc == -1 and ctypes.get_errno() == 1 else 1
 
     assert _in_child(child) == 0
+
+
+async def _run(
+    svc: RunCodeService, code: str, timeout: float = 10.0
+) -> tuple[str, int | None, str]:
+    resp = await svc.run_code(RunCodeRequest(code=code, language="python", run_timeout=timeout))
+    assert resp.run_result is not None, resp
+    r = resp.run_result
+    return r.status.value, r.return_code, r.stdout or ""
+
+
+# The runner reports the exit code on descriptor 1023, which user code can also write to.
+_FORGE = 'import os\nos.write(1023, b\'{"rc": 0, "cpu_s": 0.0}\')\n'
+
+
+@pytestmark_async
+@pytest.mark.debian
+@pytest.mark.parametrize(
+    ("name", "code", "status", "rc", "stdout"),
+    [
+        # a forged report, then the test fails: the failure counts
+        ("forge_then_fail", _FORGE + "assert 1 + 1 == 3\n", "Finished", 1, ""),
+        # a forged report, then the program runs on: the call ends only when it does
+        ("forge_then_loop", _FORGE + "while True:\n    pass\n", "TimeLimitExceeded", None, ""),
+        # malformed reports are ignored, not a server error
+        ("garbage_report", "import os\nos.write(1023, b'[1]')\nos.write(1023, b'{\"rc\": \"x\"}')\n"
+         "print('done')\nraise SystemExit(4)\n", "Finished", 4, "done\n"),
+        # a child forked by the code ends first: the call's result is the main process's
+        ("fork_child_first", "import os, sys, time\nif os.fork() == 0:\n    print('child', flush=True)\n"
+         "else:\n    time.sleep(0.5)\n    print('parent')\n    sys.exit(3)\n", "Finished", 3,
+         "child\nparent\n"),
+    ],
+)  # fmt: skip
+async def test_status_report_cannot_be_forged(
+    svc: RunCodeService, name: str, code: str, status: str, rc: int | None, stdout: str
+) -> None:
+    got = await _run(svc, code, timeout=3.0)
+    assert got[0] == status and (rc is None or got[1] == rc) and got[2] == stdout, (name, got)
+    # and the next call is served normally
+    assert await _run(svc, "print(1 + 1)") == ("Finished", 0, "2\n")

@@ -30,6 +30,7 @@ spawns, so the agent's reports (exit status, output, fetched files) cannot be fo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import gc
@@ -344,6 +345,66 @@ def _write_at(dir_fd: int, name: str, value: str) -> None:
         os.close(fd)
 
 
+def _on_sigchld(_signo: int, _frame: object) -> None:
+    """SIGCHLD handler: nothing to do; the signal's wake-up fd byte is what matters."""
+
+
+def _status_channel() -> tuple[int, int]:
+    """(agent's end, interpreter's end) of the warm interpreter's status channel.
+
+    A ``SOCK_SEQPACKET`` pair whose receiving end has ``SO_PASSCRED``: the kernel stamps every
+    report with the pid of the process that sent it. User code runs in the interpreter and can
+    write to this channel too, and so can any process it forks (they inherit the descriptor),
+    so the agent takes a report only from the interpreter itself and only once the kernel shows
+    that process stopped (the runner stops itself right after reporting): see
+    :meth:`Agent._drain`."""
+    agent_end, interp_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    agent_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    return agent_end.detach(), interp_end.detach()
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _read_reports(
+    sock: socket.socket, pid: int, latest: dict[str, Any] | None
+) -> tuple[bool, dict[str, Any] | None]:
+    """Read every message waiting on the status channel: (the channel is still open, the
+    latest well-formed report sent by ``pid``, else ``latest``)."""
+    while True:
+        try:
+            data, ancdata, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(_UCRED.size))
+        except (BlockingIOError, InterruptedError):
+            return True, latest
+        if not data and not ancdata:
+            return False, latest  # every writer closed it
+        latest = _parse_report(data, ancdata, pid) or latest
+
+
+def _parse_report(
+    data: bytes, ancdata: list[tuple[int, int, bytes]], pid: int
+) -> dict[str, Any] | None:
+    """The report in one status message if ``pid`` sent it and it is well formed."""
+    sender = None
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            sender = _UCRED.unpack_from(payload)[0]
+    if sender != pid:
+        return None  # a process the user's code forked: not the interpreter
+    try:
+        report = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if (
+        not isinstance(report, dict)
+        or not isinstance(report.get("rc"), int)
+        or isinstance(report.get("rc"), bool)
+        or not isinstance(report.get("cpu_s", 0.0), (int, float))
+    ):
+        return None
+    return report
+
+
 class _Proc:
     """A running user process: pid, pidfd and the parent's ends of its pipes."""
 
@@ -355,7 +416,8 @@ class _Proc:
         self.stdin_w = stdin_w
         self.stdout_r = stdout_r
         self.stderr_r = stderr_r
-        self.status_r = status_r  # the warm interpreter reports its exit code here before exiting
+        # the warm interpreter's status channel (_status_channel): its exit code, then it stops
+        self.status_r = status_r
 
 
 class Agent:
@@ -455,7 +517,7 @@ class Agent:
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        st_r, st_w = os.pipe() if kind == "python" else (-1, -1)
+        st_r, st_w = _status_channel() if kind == "python" else (-1, -1)
         pid = os.fork()
         if pid == 0:
             try:
@@ -607,9 +669,23 @@ class Agent:
             os.set_blocking(fd, False)
             sel.register(fd, selectors.EVENT_READ)
         sel.register(proc.pidfd, selectors.EVENT_READ)
-        if proc.status_r >= 0:
-            sel.register(proc.status_r, selectors.EVENT_READ)
+        status_sock = socket.socket(fileno=proc.status_r) if proc.status_r >= 0 else None
+        stop_wake: tuple[int, int] | None = None
+        restore: tuple[Any, int] | None = None
+        if status_sock is not None:
+            # The interpreter reports, then stops. The agent does not wait on the report (it
+            # would wake twice); SIGCHLD, sent when a child stops too, wakes the loop through
+            # this pipe, and once the kernel shows the interpreter stopped its reports are all
+            # queued: the last well-formed one it sent counts (_read_reports).
+            status_sock.setblocking(False)
+            stop_wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            restore = (
+                signal.signal(signal.SIGCHLD, _on_sigchld),
+                signal.set_wakeup_fd(stop_wake[1], warn_on_full_buffer=False),
+            )
+            sel.register(stop_wake[0], selectors.EVENT_READ)
         reported: dict[str, Any] | None = None
+        check_stop = status_sock is not None  # it may have stopped before the handler was set
         pending = memoryview(stdin)
         if pending.nbytes:
             os.set_blocking(proc.stdin_w, False)
@@ -633,6 +709,19 @@ class Agent:
             if kill_pending and now - exited_at > 0.001:  # type: ignore[operator]
                 kill_pending = False
                 self._kill(proc, True)
+            if check_stop and exited_at is None:
+                check_stop = False
+                if self._stopped(proc.pid):
+                    assert status_sock is not None
+                    _, reported = _read_reports(status_sock, proc.pid, None)
+                    if reported is not None:
+                        # it flushed and closed its output, reported and stopped: done,
+                        # without waiting for its exit (tearing Python down is slow)
+                        exited_at = time.monotonic()
+                        sel.unregister(proc.pidfd)
+                        kill_pending = kill_all
+                        continue
+                    # stopped without a report (by its own code): not an end; the deadline holds
             if exited_at is None and now >= deadline:
                 timed_out = True
                 self._kill(proc, kill_all)
@@ -653,19 +742,10 @@ class Agent:
                         exited_at = time.monotonic()
                         if kill_all:  # a call ends when its main process ends
                             self._kill(proc, True)
-                elif fd == proc.status_r:
-                    sel.unregister(fd)
-                    raw = os.read(fd, 4096)
-                    try:
-                        reported = json.loads(raw) if raw else None
-                    except ValueError:
-                        reported = None
-                    if reported is not None and exited_at is None:
-                        # the interpreter flushed and closed its output: done, without
-                        # waiting for its exit (the teardown of a Python process is slow)
-                        exited_at = time.monotonic()
-                        sel.unregister(proc.pidfd)
-                        kill_pending = kill_all
+                elif stop_wake is not None and fd == stop_wake[0]:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(fd, 512)
+                    check_stop = True  # a child changed state: look again
                 elif fd == proc.stdin_w:
                     try:
                         n = os.write(fd, pending[:65536])
@@ -701,6 +781,15 @@ class Agent:
         for registered in list(sel.get_map()):
             sel.unregister(registered)
         sel.close()
+        if status_sock is not None:
+            status_sock.close()
+            proc.status_r = -1
+        if restore is not None:
+            signal.set_wakeup_fd(restore[1])
+            signal.signal(signal.SIGCHLD, restore[0])
+        if stop_wake is not None:
+            os.close(stop_wake[0])
+            os.close(stop_wake[1])
         for fd in (proc.stdout_r, proc.stderr_r, proc.pidfd, proc.stdin_w, proc.status_r):
             if fd >= 0:
                 os.close(fd)
@@ -728,6 +817,16 @@ class Agent:
                 if isinstance(v := reported.get(k), (int, float))
             }
         return res, bytes(bufs[proc.stdout_r]), bytes(bufs[proc.stderr_r])
+
+    @staticmethod
+    def _stopped(pid: int) -> bool:
+        """Whether the kernel reports ``pid`` (a child of this agent) stopped by a signal.
+        ``WSTOPPED`` alone: an exited child is left for the pidfd path to reap."""
+        try:
+            info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG)
+        except ChildProcessError:
+            return False
+        return info is not None and info.si_code == os.CLD_STOPPED
 
     @staticmethod
     def _kill(proc: _Proc, kill_all: bool) -> None:
