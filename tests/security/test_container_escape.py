@@ -36,6 +36,7 @@ PROBE_C = r"""
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/ptrace.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <linux/sched.h>
@@ -81,6 +82,13 @@ int main(void) {
     report("setns", setns(fd, 0));
     report("reboot", syscall(SYS_reboot, 0, 0, 0, 0)); /* bad magic: EINVAL if allowed */
     report("swapon", syscall(SYS_swapon, "/nonexistent-dsec-probe", 0));
+    /* vsock is not per network namespace: it would reach the VM host's services */
+    report("socket_vsock", syscall(SYS_socket, 40, SOCK_STREAM, 0));
+    report("socket_vsock_sext", syscall(SYS_socket, 0xFFFFFFFF00000028UL, SOCK_STREAM, 0));
+    int sv[2];
+    report("socketpair_vsock", syscall(SYS_socketpair, 40, SOCK_STREAM, 0, sv));
+    long inet = syscall(SYS_socket, AF_INET, SOCK_STREAM, 0);
+    report("socket_inet_allowed", inet);
     return 0;
 }
 """
@@ -92,7 +100,8 @@ EXPECTED = {
     "ptrace_traceme": 1, "mount": 1, "umount": 1, "unshare_user": 1, "unshare_ns": 1,
     "clone_newuser": 1, "clone3": 38, "bpf": 1, "userfaultfd": 1, "keyctl": 1, "perf_event_open": 1,
     "io_uring_setup": 1, "kexec_load": 1, "init_module": 1, "open_by_handle_at": 1, "setns": 1,
-    "reboot": 1, "swapon": 1,
+    "reboot": 1, "swapon": 1, "socket_vsock": 97, "socket_vsock_sext": 97, "socketpair_vsock": 97,
+    "socket_inet_allowed": 0,
 }  # fmt: skip
 
 

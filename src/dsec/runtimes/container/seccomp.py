@@ -27,6 +27,12 @@ Denied, and why:
       ``XFS_IOC_SWAPEXT`` (seen corrupting a filesystem), ``FICLONE``,
       ``FICLONERANGE``, ``FIDEDUPERANGE`` (share extents with other files),
       ``TIOCSTI`` (inject keystrokes into a terminal), ``TIOCLINUX``.
+    * ``AF_VSOCK`` sockets (``EAFNOSUPPORT``): vsock is not separated by network
+      namespaces, so inside a VM node (Firecracker, QEMU) a container could reach
+      the hypervisor host's vsock services past every network rule.
+    * ``socketcall`` (32-bit programs): it multiplexes every socket call with its
+      arguments in memory, where the filter cannot see the family; 32-bit programs
+      of any current libc call ``socket`` and friends directly.
 
 ``ioctl`` request numbers are 32-bit in the kernel, but a caller may pass them
 sign-extended in a 64-bit register; the rules therefore compare the low 32 bits
@@ -42,6 +48,7 @@ from typing import Any, Literal
 __all__ = [
     "ARCHITECTURES",
     "DENIED_IOCTLS",
+    "DENIED_SOCKET_FAMILIES",
     "DENIED_SYSCALLS",
     "RULES",
     "SeccompRule",
@@ -71,7 +78,12 @@ DENIED_SYSCALLS: tuple[str, ...] = (
     "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter",
     "io_uring_register", "keyctl", "add_key", "request_key", "open_by_handle_at",
     "name_to_handle_at", "fanotify_init",
+    # socket calls whose address family the filter could not inspect (see AF_VSOCK)
+    "socketcall",
 )  # fmt: skip
+
+# address families refused by socket(2) and socketpair(2)
+DENIED_SOCKET_FAMILIES: dict[str, int] = {"AF_VSOCK": 40}
 
 # ioctl request numbers (the kernel's 32-bit values).
 DENIED_IOCTLS: dict[str, int] = {
@@ -119,6 +131,16 @@ def _build_rules() -> tuple[SeccompRule, ...]:
         rules.append(SeccompRule("clone", arg=(0, "masked_eq", flag, flag), why=flag_name))
     for ioctl_name, request in DENIED_IOCTLS.items():
         rules.append(SeccompRule("ioctl", arg=(1, "masked_eq", _MASK32, request), why=ioctl_name))
+    for family_name, family in DENIED_SOCKET_FAMILIES.items():
+        for call in ("socket", "socketpair"):
+            rules.append(
+                SeccompRule(
+                    call,
+                    errno.EAFNOSUPPORT,
+                    arg=(0, "masked_eq", _MASK32, family),
+                    why=family_name,
+                )
+            )
     return tuple(rules)
 
 
