@@ -241,6 +241,19 @@ async def test_memory_hog_is_oom_killed(runtime: ContainerRuntime, make: Factory
     assert r.oom_killed and r.signal == 9, r
     r = await run(runtime, h, "echo survived")
     assert r.stdout == "survived\n" and not r.oom_killed
+    # a child killed while the command's shell goes on: reported through the shell's 137
+    r = await run(runtime, h, "awk 'BEGIN { s = \"x\"; while (1) s = s s }'; exit $?")
+    assert r.exit_code == 137 and r.oom_killed, r
+
+
+async def test_background_oom_kills_do_not_mark_other_commands(
+    runtime: ContainerRuntime, make: Factory
+) -> None:
+    h = await make(memory_mb=48)
+    hog = "awk 'BEGIN { s = \"x\"; while (1) s = s s }'"
+    await run(runtime, h, f"setsid sh -c 'while true; do {hog}; sleep 0.2; done' >/dev/null 2>&1 &")
+    r = await run(runtime, h, "sleep 1.5; echo grader-ok", timeout_s=10)
+    assert r.stdout == "grader-ok\n" and r.exit_code == 0 and not r.oom_killed, r
 
 
 async def test_fork_bomb_is_capped_by_pids(runtime: ContainerRuntime, make: Factory) -> None:

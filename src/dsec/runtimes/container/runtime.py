@@ -502,7 +502,7 @@ class ContainerRuntime:
             stdout_truncated=out.stdout_truncated,
             stderr_truncated=out.stderr_truncated,
             duration_ms=out.duration_ms,
-            oom_killed=oom_after > oom_before,
+            oom_killed=_killed_by_oom(out.exit_code, out.signal, oom_before, oom_after),
         )
 
     async def _explain_exec_failure(self, handle: Handle, e: DsecError) -> None:
@@ -849,12 +849,26 @@ class ContainerProcess:
             stdout_truncated=out.stdout_truncated,
             stderr_truncated=out.stderr_truncated,
             duration_ms=out.duration_ms,
-            oom_killed=_oom_kills(self._oom_control) > self._oom_before,
+            oom_killed=_killed_by_oom(
+                out.exit_code, out.signal, self._oom_before, _oom_kills(self._oom_control)
+            ),
         )
 
     def close(self) -> None:
         """Kill the process if it still runs and drop its output."""
         self._execution.close()
+
+
+def _killed_by_oom(
+    exit_code: int | None, signo: int | None, oom_before: int, oom_after: int
+) -> bool:
+    """Whether the OOM killer ended this command. The sandbox's memory cgroup counts every
+    OOM kill in it, including those of background processes (a hog left running would
+    otherwise mark every later command), so a kill counts for the command only if the command
+    itself died of SIGKILL, or exited 137 (how a shell reports a child killed by SIGKILL)."""
+    if oom_after <= oom_before:
+        return False
+    return signo == signal.SIGKILL or exit_code == 128 + signal.SIGKILL
 
 
 def _private_tmpfs_dir(name: str) -> Path | None:
