@@ -261,8 +261,12 @@ class ExecServer:
                 (err,) = struct.unpack_from("<i", body)
                 exc: Exception = SandboxError(f"exec failed: {_error_text(msg)}", errno=err)
                 if err == errno.EAGAIN:
-                    exc = SandboxError(
-                        f"exec failed (sandbox out of processes?): {_error_text(msg)}", errno=err
+                    # the sandbox's own processes fill its pids limit (a fork bomb, often in
+                    # its own session): the sandbox's state, not a server failure
+                    exc = Conflict(
+                        "the command could not start: the sandbox is at its process limit "
+                        f"(its own processes fill it; kill some, or the sandbox): {_error_text(msg)}",
+                        errno=err,
                     )
                 for fut in (pending.started, pending.exited):
                     if not fut.done():

@@ -48,6 +48,7 @@ from typing import Any
 from dsec.config import Paths, host_memory_mb
 from dsec.errors import (
     CapabilityNotSupported,
+    Conflict,
     DsecError,
     InvalidRequest,
     PayloadTooLarge,
@@ -523,6 +524,13 @@ class ContainerRuntime:
             if not await self.alive(handle):
                 raise SandboxStopped(f"sandbox {handle.id} is not running")
             if not await self.recover(handle):
+                if await self.alive(handle):
+                    # init lives but no exec server can start: the sandbox's own processes
+                    # exhaust its pids or memory limit (e.g. a fork bomb in its own session)
+                    raise Conflict(
+                        f"sandbox {handle.id} runs but cannot start commands: its own "
+                        "processes exhaust its process or memory limit; kill the sandbox"
+                    )
                 raise SandboxStopped(f"sandbox {handle.id} is not running")
             live = self._live[handle.id]
         server = live.server
