@@ -137,6 +137,9 @@ def build_app(edge: Any, keys: Any) -> Any:
     else:
         e2b_app = make_e2b_app(edge, keys.verify)
         app.mount("/e2b", e2b_app)
+        # the E2B SDK builds signed file URLs (upload_url/download_url) on the server's root,
+        # without the /e2b/envd prefix: serve /files there too (signature-checked, no key)
+        app.router.routes.extend(e2b_app.state.e2b.envd.files_routes())
         app.state.closers.append(e2b_app.state.e2b.aclose)
 
     # a cluster edge has no local runtimes: run_code is served by embedded nodes only

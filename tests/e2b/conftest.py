@@ -62,7 +62,9 @@ class StreamOnlyEdge:
 def serve_e2b(edge: Any) -> Iterator[tuple[str, Any, asyncio.AbstractEventLoop]]:
     """Serve ``make_e2b_app(edge)`` mounted at ``/e2b`` (as ``dsec serve`` does) on a loopback port."""
     app = make_e2b_app(edge, KEYS.get, watch_poll_interval_s=0.05, max_upload_bytes=1 << 20)
-    outer = Starlette(routes=[Mount("/e2b", app=app)])
+    # root /files: where the SDK's download_url()/upload_url() point (it drops the
+    # E2B_SANDBOX_URL path); dsec.server.build_app serves them there the same way
+    outer = Starlette(routes=[*app.state.e2b.envd.files_routes(), Mount("/e2b", app=app)])
     port = free_port()
     config = uvicorn.Config(outer, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)

@@ -358,6 +358,8 @@ class FakeEdge:
         return sb.info.model_copy()
 
     async def set_ttl(self, sandbox_id: str, owner: str, ttl_s: float) -> SandboxInfo:
+        if not 0 < ttl_s <= 30 * 24 * 3600:  # as EdgeAgent.set_ttl
+            raise InvalidRequest(f"ttl_s={ttl_s!r} must be > 0 and <= 30 days")
         sb = self._running(sandbox_id, owner)
         sb.info.ttl_s = ttl_s
         sb.info.expires_at = _now() + timedelta(seconds=ttl_s)

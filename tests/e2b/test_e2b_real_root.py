@@ -307,3 +307,69 @@ def test_process_survives_pause_and_ends_with_its_sandbox(real: RealServer) -> N
                 await proc.wait()
 
     real.bg.call(scenario(), timeout=60)
+
+
+def test_huge_timeouts_are_refused_and_old_huge_rows_still_render(
+    real: RealServer, sbx: Sandbox
+) -> None:
+    import httpx
+
+    from dsec.errors import InvalidRequest
+
+    edge = real.bg.edge
+    sid = sbx.sandbox_id
+    row = edge.registry.get(sid)
+    assert row is not None
+    # EdgeAgent.set_ttl refuses it for every caller (E2B, dsec API, SDK)
+    for ttl_s in (1e12, 0.0, -5.0, float("nan"), float("inf"), 30 * 24 * 3600 + 1.0):
+        with pytest.raises(InvalidRequest):
+            real.bg.call(edge.set_ttl(sid, row.owner, ttl_s))
+    headers = {"X-API-Key": real.api_key}
+    for path, body in (("timeout", {"timeout": 1e300}), ("connect", {"timeout": 10**12})):
+        r = httpx.post(f"{real.url}/e2b/sandboxes/{sid}/{path}", json=body, headers=headers)
+        assert r.status_code == 400 and r.json()["code"] == 400, r.text
+    # a row stored with a huge TTL before the bound existed: info and list still work
+    edge.registry.set_ttl(sid, 1e300)
+    edge._live[sid].row.ttl_s = 1e300
+    try:
+        assert sbx.get_info().end_at.year == 9999
+        assert sid in {x.sandbox_id for x in Sandbox.list().next_items()}
+        r = httpx.get(f"{real.url}/e2b/sandboxes/{sid}", headers=headers)
+        assert r.status_code == 200, r.text
+    finally:
+        sbx.set_timeout(300)
+    assert sbx.get_info().end_at.year < 9999
+
+
+def test_output_beyond_the_stream_buffer_arrives_whole(sbx: Sandbox) -> None:
+    result = sbx.commands.run("head -c 30000000 /dev/zero | tr '\\0' a", timeout=120)
+    assert len(result.stdout) == 30_000_000 and set(result.stdout) == {"a"}
+
+
+def test_pause_ends_a_streaming_command(real: RealServer) -> None:
+    import threading
+
+    s = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = s.commands.run(
+                    "for i in 1 2 3 4 5 6 7 8; do echo f$i; sleep 1; done"
+                )
+            except Exception as e:
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        time.sleep(1.5)
+        Sandbox.pause(s.sandbox_id)
+        thread.join(15)
+        assert not thread.is_alive(), "the stream stayed open after pause"
+        assert "paused" in str(outcome.get("error")), outcome
+        assert s.is_running() is False
+        Sandbox.connect(s.sandbox_id)
+        assert s.is_running() is True
+    finally:
+        s.kill()

@@ -73,7 +73,9 @@ class E2BCompat:
     registry: ProcessRegistry
 
     async def aclose(self) -> None:
-        """Kill every process started through the E2B API (server shutdown)."""
+        """Kill every process started through the E2B API and stop every directory
+        watcher's background poll (server shutdown)."""
+        self.envd.filesystem.aclose()
         await self.registry.aclose()
 
 

@@ -10,6 +10,14 @@ envd access tokens
     for sandbox A presented with ``E2b-Sandbox-Id: B`` does not verify, so
     another owner's sandbox is never reachable (answered as "not found").
 
+signed file URLs
+    ``sbx.download_url(path)`` / ``upload_url(path)`` are built by the SDK as
+    ``<sandbox url>/files?path=..&signature=v1_<sha256(path:op:user:token[:exp])>``
+    with no sandbox id in them. :meth:`AccessTokens.find_signed` finds the sandbox
+    by checking the signature against the tokens issued by this process (the last
+    :data:`MAX_REMEMBERED_SANDBOXES` sandboxes; after a restart, ``connect()`` or
+    ``get_info()`` re-issues one).
+
 templates
     ``template_id`` is resolved by :class:`TemplateMap`: an explicit alias table
     (``base`` -> ``debian`` by default), otherwise the template is taken as a
@@ -24,6 +32,8 @@ import binascii
 import hashlib
 import hmac
 import secrets
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from dsec.models import TIERS
@@ -36,6 +46,8 @@ DEFAULT_TEMPLATE_ALIASES: dict[str, str] = {
     "code-interpreter": "debian",
 }
 """E2B's public template names mapped to dsec images. Any other name is looked up as an image."""
+MAX_REMEMBERED_SANDBOXES = 10_000
+"""Sandboxes whose signed file URLs :meth:`AccessTokens.find_signed` can resolve."""
 
 
 class AccessTokens:
@@ -50,6 +62,7 @@ class AccessTokens:
 
     def __init__(self, secret: bytes | None = None) -> None:
         self._secret = secret if secret is not None else secrets.token_bytes(32)
+        self._issued: OrderedDict[str, str] = OrderedDict()
 
     def _mac(self, sandbox_id: str, owner: str) -> str:
         msg = f"e2b-envd\0{sandbox_id}\0{owner}".encode()
@@ -57,8 +70,45 @@ class AccessTokens:
 
     def issue(self, sandbox_id: str, owner: str) -> str:
         """The token for ``owner`` to reach ``sandbox_id``'s in-sandbox API."""
+        self._issued[sandbox_id] = owner
+        self._issued.move_to_end(sandbox_id)
+        while len(self._issued) > MAX_REMEMBERED_SANDBOXES:
+            self._issued.popitem(last=False)
+        return self._token(sandbox_id, owner)
+
+    def _token(self, sandbox_id: str, owner: str) -> str:
         owner_b64 = base64.urlsafe_b64encode(owner.encode()).decode().rstrip("=")
         return f"{owner_b64}.{self._mac(sandbox_id, owner)}"
+
+    def find_signed(
+        self,
+        path: str,
+        operation: str,
+        user: str,
+        signature: str,
+        expiration: int | None,
+        *,
+        sandbox_id: str | None = None,
+    ) -> tuple[str, str] | None:
+        """``(sandbox_id, owner)`` whose token made ``signature`` (E2B's v1 file-URL
+        signature of ``path``, ``operation`` ``read``/``write``, ``user`` (``""``: default)
+        and ``expiration`` (Unix seconds, ``None``: never)); ``None`` if no remembered
+        sandbox (only ``sandbox_id`` when given) matches or the URL expired."""
+        if expiration is not None and expiration < time.time():
+            return None
+        candidates = (
+            [(sandbox_id, self._issued[sandbox_id])]
+            if sandbox_id is not None and sandbox_id in self._issued
+            else ([] if sandbox_id is not None else list(self._issued.items()))
+        )
+        tail = f":{expiration}" if expiration is not None else ""
+        for sid, owner in candidates:
+            raw = f"{path}:{operation}:{user}:{self._token(sid, owner)}{tail}"
+            digest = hashlib.sha256(raw.encode()).digest()
+            expected = "v1_" + base64.b64encode(digest).rstrip(b"=").decode()
+            if hmac.compare_digest(expected, signature):
+                return sid, owner
+        return None
 
     def verify(self, sandbox_id: str, token: str) -> str | None:
         """The owner the token was issued to for ``sandbox_id``, or ``None``."""

@@ -30,6 +30,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
+import math
 import secrets
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -40,8 +42,10 @@ from e2b.api.client.models import (
     ListedSandbox,
     NewSandboxV2,
     SandboxDetail,
+    SandboxLifecycle,
     SandboxNetworkConfig,
     SandboxNetworkUpdateConfig,
+    SandboxOnTimeout,
     SandboxState,
     SnapshotInfo,
 )
@@ -56,12 +60,12 @@ from dsec.e2b.access import AccessTokens, TemplateMap
 from dsec.e2b.errors import E2BError, control_status
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
-from dsec.e2b.process import ProcessRegistry
+from dsec.e2b.process import ProcessRegistry, paused_error
 from dsec.edge.interface import EdgeAPI
 from dsec.errors import DsecError, ImageNotFound
 from dsec.models import CreateSandboxRequest, ForkRequest, SandboxInfo, SnapshotRequest
 
-__all__ = ["ENVD_VERSION", "TEMPLATE_LABEL", "ControlPlane"]
+__all__ = ["ENVD_VERSION", "SANDBOX_DOMAIN", "TEMPLATE_LABEL", "ControlPlane"]
 
 ENVD_VERSION = "0.6.3"
 """The envd version dsec reports. It gates SDK features: stdin, close_stdin,
@@ -69,10 +73,20 @@ octet-stream uploads and watch entries are on; file metadata is refused by dsec
 (501), watching network mounts (0.6.4) is refused by the SDK itself."""
 TEMPLATE_LABEL = "e2b.template"
 DEFAULT_TIMEOUT_S = 300
+SANDBOX_DOMAIN = "dsec.invalid"
+"""``domain`` in create/connect/info answers: ``sbx.get_host(port)`` gives
+``<port>-<sandbox id>.dsec.invalid``, a name that never resolves (RFC 2606), so no
+request meant for a dsec sandbox can reach E2B's real ``e2b.app`` (dsec has no
+inbound port forwarding; see docs/e2b.md)."""
+MAX_TIMEOUT_S = 30 * 24 * 3600
+"""Longest sandbox timeout (create, set_timeout, refresh, connect, resume, fork), seconds:
+the bound dsec's ``CreateSandboxRequest.ttl_s`` has."""
 LIST_PAGE_MAX = 100
 CLIENT_ID = "dsec"
 
 VerifyKey = Callable[[str], "str | None"]
+
+log = logging.getLogger(__name__)
 
 
 def _aware(when: datetime) -> datetime:
@@ -82,6 +96,84 @@ def _aware(when: datetime) -> datetime:
 
 def _unset(value: Any) -> Any:
     return None if isinstance(value, Unset) else value
+
+
+def _seconds_value(value: Any, name: str) -> float:
+    """``value`` as a timeout in seconds: a JSON number in (0, :data:`MAX_TIMEOUT_S`];
+    anything else (a string, a bool, NaN, infinity, too large) is a 400."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_TIMEOUT_S
+    ):
+        raise E2BError(
+            400, f"{name} must be a number of seconds > 0 and <= {MAX_TIMEOUT_S} (30 days)"
+        )
+    return float(value)
+
+
+def _optional_bool(body: dict[str, Any], name: str) -> bool | None:
+    """``body[name]`` when it is a JSON boolean, ``None`` when absent or null; else 400."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise E2BError(400, f"{name} must be a boolean")
+    return value
+
+
+def _string_map(body: dict[str, Any], name: str) -> dict[str, str]:
+    """``body[name]`` when it is an object of string values (absent/null: empty); else 400."""
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise E2BError(400, f"{name} must be an object whose values are strings")
+    return value
+
+
+def _check_create_body(body: dict[str, Any]) -> None:
+    """The type checks E2B's API does on ``POST /sandboxes`` before anything else (400)."""
+    template = body.get("templateID")
+    if not isinstance(template, str) or not template.strip():
+        raise E2BError(400, "templateID must be a non-empty string")
+    if body.get("timeout") is not None:
+        _seconds_value(body["timeout"], "timeout")
+    for name in ("autoPause", "autoPauseMemory", "allow_internet_access"):
+        _optional_bool(body, name)
+    _string_map(body, "metadata")
+    _string_map(body, "envVars")
+    auto_resume = body.get("autoResume")
+    if auto_resume is not None:
+        if not isinstance(auto_resume, dict):
+            raise E2BError(400, "autoResume must be an object")
+        _optional_bool(auto_resume, "enabled")
+    network = body.get("network")
+    if network is not None:
+        if not isinstance(network, dict):
+            raise E2BError(400, "network must be an object")
+        _check_network_body(network, "network.")
+
+
+def _check_network_body(network: dict[str, Any], prefix: str = "") -> None:
+    """Types of E2B's network settings (create's ``network``, ``PUT .../network``): 400."""
+    for name in ("allowOut", "denyOut", "dnsServers"):
+        value = network.get(name)
+        if value is not None and (
+            not isinstance(value, list) or not all(isinstance(v, str) for v in value)
+        ):
+            raise E2BError(400, f"{prefix}{name} must be a list of strings")
+    for name in ("allowPublicTraffic", "allow_internet_access"):
+        _optional_bool(network, name)
+    if network.get("maskRequestHost") is not None and not isinstance(
+        network["maskRequestHost"], str
+    ):
+        raise E2BError(400, f"{prefix}maskRequestHost must be a string")
+    ports = network.get("httpsPorts")
+    if ports is not None and (
+        not isinstance(ports, list)
+        or not all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
+    ):
+        raise E2BError(400, f"{prefix}httpsPorts must be a list of integers")
 
 
 def _error(status: int, message: str, *, retry: bool | None = None) -> JSONResponse:
@@ -156,6 +248,10 @@ class ControlPlane:
             except DsecError as e:
                 status = control_status(e)
                 return _error(status, e.message, retry=False if status == 429 else None)
+            except Exception:
+                # never a bare (non-JSON) 500: the SDK parses the body
+                log.exception("E2B control route %s %s failed", request.method, request.url.path)
+                return _error(500, "internal error in dsec's E2B control plane (see server log)")
 
         return endpoint
 
@@ -181,9 +277,12 @@ class ControlPlane:
     def _end_at(info: SandboxInfo) -> datetime:
         if info.expires_at is not None:
             return _aware(info.expires_at)
-        if info.ttl_s is not None:
-            return _aware(info.updated_at) + timedelta(seconds=info.ttl_s)
-        return _aware(info.created_at) + timedelta(days=30)
+        try:
+            if info.ttl_s is not None:
+                return _aware(info.updated_at) + timedelta(seconds=info.ttl_s)
+            return _aware(info.created_at) + timedelta(days=30)
+        except OverflowError:  # a row stored with a huge ttl before it was bounded
+            return datetime.max.replace(tzinfo=UTC)
 
     @staticmethod
     def _metadata(info: SandboxInfo) -> dict[str, str]:
@@ -200,7 +299,7 @@ class ControlPlane:
             envd_version=ENVD_VERSION,
             alias=self._template(info),
             envd_access_token=self.tokens.issue(info.id, owner),
-            domain=None,
+            domain=SANDBOX_DOMAIN,
         ).to_dict()
 
     def _listed(self, info: SandboxInfo) -> dict[str, Any]:
@@ -236,8 +335,15 @@ class ControlPlane:
             envd_access_token=self.tokens.issue(info.id, owner),
             allow_internet_access=internet,
             network=SandboxNetworkConfig.from_dict(network) if network is not None else UNSET,
-            domain=None,
+            domain=SANDBOX_DOMAIN,
             metadata=self._metadata(info),
+            lifecycle=SandboxLifecycle(
+                # a paused dsec sandbox resumes on any request (create refuses auto_resume=False)
+                auto_resume=True,
+                on_timeout=(
+                    SandboxOnTimeout.PAUSE if info.on_timeout == "pause" else SandboxOnTimeout.KILL
+                ),
+            ),
         ).to_dict()
 
     async def _live(self, sandbox_id: str, owner: str) -> SandboxInfo:
@@ -250,8 +356,7 @@ class ControlPlane:
     # --- routes ---------------------------------------------------------------
     async def create(self, request: Request, owner: str) -> Response:
         body = await self._json(request)
-        if not isinstance(body.get("network", {}), dict):
-            raise E2BError(400, "network must be an object")
+        _check_create_body(body)
         try:
             new = NewSandboxV2.from_dict(body)
         except (KeyError, TypeError, ValueError) as e:
@@ -394,10 +499,8 @@ class ControlPlane:
 
     @staticmethod
     def _seconds(body: dict[str, Any], name: str) -> float:
-        value = body.get(name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise E2BError(400, f"{name} must be a positive number of seconds")
-        return float(value)
+        """``body[name]`` as seconds in (0, 30 days]; 400 otherwise (see :func:`_seconds_value`)."""
+        return _seconds_value(body.get(name), name)
 
     async def set_timeout(self, request: Request, owner: str) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
@@ -410,15 +513,22 @@ class ControlPlane:
         sandbox_id = request.path_params["sandbox_id"]
         body = await self._json(request)
         seconds = (
-            self._seconds(body, "duration") if "duration" in body else float(DEFAULT_TIMEOUT_S)
+            self._seconds(body, "duration")
+            if body.get("duration") is not None
+            else float(DEFAULT_TIMEOUT_S)
         )
-        await self._live(sandbox_id, owner)
-        await self.edge.set_ttl(sandbox_id, owner, seconds)
+        info = await self._live(sandbox_id, owner)
+        remaining = (self._end_at(info) - datetime.now(UTC)).total_seconds()
+        if seconds > remaining:  # a refresh only ever extends the sandbox's end
+            await self.edge.set_ttl(sandbox_id, owner, seconds)
         return Response(status_code=204)
 
     async def connect(self, request: Request, owner: str) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
         body = await self._json(request)
+        if body.get("timeout") is not None:
+            self._seconds(body, "timeout")
+        _optional_bool(body, "memory")
         info = await self._live(sandbox_id, owner)
         status = 200
         if info.state == "paused":
@@ -439,11 +549,17 @@ class ControlPlane:
         if info.state == "paused":
             return _error(409, f"sandbox {sandbox_id} is already paused")
         await self.edge.pause_sandbox(sandbox_id, owner)
+        # as E2B: pausing cuts the sandbox's open process streams (the SDK raises instead of
+        # waiting forever); the processes resume with the sandbox and can be re-attached
+        self.registry.end_streams(sandbox_id, paused_error(sandbox_id))
         return Response(status_code=204)
 
     async def resume(self, request: Request, owner: str) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
         body = await self._json(request)
+        if body.get("timeout") is not None:
+            self._seconds(body, "timeout")
+        _optional_bool(body, "autoPause")
         info = await self._live(sandbox_id, owner)
         if info.state != "paused":
             return _error(409, f"sandbox {sandbox_id} is already running")
@@ -457,6 +573,9 @@ class ControlPlane:
         ``snapshot_id``, usable as a template (``Sandbox.create(snapshot_id)``)."""
         sandbox_id = request.path_params["sandbox_id"]
         body = await self._json(request)
+        _optional_bool(body, "memory")
+        if body.get("name") is not None and not isinstance(body["name"], str):
+            raise E2BError(400, "name must be a string")
         info = await self._live(sandbox_id, owner)
         if body.get("memory") is True:
             raise E2BError(
@@ -476,10 +595,12 @@ class ControlPlane:
     async def fork(self, request: Request, owner: str) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
         body = await self._json(request)
-        info = await self._live(sandbox_id, owner)
         count = body.get("count", 1)
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 20:
             raise E2BError(400, "count must be an integer between 1 and 20")
+        if body.get("timeout") is not None:
+            self._seconds(body, "timeout")
+        info = await self._live(sandbox_id, owner)
         result = await self.edge.fork_sandbox(
             sandbox_id, owner, ForkRequest(n=count, labels=dict(info.labels))
         )
@@ -495,6 +616,7 @@ class ControlPlane:
         their defaults). The sandbox must have been created with a network."""
         sandbox_id = request.path_params["sandbox_id"]
         body = await self._json(request)
+        _check_network_body(body)
         try:
             wire = SandboxNetworkUpdateConfig.from_dict(body)
         except (KeyError, TypeError, ValueError) as e:

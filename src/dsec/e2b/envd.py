@@ -11,8 +11,12 @@ Routes (relative to where the app is mounted, e.g. ``/e2b/envd``):
 * ``GET /files?path=``   download one file (bytes)
 * ``POST /files?path=``  upload: ``multipart/form-data`` (one or more ``file``
   parts named by their path) or ``application/octet-stream`` (optionally
-  ``Content-Encoding: gzip``); answers ``[{"name", "type", "path"}]``
-* ``GET /health``        204 while the sandbox runs, 502 "... was not found" after
+  ``Content-Encoding: gzip``); answers ``[{"name", "type", "path"}]``.
+  Instead of the headers, a signed URL (``download_url``/``upload_url``:
+  ``signature``, ``signature_expiration``, ``username`` query parameters) may
+  name the sandbox (:meth:`~dsec.e2b.access.AccessTokens.find_signed`)
+* ``GET /health``        204 while the sandbox runs, 502 while it is paused and
+  ("... was not found") after
 """
 
 from __future__ import annotations
@@ -224,11 +228,7 @@ class EnvdApp:
             codecs=CODECS,
         )
         self._http = Starlette(
-            routes=[
-                Route("/files", self._download, methods=["GET"]),
-                Route("/files", self._upload, methods=["POST"]),
-                Route("/health", self._health, methods=["GET"]),
-            ],
+            routes=[*self.files_routes(), Route("/health", self._health, methods=["GET"])],
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -273,9 +273,40 @@ class EnvdApp:
         return JSONResponse({"code": status, "message": message}, status_code=status)
 
     async def _http_target(self, request: Request) -> tuple[str, str]:
+        signature = request.query_params.get("signature")
+        if signature and not request.headers.get("x-access-token"):
+            return self._check_signed(request, signature)
         return self._check(
             request.headers.get("e2b-sandbox-id"), request.headers.get("x-access-token")
         )
+
+    def _check_signed(self, request: Request, signature: str) -> tuple[str, str]:
+        """``(sandbox_id, owner)`` of a signed ``/files`` URL (``download_url``/``upload_url``)."""
+        raw_exp = request.query_params.get("signature_expiration")
+        try:
+            expiration = int(raw_exp) if raw_exp else None
+        except ValueError:
+            raise E2BError(400, "signature_expiration must be an integer") from None
+        found = self.tokens.find_signed(
+            request.query_params.get("path", ""),
+            "read" if request.method == "GET" else "write",
+            request.query_params.get("username") or "",
+            signature,
+            expiration,
+            sandbox_id=request.headers.get("e2b-sandbox-id") or None,
+        )
+        if found is None:
+            raise E2BError(401, "invalid or expired file URL signature")
+        return found
+
+    def files_routes(self) -> list[Route]:
+        """``GET``/``POST /files`` on their own, for the server to serve at its root too: the
+        SDK builds ``download_url``/``upload_url`` as ``urljoin(E2B_SANDBOX_URL, "/files")``,
+        which drops the ``/e2b/envd`` prefix (see docs/e2b.md)."""
+        return [
+            Route("/files", self._download, methods=["GET"]),
+            Route("/files", self._upload, methods=["POST"]),
+        ]
 
     async def _abs_path(self, sandbox_id: str, owner: str, path: str) -> str:
         if not path or "\0" in path:
@@ -304,6 +335,8 @@ class EnvdApp:
             info = await self.edge.get_sandbox(sandbox_id, owner)
             if info.state == "stopped":
                 return self._error(502, sandbox_gone_message(sandbox_id))
+            if info.state == "paused":  # as E2B: a paused sandbox's envd does not answer
+                return self._error(502, f"sandbox {sandbox_id} is paused")
             return Response(status_code=204)
 
         return await self._guard(request, handler)

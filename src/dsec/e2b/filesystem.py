@@ -9,6 +9,13 @@ levels when recursive) and diffs it with the previous listing. A new path is
 ``CREATE``, a vanished one ``REMOVE``, a changed size or mtime ``WRITE``, a
 changed mode only ``CHMOD``; a rename shows as ``REMOVE`` + ``CREATE``. Events
 arrive up to one poll interval late and writes within one interval coalesce.
+
+A ``CreateWatcher`` watcher (the sync SDK's ``watch_dir``) records from its
+creation on: a background task polls every interval into a bounded queue
+(:data:`MAX_WATCHER_EVENTS`, oldest dropped beyond it) that ``GetWatcherEvents``
+drains; ``RemoveWatcher`` (or :data:`WATCHER_IDLE_EXPIRY_S` without a
+``GetWatcherEvents``) stops it. Polls are skipped while the sandbox is paused
+(a poll would resume it); like any file call they count as sandbox activity.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import posixpath
 import secrets
 import stat as stat_mod
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -45,6 +53,8 @@ WATCH_POLL_INTERVAL_S = 0.25
 MAX_WATCHERS_PER_SANDBOX = 64
 WATCHER_IDLE_EXPIRY_S = 600.0
 """A ``CreateWatcher`` watcher nobody polled for this long is dropped, seconds."""
+MAX_WATCHER_EVENTS = 10_000
+"""Events a ``CreateWatcher`` watcher keeps until ``GetWatcherEvents`` drains them."""
 
 _TYPES = {
     "file": fs_pb.FileType.FILE,
@@ -107,6 +117,19 @@ class _Watcher:
     include_entry: bool
     snapshot: dict[str, tuple[Fingerprint, FileInfo]]
     last_used: float = field(default_factory=time.monotonic)
+    recorded: deque[fs_pb.FilesystemEvent] = field(
+        default_factory=lambda: deque(maxlen=MAX_WATCHER_EVENTS)
+    )
+    """Events seen by the background poll, not yet returned by ``GetWatcherEvents``."""
+    failure: ConnectError | None = None
+    """Why the background poll stopped (the directory was removed, the sandbox is gone)."""
+    recorder: asyncio.Task[None] | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Serialises polls (background and ``GetWatcherEvents``) so the diff base stays consistent."""
+
+    def stop(self) -> None:
+        if self.recorder is not None:
+            self.recorder.cancel()
 
 
 Authorize = Callable[[RequestContext], Awaitable[tuple[str, str]]]
@@ -193,13 +216,50 @@ class FilesystemService(filesystem_connect.Filesystem):
         now = time.monotonic()
         for wid, w in list(self._watchers.items()):
             if now - w.last_used > WATCHER_IDLE_EXPIRY_S:
-                del self._watchers[wid]
+                self._watchers.pop(wid).stop()
 
     def drop_sandbox(self, sandbox_id: str) -> None:
-        """Forget the watchers of a sandbox that was killed."""
+        """Forget (and stop) the watchers of a sandbox that was killed."""
         for wid, w in list(self._watchers.items()):
             if w.sandbox_id == sandbox_id:
-                del self._watchers[wid]
+                self._watchers.pop(wid).stop()
+
+    def aclose(self) -> None:
+        """Stop every watcher's background poll (server shutdown)."""
+        for w in self._watchers.values():
+            w.stop()
+        self._watchers.clear()
+
+    async def _poll_into(self, w: _Watcher) -> None:
+        """One poll of ``w``: new events go to ``w.recorded``; errors to ``w.failure``."""
+        async with w.lock:
+            if w.failure is not None:
+                return
+            try:
+                w.recorded.extend(self._diff(w, await self._listing(w)))
+            except FileNotFound:
+                w.failure = ConnectError(Code.NOT_FOUND, f"watched directory {w.path} was removed")
+            except DsecError as e:
+                w.failure = to_connect_error(e, w.sandbox_id)
+
+    async def _record(self, watcher_id: str, w: _Watcher) -> None:
+        """Background poll of a ``CreateWatcher`` watcher until removed, expired or failed."""
+        while w.failure is None:
+            await asyncio.sleep(self._poll_interval_s)
+            if time.monotonic() - w.last_used > WATCHER_IDLE_EXPIRY_S:
+                self._watchers.pop(watcher_id, None)
+                return
+            try:
+                info = await self._edge.get_sandbox(w.sandbox_id, w.owner)
+            except DsecError as e:
+                w.failure = to_connect_error(e, w.sandbox_id)
+                return
+            if info.state == "paused":
+                continue
+            if info.state == "stopped":
+                w.failure = ConnectError(Code.UNAVAILABLE, f"sandbox {w.sandbox_id} is stopped")
+                return
+            await self._poll_into(w)
 
     # --- RPCs -------------------------------------------------------------
     async def stat(self, request: fs_pb.StatRequest, ctx: RequestContext) -> fs_pb.StatResponse:
@@ -215,13 +275,17 @@ class FilesystemService(filesystem_connect.Filesystem):
         sandbox_id, owner = await self._authorize(ctx)
         path = await self._abs(sandbox_id, owner, request.path)
         try:
-            await self._edge.stat_file(sandbox_id, owner, path)
+            existing = await self._edge.stat_file(sandbox_id, owner, path)
         except FileNotFound:
             pass
         except DsecError as e:
             raise to_connect_error(e, sandbox_id) from None
         else:
-            raise ConnectError(Code.ALREADY_EXISTS, f"path {path} already exists")
+            if existing.type != "dir":  # as envd: the SDK raises InvalidArgumentException
+                raise ConnectError(
+                    Code.INVALID_ARGUMENT, f"path {path} already exists but it is not a directory"
+                )
+            raise ConnectError(Code.ALREADY_EXISTS, f"directory {path} already exists")
         info = await self._call(sandbox_id, self._edge.make_dir(sandbox_id, owner, path))
         assert isinstance(info, FileInfo)
         return fs_pb.MakeDirResponse(entry=entry_info(info))
@@ -309,6 +373,7 @@ class FilesystemService(filesystem_connect.Filesystem):
         )
         watcher_id = "w-" + secrets.token_hex(8)
         self._watchers[watcher_id] = w
+        w.recorder = asyncio.create_task(self._record(watcher_id, w))
         return fs_pb.CreateWatcherResponse(watcher_id=watcher_id)
 
     def _get_watcher(self, watcher_id: str, sandbox_id: str, owner: str) -> _Watcher:
@@ -323,10 +388,11 @@ class FilesystemService(filesystem_connect.Filesystem):
     ) -> fs_pb.GetWatcherEventsResponse:
         sandbox_id, owner = await self._authorize(ctx)
         w = self._get_watcher(request.watcher_id, sandbox_id, owner)
-        try:
-            events = self._diff(w, await self._listing(w))
-        except DsecError as e:
-            raise to_connect_error(e, sandbox_id) from None
+        await self._poll_into(w)  # and what changed since the last background poll
+        events = list(w.recorded)
+        w.recorded.clear()
+        if not events and w.failure is not None:
+            raise w.failure
         return fs_pb.GetWatcherEventsResponse(events=events)
 
     async def remove_watcher(
@@ -334,5 +400,7 @@ class FilesystemService(filesystem_connect.Filesystem):
     ) -> fs_pb.RemoveWatcherResponse:
         sandbox_id, owner = await self._authorize(ctx)
         self._get_watcher(request.watcher_id, sandbox_id, owner)
-        self._watchers.pop(request.watcher_id, None)
+        w = self._watchers.pop(request.watcher_id, None)
+        if w is not None:
+            w.stop()
         return fs_pb.RemoveWatcherResponse()

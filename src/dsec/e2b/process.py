@@ -11,6 +11,15 @@ Pids are virtual: unique per apiserver process, not the pid inside the sandbox.
 A process's ``timeout`` (the ``Connect-Timeout-Ms`` of its ``Start`` request) is
 its wall-clock limit: the edge kills it then, as envd does. Dropping a stream
 (``disconnect()``) leaves the process running.
+
+Backpressure (as envd): output is never dropped for an attached stream. When a
+stream has more than :data:`SUBSCRIBER_BUFFER_BYTES` unread, the pump stops
+reading the process's output until that stream has caught up (half the budget);
+the edge then stops draining the process's pipe and the process blocks in
+``write(2)``. Memory per stream is therefore bounded; a stream that never reads
+stalls its process until it is dropped. With no stream attached output is read
+and discarded. Pausing the sandbox ends its open streams with ``CANCELED`` (the
+processes live on; ``commands.connect`` re-attaches after a resume).
 """
 
 from __future__ import annotations
@@ -37,18 +46,25 @@ from dsec.edge.interface import EdgeAPI
 from dsec.errors import DsecError
 from dsec.models import ExecRequest, ExecResult
 
-__all__ = ["ManagedProcess", "ProcessRegistry", "ProcessService", "user_from_headers"]
+__all__ = [
+    "ManagedProcess",
+    "ProcessRegistry",
+    "ProcessService",
+    "paused_error",
+    "user_from_headers",
+]
 
 Event = process_pb.ProcessEvent
 MAX_PROCESS_TIMEOUT_S = 24 * 3600.0
 """Limit for a process started without a timeout (``timeout=0``): ExecRequest's maximum."""
 MAX_OUTPUT_BYTES = 64 << 20
 """Per-stream output cap handed to the edge (ExecRequest's maximum)."""
-SUBSCRIBER_BUFFER_BYTES = 16 << 20
-"""Output an attached stream may fall behind by, bytes. Beyond it the stream ends with
-``ABORTED`` (the process keeps running; ``commands.connect`` re-attaches): a handle nobody
-reads never stalls the process, as envd behaves."""
+SUBSCRIBER_BUFFER_BYTES = 4 << 20
+"""Unread output one attached stream may hold, bytes. Beyond it the pump waits for the
+stream to drain to half of this (backpressure: the process is slowed, nothing is dropped)."""
 MAX_PROCESSES_PER_SANDBOX = 256
+PAUSE_CHECK_INTERVAL_S = 2.0
+"""How often a stream with no output checks whether its sandbox was paused, seconds."""
 
 BASH_FALLBACK = 'if [ -x /bin/bash ]; then exec /bin/bash "$@"; fi; exec /bin/sh "$@"'
 """E2B runs every command as ``/bin/bash -l -c <cmd>``; images without bash get ``/bin/sh -l -c``."""
@@ -83,6 +99,16 @@ def _end_event(end: Event.EndEvent) -> Event:
     return Event(event=payload)
 
 
+def paused_error(sandbox_id: str) -> ConnectError:
+    """What an open process stream of a sandbox that was paused ends with (the SDK raises
+    ``TimeoutException``, as when an E2B sandbox pauses)."""
+    return ConnectError(
+        Code.CANCELED,
+        f"sandbox {sandbox_id} was paused; the process keeps its state and continues "
+        "after a resume (commands.connect re-attaches)",
+    )
+
+
 def user_from_headers(headers: object) -> str | None:
     """The user envd would run as: ``Authorization: Basic base64("<user>:")``, else ``None``."""
     get = getattr(headers, "get", None)
@@ -111,29 +137,58 @@ def _exit_status(result: ExecResult) -> str:
 
 
 class Subscriber:
-    """The event buffer of one attached stream (``Start`` or ``Connect``); never blocks the pump."""
+    """The event buffer of one attached stream (``Start`` or ``Connect``).
+
+    :meth:`offer` never blocks; the pump calls :meth:`wait_for_room` after each chunk,
+    which blocks while more than :data:`SUBSCRIBER_BUFFER_BYTES` are unread here.
+    """
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[tuple[Event | None, int]] = asyncio.Queue()
         self._pending = 0
-        self.overflowed = False
+        self._room = asyncio.Event()
+        self._room.set()
         self.closed = False
+        self.error: ConnectError | None = None
+        """Set when the stream was ended for a reason other than the process's exit."""
+
+    @property
+    def pending_bytes(self) -> int:
+        """Output queued here and not yet read by the stream, bytes."""
+        return self._pending
 
     def offer(self, event: Event | None, size: int = 0) -> None:
-        """Queue ``event`` (``None``: end of stream); past the byte budget, end the stream."""
+        """Queue ``event`` (``None``: end of stream) of ``size`` output bytes."""
         if self.closed:
             return
-        if event is not None and self._pending + size > SUBSCRIBER_BUFFER_BYTES:
-            self.overflowed = True
-            event = None
         if event is None:
             self.closed = True
+            self._room.set()
         self._pending += size
+        if self._pending > SUBSCRIBER_BUFFER_BYTES and not self.closed:
+            self._room.clear()
         self._queue.put_nowait((event, size))
+
+    def fail(self, error: ConnectError) -> None:
+        """End the stream with ``error`` once it has read what is already queued."""
+        if not self.closed:
+            self.error = error
+            self.offer(None)
+
+    def detach(self) -> None:
+        """The stream went away: stop holding the pump back."""
+        self.closed = True
+        self._room.set()
+
+    async def wait_for_room(self) -> None:
+        """Return once this stream holds at most half its budget unread (or ended)."""
+        await self._room.wait()
 
     async def get(self) -> Event | None:
         event, size = await self._queue.get()
         self._pending -= size
+        if self._pending <= SUBSCRIBER_BUFFER_BYTES // 2:
+            self._room.set()
         return event
 
 
@@ -162,6 +217,7 @@ class ManagedProcess:
 
     def unsubscribe(self, sub: Subscriber) -> None:
         self.subscribers.discard(sub)
+        sub.detach()
 
     def info(self) -> process_pb.ProcessInfo:
         return process_pb.ProcessInfo(config=self.config, pid=self.pid, tag=self.tag)
@@ -244,7 +300,27 @@ class ProcessRegistry:
         for sub in list(managed.subscribers):
             sub.offer(event, size)
             if sub.closed:
-                managed.unsubscribe(sub)
+                managed.subscribers.discard(sub)
+
+    async def end_streams_if_paused(self, sandbox_id: str, owner: str) -> None:
+        """:meth:`end_streams` with the pause error when the edge says the sandbox is paused."""
+        try:
+            info = await self._edge.get_sandbox(sandbox_id, owner)
+        except DsecError:
+            return  # gone: the pump sees it
+        if info.state == "paused":
+            self.end_streams(sandbox_id, paused_error(sandbox_id))
+
+    def end_streams(self, sandbox_id: str, error: ConnectError) -> int:
+        """End every stream attached to a process of this sandbox with ``error`` (the
+        processes keep running). Returns how many streams were ended."""
+        ended = 0
+        for managed in list(self._procs.get(sandbox_id, {}).values()):
+            for sub in list(managed.subscribers):
+                sub.fail(error)
+                managed.subscribers.discard(sub)
+                ended += 1
+        return ended
 
     async def _pump(self, managed: ManagedProcess) -> None:
         try:
@@ -254,6 +330,8 @@ class ProcessRegistry:
                     break
                 stream, data = chunk
                 self._broadcast(managed, _data_event(stream, data), len(data))
+                for sub in list(managed.subscribers):  # backpressure: see the module docstring
+                    await sub.wait_for_room()
             managed.result = await managed.proc.wait()
         except DsecError as e:
             managed.error = e
@@ -356,10 +434,11 @@ class ProcessService(process_connect.Process):
         deadline = ctx.timeout_ms
         loop = asyncio.get_running_loop()
         end_at = loop.time() + deadline / 1000.0 if deadline is not None else None
+        next_keepalive = loop.time() + keepalive
         try:
             yield wrap(_start_event(managed.pid))
             while True:
-                wait = keepalive
+                wait = min(next_keepalive - loop.time(), PAUSE_CHECK_INTERVAL_S)
                 if end_at is not None:
                     wait = min(wait, end_at - loop.time())
                     if wait <= 0:
@@ -369,20 +448,23 @@ class ProcessService(process_connect.Process):
                             + (" (process killed)" if started else ""),
                         )
                 try:
-                    event = await asyncio.wait_for(queue.get(), timeout=wait)
+                    event = await asyncio.wait_for(queue.get(), timeout=max(wait, 0.0))
                 except TimeoutError:
-                    if end_at is None or loop.time() < end_at:
+                    # a quiet stream: was the sandbox paused behind the E2B API's back
+                    # (on_timeout="pause")? End it as Sandbox.pause does.
+                    await self._registry.end_streams_if_paused(managed.sandbox_id, managed.owner)
+                    if queue.closed:
+                        continue  # the error is queued
+                    now = loop.time()
+                    if now >= next_keepalive and (end_at is None or now < end_at):
                         yield wrap(_keepalive_event())
+                        next_keepalive = now + keepalive
                     continue
                 if event is not None:
                     yield wrap(event)
                     continue
-                if queue.overflowed:
-                    raise ConnectError(
-                        Code.ABORTED,
-                        f"this stream fell more than {SUBSCRIBER_BUFFER_BYTES} bytes behind process "
-                        f"{managed.pid}'s output; the process keeps running (commands.connect re-attaches)",
-                    )
+                if queue.error is not None:
+                    raise queue.error
                 if managed.error is not None:
                     raise to_connect_error(managed.error, managed.sandbox_id)
                 result = managed.result or ExecResult(exit_code=None, signal=signal_mod.SIGKILL)
@@ -395,7 +477,14 @@ class ProcessService(process_connect.Process):
                     exit_code=result.exit_code if result.exit_code is not None else -1,
                     exited=result.exit_code is not None,
                     status=_exit_status(result),
-                    error=("out of memory" if result.oom_killed else None),
+                    # envd sends cmd.Wait()'s error: "exit status N" / "signal: killed"
+                    error=(
+                        "out of memory"
+                        if result.oom_killed
+                        else None
+                        if result.exit_code == 0
+                        else _exit_status(result)
+                    ),
                 )
                 yield wrap(_end_event(end))
                 return

@@ -134,7 +134,14 @@ def node_name() -> str:
 
 
 def _now_dt(ts: float) -> datetime:
-    return datetime.fromtimestamp(ts, UTC)
+    """``ts`` (Unix seconds) as an aware UTC datetime; never raises: a timestamp past
+    what ``datetime`` can hold (a row stored with a huge TTL) is clamped to
+    ``datetime.max``/``datetime.min`` (UTC)."""
+    try:
+        return datetime.fromtimestamp(ts, UTC)
+    except (OverflowError, ValueError, OSError):
+        far = datetime.min if ts < 0 else datetime.max  # NaN compares False: max
+        return far.replace(tzinfo=UTC)
 
 
 class EdgeAgent:
@@ -640,6 +647,17 @@ class EdgeAgent:
         return self._info(self.registry.get(sandbox_id) or row)
 
     async def set_ttl(self, sandbox_id: str, owner: str, ttl_s: float) -> SandboxInfo:
+        """Set the idle timeout to ``ttl_s`` seconds from now; ``InvalidRequest`` unless
+        0 < ``ttl_s`` <= 30 days (the bound ``CreateSandboxRequest`` has)."""
+        max_ttl_s = 30 * 24 * 3600
+        if (
+            isinstance(ttl_s, bool)
+            or not isinstance(ttl_s, int | float)
+            or not 0 < ttl_s <= max_ttl_s
+        ):
+            raise InvalidRequest(
+                f"ttl_s={ttl_s!r} must be > 0 and <= {max_ttl_s} seconds (30 days)"
+            )
         lv = self._live_for(sandbox_id, owner)
         self.registry.set_ttl(sandbox_id, ttl_s)
         lv.row.ttl_s = ttl_s
