@@ -30,6 +30,7 @@ from dsec.runtimes.fncall.service import (
     RunCodeResponse,
     RunCodeService,
     RunStatus,
+    check_env,
     work_relative,
 )
 from dsec.runtimes.fncall.toolkits import TOOLKITS, toolkit_key
@@ -136,7 +137,7 @@ def test_job_validation(tmp_path: Path) -> None:
     assert (
         job.files == [("a", b"hi")]
         and job.fetch == ["out.txt"]
-        and job.fetch_names == {"out.txt": "/work/out.txt"}
+        and job.fetch_names == {"out.txt": ["/work/out.txt"]}
     )
     with pytest.raises(PayloadTooLarge):
         svc.job_from_sandboxfusion(
@@ -154,6 +155,87 @@ def test_job_validation(tmp_path: Path) -> None:
         svc.job_from_dsec(CodeRunRequest(code="", language="python", stdin_b64="@@"))
     with pytest.raises(InvalidRequest, match="memory"):
         svc.job_from_dsec(CodeRunRequest(code="", language="python", memory_mb=1 << 20))
+
+
+def test_job_validation_of_paths_env_and_timeouts(tmp_path: Path) -> None:
+    """Input the worker could not carry out is refused up front, naming the field."""
+    svc = _service(tmp_path)
+    x = base64.b64encode(b"x").decode()
+
+    def sf(**kw: Any) -> Any:
+        return svc.job_from_sandboxfusion(RunCodeRequest(code="", language="python", **kw))
+
+    with pytest.raises(InvalidRequest, match=r"files: 'a/b' needs 'a' to be a directory"):
+        sf(files={"a": x, "a/b": x})
+    with pytest.raises(InvalidRequest, match=r"needs 'main\.py' to be a directory"):
+        sf(files={"main.py/x": x})
+    with pytest.raises(InvalidRequest, match="same file"):
+        sf(files={"a": x, "./a": x})
+    with pytest.raises(InvalidRequest, match=r"files: path .* component of 300 bytes"):
+        sf(files={"a" * 300: x})
+    with pytest.raises(InvalidRequest, match=r"fetch_files\[1\] .* lone surrogate"):
+        sf(fetch_files=["ok", "\udc80x"])
+    # a name per spelling asked for, one fetch per file
+    job = sf(fetch_files=["o", "/work/o", "./o", "d/p"])
+    assert job.fetch == ["o", "d/p"]
+    assert job.fetch_names == {"o": ["o", "/work/o", "./o"], "d/p": ["d/p"]}
+    # compile_timeout is ignored where there is no compile step (SandboxFusion does)
+    assert sf(compile_timeout=0).compile_timeout_s == 0
+    with pytest.raises(InvalidRequest, match="compile timeout"):
+        svc.job_from_sandboxfusion(RunCodeRequest(code="", language="c", compile_timeout=0))
+    with pytest.raises(InvalidRequest, match="run timeout"):
+        sf(run_timeout=301)
+    with pytest.raises(InvalidRequest, match="lone surrogate"):
+        svc.job_from_dsec(CodeRunRequest(code="", language="python", stdin="\ud800"))
+    with pytest.raises(PayloadTooLarge, match=r"env\['A'\]"):
+        svc.job_from_dsec(CodeRunRequest(code="", language="c", env={"A": "x" * (200 << 10)}))
+
+
+def test_files_must_fit_the_pools_work_tmpfs(tmp_path: Path) -> None:
+    svc = _service(tmp_path)
+    job = svc.job_from_dsec(
+        CodeRunRequest(
+            code="", language="python", files={"a": base64.b64encode(b"x" * (3 << 20)).decode()}
+        )
+    )
+    svc._check_fits(job, work_mb=4, fsize_mb=4)
+    with pytest.raises(PayloadTooLarge, match="per file"):
+        svc._check_fits(job, work_mb=4, fsize_mb=2)
+    with pytest.raises(PayloadTooLarge, match="/work holds 2 MiB"):
+        svc._check_fits(job, work_mb=2, fsize_mb=4)
+
+
+def test_check_env_limits() -> None:
+    lim = RunCodeLimits(max_env_vars=3, max_env_bytes=100)
+    check_env({"A": "1", "PATH": "/opt/x:/usr/bin"}, lim)
+    for bad in ({"": "x"}, {"A=B": "x"}, {"A": "x\0y"}, {"A": "\ud800"}, {"\udc80": "x"}):
+        with pytest.raises(InvalidRequest):
+            check_env(bad, lim)
+    with pytest.raises(PayloadTooLarge, match="variables"):
+        check_env({f"V{i}": "" for i in range(4)}, lim)
+    with pytest.raises(PayloadTooLarge, match="totals"):
+        check_env({"A": "x" * 60, "B": "y" * 60}, lim)
+    with pytest.raises(PayloadTooLarge, match="kernel"):
+        check_env({"A": "x" * (128 << 10)}, RunCodeLimits())
+
+
+def test_base64_accepts_line_breaks_refuses_garbage(tmp_path: Path) -> None:
+    """SandboxFusion decodes with the lenient ``b64decode``: what ``encodebytes`` and MIME
+    produce (line breaks, spaces) is accepted; other characters or bad padding are not."""
+    svc = _service(tmp_path)
+    data = bytes(range(256)) * 3
+
+    def files(value: str) -> list[tuple[str, bytes]]:
+        req = RunCodeRequest(code="", language="python", files={"a": value})
+        return svc.job_from_sandboxfusion(req).files
+
+    assert files(base64.encodebytes(data).decode()) == [("a", data)]
+    assert files(" " + base64.b64encode(data).decode() + "\r\n\t") == [("a", data)]
+    for bad in ("!!!notb64", "eHg", "-_8=", "eA==\u00a0", "eA=x"):
+        with pytest.raises(InvalidRequest, match=r"files\['a'\] is not valid base64"):
+            files(bad)
+    job = svc.job_from_dsec(CodeRunRequest(code="", language="python", stdin_b64="aGk=\n"))
+    assert job.stdin == b"hi"
 
 
 class RecordingService:
@@ -227,6 +309,15 @@ def test_router_shapes_of_bad_input() -> None:
     assert r.status_code == 400
     r = client.post("/v1/run_code", json={"code": "x", "language": "python"})
     assert r.status_code == 200 and r.json()["outcome"] == "ok"
+    # nesting deeper than the parser's recursion limit: a 400, not a RecursionError (500)
+    deep = b'{"code":"x","language":"python","env":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for path in ("/run_code", "/v1/run_code"):
+        r = client.post(path, content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.text[:300])
+        assert r.json()["error"]["code"] == "invalid_request" and "nested" in r.text
+    # validation errors do not echo the (possibly huge) input back
+    r = client.post("/v1/run_code", json={"code": "x", "language": "python", "env": ["y" * 9999]})
+    assert r.status_code == 400 and "y" * 100 not in r.text
 
 
 def test_router_is_lean_and_keeps_its_schema(monkeypatch: pytest.MonkeyPatch) -> None:

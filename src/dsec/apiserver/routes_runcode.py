@@ -135,7 +135,10 @@ def make_runcode_router(
         )
 
     async def body_json(request: Request) -> Any:
-        size = int(request.headers.get("content-length") or 0)
+        try:
+            size = int(request.headers.get("content-length") or 0)
+        except ValueError:
+            raise InvalidRequest("the Content-Length header is not a number") from None
         if size > max_body_bytes:
             raise PayloadTooLarge(f"request body is {size} bytes; at most {max_body_bytes}")
         raw = await request.body()
@@ -144,7 +147,11 @@ def make_runcode_router(
         try:
             return json.loads(raw)
         except ValueError as e:
-            raise InvalidRequest(f"request body is not JSON: {e}") from e
+            raise InvalidRequest(f"request body is not JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequest(
+                "request body is not acceptable JSON: it is nested too deeply"
+            ) from None
 
     async def sandboxfusion(request: Request) -> Response:
         try:
@@ -190,9 +197,9 @@ def make_runcode_router(
             try:
                 req = CodeRunRequest.model_validate(data)
             except ValidationError as e:
-                raise InvalidRequest(
-                    "invalid run_code request", errors=json.loads(e.json())[:16]
-                ) from e
+                # without the inputs: they may be megabytes (a file's base64) or deeply nested
+                errors = json.loads(e.json(include_url=False, include_input=False))[:16]
+                raise InvalidRequest("invalid run_code request", errors=errors) from None
             result = await get_service().run(req)
         except DsecError as e:
             return _error(e)

@@ -17,7 +17,11 @@ __all__ = ["ALIASES", "LANGUAGES", "LanguageSpec", "resolve_language"]
 
 @dataclass(frozen=True)
 class LanguageSpec:
-    """How to run one language. Commands run in ``/work`` with the source at ``source_file``."""
+    """How to run one language. Commands run in ``/work`` with the source at ``source_file``.
+
+    Each command's ``argv[0]`` is an absolute path, so a call's ``env`` (a ``PATH`` of its
+    own) changes what the program finds, never whether the compiler or interpreter starts.
+    """
 
     name: str
     source_file: str
@@ -29,14 +33,14 @@ class LanguageSpec:
 
 
 LANGUAGES: dict[str, LanguageSpec] = {
-    "python": LanguageSpec("python", "main.py", "python", ("python3", "main.py")),
-    "bash": LanguageSpec("bash", "main.sh", "bash", ("bash", "main.sh")),
+    "python": LanguageSpec("python", "main.py", "python", ("/usr/bin/python3", "main.py")),
+    "bash": LanguageSpec("bash", "main.sh", "bash", ("/bin/bash", "main.sh")),
     "c": LanguageSpec(
         "c",
         "main.c",
         "none",
         ("./main",),
-        compile=("gcc", "-O2", "-std=gnu17", "-o", "main", "main.c", "-lm"),
+        compile=("/usr/bin/gcc", "-O2", "-std=gnu17", "-o", "main", "main.c", "-lm"),
         toolkit="gcc",
     ),
     "cpp": LanguageSpec(
@@ -44,16 +48,18 @@ LANGUAGES: dict[str, LanguageSpec] = {
         "main.cpp",
         "none",
         ("./main",),
-        compile=("g++", "-O2", "-std=gnu++17", "-o", "main", "main.cpp", "-lm"),
+        compile=("/usr/bin/g++", "-O2", "-std=gnu++17", "-o", "main", "main.cpp", "-lm"),
         toolkit="gcc",
     ),
-    "nodejs": LanguageSpec("nodejs", "main.js", "none", ("node", "main.js"), toolkit="nodejs"),
+    "nodejs": LanguageSpec(
+        "nodejs", "main.js", "none", ("/usr/bin/node", "main.js"), toolkit="nodejs"
+    ),
     "go": LanguageSpec(
         "go",
         "main.go",
         "none",
         ("./main",),
-        compile=("go", "build", "-o", "main", "main.go"),
+        compile=("/usr/bin/go", "build", "-o", "main", "main.go"),
         toolkit="golang",
         env={
             "GOCACHE": "/tmp/go-cache",
@@ -66,8 +72,8 @@ LANGUAGES: dict[str, LanguageSpec] = {
         "java",
         "Main.java",
         "none",
-        ("java", "-Xss64m", "-cp", ".", "Main"),
-        compile=("javac", "-encoding", "UTF-8", "Main.java"),
+        ("/usr/bin/java", "-Xss64m", "-cp", ".", "Main"),
+        compile=("/usr/bin/javac", "-encoding", "UTF-8", "Main.java"),
         toolkit="java",
         env={"JAVA_TOOL_OPTIONS": "-XX:+UseSerialGC -XX:TieredStopAtLevel=1"},
     ),

@@ -13,7 +13,8 @@ dsec shape (``POST /v1/run_code``): :class:`CodeRunRequest` -> :class:`CodeRunRe
 ``ExecResult`` for the compile and run steps and an explicit ``outcome``.
 
 Both are parsed into one :class:`CodeJob` (validated: language known, base64 valid, paths
-inside ``/work``, sizes under :class:`RunCodeLimits`) and executed by
+inside ``/work`` that the worker can create, environment that ``execve`` accepts, sizes under
+:class:`RunCodeLimits`) and executed by
 :meth:`RunCodeService.execute`: claim a warm worker of the language's pool, lower its memory
 limit if asked, send code + files + stdin, wait (bounded by compile + run timeouts + grace),
 kill the worker. Bad input never reaches a worker; a worker that misbehaves is killed.
@@ -24,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import errno
 import logging
+import os
 import posixpath
 import time
 from dataclasses import dataclass, field
@@ -146,7 +149,14 @@ class CodeRunResult(BaseModel):
 
 @dataclass
 class RunCodeLimits:
-    """Caps applied before a worker is claimed. Sizes in bytes, times in seconds."""
+    """Caps applied before a worker is claimed. Sizes in bytes, times in seconds.
+
+    ``max_env_bytes`` counts ``len(KEY) + len(VALUE) + 2`` (UTF-8 bytes) over the call's
+    variables; with the pool's own environment it stays far below the kernel's ``ARG_MAX``
+    (a quarter of the 8 MiB stack limit), and no single ``KEY=VALUE`` may reach the kernel's
+    ``MAX_ARG_STRLEN`` (128 KiB), so ``execve`` of the compiler or program cannot fail with
+    ``E2BIG``.
+    """
 
     max_code_bytes: int = 4 << 20
     max_files: int = 512
@@ -158,6 +168,8 @@ class RunCodeLimits:
     max_compile_timeout_s: float = 300.0
     min_memory_mb: int = 16
     max_memory_mb: int = 8192
+    max_env_vars: int = 1024
+    max_env_bytes: int = 256 << 10
     grace_s: float = 5.0
 
 
@@ -175,7 +187,8 @@ class CodeJob:
     memory_mb: int | None = None
     max_output_bytes: int = 1 << 20
     env: dict[str, str] = field(default_factory=dict)
-    fetch_names: dict[str, str] = field(default_factory=dict)  # path under /work -> name asked for
+    fetch_names: dict[str, list[str]] = field(default_factory=dict)
+    """path under ``/work`` -> every name the caller asked for it by, in request order"""
 
 
 @dataclass
@@ -191,24 +204,105 @@ class JobOutcome:
     duration_s: float
 
 
-def work_relative(path: str) -> str:
-    """``path`` relative to ``/work`` (relative paths are already so); anything leaving it raises."""
-    if not isinstance(path, str) or not path or "\0" in path or len(path) > 1024:
-        raise InvalidRequest(f"invalid file path {path!r}")
-    rel = path[len("/work/") :] if path.startswith("/work/") else path
-    if rel.startswith("/"):
-        raise InvalidRequest(f"file path {path!r} is outside the work directory /work", path=path)
+MAX_PATH_BYTES = 1024
+"""Longest path accepted in ``files``/``fetch_files``, UTF-8 bytes (the kernel's is 4096)."""
+NAME_MAX_BYTES = 255
+"""Longest path component, UTF-8 bytes (``NAME_MAX`` of tmpfs: longer gives ENAMETOOLONG)."""
+ARG_STRLEN_MAX = 32 * 4096
+"""The kernel's ``MAX_ARG_STRLEN``: longest ``KEY=VALUE`` string ``execve`` takes, with its NUL."""
+
+
+def work_relative(path: str, what: str = "file path") -> str:
+    """``path`` relative to ``/work`` (relative paths are already so); anything leaving it raises.
+
+    Also refused (:class:`InvalidRequest`, message starting with ``what``): paths that are not
+    UTF-8 (a lone surrogate), longer than ``MAX_PATH_BYTES`` or with a component longer than
+    ``NAME_MAX_BYTES``, which the worker could not create or open.
+    """
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise InvalidRequest(f"{what} {path!r} is not a valid path", path=str(path)[:200])
+    try:
+        size = len(path.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidRequest(
+            f"{what} {path!r} is not valid UTF-8 (it holds a lone surrogate)"
+        ) from None
+    if size > MAX_PATH_BYTES:
+        raise InvalidRequest(
+            f"{what} is {size} bytes long; at most {MAX_PATH_BYTES}", path=path[:200]
+        )
+    if path == "/work" or path.startswith("/work/"):
+        rel = path[len("/work") :]
+    elif path.startswith("/"):
+        raise InvalidRequest(f"{what} {path!r} is outside the work directory /work", path=path)
+    else:
+        rel = path
     parts = [p for p in rel.split("/") if p not in ("", ".")]
-    if not parts or ".." in parts:
-        raise InvalidRequest(f"file path {path!r} is outside the work directory /work", path=path)
+    if not parts:
+        raise InvalidRequest(f"{what} {path!r} names the work directory itself, not a file")
+    if ".." in parts:
+        raise InvalidRequest(
+            f"{what} {path!r} is outside the work directory /work (paths may not use '..')",
+            path=path,
+        )
+    for part in parts:
+        if len(part.encode()) > NAME_MAX_BYTES:
+            raise InvalidRequest(
+                f"{what} {path!r} has a component of {len(part.encode())} bytes;"
+                f" at most {NAME_MAX_BYTES}",
+                path=path,
+            )
     return posixpath.join(*parts)
 
 
+def check_env(env: dict[str, str], limits: RunCodeLimits) -> None:
+    """Refuse an environment that ``execve`` (or the warm interpreter) would not take.
+
+    Names must be non-empty without ``=`` or NUL, values without NUL, both valid UTF-8; each
+    ``KEY=VALUE`` shorter than ``ARG_STRLEN_MAX`` and all of them within ``limits``.
+    Raises :class:`InvalidRequest` (or :class:`PayloadTooLarge` for the totals) naming the
+    variable.
+    """
+    if len(env) > limits.max_env_vars:
+        raise PayloadTooLarge(f"env has {len(env)} variables; at most {limits.max_env_vars}")
+    total = 0
+    for key, value in env.items():
+        if not key or "=" in key or "\0" in key:
+            raise InvalidRequest(f"env: invalid variable name {key[:100]!r}")
+        if "\0" in value:
+            raise InvalidRequest(f"env[{key[:100]!r}]: the value holds a NUL character")
+        try:
+            size = len(key.encode("utf-8")) + len(value.encode("utf-8")) + 2
+        except UnicodeEncodeError:
+            raise InvalidRequest(
+                f"env[{key[:100]!r}]: not valid UTF-8 (it holds a lone surrogate)"
+            ) from None
+        if size > ARG_STRLEN_MAX:
+            raise PayloadTooLarge(
+                f"env[{key[:100]!r}] is {size - 1} bytes as KEY=VALUE;"
+                f" the kernel takes at most {ARG_STRLEN_MAX - 1}"
+            )
+        total += size
+    if total > limits.max_env_bytes:
+        raise PayloadTooLarge(f"env totals {total} bytes; at most {limits.max_env_bytes}")
+
+
+_B64_WHITESPACE = str.maketrans("", "", " \t\n\r\v\f")
+
+
 def _b64(data: str, what: str) -> bytes:
+    """Standard base64 (``+/``, ``=`` padding) as SandboxFusion's ``b64decode`` reads it, less its
+    leniency for garbage: ASCII whitespace anywhere (the line breaks of ``encodebytes``, MIME)
+    is skipped; any other character outside the alphabet, or a wrong padding, raises
+    :class:`InvalidRequest` naming ``what``."""
     try:
         return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    try:
+        return base64.b64decode(data.translate(_B64_WHITESPACE), validate=True)
     except (binascii.Error, ValueError) as e:
-        raise InvalidRequest(f"{what} is not valid base64: {e}") from e
+        raise InvalidRequest(f"{what} is not valid base64: {e}") from None
 
 
 class RunCodeService:
@@ -250,35 +344,48 @@ class RunCodeService:
         if len(stdin) > lim.max_stdin_bytes:
             raise PayloadTooLarge(f"stdin is {len(stdin)} bytes; at most {lim.max_stdin_bytes}")
         rel_files: list[tuple[str, bytes]] = []
-        seen: set[str] = set()
+        asked: dict[str, str] = {lang.source_file: "the program source"}  # rel -> as given
         for path, data in files.items():
-            rel = work_relative(path)
+            rel = work_relative(path, "files: path")
             if rel == lang.source_file:
                 raise InvalidRequest(
-                    f"file {path!r} would overwrite the program source {lang.source_file}"
+                    f"files: {path!r} would overwrite the program source {lang.source_file}"
                 )
-            if rel in seen:
-                raise InvalidRequest(f"file {path!r} given twice")
-            seen.add(rel)
+            if rel in asked:
+                raise InvalidRequest(f"files: {path!r} and {asked[rel]!r} are the same file")
+            asked[rel] = path
             rel_files.append((rel, data))
-        fetch_rel = [work_relative(p) for p in fetch]
-        if len(fetch_rel) > lim.max_files:
-            raise PayloadTooLarge(f"{len(fetch_rel)} fetch_files; at most {lim.max_files}")
+        for rel, path in asked.items():
+            # a file cannot also be a directory: {"a": ..., "a/b": ...}
+            parent = posixpath.dirname(rel)
+            while parent:
+                if parent in asked:
+                    raise InvalidRequest(
+                        f"files: {path!r} needs {parent!r} to be a directory,"
+                        f" but {asked[parent]!r} is a file"
+                    )
+                parent = posixpath.dirname(parent)
+        if len(fetch) > lim.max_files:
+            raise PayloadTooLarge(f"{len(fetch)} fetch_files; at most {lim.max_files}")
+        names: dict[str, list[str]] = {}
+        for i, name in enumerate(fetch):
+            names.setdefault(work_relative(name, f"fetch_files[{i}]"), []).append(name)
         if not (0 < run_timeout <= lim.max_run_timeout_s):
             raise InvalidRequest(
                 f"run timeout must be in (0, {lim.max_run_timeout_s}] s (got {run_timeout})"
             )
-        if not (0 < compile_timeout <= lim.max_compile_timeout_s):
+        if lang.compile and not (0 < compile_timeout <= lim.max_compile_timeout_s):
+            # languages without a compile step ignore it, as SandboxFusion does
             raise InvalidRequest(
                 f"compile timeout must be in (0, {lim.max_compile_timeout_s}] s (got {compile_timeout})"
             )
+        check_env(env, lim)
         if memory_mb is not None and not (lim.min_memory_mb <= memory_mb <= lim.max_memory_mb):
             raise InvalidRequest(
                 f"memory limit must be in [{lim.min_memory_mb}, {lim.max_memory_mb}] MiB (got {memory_mb})"
             )
         if not (0 <= max_output <= lim.max_output_bytes):
             raise InvalidRequest(f"max_output_bytes must be in [0, {lim.max_output_bytes}]")
-        names = dict(zip(fetch_rel, fetch, strict=True))
         return CodeJob(
             lang,
             code_b,
@@ -294,7 +401,7 @@ class RunCodeService:
         )
 
     def job_from_sandboxfusion(self, req: RunCodeRequest) -> CodeJob:
-        files = {p: _b64(v, f"file {p!r}") for p, v in req.files.items() if v is not None}
+        files = {p: _b64(v, f"files[{p!r}]") for p, v in req.files.items() if v is not None}
         return self._job(
             code=req.code,
             language=req.language,
@@ -313,13 +420,16 @@ class RunCodeService:
     def job_from_dsec(self, req: CodeRunRequest) -> CodeJob:
         if req.stdin is not None and req.stdin_b64 is not None:
             raise InvalidRequest("stdin and stdin_b64 are exclusive")
-        stdin = (
-            req.stdin.encode() if req.stdin is not None else _b64(req.stdin_b64 or "", "stdin_b64")
-        )
-        files = {p: _b64(v, f"file {p!r}") for p, v in req.files.items()}
-        for k in req.env:
-            if not k or "=" in k or "\0" in k or "\0" in req.env[k]:
-                raise InvalidRequest(f"invalid environment variable {k!r}")
+        if req.stdin is not None:
+            try:
+                stdin = req.stdin.encode()
+            except UnicodeEncodeError:
+                raise InvalidRequest(
+                    "stdin is not valid UTF-8 (it holds a lone surrogate); send bytes as stdin_b64"
+                ) from None
+        else:
+            stdin = _b64(req.stdin_b64 or "", "stdin_b64")
+        files = {p: _b64(v, f"files[{p!r}]") for p, v in req.files.items()}
         return self._job(
             code=req.code,
             language=req.language,
@@ -335,10 +445,26 @@ class RunCodeService:
 
     # --- execution ----------------------------------------------------------------------
 
+    @staticmethod
+    def _check_fits(job: CodeJob, work_mb: int, fsize_mb: int) -> None:
+        """Refuse files the worker's ``/work`` (a ``work_mb`` MiB tmpfs, ``RLIMIT_FSIZE`` of
+        ``fsize_mb`` MiB) cannot hold, before a worker is claimed."""
+        total = len(job.code) + sum(len(d) for _, d in job.files)
+        if total > work_mb << 20:
+            raise PayloadTooLarge(
+                f"code and files total {total} bytes; /work holds {work_mb} MiB in this pool"
+            )
+        for rel, data in job.files:
+            if len(data) > fsize_mb << 20:
+                raise PayloadTooLarge(
+                    f"files[{rel!r}] is {len(data)} bytes; at most {fsize_mb} MiB per file"
+                )
+
     async def execute(self, job: CodeJob) -> JobOutcome:
         """Run one job in a fresh worker; the worker is killed afterwards whatever happens."""
         t0 = time.monotonic()
         pool = await self.runtime.pool_for_language(job.lang)
+        self._check_fits(job, pool.config.work_mb, pool.config.fsize_mb)
         w = await pool.claim()
         answered = False
         try:
@@ -357,9 +483,12 @@ class RunCodeService:
                 "cpu_s": cpu,
                 "path": f"/work/{lang.source_file}",
             }
-            run["argv"] = (
-                None if (lang.warm != "none" and pool.warm == lang.warm) else list(lang.run)
-            )
+            # the warm bash got its environment when it was forked: a call with an env of its
+            # own starts a fresh bash (a few ms more) instead
+            warm = lang.warm != "none" and pool.warm == lang.warm
+            if lang.warm == "bash" and job.env:
+                warm = False
+            run["argv"] = None if warm else list(lang.run)
             header: dict[str, Any] = {
                 "op": "run",
                 "files": files,
@@ -379,7 +508,21 @@ class RunCodeService:
                     else None
                 ),
             }
-            await w.send(header, b"".join(blobs))
+            try:
+                await w.send(header, b"".join(blobs))
+            except OSError as e:  # the worker died before it had read the whole call
+                if w.oom_kills() > 0:
+                    raise InvalidRequest(
+                        f"the worker was killed by its memory limit"
+                        f" ({job.memory_mb or pool.config.memory_mb} MiB) while"
+                        f" receiving this call's {sum(len(b) for b in blobs)} bytes of code,"
+                        " files and stdin; raise the memory limit",
+                        memory_mb=job.memory_mb or pool.config.memory_mb,
+                    ) from None
+                raise SandboxError(
+                    f"the fncall worker {pool.name}/w{w.wid} went away before the call was"
+                    f" sent ({type(e).__name__})"
+                ) from None
             budget = (
                 job.run_timeout_s
                 + (job.compile_timeout_s if lang.compile else 0.0)
@@ -394,12 +537,28 @@ class RunCodeService:
             except SandboxError:
                 oom = w.oom_kills() > 0
                 if oom:
-                    raise SandboxError(
-                        "the worker was killed by the memory limit before it could report"
+                    # the call's own data or program outgrew the call's limit: the caller's
+                    raise InvalidRequest(
+                        f"the worker was killed by its memory limit"
+                        f" ({job.memory_mb or pool.config.memory_mb} MiB) before it could"
+                        " report; raise the memory limit",
+                        memory_mb=job.memory_mb or pool.config.memory_mb,
                     ) from None
                 raise
             if reply.get("op") != "result":
-                raise SandboxError(f"fncall worker error: {reply.get('message', reply)}")
+                # the request was validated, so this is dsec's failure: the details (a Python
+                # exception from inside the worker) go to the log, not to the client
+                log.error(
+                    "fncall worker %s/w%s failed: %s\n%s",
+                    pool.name,
+                    w.wid,
+                    reply.get("message", reply),
+                    reply.get("trace", ""),
+                )
+                raise SandboxError(
+                    f"the fncall worker {pool.name}/w{w.wid} failed to run the call"
+                    " (details in the server log)"
+                )
             comp, run_res = reply.get("compile"), reply.get("run")
             signalled = any(r and r.get("signal") == 9 for r in (comp, run_res))
             oom = signalled and w.oom_kills() > 0
@@ -414,12 +573,15 @@ class RunCodeService:
             fetched: dict[str, bytes] = {}
             errors: dict[str, str] = {}
             for f in reply.get("fetched") or []:
-                name = job.fetch_names.get(str(f["path"]), str(f["path"]))
+                rel = str(f["path"])
+                asked_as = job.fetch_names.get(rel, [rel])
                 if "error" in f:
-                    errors[name] = str(f["error"])
+                    for name in asked_as:
+                        errors[name] = _fetch_error(rel, str(f["error"]))
                 else:
                     size = int(f["size"])
-                    fetched[name] = blob[offset : offset + size]
+                    for name in asked_as:  # one key per name asked for, as SandboxFusion
+                        fetched[name] = blob[offset : offset + size]
                     offset += size
             outcome = JobOutcome(
                 comp,
@@ -519,6 +681,22 @@ class RunCodeService:
         )
 
 
+_EXDEV = os.strerror(errno.EXDEV)
+
+
+def _fetch_error(rel: str, reason: str) -> str:
+    """The worker's reason for not returning the fetched file ``rel`` (``strerror``, maybe
+    after an ``"open <rel>: "`` prefix), in the client's terms."""
+    reason = reason.removeprefix(f"open {rel}: ")
+    if reason == _EXDEV:
+        # openat2(RESOLVE_BENEATH) says EXDEV for any symlink it does not follow
+        return (
+            "not followed: the path goes through an absolute symlink or one leading out of"
+            " /work (only relative symlinks that stay inside /work are followed)"
+        )
+    return reason
+
+
 def _command_result(raw: dict[str, Any], res: ExecResult | None) -> CommandRunResult:
     assert res is not None
     if res.timed_out:
@@ -528,6 +706,8 @@ def _command_result(raw: dict[str, Any], res: ExecResult | None) -> CommandRunRe
     else:
         status = CommandRunStatus.Finished
     rc = res.exit_code if res.exit_code is not None else (-res.signal if res.signal else None)
+    if res.timed_out:
+        rc = None  # SandboxFusion reports no return code for a step it stopped at its limit
     return CommandRunResult(
         status=status,
         execution_time=res.duration_ms / 1000.0,
