@@ -38,6 +38,26 @@ Consistency: the caller freezes the sandbox while packing (``pause(cg, reclaim=F
 ``resume``), so no file changes under ``mkfs.erofs``. Failure leaves no partial layer: the image
 is built in the store's scratch dir and only :meth:`LayerStore.import_layer_file` publishes it.
 
+Limits (checked while walking the diff, before anything is read or written):
+
+- **Apparent size.** A sparse file costs the sandbox nothing (``truncate -s 1T`` allocates no
+  tmpfs pages) but ``mkfs.erofs`` reads every hole and an uncompressed image stores it as
+  zeros. The total apparent size of the regular files that would be packed (each inode
+  once) must not exceed ``max_bytes`` (default: the size of the filesystem holding the
+  upper, i.e. the sandbox's ``disk_mb`` for its tmpfs upper), else :class:`QuotaExceeded`.
+- **Holes stay small.** When the diff holds sparse files (>= 1 MiB of holes) and
+  ``compress`` is None, the image is made chunk-based (``mkfs.erofs --chunksize``, 64 KiB
+  chunks, supported by erofs-utils 1.5 and every kernel since 5.15): identical chunks are
+  stored once, so all-zero chunks cost one chunk plus a 4-byte index entry each (a 300 MB
+  sparse file packs to ~0.1 MB; mkfs still reads the holes, ~7 s per GB here). erofs-utils
+  1.5 cannot record holes as such. With ``lz4`` zeros compress (~5 MB per GB, ~0.3 s per GB).
+- **Depth and path length.** ``mkfs.erofs`` 1.5 recurses once per directory level (about
+  4 KiB of stack each: it crashes near 1,930 levels under an 8 MiB stack) and builds host
+  paths of at most ``PATH_MAX``. Directories nested deeper than :data:`MAX_PACK_DEPTH`
+  levels, or a host path of 4,096 bytes or more, are refused with :class:`InvalidRequest`
+  (scrub or remove them, e.g. with the files API's recursive remove). mkfs.erofs walks
+  scrubbed directories too (it only leaves them out), so the limits apply there as well.
+
 Not supported (typed errors): ``metacopy`` uppers (their files hold no data; dsec does not
 mount with ``metacopy=on``). ``redirect`` xattrs (``redirect_dir=on``) are kept and work when
 the layer sits on the same lowers (``redirect_always_follow``). ``trusted.overlay.origin`` /
@@ -59,13 +79,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from dsec.errors import InvalidRequest, SandboxError, SecretInSnapshot, Unsupported
+from dsec.errors import (
+    InvalidRequest,
+    QuotaExceeded,
+    SandboxError,
+    SecretInSnapshot,
+    Unsupported,
+)
 from dsec.layers.erofs import PCLUSTER_BYTES, normalize_superblock
 from dsec.models import LayerInfo, LayerKind
 
 __all__ = [
+    "CHUNK_BYTES",
     "DEFAULT_SCRUB",
     "DEFAULT_SECRET_PATHS",
+    "MAX_PACK_DEPTH",
     "DiffStats",
     "LayerImporter",
     "SecretInSnapshot",
@@ -134,6 +162,16 @@ _ERE_SPECIAL = set(".[]()*+?{}|^$\\")
 _MKFS_TIMEOUT_S = 3600.0
 _SCAN_CHUNK = 1 << 20
 
+MAX_PACK_DEPTH = 1000
+"""Deepest directory nesting (levels below the upper) ``pack_diff`` packs: half of where
+``mkfs.erofs`` 1.5 overflows an 8 MiB stack (~1,930 levels, measured)."""
+_PATH_MAX = 4096
+"""Linux ``PATH_MAX`` (bytes, with the NUL): mkfs.erofs opens every entry by its host path."""
+CHUNK_BYTES = 1 << 16
+"""Chunk size of chunk-based images (made for uncompressed diffs with sparse files), bytes."""
+_SPARSE_MIN_HOLE_BYTES = 1 << 20
+"""Holes (apparent size minus allocated bytes) from which a diff is packed chunk-based."""
+
 
 class LayerImporter(Protocol):
     """What ``pack_diff`` needs of :class:`dsec.layers.store.LayerStore`."""
@@ -160,6 +198,8 @@ class DiffStats:
     whiteouts: int = 0
     opaque_dirs: int = 0
     bytes: int = 0
+    hole_bytes: int = 0
+    chunked: bool = False
     scrubbed: int = 0
     scan_ms: float = 0.0
     mkfs_ms: float = 0.0
@@ -235,31 +275,87 @@ def _file_contains(path: str, needles: Sequence[bytes]) -> bool:
     return False
 
 
+def _short(rel: str, keep: int = 120) -> str:
+    """``/rel``, cut in the middle when longer than ``keep`` characters (for messages)."""
+    path = f"/{rel}"
+    return path if len(path) <= keep else f"{path[: keep // 2]}...{path[-keep // 2 :]}"
+
+
 def _walk(
-    upper: Path, excluded: re.Pattern[str], needles: Sequence[bytes], stats: DiffStats
+    upper: Path,
+    excluded: re.Pattern[str],
+    needles: Sequence[bytes],
+    stats: DiffStats,
+    max_bytes: int,
 ) -> list[str]:
-    """Walk the upper (minus excluded paths); count, reject metacopy, find secret values."""
+    """Walk the upper (minus excluded paths); count, enforce the limits (apparent size,
+    depth, path length) before reading any file, reject metacopy, find secret values."""
     hits: list[str] = []
-    stack = [""]
-    root = os.fspath(upper)
+    # (relative dir, its depth, scrubbed?): mkfs.erofs 1.5 walks scrubbed directories too
+    # (it only leaves them out of the image), so they are walked for the limits alone
+    stack: list[tuple[str, int, bool]] = [("", 0, False)]
+    root = os.path.abspath(upper)
+    root_len = len(os.fsencode(root))
+    seen_inodes: set[int] = set()
     while stack:
-        rel_dir = stack.pop()
+        rel_dir, depth, in_scrubbed = stack.pop()
         abs_dir = os.path.join(root, rel_dir) if rel_dir else root
         with os.scandir(abs_dir) as it:
             for entry in it:
                 rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-                if excluded.match(rel):
+                scrubbed = in_scrubbed or excluded.match(rel) is not None
+                if scrubbed and not in_scrubbed:
                     stats.scrubbed += 1
+                fix = "remove that tree" if scrubbed else "remove or scrub that tree"
+                if root_len + 1 + len(os.fsencode(rel)) >= _PATH_MAX:
+                    raise InvalidRequest(
+                        f"{_short(rel)} is too deep to snapshot: its path on the node passes "
+                        f"PATH_MAX ({_PATH_MAX} bytes); {fix}",
+                        path=_short(rel),
+                        limit=_PATH_MAX,
+                    )
+                if scrubbed:
+                    if entry.is_dir(follow_symlinks=False):
+                        if depth + 1 > MAX_PACK_DEPTH:
+                            raise InvalidRequest(
+                                f"{_short(rel)} is nested more than {MAX_PACK_DEPTH} directories "
+                                f"deep, more than a snapshot can walk; {fix}",
+                                path=_short(rel),
+                                limit=MAX_PACK_DEPTH,
+                            )
+                        stack.append((rel, depth + 1, True))
                     continue
                 st = entry.stat(follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
+                    if depth + 1 > MAX_PACK_DEPTH:
+                        raise InvalidRequest(
+                            f"{_short(rel)} is nested more than {MAX_PACK_DEPTH} directories "
+                            f"deep, more than a snapshot can hold; {fix}",
+                            path=_short(rel),
+                            limit=MAX_PACK_DEPTH,
+                        )
                     stats.dirs += 1
                     if _has_xattr(entry.path, "trusted.overlay.opaque"):
                         stats.opaque_dirs += 1
-                    stack.append(rel)
+                    stack.append((rel, depth + 1, False))
                 elif stat.S_ISREG(st.st_mode):
                     stats.files += 1
+                    if st.st_nlink > 1:
+                        if st.st_ino in seen_inodes:
+                            continue  # a hard link to a file already counted and scanned
+                        seen_inodes.add(st.st_ino)
                     stats.bytes += st.st_size
+                    stats.hole_bytes += max(0, st.st_size - st.st_blocks * 512)
+                    if stats.bytes > max_bytes:
+                        raise QuotaExceeded(
+                            f"the snapshot would hold {stats.bytes} bytes or more of files "
+                            f"(apparent size, holes of sparse files included; e.g. "
+                            f"{_short(rel)} is {st.st_size} bytes), more than the limit of "
+                            f"{max_bytes} bytes; remove, shrink or scrub large sparse files",
+                            path=_short(rel),
+                            size=stats.bytes,
+                            limit=max_bytes,
+                        )
                     if _has_xattr(entry.path, "trusted.overlay.metacopy"):
                         raise Unsupported(
                             f"/{rel} is an overlay metacopy file (no data in the upper); "
@@ -278,7 +374,9 @@ def _walk(
     return hits
 
 
-def _mkfs(upper: Path, dest: Path, regexes: Sequence[str], compress: str | None) -> None:
+def _mkfs(
+    upper: Path, dest: Path, regexes: Sequence[str], compress: str | None, chunked: bool = False
+) -> None:
     mkfs = shutil.which("mkfs.erofs")
     if mkfs is None:
         raise SandboxError("mkfs.erofs not found: install the erofs-utils package")
@@ -286,6 +384,8 @@ def _mkfs(upper: Path, dest: Path, regexes: Sequence[str], compress: str | None)
     argv = [mkfs, "--quiet", "-Eforce-inode-extended"]
     if compress is not None:
         argv += [f"-z{compress}", f"-C{PCLUSTER_BYTES}"]
+    elif chunked:
+        argv += [f"--chunksize={CHUNK_BYTES}"]
     argv += [f"--exclude-regex={r}" for r in regexes]
     argv += [os.fspath(dest), os.path.abspath(upper)]
     env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
@@ -318,6 +418,7 @@ def pack_diff(
     secret_paths: Sequence[str] = (),
     secret_values: Sequence[str | bytes] = (),
     compress: str | None = "lz4",
+    max_bytes: int | None = None,
 ) -> LayerInfo:
     """Pack an overlay upper directory into a new content-addressed ``workspace`` layer.
 
@@ -333,12 +434,17 @@ def pack_diff(
             :data:`DEFAULT_SECRET_PATHS`).
         secret_values: strings whose presence in any packed file refuses the snapshot.
         compress: ``"lz4"`` (default) or ``None``.
+        max_bytes: the most bytes of files (apparent sizes, sparse holes included) the
+            layer may hold: pass the sandbox's ``disk_mb * 2**20``. None: the size of the
+            filesystem holding ``upper`` (for a tmpfs upper, its ``size=``, i.e. disk_mb).
 
     Returns:
         The new layer (an existing one if the identical content was packed before).
 
     Raises:
-        InvalidRequest: ``upper`` is not a directory; a bad scrub pattern; an empty secret.
+        InvalidRequest: ``upper`` is not a directory; a bad scrub pattern; an empty secret;
+            a directory nested deeper than :data:`MAX_PACK_DEPTH` or a path too long.
+        QuotaExceeded: the files' apparent size passes ``max_bytes``; nothing stored.
         SecretInSnapshot: a secret value was found (``details["paths"]``); nothing stored.
         Unsupported: the upper has metacopy files.
         SandboxError: mkfs.erofs failed; nothing stored.
@@ -354,8 +460,12 @@ def pack_diff(
     needles = [v.encode() if isinstance(v, str) else bytes(v) for v in secret_values]
     if any(len(n) < 4 for n in needles):
         raise InvalidRequest("secret values must be at least 4 bytes (shorter ones match noise)")
+    if max_bytes is None:
+        vfs = os.statvfs(upper)
+        max_bytes = vfs.f_blocks * vfs.f_frsize
     stats = DiffStats()
-    hits = _walk(upper, excluded, needles, stats)
+    hits = _walk(upper, excluded, needles, stats, max_bytes)
+    stats.chunked = compress is None and stats.hole_bytes >= _SPARSE_MIN_HOLE_BYTES
     stats.scan_ms = round((time.perf_counter() - t0) * 1000, 1)
     if hits:
         raise SecretInSnapshot(
@@ -367,7 +477,7 @@ def pack_diff(
     tmp = store.scratch / f"pack-{secrets.token_hex(8)}.erofs"
     try:
         t1 = time.perf_counter()
-        _mkfs(upper, tmp, regexes, compress)
+        _mkfs(upper, tmp, regexes, compress, stats.chunked)
         stats.mkfs_ms = round((time.perf_counter() - t1) * 1000, 1)
         t2 = time.perf_counter()
         full_meta = dict(meta or {})

@@ -12,6 +12,21 @@ before it reaches the kernel.
 
 Only regular files are read or written (a FIFO or a device node planted by the
 sandbox can neither block nor reach the host). Blocking work runs in a thread.
+
+Kernel mounts: inside the container ``/proc``, ``/sys`` and ``/dev`` (with ``/dev/pts``,
+``/dev/shm``, ``/dev/mqueue`` and dsec's init binary) are separate mounts (see
+``bundle.py``); the host sees only the empty directories of the overlay beneath them.
+Every operation on a path at or beneath them, named directly or reached through a
+symlink, is refused with :class:`InvalidRequest` (reading them means running a command
+in the sandbox). Listing ``/`` still shows the three directories.
+
+Depth: directory walks (recursive remove, list, ``download_tar``) keep at most two
+descriptors open and no recursion, whatever the depth; they climb back with ``..`` and
+check that they are where they came from (:class:`Conflict` if the sandbox moved the
+tree meanwhile). ``upload_tar`` streams each member to disk in 1 MiB chunks, refuses a
+member that would take the unpacked total past the sandbox's free disk space
+(:class:`QuotaExceeded`), and writes each file under a temporary name renamed into place
+only when complete, so a refused or failed member leaves no partial file.
 """
 
 from __future__ import annotations
@@ -24,14 +39,16 @@ import errno
 import io
 import os
 import posixpath
-import shutil
+import secrets
 import stat
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, NamedTuple, TypeVar
 
 from dsec.errors import (
+    Conflict,
     DsecError,
     FileExists_,
     FileNotFound,
@@ -51,6 +68,12 @@ RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
 _RESOLVE = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
 _MAX_LIST_ENTRIES = 100_000
+_COPY_CHUNK_BYTES = 1 << 20
+"""``upload_tar`` copies a member to disk in chunks of this many bytes (bounded memory)."""
+KERNEL_MOUNT_DIRS: frozenset[str] = frozenset({"proc", "sys", "dev"})
+"""Top-level directories that are separate mounts inside the container (``bundle.py``'s
+mount list: proc, sysfs, the /dev tmpfs and everything mounted under it). The files API
+refuses paths at or beneath them."""
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -127,17 +150,145 @@ def _file_type(mode: int) -> FileType:
     return "other"
 
 
+def _kernel_mount_error(path: str, top: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{path} is a kernel/device mount inside the sandbox (/{top}): the files API does "
+        "not reach it; use a command (e.g. `cat`, `ls`) instead",
+        path=path,
+    )
+
+
+def _refuse_kernel_mount(parts: list[str], path: str) -> None:
+    """Refuse a path that names, lexically, something at or beneath a kernel mount."""
+    norm: list[str] = []
+    for part in parts:
+        if part == "..":
+            if norm:
+                norm.pop()
+        else:
+            norm.append(part)
+    if norm and norm[0] in KERNEL_MOUNT_DIRS:
+        raise _kernel_mount_error(path, norm[0])
+
+
+class _WalkStep(NamedTuple):
+    """One step of :func:`_walk_tree`.
+
+    ``kind``: ``"entry"`` (a non-directory, or a directory on another device, not
+    descended), ``"dir"`` (a directory, before its contents) or ``"post"`` (a directory
+    after its contents). ``dir_fd`` is the open directory holding ``name``, valid only
+    until the next step; ``rel`` is the path relative to the walk's top.
+    """
+
+    kind: str
+    dir_fd: int
+    name: str
+    rel: str
+    st: os.stat_result
+
+
+@dataclass
+class _Frame:
+    names: list[str]
+    rel: str
+    st: os.stat_result
+    pos: int = 0
+
+
+def _walk_tree(
+    top_fd: int, descend: Callable[[str, int], bool]
+) -> Generator[_WalkStep, None, None]:
+    """Depth-first walk below the directory open as ``top_fd`` (which is neither yielded
+    nor closed), in sorted name order, never following symlinks nor crossing devices.
+
+    Iterative and holding at most two descriptors whatever the depth: it enters a child
+    with ``openat(O_NOFOLLOW)`` and leaves it through ``..``, checking that ``..`` is the
+    very directory (device and inode) it came from. ``descend(rel, level)`` decides
+    whether to enter the directory ``rel`` found at ``level`` (1 = a child of the top).
+
+    Raises:
+        Conflict: the tree was moved while it was walked (``..`` led elsewhere).
+        OSError: as the underlying calls.
+    """
+    top_st = os.fstat(top_fd)
+    dev = top_st.st_dev
+    cur = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=top_fd)
+    try:
+        frames = [_Frame(sorted(os.listdir(cur)), "", top_st)]
+        while frames:
+            frame = frames[-1]
+            if frame.pos < len(frame.names):
+                name = frame.names[frame.pos]
+                frame.pos += 1
+                try:
+                    st = os.stat(name, dir_fd=cur, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed while we walked
+                rel = f"{frame.rel}/{name}" if frame.rel else name
+                if not stat.S_ISDIR(st.st_mode) or st.st_dev != dev:
+                    yield _WalkStep("entry", cur, name, rel, st)
+                    continue
+                yield _WalkStep("dir", cur, name, rel, st)
+                if not descend(rel, len(frames)):
+                    continue
+                try:
+                    child = os.open(
+                        name,
+                        os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        dir_fd=cur,
+                    )
+                except (FileNotFoundError, NotADirectoryError):
+                    continue  # replaced while we walked
+                try:
+                    child_st = os.fstat(child)
+                    if (child_st.st_dev, child_st.st_ino) != (dev, st.st_ino):
+                        os.close(child)
+                        continue  # replaced between stat and open
+                    names = sorted(os.listdir(child))
+                except BaseException:
+                    os.close(child)
+                    raise
+                os.close(cur)
+                cur = child
+                frames.append(_Frame(names, rel, child_st))
+            else:
+                done = frames.pop()
+                if not frames:
+                    break
+                parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=cur)
+                parent_st = os.fstat(parent)
+                expected = frames[-1].st
+                if (parent_st.st_dev, parent_st.st_ino) != (expected.st_dev, expected.st_ino):
+                    os.close(parent)
+                    raise Conflict(
+                        f"the directory tree was moved while it was walked (at {done.rel!r})",
+                        path=done.rel,
+                    )
+                os.close(cur)
+                cur = parent
+                yield _WalkStep("post", cur, posixpath.basename(done.rel), done.rel, done.st)
+    finally:
+        os.close(cur)
+
+
 class RootedFiles:
     """:class:`~dsec.runtimes.base.SandboxFiles` over a root directory on the host.
 
     Args:
         root: the sandbox's rootfs on the host (the overlay mount point).
         owner: ``(uid, gid)`` given to files and directories this class creates.
+        max_upload_bytes: a cap on one ``upload_tar``'s unpacked size, bytes, on top of
+            the sandbox's free disk space (``statvfs`` of the root: the tmpfs upper);
+            None: the free space only.
     """
 
-    def __init__(self, root: Path, owner: tuple[int, int] = (0, 0)) -> None:
+    def __init__(
+        self, root: Path, owner: tuple[int, int] = (0, 0), max_upload_bytes: int | None = None
+    ) -> None:
         self.root = root
         self.owner = owner
+        self.max_upload_bytes = max_upload_bytes
+        self._root_real: str | None = None
 
     # -- plumbing ------------------------------------------------------------
 
@@ -159,9 +310,36 @@ class RootedFiles:
         except FileNotFoundError as e:
             raise SandboxError("the sandbox's root filesystem is gone") from e
         try:
+            if self._root_real is None:
+                self._root_real = os.readlink(f"/proc/self/fd/{fd}")
             yield fd
         finally:
             os.close(fd)
+
+    def _check_resolved(self, fd: int, path: str) -> None:
+        """Refuse ``fd`` if the kernel resolved it (e.g. through a symlink) to somewhere at
+        or beneath a kernel mount's directory in the root."""
+        if self._root_real is None:
+            return
+        where = os.readlink(f"/proc/self/fd/{fd}")
+        prefix = self._root_real.rstrip("/") + "/"
+        if where.startswith(prefix):
+            top = where[len(prefix) :].split("/", 1)[0]
+            if top in KERNEL_MOUNT_DIRS:
+                raise _kernel_mount_error(path, top)
+
+    def _is_root(self, fd: int) -> bool:
+        """Whether ``fd`` is the sandbox's root directory itself (however it was named)."""
+        return os.readlink(f"/proc/self/fd/{fd}") == self._root_real
+
+    def _openat2_checked(self, dirfd: int, rel: str, flags: int, path: str, mode: int = 0) -> int:
+        fd = openat2(dirfd, rel, flags, mode)
+        try:
+            self._check_resolved(fd, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     @staticmethod
     def _rel(parts: list[str]) -> str:
@@ -169,13 +347,41 @@ class RootedFiles:
 
     @contextlib.contextmanager
     def _open(self, path: str, flags: int, mode: int = 0) -> Iterator[int]:
+        """``path`` opened in the root; refused at or beneath a kernel mount (by name, or
+        as resolved through symlinks)."""
         parts = _components(path)
+        _refuse_kernel_mount(parts, path)
         with self._root_fd() as root:
-            fd = openat2(root, self._rel(parts), flags, mode)
+            try:
+                fd = self._openat2_checked(root, self._rel(parts), flags, path, mode)
+            except FileNotFoundError:
+                # e.g. /link/version with /link -> /proc: say why rather than "not found"
+                self._check_existing_prefix(root, parts, path)
+                raise
         try:
             yield fd
         finally:
             os.close(fd)
+
+    def _check_existing_prefix(self, root: int, parts: list[str], path: str) -> None:
+        """Apply :meth:`_check_resolved` to the longest prefix of ``parts`` that resolves
+        (found by bisection: if a prefix resolves, every shorter one does)."""
+        lo, hi = 0, len(parts) - 1  # parts[:lo] resolves (the root); parts[:hi + 1] does not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            try:
+                fd = openat2(root, self._rel(parts[:mid]), os.O_PATH)
+            except OSError:
+                hi = mid - 1
+                continue
+            os.close(fd)
+            lo = mid
+        if lo > 0:
+            fd = openat2(root, self._rel(parts[:lo]), os.O_PATH)
+            try:
+                self._check_resolved(fd, path)
+            finally:
+                os.close(fd)
 
     @contextlib.contextmanager
     def _parent(self, path: str) -> Iterator[tuple[int, str]]:
@@ -185,6 +391,7 @@ class RootedFiles:
             raise InvalidRequest(
                 f"path {path!r} names the root or a parent, not an entry", path=path
             )
+        _refuse_kernel_mount(parts, path)
         with self._open("/" + "/".join(parts[:-1]), os.O_PATH | os.O_DIRECTORY) as dfd:
             yield dfd, parts[-1]
 
@@ -253,15 +460,21 @@ class RootedFiles:
 
     def _mkdirs_sync(self, parts: list[str], mode: int = 0o755) -> None:
         """mkdir -p of the directory named by ``parts`` (each step resolved in root)."""
+        path = "/" + "/".join(parts)
+        _refuse_kernel_mount(parts, path)
         with self._root_fd() as root:
             for i in range(1, len(parts) + 1):
                 try:
-                    fd = openat2(root, self._rel(parts[:i]), os.O_PATH | os.O_DIRECTORY)
+                    fd = self._openat2_checked(
+                        root, self._rel(parts[:i]), os.O_PATH | os.O_DIRECTORY, path
+                    )
                     os.close(fd)
                     continue
                 except FileNotFoundError:
                     pass
-                pfd = openat2(root, self._rel(parts[: i - 1]), os.O_PATH | os.O_DIRECTORY)
+                pfd = self._openat2_checked(
+                    root, self._rel(parts[: i - 1]), os.O_PATH | os.O_DIRECTORY, path
+                )
                 try:
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(parts[i - 1], mode, dir_fd=pfd)
@@ -276,27 +489,16 @@ class RootedFiles:
             raise InvalidRequest("cannot write to the root directory", path=path)
         if make_parents and len(parts) > 1:
             self._mkdirs_sync(parts[:-1])
-        with self._root_fd() as root:
-            try:
-                pfd = openat2(root, self._rel(parts), os.O_PATH | os.O_NOFOLLOW)
-            except FileNotFoundError:
-                pfd = -1
-            if pfd >= 0:
-                try:
-                    mode_now = os.fstat(pfd).st_mode
-                    if stat.S_ISLNK(mode_now):
-                        raise InvalidRequest(f"{path} is a symlink; write to its target", path=path)
-                    if not stat.S_ISREG(mode_now):
-                        raise InvalidRequest(f"not a regular file: {path}", path=path)
-                finally:
-                    os.close(pfd)
+        with self._parent(path) as (dfd, name):
+            self._check_writable_target(dfd, name, path)
             # O_NOFOLLOW: a symlink planted at the target is refused, not written through
-            fd = openat2(
-                root,
-                self._rel(parts),
-                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW,
+            fd = os.open(
+                name,
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW
+                | os.O_CLOEXEC,
                 mode & 0o7777,
-            )
+                dir_fd=dfd,
+            )  # fmt: skip
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -310,42 +512,98 @@ class RootedFiles:
         finally:
             os.close(fd)
 
+    @staticmethod
+    def _check_writable_target(dfd: int, name: str, path: str) -> None:
+        """Refuse an existing ``name`` in ``dfd`` that is not a regular file."""
+        try:
+            mode_now = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(mode_now):
+            raise InvalidRequest(f"{path} is a symlink; write to its target", path=path)
+        if not stat.S_ISREG(mode_now):
+            raise InvalidRequest(f"not a regular file: {path}", path=path)
+
+    def _write_stream_sync(
+        self, path: str, src: IO[bytes], size: int, mode: int, limit: int
+    ) -> None:
+        """Write ``size`` bytes read from ``src`` to the file ``path`` (parents exist), in
+        bounded chunks, under a temporary name renamed over ``path`` once complete; on any
+        failure the temporary file is removed. Refuses more than ``limit`` bytes."""
+        with self._parent(path) as (dfd, name):
+            self._check_writable_target(dfd, name, path)
+            tmp_name = f".dsec-upload-{secrets.token_hex(6)}"
+            fd = os.open(
+                tmp_name,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=dfd,
+            )
+            try:
+                written = 0
+                while chunk := src.read(min(_COPY_CHUNK_BYTES, size - written + 1)):
+                    written += len(chunk)
+                    if written > limit:
+                        raise QuotaExceeded(
+                            f"unpacking {path} would pass the upload limit of {limit} bytes",
+                            path=path,
+                            limit=limit,
+                        )
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                os.fchmod(fd, mode & 0o7777)
+                self._chown(fd)
+                os.close(fd)
+                fd = -1
+                os.rename(tmp_name, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                if fd >= 0:
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp_name, dir_fd=dfd)
+                raise
+
+    def _upload_budget(self) -> int:
+        """Bytes an upload may unpack: the root filesystem's free space (for the overlay,
+        its tmpfs upper's: what is left of ``disk_mb``), capped by ``max_upload_bytes``."""
+        with self._root_fd() as root:
+            vfs = os.statvfs(f"/proc/self/fd/{root}")
+        free = vfs.f_bavail * vfs.f_frsize
+        return free if self.max_upload_bytes is None else min(free, self.max_upload_bytes)
+
     def _list_sync(self, path: str, depth: int) -> list[FileInfo]:
         if depth < 1:
             raise InvalidRequest("depth must be >= 1", depth=depth)
         out: list[FileInfo] = []
-        base = "/" + "/".join(_components(path))
+        parts = _components(path)
+        base = "/" + "/".join(parts)
         with self._open(path, os.O_RDONLY | os.O_DIRECTORY) as dfd:
-            self._list_dir(dfd, base, depth, out)
+            at_root = self._is_root(dfd)
+
+            def descend(rel: str, level: int) -> bool:
+                # the kernel mounts are listed at "/" but never entered (empty dirs here)
+                return level < depth and not (at_root and rel in KERNEL_MOUNT_DIRS)
+
+            self._list_walk(dfd, base, descend, out)
         return out
 
-    def _list_dir(self, dfd: int, base: str, depth: int, out: list[FileInfo]) -> None:
-        for name in sorted(os.listdir(dfd)):
-            if len(out) >= _MAX_LIST_ENTRIES:
-                raise PayloadTooLarge(
-                    f"more than {_MAX_LIST_ENTRIES} entries", limit=_MAX_LIST_ENTRIES
-                )
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # removed while we listed
-            target = os.readlink(name, dir_fd=dfd) if stat.S_ISLNK(st.st_mode) else None
-            child = posixpath.join(base, name)
-            out.append(self._info(child, st, target))
-            if depth > 1 and stat.S_ISDIR(st.st_mode):
-                try:
-                    cfd = os.open(
-                        name,
-                        os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                        dir_fd=dfd,
-                    )
-                except OSError:
+    def _list_walk(
+        self, dfd: int, base: str, descend: Callable[[str, int], bool], out: list[FileInfo]
+    ) -> None:
+        with contextlib.closing(_walk_tree(dfd, descend)) as steps:
+            for step in steps:
+                if step.kind == "post":
                     continue
-                try:
-                    if os.fstat(cfd).st_dev == st.st_dev:  # never cross a mount
-                        self._list_dir(cfd, child, depth - 1, out)
-                finally:
-                    os.close(cfd)
+                if len(out) >= _MAX_LIST_ENTRIES:
+                    raise PayloadTooLarge(
+                        f"more than {_MAX_LIST_ENTRIES} entries", limit=_MAX_LIST_ENTRIES
+                    )
+                st = step.st
+                target = (
+                    os.readlink(step.name, dir_fd=step.dir_fd) if stat.S_ISLNK(st.st_mode) else None
+                )
+                out.append(self._info(posixpath.join(base, step.rel), st, target))
 
     def _remove_sync(self, path: str, recursive: bool) -> None:
         with self._parent(path) as (dfd, name):
@@ -353,14 +611,25 @@ class RootedFiles:
             if not stat.S_ISDIR(st.st_mode):
                 os.unlink(name, dir_fd=dfd)
             elif recursive:
-                # shutil.rmtree with dir_fd walks by descriptors and never follows symlinks
-                rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
-                try:
-                    shutil.rmtree(name, dir_fd=rfd)
-                finally:
-                    os.close(rfd)
+                self._rmtree(dfd, name)
             else:
                 os.rmdir(name, dir_fd=dfd)
+
+    @staticmethod
+    def _rmtree(dfd: int, name: str) -> None:
+        """``rm -r`` of the directory ``name`` in ``dfd``: by descriptors, never following
+        symlinks, iterative (any depth, two descriptors)."""
+        top = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            with contextlib.closing(_walk_tree(top, lambda rel, level: True)) as steps:
+                for step in steps:
+                    if step.kind == "entry":
+                        os.unlink(step.name, dir_fd=step.dir_fd)
+                    elif step.kind == "post":
+                        os.rmdir(step.name, dir_fd=step.dir_fd)
+        finally:
+            os.close(top)
+        os.rmdir(name, dir_fd=dfd)
 
     def _mkdir_sync(self, path: str, parents: bool) -> FileInfo:
         parts = _components(path)
@@ -381,6 +650,7 @@ class RootedFiles:
     def _upload_tar_sync(self, path: str, data: bytes) -> int:
         base = _components(path)
         self._mkdirs_sync(base)
+        budget = self._upload_budget()
         count = 0
         try:
             tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
@@ -395,10 +665,22 @@ class RootedFiles:
                 if member.isdir():
                     self._mkdirs_sync(base + rel)
                 elif member.isfile():
+                    if member.size > budget:
+                        raise QuotaExceeded(
+                            f"tar member {member.name!r} ({member.size} bytes) would take the "
+                            f"upload past the sandbox's free disk space ({budget} bytes left)",
+                            path=target,
+                            size=member.size,
+                            limit=budget,
+                        )
                     src = tar.extractfile(member)
                     if src is None:
                         continue
-                    self._write_sync(target, src.read(), member.mode & 0o777 or 0o644, True)
+                    self._mkdirs_sync(base + rel[:-1])
+                    self._write_stream_sync(
+                        target, src, member.size, member.mode & 0o777 or 0o644, budget
+                    )
+                    budget -= member.size
                 elif member.issym():
                     if "\0" in member.linkname:
                         raise InvalidRequest(f"tar member {member.name!r}: bad link target")
@@ -430,13 +712,13 @@ class RootedFiles:
     def _download_tar_sync(self, path: str, max_bytes: int) -> bytes:
         buf = io.BytesIO()
         budget = [max_bytes]
-        info = self._stat_sync(path)
+        info = self._stat_sync(path) if _components(path) else None
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            if info.type == "dir":
+            if info is None or info.type == "dir":
                 # members are relative to the directory, so that upload_tar(path, ...) of
                 # the archive restores it in place
                 with self._open(path, os.O_RDONLY | os.O_DIRECTORY) as dfd:
-                    self._tar_dir(tar, dfd, "", os.fstat(dfd).st_dev, budget)
+                    self._tar_dir(tar, dfd, self._is_root(dfd), budget)
             else:
                 with self._parent(path) as (pfd, name):
                     self._tar_entry(tar, pfd, name, info.name, budget)
@@ -466,7 +748,7 @@ class RootedFiles:
             ti.linkname = linkname
         else:
             ti.size = st.st_size
-        budget[0] -= 512 + ti.size
+        budget[0] -= 512 + ti.size + len(arcname) + len(linkname or "")
         if budget[0] < 0:
             raise PayloadTooLarge("the archive exceeds the size limit")
         tar.addfile(ti, fileobj)
@@ -487,28 +769,21 @@ class RootedFiles:
                     self._tar_add(tar, arcname, st, f, None, budget)
         # devices, FIFOs and sockets are skipped
 
-    def _tar_dir(
-        self, tar: tarfile.TarFile, dfd: int, arcbase: str, dev: int, budget: list[int]
-    ) -> None:
-        for name in sorted(os.listdir(dfd)):
-            arcname = f"{arcbase}/{name}" if arcbase else name
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                if st.st_dev != dev:
+    def _tar_dir(self, tar: tarfile.TarFile, dfd: int, at_root: bool, budget: list[int]) -> None:
+        """Add everything below the directory ``dfd`` (iteratively, any depth); at the
+        sandbox's root the kernel mount directories are left out."""
+
+        def descend(rel: str, level: int) -> bool:
+            return not (at_root and rel in KERNEL_MOUNT_DIRS)
+
+        with contextlib.closing(_walk_tree(dfd, descend)) as steps:
+            for step in steps:
+                if at_root and step.rel in KERNEL_MOUNT_DIRS:
                     continue
-                cfd = os.open(
-                    name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd
-                )
-                try:
-                    self._tar_add(tar, arcname, os.fstat(cfd), None, None, budget)
-                    self._tar_dir(tar, cfd, arcname, dev, budget)
-                finally:
-                    os.close(cfd)
-            else:
-                self._tar_entry(tar, dfd, name, arcname, budget)
+                if step.kind == "dir":
+                    self._tar_add(tar, step.rel, step.st, None, None, budget)
+                elif step.kind == "entry":
+                    self._tar_entry(tar, step.dir_fd, step.name, step.rel, budget)
 
     # -- SandboxFiles ---------------------------------------------------------
 
@@ -531,6 +806,8 @@ class RootedFiles:
         return await self._run(self._stat_sync, path)
 
     async def remove(self, path: str, recursive: bool = False) -> None:
+        """Remove a file, symlink or empty directory; ``recursive``: a whole tree, of any
+        depth (by descriptors, never following symlinks)."""
         await self._run(self._remove_sync, path, recursive)
 
     async def mkdir(self, path: str, parents: bool = True) -> FileInfo:
@@ -540,7 +817,12 @@ class RootedFiles:
         return await self._run(self._rename_sync, src, dst)
 
     async def upload_tar(self, path: str, data: bytes) -> int:
-        """Extract a tar (optionally compressed) under directory ``path``; returns members written."""
+        """Extract a tar (optionally compressed) under directory ``path``; returns members written.
+
+        Members are streamed to disk in 1 MiB chunks. A member whose size would take the
+        unpacked total past the sandbox's free disk space (or ``max_upload_bytes``) raises
+        :class:`QuotaExceeded` before any of it is written; members extracted before it
+        stay, and no partially written file is ever left behind."""
         return await self._run(self._upload_tar_sync, path, data)
 
     async def download_tar(self, path: str, max_bytes: int) -> bytes:
