@@ -189,8 +189,10 @@ def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile
         _member("hard", tarfile.LNKTYPE, "../outside"),
         _member("dev", tarfile.CHRTYPE),
         _member("fifo", tarfile.FIFOTYPE),
+        _member("d/" * 2100 + "deep.txt"),  # a path longer than the kernel takes
+        _member("n" * 256),  # a name longer than the kernel takes
     ],
-    ids=lambda m: f"{m.name}->{m.linkname}" if m.linkname else m.name,
+    ids=lambda m: (f"{m.name}->{m.linkname}" if m.linkname else m.name)[:40],
 )
 async def test_download_dir_refuses_unsafe_archives(
     tmp_path: Path, member: tarfile.TarInfo

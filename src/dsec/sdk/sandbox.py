@@ -1106,6 +1106,10 @@ def _tar_directory(root: Path) -> bytes:
     return buf.getvalue()
 
 
+_PATH_MAX = 4096  # bytes of a path the kernel accepts, with its NUL
+_NAME_MAX = 255  # bytes of one path component
+
+
 def _check_member(member: tarfile.TarInfo, dest: Path) -> Path | None:
     """Where ``member`` would land under ``dest``; raises on anything unsafe; None to skip."""
     name = member.name
@@ -1117,6 +1121,16 @@ def _check_member(member: tarfile.TarInfo, dest: Path) -> Path | None:
     if norm == ".." or norm.startswith("../"):
         raise InvalidRequest(f"unsafe tar member (escapes the target): {name!r}", member=name)
     target = dest / norm
+    # checked before anything is written: the kernel refuses longer paths and names anyway,
+    # but only after the members before it were extracted (one at a time, slowly, if deep)
+    if len(os.fsencode(str(target))) >= _PATH_MAX or any(
+        len(os.fsencode(part)) > _NAME_MAX for part in norm.split("/")
+    ):
+        raise InvalidRequest(
+            f"tar member {name[:80]!r}... is too long to extract under {str(dest)!r} "
+            f"(paths up to {_PATH_MAX - 1} bytes, names up to {_NAME_MAX})",
+            member=name[:4096],
+        )
     if member.issym() or member.islnk():
         link = member.linkname
         base = target.parent if member.issym() else dest
