@@ -369,9 +369,11 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 def _read_reports(
     sock: socket.socket, pid: int, latest: dict[str, Any] | None
 ) -> tuple[bool, dict[str, Any] | None]:
-    """Read every message waiting on the status channel: (the channel is still open, the
-    latest well-formed report sent by ``pid``, else ``latest``)."""
-    while True:
+    """Read the messages waiting on the status channel: (the channel is still open, the
+    latest well-formed report sent by ``pid``, else ``latest``). At most 1024 per call, so a
+    process of the call that floods the channel cannot hold the agent here (it can only make
+    the interpreter's own report unseen: its call then ends at its deadline)."""
+    for _ in range(1024):
         try:
             data, ancdata, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(_UCRED.size))
         except (BlockingIOError, InterruptedError):
@@ -379,6 +381,7 @@ def _read_reports(
         if not data and not ancdata:
             return False, latest  # every writer closed it
         latest = _parse_report(data, ancdata, pid) or latest
+    return True, latest
 
 
 def _parse_report(
