@@ -320,6 +320,9 @@ def test_open_and_block_all_policies(server: BackgroundServer, web: Web) -> None
             },
         )
         assert got["allowed_ip"].body == f"hello from {web.allowed}", got  # no DNS needed
+        # unprivileged ICMP (ping) sockets are allowed in the sandbox's network namespace
+        ping_groups = sb.commands.run("cat /proc/sys/net/ipv4/ping_group_range").stdout
+        assert ping_groups.split() == ["0", "2147483647"], ping_groups
         assert got["sibling_ip"].body is None, got  # the deny wins
         assert got["name"].body is None and "bad address" in got["name"].text, got  # no names
 

@@ -477,6 +477,12 @@ class NetworkManager:
             for key in ("all", "default"):
                 with open(f"/proc/sys/net/ipv6/conf/{key}/disable_ipv6", "w") as f:
                     f.write("1")
+            # ICMP echo through unprivileged "ping" sockets (iputils ping uses them): raw
+            # sockets need CAP_NET_RAW, which sandboxes never have, so without this a policy
+            # allowing "icmp" could not be used. Per network namespace; the filter decides
+            # where ICMP may go, as for tcp and udp.
+            with open("/proc/sys/net/ipv4/ping_group_range", "w") as f:
+                f.write("0 2147483647")
             with RtNetlink() as nl:
                 nl.set_up(1)  # lo
                 eth = nl.link_index(SANDBOX_IFNAME)
