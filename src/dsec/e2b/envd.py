@@ -21,6 +21,7 @@ Routes (relative to where the app is mounted, e.g. ``/e2b/envd``):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import posixpath
 import re
@@ -275,7 +276,8 @@ class EnvdApp:
     async def _http_target(self, request: Request) -> tuple[str, str]:
         signature = request.query_params.get("signature")
         if signature and not request.headers.get("x-access-token"):
-            return self._check_signed(request, signature)
+            # may try every remembered token (milliseconds): off the event loop
+            return await asyncio.to_thread(self._check_signed, request, signature)
         return self._check(
             request.headers.get("e2b-sandbox-id"), request.headers.get("x-access-token")
         )
