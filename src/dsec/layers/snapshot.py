@@ -281,6 +281,18 @@ def _short(rel: str, keep: int = 120) -> str:
     return path if len(path) <= keep else f"{path[: keep // 2]}...{path[-keep // 2 :]}"
 
 
+def _check_pack_depth(rel: str, depth: int, verb: str, fix: str) -> None:
+    """``InvalidRequest`` if directory ``rel`` sits ``depth`` levels down, past
+    ``MAX_PACK_DEPTH`` (mkfs.erofs itself crashes on much deeper trees)."""
+    if depth > MAX_PACK_DEPTH:
+        raise InvalidRequest(
+            f"{_short(rel)} is nested more than {MAX_PACK_DEPTH} directories "
+            f"deep, more than a snapshot can {verb}; {fix}",
+            path=_short(rel),
+            limit=MAX_PACK_DEPTH,
+        )
+
+
 def _walk(
     upper: Path,
     excluded: re.Pattern[str],
@@ -316,24 +328,12 @@ def _walk(
                     )
                 if scrubbed:
                     if entry.is_dir(follow_symlinks=False):
-                        if depth + 1 > MAX_PACK_DEPTH:
-                            raise InvalidRequest(
-                                f"{_short(rel)} is nested more than {MAX_PACK_DEPTH} directories "
-                                f"deep, more than a snapshot can walk; {fix}",
-                                path=_short(rel),
-                                limit=MAX_PACK_DEPTH,
-                            )
+                        _check_pack_depth(rel, depth + 1, "walk", fix)
                         stack.append((rel, depth + 1, True))
                     continue
                 st = entry.stat(follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
-                    if depth + 1 > MAX_PACK_DEPTH:
-                        raise InvalidRequest(
-                            f"{_short(rel)} is nested more than {MAX_PACK_DEPTH} directories "
-                            f"deep, more than a snapshot can hold; {fix}",
-                            path=_short(rel),
-                            limit=MAX_PACK_DEPTH,
-                        )
+                    _check_pack_depth(rel, depth + 1, "hold", fix)
                     stats.dirs += 1
                     if _has_xattr(entry.path, "trusted.overlay.opaque"):
                         stats.opaque_dirs += 1
