@@ -123,3 +123,25 @@ def stream_only_server(fake_edge: FakeEdge) -> Iterator[E2BServer]:
         yield E2BServer(
             api_url=root, sandbox_url=f"{root}/envd", edge=fake_edge, loop=loop, app=app
         )
+
+
+def pause_during_stream(sandbox: Any, join_s: float) -> tuple[bool, dict[str, Any]]:
+    """Run a command that prints once a second for 8 s on ``sandbox`` (an e2b ``Sandbox``),
+    pause the sandbox 1.5 s in, and wait up to ``join_s`` for the command's call to return.
+    Returns (the call is still blocked, {"result" or "error": what it returned or raised})."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = sandbox.commands.run(
+                "for i in 1 2 3 4 5 6 7 8; do echo f$i; sleep 1; done"
+            )
+        except Exception as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(1.5)
+    type(sandbox).pause(sandbox.sandbox_id)
+    thread.join(join_s)
+    return thread.is_alive(), outcome

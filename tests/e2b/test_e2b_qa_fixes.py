@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import E2BServer
+from conftest import E2BServer, pause_during_stream
 from e2b import (
     CommandExitException,
     FilesystemEventType,
@@ -180,22 +180,8 @@ def test_sync_watcher_keeps_events_between_polls(sbx: Sandbox) -> None:
 
 # --- 5: pause ends open streams ------------------------------------------------------
 def test_pause_ends_a_streaming_command_with_an_error(sbx: Sandbox) -> None:
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = sbx.commands.run(
-                "for i in 1 2 3 4 5 6 7 8; do echo f$i; sleep 1; done"
-            )
-        except Exception as e:
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    time.sleep(1.5)
-    Sandbox.pause(sbx.sandbox_id)
-    thread.join(10)
-    assert not thread.is_alive(), "the command's stream stayed open after pause"
+    blocked, outcome = pause_during_stream(sbx, 10)
+    assert not blocked, "the command's stream stayed open after pause"
     assert "paused" in str(outcome.get("error")), outcome
     assert sbx.is_running() is False  # envd /health fails for a paused sandbox
     assert sbx.get_info().state.value == "paused"

@@ -21,6 +21,7 @@ import pytest
 from e2b.sandbox.commands.command_handle import PtySize
 from tests.conftest import _seed_layers
 
+from conftest import pause_during_stream
 from e2b import (
     CommandExitException,
     FileNotFoundException,
@@ -347,26 +348,10 @@ def test_output_beyond_the_stream_buffer_arrives_whole(sbx: Sandbox) -> None:
 
 
 def test_pause_ends_a_streaming_command(real: RealServer) -> None:
-    import threading
-
     s = Sandbox.create(TEMPLATE, timeout=120)
     try:
-        outcome: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                outcome["result"] = s.commands.run(
-                    "for i in 1 2 3 4 5 6 7 8; do echo f$i; sleep 1; done"
-                )
-            except Exception as e:
-                outcome["error"] = e
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        time.sleep(1.5)
-        Sandbox.pause(s.sandbox_id)
-        thread.join(15)
-        assert not thread.is_alive(), "the stream stayed open after pause"
+        blocked, outcome = pause_during_stream(s, 15)
+        assert not blocked, "the stream stayed open after pause"
         assert "paused" in str(outcome.get("error")), outcome
         assert s.is_running() is False
         Sandbox.connect(s.sandbox_id)
