@@ -33,8 +33,10 @@ TimeoutError`` or ``except LookupError`` work as expected::
     │   │ (the runtime failed to do what was asked, e.g. the OCI runtime crashed)
     │   └── BlobDigestMismatch                   502 blob_digest_mismatch
     ├── RegistryUnauthorized (PermissionError)   403 registry_unauthorized
+    ├── PermissionDenied (PermissionError)       403 permission_denied
     ├── ServiceUnavailable (ConnectionError)     503 unavailable
-    │   └── RegistryUnavailable                  503 registry_unavailable
+    │   ├── RegistryUnavailable                  503 registry_unavailable
+    │   └── ImageNotReady                        503 image_not_ready
     └── InternalError                            500 internal
 
 ``Unsupported`` means a tier cannot do something at all (and its capability
@@ -54,6 +56,7 @@ __all__ = [
     "FileExists_",
     "FileNotFound",
     "ImageNotFound",
+    "ImageNotReady",
     "InternalError",
     "InvalidRequest",
     "LayerNotFound",
@@ -62,6 +65,7 @@ __all__ = [
     "OutcomeUnknown",
     "PathOutsideSandbox",
     "PayloadTooLarge",
+    "PermissionDenied",
     "QuotaExceeded",
     "RegistryUnauthorized",
     "RegistryUnavailable",
@@ -285,6 +289,23 @@ class RegistryUnavailable(ServiceUnavailable):
     answered with a server error. Nothing was stored."""
 
     code = "registry_unavailable"
+
+
+class ImageNotReady(ServiceUnavailable):
+    """The image is still being built (a built-in image right after the node started) and
+    did not finish within the request's wait. Retry after ``details["retry_after_s"]``
+    seconds; ``details`` also say what the build is doing (``phase``, ``elapsed_s``).
+    Nothing was created."""
+
+    code = "image_not_ready"
+
+
+class PermissionDenied(DsecError, PermissionError):
+    """The key is valid but may not do this (e.g. publish a system image: only the
+    operator's key may)."""
+
+    code = "permission_denied"
+    http_status = 403
 
 
 class InternalError(DsecError):

@@ -33,9 +33,16 @@ JobAction = Literal["pause", "resume", "kill"]
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
+_IMAGE_REF = re.compile(r"^(k[0-9a-f]{16}/)?[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
+"""An image as a key names it: its own or a system image (``name[:tag]``), or another key's
+shared image (``<owner id>/name[:tag]``)."""
 _USER = re.compile(r"^([a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})(:[0-9]{1,10})?$")
 
 MAX_ENV_BYTES = 256 * 1024
+
+SYSTEM_OWNER = ""
+"""The owner of built-in images and of what the operator published: visible to every key,
+writable by none. Keys' owner ids are ``k<16 hex>``, so no key has this one."""
 
 
 class _Model(BaseModel):
@@ -95,7 +102,7 @@ class CreateSandboxRequest(_Model):
             if not re.fullmatch(r"sha256:[0-9a-f]{64}", v):
                 raise ValueError("digest must be sha256:<64 hex>")
             return v
-        if not _NAME.match(v):
+        if not _IMAGE_REF.match(v):
             raise ValueError(f"invalid image name {v!r}")
         return v
 
@@ -103,7 +110,7 @@ class CreateSandboxRequest(_Model):
     @classmethod
     def _layers(cls, v: list[str]) -> list[str]:
         for name in v:
-            if not (re.fullmatch(r"sha256:[0-9a-f]{64}", name) or _NAME.match(name)):
+            if not (re.fullmatch(r"sha256:[0-9a-f]{64}", name) or _IMAGE_REF.match(name)):
                 raise ValueError(f"invalid layer reference {name!r}")
         return v
 
@@ -405,15 +412,35 @@ class ImageInfo(_Model):
     cached_fraction: float | None = Field(
         None, description="share (0..1) of the image's bytes on this node's disk (by size)"
     )
+    owner: str = Field(
+        "system",
+        description="`system` (built-in or published by the operator: read-only to keys) "
+        "or the owner id of the key the image belongs to",
+    )
+    shared: bool = Field(
+        False, description="usable by every key as `<owner>/<name>` (set by its owner)"
+    )
+    status: str = Field(
+        "ready",
+        description="`ready`, or for a built-in image not built yet: `building`, `queued` "
+        "or `failed` (`progress` says more; `layers` is empty until it is ready)",
+    )
+    progress: str | None = Field(None, description="what a build is doing, or why it failed")
 
 
 class BuildImageRequest(_Model):
-    """Build a layer from a directory or tarball on the server's filesystem."""
+    """Build an image from an uploaded build context (a tar archive, optionally gzip, bzip2
+    or xz compressed): its files become one layer, stacked on ``base``. The API never reads
+    a path on the server; ``dsec image build PATH`` packs PATH on the client."""
 
-    path: str
     name: str
     kind: LayerKind = "workspace"
     base: str | None = Field(None, description="image to stack on (for workspace/toolkit)")
+    system: bool = Field(
+        False,
+        description="publish as a system image, visible to every key and read-only to them "
+        "(the operator's key only)",
+    )
 
     @field_validator("name")
     @classmethod
@@ -421,6 +448,14 @@ class BuildImageRequest(_Model):
         if not _NAME.match(v):
             raise ValueError(f"invalid image name {v!r}")
         return v
+
+
+class UpdateImageRequest(_Model):
+    """Change one of a key's images."""
+
+    shared: bool = Field(
+        description="true: every key may use it as `<owner>/<name>`; false: this key only"
+    )
 
 
 class PullImageRequest(_Model):
@@ -435,6 +470,11 @@ class PullImageRequest(_Model):
         False,
         description="an image pushed with `dsec image push`: record its layers as remote and "
         "fetch their data on first read instead of downloading them now",
+    )
+    system: bool = Field(
+        False,
+        description="store as a system image, visible to every key and read-only to them "
+        "(the operator's key only)",
     )
 
     @field_validator("name")

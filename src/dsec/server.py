@@ -249,6 +249,7 @@ def serve(
 
     async def main() -> None:
         async with embedded_edge(paths.home, tiers=tiers) as edge:
+            prebuild_images(edge.layers)
             keys = KeyStore(paths.home)
             app = build_app(edge, keys)
             log.info(
@@ -262,6 +263,26 @@ def serve(
         asyncio.run(main())
     else:
         uvloop.run(main())
+
+
+def prebuild_images(store: Any) -> None:
+    """Start building the built-in images this node lacks, in the background, so that no
+    request waits for a build (``debian`` takes minutes). ``DSEC_PREBUILD``: the names
+    (comma-separated), ``all`` (default) or ``none``."""
+    from dsec.layers import builtin
+
+    wanted = os.environ.get("DSEC_PREBUILD", "all").strip()
+    if wanted == "none" or not wanted:
+        return
+    names = list(builtin.BUILTIN_IMAGES) if wanted == "all" else _list_env("DSEC_PREBUILD")
+    unknown = sorted(set(names) - set(builtin.BUILTIN_IMAGES))
+    if unknown:
+        raise SystemExit(
+            f"DSEC_PREBUILD names unknown images {', '.join(unknown)}; built-in images are "
+            f"{', '.join(builtin.BUILTIN_IMAGES)}"
+        )
+    if store.prebuild_builtins(names) is not None:
+        log.info("building the built-in images %s in the background", ", ".join(names))
 
 
 async def _serve_http(app: Any, host: str, port: int, log_level: str) -> None:
@@ -537,8 +558,8 @@ class ServeProcess:
 
     ``layer_cache`` (default ``$DSEC_TEST_LAYER_CACHE`` or ``/var/cache/dsec-test-layers``) is
     linked as the home's layer store when it exists, so built-in images are built once per
-    machine. ``env`` adds operator settings (``DSEC_TIERS`` defaults to ``container`` and
-    ``DSEC_NETWORK`` to ``off``).
+    machine. ``env`` adds operator settings (``DSEC_TIERS`` defaults to ``container``,
+    ``DSEC_NETWORK`` to ``off`` and ``DSEC_PREBUILD`` to ``none``).
     """
 
     def __init__(
@@ -553,7 +574,12 @@ class ServeProcess:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = ""
-        self.env = {"DSEC_TIERS": "container", "DSEC_NETWORK": "off", **(env or {})}
+        self.env = {
+            "DSEC_TIERS": "container",
+            "DSEC_NETWORK": "off",
+            "DSEC_PREBUILD": "none",
+            **(env or {}),
+        }
         self.layer_cache = layer_cache or Path(
             os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers")
         )

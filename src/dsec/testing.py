@@ -69,6 +69,7 @@ from dsec.edge.jobs import create_batch, for_each_sandbox
 from dsec.edge.trajectory import TrajectoryLog
 from dsec.errors import (
     CapabilityNotSupported,
+    Conflict,
     DsecError,
     FileExists_,
     FileNotFound,
@@ -84,8 +85,10 @@ from dsec.errors import (
     TierUnavailable,
 )
 from dsec.models import (
+    SYSTEM_OWNER,
     TIERS,
     BatchCreateResult,
+    BuildImageRequest,
     Capabilities,
     CreateSandboxRequest,
     ExecEvent,
@@ -205,11 +208,13 @@ class FakeEdge:
                 digest=_FAKE_LAYER, kind="base", name="busybox", size=2 << 20, created_at=created
             )
         }
-        self._images: dict[str, ImageInfo] = {
-            "busybox": ImageInfo(
+        # (owner, name) -> image; SYSTEM_OWNER's are the built-in ones, visible to every key
+        self._images: dict[tuple[str, str], ImageInfo] = {
+            (SYSTEM_OWNER, "busybox"): ImageInfo(
                 name="busybox", layers=[_FAKE_LAYER], size=2 << 20, created_at=created
             )
         }
+        self._grants: set[tuple[str, str]] = {(SYSTEM_OWNER, _FAKE_LAYER)}  # (owner, digest)
 
     # --- programming the fake ---------------------------------------------
     def program(
@@ -333,11 +338,10 @@ class FakeEdge:
         self._record("create_sandbox", req=req, owner=owner)
         if req.tier not in self.available_tiers:
             raise TierUnavailable(f"tier {req.tier} is not available on this node", tier=req.tier)
-        if req.image not in self._images:
-            raise ImageNotFound(f"no image {req.image}", image=req.image)
+        self._image(req.image, owner)
         fs = _root_fs()
         for ref in req.layers:
-            digest = self._layer_digest(ref)
+            digest = self._layer_digest(ref, owner)
             for path, node in self._snapshots.get(digest, {}).items():
                 fs[path] = replace(node)
         self._admit(owner, 1)
@@ -383,13 +387,31 @@ class FakeEdge:
             all_or_nothing=all_or_nothing,
         )
 
-    def _layer_digest(self, ref: str) -> str:
-        if ref in self._layers:
+    def _visible(self, digest: str, owner: str) -> bool:
+        return (owner, digest) in self._grants or (SYSTEM_OWNER, digest) in self._grants
+
+    def _image(self, name: str, owner: str) -> ImageInfo:
+        """``owner``'s image ``name``, else the system's (as the real layer store)."""
+        for who in (owner, SYSTEM_OWNER):
+            if (who, name) in self._images:
+                return self._images[(who, name)]
+        raise ImageNotFound(f"no image {name}", image=name)
+
+    def _layer_digest(self, ref: str, owner: str) -> str:
+        if ref in self._layers and self._visible(ref, owner):
             return ref
         for layer in self._layers.values():
-            if layer.name == ref:
+            if layer.name == ref and self._visible(layer.digest, owner):
                 return layer.digest
         raise LayerNotFound(f"no layer {ref}", layer=ref)
+
+    def _put_image(self, owner: str, image: ImageInfo) -> ImageInfo:
+        if owner != SYSTEM_OWNER and (SYSTEM_OWNER, image.name) in self._images:
+            raise Conflict(f"{image.name!r} is a system image", name=image.name)
+        image = image.model_copy(update={"owner": owner or "system"})
+        self._images[(owner, image.name)] = image
+        self._grants.update((owner, d) for d in image.layers)
+        return image
 
     def _admit(self, owner: str, n: int) -> None:
         if self.max_sandboxes is None:
@@ -878,7 +900,7 @@ class FakeEdge:
             h.update(f"{path}\0{node.type}\0{node.mode:o}\0{len(node.data)}\0".encode())
             h.update(node.data)
         digest = "sha256:" + h.hexdigest()
-        parents = [*self._images[sb.info.image].layers, *sb.info.layers]
+        parents = [*self._image(sb.info.image, sb.owner).layers, *sb.info.layers]
         layer = LayerInfo(
             digest=digest,
             kind="workspace",
@@ -887,15 +909,21 @@ class FakeEdge:
             created_at=_now(),
             meta={"parents": parents, "sandbox_id": sb.info.id, "scrub": list(req.scrub)},
         )
+        if req.name is not None and (SYSTEM_OWNER, req.name) in self._images:
+            raise Conflict(f"{req.name!r} is a system image", name=req.name)
         self._layers.setdefault(digest, layer)
         self._snapshots[digest] = files
+        self._grants.add((sb.owner, digest))
         if req.name is not None:
-            self._images[req.name] = ImageInfo(
-                name=req.name,
-                layers=[*parents, digest],
-                size=layer.size,
-                created_at=layer.created_at,
-                meta={"snapshot_of": sb.info.id},
+            self._put_image(
+                sb.owner,
+                ImageInfo(
+                    name=req.name,
+                    layers=[*parents, digest],
+                    size=layer.size,
+                    created_at=layer.created_at,
+                    meta={"snapshot_of": sb.info.id},
+                ),
             )
         return layer
 
@@ -1031,50 +1059,62 @@ class FakeEdge:
         }
 
     # --- images and layers --------------------------------------------------
-    async def list_images(self) -> list[ImageInfo]:
-        self._record("list_images")
-        return list(self._images.values())
+    async def list_images(self, owner: str) -> list[ImageInfo]:
+        self._record("list_images", owner=owner)
+        mine = {name: im for (who, name), im in self._images.items() if who == owner}
+        system = {n: im for (who, n), im in self._images.items() if who == SYSTEM_OWNER}
+        return [im for _, im in sorted({**system, **mine}.items())]
 
-    async def get_image(self, name: str) -> ImageInfo:
-        self._record("get_image", name=name)
-        if name not in self._images:
+    async def get_image(self, name: str, owner: str) -> ImageInfo:
+        self._record("get_image", name=name, owner=owner)
+        return self._image(name, owner)
+
+    async def delete_image(self, name: str, owner: str) -> None:
+        self._record("delete_image", name=name, owner=owner)
+        if self._images.pop((owner, name), None) is None:
             raise ImageNotFound(f"no image {name}", image=name)
-        return self._images[name]
 
-    async def list_layers(self) -> list[LayerInfo]:
-        self._record("list_layers")
-        return list(self._layers.values())
-
-    async def build_image(
-        self, path: str, name: str, kind: str = "workspace", base: str | None = None
-    ) -> ImageInfo:
-        self._record("build_image", path=path, name=name, kind=kind, base=base)
-        base_layers: list[str] = []
-        if base is not None:
-            base_layers = (await self.get_image(base)).layers
-            self.calls.pop()
-        digest = "sha256:" + secrets.token_hex(32)
-        self._layers[digest] = LayerInfo(
-            digest=digest,
-            kind=kind,
-            name=name,
-            size=4096,
-            created_at=_now(),
-        )
-        image = ImageInfo(
-            name=name,
-            layers=[*base_layers, digest],
-            size=4096,
-            created_at=_now(),
-            meta={"path": path},
-        )
-        self._images[name] = image
+    async def share_image(self, name: str, owner: str, shared: bool) -> ImageInfo:
+        self._record("share_image", name=name, owner=owner, shared=shared)
+        if (owner, name) not in self._images:
+            raise ImageNotFound(f"no image {name}", image=name)
+        image = self._images[(owner, name)].model_copy(update={"shared": shared})
+        self._images[(owner, name)] = image
         return image
 
-    async def pull_image(self, ref: str, name: str | None = None) -> ImageInfo:
-        self._record("pull_image", ref=ref, name=name)
+    async def list_layers(self, owner: str) -> list[LayerInfo]:
+        self._record("list_layers", owner=owner)
+        return [x for d, x in self._layers.items() if self._visible(d, owner)]
+
+    async def build_image(self, owner: str, req: BuildImageRequest, context: bytes) -> ImageInfo:
+        self._record("build_image", owner=owner, req=req, context=context)
+        base_layers: list[str] = []
+        if req.base is not None:
+            base_layers = self._image(req.base, owner).layers
+        digest = "sha256:" + hashlib.sha256(context).hexdigest()
+        self._layers[digest] = LayerInfo(
+            digest=digest, kind=req.kind, name=req.name, size=len(context), created_at=_now()
+        )
+        image = ImageInfo(
+            name=req.name,
+            layers=[*base_layers, digest],
+            size=len(context),
+            created_at=_now(),
+            meta={"source": "upload"},
+        )
+        return self._put_image(owner, image)
+
+    async def pull_image(self, ref: str, owner: str, name: str | None = None) -> ImageInfo:
+        self._record("pull_image", ref=ref, owner=owner, name=name)
         image_name = name or ref.rsplit("/", 1)[-1].split("@")[0]
-        return await self.build_image(f"registry:{ref}", image_name, "base")
+        digest = "sha256:" + hashlib.sha256(ref.encode()).hexdigest()
+        self._layers[digest] = LayerInfo(
+            digest=digest, kind="base", name=image_name, size=4096, created_at=_now()
+        )
+        image = ImageInfo(
+            name=image_name, layers=[digest], size=4096, created_at=_now(), meta={"ref": ref}
+        )
+        return self._put_image(owner, image)
 
     # --- node ---------------------------------------------------------------
     async def node_info(self) -> NodeInfo:

@@ -46,6 +46,7 @@ from dsec.errors import (
     SandboxStopped,
 )
 from dsec.models import (
+    BuildImageRequest,
     Capabilities,
     CreateSandboxRequest,
     ExecEvent,
@@ -682,20 +683,27 @@ class FakeEdge:
         raise CapabilityNotSupported("the fake edge keeps no trajectory")
 
     # --- images, node -------------------------------------------------------------
-    async def list_images(self) -> list[ImageInfo]:
+    async def list_images(self, owner: str) -> list[ImageInfo]:
         return [ImageInfo(name=n, layers=[], size=0, created_at=_now()) for n in self.images]
 
-    async def get_image(self, name: str) -> ImageInfo:
+    async def get_image(self, name: str, owner: str) -> ImageInfo:
         if name not in self.images:
             raise ImageNotFound(name)
         return ImageInfo(name=name, layers=[], size=0, created_at=_now())
 
-    async def list_layers(self) -> list[LayerInfo]:
+    async def delete_image(self, name: str, owner: str) -> None:
+        raise CapabilityNotSupported("the fake edge cannot remove images")
+
+    async def share_image(self, name: str, owner: str, shared: bool) -> ImageInfo:
+        raise CapabilityNotSupported("the fake edge cannot share images")
+
+    async def list_layers(self, owner: str) -> list[LayerInfo]:
         return []
 
-    async def build_image(
-        self, path: str, name: str, kind: str = "workspace", base: str | None = None
-    ) -> ImageInfo:
+    async def pull_image(self, ref: str, owner: str, name: str | None = None) -> ImageInfo:
+        raise CapabilityNotSupported("the fake edge cannot pull images")
+
+    async def build_image(self, owner: str, req: BuildImageRequest, context: bytes) -> ImageInfo:
         raise CapabilityNotSupported("the fake edge cannot build images")
 
     async def node_info(self) -> NodeInfo:

@@ -232,22 +232,45 @@ async def test_files_routes(client: httpx.AsyncClient, edge: FakeEdge) -> None:
 
 
 # --- images, node -----------------------------------------------------------------------
+def _tar(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
 async def test_images_and_node(client: httpx.AsyncClient, edge: FakeEdge) -> None:
     images = (await client.get("/v1/images")).json()["images"]
     assert [i["name"] for i in images] == ["busybox"]
     assert (await client.get("/v1/images/busybox")).json()["layers"] == images[0]["layers"]
     _error(await client.get("/v1/images/missing:1.0"), 404, "image_not_found")
     assert len((await client.get("/v1/layers")).json()["layers"]) == 1
+    # a path on the server is never read: a JSON build request is refused, whatever it names
+    err = _error(
+        await client.post("/v1/images/build", json={"path": "/etc", "name": "x"}),
+        400,
+        "invalid_request",
+    )
+    assert "uploaded build context" in err["message"] and not edge.calls_to("build_image")
+    context = _tar({"app/main.py": b"print(1)\n"})
     r = await client.post(
-        "/v1/images/build", json={"path": "/srv/ws", "name": "ws:1", "base": "busybox"}
+        "/v1/images/build",
+        params={"name": "ws:1", "base": "busybox"},
+        content=context,
+        headers={"content-type": "application/x-tar"},
     )
     assert r.status_code == 201 and r.json()["name"] == "ws:1" and len(r.json()["layers"]) == 2
-    assert edge.calls_to("build_image")[0] == {
-        "path": "/srv/ws",
-        "name": "ws:1",
-        "kind": "workspace",
-        "base": "busybox",
-    }
+    assert r.json()["owner"] == OWNER
+    call = edge.calls_to("build_image")[0]
+    assert call["owner"] == OWNER and call["context"] == context
+    assert (call["req"].name, call["req"].kind, call["req"].base) == (
+        "ws:1",
+        "workspace",
+        "busybox",
+    )
     node = (await client.get("/v1/node")).json()
     assert node["node"] == "fake" and len(node["tiers"]) == 4
     tiers = (await client.get("/v1/capabilities")).json()["tiers"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,22 +91,26 @@ def test_ps_exec_kill(runner: CliRunner, edge: FakeEdge) -> None:
     assert sandbox_id in runner.invoke(cli.app, ["ps", "--all"]).stdout
 
 
-def test_image_commands_and_info(runner: CliRunner, edge: FakeEdge) -> None:
+def test_image_commands_and_info(runner: CliRunner, edge: FakeEdge, tmp_path: Path) -> None:
     ls = runner.invoke(cli.app, ["image", "ls"])
     assert ls.exit_code == 0 and "busybox" in ls.stdout and "2.0 MiB" in ls.stdout
+    ws = tmp_path / "ws"
+    (ws / "src").mkdir(parents=True)
+    (ws / "src" / "app.py").write_text("print('hi')\n")
     built = runner.invoke(
         cli.app,
-        ["image", "build", "/srv/ws", "--name", "ws:1", "--kind", "toolkit", "--base", "busybox"],
+        ["image", "build", str(ws), "--name", "ws:1", "--kind", "toolkit", "--base", "busybox"],
     )
     assert built.exit_code == 0, built.output
     assert "built ws:1: 2 layers" in built.stdout
-    assert edge.calls_to("build_image")[0] == {
-        "path": "/srv/ws",
-        "name": "ws:1",
-        "kind": "toolkit",
-        "base": "busybox",
-    }
-    bad = runner.invoke(cli.app, ["image", "build", "/srv/ws", "--name", "Bad Name"])
+    call = edge.calls_to("build_image")[0]
+    assert (call["req"].name, call["req"].kind, call["req"].base) == ("ws:1", "toolkit", "busybox")
+    with tarfile.open(fileobj=io.BytesIO(call["context"])) as tf:  # packed here, uploaded
+        assert tf.extractfile("src/app.py").read() == b"print('hi')\n"  # type: ignore[union-attr]
+    assert "ws:1" in runner.invoke(cli.app, ["image", "ls"]).stdout
+    missing = runner.invoke(cli.app, ["image", "build", "/no/such/dir", "--name", "x"])
+    assert missing.exit_code == 1 and "neither a directory nor a file" in missing.stderr
+    bad = runner.invoke(cli.app, ["image", "build", str(ws), "--name", "Bad Name"])
     assert bad.exit_code == 1 and "invalid image name" in bad.stderr
     info = runner.invoke(cli.app, ["info"])
     assert info.exit_code == 0

@@ -46,7 +46,7 @@ def test_openapi_describes_routes_security_and_errors() -> None:
         "/v1/jobs/{job}": {"get"},
         "/v1/jobs/{job}/{action}": {"post"},
         "/v1/images": {"get"},
-        "/v1/images/{name}": {"get"},
+        "/v1/images/{name}": {"get", "delete", "patch"},
         "/v1/images/build": {"post"},
         "/v1/images/pull": {"post"},
         "/v1/images/{name}/push": {"post"},

@@ -228,7 +228,9 @@ async def test_errors_arrive_intact(
     assert (info.value.message, info.value.details) == ("nope", {"limit": 5})
 
 
-async def test_connect_list_and_client(edge: FakeEdge, conn: dict[str, Any]) -> None:
+async def test_connect_list_and_client(
+    edge: FakeEdge, conn: dict[str, Any], tmp_path: Path
+) -> None:
     a = await AsyncSandbox.create(labels={"team": "x"}, job="j", **conn)
     b = await AsyncSandbox.create(labels={"team": "y"}, **conn)
     again = await AsyncSandbox.connect(a.id, **conn)
@@ -259,9 +261,13 @@ async def test_connect_list_and_client(edge: FakeEdge, conn: dict[str, Any]) -> 
         with pytest.raises(E.ImageNotFound):
             await client.get_image("nope:1")
         assert len(await client.list_layers()) == 1
-        built = await client.build_image("/srv/x", "x:1", kind="toolkit")
+        archive = tmp_path / "ctx.tar"
+        with tarfile.open(archive, "w") as tf:  # a local tar archive is uploaded as it is
+            tf.add(__file__, arcname="t.py")
+        built = await client.build_image(archive, "x:1", kind="toolkit")
         assert built.name == "x:1"
-        assert edge.calls_to("build_image")[0]["kind"] == "toolkit"
+        call = edge.calls_to("build_image")[0]
+        assert call["req"].kind == "toolkit" and call["context"] == archive.read_bytes()
         await shared.kill()  # does not close a shared client
         assert (await client.node_info()).node == "fake"
 

@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 import dsec.errors as E
+from dsec import AsyncSandbox, ImageNotReady
 from dsec.sdk._http import HttpClient, _retry_safe
 from dsec.testing import FakeEdge, app_transport
 
@@ -74,3 +75,18 @@ async def test_numbered_post_is_repeated_and_runs_once() -> None:
         await http2.request("GET", f"/v1/sandboxes/{sid}")
     await http.aclose()
     await http2.aclose()
+
+
+async def test_create_waits_while_its_image_is_being_built() -> None:
+    edge = FakeEdge()
+    transport, key = app_transport(edge)
+    for _ in range(2):  # the node answers "still building" twice, then the image is there
+        edge.inject_error("create_sandbox", ImageNotReady("building", retry_after_s=0.01))
+    sb = await AsyncSandbox.create(api_key=key, transport=transport, timeout=10)
+    assert len(edge.calls_to("create_sandbox")) == 3
+    await sb.kill()
+    # past its timeout the create gives up with the server's retryable error
+    for _ in range(3):
+        edge.inject_error("create_sandbox", ImageNotReady("building", retry_after_s=0.4))
+    with pytest.raises(ImageNotReady):
+        await AsyncSandbox.create(api_key=key, transport=transport, timeout=0.5)

@@ -65,12 +65,15 @@ def test_sync_errors_and_classmethods(edge: FakeEdge, conn: dict[str, Any]) -> N
         sb.commands.run("true")
 
 
-def test_sync_client(conn: dict[str, Any]) -> None:
+def test_sync_client(conn: dict[str, Any], tmp_path: Path) -> None:
     client = Client(**conn)
     assert client.node_info().node == "fake"
     assert [i.name for i in client.list_images()] == ["busybox"]
+    context = tmp_path / "ctx"
+    context.mkdir()
+    (context / "f").write_text("x")
     assert (
-        client.build_image("/srv", "ws:2", "workspace", "busybox").layers[0].startswith("sha256:")
+        client.build_image(context, "ws:2", "workspace", "busybox").layers[0].startswith("sha256:")
     )
     sb = Sandbox.create(client=client)  # a sync Client is accepted where AsyncClient is
     assert [s.id for s in client.list_sandboxes()] == [sb.id]

@@ -28,7 +28,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -52,19 +52,23 @@ def owner_id(key: str) -> str:
 
 
 class KeyVerifier(Protocol):
-    """Anything that maps a presented key to its owner id (None: not a valid key)."""
+    """Anything that maps a presented key to its owner id (None: not a valid key), and
+    says which owners are the operator's (they may publish and remove system images)."""
 
     def verify(self, key: str) -> str | None: ...
+    def is_operator(self, owner: str) -> bool: ...
 
 
 @dataclass(frozen=True)
 class KeyRecord:
-    """One stored key (never the key itself)."""
+    """One stored key (never the key itself). ``role``: ``operator`` (the node's first key,
+    or one created with ``dsec key create --operator``) or ``user``."""
 
     owner: str
     sha256: str
     created_at: float  # unix seconds
     name: str = ""
+    role: str = "user"
 
 
 def _lookup(records: Iterable[KeyRecord], key: str) -> str | None:
@@ -78,13 +82,18 @@ def _lookup(records: Iterable[KeyRecord], key: str) -> str | None:
 
 
 class StaticKeys:
-    """A fixed, in-memory set of keys (tests, schema generation)."""
+    """A fixed, in-memory set of keys (tests, schema generation); ``operators`` are the
+    operator's keys (none by default)."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
+    def __init__(self, keys: Iterable[str], operators: Iterable[str] = ()) -> None:
         self._records = [KeyRecord(owner_id(k), _sha256(k), time.time()) for k in keys]
+        self._operators = {owner_id(k) for k in operators}
 
     def verify(self, key: str) -> str | None:
         return _lookup(self._records, key)
+
+    def is_operator(self, owner: str) -> bool:
+        return owner in self._operators
 
 
 class KeyStore:
@@ -134,7 +143,12 @@ class KeyStore:
         if version == self._version and not force:
             return
         raw = json.loads(self.db_file.read_text())
-        self._records = [KeyRecord(**r) for r in raw.get("keys", [])]
+        entries = raw.get("keys", [])
+        fields = set(KeyRecord.__dataclass_fields__)
+        self._records = [KeyRecord(**{k: v for k, v in r.items() if k in fields}) for r in entries]
+        if self._records and not any("role" in r for r in entries):
+            # a store written before keys had roles: its first key is the node's own
+            self._records[0] = replace(self._records[0], role="operator")
         self._version = version
 
     def _save(self) -> None:
@@ -164,7 +178,9 @@ class KeyStore:
                 with os.fdopen(fd, "w") as f:
                     f.write(key + "\n")
             os.chmod(self.key_file, 0o600)
-            self._records.append(KeyRecord(owner_id(key), _sha256(key), time.time(), "default"))
+            self._records.append(
+                KeyRecord(owner_id(key), _sha256(key), time.time(), "default", "operator")
+            )
             self._save()
 
     # --- API ----------------------------------------------------------------
@@ -177,12 +193,20 @@ class KeyStore:
             records = list(self._records)
         return _lookup(records, key)
 
-    def create_key(self, name: str = "") -> str:
-        """Generate, register and return a new key. The plaintext is not stored: keep it."""
+    def is_operator(self, owner: str) -> bool:
+        """Whether ``owner`` is one of the operator's keys (see :class:`KeyRecord`)."""
+        with self._lock:
+            self._reload()
+            return any(r.owner == owner and r.role == "operator" for r in self._records)
+
+    def create_key(self, name: str = "", *, operator: bool = False) -> str:
+        """Generate, register and return a new key (``operator``: with the operator's
+        rights). The plaintext is not stored: keep it."""
         key = generate_key()
+        role = "operator" if operator else "user"
         with self._exclusive():
             self._reload(force=True)
-            self._records.append(KeyRecord(owner_id(key), _sha256(key), time.time(), name))
+            self._records.append(KeyRecord(owner_id(key), _sha256(key), time.time(), name, role))
             self._save()
         return key
 

@@ -38,9 +38,14 @@ __all__ = ["error_response", "install_error_handlers", "validation_details"]
 
 
 def error_response(request: Request, err: DsecError, status: int | None = None) -> JSONResponse:
-    """The JSON response for ``err``; also tells the metrics middleware the error code."""
+    """The JSON response for ``err``; also tells the metrics middleware the error code. An
+    error that says when to retry (``details["retry_after_s"]``) sends ``Retry-After``."""
     request.state.error_code = err.code
-    return JSONResponse(err.to_wire(), status_code=status or err.http_status)
+    headers = None
+    retry_after = err.details.get("retry_after_s")
+    if isinstance(retry_after, int | float) and not isinstance(retry_after, bool):
+        headers = {"Retry-After": str(max(1, round(retry_after)))}
+    return JSONResponse(err.to_wire(), status_code=status or err.http_status, headers=headers)
 
 
 def _jsonable(value: Any) -> Any:

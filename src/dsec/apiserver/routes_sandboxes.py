@@ -15,6 +15,7 @@ exec answers then carry ``X-Dsec-Replayed: 1`` (and ``replayed: true`` in the bo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsec.apiserver.departed import unless_departed
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
 from dsec.apiserver.schemas import (
     IDEMPOTENCY_HEADER,
@@ -152,8 +154,17 @@ def _parse_labels(raw: list[str]) -> dict[str, str]:
 
 
 @router.post("", status_code=201, response_model=SandboxInfo, summary="Create a sandbox")
-async def create_sandbox(req: CreateSandboxRequest, edge: Edge, owner: Owner) -> SandboxInfo:
-    return await edge.create_sandbox(req, owner)
+async def create_sandbox(
+    request: Request, req: CreateSandboxRequest, edge: Edge, owner: Owner
+) -> SandboxInfo:
+    """A client that disconnects before the sandbox is ready leaves no sandbox behind. An
+    image still being built (a built-in right after the node started) answers 503
+    ``image_not_ready`` with ``Retry-After``: nothing was created, retry."""
+
+    async def undo(info: SandboxInfo) -> None:
+        await edge.kill_sandbox(info.id, owner)
+
+    return await unless_departed(request, edge.create_sandbox(req, owner), undo)
 
 
 @router.post(
@@ -164,8 +175,16 @@ async def create_sandbox(req: CreateSandboxRequest, edge: Edge, owner: Owner) ->
     "order) and ``errors`` (index, code, message of each one that was not). With "
     "``all_or_nothing`` a failure kills what was made and answers that failure's error.",
 )
-async def create_sandboxes(req: BatchCreateRequest, edge: Edge, owner: Owner) -> BatchCreateResult:
-    return await edge.create_sandboxes(req.sandbox, req.n, owner, all_or_nothing=req.all_or_nothing)
+async def create_sandboxes(
+    request: Request, req: BatchCreateRequest, edge: Edge, owner: Owner
+) -> BatchCreateResult:
+    async def undo(result: BatchCreateResult) -> None:
+        for info in result.sandboxes:
+            with contextlib.suppress(DsecError):
+                await edge.kill_sandbox(info.id, owner)
+
+    work = edge.create_sandboxes(req.sandbox, req.n, owner, all_or_nothing=req.all_or_nothing)
+    return await unless_departed(request, work, undo)
 
 
 @router.get("", response_model=SandboxList, summary="List this key's sandboxes")

@@ -42,6 +42,9 @@ SANDBOX_PATH_PATTERN = r"^/[^\x00]{0,4095}$"
 IMAGE_REF_PATTERN = r"^(sha256:[0-9a-f]{64}|[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?)$"
 """Image references: ``name[:tag]`` or ``sha256:<64 hex>``."""
 
+IMAGE_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$"
+"""Names an image can be given: ``name[:tag]``."""
+
 JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 """Job ids (``CreateSandboxRequest.job``): letters, digits, ``._:-``, at most 128 characters."""
 

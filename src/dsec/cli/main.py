@@ -20,7 +20,8 @@ Commands::
     dsec trajectory ID [-o FILE]
     dsec replay LOG.jsonl [--image I] [--keep]
     dsec image ls
-    dsec image build PATH --name N [--kind K] [--base B]
+    dsec image build PATH --name N [--kind K] [--base B] [--system]
+    dsec image rm NAME | dsec image share NAME [--stop]
     dsec image push NAME oci://HOST[:PORT]/REPO[:TAG]
     dsec image pull [--lazy] REF
     dsec info
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
@@ -796,7 +796,7 @@ def job_ls(
 @image_app.command("ls")
 @handle_errors
 def image_ls() -> None:
-    """List images."""
+    """List this key's images and the system's (built-in images show their build status)."""
     client = make_client()
     try:
         images = client.list_images()
@@ -804,14 +804,54 @@ def image_ls() -> None:
         client.close()
     table = Table(box=None, header_style="bold")
     table.add_column("NAME", no_wrap=True)
+    table.add_column("OWNER", no_wrap=True)
     table.add_column("LAYERS")
     table.add_column("SIZE")
     table.add_column("CACHED")
     table.add_column("AGE")
     for im in images:
+        if im.status != "ready":
+            table.add_row(im.name, im.owner, "-", "-", "-", f"{im.status}: {im.progress or ''}")
+            continue
         cached = "-" if im.cached_fraction is None else f"{im.cached_fraction:.0%}"
-        table.add_row(im.name, str(len(im.layers)), _size(im.size), cached, _age(im.created_at))
+        owner = f"{im.owner} (shared)" if im.shared else im.owner
+        table.add_row(
+            im.name, owner, str(len(im.layers)), _size(im.size), cached, _age(im.created_at)
+        )
     stdout.print(table)
+
+
+@image_app.command("rm")
+@handle_errors
+def image_rm(
+    name: Annotated[str, typer.Argument(help="image name[:tag]", show_default=False)],
+    system: Annotated[bool, typer.Option("--system", help="a system image (operator)")] = False,
+) -> None:
+    """Forget one of this key's images (its layers stay while sandboxes use them)."""
+    client = make_client()
+    try:
+        client.delete_image(name, system=system)
+    finally:
+        client.close()
+    stdout.print(f"removed {name}")
+
+
+@image_app.command("share")
+@handle_errors
+def image_share(
+    name: Annotated[str, typer.Argument(help="image name[:tag]", show_default=False)],
+    stop: Annotated[bool, typer.Option("--stop", help="stop sharing it")] = False,
+) -> None:
+    """Let every key use one of this key's images, as OWNER/NAME."""
+    client = make_client()
+    try:
+        image = client.share_image(name, not stop)
+    finally:
+        client.close()
+    if image.shared:
+        stdout.print(f"shared: other keys use it as {image.owner}/{image.name}")
+    else:
+        stdout.print(f"{image.name} is no longer shared")
 
 
 @image_app.command("pull")
@@ -824,12 +864,15 @@ def image_pull(
     lazy: Annotated[
         bool, typer.Option("--lazy", help="pushed dsec images: fetch layer data on first read")
     ] = False,
+    system: Annotated[
+        bool, typer.Option("--system", help="store as a system image for every key (operator)")
+    ] = False,
 ) -> None:
     """Pull an image from an OCI / Docker v2 registry into the node's layer store."""
     client = make_client()
     try:
         with stderr.status(f"pulling {ref} ..."):
-            image = client.pull_image(ref, name, lazy=lazy)
+            image = client.pull_image(ref, name, lazy=lazy, system=system)
     finally:
         client.close()
     stdout.print(f"pulled {image.name}: {len(image.layers)} layers, {_size(image.size)}")
@@ -856,19 +899,20 @@ def image_push(
 @image_app.command("build")
 @handle_errors
 def image_build(
-    path: Annotated[
-        str, typer.Argument(help="directory or tarball on the server", show_default=False)
-    ],
+    path: Annotated[str, typer.Argument(help="local directory or tar archive", show_default=False)],
     name: Annotated[str, typer.Option(help="image name[:tag]", show_default=False)],
     kind: Annotated[str, typer.Option(help="base | workspace | toolkit")] = "workspace",
     base: Annotated[str | None, typer.Option(help="image to stack on")] = None,
+    system: Annotated[
+        bool,
+        typer.Option("--system", help="publish as a system image for every key (operator key)"),
+    ] = False,
 ) -> None:
-    """Build an image from a directory or tarball on the server's filesystem."""
-    server_path = os.path.abspath(path) if not path.startswith("/") else path
+    """Build an image from a local directory or tar archive (uploaded as the build context)."""
     client = make_client()
     try:
-        with stderr.status(f"building {name} from {server_path} ..."):
-            image = client.build_image(server_path, name, kind, base)
+        with stderr.status(f"building {name} from {path} ..."):
+            image = client.build_image(path, name, kind, base, system=system)
     finally:
         client.close()
     stdout.print(f"built {image.name}: {len(image.layers)} layers, {_size(image.size)}")
@@ -923,10 +967,13 @@ HomeOption = Annotated[Path | None, typer.Option(help="state directory (default 
 @handle_errors
 def key_create(
     name: Annotated[str, typer.Option(help="a label for the key")] = "",
+    operator: Annotated[
+        bool, typer.Option("--operator", help="may publish and remove system images")
+    ] = False,
     home: HomeOption = None,
 ) -> None:
     """Create an API key and print it (it is not stored: keep it)."""
-    stdout.print(_key_store(home).create_key(name), soft_wrap=True)
+    stdout.print(_key_store(home).create_key(name, operator=operator), soft_wrap=True)
 
 
 @key_app.command("ls")
@@ -936,10 +983,11 @@ def key_ls(home: HomeOption = None) -> None:
     table = Table(box=None, header_style="bold")
     table.add_column("OWNER", no_wrap=True)
     table.add_column("NAME")
+    table.add_column("ROLE")
     table.add_column("CREATED")
     for rec in _key_store(home).list():
         created = datetime.fromtimestamp(rec.created_at, UTC).strftime("%Y-%m-%d %H:%M:%S")
-        table.add_row(rec.owner, rec.name, created)
+        table.add_row(rec.owner, rec.name, rec.role, created)
     stdout.print(table)
 
 

@@ -82,6 +82,8 @@ _CALLABLE = frozenset(
         "network_stats",
         "list_images",
         "get_image",
+        "delete_image",
+        "share_image",
         "list_layers",
         "pull_image",
         "build_image",

@@ -52,6 +52,7 @@ from dsec.models import (
     TIERS,
     BatchCreateResult,
     BatchItemError,
+    BuildImageRequest,
     Capabilities,
     CreateSandboxRequest,
     ExecEvent,
@@ -1085,16 +1086,25 @@ class ClusterEdge:
             raise ServiceUnavailable("no live node in the cluster")
         return alive[0]
 
-    async def list_images(self) -> list[ImageInfo]:
-        out: list[ImageInfo] = await self._call(self._any_node(), "list_images")
+    async def list_images(self, owner: str) -> list[ImageInfo]:
+        out: list[ImageInfo] = await self._call(self._any_node(), "list_images", owner)
         return out
 
-    async def get_image(self, name: str) -> ImageInfo:
-        out: ImageInfo = await self._call(self._any_node(), "get_image", name)
+    async def get_image(self, name: str, owner: str) -> ImageInfo:
+        out: ImageInfo = await self._call(self._any_node(), "get_image", name, owner)
         return out
 
-    async def list_layers(self) -> list[LayerInfo]:
-        out: list[LayerInfo] = await self._call(self._any_node(), "list_layers")
+    async def delete_image(self, name: str, owner: str) -> None:
+        """Forgotten on every live node."""
+        await self._on_every_node("delete_image", name, owner)
+
+    async def share_image(self, name: str, owner: str, shared: bool) -> ImageInfo:
+        """Shared on every live node that has it."""
+        out: ImageInfo = await self._on_every_node("share_image", name, owner, shared)
+        return out
+
+    async def list_layers(self, owner: str) -> list[LayerInfo]:
+        out: list[LayerInfo] = await self._call(self._any_node(), "list_layers", owner)
         return out
 
     async def _on_every_node(self, method: str, *args: Any) -> Any:
@@ -1110,27 +1120,30 @@ class ClusterEdge:
                 return r
         raise results[0]
 
-    async def pull_image(self, ref: str, name: str | None = None) -> ImageInfo:
+    async def pull_image(self, ref: str, owner: str, name: str | None = None) -> ImageInfo:
         """Pulled on every live node (each keeps its own layer store)."""
-        out: ImageInfo = await self._on_every_node("pull_image", ref, name)
+        out: ImageInfo = await self._on_every_node("pull_image", ref, owner, name)
         return out
 
-    async def build_image(
-        self, path: str, name: str, kind: str = "workspace", base: str | None = None
-    ) -> ImageInfo:
-        """Built on every live node from ``path`` (which must exist on each of them)."""
-        out: ImageInfo = await self._on_every_node("build_image", path, name, kind, base)
+    async def build_image(self, owner: str, req: BuildImageRequest, context: bytes) -> ImageInfo:
+        """Built on every live node from the uploaded ``context``."""
+        out: ImageInfo = await self._on_every_node("build_image", owner, req, context)
         return out
 
-    async def push_image(self, name: str, target: str) -> Any:
+    async def push_image(self, name: str, target: str, owner: str) -> Any:
         """Pushed from one node's layer store (any node holding the image)."""
         return await self._call(
-            self._any_node(), "push_image", name, target, timeout=self.options.create_timeout_s
+            self._any_node(),
+            "push_image",
+            name,
+            target,
+            owner,
+            timeout=self.options.create_timeout_s,
         )
 
-    async def attach_image(self, ref: str, name: str | None, lazy: bool) -> ImageInfo:
+    async def attach_image(self, ref: str, name: str | None, lazy: bool, owner: str) -> ImageInfo:
         """Registered on every live node (each reads the layers from the registry)."""
-        out: ImageInfo = await self._on_every_node("attach_image", ref, name, lazy)
+        out: ImageInfo = await self._on_every_node("attach_image", ref, name, lazy, owner)
         return out
 
     # ------------------------------------------------------------------ node

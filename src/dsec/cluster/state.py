@@ -383,6 +383,15 @@ class PgKeyStore:
         self._loaded_at = 0.0
         self._lock = threading.Lock()
         self._bootstrap()
+        from dsec.apiserver.auth import owner_id
+
+        key_file = self.home / "api_key"
+        self._operator = owner_id(key_file.read_text().strip()) if key_file.exists() else None
+
+    def is_operator(self, owner: str) -> bool:
+        """The operator is the key in this replica's ``$DSEC_HOME/api_key`` (the cluster's
+        bootstrap key)."""
+        return owner == self._operator
 
     def _bootstrap(self) -> None:
         from dsec.apiserver.auth import KeyStore

@@ -56,13 +56,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from dsec.apiserver.departed import unless_departed
 from dsec.e2b.access import AccessTokens, TemplateMap
 from dsec.e2b.errors import E2BError, control_status
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
 from dsec.e2b.process import ProcessRegistry, paused_error
 from dsec.edge.interface import EdgeAPI
-from dsec.errors import DsecError, ImageNotFound
+from dsec.errors import DsecError, ImageNotFound, ServiceUnavailable
 from dsec.models import CreateSandboxRequest, ForkRequest, SandboxInfo, SnapshotRequest
 
 __all__ = ["ENVD_VERSION", "SANDBOX_DOMAIN", "TEMPLATE_LABEL", "ControlPlane"]
@@ -247,7 +248,8 @@ class ControlPlane:
                 return _error(404, f"template not found: {e.message}")
             except DsecError as e:
                 status = control_status(e)
-                return _error(status, e.message, retry=False if status == 429 else None)
+                retry = True if isinstance(e, ServiceUnavailable) else None
+                return _error(status, e.message, retry=False if status == 429 else retry)
             except Exception:
                 # never a bare (non-JSON) 500: the SDK parses the body
                 log.exception("E2B control route %s %s failed", request.method, request.url.path)
@@ -405,7 +407,11 @@ class ControlPlane:
         except ValidationError as e:
             msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
             raise E2BError(400, f"invalid sandbox request: {msg}") from None
-        info = await self.edge.create_sandbox(req, owner)
+
+        async def undo(info: SandboxInfo) -> None:  # the client gave up: nothing stays
+            await self.edge.kill_sandbox(info.id, owner)
+
+        info = await unless_departed(request, self.edge.create_sandbox(req, owner), undo)
         return JSONResponse(self._created(info, owner), status_code=201)
 
     async def _filtered(self, request: Request, owner: str) -> list[SandboxInfo]:

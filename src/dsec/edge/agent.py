@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TypeVar
 
 from dsec import __version__
@@ -46,8 +47,10 @@ from dsec.errors import (
 )
 from dsec.layers.workspace import check_stack
 from dsec.models import (
+    SYSTEM_OWNER,
     TIERS,
     BatchCreateResult,
+    BuildImageRequest,
     Capabilities,
     CreateSandboxRequest,
     ExecEvent,
@@ -98,11 +101,17 @@ class EdgeLimits:
     gap_wait_s: float = 5.0  # how long a seq that skips ahead waits for the missing ones
     job_concurrency: int = 64
     create_concurrency: int = 8  # creations in flight per batch call
+    image_wait_s: float = 20.0  # a create waits this long for a built-in image being built
+    max_build_context_bytes: int = 256 << 20  # an uploaded build context, bytes
+    max_build_bytes: int = 4 << 30  # what a build context may unpack to, bytes
+    max_build_entries: int = 500_000  # files, directories and links in a build context
 
     @classmethod
     def from_env(cls) -> EdgeLimits:
-        """Defaults, overridden by ``DSEC_MAX_SANDBOXES``, ``DSEC_CPU_OVERCOMMIT`` and
-        ``DSEC_MEMORY_OVERCOMMIT`` (operator settings of ``dsec serve``)."""
+        """Defaults, overridden by ``DSEC_MAX_SANDBOXES``, ``DSEC_CPU_OVERCOMMIT``,
+        ``DSEC_MEMORY_OVERCOMMIT``, ``DSEC_IMAGE_WAIT_S`` (seconds a create waits for a
+        built-in image being built), ``DSEC_MAX_BUILD_CONTEXT_BYTES`` and
+        ``DSEC_MAX_BUILD_BYTES`` (operator settings of ``dsec serve``)."""
         lim = cls()
         env = os.environ
         try:
@@ -112,6 +121,12 @@ class EdgeLimits:
                 lim.cpu_overcommit = float(env["DSEC_CPU_OVERCOMMIT"])
             if "DSEC_MEMORY_OVERCOMMIT" in env:
                 lim.memory_overcommit = float(env["DSEC_MEMORY_OVERCOMMIT"])
+            if "DSEC_IMAGE_WAIT_S" in env:
+                lim.image_wait_s = float(env["DSEC_IMAGE_WAIT_S"])
+            if "DSEC_MAX_BUILD_CONTEXT_BYTES" in env:
+                lim.max_build_context_bytes = int(env["DSEC_MAX_BUILD_CONTEXT_BYTES"])
+            if "DSEC_MAX_BUILD_BYTES" in env:
+                lim.max_build_bytes = int(env["DSEC_MAX_BUILD_BYTES"])
         except ValueError as e:
             raise SystemExit(f"invalid edge limit in the environment: {e}") from e
         return lim
@@ -251,6 +266,10 @@ class EdgeAgent:
                 row.handle = handle.state
                 self.registry.set_state(row.id, row.state, handle=handle.state)
                 self._live[row.id] = _Live(row, handle)
+                # a store migrated from before owners grants loose layers to nobody: a live
+                # sandbox's layers stay its owner's (for forks and snapshots of it)
+                with contextlib.suppress(DsecError):
+                    self.layers.grant_layers(row.owner, list(row.image_layers))
                 recovered += 1
             else:
                 if rt is not None:
@@ -506,8 +525,12 @@ class EdgeAgent:
                     tier=tier,
                 )
             self._check_admission(req, caps)
-            image = await self.layers.ensure_image(req.image)
-            extra: list[LayerInfo] = self.layers.resolve_layers(req.layers) if req.layers else []
+            image = await self.layers.ensure_image(
+                req.image, owner, wait_s=self.limits.image_wait_s
+            )
+            extra: list[LayerInfo] = (
+                self.layers.resolve_layers(req.layers, owner) if req.layers else []
+            )
             digests = list(image.layers) + [x.digest for x in extra]
             check_stack([self.layers.get_layer(d) for d in digests])  # before any mount
             if all(self.layers.is_local(d) for d in digests):
@@ -1099,12 +1122,14 @@ class EdgeAgent:
         }
         async with lv.lock:
             layer = await rt.snapshot(lv.handle, self.layers, req, meta)
+        self.layers.grant_layers(lv.row.owner, [layer.digest])
         if req.name:
             await asyncio.to_thread(
                 self.layers.put_image,
                 req.name,
                 [*lv.row.image_layers, layer.digest],
                 meta={"snapshot_of": lv.row.id},
+                owner=lv.row.owner,
             )
         return layer
 
@@ -1179,7 +1204,8 @@ class EdgeAgent:
         """Create a sandbox from an :meth:`export_sandbox` of another node (its layers must
         already be in this node's store): same request, the image's layers by digest, the
         exported diff on top. Admission applies as for any creation (``QuotaExceeded``)."""
-        req = self._migrated_request(request, image_layers, [diff_layer])
+        self.layers.grant_layers(owner, [*image_layers, diff_layer])  # moved here with it
+        req = self._migrated_request(request, image_layers, [diff_layer], owner)
         return await self.create_sandbox(req, owner)
 
     # --- VM migration by memory state (cluster mode: dsec.cluster.migrate moves the files) ---
@@ -1236,7 +1262,7 @@ class EdgeAgent:
         await self._memory_runtime(tier).drop_memory_snapshot(snapshot)
 
     def _migrated_request(
-        self, request: dict[str, Any], image_layers: list[str], extra: list[str]
+        self, request: dict[str, Any], image_layers: list[str], extra: list[str], owner: str
     ) -> CreateSandboxRequest:
         """``request`` of another node's sandbox, its layers named so that this node
         resolves the same digests in the same order (the image name when it means the same
@@ -1245,7 +1271,7 @@ class EdgeAgent:
         if not image_layers:
             raise InvalidRequest("an exported sandbox needs its image layers")
         try:
-            image = list(self.layers.get_image(base.image).layers)
+            image = list(self.layers.get_image(base.image, owner).layers)
         except DsecError:
             image = []
         same_image = bool(image) and image_layers[: len(image)] == image
@@ -1275,8 +1301,9 @@ class EdgeAgent:
                 f"{export['guest_ram_mb']} MiB: the memory state does not fit",
                 tier=tier,
             )
-        req = self._migrated_request(export["request"], list(export["image_layers"]), [])
-        self._check_admission(req, rt.capabilities())
+        self._check_admission(
+            CreateSandboxRequest.model_validate(export["request"]), rt.capabilities()
+        )
 
     async def import_memory(self, export: dict[str, Any], owner: str, staged: str) -> SandboxInfo:
         """Continue another node's :meth:`export_memory` capture here: its files are in the
@@ -1285,14 +1312,13 @@ class EdgeAgent:
         processes and memory; its clock is set and RNG reseeded, its hostname is the new
         id's. Admission applies as for any creation. ``staged`` is left for the caller to
         delete; nothing else stays behind on failure."""
-        from pathlib import Path
-
         from dsec.runtimes.microvm.runtime import MemorySnapshot
 
         tier = str(export["tier"])
         rt = self._memory_runtime(tier)
         source = dict(export["source"])
-        req = self._migrated_request(export["request"], list(export["image_layers"]), [])
+        self.layers.grant_layers(owner, list(export["image_layers"]))  # moved here with it
+        req = self._migrated_request(export["request"], list(export["image_layers"]), [], owner)
         d = Path(staged)
 
         async def resume_here(spec: SandboxSpec) -> Handle:
@@ -1471,49 +1497,121 @@ class EdgeAgent:
         frac = present / total if total else 1.0
         return image.model_copy(update={"cached_fraction": round(frac, 4)})
 
-    async def list_images(self) -> list[ImageInfo]:
-        return [self._image_cache_info(im) for im in self.layers.list_images()]
+    def _pending_builtins(self, owner: str, known: set[str]) -> list[ImageInfo]:
+        """Built-in images not stored yet, as ``image ls`` shows them (queued, building with
+        the phase, or failed with the reason)."""
+        from dsec.layers import builtin
 
-    async def get_image(self, name: str) -> ImageInfo:
-        return self._image_cache_info(self.layers.get_image(name))
+        out = []
+        for name in builtin.BUILTIN_IMAGES:
+            status = self.layers.builtin_status(name)
+            if name in known or status is None:
+                continue
+            state, phase, seconds = status
+            progress = f"{phase} ({seconds:.0f} s)" if state == "building" else phase
+            out.append(
+                ImageInfo(
+                    name=name,
+                    layers=[],
+                    size=0,
+                    created_at=_now_dt(time.time()),
+                    meta={"builtin": name},
+                    status=state,
+                    progress=progress,
+                )
+            )
+        return out
 
-    async def pull_image(self, ref: str, name: str | None = None) -> ImageInfo:
-        """Pull ``ref`` (``oci://HOST/REPO:TAG`` or ``[registry/]repo[:tag]``): an image
-        pushed with ``dsec image push`` gets its EROFS layers downloaded; any other image is
-        converted from its tar layers. Credentials from ``DSEC_REGISTRY_AUTH`` (JSON
-        ``{"host:port": ["user", "password"]}``)."""
-        return await self.attach_image(ref, name, lazy=False)
+    async def list_images(self, owner: str) -> list[ImageInfo]:
+        """The images ``owner`` can use: its own and the system's (built-in images not built
+        yet included, with their build status)."""
+        images = [self._image_cache_info(im) for im in self.layers.list_images(owner)]
+        pending = self._pending_builtins(owner, {im.name for im in images})
+        return sorted([*images, *pending], key=lambda im: im.name)
 
-    async def attach_image(self, ref: str, name: str | None, lazy: bool) -> ImageInfo:
-        """Register a pushed image (``lazy``: layers stay remote and are fetched on first
-        read; other images fall back to a full pull): :func:`dsec.layers.publish.attach_image`."""
+    async def get_image(self, name: str, owner: str) -> ImageInfo:
+        return self._image_cache_info(self.layers.get_image(name, owner))
+
+    async def delete_image(self, name: str, owner: str) -> None:
+        """Forget ``owner``'s image ``name`` (its layers stay while anything uses them).
+        ``ImageNotFound`` for a name it does not own; ``Conflict`` for a system image."""
+        self.layers.remove_image(name, owner)
+
+    async def share_image(self, name: str, owner: str, shared: bool) -> ImageInfo:
+        """Let every key use ``owner``'s image ``name`` as ``<owner>/<name>`` (or stop)."""
+        return self._image_cache_info(self.layers.share_image(name, owner, shared))
+
+    async def pull_image(self, ref: str, owner: str, name: str | None = None) -> ImageInfo:
+        """Pull ``ref`` (``oci://HOST/REPO:TAG`` or ``[registry/]repo[:tag]``) as ``owner``'s
+        image: an image pushed with ``dsec image push`` gets its EROFS layers downloaded;
+        any other image is converted from its tar layers. Credentials from
+        ``DSEC_REGISTRY_AUTH`` (JSON ``{"host:port": ["user", "password"]}``)."""
+        return await self.attach_image(ref, name, False, owner)
+
+    async def attach_image(
+        self, ref: str, name: str | None, lazy: bool, owner: str = SYSTEM_OWNER
+    ) -> ImageInfo:
+        """Register a pushed image as ``owner``'s (``lazy``: layers stay remote and are
+        fetched on first read; other images fall back to a full pull):
+        :func:`dsec.layers.publish.attach_image`."""
         from dsec.layers.publish import attach_image
 
-        return await asyncio.to_thread(attach_image, self.layers, ref, name, lazy)
+        if name is not None and owner != SYSTEM_OWNER:
+            self.layers.check_name_free(name, owner)  # before anything is downloaded
+        return await asyncio.to_thread(attach_image, self.layers, ref, name, lazy, owner)
 
-    async def push_image(self, name: str, target: str) -> PushImageResult:
-        """Publish image ``name`` to ``target`` (``oci://HOST[:PORT]/REPO[:TAG]``) as a dsec
-        artifact (credentials from ``DSEC_REGISTRY_AUTH``)."""
+    async def push_image(
+        self, name: str, target: str, owner: str = SYSTEM_OWNER
+    ) -> PushImageResult:
+        """Publish ``owner``'s image ``name`` to ``target`` (``oci://HOST[:PORT]/REPO[:TAG]``)
+        as a dsec artifact (credentials from ``DSEC_REGISTRY_AUTH``)."""
         from dsec.layers.publish import push_image
 
-        await self.layers.ensure_image(name)
-        digest = await asyncio.to_thread(push_image, self.layers, name, target)
+        await self.layers.ensure_image(name, owner)
+        digest = await asyncio.to_thread(push_image, self.layers, name, target, owner)
         return PushImageResult(image=name, target=target, manifest_digest=digest)
 
-    async def list_layers(self) -> list[LayerInfo]:
-        return [self._layer_cache_info(layer) for layer in self.layers.list_layers()]
+    async def list_layers(self, owner: str) -> list[LayerInfo]:
+        """The layers ``owner`` may use by digest."""
+        return [self._layer_cache_info(layer) for layer in self.layers.list_owned_layers(owner)]
 
-    async def build_image(
-        self, path: str, name: str, kind: str = "workspace", base: str | None = None
-    ) -> ImageInfo:
-        from pathlib import Path
+    async def build_image(self, owner: str, req: BuildImageRequest, context: bytes) -> ImageInfo:
+        """Build ``owner``'s image ``req.name`` from an uploaded build ``context`` (a tar
+        archive, optionally compressed): its files become one layer on top of ``req.base``.
+        The archive is unpacked with the store's safe extraction (no member escapes, devices
+        dropped) under the limits of :class:`EdgeLimits` (``PayloadTooLarge`` past them);
+        nothing of a failed build is kept. The caller decides the owner (``SYSTEM_OWNER``
+        for the operator's system images)."""
+        import tempfile
 
-        p = Path(path)
-        if not p.is_absolute() or not await asyncio.to_thread(p.exists):
-            raise InvalidRequest(f"build source {path!r} does not exist on the server")
-        if base is not None:
-            await self.layers.ensure_image(base)
-        return await asyncio.to_thread(self.layers.build_image, p, name, kind, base)
+        from dsec.layers.store import extract_tarball
+
+        if len(context) > self.limits.max_build_context_bytes:
+            raise PayloadTooLarge(
+                f"the build context is larger than {self.limits.max_build_context_bytes} bytes",
+                limit_bytes=self.limits.max_build_context_bytes,
+            )
+        self.layers.check_name_free(req.name, owner)  # before any byte is unpacked
+        if req.base is not None:
+            await self.layers.ensure_image(req.base, owner, wait_s=self.limits.image_wait_s)
+
+        def build() -> ImageInfo:
+            with tempfile.TemporaryDirectory(dir=self.paths.scratch, prefix="build-") as tmp:
+                archive = Path(tmp) / "context.tar"
+                archive.write_bytes(context)
+                tree = Path(tmp) / "rootfs"
+                extract_tarball(
+                    archive,
+                    tree,
+                    max_bytes=self.limits.max_build_bytes,
+                    max_members=self.limits.max_build_entries,
+                )
+                archive.unlink()
+                return self.layers.build_image(
+                    tree, req.name, req.kind, req.base, owner=owner, meta={"source": "upload"}
+                )
+
+        return await asyncio.to_thread(build)
 
     # ------------------------------------------------------------------ node
     async def capabilities(self) -> list[Capabilities]:

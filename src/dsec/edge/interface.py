@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from dsec.models import (
     BatchCreateResult,
+    BuildImageRequest,
     Capabilities,
     CreateSandboxRequest,
     ExecEvent,
@@ -177,14 +178,26 @@ class EdgeAPI(Protocol):
     async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo: ...
     async def network_stats(self, sandbox_id: str, owner: str) -> dict[str, Any]: ...
 
-    # --- images and layers ------------------------------------------------
-    async def list_images(self) -> list[ImageInfo]: ...
-    async def get_image(self, name: str) -> ImageInfo: ...
-    async def list_layers(self) -> list[LayerInfo]: ...
-    async def pull_image(self, ref: str, name: str | None = None) -> ImageInfo: ...
-    async def build_image(
-        self, path: str, name: str, kind: str = "workspace", base: str | None = None
-    ) -> ImageInfo: ...
+    # --- images and layers (owned: see dsec.layers.store; SYSTEM_OWNER is the system's) --
+    async def list_images(self, owner: str) -> list[ImageInfo]:
+        """``owner``'s images and the system's (built-ins not built yet with their status)."""
+        ...
+
+    async def get_image(self, name: str, owner: str) -> ImageInfo: ...
+    async def delete_image(self, name: str, owner: str) -> None: ...
+    async def share_image(self, name: str, owner: str, shared: bool) -> ImageInfo:
+        """Let every key use ``owner``'s image as ``<owner>/<name>`` (``shared=False``: stop)."""
+        ...
+
+    async def list_layers(self, owner: str) -> list[LayerInfo]:
+        """The layers ``owner`` may name by digest."""
+        ...
+
+    async def pull_image(self, ref: str, owner: str, name: str | None = None) -> ImageInfo: ...
+    async def build_image(self, owner: str, req: BuildImageRequest, context: bytes) -> ImageInfo:
+        """``owner``'s image ``req.name`` from an uploaded build context (tar archive); never
+        from a path on the server."""
+        ...
 
     # --- node ------------------------------------------------------------
     async def node_info(self) -> NodeInfo: ...
@@ -211,10 +224,11 @@ class ImagePublisher(Protocol):
     ``POST /v1/images/pull`` with ``lazy``). The apiserver answers ``unsupported`` for an
     edge without it."""
 
-    async def push_image(self, name: str, target: str) -> PushImageResult:
-        """Push image ``name`` to ``target`` (``oci://HOST[:PORT]/REPO[:TAG]``)."""
+    async def push_image(self, name: str, target: str, owner: str) -> PushImageResult:
+        """Push ``owner``'s image ``name`` to ``target`` (``oci://HOST[:PORT]/REPO[:TAG]``)."""
         ...
 
-    async def attach_image(self, ref: str, name: str | None, lazy: bool) -> ImageInfo:
-        """Register a pushed image; ``lazy``: its layers stay remote, read on demand."""
+    async def attach_image(self, ref: str, name: str | None, lazy: bool, owner: str) -> ImageInfo:
+        """Register a pushed image as ``owner``'s; ``lazy``: its layers stay remote, read on
+        demand."""
         ...

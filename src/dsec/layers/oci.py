@@ -85,7 +85,7 @@ from dsec.errors import (
 )
 from dsec.layers.store import LayerStore, extract_tarball
 from dsec.layers.workspace import detect_provides
-from dsec.models import ImageInfo, LayerInfo
+from dsec.models import SYSTEM_OWNER, ImageInfo, LayerInfo
 
 __all__ = [
     "DEFAULT_MERGE_THRESHOLD_BYTES",
@@ -831,8 +831,10 @@ def pull_image(
     timeout_s: float = 30.0,
     retries: int = 2,
     transport: httpx.BaseTransport | None = None,
+    owner: str = SYSTEM_OWNER,
 ) -> ImageInfo:
-    """Pull ``ref`` from its registry into ``store`` as EROFS layers and record the image.
+    """Pull ``ref`` from its registry into ``store`` as EROFS layers and record the image
+    as ``owner``'s (default: a system image).
 
     Args:
         store: the node's layer store (scratch files go under ``store.scratch``).
@@ -898,8 +900,9 @@ def pull_image(
             except DsecError:
                 raise
             except OSError as e:  # a full disk, a permission problem in the scratch dir
+                log.error("pull of %s failed writing under %s: %s", parsed, store.scratch, e)
                 raise SandboxError(
-                    f"pull of {parsed} failed writing under {store.scratch}: {e}",
+                    f"pull of {parsed} failed writing to the node's disk: {e.strerror}",
                     errno=e.errno,
                 ) from e
             digests.append(layer.digest)
@@ -920,7 +923,7 @@ def pull_image(
             if image_config.get(k) is not None
         },
     }
-    info = store.put_image(image_name, digests, meta=meta)
+    info = store.put_image(image_name, digests, meta=meta, owner=owner)
     log.info(
         "pulled %s as %s: %d OCI layers -> %d EROFS layers, %d bytes fetched, %.2f s",
         parsed,

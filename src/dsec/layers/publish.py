@@ -64,7 +64,7 @@ from dsec.layers.oci import (
 )
 from dsec.layers.registry_store import RegistryBlobStore, parse_store_url
 from dsec.layers.workspace import layer_labels, normalise_labels
-from dsec.models import ImageInfo, LayerInfo, LayerKind
+from dsec.models import SYSTEM_OWNER, ImageInfo, LayerInfo, LayerKind
 
 __all__ = [
     "ARTIFACT_TYPE",
@@ -269,6 +269,7 @@ def push_image(
     store: Any,
     image: str,
     target: str,
+    owner: str = SYSTEM_OWNER,
     *,
     auth: tuple[str, str] | None = None,
     blob_store: RegistryBlobStore | None = None,
@@ -277,7 +278,8 @@ def push_image(
 
     Args:
         store: a :class:`dsec.layers.store.LayerStore` (built-in images are built first).
-        image: the image name (or ``sha256:...`` of one layer).
+        image: the image name (or ``sha256:...`` of one layer), as ``owner`` sees it.
+        owner: whose image (default: the system's).
         target: ``oci://HOST[:PORT]/REPO[:TAG]`` (tag default: the image's tag, or ``latest``).
         auth: registry credentials (default ``DSEC_REGISTRY_AUTH``).
         blob_store: a store to use instead of opening one (tests pass a mocked transport).
@@ -293,7 +295,7 @@ def push_image(
     loc = parse_store_url(target, allow_tag=True)
     if loc.tag is not None and loc.tag.startswith("sha256:"):
         raise InvalidRequest(f"push target {target!r}: give a tag, not a digest")
-    info: ImageInfo = store.ensure_image_sync(image)
+    info: ImageInfo = store.ensure_image_sync(image, owner)
     tag = loc.tag or (
         info.name.split(":", 1)[1]
         if ":" in info.name and not info.name.startswith("sha256:")
@@ -359,6 +361,7 @@ def attach_image(
     ref: str,
     name: str | None = None,
     lazy: bool = True,
+    owner: str = SYSTEM_OWNER,
     *,
     auth: tuple[str, str] | None = None,
     blob_store: RegistryBlobStore | None = None,
@@ -371,6 +374,7 @@ def attach_image(
         ref: ``oci://HOST[:PORT]/REPO[:TAG|@sha256:...]`` or ``HOST[:PORT]/REPO[:TAG]``.
         name: the image name in the store (default from the ref, as ``dsec image pull``).
         lazy: fetch layer data on first read (needs ``LayerStore.add_remote_layer``).
+        owner: whose image it becomes (default: the system's).
         auth: registry credentials (default ``DSEC_REGISTRY_AUTH``).
         blob_store: a store to use instead of opening one (tests).
 
@@ -392,7 +396,13 @@ def attach_image(
         doc, _media_type, manifest_digest = remote.session.get_manifest(reference)
         if not is_dsec_manifest(doc):
             log.info("%s is not a dsec artifact: pulling it as a container image", ref)
-            return pull_image(store, docker_ref, name=name, credentials=remote.session._credentials)
+            return pull_image(
+                store,
+                docker_ref,
+                name=name,
+                credentials=remote.session._credentials,
+                owner=owner,
+            )
         published = parse_dsec_manifest(doc)
         config = _read_config(remote, doc)
         image_name = name or default_image_name(parse_ref(docker_ref))
@@ -436,7 +446,7 @@ def attach_image(
         published_config = published_meta.get("config")
         if isinstance(published_config, dict):
             image_meta["config"] = published_config  # Env/Cmd/... of an image pulled before
-        info: ImageInfo = store.put_image(image_name, digests, meta=image_meta)
+        info: ImageInfo = store.put_image(image_name, digests, meta=image_meta, owner=owner)
     finally:
         if owned:
             remote.close()

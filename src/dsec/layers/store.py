@@ -5,6 +5,21 @@ Glossary:
         (``sha256:<64 hex>``), with a kind (``base``, ``workspace``, ``toolkit``), an
         optional human name and free-form metadata.
     image: a name for an ordered list of layer digests, bottom first.
+    owner: who an image or a layer belongs to: an API key's owner id (``k<16 hex>``), or
+        :data:`SYSTEM` (``""``) for built-in images and images the operator published.
+
+Ownership (many tenants share one node's store):
+
+* An image name belongs to one owner. Each owner sees its own images and the system ones;
+  its own name wins where both exist. A key can never create or replace an image under a
+  system name (``Conflict``), nor see another owner's image (``ImageNotFound``), unless that
+  owner *shared* it on purpose (:meth:`LayerStore.share_image`); a shared image is then
+  named ``<owner>/<name>`` by everyone else, so it can never shadow a name of theirs.
+* Layer files are content-addressed and stored once, whoever made them, but a digest is
+  only usable by owners that were *granted* it (table ``layer_grants``): the owner of an
+  image gets its layers, a build, pull or snapshot grants its layers to the caller, and
+  system images grant theirs to everyone. Naming another owner's layer by digest gives
+  ``LayerNotFound``, exactly as for a digest that does not exist.
 
 Layout on disk (``root`` is ``$DSEC_HOME/layers``, ``scratch`` is ``$DSEC_HOME/images``)::
 
@@ -49,12 +64,21 @@ import sqlite3
 import stat
 import tarfile
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, get_args
 
-from dsec.errors import ImageNotFound, InvalidRequest, LayerNotFound, SandboxError
+from dsec.errors import (
+    Conflict,
+    ImageNotFound,
+    ImageNotReady,
+    InvalidRequest,
+    LayerNotFound,
+    PayloadTooLarge,
+    SandboxError,
+)
 from dsec.layers import builtin
 from dsec.layers.blobstore import open_blob_store
 from dsec.layers.erofs import is_erofs_file, mkfs_erofs
@@ -64,39 +88,62 @@ from dsec.layers.lazy import (
     DEFAULT_READAHEAD_CHUNKS,
     LazyServer,
 )
-from dsec.models import ImageInfo, LayerInfo, LayerKind
+from dsec.models import SYSTEM_OWNER, ImageInfo, LayerInfo, LayerKind
 from dsec.privileged.mount import mount_points, umount_quiet
 
-__all__ = ["DIGEST_RE", "LayerStore", "extract_tarball", "parse_digest"]
+__all__ = ["DIGEST_RE", "SYSTEM", "LayerStore", "extract_tarball", "parse_digest"]
 
 log = logging.getLogger(__name__)
 
 DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 _IMAGE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
+_OWNER_ID_RE = re.compile(r"^k[0-9a-f]{16}$")
+SYSTEM = SYSTEM_OWNER
+"""The owner of built-in images and of images the operator published: visible to every key,
+writable by none."""
 _LAYER_KINDS: tuple[str, ...] = get_args(LayerKind)
 _MAX_SYMLINK_HOPS = 40
-_SCHEMA = """
+_IMAGES_COLUMNS = """(
+    owner      TEXT NOT NULL DEFAULT '',
+    name       TEXT NOT NULL,
+    layers     TEXT NOT NULL,
+    size       INTEGER NOT NULL,
+    created_at TEXT NOT NULL,
+    meta       TEXT NOT NULL DEFAULT '{}',
+    shared     INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (owner, name)
+)"""
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS layers (
     digest     TEXT PRIMARY KEY,
     kind       TEXT NOT NULL,
     name       TEXT,
     size       INTEGER NOT NULL,
     created_at TEXT NOT NULL,
-    meta       TEXT NOT NULL DEFAULT '{}'
+    meta       TEXT NOT NULL DEFAULT '{{}}'
 );
 CREATE TABLE IF NOT EXISTS remote_layers (
     digest     TEXT PRIMARY KEY,
     source_url TEXT NOT NULL,
     size       INTEGER NOT NULL
 );
-CREATE TABLE IF NOT EXISTS images (
-    name       TEXT PRIMARY KEY,
-    layers     TEXT NOT NULL,
-    size       INTEGER NOT NULL,
-    created_at TEXT NOT NULL,
-    meta       TEXT NOT NULL DEFAULT '{}'
+CREATE TABLE IF NOT EXISTS images {_IMAGES_COLUMNS};
+CREATE TABLE IF NOT EXISTS layer_grants (
+    owner      TEXT NOT NULL,
+    digest     TEXT NOT NULL,
+    PRIMARY KEY (owner, digest)
 );
 """
+
+_MIGRATE_IMAGES_V1 = f"""
+CREATE TABLE images_v2 {_IMAGES_COLUMNS};
+INSERT INTO images_v2 (owner, name, layers, size, created_at, meta)
+    SELECT '', name, layers, size, created_at, meta FROM images;
+DROP TABLE images;
+ALTER TABLE images_v2 RENAME TO images;
+"""
+"""A store made before images had owners: its images become system images (the operator's;
+their names keep working for every key), and only their layers are granted to everyone."""
 
 
 def parse_digest(ref: str) -> str:
@@ -228,7 +275,13 @@ def _apply_meta(path: Path, member: tarfile.TarInfo, *, is_link: bool = False) -
     os.utime(path, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
 
 
-def extract_tarball(tar_path: Path, dest: Path) -> dict[str, int]:
+def extract_tarball(
+    tar_path: Path,
+    dest: Path,
+    *,
+    max_bytes: int | None = None,
+    max_members: int | None = None,
+) -> dict[str, int]:
     """Extract a (optionally gzip/bzip2/xz-compressed) tarball into ``dest``, safely.
 
     Keeps modes (including setuid and sticky bits), numeric owners (when running as root),
@@ -238,11 +291,16 @@ def extract_tarball(tar_path: Path, dest: Path) -> dict[str, int]:
     Character and block devices are skipped, except the 0:0 character device overlayfs uses
     as a whiteout. Later members replace earlier ones, as tar does.
 
+    ``max_bytes`` / ``max_members`` bound what an untrusted archive may unpack to (regular
+    file data, bytes; entries): a compressed archive can expand a thousandfold.
+
     Returns:
         Counts: ``members``, ``skipped_devices``, ``bytes`` (regular file data).
 
     Raises:
         InvalidRequest: not a readable tarball, or a member would escape ``dest``.
+        PayloadTooLarge: over ``max_bytes`` or ``max_members`` (what was unpacked stays in
+            ``dest`` for the caller to remove).
     """
     dest.mkdir(parents=True, exist_ok=True)
     counts = {"members": 0, "skipped_devices": 0, "bytes": 0}
@@ -257,6 +315,17 @@ def extract_tarball(tar_path: Path, dest: Path) -> dict[str, int]:
         try:
             for member in tf:
                 counts["members"] += 1
+                if max_members is not None and counts["members"] > max_members:
+                    raise PayloadTooLarge(
+                        f"the archive has more than {max_members} entries",
+                        limit_entries=max_members,
+                    )
+                if member.isreg() and max_bytes is not None:
+                    if counts["bytes"] + member.size > max_bytes:
+                        raise PayloadTooLarge(
+                            f"the archive unpacks to more than {max_bytes} bytes",
+                            limit_bytes=max_bytes,
+                        )
                 parts = _member_parts(member.name, tar_path)
                 if not parts:  # "./": the root directory itself
                     if member.isdir():
@@ -368,6 +437,9 @@ class LayerStore:
             d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._inflight: dict[str, concurrent.futures.Future[ImageInfo]] = {}
+        self._progress: dict[str, tuple[str, float]] = {}  # built-in -> (phase, started at)
+        self._failed: dict[str, str] = {}  # built-in -> why its last build failed
+        self._queued: set[str] = set()  # built-ins waiting for prebuild_builtins
         self._store_lock_fd = os.open(
             self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
         )
@@ -378,8 +450,8 @@ class LayerStore:
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
         with self._process_lock():
+            self._migrate()
             self._clean_stale_builds()
             self._reconcile_blobs()
         if os.environ.get("DSEC_LAZY_PRESTART") == "1":
@@ -406,6 +478,20 @@ class LayerStore:
                 yield
             finally:
                 fcntl.flock(self._store_lock_fd, fcntl.LOCK_UN)
+
+    def _migrate(self) -> None:
+        """Create the tables; bring a store of an older dsec up to date (see
+        :data:`_MIGRATE_IMAGES_V1`). Runs under the process lock."""
+        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(images)")}
+        if columns and "owner" not in columns:
+            self._db.executescript(f"BEGIN IMMEDIATE;{_MIGRATE_IMAGES_V1}COMMIT;")
+            self._db.executescript(_SCHEMA)
+            with self._db:
+                for row in self._db.execute("SELECT layers FROM images").fetchall():
+                    self._grant(SYSTEM, json.loads(row["layers"]))
+            log.warning("layer store: images of an older dsec are now system images")
+        else:
+            self._db.executescript(_SCHEMA)
 
     def _build_is_live(self, build_id: str) -> bool:
         """True if some process holds ``tmp/<build_id>.lock``."""
@@ -796,65 +882,193 @@ class LayerStore:
         ``prefetched_chunks``, ``cached_fraction``. Empty when the server is not running."""
         return self._lazy_server().stats()
 
+    # --- ownership -----------------------------------------------------------------------
+
+    def _grant(self, owner: str, digests: list[str]) -> None:
+        """Let ``owner`` use ``digests`` by digest (idempotent). Caller holds ``_lock``."""
+        self._db.executemany(
+            "INSERT OR IGNORE INTO layer_grants (owner, digest) VALUES (?, ?)",
+            [(owner, d) for d in dict.fromkeys(digests)],
+        )
+
+    def grant_layers(self, owner: str, digests: list[str]) -> None:
+        """Let ``owner`` name ``digests`` (known layers) in its sandboxes and images: a
+        snapshot grants its layer to the sandbox's owner, a migration the moved layers."""
+        for d in digests:
+            parse_digest(d)
+        with self._lock:
+            self._grant(owner, list(digests))
+
+    def layer_visible(self, digest: str, owner: str) -> bool:
+        """Whether ``owner`` may use the layer ``digest`` (granted to it or to everyone).
+        :data:`SYSTEM` (the node itself, the operator) may use every layer it has."""
+        if owner == SYSTEM:
+            with self._lock:
+                row = self._db.execute("SELECT 1 FROM layers WHERE digest = ?", (digest,))
+                return row.fetchone() is not None
+        with self._lock:
+            row = self._db.execute(
+                "SELECT 1 FROM layer_grants WHERE digest = ? AND owner IN (?, ?) LIMIT 1",
+                (digest, owner, SYSTEM),
+            ).fetchone()
+        return row is not None
+
+    def get_owned_layer(self, digest: str, owner: str) -> LayerInfo:
+        """:meth:`get_layer` as ``owner`` sees it: a layer it was not granted is
+        ``LayerNotFound``, exactly like one that does not exist."""
+        info = self.get_layer(digest)
+        if not self.layer_visible(digest, owner):
+            raise LayerNotFound(f"no layer {digest}", digest=digest)
+        return info
+
+    def list_owned_layers(self, owner: str) -> list[LayerInfo]:
+        """The layers ``owner`` may use (its own grants and the system's), oldest first."""
+        if owner == SYSTEM:
+            return self.list_layers()
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM layers WHERE digest IN "
+                "(SELECT digest FROM layer_grants WHERE owner IN (?, ?)) "
+                "ORDER BY created_at, digest",
+                (owner, SYSTEM),
+            ).fetchall()
+        return [self._row_to_layer(r) for r in rows]
+
     # --- images --------------------------------------------------------------------------
 
     def _row_to_image(self, row: sqlite3.Row) -> ImageInfo:
+        owner = row["owner"]
         return ImageInfo(
             name=row["name"],
             layers=json.loads(row["layers"]),
             size=row["size"],
             created_at=datetime.fromisoformat(row["created_at"]),
             meta=json.loads(row["meta"]),
+            owner="system" if owner == SYSTEM else owner,
+            shared=bool(row["shared"]),
         )
 
+    def _system_name(self, name: str) -> bool:
+        """Whether ``name`` is a system image's (stored, or a built-in not yet built)."""
+        if name in builtin.BUILTIN_IMAGES:
+            return True
+        with self._lock:
+            row = self._db.execute(
+                "SELECT 1 FROM images WHERE owner = ? AND name = ?", (SYSTEM, name)
+            ).fetchone()
+        return row is not None
+
+    def check_name_free(self, name: str, owner: str) -> None:
+        """Raise ``Conflict`` if ``owner`` (a key) may not name an image ``name``: a system
+        image's name (stored or built in) is read-only to keys; ``InvalidRequest`` for a
+        malformed name."""
+        self._check_image_name(name)
+        if owner != SYSTEM and self._system_name(name):
+            raise Conflict(
+                f"{name!r} is a system image (built in or published by the operator); "
+                "keys cannot replace it: choose another name",
+                name=name,
+            )
+
+    @staticmethod
+    def _check_image_name(name: str) -> None:
+        if (
+            not isinstance(name, str)
+            or not _IMAGE_NAME_RE.match(name)
+            or name.startswith("sha256:")
+        ):
+            raise InvalidRequest(
+                f"invalid image name {name!r}: [a-z0-9][a-z0-9._-]* with an optional :tag",
+                name=name,
+            )
+
     def put_image(
-        self, name: str, layers: list[str], *, meta: dict[str, Any] | None = None
+        self,
+        name: str,
+        layers: list[str],
+        *,
+        meta: dict[str, Any] | None = None,
+        owner: str = SYSTEM,
     ) -> ImageInfo:
-        """Create or replace the image ``name`` = ``layers`` (digests, bottom first).
+        """Create or replace ``owner``'s image ``name`` = ``layers`` (digests, bottom first)
+        and grant its layers to ``owner``. The caller has checked that ``owner`` may use
+        the layers (:meth:`resolve_layers`).
 
         Raises:
             InvalidRequest: bad name (``[a-z0-9][a-z0-9._-]*`` with optional ``:tag``, not
                 ``sha256:...``), empty or malformed layer list.
+            Conflict: a key (not :data:`SYSTEM`) names a system image.
             LayerNotFound: a digest is not in the store.
         """
-        if not _IMAGE_NAME_RE.match(name) or name.startswith("sha256:"):
-            raise InvalidRequest(f"invalid image name {name!r}", name=name)
+        self.check_name_free(name, owner)
         if not layers:
             raise InvalidRequest("an image needs at least one layer", name=name)
         infos = [self.get_layer(d) for d in layers]
         size = sum({i.digest: i.size for i in infos}.values())
         created = _now()
+        meta = meta or {}
         with self._lock:
+            shared_row = self._db.execute(
+                "SELECT shared FROM images WHERE owner = ? AND name = ?", (owner, name)
+            ).fetchone()
             self._db.execute(
-                "INSERT OR REPLACE INTO images (name, layers, size, created_at, meta) "
-                "VALUES (?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO images "
+                "(owner, name, layers, size, created_at, meta, shared) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
+                    owner,
                     name,
                     json.dumps(list(layers)),
                     size,
                     created.isoformat(),
-                    json.dumps(meta or {}, sort_keys=True, default=str),
+                    json.dumps(meta, sort_keys=True, default=str),
+                    int(shared_row["shared"]) if shared_row is not None else 0,
                 ),
             )
-        return ImageInfo(
-            name=name, layers=list(layers), size=size, created_at=created, meta=meta or {}
-        )
+            self._grant(owner, list(layers))
+        return self.get_image(name, owner)
 
-    def _known_names(self) -> list[str]:
+    def _known_names(self, owner: str) -> list[str]:
         with self._lock:
-            stored = [r["name"] for r in self._db.execute("SELECT name FROM images").fetchall()]
+            stored = [
+                r["name"]
+                for r in self._db.execute(
+                    "SELECT name FROM images WHERE owner IN (?, ?)", (owner, SYSTEM)
+                ).fetchall()
+            ]
         return sorted(set(stored) | set(builtin.BUILTIN_IMAGES))
 
-    def get_image(self, ref: str) -> ImageInfo:
-        """An image by name. ``sha256:<hex>`` names a single layer and gives a one-layer image.
+    def _find_image(self, ref: str, owner: str) -> sqlite3.Row | None:
+        """The row ``owner`` means by ``ref``: its own image, else the system's, else (for
+        ``<owner id>/<name>``) another owner's image that is shared."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM images WHERE name = ? AND owner IN (?, ?) "
+                "ORDER BY owner = ? DESC LIMIT 1",
+                (ref, owner, SYSTEM, owner),
+            ).fetchone()
+            if row is not None:
+                return row
+            other, sep, name = ref.partition("/")
+            if sep and _OWNER_ID_RE.match(other):
+                return self._db.execute(
+                    "SELECT * FROM images WHERE owner = ? AND name = ? AND (shared = 1 OR owner = ?)",
+                    (other, name, owner),
+                ).fetchone()
+        return None
+
+    def get_image(self, ref: str, owner: str = SYSTEM) -> ImageInfo:
+        """The image ``owner`` means by ``ref`` (see the module docstring: its own, then the
+        system's, then ``<owner id>/<name>`` of a shared image). ``sha256:<hex>`` names a
+        single layer ``owner`` may use and gives a one-layer image.
 
         Raises:
-            ImageNotFound: no such image (built-ins not yet built included: see
-                :meth:`ensure_image`), or no such layer for a digest.
+            ImageNotFound: no such image visible to ``owner`` (built-ins not yet built
+                included: see :meth:`ensure_image`), or no such layer for a digest.
         """
         if ref.startswith("sha256:"):
             try:
-                layer = self.get_layer(ref)
+                layer = self.get_owned_layer(ref, owner)
             except LayerNotFound as e:
                 raise ImageNotFound(f"no image or layer {ref}", image=ref) from e
             return ImageInfo(
@@ -864,40 +1078,70 @@ class LayerStore:
                 created_at=layer.created_at,
                 meta={"layer": True},
             )
-        with self._lock:
-            row = self._db.execute("SELECT * FROM images WHERE name = ?", (ref,)).fetchone()
+        row = self._find_image(ref, owner)
         if row is None:
             raise ImageNotFound(f"no image {ref!r}", image=ref)
         return self._row_to_image(row)
 
-    def list_images(self) -> list[ImageInfo]:
-        """All stored images, by name."""
+    def list_images(self, owner: str | None = None) -> list[ImageInfo]:
+        """The images ``owner`` sees (its own and the system's), by name; every stored
+        image when ``owner`` is None (the node's own view)."""
         with self._lock:
-            rows = self._db.execute("SELECT * FROM images ORDER BY name").fetchall()
-        return [self._row_to_image(r) for r in rows]
+            if owner is None:
+                rows = self._db.execute("SELECT * FROM images ORDER BY name, owner").fetchall()
+            else:
+                rows = self._db.execute(
+                    "SELECT * FROM images WHERE owner IN (?, ?) ORDER BY name, owner = ? DESC",
+                    (owner, SYSTEM, owner),
+                ).fetchall()
+        out: dict[tuple[str, str], ImageInfo] = {}
+        for r in rows:  # for one owner, its own image hides a system one of the same name
+            key = (r["name"], r["owner"] if owner is None else "")
+            out.setdefault(key, self._row_to_image(r))
+        return list(out.values())
 
-    def remove_image(self, name: str) -> None:
-        """Forget an image (its layers stay). Raises ImageNotFound."""
+    def remove_image(self, name: str, owner: str = SYSTEM) -> None:
+        """Forget ``owner``'s image ``name`` (its layers stay). Raises ImageNotFound, also
+        for a system image asked by a key (keys cannot remove those)."""
         with self._lock:
-            cur = self._db.execute("DELETE FROM images WHERE name = ?", (name,))
+            cur = self._db.execute("DELETE FROM images WHERE owner = ? AND name = ?", (owner, name))
         if cur.rowcount == 0:
+            if owner != SYSTEM and self._system_name(name):
+                raise Conflict(f"{name!r} is a system image: keys cannot remove it", name=name)
             raise ImageNotFound(f"no image {name!r}", image=name)
 
-    def resolve_layers(self, refs: list[str]) -> list[LayerInfo]:
-        """Expand refs (``sha256:<hex>`` layers or image names) into layers, bottom first.
+    def share_image(self, name: str, owner: str, shared: bool) -> ImageInfo:
+        """Make ``owner``'s image ``name`` usable by every key as ``<owner>/<name>``
+        (``shared=False`` takes that back). Raises ImageNotFound."""
+        if owner == SYSTEM:
+            raise InvalidRequest("system images are visible to every key already")
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE images SET shared = ? WHERE owner = ? AND name = ?",
+                (int(shared), owner, name),
+            )
+        if cur.rowcount == 0:
+            raise ImageNotFound(f"no image {name!r}", image=name)
+        return self.get_image(name, owner)
+
+    def resolve_layers(self, refs: list[str], owner: str = SYSTEM) -> list[LayerInfo]:
+        """Expand refs (``sha256:<hex>`` layers or image names, as ``owner`` sees them) into
+        layers, bottom first.
 
         A layer that appears more than once is kept only at its topmost position (the lower
         copies are shadowed by it anyway, and overlayfs refuses the same lower twice).
 
         Raises:
-            LayerNotFound: a digest is unknown. ImageNotFound: a name is unknown.
+            LayerNotFound: a digest is unknown or not granted to ``owner``. ImageNotFound: a
+                name is unknown to ``owner``.
         """
         digests: list[str] = []
         for ref in refs:
             if ref.startswith("sha256:"):
+                self.get_owned_layer(ref, owner)
                 digests.append(ref)
             else:
-                digests.extend(self.get_image(ref).layers)
+                digests.extend(self.get_image(ref, owner).layers)
         last_index = {d: i for i, d in enumerate(digests)}
         return [self.get_layer(d) for i, d in enumerate(digests) if last_index[d] == i]
 
@@ -907,14 +1151,77 @@ class LayerStore:
         with contextlib.suppress(ImageNotFound):
             return self.get_image(name)  # another process or thread finished it meanwhile
         recipe = builtin.BUILTIN_IMAGES[name]
+        started = time.monotonic()
         with self._build_slot() as build_id:
             tree = self.scratch / f"layer-{build_id}" / "rootfs"
             tree.mkdir(parents=True)
+            self._set_progress(name, "building its root filesystem")
             recipe.build_rootfs(tree)
             meta = {**recipe.meta, "builtin": name}
+            self._set_progress(name, "making the EROFS layer")
             layer = self.build_layer(tree, recipe.kind, name=name, meta=meta)
-        log.info("built image %s: %s (%d bytes)", name, layer.digest, layer.size)
+        log.info(
+            "built image %s in %.1f s: %s (%d bytes)",
+            name,
+            time.monotonic() - started,
+            layer.digest,
+            layer.size,
+        )
         return self.put_image(name, [layer.digest], meta=meta)
+
+    def _set_progress(self, name: str, phase: str) -> None:
+        with self._lock:
+            started = self._progress.get(name, (phase, time.time()))[1]
+            self._progress[name] = (phase, started)
+        log.info("image %s: %s", name, phase)
+
+    def builtin_status(self, name: str) -> tuple[str, str, float] | None:
+        """For a built-in image not yet stored: ``(status, phase, seconds)``, where status is
+        ``building`` (``phase`` says what it does, for ``seconds`` so far), ``queued`` or
+        ``failed`` (``phase``: the error). None for a stored image or an unknown name."""
+        if name not in builtin.BUILTIN_IMAGES:
+            return None
+        with self._lock:
+            if name in self._inflight:
+                phase, since = self._progress.get(name, ("starting", time.time()))
+                return "building", phase, time.time() - since
+            failed = self._failed.get(name)
+            queued = name in self._queued
+        if self._find_image(name, SYSTEM) is not None:
+            return None
+        if queued:
+            return "queued", "waiting for the images ahead of it", 0.0
+        if failed is not None:
+            return "failed", failed, 0.0
+        return "queued", "built on first use", 0.0
+
+    def prebuild_builtins(self, names: list[str] | None = None) -> threading.Thread | None:
+        """Build the built-in images that are not stored yet, one after the other, in a
+        background thread (``dsec serve`` calls this at start so that no request waits for a
+        build). Progress goes to the log and to :meth:`builtin_status`. Returns the thread,
+        or None when nothing is missing."""
+        missing = [
+            n
+            for n in (names if names is not None else list(builtin.BUILTIN_IMAGES))
+            if n in builtin.BUILTIN_IMAGES and self._find_image(n, SYSTEM) is None
+        ]
+        if not missing:
+            return None
+        with self._lock:
+            self._queued.update(missing)
+
+        def run() -> None:
+            for name in missing:
+                with self._lock:
+                    self._queued.discard(name)
+                try:
+                    self.ensure_image_sync(name)
+                except Exception as e:  # the next request for it tries again
+                    log.error("building built-in image %s failed: %s", name, e)
+
+        thread = threading.Thread(target=run, name="dsec-prebuild", daemon=True)
+        thread.start()
+        return thread
 
     def _claim_builtin(self, name: str) -> tuple[concurrent.futures.Future[ImageInfo], bool]:
         """The in-flight build of ``name`` and whether the caller must run it (single-flight)."""
@@ -925,6 +1232,8 @@ class LayerStore:
             fut = concurrent.futures.Future()
             fut.set_running_or_notify_cancel()  # a waiter's cancel() can no longer cancel it
             self._inflight[name] = fut
+            self._progress[name] = ("starting", time.time())
+            self._failed.pop(name, None)
             return fut, True
 
     def _run_builtin(self, name: str, fut: concurrent.futures.Future[ImageInfo]) -> None:
@@ -935,20 +1244,23 @@ class LayerStore:
         except BaseException as e:
             with self._lock:
                 self._inflight.pop(name, None)
+                self._progress.pop(name, None)
+                self._failed[name] = str(getattr(e, "message", e))[:500]
             fut.set_exception(e)
         else:
             with self._lock:
                 self._inflight.pop(name, None)
+                self._progress.pop(name, None)
             fut.set_result(image)
 
     def _lookup_or_claim(
-        self, name: str
+        self, name: str, owner: str
     ) -> tuple[ImageInfo | None, concurrent.futures.Future[ImageInfo] | None, bool]:
         try:
-            return self.get_image(name), None, False
+            return self.get_image(name, owner), None, False
         except ImageNotFound:
             if name not in builtin.BUILTIN_IMAGES:
-                known = self._known_names()
+                known = self._known_names(owner)
                 raise ImageNotFound(
                     f"no image {name!r}; known images: {', '.join(known) or '(none)'}",
                     image=name,
@@ -957,18 +1269,26 @@ class LayerStore:
         fut, leader = self._claim_builtin(name)
         return None, fut, leader
 
-    async def ensure_image(self, name: str) -> ImageInfo:
-        """The image ``name``, building a built-in (``busybox``, ``debian``) on first use.
+    async def ensure_image(
+        self, name: str, owner: str = SYSTEM, *, wait_s: float | None = None
+    ) -> ImageInfo:
+        """The image ``name`` as ``owner`` sees it, building a built-in (``busybox``,
+        ``debian``) on first use.
 
         Concurrent callers of the same name share one build (single-flight), which runs in a
         worker thread, so the event loop stays responsive. Cancelling a waiter does not cancel
         the build. ``sha256:<hex>`` refs work as in :meth:`get_image`.
 
+        Args:
+            wait_s: longest wait for a built-in still being built, seconds (None: until it
+                is done); past it ``ImageNotReady`` (retryable) says how far it got.
+
         Raises:
             ImageNotFound: unknown name (the message and ``details['known']`` list the names).
+            ImageNotReady: the build did not finish within ``wait_s``.
             SandboxError: the build failed (the next call tries again).
         """
-        image, fut, leader = self._lookup_or_claim(name)
+        image, fut, leader = self._lookup_or_claim(name, owner)
         if image is not None:
             return image
         assert fut is not None
@@ -976,11 +1296,23 @@ class LayerStore:
             threading.Thread(
                 target=self._run_builtin, args=(name, fut), name=f"dsec-build-{name}", daemon=True
             ).start()
-        return await asyncio.wrap_future(fut)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), wait_s)
+        except TimeoutError:
+            status = self.builtin_status(name)
+            phase, seconds = (status[1], status[2]) if status is not None else ("building", 0.0)
+            raise ImageNotReady(
+                f"image {name!r} is being built ({phase}, {seconds:.0f} s so far); "
+                "retry in a few seconds",
+                image=name,
+                phase=phase,
+                elapsed_s=round(seconds, 1),
+                retry_after_s=5,
+            ) from None
 
-    def ensure_image_sync(self, name: str) -> ImageInfo:
+    def ensure_image_sync(self, name: str, owner: str = SYSTEM) -> ImageInfo:
         """Blocking :meth:`ensure_image`, sharing its single-flight builds (for sync callers)."""
-        image, fut, leader = self._lookup_or_claim(name)
+        image, fut, leader = self._lookup_or_claim(name, owner)
         if image is not None:
             return image
         assert fut is not None
@@ -989,19 +1321,27 @@ class LayerStore:
         return fut.result()
 
     def build_image(
-        self, source: Path, name: str, kind: LayerKind = "workspace", base: str | None = None
+        self,
+        source: Path,
+        name: str,
+        kind: LayerKind = "workspace",
+        base: str | None = None,
+        *,
+        owner: str = SYSTEM,
+        meta: dict[str, Any] | None = None,
     ) -> ImageInfo:
-        """Build one layer from ``source`` (dir or tarball) and record the image ``name`` as
-        ``base``'s layers + that layer (or just that layer). A built-in ``base`` is built first
-        if needed. This is ``dsec image build PATH --name N --kind K [--base B]``.
+        """Build one layer from ``source`` (a directory or tarball on this machine) and record
+        ``owner``'s image ``name`` as ``base``'s layers (as ``owner`` sees ``base``) + that
+        layer. A built-in ``base`` is built first if needed. The local CLI's
+        ``dsec image build PATH --system`` (the operator) and API builds (an uploaded
+        context, extracted by the edge) end here.
 
         Raises:
-            InvalidRequest, ImageNotFound (``base``), SandboxError.
+            InvalidRequest, ImageNotFound (``base``), Conflict (a system name), SandboxError.
         """
-        if not _IMAGE_NAME_RE.match(name) or name.startswith("sha256:"):
-            raise InvalidRequest(f"invalid image name {name!r}", name=name)
-        base_layers = self.ensure_image_sync(base).layers if base is not None else []
-        layer = self.build_layer(Path(source), kind, name=name, meta={"source": str(source)})
+        self.check_name_free(name, owner)
+        base_layers = self.ensure_image_sync(base, owner).layers if base is not None else []
+        layer = self.build_layer(Path(source), kind, name=name, meta=meta or {})
         layers = [d for d in base_layers if d != layer.digest] + [layer.digest]
-        meta: dict[str, Any] = {"base": base} if base is not None else {}
-        return self.put_image(name, layers, meta=meta)
+        image_meta: dict[str, Any] = {"base": base} if base is not None else {}
+        return self.put_image(name, layers, meta=image_meta, owner=owner)

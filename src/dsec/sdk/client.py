@@ -10,7 +10,10 @@ many sandboxes (``AsyncSandbox.create(client=c)``) to share a connection pool::
 
 from __future__ import annotations
 
+import asyncio
 import builtins
+import os
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote
@@ -30,6 +33,7 @@ from dsec.models import (
     SandboxInfo,
 )
 from dsec.sdk._http import DEFAULT_TIMEOUT_S, HttpClient
+from dsec.sdk._tar import build_context
 
 __all__ = ["AsyncClient"]
 
@@ -82,7 +86,8 @@ class AsyncClient:
         return _CAPS.validate_python(r.json()["tiers"])
 
     async def list_images(self) -> builtins.list[ImageInfo]:
-        """Every image in the node's layer store."""
+        """This key's images and the system's (built-in images not built yet show their
+        ``status``: ``queued``, ``building`` or ``failed``)."""
         r = await self._http.request("GET", "/v1/images")
         return _IMAGES.validate_python(r.json()["images"])
 
@@ -91,32 +96,59 @@ class AsyncClient:
         r = await self._http.request("GET", f"/v1/images/{quote(name, safe=':')}")
         return ImageInfo.model_validate(r.json())
 
+    async def delete_image(self, name: str, *, system: bool = False) -> None:
+        """Forget one of this key's images (``system``: a system image; the operator's key
+        only). Its layers stay while sandboxes use them. Raises ``ImageNotFound``."""
+        await self._http.request(
+            "DELETE", f"/v1/images/{quote(name, safe=':')}", params={"system": system}
+        )
+
+    async def share_image(self, name: str, shared: bool = True) -> ImageInfo:
+        """Let every key use this key's image ``name`` as ``<owner>/<name>``
+        (``shared=False`` takes it back); the answer's ``owner`` is the prefix to use."""
+        r = await self._http.request(
+            "PATCH", f"/v1/images/{quote(name, safe=':')}", json={"shared": shared}
+        )
+        return ImageInfo.model_validate(r.json())
+
     async def list_layers(self) -> builtins.list[LayerInfo]:
-        """Every layer in the node's layer store."""
+        """The layers this key may name by digest (its images', snapshots', builds' and the
+        system's)."""
         r = await self._http.request("GET", "/v1/layers")
         return _LAYERS.validate_python(r.json()["layers"])
 
     async def build_image(
         self,
-        path: str,
+        path: str | os.PathLike[str],
         name: str,
         kind: str = "workspace",
         base: str | None = None,
         *,
+        system: bool = False,
         timeout: float = BUILD_TIMEOUT_S,
     ) -> ImageInfo:
-        """Build an image from a directory or tarball at ``path`` *on the server*.
+        """Build an image from a *local* directory or tar archive: ``path`` is packed here
+        and uploaded as the build context; its files become one layer on top of ``base``.
 
         Args:
-            path: directory or tarball on the server's filesystem.
-            name: image name (``name[:tag]``).
+            path: a directory or a tar archive (plain, gzip, bzip2 or xz) on this machine.
+            name: image name (``name[:tag]``); it belongs to this key.
             kind: ``base``, ``workspace`` or ``toolkit``.
             base: image to stack the new layer on.
+            system: publish as a system image, visible to every key (the operator's key
+                only; ``PermissionDenied`` otherwise).
             timeout: how long to wait, seconds.
         """
-        req = _validated(BuildImageRequest, path=path, name=name, kind=kind, base=base)
+        req = _validated(BuildImageRequest, name=name, kind=kind, base=base, system=system)
+        context = await asyncio.to_thread(build_context, Path(path))
+        params = {k: v for k, v in req.model_dump(mode="json").items() if v is not None}
         r = await self._http.request(
-            "POST", "/v1/images/build", json=req.model_dump(mode="json"), timeout=timeout
+            "POST",
+            "/v1/images/build",
+            params=params,
+            content=context,
+            headers={"content-type": "application/x-tar"},
+            timeout=timeout,
         )
         return ImageInfo.model_validate(r.json())
 
@@ -126,19 +158,22 @@ class AsyncClient:
         name: str | None = None,
         *,
         lazy: bool = False,
+        system: bool = False,
         timeout: float = BUILD_TIMEOUT_S,
     ) -> ImageInfo:
         """Pull ``ref`` (``[registry/]repo[:tag][@sha256:...]`` or ``oci://HOST/REPO:TAG``)
-        from an OCI / Docker v2 registry into the server's layer store; returns the new image.
+        from an OCI / Docker v2 registry into the server's layer store; returns the new image,
+        which belongs to this key (``system``: a system image, the operator's key only).
 
         Args:
             ref: the image reference.
             name: name[:tag] in the store (default: derived from the reference).
             lazy: for an image pushed with :meth:`push_image`: record its layers as remote
                 and fetch their data on first read (the first start reads only what it needs).
+            system: store it as a system image (operator only).
             timeout: how long to wait, seconds.
         """
-        req = _validated(PullImageRequest, ref=ref, name=name, lazy=lazy)
+        req = _validated(PullImageRequest, ref=ref, name=name, lazy=lazy, system=system)
         r = await self._http.request(
             "POST", "/v1/images/pull", json=req.model_dump(mode="json"), timeout=timeout
         )

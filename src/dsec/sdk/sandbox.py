@@ -68,6 +68,7 @@ from dsec.edge.trajectory import canonical_digest  # the edge's request digest, 
 from dsec.errors import (
     DsecError,
     FileNotFound,
+    ImageNotReady,
     InvalidRequest,
     OutcomeUnknown,
     SandboxNotFound,
@@ -97,6 +98,7 @@ from dsec.models import (
 )
 from dsec.network.policy import NetworkPolicy
 from dsec.sdk._http import IDEMPOTENCY_HEADER, SEQ_HEADER, not_delivered
+from dsec.sdk._tar import tar_directory
 from dsec.sdk.client import AsyncClient, _validated
 
 if TYPE_CHECKING:
@@ -402,7 +404,7 @@ class AsyncFiles:
         Returns the number of entries the server wrote.
         """
         _check_path(remote_path)
-        data = await asyncio.to_thread(_tar_directory, Path(local_dir))
+        data = await asyncio.to_thread(tar_directory, Path(local_dir))
         r = await self._changing(
             "PUT",
             "/files/tar",
@@ -594,7 +596,7 @@ class AsyncSandbox:
         )
         conn, owned = cls._client_for(client, url, api_key, transport)
         body = req.model_dump(mode="json")  # keep an explicit ttl_s=None
-        r = await conn._http.request("POST", "/v1/sandboxes", json=body, timeout=timeout)
+        r = await _post_waiting_for_image(conn, "/v1/sandboxes", body, timeout)
         return cls(SandboxInfo.model_validate(r.json()), conn, owns_client=owned)
 
     @staticmethod
@@ -1083,27 +1085,31 @@ def _dump(model: Any) -> Any:
     return model.model_dump(mode="json", exclude_none=True)
 
 
+async def _post_waiting_for_image(
+    conn: AsyncClient, path: str, body: dict[str, Any], timeout: float
+) -> httpx.Response:
+    """POST a creation, and while the server answers ``ImageNotReady`` (a built-in image
+    still being built on a node that just started) retry after the delay it asks for, until
+    ``timeout`` seconds have passed in all; then the last ``ImageNotReady`` is raised."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        left = deadline - loop.time()
+        try:
+            return await conn._http.request("POST", path, json=body, timeout=max(left, 1.0))
+        except ImageNotReady as e:
+            delay = float(e.details.get("retry_after_s") or 5)
+            if loop.time() + delay >= deadline:
+                raise
+            await asyncio.sleep(delay)
+
+
 def _check_path(path: str) -> None:
     """The apiserver's path rule, checked before a sequence number is taken."""
     if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
         raise InvalidRequest(f"path must be an absolute path without NUL: {path!r}", path=path)
     if len(path) > _PATH_MAX:
         raise InvalidRequest(f"path is longer than {_PATH_MAX} characters", path=path[:64])
-
-
-def _tar_directory(root: Path) -> bytes:
-    if not root.is_dir():
-        raise InvalidRequest(f"not a local directory: {root}", path=str(root))
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames.sort()
-            for name in [*sorted(dirnames), *sorted(filenames)]:
-                full = Path(dirpath) / name
-                rel = full.relative_to(root).as_posix()
-                if full.is_symlink() or full.is_file() or full.is_dir():
-                    tar.add(full, arcname=rel, recursive=False)
-    return buf.getvalue()
 
 
 _PATH_MAX = 4096  # bytes of a path the kernel accepts, with its NUL
