@@ -15,6 +15,7 @@ import pytest
 
 from dsec import Client, Sandbox
 from dsec.errors import InvalidRequest
+from dsec.models import SYSTEM_OWNER
 from dsec.privileged.mount import mount_points
 
 pytestmark = [
@@ -40,7 +41,9 @@ def _layer(srv: Any, tmp_path: Path, name: str, kind: str, meta: dict[str, Any])
     tree = tmp_path / name
     tree.mkdir()
     (tree / f"{name}.txt").write_text(f"{name}\n")
-    return str(srv.edge.layers.build_layer(tree, kind, name=name, meta=meta).digest)
+    digest = srv.edge.layers.build_layer(tree, kind, name=name, meta=meta).digest
+    srv.edge.layers.grant_layers(SYSTEM_OWNER, [digest])  # published by the operator
+    return str(digest)
 
 
 def test_good_stack_runs(server: Any, tmp_path: Path) -> None:
