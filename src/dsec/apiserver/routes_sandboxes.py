@@ -66,6 +66,7 @@ from dsec.models import (
     SnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
+from dsec.serverpaths import scrub_server_paths
 
 __all__ = ["UPLOAD_ROUTES", "NetworkStats", "Sequencing", "router", "sequencing"]
 
@@ -165,7 +166,12 @@ async def create_sandbox(req: CreateSandboxRequest, edge: Edge, owner: Owner) ->
     "``all_or_nothing`` a failure kills what was made and answers that failure's error.",
 )
 async def create_sandboxes(req: BatchCreateRequest, edge: Edge, owner: Owner) -> BatchCreateResult:
-    return await edge.create_sandboxes(req.sandbox, req.n, owner, all_or_nothing=req.all_or_nothing)
+    result = await edge.create_sandboxes(
+        req.sandbox, req.n, owner, all_or_nothing=req.all_or_nothing
+    )
+    for item in result.errors:  # messages the edge copied from its errors: no server paths
+        item.message = scrub_server_paths(item.message)
+    return result
 
 
 @router.get("", response_model=SandboxList, summary="List this key's sandboxes")
@@ -322,7 +328,7 @@ async def list_files(
     path: PathQuery,
     edge: Edge,
     owner: Owner,
-    depth: Annotated[int, Query(ge=1, le=64)] = 1,
+    depth: Annotated[int, Query(ge=1, le=32, description="levels below path")] = 1,
 ) -> FileList:
     return FileList(entries=await edge.list_files(sandbox_id, owner, path, depth))
 
