@@ -326,3 +326,31 @@ async def test_e2b_refusals_are_json_never_500(client: httpx.AsyncClient) -> Non
     assert "GET" in r.headers["allow"]
     r = await client.request("OPTIONS", "/e2b/sandboxes", headers={"x-api-key": KEY})
     assert r.status_code == 405 and r.json()["code"] == 405, r.text
+
+
+def test_reasons_in_answers_hide_server_paths(hidden_home: str) -> None:
+    """A failed creation's ``stopped_reason`` and an unavailable tier's ``reason`` are
+    answers (200), not errors, and can quote a server path too."""
+    from datetime import UTC, datetime
+
+    from dsec.models import Capabilities, SandboxInfo
+
+    now = datetime.now(UTC)
+    info = SandboxInfo(
+        id="sb-x-1",
+        tier="container",
+        image="busybox",
+        state="stopped",
+        cpu=1,
+        memory_mb=64,
+        disk_mb=64,
+        node="x",
+        created_at=now,
+        updated_at=now,
+        stopped_reason=f"creation failed: [Errno 2] '{hidden_home}/sandboxes/sb-x-1/bundle'",
+    )
+    wire = info.model_dump_json()
+    assert hidden_home not in wire and "'$DSEC_HOME/sandboxes/sb-x-1/bundle'" in wire
+    assert info.stopped_reason is not None and hidden_home in info.stopped_reason  # the log's
+    caps = Capabilities(tier="microvm", available=False, reason=f"no kernel in {hidden_home}/vm")
+    assert caps.model_dump()["reason"] == "no kernel in $DSEC_HOME/vm"
