@@ -167,7 +167,7 @@ class ApiMiddleware:
         access_log: AccessLogMode = "text",
     ) -> None:
         self.app = app
-        self.access_log = access_log
+        self.access_mode = access_log
         self.keys = keys
         self.metrics = metrics
         self._table = [(compile_path(t)[0], t, m) for t, m in routes]
@@ -265,7 +265,7 @@ class ApiMiddleware:
                 self.metrics.error(str(code))
             served = _served_route(scope, entry_root) or route
             self.metrics.observe(method, served, status, elapsed)
-            if self.access_log != "off" and access_log.isEnabledFor(logging.INFO):
+            if self.access_mode != "off" and access_log.isEnabledFor(logging.INFO):
                 owner = state.get("owner")
                 access_log.info(
                     self._access_line(method, served, status, elapsed, owner, request_id)
@@ -282,7 +282,7 @@ class ApiMiddleware:
     ) -> str:
         ms = elapsed_s * 1000.0
         who = str(owner) if owner else None
-        if self.access_log == "json":
+        if self.access_mode == "json":
             now = datetime.now(UTC)
             return json.dumps(
                 {
