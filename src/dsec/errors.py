@@ -41,11 +41,19 @@ TimeoutError`` or ``except LookupError`` work as expected::
 
 ``Unsupported`` means a tier cannot do something at all (and its capability
 flag says so); ``SandboxError`` means it should have worked and did not.
+
+Server paths never reach a client: a server registers its state directories with
+:func:`dsec.serverpaths.hide_server_path` (``dsec serve`` registers ``$DSEC_HOME``), and every wire form
+of an error (:meth:`DsecError.to_wire`, :attr:`DsecError.public_message`) shows them as
+their placeholder (``$DSEC_HOME/sandboxes/sb-.../rootfs``). The exception itself keeps the
+real path for the server's log.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
+
+from dsec.serverpaths import scrub_server_paths
 
 __all__ = [
     "AuthenticationError",
@@ -99,9 +107,21 @@ class DsecError(Exception):
         self.message = message or self.code
         self.details: dict[str, Any] = details
 
+    @property
+    def public_message(self) -> str:
+        """``message`` as a client may see it (server paths hidden, see the module doc)."""
+        text: str = scrub_server_paths(self.message)
+        return text
+
     def to_wire(self) -> dict[str, Any]:
-        """The JSON body the apiserver sends for this error."""
-        return {"error": {"code": self.code, "message": self.message, "details": self.details}}
+        """The JSON body the apiserver sends for this error (server paths hidden)."""
+        return {
+            "error": {
+                "code": self.code,
+                "message": self.public_message,
+                "details": scrub_server_paths(self.details),
+            }
+        }
 
     def __reduce__(self) -> tuple[Any, ...]:  # survives pickling (Ray, multiprocessing)
         return (_rebuild, (type(self), self.message, self.details))

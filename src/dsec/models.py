@@ -19,9 +19,10 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from dsec.network.policy import NetworkPolicy
+from dsec.serverpaths import scrub_server_paths
 
 Tier = Literal["fncall", "container", "microvm", "vm"]
 TIERS: tuple[str, ...] = ("fncall", "container", "microvm", "vm")
@@ -174,6 +175,11 @@ class SandboxInfo(_Model):
     last_pause: PauseReport | None = None
     next_seq: int = Field(1, description="the trajectory sequence number the edge expects next")
     network: NetworkPolicy | None = None
+
+    @field_serializer("stopped_reason")
+    def _public_reason(self, reason: str | None) -> str | None:
+        """A failed creation's reason can name server paths: shown as ``$DSEC_HOME/...``."""
+        return scrub_server_paths(reason)
 
 
 class PauseReport(_Model):
@@ -509,6 +515,11 @@ class Capabilities(_Model):
     memory_fork: bool = Field(False, description="fork with memory=True (running processes)")
     max_cpu: float | None = None
     max_memory_mb: int | None = None
+
+    @field_serializer("reason")
+    def _public_reason(self, reason: str | None) -> str | None:
+        """Why a tier is unavailable can name server paths: shown as ``$DSEC_HOME/...``."""
+        return scrub_server_paths(reason)
 
 
 class NodeInfo(_Model):

@@ -148,7 +148,7 @@ def build_app(edge: Any, keys: Any) -> Any:
         from dsec.apiserver.routes_runcode import make_runcode_router, request_api_key
         from dsec.runtimes.fncall.service import RunCodeService
 
-        service = RunCodeService(fncall)
+        service = RunCodeService(fncall, pod_name=f"dsec-fncall@{edge.node}")
 
         def authorize(request: Any) -> str | None:
             key = request_api_key(request)
@@ -184,9 +184,13 @@ async def embedded_edge(
     ``network_options``: keyword arguments of the node's
     :class:`~dsec.network.NetworkManager` (see :func:`build_network`)."""
     from dsec.layers.store import LayerStore
+    from dsec.serverpaths import hide_server_path
 
     paths = Paths(home) if home else Paths.from_env()
     paths.ensure()
+    # errors that leave the server show $DSEC_HOME, not where it is (nor where layers/ leads)
+    hide_server_path(paths.layers, "$DSEC_HOME/layers")
+    hide_server_path(paths.home, "$DSEC_HOME")
     store = LayerStore(paths.layers, paths.scratch)
     network = build_network(paths, network_options)
     edge = EdgeAgent(
@@ -221,10 +225,16 @@ def serve(
     each node's data dir."""
 
     from dsec.apiserver.auth import KeyStore
+    from dsec.apiserver.middleware import access_log_mode, configure_access_log
+    from dsec.errors import InvalidRequest
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:  # one line per request (DSEC_ACCESS_LOG=text|json|off), whatever the log level
+        configure_access_log(access_log_mode())
+    except InvalidRequest as e:
+        raise SystemExit(f"dsec serve: {e.message}") from None
     if home:
         os.environ["DSEC_HOME"] = home
     if cluster:
@@ -296,7 +306,7 @@ async def _serve_http(app: Any, host: str, port: int, log_level: str) -> None:
         log_level=log_level,
         lifespan="on",
         timeout_keep_alive=75,
-        access_log=False,
+        access_log=False,  # uvicorn's would show raw paths (ids, /k/<key>/): dsec.access
     )
     server = uvicorn.Server(config)
     loop = asyncio.get_running_loop()
@@ -382,6 +392,7 @@ def serve_cluster(
     from dsec.cluster.actor import NodeConfig
     from dsec.cluster.edge import ClusterEdge, ClusterOptions
     from dsec.errors import DsecError
+    from dsec.serverpaths import hide_server_path
 
     paths = Paths.from_env()
     paths.home.mkdir(parents=True, exist_ok=True)
@@ -401,6 +412,10 @@ def serve_cluster(
         tiers=tuple(tiers) or None,
         network=os.environ.get("DSEC_NETWORK", "on") != "off",
     )
+    hide_server_path(config.node_root, "$DSEC_NODE_ROOT")
+    if config.shared_layers:
+        hide_server_path(config.shared_layers, "$DSEC_SHARED_LAYERS")
+    hide_server_path(paths.home, "$DSEC_HOME")
     try:
         options = ClusterOptions.from_env()
     except DsecError as e:
@@ -503,6 +518,7 @@ class BackgroundServer:
                         log_level="warning",
                         lifespan="on",
                         timeout_keep_alive=75,
+                        access_log=False,  # uvicorn's shows raw paths; dsec.access does not
                     )
                 )
                 self._server = server

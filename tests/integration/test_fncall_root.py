@@ -467,3 +467,32 @@ async def test_never_ending_code_leaves_no_stuck_worker(svc: RunCodeService) -> 
     )
     await asyncio.sleep(0.3)
     assert all(p["busy"] == 0 for p in svc.runtime.pools()), svc.runtime.pools()
+
+
+async def test_image_without_python_is_a_client_error(svc: RunCodeService) -> None:
+    """An fncall sandbox of an image with no /usr/bin/python3 (busybox) cannot start its
+    worker: that is the request's choice of image (400), not a server failure (500)."""
+    from dsec.errors import InvalidRequest
+
+    rt = svc.runtime
+    files, digests = await rt.image_layers("busybox")
+    spec = SandboxSpec(
+        id="sb-t-nopython",
+        tier="fncall",
+        layer_paths=[str(f) for f in files],
+        layer_digests=digests,
+        cpu=1,
+        memory_mb=256,
+        disk_mb=64,
+        pids=64,
+        env={},
+        user=None,
+        workdir="/work",
+    )
+    with pytest.raises(InvalidRequest, match="no /usr/bin/python3") as got:
+        await rt.create(spec)
+    assert got.value.details == {"missing": "/usr/bin/python3"}
+    # nothing half-made: the next try fails the same way (no stuck pool), debian still works
+    with pytest.raises(InvalidRequest):
+        await rt.create(spec)
+    assert "hi" in out(await run(svc, "print('hi')"))

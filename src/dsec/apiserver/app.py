@@ -5,6 +5,8 @@ no sandbox state of its own (parse at the edge, act in the core). Auth, body lim
 request ids, metrics and the crash guard live in :mod:`dsec.apiserver.middleware`; the
 error mapping in :mod:`dsec.apiserver.errors`.
 
+Every request gets one access-log line (``DSEC_ACCESS_LOG=text|json|off``).
+
 Open routes: ``GET /healthz``; ``GET /metrics`` from loopback (anyone else needs a key);
 ``/docs`` and ``/openapi.json``. Everything under ``/v1`` needs ``Authorization: Bearer``.
 """
@@ -20,7 +22,7 @@ import dsec
 from dsec.apiserver.auth import KeyVerifier
 from dsec.apiserver.errors import install_error_handlers
 from dsec.apiserver.metrics import ApiMetrics
-from dsec.apiserver.middleware import ApiMiddleware
+from dsec.apiserver.middleware import ApiMiddleware, access_log_mode
 from dsec.apiserver.routes_display import router as display_router
 from dsec.apiserver.routes_images import router as images_router
 from dsec.apiserver.routes_jobs import router as jobs_router
@@ -52,6 +54,7 @@ def create_app(
     *,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
+    access_log: str | None = None,
 ) -> FastAPI:
     """Build the apiserver app in front of ``edge``.
 
@@ -61,7 +64,11 @@ def create_app(
         max_upload_bytes: body limit of raw uploads, bytes (default 256 MiB).
         max_json_bytes: body limit of JSON requests, bytes (default 64 MiB, at most
             ``max_upload_bytes``).
+        access_log: ``text``, ``json`` or ``off``: one line per request on the
+            ``dsec.access`` logger (default ``$DSEC_ACCESS_LOG``, else ``text``; see
+            :mod:`dsec.apiserver.middleware`).
     """
+    access_mode = access_log_mode(access_log)
     app = FastAPI(
         title="dsec",
         version=dsec.__version__,
@@ -101,6 +108,7 @@ def create_app(
         upload_routes=UPLOAD_ROUTES | {"/v1/images/build"},
         max_upload_bytes=max_upload_bytes,
         max_json_bytes=min(max_json_bytes, max_upload_bytes),
+        access_log=access_mode,
     )
     return app
 
@@ -111,6 +119,7 @@ def _route_templates(app: FastAPI) -> list[tuple[str, set[str]]]:
         *sandboxes_router.routes,
         *images_router.routes,
         *jobs_router.routes,
+        *display_router.routes,
         *app.router.routes,
     ]
     out = []
@@ -130,10 +139,18 @@ class _NoKeys:
 
 
 def openapi_document() -> dict[str, Any]:
-    """The OpenAPI document of the app (independent of any edge or key)."""
+    """The OpenAPI document of the app (independent of any edge or key), with the run_code
+    routes ``dsec serve`` adds on a node with the fncall tier."""
+    from dsec.apiserver.routes_runcode import make_runcode_router
     from dsec.testing import FakeEdge
 
-    return create_app(FakeEdge(), _NoKeys()).openapi()
+    app = create_app(FakeEdge(), _NoKeys(), access_log="off")
+
+    def no_service() -> Any:
+        raise RuntimeError("the schema-only app runs no code")
+
+    app.include_router(make_runcode_router(no_service))
+    return app.openapi()
 
 
 def render_openapi() -> str:

@@ -1,4 +1,7 @@
-"""FastAPI dependencies shared by the route modules: the edge and the caller's owner id."""
+"""FastAPI dependencies shared by the route modules: the edge and the caller's owner id,
+and :data:`ERROR_RESPONSES`, the error statuses every ``/v1`` route documents (each
+:mod:`dsec.errors` class answers its ``http_status``; routes add their own with
+``responses=``)."""
 
 from __future__ import annotations
 
@@ -44,8 +47,16 @@ _ERR: dict[str, Any] = {"model": ErrorBody}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {**_ERR, "description": "invalid_request (field errors in details.errors)"},
     401: {**_ERR, "description": "unauthenticated"},
-    404: {**_ERR, "description": "not found"},
+    404: {**_ERR, "description": "not found (or another key's)"},
+    408: {**_ERR, "description": "timeout: the sandbox did not answer in time"},
+    409: {
+        **_ERR,
+        "description": "conflict: sandbox_stopped, file_exists, sequence_gap, "
+        "sequence_conflict, outcome_unknown",
+    },
     413: {**_ERR, "description": "payload_too_large"},
     422: {**_ERR, "description": "unsupported by this tier or node"},
+    429: {**_ERR, "description": "quota_exceeded: a per-key or per-node limit"},
     500: {**_ERR, "description": "sandbox_error or internal"},
+    503: {**_ERR, "description": "unavailable: the edge is unreachable or shutting down"},
 }

@@ -13,7 +13,24 @@ untouched. For each HTTP request, in order:
    ``max_json_bytes``; over it the answer is 413 ``payload_too_large``;
 4. turns any exception that escaped the handlers (a bug) into a 500 ``internal``
    response with the request id, logged with its traceback;
-5. records ``dsec_api_*`` metrics by route template.
+5. records ``dsec_api_*`` metrics by route template;
+6. writes one access-log line (logger ``dsec.access``, level INFO) when the response is
+   done: method, route *template* (``/v1/sandboxes/{sandbox_id}/exec``, ``/e2b/...``,
+   ``/k/{api_key}/run_code``; never the raw path, so no id or key is logged), status,
+   latency in ms (to the end of the response body), the caller's owner id (never the
+   key; ``-`` before authentication) and the request id. Formats
+   (``DSEC_ACCESS_LOG``, default ``text``)::
+
+       text: method=POST route=/v1/sandboxes status=201 ms=63.20 owner=k1f2e... request_id=9a0b...
+       json: {"ts": "2026-12-01T12:00:00.123Z", "type": "access", "method": "POST",
+              "route": "/v1/sandboxes", "status": 201, "ms": 63.2, "owner": "k1f2e...",
+              "request_id": "9a0b..."}
+       off:  nothing
+
+The route template is the one the router matched (``scope["route"]``, with the prefix
+of the mounts it went through); a sub-app that routes by itself (envd's Connect-RPC) may
+name it in ``scope["dsec.route"]``. Requests no route matched are logged as
+``<unmatched>``.
 """
 
 from __future__ import annotations
@@ -21,23 +38,76 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import os
 import secrets
+import sys
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from datetime import UTC, datetime
+from typing import IO, Any, Literal
 
-from starlette.routing import compile_path
+from starlette.routing import Mount, Route, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dsec.apiserver.auth import KeyVerifier
 from dsec.apiserver.metrics import ApiMetrics
-from dsec.errors import AuthenticationError, DsecError, InternalError, PayloadTooLarge
+from dsec.errors import (
+    AuthenticationError,
+    DsecError,
+    InternalError,
+    InvalidRequest,
+    PayloadTooLarge,
+)
 
-__all__ = ["ApiMiddleware"]
+__all__ = [
+    "ACCESS_LOG_MODES",
+    "ROUTE_SCOPE_KEY",
+    "AccessLogMode",
+    "ApiMiddleware",
+    "access_log_mode",
+    "configure_access_log",
+]
 
 log = logging.getLogger("dsec.apiserver")
+access_log = logging.getLogger("dsec.access")
 
 UNMATCHED = "<unmatched>"
+
+AccessLogMode = Literal["text", "json", "off"]
+ACCESS_LOG_MODES: tuple[AccessLogMode, ...] = ("text", "json", "off")
+ROUTE_SCOPE_KEY = "dsec.route"
+"""Scope key where a sub-app that routes by itself names the route template it served."""
+
+
+def access_log_mode(value: str | None = None) -> AccessLogMode:
+    """The access-log format: ``value``, else ``$DSEC_ACCESS_LOG``, else ``text``.
+    Anything but ``text``, ``json`` or ``off`` is an :class:`InvalidRequest`."""
+    raw = (value if value is not None else os.environ.get("DSEC_ACCESS_LOG", "")).strip()
+    mode = raw.lower() or "text"
+    for known in ACCESS_LOG_MODES:
+        if mode == known:
+            return known
+    raise InvalidRequest(f"DSEC_ACCESS_LOG must be one of text, json, off (got {raw!r})", value=raw)
+
+
+def configure_access_log(mode: AccessLogMode, stream: IO[str] | None = None) -> None:
+    """Set up the ``dsec.access`` logger for ``dsec serve``: INFO whatever the server's log
+    level (``DSEC_ACCESS_LOG`` alone turns it off). ``json``: each line is the JSON object
+    alone on ``stream`` (default stderr), not wrapped in the server's log format, so a log
+    shipper can parse it; ``text``: through the server's log format."""
+    global _json_handler
+    if _json_handler is not None:
+        access_log.removeHandler(_json_handler)
+        _json_handler = None
+    access_log.setLevel(logging.INFO)
+    access_log.propagate = mode == "text"
+    if mode == "json":
+        _json_handler = logging.StreamHandler(stream or sys.stderr)
+        _json_handler.setFormatter(logging.Formatter("%(message)s"))
+        access_log.addHandler(_json_handler)
+
+
+_json_handler: logging.Handler | None = None
 
 
 def _is_loopback(scope: Scope) -> bool:
@@ -81,6 +151,7 @@ class ApiMiddleware:
         upload_routes: route templates whose body is a raw upload.
         max_upload_bytes: body limit of upload routes, bytes.
         max_json_bytes: body limit of every other route, bytes.
+        access_log: ``text``, ``json`` or ``off`` (see the module docstring).
     """
 
     def __init__(
@@ -93,8 +164,10 @@ class ApiMiddleware:
         upload_routes: frozenset[str],
         max_upload_bytes: int,
         max_json_bytes: int,
+        access_log: AccessLogMode = "text",
     ) -> None:
         self.app = app
+        self.access_mode = access_log
         self.keys = keys
         self.metrics = metrics
         self._table = [(compile_path(t)[0], t, m) for t, m in routes]
@@ -122,6 +195,7 @@ class ApiMiddleware:
         state: MutableMapping[str, Any] = scope.setdefault("state", {})
         state["request_id"] = request_id
         route = self._template(scope)
+        entry_root = str(scope.get("root_path", ""))
         method = scope.get("method", "GET")
         status_box = [0]
         response_started = [False]
@@ -184,12 +258,49 @@ class ApiMiddleware:
             else:
                 status_box[0] = status_box[0] or 500
         finally:
+            elapsed = time.perf_counter() - started_at
+            status = status_box[0] or 500
             code = state.get("error_code")
             if code:
                 self.metrics.error(str(code))
-            self.metrics.observe(
-                method, route, status_box[0] or 500, time.perf_counter() - started_at
+            served = _served_route(scope, entry_root) or route
+            self.metrics.observe(method, served, status, elapsed)
+            if self.access_mode != "off" and access_log.isEnabledFor(logging.INFO):
+                owner = state.get("owner")
+                access_log.info(
+                    self._access_line(method, served, status, elapsed, owner, request_id)
+                )
+
+    def _access_line(
+        self,
+        method: str,
+        route: str,
+        status: int,
+        elapsed_s: float,
+        owner: object,
+        request_id: str,
+    ) -> str:
+        ms = elapsed_s * 1000.0
+        who = str(owner) if owner else None
+        if self.access_mode == "json":
+            now = datetime.now(UTC)
+            return json.dumps(
+                {
+                    "ts": now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z",
+                    "type": "access",
+                    "method": method,
+                    "route": route,
+                    "status": status,
+                    "ms": round(ms, 3),
+                    "owner": who,
+                    "request_id": request_id,
+                },
+                ensure_ascii=True,
             )
+        return (
+            f"method={method} route={route} status={status} ms={ms:.2f} "
+            f"owner={who or '-'} request_id={request_id}"
+        )
 
     def _precheck(self, scope: Scope, limit: int) -> DsecError | None:
         path: str = scope.get("path", "")
@@ -214,6 +325,26 @@ class ApiMiddleware:
                 limit_bytes=limit,
             )
         return None
+
+
+def _served_route(scope: Scope, entry_root: str) -> str | None:
+    """The template of the route that served this request, or None if no route matched.
+
+    Starlette writes the route it dispatched to in ``scope["route"]`` and, for each mount it
+    went through, appends the mount's path to ``scope["root_path"]`` (dsec's mounts have
+    fixed paths, so that prefix holds no id). A mounted ASGI app without routes of its own
+    is ``<mount>/{path}`` unless it named its route in ``scope["dsec.route"]``."""
+    named = scope.get(ROUTE_SCOPE_KEY)
+    if isinstance(named, str):
+        return named
+    route = scope.get("route")
+    root = str(scope.get("root_path", ""))
+    prefix = root[len(entry_root) :] if root.startswith(entry_root) else root
+    if isinstance(route, Mount):
+        return f"{prefix}/{{path}}"
+    if isinstance(route, Route):
+        return prefix + route.path
+    return None
 
 
 async def _send_error(

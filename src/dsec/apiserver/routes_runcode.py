@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
+from dsec.apiserver.deps import ERROR_RESPONSES
 from dsec.errors import (
     AuthenticationError,
     DsecError,
@@ -58,6 +59,12 @@ __all__ = ["KEYLESS_OWNER", "make_runcode_router", "request_api_key"]
 
 KEYLESS_OWNER = "keyless"
 MAX_BODY_BYTES = 200 << 20
+
+SANDBOXFUSION_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: ERROR_RESPONSES[status] for status in (400, 401, 413, 500)
+}
+"""What the SandboxFusion routes answer besides 200: a body that is not JSON, no valid key,
+a body over the limit (everything else is a 200 with ``status: "SandboxError"``)."""
 
 Authorize = Callable[[Request], "Awaitable[str | None] | str | None"]
 
@@ -117,6 +124,11 @@ def make_runcode_router(
     router = APIRouter(tags=["run_code"])
 
     async def owner_of(request: Request) -> str:
+        owner = await _owner(request)
+        request.scope.setdefault("state", {})["owner"] = owner  # for the access log
+        return owner
+
+    async def _owner(request: Request) -> str:
         if authorize is None:
             return KEYLESS_OWNER
         result = authorize(request)
@@ -178,6 +190,7 @@ def make_runcode_router(
         response_model=RunCodeResponse,
         summary="Run code (SandboxFusion-compatible)",
         openapi_extra={"requestBody": _body_schema(RunCodeRequest)},
+        responses=SANDBOXFUSION_ERRORS,
         route_class_override=LeanRoute,
     )
     router.add_api_route(
@@ -186,7 +199,19 @@ def make_runcode_router(
         methods=["POST"],
         response_model=RunCodeResponse,
         summary="Run code (SandboxFusion-compatible, API key in the path)",
-        openapi_extra={"requestBody": _body_schema(RunCodeRequest)},
+        openapi_extra={
+            "requestBody": _body_schema(RunCodeRequest),
+            "parameters": [
+                {
+                    "name": "api_key",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string"},
+                    "description": "a dsec API key (never logged nor echoed)",
+                }
+            ],
+        },
+        responses=SANDBOXFUSION_ERRORS,
         route_class_override=LeanRoute,
     )
 
@@ -215,6 +240,7 @@ def make_runcode_router(
         response_model=CodeRunResult,
         summary="Run code in a fresh fncall worker",
         openapi_extra={"requestBody": _body_schema(CodeRunRequest)},
+        responses=ERROR_RESPONSES,
         route_class_override=LeanRoute,
     )
     return router

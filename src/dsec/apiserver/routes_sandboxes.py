@@ -68,6 +68,7 @@ from dsec.models import (
     SnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
+from dsec.serverpaths import scrub_server_paths
 
 __all__ = ["UPLOAD_ROUTES", "NetworkStats", "Sequencing", "router", "sequencing"]
 
@@ -184,7 +185,10 @@ async def create_sandboxes(
                 await edge.kill_sandbox(info.id, owner)
 
     work = edge.create_sandboxes(req.sandbox, req.n, owner, all_or_nothing=req.all_or_nothing)
-    return await unless_departed(request, work, undo)
+    result = await unless_departed(request, work, undo)
+    for item in result.errors:  # messages the edge copied from its errors: no server paths
+        item.message = scrub_server_paths(item.message)
+    return result
 
 
 @router.get("", response_model=SandboxList, summary="List this key's sandboxes")
@@ -341,7 +345,7 @@ async def list_files(
     path: PathQuery,
     edge: Edge,
     owner: Owner,
-    depth: Annotated[int, Query(ge=1, le=64)] = 1,
+    depth: Annotated[int, Query(ge=1, le=32, description="levels below path")] = 1,
 ) -> FileList:
     return FileList(entries=await edge.list_files(sandbox_id, owner, path, depth))
 

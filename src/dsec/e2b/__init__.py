@@ -39,6 +39,7 @@ from starlette.routing import BaseRoute, Mount
 from dsec.e2b.access import DEFAULT_TEMPLATE_ALIASES, AccessTokens, TemplateMap
 from dsec.e2b.control import ENVD_VERSION, ControlPlane, VerifyKey
 from dsec.e2b.envd import DEFAULT_MAX_UPLOAD_BYTES, EnvdApp
+from dsec.e2b.errors import e2b_http_exception_handlers
 from dsec.e2b.interactive import (
     ExecStreamProcess,
     InteractiveExec,
@@ -134,7 +135,7 @@ def make_e2b_app(
         )
 
     routes.append(Mount("/", app=_fallback(not_implemented)))
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, exception_handlers=e2b_http_exception_handlers())
     app.state.e2b = E2BCompat(control=control, envd=envd, registry=registry)
     return app
 
@@ -149,5 +150,6 @@ def _fallback(endpoint: object) -> Starlette:
                 endpoint,  # type: ignore[arg-type]
                 methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
             )
-        ]
+        ],
+        exception_handlers=e2b_http_exception_handlers(),
     )

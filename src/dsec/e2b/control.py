@@ -240,16 +240,17 @@ class ControlPlane:
                 owner = None
             if owner is None:
                 return _error(401, "missing or invalid X-API-Key (use a dsec API key)")
+            request.scope.setdefault("state", {})["owner"] = owner  # for the access log
             try:
                 return await handler(request, owner)
             except E2BError as e:
                 return _error(e.status, e.message)
             except ImageNotFound as e:
-                return _error(404, f"template not found: {e.message}")
+                return _error(404, f"template not found: {e.public_message}")
             except DsecError as e:
                 status = control_status(e)
                 retry = True if isinstance(e, ServiceUnavailable) else None
-                return _error(status, e.message, retry=False if status == 429 else retry)
+                return _error(status, e.public_message, retry=False if status == 429 else retry)
             except Exception:
                 # never a bare (non-JSON) 500: the SDK parses the body
                 log.exception("E2B control route %s %s failed", request.method, request.url.path)
@@ -266,6 +267,8 @@ class ControlPlane:
             body = json.loads(raw)
         except ValueError:
             raise E2BError(400, "request body is not valid JSON") from None
+        except RecursionError:
+            raise E2BError(400, "request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise E2BError(400, "request body must be a JSON object")
         return body

@@ -39,10 +39,17 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from dsec.apiserver.middleware import ROUTE_SCOPE_KEY
 from dsec.e2b.access import AccessTokens
-from dsec.e2b.errors import E2BError, envd_http_status, sandbox_gone_message, to_connect_error
+from dsec.e2b.errors import (
+    E2BError,
+    e2b_http_exception_handlers,
+    envd_http_status,
+    sandbox_gone_message,
+    to_connect_error,
+)
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.process import ProcessRegistry, ProcessService
 from dsec.edge.interface import EdgeAPI
@@ -56,6 +63,7 @@ DEFAULT_MAX_UPLOAD_BYTES = 100 << 20
 """Largest ``/files`` upload body (after gzip decoding), bytes."""
 RPC_READ_MAX_BYTES = 16 << 20
 """Largest Connect request message (stdin chunks, paths), bytes."""
+_RPC_METHOD = re.compile(r"[A-Za-z][A-Za-z0-9]{0,63}")
 
 
 def route_path(scope: Scope) -> str:
@@ -230,18 +238,35 @@ class EnvdApp:
         )
         self._http = Starlette(
             routes=[*self.files_routes(), Route("/health", self._health, methods=["GET"])],
+            exception_handlers=e2b_http_exception_handlers(),
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = route_path(scope)
+            rpc: ASGIApp | None = None
             if path.startswith("/process.Process/"):
-                await self._process_app(scope, receive, send)
-                return
-            if path.startswith("/filesystem.Filesystem/"):
-                await self._fs_app(scope, receive, send)
+                rpc = self._process_app
+            elif path.startswith("/filesystem.Filesystem/"):
+                rpc = self._fs_app
+            if rpc is not None:
+                self._note_rpc(scope, path)
+                await rpc(scope, receive, send)
                 return
         await self._http(scope, receive, send)
+
+    def _note_rpc(self, scope: Scope, path: str) -> None:
+        """Name the RPC and its caller for the access log (``scope["dsec.route"]``,
+        ``scope["state"]["owner"]``); the RPC itself checks access again."""
+        service, _, method = path[1:].partition("/")
+        name = method if _RPC_METHOD.fullmatch(method) else "{method}"
+        scope[ROUTE_SCOPE_KEY] = f"{scope.get('root_path', '')}/{service}/{name}"
+        headers = dict(scope.get("headers") or [])
+        sandbox_id = headers.get(b"e2b-sandbox-id", b"").decode("latin-1")
+        token = headers.get(b"x-access-token", b"").decode("latin-1")
+        owner = self.tokens.verify(sandbox_id, token) if sandbox_id and token else None
+        if owner is not None:
+            scope.setdefault("state", {})["owner"] = owner
 
     # --- access -----------------------------------------------------------
     def _check(self, sandbox_id: str | None, token: str | None) -> tuple[str, str]:
@@ -324,12 +349,13 @@ class EnvdApp:
         sandbox_id = request.headers.get("e2b-sandbox-id", "")
         try:
             sid, owner = await self._http_target(request)
+            request.scope.setdefault("state", {})["owner"] = owner  # for the access log
             return await handler(sid, owner)
         except E2BError as e:
             return self._error(e.status, e.message)
         except DsecError as e:
             status = envd_http_status(e)
-            message = sandbox_gone_message(sandbox_id) if status == 502 else e.message
+            message = sandbox_gone_message(sandbox_id) if status == 502 else e.public_message
             return self._error(status, message)
 
     async def _health(self, request: Request) -> Response:

@@ -23,8 +23,13 @@ A sandbox that belongs to another owner is reported exactly like a missing one.
 
 from __future__ import annotations
 
+from typing import Any
+
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from dsec.errors import (
     AuthenticationError,
@@ -47,6 +52,7 @@ from dsec.errors import (
 __all__ = [
     "E2BError",
     "control_status",
+    "e2b_http_exception_handlers",
     "envd_http_status",
     "sandbox_gone_message",
     "to_connect_error",
@@ -104,21 +110,38 @@ def to_connect_error(err: DsecError, sandbox_id: str = "") -> ConnectError:
     if isinstance(err, SandboxNotFound | SandboxStopped):
         return ConnectError(Code.UNAVAILABLE, sandbox_gone_message(sandbox_id))
     if isinstance(err, NotFound):
-        return ConnectError(Code.NOT_FOUND, err.message)
+        return ConnectError(Code.NOT_FOUND, err.public_message)
     if isinstance(err, InvalidRequest):
-        return ConnectError(Code.INVALID_ARGUMENT, err.message)
+        return ConnectError(Code.INVALID_ARGUMENT, err.public_message)
     if isinstance(err, AuthenticationError):
-        return ConnectError(Code.UNAUTHENTICATED, err.message)
+        return ConnectError(Code.UNAUTHENTICATED, err.public_message)
     if isinstance(err, SandboxTimeout):
-        return ConnectError(Code.DEADLINE_EXCEEDED, err.message)
+        return ConnectError(Code.DEADLINE_EXCEEDED, err.public_message)
     if isinstance(err, FileExists_):
-        return ConnectError(Code.ALREADY_EXISTS, err.message)
+        return ConnectError(Code.ALREADY_EXISTS, err.public_message)
     if isinstance(err, Conflict):
-        return ConnectError(Code.FAILED_PRECONDITION, err.message)
+        return ConnectError(Code.FAILED_PRECONDITION, err.public_message)
     if isinstance(err, PayloadTooLarge | QuotaExceeded):
-        return ConnectError(Code.RESOURCE_EXHAUSTED, err.message)
+        return ConnectError(Code.RESOURCE_EXHAUSTED, err.public_message)
     if isinstance(err, CapabilityNotSupported | Unsupported):
-        return ConnectError(Code.UNIMPLEMENTED, err.message)
+        return ConnectError(Code.UNIMPLEMENTED, err.public_message)
     if isinstance(err, ServiceUnavailable):
-        return ConnectError(Code.UNAVAILABLE, err.message)
-    return ConnectError(Code.INTERNAL, f"{err.code}: {err.message}")
+        return ConnectError(Code.UNAVAILABLE, err.public_message)
+    return ConnectError(Code.INTERNAL, f"{err.code}: {err.public_message}")
+
+
+def e2b_http_exception_handlers() -> dict[Any, Any]:
+    """Starlette ``exception_handlers`` that answer the router's own refusals (405 method
+    not allowed, 404) in E2B's error shape ``{"code", "message"}``, with ``Allow``."""
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"}
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(
+            {"code": exc.status_code, "message": message},
+            status_code=exc.status_code,
+            headers=headers or None,
+        )
+
+    return {HTTPException: on_http_error}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal as signal_mod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from typing import Literal, Protocol, runtime_checkable
 from dsec.edge.interface import EdgeAPI
 from dsec.errors import CapabilityNotSupported, DsecError, InternalError
 from dsec.models import ExecEvent, ExecRequest, ExecResult
+
+log = logging.getLogger("dsec.e2b")
 
 __all__ = [
     "ExecStreamProcess",
@@ -127,6 +130,7 @@ class ExecStreamProcess:
         self._queue: asyncio.Queue[OutputChunk | None] = asyncio.Queue(self._QUEUE_CHUNKS)
         self._result: asyncio.Future[ExecResult] = asyncio.get_running_loop().create_future()
         self._killed_by: int | None = None
+        self._sandbox_id = sandbox_id
         self._task = asyncio.create_task(self._pump(edge.exec_stream(sandbox_id, owner, req)))
 
     async def _pump(self, events: AsyncIterator[ExecEvent]) -> None:
@@ -146,8 +150,10 @@ class ExecStreamProcess:
             result = ExecResult(exit_code=None, signal=self._killed_by or signal_mod.SIGKILL)
         except DsecError as e:
             result = e
-        except Exception as e:
-            result = InternalError(f"exec stream failed: {e}")
+        except Exception:
+            # a bug: its text (which may name server paths) goes to the log, not the client
+            log.exception("E2B exec stream of sandbox %s failed", self._sandbox_id)
+            result = InternalError("exec stream failed (see the server log)")
         finally:
             with contextlib.suppress(Exception):
                 aclose = getattr(events, "aclose", None)

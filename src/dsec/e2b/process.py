@@ -28,6 +28,7 @@ import asyncio
 import base64
 import contextlib
 import itertools
+import logging
 import signal as signal_mod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ __all__ = [
     "paused_error",
     "user_from_headers",
 ]
+
+log = logging.getLogger("dsec.e2b")
 
 Event = process_pb.ProcessEvent
 MAX_PROCESS_TIMEOUT_S = 24 * 3600.0
@@ -340,10 +343,12 @@ class ProcessRegistry:
             managed.result = ExecResult(exit_code=None, signal=signal_mod.SIGKILL)
             with contextlib.suppress(Exception):
                 await managed.proc.signal(signal_mod.SIGKILL)
-        except Exception as e:
+        except Exception:
             from dsec.errors import InternalError
 
-            managed.error = InternalError(f"process pump failed: {e}")
+            # a bug: its text (which may name server paths) goes to the log, not the client
+            log.exception("E2B process pump of sandbox %s failed", managed.sandbox_id)
+            managed.error = InternalError("process pump failed (see the server log)")
         finally:
             procs = self._procs.get(managed.sandbox_id)
             if procs is not None:

@@ -134,6 +134,11 @@ int main(int argc, char **argv) {
         die("remount ro", "/");
 
     execv(prog[0], prog);
+    if (errno == ENOENT || errno == ENOTDIR) {
+        /* the image has no such program: the caller's choice of image, not a failure */
+        fprintf(stderr, "fncall_launch: exec %s: %s\n", prog[0], strerror(errno));
+        exit(127);
+    }
     die("exec", prog[0]);
     return 70;
 }

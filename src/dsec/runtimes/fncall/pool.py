@@ -40,7 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.errors import QuotaExceeded, SandboxError, SandboxTimeout, ServiceUnavailable
+from dsec.errors import (
+    InvalidRequest,
+    QuotaExceeded,
+    SandboxError,
+    SandboxTimeout,
+    ServiceUnavailable,
+)
 from dsec.privileged import landlock as landlock_module
 from dsec.privileged.cgroups import CGROUP_ROOT, CgroupV1
 from dsec.runtimes.fncall import seccomp as seccomp_module
@@ -49,6 +55,11 @@ from dsec.runtimes.fncall import zygote as zygote_module
 log = logging.getLogger("dsec.fncall")
 
 __all__ = ["PoolConfig", "Worker", "WorkerPool", "build_launcher"]
+
+ZYGOTE_PYTHON = "/usr/bin/python3"
+"""The interpreter every pool's zygote runs, inside the pool's image."""
+LAUNCH_NO_PROGRAM = 127
+"""Exit status of ``fncall_launch`` when the image has no ``ZYGOTE_PYTHON``."""
 
 FRAME = struct.Struct("<II")
 MAX_FRAME = 512 << 20
@@ -407,7 +418,7 @@ class WorkerPool:
                     "64",
                     *map(str, self.layer_files),
                     "--",
-                    "/usr/bin/python3",
+                    ZYGOTE_PYTHON,
                     "-I",
                     "-B",
                     "-c",
@@ -439,7 +450,14 @@ class WorkerPool:
             hello = await asyncio.wait_for(asyncio.shield(self._zygote_ready), 60)
         except (TimeoutError, SandboxError) as e:
             tail = log_path.read_text(errors="replace")[-1500:] if log_path.exists() else ""
+            proc = self._proc
             await self.close()
+            if proc is not None and proc.returncode == LAUNCH_NO_PROGRAM:
+                raise InvalidRequest(
+                    f"the image has no {ZYGOTE_PYTHON}: fncall sandboxes run a Python 3"
+                    " worker inside their image; use one that has it (e.g. 'debian')",
+                    missing=ZYGOTE_PYTHON,
+                ) from None
             raise SandboxError(
                 f"fncall zygote for pool {self.name} did not start: {e}; log: {tail}"
             ) from e

@@ -311,9 +311,11 @@ class RunCodeService:
     def __init__(
         self, runtime: FncallRuntime, limits: RunCodeLimits | None = None, pod_name: str = ""
     ) -> None:
+        """``pod_name``: SandboxFusion's ``executor_pod_name`` of answers no worker ran
+        (``dsec serve`` passes ``dsec-fncall@<node>``); never a server path."""
         self.runtime = runtime
         self.limits = limits or RunCodeLimits()
-        self.pod_name = pod_name or f"dsec-fncall@{runtime.paths.home}"
+        self.pod_name = pod_name or "dsec-fncall"
 
     # --- parsing ------------------------------------------------------------------------
 
@@ -615,7 +617,9 @@ class RunCodeService:
             out = await self.execute(job)
         except DsecError as e:
             return RunCodeResponse(
-                status=RunStatus.SandboxError, message=e.message, executor_pod_name=self.pod_name
+                status=RunStatus.SandboxError,
+                message=e.public_message,
+                executor_pod_name=self.pod_name,
             )
         except Exception as e:  # a bug: still answer in the client's shape
             log.exception("run_code failed")
