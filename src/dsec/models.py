@@ -19,13 +19,17 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import Field, field_serializer, field_validator
 
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
+from dsec.wire import WireModel
 
 Tier = Literal["fncall", "container", "microvm", "vm"]
+"""The tiers this version knows (for typing its own code). On the wire a tier is a string:
+a server may offer tiers an older SDK does not know; the server refuses unknown ones."""
 TIERS: tuple[str, ...] = ("fncall", "container", "microvm", "vm")
+_TIER_RE = r"^[a-z][a-z0-9-]{0,31}$"
 SandboxState = Literal["creating", "running", "paused", "stopped"]
 LayerKind = Literal["base", "workspace", "toolkit"]
 OnTimeout = Literal["kill", "pause"]
@@ -46,8 +50,9 @@ SYSTEM_OWNER = ""
 writable by none. Keys' owner ids are ``k<16 hex>``, so no key has this one."""
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+class _Model(WireModel):
+    """Strict when a server reads it, lenient when a client reads an answer (see
+    :mod:`dsec.wire`)."""
 
 
 def _check_env(env: dict[str, str]) -> dict[str, str]:
@@ -66,7 +71,11 @@ def _check_env(env: dict[str, str]) -> dict[str, str]:
 class CreateSandboxRequest(_Model):
     """Create a sandbox. Units: ``cpu`` in cores, sizes in MiB, times in seconds."""
 
-    tier: Tier = "container"
+    tier: str = Field(
+        "container",
+        pattern=_TIER_RE,
+        description="fncall | container | microvm | vm (the server refuses a tier it lacks)",
+    )
     image: str = Field("busybox", description="image name (e.g. 'debian') or 'sha256:<digest>'")
     layers: list[str] = Field(
         default_factory=list, max_length=64, description="extra layers stacked above the image"
@@ -151,10 +160,10 @@ class SandboxInfo(_Model):
     """What the edge knows about one sandbox."""
 
     id: str
-    tier: Tier
+    tier: str = Field(description="fncall | container | microvm | vm (or a newer tier)")
     image: str
     layers: list[str] = Field(default_factory=list)
-    state: SandboxState
+    state: str = Field(description="creating | running | paused | stopped")
     cpu: float
     memory_mb: int
     disk_mb: int
@@ -169,7 +178,7 @@ class SandboxInfo(_Model):
     expires_at: datetime | None = None
     ttl_s: float | None = None
     stopped_reason: str | None = None
-    on_timeout: OnTimeout = "kill"
+    on_timeout: str = Field("kill", description="kill | pause")
     paused_ttl_s: float | None = None
     paused_at: datetime | None = None
     last_pause: PauseReport | None = None
@@ -281,7 +290,7 @@ class JobOutcome(_Model):
 
 class JobActionResult(_Model):
     job: str
-    action: JobAction
+    action: str
     outcomes: dict[str, JobOutcome]
 
     @property
@@ -373,7 +382,7 @@ class ExecResult(_Model):
 class ExecEvent(_Model):
     """One line of a streamed exec (NDJSON): output chunks, then exactly one ``exit``."""
 
-    type: Literal["stdout", "stderr", "exit", "error"]
+    type: str = Field(description="stdout | stderr | exit | error (clients skip others)")
     data: str | None = None
     result: ExecResult | None = None
     error: dict[str, Any] | None = None
@@ -396,7 +405,7 @@ class FileInfo(_Model):
 
 class LayerInfo(_Model):
     digest: str = Field(description="sha256:<hex> of the EROFS file")
-    kind: LayerKind
+    kind: str = Field(description="base | workspace | toolkit")
     name: str | None = None
     size: int
     created_at: datetime
@@ -498,7 +507,7 @@ class SetTTLRequest(_Model):
 class Capabilities(_Model):
     """What a tier can do. Calls outside this set raise ``CapabilityNotSupported``."""
 
-    tier: Tier
+    tier: str
     available: bool
     reason: str | None = None
     exec: bool = True

@@ -336,6 +336,7 @@ class FakeEdge:
     # --- sandboxes --------------------------------------------------------
     async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
         self._record("create_sandbox", req=req, owner=owner)
+        self._check_tier(req.tier)
         if req.tier not in self.available_tiers:
             raise TierUnavailable(f"tier {req.tier} is not available on this node", tier=req.tier)
         self._image(req.image, owner)
@@ -378,6 +379,7 @@ class FakeEdge:
         self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
     ) -> BatchCreateResult:
         self._record("create_sandboxes", req=req, n=n, owner=owner)
+        self._check_tier(req.tier)
         if all_or_nothing:
             self._admit(owner, n)
         return await create_batch(
@@ -386,6 +388,11 @@ class FakeEdge:
             lambda sid: self.kill_sandbox(sid, owner),
             all_or_nothing=all_or_nothing,
         )
+
+    @staticmethod
+    def _check_tier(tier: str) -> None:
+        if tier not in TIERS:  # as the real edge: a tier this server does not know
+            raise InvalidRequest(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
 
     def _visible(self, digest: str, owner: str) -> bool:
         return (owner, digest) in self._grants or (SYSTEM_OWNER, digest) in self._grants

@@ -308,10 +308,16 @@ def serve(
 ) -> None:
     """Run the apiserver and this node's edge in one process (with --cluster: an apiserver
     replica in front of a Ray cluster)."""
-    try:
-        from dsec.server import serve as run_server
-    except ImportError as exc:
-        raise _fail(f"the server is not available in this installation: {exc}") from None
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise _fail(
+            f"`dsec serve` needs the server extra ({', '.join(missing)} missing): "
+            "pip install 'dsec[server]'"
+        )
+    from dsec.server import serve as run_server
+
     handle_errors(run_server)(
         host=host,
         port=port,

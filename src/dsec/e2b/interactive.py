@@ -137,8 +137,10 @@ class ExecStreamProcess:
         result: ExecResult | BaseException | None = None
         try:
             async for event in events:
-                if event.type in ("stdout", "stderr") and event.data:
-                    await self._queue.put((event.type, event.data.encode()))
+                if event.type == "stdout" and event.data:
+                    await self._queue.put(("stdout", event.data.encode()))
+                elif event.type == "stderr" and event.data:
+                    await self._queue.put(("stderr", event.data.encode()))
                 elif event.type == "exit":
                     result = event.result or ExecResult()
                 elif event.type == "error":

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dsec.canonical import canonical_digest, json_default
 from dsec.errors import (
     DsecError,
     InvalidRequest,
@@ -109,25 +110,6 @@ CREATE TABLE IF NOT EXISTS trajectory_head (
 """
 
 
-def _default(value: Any) -> Any:
-    if isinstance(value, bytes | bytearray | memoryview):
-        b = bytes(value)
-        return {"$sha256": hashlib.sha256(b).hexdigest(), "size": len(b)}
-    if isinstance(value, set | frozenset | tuple):
-        return list(value)
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json")
-    if hasattr(value, "isoformat"):
-        return value.isoformat()
-    raise TypeError(f"cannot record a {type(value).__name__} in the trajectory log")
-
-
-def canonical_digest(request: Mapping[str, Any]) -> str:
-    """sha256 hex of ``request`` as canonical JSON; ``bytes`` values count by their content."""
-    text = json.dumps(request, sort_keys=True, separators=(",", ":"), default=_default)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def digest_value(value: str | bytes) -> str:
     """sha256 hex of a string (UTF-8) or bytes: the digest exports use for large values."""
     data = value.encode() if isinstance(value, str) else value
@@ -148,7 +130,7 @@ def jsonable(value: Any, inline_bytes: int = DEFAULT_INLINE_BYTES) -> Any:
         return {"$sha256": hashlib.sha256(b).hexdigest(), "size": len(b)}
     if value is None or isinstance(value, str | int | float | bool):
         return value
-    return _default(value)
+    return json_default(value)
 
 
 def _shrink(value: Any, limit: int) -> Any:

@@ -33,9 +33,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dsec.errors import InvalidRequest
+from dsec.wire import WireModel
 
 __all__ = [
     "DEFAULT_PRESETS",
@@ -194,7 +195,7 @@ def _parse_port(value: Any) -> tuple[int, int]:
     return lo, hi
 
 
-class NetworkPreset(BaseModel):
+class NetworkPreset(WireModel):
     """What an operator-configured preset name expands to: domains and/or mirror CIDRs."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -273,7 +274,7 @@ def _format_errors(e: ValidationError) -> str:
     return "invalid network policy: " + "; ".join(parts)
 
 
-class NetworkPolicy(BaseModel):
+class NetworkPolicy(WireModel):
     """A sandbox's network allowlist. See the module docstring for the semantics.
 
     Constructing with bad values raises :class:`dsec.errors.InvalidRequest`; use

@@ -34,6 +34,7 @@ from dsec.models import (
 )
 from dsec.sdk._http import DEFAULT_TIMEOUT_S, HttpClient
 from dsec.sdk._tar import build_context
+from dsec.wire import ANSWER
 
 __all__ = ["AsyncClient"]
 
@@ -78,23 +79,23 @@ class AsyncClient:
     async def node_info(self) -> NodeInfo:
         """The node's name, version, load and per-tier capabilities."""
         r = await self._http.request("GET", "/v1/node")
-        return NodeInfo.model_validate(r.json())
+        return NodeInfo.model_validate(r.json(), context=ANSWER)
 
     async def capabilities(self) -> builtins.list[Capabilities]:
         """What each tier can do on this node."""
         r = await self._http.request("GET", "/v1/capabilities")
-        return _CAPS.validate_python(r.json()["tiers"])
+        return _CAPS.validate_python(r.json()["tiers"], context=ANSWER)
 
     async def list_images(self) -> builtins.list[ImageInfo]:
         """This key's images and the system's (built-in images not built yet show their
         ``status``: ``queued``, ``building`` or ``failed``)."""
         r = await self._http.request("GET", "/v1/images")
-        return _IMAGES.validate_python(r.json()["images"])
+        return _IMAGES.validate_python(r.json()["images"], context=ANSWER)
 
     async def get_image(self, name: str) -> ImageInfo:
         """One image by ``name[:tag]`` or ``sha256:<digest>``; raises ``ImageNotFound``."""
         r = await self._http.request("GET", f"/v1/images/{quote(name, safe=':')}")
-        return ImageInfo.model_validate(r.json())
+        return ImageInfo.model_validate(r.json(), context=ANSWER)
 
     async def delete_image(self, name: str, *, system: bool = False) -> None:
         """Forget one of this key's images (``system``: a system image; the operator's key
@@ -109,13 +110,13 @@ class AsyncClient:
         r = await self._http.request(
             "PATCH", f"/v1/images/{quote(name, safe=':')}", json={"shared": shared}
         )
-        return ImageInfo.model_validate(r.json())
+        return ImageInfo.model_validate(r.json(), context=ANSWER)
 
     async def list_layers(self) -> builtins.list[LayerInfo]:
         """The layers this key may name by digest (its images', snapshots', builds' and the
         system's)."""
         r = await self._http.request("GET", "/v1/layers")
-        return _LAYERS.validate_python(r.json()["layers"])
+        return _LAYERS.validate_python(r.json()["layers"], context=ANSWER)
 
     async def build_image(
         self,
@@ -150,7 +151,7 @@ class AsyncClient:
             headers={"content-type": "application/x-tar"},
             timeout=timeout,
         )
-        return ImageInfo.model_validate(r.json())
+        return ImageInfo.model_validate(r.json(), context=ANSWER)
 
     async def pull_image(
         self,
@@ -177,7 +178,7 @@ class AsyncClient:
         r = await self._http.request(
             "POST", "/v1/images/pull", json=req.model_dump(mode="json"), timeout=timeout
         )
-        return ImageInfo.model_validate(r.json())
+        return ImageInfo.model_validate(r.json(), context=ANSWER)
 
     async def push_image(
         self, name: str, target: str, *, timeout: float = BUILD_TIMEOUT_S
@@ -199,7 +200,7 @@ class AsyncClient:
             json=req.model_dump(mode="json"),
             timeout=timeout,
         )
-        return PushImageResult.model_validate(r.json())
+        return PushImageResult.model_validate(r.json(), context=ANSWER)
 
     async def run_code(
         self,
@@ -250,7 +251,7 @@ class AsyncClient:
             json=req.model_dump(mode="json"),
             timeout=timeout + compile_timeout + 30,
         )
-        return CodeRunResult.model_validate(r.json())
+        return CodeRunResult.model_validate(r.json(), context=ANSWER)
 
     async def list_sandboxes(
         self,
@@ -271,7 +272,7 @@ class AsyncClient:
         if include_stopped:
             params.append(("include_stopped", "true"))
         r = await self._http.request("GET", "/v1/sandboxes", params=params)
-        return _SANDBOXES.validate_python(r.json()["sandboxes"])
+        return _SANDBOXES.validate_python(r.json()["sandboxes"], context=ANSWER)
 
     @property
     def jobs(self) -> Any:

@@ -45,6 +45,7 @@ from dsec.errors import InvalidRequest
 from dsec.models import JobAction, JobActionResult, SandboxInfo
 from dsec.sdk.client import AsyncClient
 from dsec.sdk.sync import SyncWrapper, runner, synchronize
+from dsec.wire import ANSWER
 
 __all__ = ["JOB_TIMEOUT_S", "AsyncJobs", "Jobs", "kill", "list", "pause", "resume"]
 
@@ -97,7 +98,7 @@ class AsyncJobs:
         path = f"/v1/jobs/{quote(_check_job(job), safe=':')}/{action}"
         t = self.timeout if timeout is None else timeout
         r = await self._client._http.request("POST", path, timeout=t)
-        return JobActionResult.model_validate(r.json())
+        return JobActionResult.model_validate(r.json(), context=ANSWER)
 
     async def pause(self, job: str, *, timeout: float | None = None) -> JobActionResult:
         """Pause every sandbox of ``job`` (freeze, reclaim memory); per-sandbox outcomes."""
@@ -117,7 +118,7 @@ class AsyncJobs:
         r = await self._client._http.request(
             "GET", f"/v1/jobs/{quote(_check_job(job), safe=':')}", params=params
         )
-        return _SANDBOXES.validate_python(r.json()["sandboxes"])
+        return _SANDBOXES.validate_python(r.json()["sandboxes"], context=ANSWER)
 
     async def close(self) -> None:
         """Close pooled connections if this object opened them."""

@@ -64,7 +64,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import TypeAdapter
 
-from dsec.edge.trajectory import canonical_digest  # the edge's request digest, to match it
+from dsec.canonical import canonical_digest  # the edge's request digest, to match it
 from dsec.errors import (
     DsecError,
     FileNotFound,
@@ -100,6 +100,7 @@ from dsec.network.policy import NetworkPolicy
 from dsec.sdk._http import IDEMPOTENCY_HEADER, SEQ_HEADER, not_delivered
 from dsec.sdk._tar import tar_directory
 from dsec.sdk.client import AsyncClient, _validated
+from dsec.wire import ANSWER
 
 if TYPE_CHECKING:
     from dsec.sdk.display import AsyncDisplay
@@ -228,13 +229,13 @@ class AsyncCommands:
                 seen = req.model_dump(mode="json", exclude_defaults=True)
                 recorded = await sb._local_replay("exec", seen)
                 if recorded is not None:
-                    answer = CommandResult.model_validate(recorded)
+                    answer = CommandResult.model_validate(recorded, context=ANSWER)
                     answer.replayed = True
                     return answer
             r = await sb._sequenced(
                 "POST", "/exec", json=_dump(req), timeout=timeout + EXEC_GRACE_S
             )
-            answer = CommandResult.model_validate(r.json())
+            answer = CommandResult.model_validate(r.json(), context=ANSWER)
             if r.headers.get(REPLAYED_HEADER) == "1":
                 answer.replayed = True
             return answer
@@ -290,9 +291,11 @@ class AsyncCommands:
                 async for line in response.aiter_lines():
                     if not line.strip():
                         continue
-                    event = ExecEvent.model_validate_json(line)
+                    event = ExecEvent.model_validate_json(line, context=ANSWER)
                     if event.type == "error":
                         raise error_from_wire(500, {"error": event.error or {}})
+                    if event.type not in ("stdout", "stderr", "exit"):
+                        continue  # an event a newer server sends that this SDK does not know
                     yield event
                     if event.type == "exit":
                         return
@@ -352,17 +355,17 @@ class AsyncFiles:
             headers={"content-type": "application/octet-stream"},
             timeout=timeout,
         )
-        return FileInfo.model_validate(r.json())
+        return FileInfo.model_validate(r.json(), context=ANSWER)
 
     async def list(self, path: str = "/", *, depth: int = 1) -> builtins.list[FileInfo]:
         """Entries under the directory ``path``, ``depth`` levels deep (1 = direct children)."""
         r = await self._req("GET", "/files/list", params={"path": path, "depth": depth})
-        return _FILES.validate_python(r.json()["entries"])
+        return _FILES.validate_python(r.json()["entries"], context=ANSWER)
 
     async def stat(self, path: str) -> FileInfo:
         """Metadata of ``path`` (not following a final symlink). Raises ``FileNotFound``."""
         r = await self._req("GET", "/files/stat", params={"path": path})
-        return FileInfo.model_validate(r.json())
+        return FileInfo.model_validate(r.json(), context=ANSWER)
 
     async def exists(self, path: str) -> bool:
         """Whether ``path`` exists."""
@@ -382,14 +385,14 @@ class AsyncFiles:
         """Create directory ``path`` and its parents (no error if it exists)."""
         _check_path(path)
         r = await self._changing("POST", "/files/mkdir", json={"path": path})
-        return FileInfo.model_validate(r.json())
+        return FileInfo.model_validate(r.json(), context=ANSWER)
 
     async def rename(self, src: str, dst: str) -> FileInfo:
         """Rename ``src`` to ``dst``."""
         _check_path(src)
         _check_path(dst)
         r = await self._changing("POST", "/files/rename", json={"src": src, "dst": dst})
-        return FileInfo.model_validate(r.json())
+        return FileInfo.model_validate(r.json(), context=ANSWER)
 
     async def upload_dir(
         self,
@@ -470,7 +473,7 @@ class AsyncNetwork:
         body = _policy(policy).model_dump(mode="json")
         sb = self._sandbox
         r = await sb._client._http.request("POST", sb._path("/network"), json=body)
-        sb._info = SandboxInfo.model_validate(r.json())
+        sb._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
         return sb._info
 
     async def stats(self) -> dict[str, Any]:
@@ -597,7 +600,7 @@ class AsyncSandbox:
         conn, owned = cls._client_for(client, url, api_key, transport)
         body = req.model_dump(mode="json")  # keep an explicit ttl_s=None
         r = await _post_waiting_for_image(conn, "/v1/sandboxes", body, timeout)
-        return cls(SandboxInfo.model_validate(r.json()), conn, owns_client=owned)
+        return cls(SandboxInfo.model_validate(r.json(), context=ANSWER), conn, owns_client=owned)
 
     @staticmethod
     def _request(**fields: Any) -> CreateSandboxRequest:
@@ -651,7 +654,7 @@ class AsyncSandbox:
             if owned:
                 await conn.close()
             raise
-        result = BatchCreateResult.model_validate(r.json())
+        result = BatchCreateResult.model_validate(r.json(), context=ANSWER)
         sandboxes = [cls(info, conn, owns_client=False) for info in result.sandboxes]
         return AsyncSandboxBatch(result.requested, sandboxes, result.errors, conn, owned)
 
@@ -679,7 +682,7 @@ class AsyncSandbox:
             raise InvalidRequest(f"not a sandbox id: {sandbox_id!r}", sandbox_id=str(sandbox_id))
         conn, owned = cls._client_for(client, url, api_key, transport)
         r = await conn._http.request("GET", f"/v1/sandboxes/{sandbox_id}")
-        info = SandboxInfo.model_validate(r.json())
+        info = SandboxInfo.model_validate(r.json(), context=ANSWER)
         sb = cls(info, conn, owns_client=owned, next_seq=1 if replay else info.next_seq)
         # fast-forward: the first numbered call fetches the trajectory once; repeats of
         # recorded commands are then answered from it without a round trip each
@@ -825,13 +828,13 @@ class AsyncSandbox:
     async def refresh(self) -> SandboxInfo:
         """Fetch the current state from the server and return it."""
         r = await self._client._http.request("GET", self._path())
-        self._info = SandboxInfo.model_validate(r.json())
+        self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
         return self._info
 
     async def set_ttl(self, ttl_s: float) -> SandboxInfo:
         """Kill the sandbox after ``ttl_s`` idle seconds from now."""
         r = await self._client._http.request("POST", self._path("/ttl"), json={"ttl_s": ttl_s})
-        self._info = SandboxInfo.model_validate(r.json())
+        self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
         return self._info
 
     async def pause(self, mode: str = "auto") -> SandboxInfo:
@@ -850,13 +853,13 @@ class AsyncSandbox:
         req = _validated(PauseRequest, mode=mode)
         body = None if req.mode == "auto" else req.model_dump(mode="json")
         r = await self._client._http.request("POST", self._path("/pause"), json=body)
-        self._info = SandboxInfo.model_validate(r.json())
+        self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
         return self._info
 
     async def resume(self) -> SandboxInfo:
         """Resume a paused sandbox (idempotent; a running one is left as is)."""
         r = await self._client._http.request("POST", self._path("/resume"))
-        self._info = SandboxInfo.model_validate(r.json())
+        self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
         return self._info
 
     async def snapshot(
@@ -892,7 +895,7 @@ class AsyncSandbox:
         r = await self._sequenced(
             "POST", "/snapshot", json=req.model_dump(mode="json"), timeout=timeout
         )
-        return LayerInfo.model_validate(r.json())
+        return LayerInfo.model_validate(r.json(), context=ANSWER)
 
     async def fork(
         self,
@@ -921,7 +924,7 @@ class AsyncSandbox:
         r = await self._client._http.request(
             "POST", self._path("/fork"), json=req.model_dump(mode="json"), timeout=timeout
         )
-        result = ForkResult.model_validate(r.json())
+        result = ForkResult.model_validate(r.json(), context=ANSWER)
         return [type(self)(info, self._client, owns_client=False) for info in result.sandboxes]
 
     async def migrate(
@@ -942,7 +945,7 @@ class AsyncSandbox:
         r = await self._client._http.request(
             "POST", self._path("/migrate"), json=req.model_dump(mode="json"), timeout=timeout
         )
-        result = MigrateResult.model_validate(r.json())
+        result = MigrateResult.model_validate(r.json(), context=ANSWER)
         self._info = result.sandbox
         self._next_seq = result.sandbox.next_seq or 1
         self._free_seqs = []
@@ -962,7 +965,7 @@ class AsyncSandbox:
         """Kill the sandbox (idempotent) and release this object's connections."""
         try:
             r = await self._client._http.request("DELETE", self._path())
-            self._info = SandboxInfo.model_validate(r.json())
+            self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
         finally:
             if self._owns_client:
                 await self._client.close()
