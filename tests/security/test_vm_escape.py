@@ -10,9 +10,10 @@ After every attack the sandbox must still answer an exec."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from tests.vm.conftest import VM_HOME, BusyboxImage, _build_image, new_spec
 from dsec.config import Paths
 from dsec.errors import DsecError, InvalidRequest, QuotaExceeded
 from dsec.models import ExecRequest, ExecResult
+from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS
 from dsec.runtimes.base import Handle
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive
@@ -162,9 +164,17 @@ TIERS = ("microvm", "vm")
 
 
 @pytest.fixture(scope="module")
-def image() -> BusyboxImage:
+def image() -> Iterator[BusyboxImage]:
     VM_HOME.mkdir(parents=True, exist_ok=True)
-    return _build_image(VM_HOME)
+    yield _build_image(VM_HOME)
+    # the templates' RAM files live on /dev/shm (host memory); the tiers' cgroup parents
+    for cls in (MicroVMRuntime, VMRuntime):
+        rt = cls(Paths(VM_HOME))
+        rt.remove_templates()
+        for c in CONTROLLERS:
+            for rel in (rt.cgroup_prefix, rt.cgroup_prefix.split("/")[0]):
+                with contextlib.suppress(OSError):
+                    (CGROUP_ROOT / c / rel).rmdir()
 
 
 @pytest.fixture(scope="module")
