@@ -19,6 +19,9 @@ Prints a table and writes ``benchmarks/results/vm.json``. What is measured:
   it has done two full scans and stopped merging more, at most --ksm-wait seconds). Host
   memory = the sum of the QEMUs' PSS (/proc/PID/smaps_rollup: shared template and KSM pages
   divided among the processes mapping them). The previous ksmd settings are put back.
+* exec guard (``--only exec``): the same ``echo hi`` round trip in a default sandbox (commands
+  under the guard: capability drop, rlimits, no_new_privs, seccomp filter per command) and in a
+  ``full_guest`` one, both alive, their batches interleaved, p50 of each and their ratio.
 * suspend / resume: ``suspend`` (RAM + devices to a file, QEMU exits) and the transparent
   restore (new QEMU, state loaded, clock/RNG reset, agent ready), with both transports
   (``fd``: QEMU writes the file itself; ``exec``: through a ``cat`` child), p50; and a memory
@@ -71,12 +74,12 @@ class Bench:
         self.layers = layers
         self.n = 0
 
-    def spec(self, memory_mb: int = 256) -> SandboxSpec:
+    def spec(self, memory_mb: int = 256, full_guest: bool = False) -> SandboxSpec:
         self.n += 1
         return SandboxSpec(
             id=f"sb-bench-{os.getpid()}-{self.n}", tier="microvm", layer_paths=self.layers[0],
             layer_digests=self.layers[1], cpu=1.0, memory_mb=memory_mb, disk_mb=64, pids=256,
-            env={}, user=None, workdir="/",
+            env={}, user=None, workdir="/", full_guest=full_guest,
         )  # fmt: skip
 
     async def runtime(self, **kw: Any) -> MicroVMRuntime:
@@ -311,10 +314,56 @@ def summary_rows(res: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
+async def exec_guard_section(res: dict[str, Any], b: Bench, args: Any) -> None:
+    """``echo hi`` round trips, guarded sandbox against a full guest, batches interleaved
+    (the order flips every batch) with a host CPU probe before each pair."""
+    rt = await b.runtime(templates=True, pool_size=0)
+    res["accel"], res["accel_reason"] = rt.accel, rt.accel_reason
+    hs = {
+        "guarded": await rt.create(b.spec()),
+        "full_guest": await rt.create(b.spec(full_guest=True)),
+    }
+    rtt: dict[str, list[float]] = {k: [] for k in hs}
+    probes = []
+    try:
+        for h in hs.values():
+            for _ in range(5):
+                await rt.exec(h, ExecRequest(cmd=["echo", "hi"]))
+        for i in range(args.exec_batches):
+            probes.append(host_probe_s())
+            for name in list(hs)[:: 1 if i % 2 == 0 else -1]:
+                for _ in range(10):
+                    t = time.perf_counter()
+                    r = await rt.exec(hs[name], ExecRequest(cmd=["echo", "hi"]))
+                    rtt[name].append(time.perf_counter() - t)
+                    assert r.stdout == "hi\n"
+    finally:
+        for h in hs.values():
+            await rt.destroy(h)
+        await rt.close()
+    res["exec_guard"] = {"echo_s": rtt, "host_probe_s": probes}
+
+
+def exec_guard_rows(res: dict[str, Any]) -> list[tuple[str, str, str]]:
+    g = res.get("exec_guard")
+    if not g:
+        return []
+    guarded, full = p50(g["echo_s"]["guarded"]), p50(g["echo_s"]["full_guest"])
+    probes = g["host_probe_s"]
+    return [
+        ("exec echo p50, guarded (default)", f"{guarded * 1000:.1f} ms",
+         f"{guarded / full:.2f}x the full guest's"),
+        ("exec echo p50, full_guest", f"{full * 1000:.1f} ms",
+         f"host probe {min(probes) * 1000:.0f}-{max(probes) * 1000:.0f} ms"),
+    ]  # fmt: skip
+
+
 async def partial(args: Any, b: Bench) -> None:
-    """``--only memory|suspend``: run one section, merge it into the saved results."""
+    """``--only memory|suspend|exec``: run one section, merge it into the saved results."""
     res: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    if args.only == "memory":
+    if args.only == "exec":
+        await exec_guard_section(res, b, args)
+    elif args.only == "memory":
         cold = await b.runtime(templates=False, pool_size=0)
         warm = await b.runtime(templates=True, pool_size=0)
         res["accel"], res["accel_reason"] = warm.accel, warm.accel_reason
@@ -330,7 +379,8 @@ async def partial(args: Any, b: Bench) -> None:
         for rel in (cleanup.cgroup_prefix, cleanup.cgroup_prefix.split("/")[0]):
             with contextlib.suppress(OSError):
                 (CGROUP_ROOT / c / rel).rmdir()
-    for name, value, note in summary_rows(res):
+    rows = exec_guard_rows(res) if args.only == "exec" else summary_rows(res)
+    for name, value, note in rows:
         print(f"{name:<55}  {value:>10}  {note}")
     RESULTS.write_text(json.dumps(res, indent=2))
     print(f"updated {RESULTS}")
@@ -345,7 +395,7 @@ async def main() -> None:
     ap.add_argument("--exec-batches", type=int, default=8, help="batches of 10 echo execs")
     ap.add_argument("--ksm-pages", type=int, default=4000, help="ksmd pages_to_scan")
     ap.add_argument("--ksm-wait", type=float, default=120.0, help="max wait for ksmd, s")
-    ap.add_argument("--only", choices=["all", "memory", "suspend"], default="all")
+    ap.add_argument("--only", choices=["all", "memory", "suspend", "exec"], default="all")
     args = ap.parse_args()
 
     os.environ.setdefault("DSEC_HOME", "/tmp/dsec-vmbench")

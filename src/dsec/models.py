@@ -19,7 +19,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_serializer, field_validator
+from pydantic import Field, field_serializer, field_validator, model_validator
 
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
@@ -104,6 +104,18 @@ class CreateSandboxRequest(_Model):
     network: NetworkPolicy | None = Field(
         None, description="None (default): no network at all; else the allowlist policy"
     )
+    full_guest: bool = Field(
+        False,
+        description="microvm and vm tiers only: give commands the whole guest (every "
+        "capability, device, /proc file, syscall: kernel work, penetration testing) instead "
+        "of the container tier's protections",
+    )
+
+    @model_validator(mode="after")
+    def _full_guest(self) -> CreateSandboxRequest:
+        if self.full_guest and self.tier not in ("microvm", "vm"):
+            raise ValueError(f"full_guest is for the microvm and vm tiers, not {self.tier}")
+        return self
 
     @field_validator("image")
     @classmethod

@@ -582,6 +582,7 @@ class EdgeAgent:
             workdir=req.workdir,
             labels=dict(req.labels),
             network=req.network,
+            full_guest=req.full_guest,
         )
         try:
             async with lv.lock:

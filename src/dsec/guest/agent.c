@@ -4,8 +4,24 @@
  * Started by /init (see init.sh) after the sandbox root is assembled at /newroot. It opens the
  * virtio-serial port named "agent", unlinks every /dev/vport* node (the port is also exclusive:
  * virtio_console refuses a second open with EBUSY, so guest processes cannot open or forge the
- * channel), keeps fds to the initramfs busybox and the writable-layer tmpfs, chroots into
- * /newroot and serves requests until the VM is killed.
+ * channel), keeps fds to the initramfs busybox and the writable-layer tmpfs, builds the
+ * commands' namespaces (below), enters the sandbox root and serves requests until the VM is
+ * killed.
+ *
+ * The guard (docs/design/microvm.md, "The guard"): nothing a command does may kill or stall
+ * the agent. Commands run in a PID namespace of their own, whose init is a small reaper forked
+ * from the agent ("dsec-nsinit"): the agent (PID 1 of the guest, which the kernel never
+ * OOM-kills) has no pid there, so commands cannot signal, ptrace or even name it, and a
+ * `kill -9 -1` ends their own processes only. By default (a sandbox without `full_guest`) each
+ * command also gets the container tier's protections, from /dsec/guard.policy and
+ * /dsec/guard.bpf (written by dsec.guest.guard): a mount namespace where the sandbox root is
+ * the root mount (the initramfs is out of reach), /proc of their PID namespace with the
+ * container's masked and read-only paths, a tmpfs /dev with the container's devices, /sys
+ * read-only, the container's capability bounding set, rlimits, no_new_privs and seccomp
+ * filter. A `full_guest` sandbox's commands run in a mount namespace that shows the whole guest
+ * (devtmpfs /dev, /sys, every /proc file) with every capability and no filter; they still
+ * share the PID namespace above. The agent itself lives in the mount namespace of the
+ * sandbox's mode, so the file API sees what its commands see.
  *
  * Wire format (both directions, little endian):
  *   frame  = magic u32 ("DSA1") | payload_len u32 | request_id u32 | op u16 | nargs u16 | args
@@ -26,9 +42,13 @@
 #include <ftw.h>
 #include <grp.h>
 #include <limits.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
 #include <linux/random.h>
-#include <linux/sched.h> /* struct clone_args, CLONE_INTO_CGROUP */
+#include <linux/sched.h> /* struct clone_args, CLONE_INTO_CGROUP, CLONE_NEW* */
+#include <linux/seccomp.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -37,6 +57,7 @@
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -110,6 +131,39 @@ static struct {
 } free_leaves[MAX_FREE_LEAVES]; /* empty leaves of finished commands, for the next ones */
 static int n_free_leaves;
 static struct exec_state execs[MAX_EXECS];
+
+/* The guard (see the top of this file and "the guard" below). */
+#define GUARD_POLICY "/dsec/guard.policy"
+#define GUARD_BPF "/dsec/guard.bpf"
+#define MAX_GUARD_PATHS 64
+#define MAX_GUARD_DEVS 16
+#define MAX_GUARD_RLIMITS 16
+static uint64_t guard_caps; /* capabilities kept in a guarded command's bounding set */
+static struct {
+    int res;
+    struct rlimit lim;
+} guard_rlimits[MAX_GUARD_RLIMITS];
+static int n_guard_rlimits;
+static char *guard_masked[MAX_GUARD_PATHS], *guard_readonly[MAX_GUARD_PATHS], *guard_devs[MAX_GUARD_DEVS];
+static int n_guard_masked, n_guard_readonly, n_guard_devs;
+static struct sock_fprog guard_filter; /* the container tier's seccomp filter */
+static int cap_last = 40;              /* /proc/sys/kernel/cap_last_cap */
+static char guard_error[320] = "the guard was not set up"; /* why guarded commands cannot run ("": they can) */
+static char policy_error[320] = "the guard policy was not read"; /* load_guard's error ("": none) */
+static int full_guest;                 /* this sandbox's commands run without the guard (SETUP) */
+static const char *sandbox_root = "/newroot";
+static char *argv_area;      /* the agent's argv strings (nsinit shows its own name there) */
+static size_t argv_area_len;
+static int ns_ok;                      /* the agent and its commands live in the commands' namespaces */
+static int root_mnt_fd = -1, root_pid_fd = -1;           /* the guest's own namespaces */
+static int guard_mnt_fd = -1, full_mnt_fd = -1, cmd_pid_fd = -1; /* the commands' ones */
+static pid_t nsinit_pid;                                /* init of the commands' PID namespace */
+static int guest_proc_fd = -1;                          /* the guest's own /proc (all pids) */
+static char cg_mount_opts[16];                          /* what the agent's cgroup2 mount took */
+/* vm tier (dsec.tty=1): an interactive shell on tty1, the display's console, respawned */
+static int tty_wanted;
+static pid_t tty_pid;
+static int64_t tty_started_ms, tty_respawn_ms, tty_delay_ms = 1000;
 
 static int64_t now_ms(void) {
     struct timespec ts;
@@ -200,6 +254,15 @@ static void send_err(uint32_t id, int err, const char *what) {
     char code[16], msg[PATH_MAX + 128];
     snprintf(code, sizeof code, "%d", err);
     snprintf(msg, sizeof msg, "%s: %s", what, strerror(err));
+    struct arg a[2] = {str_arg(code), str_arg(msg)};
+    send_frame(id, OP_ERR, 2, a);
+}
+
+/* EINVAL "not a regular file" (the host's InvalidRequest). */
+static void send_not_regular(uint32_t id, const char *path) {
+    char code[16], msg[PATH_MAX + 64];
+    snprintf(code, sizeof code, "%d", EINVAL);
+    snprintf(msg, sizeof msg, "not a regular file: %s", path);
     struct arg a[2] = {str_arg(code), str_arg(msg)};
     send_frame(id, OP_ERR, 2, a);
 }
@@ -384,16 +447,21 @@ static void do_file_op(uint32_t id, uint16_t op, int nargs, struct arg *a) {
     switch (op) {
     case OP_READ: {
         uint64_t max = nargs > 1 ? arg_num(&a[1], 64u << 20) : (64u << 20);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        /* non-blocking: a FIFO (or /proc/kmsg) a command put where the host reads must not
+         * hold the agent; only regular files are read, as on the container tier */
+        int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
         struct stat st;
         if (fd < 0 || fstat(fd, &st) < 0) {
             send_err(id, errno, path);
             if (fd >= 0) close(fd);
             break;
         }
-        if (S_ISDIR(st.st_mode)) {
+        if (!S_ISREG(st.st_mode)) {
             close(fd);
-            send_err(id, EISDIR, path);
+            if (S_ISDIR(st.st_mode))
+                send_err(id, EISDIR, path);
+            else
+                send_not_regular(id, path);
             break;
         }
         size_t cap = 65536, len = 0;
@@ -450,9 +518,25 @@ static void do_file_op(uint32_t id, uint16_t op, int nargs, struct arg *a) {
                 }
             }
         }
-        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
-        if (fd < 0) {
+        int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, mode);
+        struct stat st;
+        if (fd < 0 && errno == ENXIO) { /* a FIFO without a reader */
+            send_not_regular(id, path);
+            break;
+        }
+        if (fd < 0 || fstat(fd, &st) < 0) {
             send_err(id, errno, path);
+            if (fd >= 0) close(fd);
+            break;
+        }
+        if (!S_ISREG(st.st_mode)) {
+            close(fd);
+            send_not_regular(id, path);
+            break;
+        }
+        if (ftruncate(fd, 0) < 0) {
+            send_err(id, errno, path);
+            close(fd);
             break;
         }
         size_t off = 0;
@@ -551,8 +635,9 @@ static void do_file_op(uint32_t id, uint16_t op, int nargs, struct arg *a) {
 
 /* ------------------------------------------------------------------ guest cgroups
  *
- * Every command runs in its own leaf cgroup under /cgroup/cmd (cgroup2, mounted outside the
- * chroot: the sandbox's processes do not see it unless they mount cgroup2 themselves). The
+ * Every command runs in its own leaf cgroup under /cgroup/cmd (cgroup2, mounted at the
+ * initramfs root, under the sandbox root; guarded commands see the hierarchy read-only at
+ * /sys/fs/cgroup, full guests can mount it themselves). The
  * "cmd" cgroup carries the sandbox's limits: pids.max (the create request's `pids`, set by
  * SETUP) and memory.max (guest RAM minus a reserve for the kernel and this agent), so a fork
  * bomb or a memory hog is stopped inside its cgroup instead of starving the agent. The leaf
@@ -601,8 +686,10 @@ static void setup_cgroups(void) {
     mkdir("/cgroup", 0700);
     /* favordynmods: moving a process between cgroups (the fork() fallback of spawn_command)
      * does not wait for an RCU grace period */
-    if (mount("cgroup2", "/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, "favordynmods") < 0 &&
-        mount("cgroup2", "/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0 && errno != EBUSY) {
+    if (mount("cgroup2", "/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, "favordynmods") == 0) {
+        /* every later mount of the hierarchy must pass it too: each mount sets its root flags */
+        snprintf(cg_mount_opts, sizeof cg_mount_opts, "favordynmods");
+    } else if (mount("cgroup2", "/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0 && errno != EBUSY) {
         fprintf(stderr, "dsec-agent: cgroup2: %s (commands run without limits)\n", strerror(errno));
         return;
     }
@@ -658,6 +745,19 @@ static int leaf_populated(const char *name) {
     return cg_read_key(cmd_cg_fd, p, "populated") != 0;
 }
 
+/* One command's share of the pids limit (pids.max of its leaf): the sandbox's limit less a
+ * reserve (1/4, at most 8), so that a fork bomb a command left behind (setsid, daemonised: it
+ * stays in its leaf) still leaves room for the next command, a `kill -9 -1` say. 0: no limit. */
+static long long leaf_pids_max;
+
+static void set_leaf_pids(const char *leaf) {
+    char p[64], v[32];
+    if (cmd_cg_fd < 0 || leaf_pids_max <= 0) return;
+    snprintf(p, sizeof p, "%s/pids.max", leaf);
+    snprintf(v, sizeof v, "%lld", leaf_pids_max);
+    cg_write(cmd_cg_fd, p, v);
+}
+
 /* A leaf cgroup for a new command, in ``name`` ("" when none can be made): an empty one a
  * finished command left, else a new one. Reuse matters under TCG: a command's first charges
  * in a freshly made memory cgroup (and the teardown of the last one) cost ~10 ms there.
@@ -672,7 +772,10 @@ static void take_leaf(char *name, size_t len, long long *oom_base) {
     }
     *oom_base = 0;
     snprintf(name, len, "c%lu", ++exec_seq);
-    if (mkdirat(cmd_cg_fd, name, 0700) < 0) name[0] = 0;
+    if (mkdirat(cmd_cg_fd, name, 0700) < 0)
+        name[0] = 0;
+    else
+        set_leaf_pids(name);
 }
 
 /* Give back a command's leaf for a later command. Whether it is empty is checked when it is
@@ -698,14 +801,432 @@ static void kill_command(struct exec_state *e) {
     kill(e->pid, SIGKILL);
 }
 
+/* ------------------------------------------------------------------ the guard
+ *
+ * The commands' namespaces (built at boot, so every template clone has them, and again if
+ * their init ever dies):
+ *
+ *   PID namespace P    init = "dsec-nsinit", forked from the agent with CLONE_NEWPID |
+ *                      CLONE_NEWNS; it reaps orphans and nothing else. The agent stays in the
+ *                      guest's own PID namespace and makes P the namespace of its children
+ *                      (setns CLONE_NEWPID changes only pid_for_children), so every command is
+ *                      born in P and reaped by the agent as before.
+ *   mount namespace A  "full": a copy of the guest's with a procfs of P and the sandbox root
+ *                      moved onto / (as switch_root does: the initramfs, its cgroup2 mount and
+ *                      the layer disks lie under it, out of reach of any path). full_guest
+ *                      sandboxes run here.
+ *   mount namespace B  "guarded": a copy of A plus the container tier's masked and read-only
+ *                      paths, a tmpfs /dev with its devices (+ /dev/pts, /dev/shm of A), /sys
+ *                      read-only and the commands' cgroup2 read-only at /sys/fs/cgroup.
+ *
+ * nsinit builds A in its own (new) mount namespace, opens it, unshares B and builds that; the
+ * agent opens both through /proc/<nsinit>/ (A by the fd nsinit keeps open) and setns()es into
+ * the one of its sandbox's mode. Commands inherit the agent's mount namespace; a guarded
+ * command additionally applies, in its child before execve: the rlimits, the capability
+ * bounding set and capabilities, no_new_privs and the seccomp filter of the policy. */
+
+#ifndef OPEN_TREE_CLONE
+#define OPEN_TREE_CLONE 1
+#endif
+#ifndef MOVE_MOUNT_F_EMPTY_PATH
+#define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#endif
+#ifndef SYS_open_tree
+#define SYS_open_tree 428
+#endif
+#ifndef SYS_move_mount
+#define SYS_move_mount 429
+#endif
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+
+/* Read the guard's policy and filter from the initramfs (before any namespace change). */
+static void load_guard(void) {
+    FILE *f = fopen(GUARD_POLICY, "re");
+    if (!f) {
+        snprintf(policy_error, sizeof policy_error, "no guard policy (%s: %s)", GUARD_POLICY, strerror(errno));
+        return;
+    }
+    char line[PATH_MAX + 32], path[PATH_MAX];
+    int ok = 1;
+    while (ok && fgets(line, sizeof line, f)) {
+        int n;
+        long long soft, hard;
+        line[strcspn(line, "\n")] = 0;
+        if (line[0] == '#' || line[0] == 0) continue;
+        if (sscanf(line, "cap %d", &n) == 1 && n >= 0 && n < 64) {
+            guard_caps |= 1ull << n;
+        } else if (sscanf(line, "rlimit %d %lld %lld", &n, &soft, &hard) == 3 && n_guard_rlimits < MAX_GUARD_RLIMITS) {
+            guard_rlimits[n_guard_rlimits].res = n;
+            guard_rlimits[n_guard_rlimits].lim.rlim_cur = soft < 0 ? RLIM_INFINITY : (rlim_t)soft;
+            guard_rlimits[n_guard_rlimits].lim.rlim_max = hard < 0 ? RLIM_INFINITY : (rlim_t)hard;
+            n_guard_rlimits++;
+        } else if (sscanf(line, "mask %4095s", path) == 1 && n_guard_masked < MAX_GUARD_PATHS) {
+            guard_masked[n_guard_masked++] = strdup(path);
+        } else if (sscanf(line, "readonly %4095s", path) == 1 && n_guard_readonly < MAX_GUARD_PATHS) {
+            guard_readonly[n_guard_readonly++] = strdup(path);
+        } else if (sscanf(line, "dev %4095s", path) == 1 && n_guard_devs < MAX_GUARD_DEVS && !strchr(path, '/')) {
+            guard_devs[n_guard_devs++] = strdup(path);
+        } else {
+            snprintf(policy_error, sizeof policy_error, "bad line in %s: %.200s", GUARD_POLICY, line);
+            ok = 0;
+        }
+    }
+    fclose(f);
+    if (!ok) return;
+    int fd = open(GUARD_BPF, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) < 0 || st.st_size <= 0 || st.st_size % sizeof(struct sock_filter) ||
+        st.st_size > (off_t)(BPF_MAXINSNS * sizeof(struct sock_filter))) {
+        snprintf(policy_error, sizeof policy_error, "no usable seccomp filter in %s", GUARD_BPF);
+        if (fd >= 0) close(fd);
+        return;
+    }
+    struct sock_filter *prog = malloc((size_t)st.st_size);
+    ssize_t n = prog ? read(fd, prog, (size_t)st.st_size) : -1;
+    close(fd);
+    if (n != st.st_size) {
+        snprintf(policy_error, sizeof policy_error, "cannot read %s", GUARD_BPF);
+        free(prog);
+        return;
+    }
+    guard_filter.len = (unsigned short)(st.st_size / sizeof(struct sock_filter));
+    guard_filter.filter = prog;
+    fd = open("/proc/sys/kernel/cap_last_cap", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        char buf[16] = {0};
+        if (read(fd, buf, sizeof buf - 1) > 0) cap_last = atoi(buf);
+        close(fd);
+    }
+    policy_error[0] = 0;
+}
+
+/* What nsinit tells the agent once the namespaces are built (or why they are not). */
+struct ns_report {
+    int err;     /* errno of the step that failed, 0 */
+    int step;    /* NS_* of that step */
+    int guarded; /* B was built */
+    int full_fd; /* nsinit's fd of A (-1: A failed) */
+    char what[160];
+};
+
+enum { NS_OK, NS_PRIVATE, NS_PROC, NS_ROOT, NS_FULL, NS_UNSHARE, NS_DEV, NS_MASK, NS_READONLY, NS_SYS, NS_CGROUP };
+static const char *const ns_steps[] = {
+    "ok", "private mounts", "procfs of the PID namespace", "moving the sandbox root onto /",
+    "opening the full mount namespace", "unshare of the guarded mount namespace", "the commands' /dev",
+    "masking", "read-only bind", "read-only /sys", "read-only cgroup2",
+};
+
+static int in_list(char *const *list, int n, const char *p) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(list[i], p) == 0) return 1;
+    return 0;
+}
+
+/* Hide ``p`` (absent: nothing to hide): /dev/null bound over a file, an empty read-only tmpfs
+ * over a directory. */
+static int mask_path(const char *p) {
+    struct stat st;
+    if (stat(p, &st) < 0) return errno == ENOENT || errno == ENOTDIR ? 0 : -1;
+    if (S_ISDIR(st.st_mode)) return mount("tmpfs", p, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555");
+    return mount("/dev/null", p, NULL, MS_BIND, NULL);
+}
+
+static int readonly_path(const char *p) {
+    struct stat st;
+    if (stat(p, &st) < 0) return errno == ENOENT || errno == ENOTDIR ? 0 : -1;
+    if (mount(p, p, NULL, MS_BIND | MS_REC, NULL) < 0) return -1;
+    return mount(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+}
+
+/* Replace /dev (the guest's devtmpfs: every device, the layer and writable disks among them)
+ * by a tmpfs holding the policy's devices (and tty1, the vm tier's console), /dev/pts and
+ * /dev/shm (the same instances the agent's view has) and the usual symlinks. */
+static int make_guarded_dev(void) {
+    struct {
+        const char *name;
+        dev_t rdev;
+        mode_t mode;
+    } nodes[MAX_GUARD_DEVS + 1];
+    int n = 0;
+    char p[64];
+    for (int i = 0; i <= n_guard_devs; i++) {
+        const char *name = i < n_guard_devs ? guard_devs[i] : tty_wanted ? "tty1" : NULL;
+        struct stat st;
+        if (!name) continue;
+        snprintf(p, sizeof p, "/dev/%s", name);
+        if (stat(p, &st) < 0 || !S_ISCHR(st.st_mode)) continue;
+        nodes[n].name = name;
+        nodes[n].rdev = st.st_rdev;
+        nodes[n++].mode = st.st_mode & 0777;
+    }
+    int pts = (int)syscall(SYS_open_tree, AT_FDCWD, "/dev/pts", OPEN_TREE_CLONE | O_CLOEXEC);
+    int shm = (int)syscall(SYS_open_tree, AT_FDCWD, "/dev/shm", OPEN_TREE_CLONE | O_CLOEXEC);
+    if (pts < 0 || shm < 0) return -1;
+    if (umount2("/dev", MNT_DETACH) < 0) return -1;
+    if (mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_STRICTATIME, "mode=755,size=65536k") < 0) return -1;
+    for (int i = 0; i < n; i++) {
+        snprintf(p, sizeof p, "/dev/%s", nodes[i].name);
+        if (mknod(p, S_IFCHR | nodes[i].mode, nodes[i].rdev) < 0) return -1;
+    }
+    if (mkdir("/dev/pts", 0755) < 0 || mkdir("/dev/shm", 01777) < 0) return -1;
+    if (syscall(SYS_move_mount, pts, "", AT_FDCWD, "/dev/pts", MOVE_MOUNT_F_EMPTY_PATH) < 0) return -1;
+    if (syscall(SYS_move_mount, shm, "", AT_FDCWD, "/dev/shm", MOVE_MOUNT_F_EMPTY_PATH) < 0) return -1;
+    close(pts);
+    close(shm);
+    static const char *const links[][2] = {
+        {"pts/ptmx", "/dev/ptmx"},          {"/proc/self/fd", "/dev/fd"},
+        {"/proc/self/fd/0", "/dev/stdin"}, {"/proc/self/fd/1", "/dev/stdout"},
+        {"/proc/self/fd/2", "/dev/stderr"},
+    };
+    for (size_t i = 0; i < sizeof links / sizeof links[0]; i++)
+        if (symlink(links[i][0], links[i][1]) < 0) return -1;
+    return 0;
+}
+
+/* The init of the commands' PID namespace (forked by make_namespaces, in a new mount
+ * namespace). Builds A and B, reports on ``report_fd``, then only reaps orphans. Signals: all
+ * blocked, and as the init of its namespace the kernel drops those its namespace sends it
+ * (SIGKILL too); it is outside the commands' cgroup and has oom_score_adj -1000. */
+static void nsinit_main(int report_fd) {
+    struct ns_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.full_fd = -1;
+    if (report_fd > 3) syscall(SYS_close_range, 3, report_fd - 1, 0);
+    syscall(SYS_close_range, report_fd + 1, ~0u, 0);
+    prctl(PR_SET_NAME, "dsec-nsinit", 0, 0, 0);
+    if (argv_area && argv_area_len > sizeof "dsec-nsinit") { /* its /proc/1/cmdline */
+        memset(argv_area, 0, argv_area_len);
+        memcpy(argv_area, "dsec-nsinit", sizeof "dsec-nsinit");
+    }
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);
+    umask(0);
+    int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (write(fd, "-1000", 5) < 0) { /* best effort */
+        }
+        close(fd);
+    }
+    char p[PATH_MAX];
+#define NS_STEP(s, expr)                                                                                       \
+    do {                                                                                                       \
+        if ((expr) < 0) {                                                                                      \
+            rep.err = errno ? errno : EINVAL;                                                                  \
+            rep.step = (s);                                                                                    \
+            goto report;                                                                                       \
+        }                                                                                                      \
+    } while (0)
+    NS_STEP(NS_PRIVATE, mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL));
+    snprintf(p, sizeof p, "%s/proc", sandbox_root);
+    umount2(p, MNT_DETACH); /* the guest's procfs: it would show the agent */
+    NS_STEP(NS_PROC, mount("proc", p, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL));
+    NS_STEP(NS_ROOT, chdir(sandbox_root));
+    NS_STEP(NS_ROOT, mount(".", "/", NULL, MS_MOVE, NULL));
+    NS_STEP(NS_ROOT, chroot("."));
+    NS_STEP(NS_ROOT, chdir("/"));
+    NS_STEP(NS_FULL, rep.full_fd = open("/proc/self/ns/mnt", O_RDONLY)); /* keeps A alive */
+    if (policy_error[0]) goto report; /* no policy: only A */
+    NS_STEP(NS_UNSHARE, unshare(CLONE_NEWNS));
+    NS_STEP(NS_DEV, make_guarded_dev());
+    for (int i = 0; i < n_guard_masked; i++) {
+        snprintf(rep.what, sizeof rep.what, "%s", guard_masked[i]);
+        NS_STEP(NS_MASK, mask_path(guard_masked[i]));
+    }
+    for (int i = 0; i < n_guard_readonly; i++) {
+        if (in_list(guard_masked, n_guard_masked, guard_readonly[i])) continue; /* /dev/null already */
+        snprintf(rep.what, sizeof rep.what, "%s", guard_readonly[i]);
+        NS_STEP(NS_READONLY, readonly_path(guard_readonly[i]));
+    }
+    rep.what[0] = 0;
+    NS_STEP(NS_SYS, mount(NULL, "/sys", NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL));
+    struct stat st;
+    if (cmd_cg_fd >= 0 && stat("/sys/fs/cgroup", &st) == 0 && S_ISDIR(st.st_mode))
+        NS_STEP(NS_CGROUP, mount("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                                 cg_mount_opts[0] ? cg_mount_opts : NULL));
+    rep.guarded = 1;
+#undef NS_STEP
+report:
+    if (write(report_fd, &rep, sizeof rep) < 0) _exit(1);
+    close(report_fd);
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (null >= 0) {
+        dup2(null, 0);
+        dup2(null, 1);
+        dup2(null, 2);
+    }
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    for (;;) {
+        while (waitpid(-1, NULL, WNOHANG | __WALL) > 0) {
+        }
+        sigwaitinfo(&chld, NULL);
+    }
+}
+
+/* Enter the commands' mount namespace of this sandbox's mode (the agent's file API and its
+ * children then see what commands see). */
+static int enter_commands_ns(void) {
+    if (!ns_ok) return 0;
+    int fd = full_guest || guard_mnt_fd < 0 ? full_mnt_fd : guard_mnt_fd;
+    if (setns(fd, CLONE_NEWNS) < 0) {
+        snprintf(guard_error, sizeof guard_error, "entering the commands' mount namespace: %s", strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+static int open_proc_of(pid_t pid, const char *what) {
+    char p[64];
+    snprintf(p, sizeof p, "/proc/%d/%s", (int)pid, what);
+    return open(p, O_RDONLY | O_CLOEXEC);
+}
+
+/* (Re)build the commands' namespaces. On success the agent's children are born in the new PID
+ * namespace and the agent is in the mount namespace of its mode; returns 0. On failure the agent
+ * is in the guest's own namespaces at the initramfs root, guard_error says why, returns -1. */
+static int make_namespaces(void) {
+    ns_ok = 0;
+    if (root_mnt_fd < 0 || root_pid_fd < 0 || setns(root_mnt_fd, CLONE_NEWNS) < 0 || setns(root_pid_fd, CLONE_NEWPID) < 0) {
+        snprintf(guard_error, sizeof guard_error, "the guest's own namespaces: %s", strerror(errno));
+        return -1;
+    }
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) < 0) {
+        snprintf(guard_error, sizeof guard_error, "pipe: %s", strerror(errno));
+        return -1;
+    }
+    /* a fork (no new stack) into a new PID and mount namespace: only system calls follow */
+    pid_t pid = (pid_t)syscall(SYS_clone, (unsigned long)(CLONE_NEWPID | CLONE_NEWNS | SIGCHLD), NULL, NULL, NULL, 0);
+    if (pid == 0) {
+        close(p[0]);
+        nsinit_main(p[1]);
+        _exit(0);
+    }
+    close(p[1]);
+    struct ns_report rep;
+    ssize_t n = -1;
+    if (pid > 0) {
+        do n = read(p[0], &rep, sizeof rep);
+        while (n < 0 && errno == EINTR);
+    }
+    close(p[0]);
+    if (pid < 0 || n != (ssize_t)sizeof rep || rep.full_fd < 0) {
+        if (pid < 0)
+            snprintf(guard_error, sizeof guard_error, "the commands' PID namespace: %s", strerror(errno));
+        else if (n != (ssize_t)sizeof rep)
+            snprintf(guard_error, sizeof guard_error, "the commands' namespace init died while building them");
+        else
+            snprintf(guard_error, sizeof guard_error, "the commands' namespaces: %s: %s", ns_steps[rep.step], strerror(rep.err));
+        if (pid > 0) kill(pid, SIGKILL); /* reaped by reap() */
+        return -1;
+    }
+    char fdname[32];
+    snprintf(fdname, sizeof fdname, "fd/%d", rep.full_fd);
+    int pid_fd = open_proc_of(pid, "ns/pid"), full_fd = open_proc_of(pid, fdname);
+    int guarded_fd = rep.guarded ? open_proc_of(pid, "ns/mnt") : -1;
+    if (pid_fd < 0 || full_fd < 0 || (rep.guarded && guarded_fd < 0) || setns(pid_fd, CLONE_NEWPID) < 0) {
+        snprintf(guard_error, sizeof guard_error, "opening the commands' namespaces: %s", strerror(errno));
+        if (pid_fd >= 0) close(pid_fd);
+        if (full_fd >= 0) close(full_fd);
+        if (guarded_fd >= 0) close(guarded_fd);
+        setns(root_pid_fd, CLONE_NEWPID);
+        kill(pid, SIGKILL);
+        return -1;
+    }
+    if (cmd_pid_fd >= 0) close(cmd_pid_fd);
+    if (full_mnt_fd >= 0) close(full_mnt_fd);
+    if (guard_mnt_fd >= 0) close(guard_mnt_fd);
+    cmd_pid_fd = pid_fd;
+    full_mnt_fd = full_fd;
+    guard_mnt_fd = guarded_fd;
+    nsinit_pid = pid;
+    if (rep.guarded)
+        guard_error[0] = 0;
+    else if (policy_error[0])
+        snprintf(guard_error, sizeof guard_error, "%s", policy_error);
+    else
+        snprintf(guard_error, sizeof guard_error, "the guarded mount namespace: %s%s%s: %s", ns_steps[rep.step],
+                 rep.what[0] ? " " : "", rep.what, strerror(rep.err));
+    ns_ok = 1;
+    if (enter_commands_ns() < 0) {
+        ns_ok = 0;
+        setns(root_mnt_fd, CLONE_NEWNS);
+        setns(root_pid_fd, CLONE_NEWPID);
+        return -1;
+    }
+    return 0;
+}
+
+/* Without the commands' namespaces (they could not be built): the agent chroots into the
+ * sandbox root as it did before they existed; only full_guest commands can run. */
+static void enter_root_without_namespaces(void) {
+    if (chdir(sandbox_root) < 0 || chroot(".") < 0 || chdir("/") < 0)
+        fprintf(stderr, "dsec-agent: chroot %s: %s\n", sandbox_root, strerror(errno));
+}
+
+/* The namespaces again if their init died (a full guest can kill it: sysrq, a module): the
+ * kernel then killed every process in them, and no process can be born there any more. */
+static void ensure_namespaces(void) {
+    if (!ns_ok || nsinit_pid > 0) return;
+    fprintf(stderr, "dsec-agent: the commands' namespaces ended; building them again\n");
+    if (make_namespaces() < 0) {
+        fprintf(stderr, "dsec-agent: %s\n", guard_error);
+        enter_root_without_namespaces();
+    }
+}
+
 /* ------------------------------------------------------------------ setup after boot/restore */
+
+/* Resize the writable layer (the tmpfs at /rw of the initramfs) to ``disk_mb`` MiB. A remount
+ * must come from the mount namespace holding the mount: the guest's own. Returns 0 or -errno. */
+static int remount_upper(long disk_mb) {
+    char opts[64];
+    snprintf(opts, sizeof opts, "size=%ldm", disk_mb);
+    if (!ns_ok) {
+        char target[64];
+        if (upper_fd < 0) return -ENOENT;
+        snprintf(target, sizeof target, "/proc/self/fd/%d", upper_fd);
+        return mount(NULL, target, NULL, MS_REMOUNT, opts) < 0 ? -errno : 0;
+    }
+    if (setns(root_mnt_fd, CLONE_NEWNS) < 0) return -errno;
+    int r = mount(NULL, "/rw", NULL, MS_REMOUNT, opts) < 0 ? -errno : 0;
+    if (enter_commands_ns() < 0) { /* never left in the guest's own view: commands would inherit it */
+        ns_ok = 0;
+        fprintf(stderr, "dsec-agent: %s\n", guard_error);
+        enter_root_without_namespaces();
+        if (r == 0) r = -EIO;
+    }
+    return r;
+}
+
+static void restart_tty(void);
 
 static void do_setup(uint32_t id, int nargs, struct arg *a) {
     /* args: unix time ns, random seed, hostname, writable layer MiB (0 = keep)
-     *       [, pids limit of the commands (0 = keep) [, their memory limit in MiB (0 = keep)]] */
+     *       [, pids limit of the commands (0 = keep) [, their memory limit in MiB (0 = keep)
+     *       [, full guest: "1" (commands without the guard), "0" (with it), "" (keep)]]] */
     if (nargs < 4) {
         send_err(id, EINVAL, "setup needs time, seed, hostname, disk_mb");
         return;
+    }
+    if (nargs > 6 && a[6].n > 0) {
+        int want = a[6].p[0] == '1';
+        if (!want && full_guest) {
+            send_err(id, EPERM, "a full guest cannot have the guard back (its commands had the whole guest)");
+            return;
+        }
+        if (want && !full_guest) {
+            full_guest = 1;
+            if (enter_commands_ns() < 0) {
+                send_err(id, errno, guard_error);
+                return;
+            }
+            restart_tty();
+        }
     }
     char *t = arg_str(&a[0]);
     long long ns = t ? strtoll(t, NULL, 10) : 0;
@@ -737,12 +1258,10 @@ static void do_setup(uint32_t id, int nargs, struct arg *a) {
     char *d = arg_str(&a[3]);
     long disk_mb = d ? atol(d) : 0;
     free(d);
-    if (disk_mb > 0 && upper_fd >= 0) {
-        char target[64], opts[64];
-        snprintf(target, sizeof target, "/proc/self/fd/%d", upper_fd);
-        snprintf(opts, sizeof opts, "size=%ldm", disk_mb);
-        if (mount(NULL, target, NULL, MS_REMOUNT, opts) < 0) {
-            send_err(id, errno, "remount writable layer");
+    if (disk_mb > 0) {
+        int r = remount_upper(disk_mb);
+        if (r < 0) {
+            send_err(id, -r, "remount writable layer");
             return;
         }
     }
@@ -756,6 +1275,10 @@ static void do_setup(uint32_t id, int nargs, struct arg *a) {
                 send_err(id, -r, "pids.max");
                 return;
             }
+            long long reserve = (long long)pids / 4 > 8 ? 8 : (long long)pids / 4;
+            leaf_pids_max = (long long)pids - (reserve < 1 ? 1 : reserve);
+            for (int i = 0; i < n_free_leaves; i++) set_leaf_pids(free_leaves[i].name);
+            set_leaf_pids("tty");
         }
     }
     if (nargs > 5 && cmd_cg_fd >= 0) {
@@ -834,6 +1357,8 @@ struct child_ctx {
     int exe_fd;         /* execute this file (busybox for tool commands), else search PATH */
     const char *cgroup; /* leaf to join by writing cgroup.procs (when not born into it) */
     int placed;         /* born in the leaf (clone3 CLONE_INTO_CGROUP) */
+    int guard;          /* apply the guard's rlimits, capabilities, no_new_privs and filter */
+    int ctty;           /* make fd 0 (a terminal) the controlling terminal */
 };
 
 /* execvp() with the PATH of ``envp`` (not of this process) and no writes to shared memory:
@@ -884,10 +1409,19 @@ static int exec_search(const char *file, char **argv, char **envp) {
     return seen_eacces && err == ENOENT ? EACCES : err;
 }
 
+/* A command that cannot start: say why on its stderr; 126 is its exit code. */
+static int child_fail(const char *what) {
+    dprintf(2, "dsec: %s: %s\n", what, strerror(errno));
+    return 126;
+}
+
 /* The child of a command, from birth to execve. Runs on its own stack in the agent's memory
  * when spawned with CLONE_VM (the agent is stopped until the execve): only system calls and
  * local variables here, nothing that writes the agent's globals or heap. Returns the exit code
- * when the command cannot start. */
+ * when the command cannot start. A guarded command (not full_guest) also gets the guard's
+ * rlimits, capability bounding set and capabilities, no_new_privs and seccomp filter; it is
+ * already in the commands' namespaces (born in their PID namespace, in the agent's mount
+ * namespace of the guarded view). */
 static int command_child(void *arg) {
     struct child_ctx *cx = arg;
     sigset_t all;
@@ -902,15 +1436,34 @@ static int command_child(void *arg) {
     dup2(cx->fd_in, 0);
     dup2(cx->fd_out, 1);
     dup2(cx->fd_err, 2);
+    setpriority(PRIO_PROCESS, 0, 0); /* the agent runs at -20 */
+    if (cx->ctty && ioctl(0, TIOCSCTTY, 1) < 0) return child_fail("controlling terminal");
     if (chdir(cx->cwd) < 0) {
         dprintf(2, "dsec: cwd %s: %s\n", cx->cwd, strerror(errno));
         return 126;
+    }
+    if (cx->guard) { /* the order of dsec_execd (the container tier) */
+        for (int i = 0; i < n_guard_rlimits; i++)
+            if (setrlimit(guard_rlimits[i].res, &guard_rlimits[i].lim) < 0) return child_fail("guard: rlimit");
+        for (int c = 0; c <= cap_last; c++)
+            if (!(guard_caps & (1ull << c)) && prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL)
+                return child_fail("guard: capability bounding set");
     }
     if (cx->uid != 0 || cx->gid != 0) {
         if (setgroups(0, NULL) < 0 || setgid(cx->gid) < 0 || setuid(cx->uid) < 0) {
             dprintf(2, "dsec: set user %s: %s\n", cx->user, strerror(errno));
             return 126;
         }
+    }
+    if (cx->guard) {
+        struct __user_cap_header_struct h = {_LINUX_CAPABILITY_VERSION_3, 0};
+        struct __user_cap_data_struct d[2];
+        uint64_t caps = cx->uid == 0 ? guard_caps : 0;
+        for (int i = 0; i < 2; i++) d[i].effective = d[i].permitted = d[i].inheritable = (uint32_t)(caps >> (32 * i));
+        if (syscall(SYS_capset, &h, d) < 0) return child_fail("guard: capset");
+        prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) return child_fail("guard: no_new_privs");
+        if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &guard_filter, 0, 0) < 0) return child_fail("guard: seccomp");
     }
     int err;
     if (cx->exe_fd >= 0) {
@@ -981,6 +1534,99 @@ static pid_t spawn_command(struct child_ctx *cx, int cgroup_fd) {
     return p;
 }
 
+/* Whether the commands' PID namespace is going away: its init was killed (a full guest can)
+ * and waits until every other process of it is gone; no process can be born there then. */
+static int nsinit_exiting(void) {
+    char p[32], buf[512];
+    if (nsinit_pid <= 0) return 1;
+    snprintf(p, sizeof p, "%d/stat", (int)nsinit_pid);
+    int fd = openat(guest_proc_fd, p, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 1;
+    buf[n] = 0;
+    char *q = strrchr(buf, ')');
+    char state = 0;
+    unsigned long flags = 0;
+    if (!q || sscanf(q + 1, " %c %*d %*d %*d %*d %*d %lu", &state, &flags) != 2) return 0;
+    return state == 'Z' || state == 'X' || (flags & 0x4); /* PF_EXITING */
+}
+
+/* spawn_command, building the commands' namespaces again first if they are going away (the
+ * birth fails with ENOMEM there). */
+static pid_t spawn_in_namespaces(struct child_ctx *cx, int leaf_fd) {
+    pid_t pid = spawn_command(cx, leaf_fd);
+    if (pid < 0 && errno == ENOMEM && ns_ok && nsinit_exiting()) {
+        nsinit_pid = 0; /* the old init is reaped later as an unknown child */
+        ensure_namespaces();
+        if (cx->guard && guard_error[0]) {
+            errno = EPERM;
+            return -1;
+        }
+        pid = spawn_command(cx, leaf_fd);
+    }
+    return pid;
+}
+
+/* ------------------------------------------------------------------ the console shell (vm tier)
+ *
+ * With dsec.tty=1 the display's console (tty1) runs an interactive shell, a command like any
+ * other: in the commands' namespaces, under the guard unless the sandbox is a full guest, in the
+ * leaf cgroup "tty" (the commands' memory and pids limits). It is respawned when it ends (after
+ * 1 s, doubling up to 60 s while it keeps ending within 5 s) and restarted when the sandbox
+ * becomes a full guest. */
+
+static void spawn_tty(void) {
+    if (!tty_wanted || tty_pid > 0) return;
+    ensure_namespaces();
+    int64_t now = now_ms();
+    tty_respawn_ms = now + tty_delay_ms;
+    if (!full_guest && guard_error[0]) return;
+    int fd = open("/dev/tty1", O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (fd < 0) return;
+    int leaf_fd = -1;
+    if (cmd_cg_fd >= 0) {
+        if (mkdirat(cmd_cg_fd, "tty", 0700) == 0) set_leaf_pids("tty");
+        leaf_fd = openat(cmd_cg_fd, "tty", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    }
+    static char *argv[] = {"/bin/sh", "-i", NULL};
+    static char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root",
+                           "TERM=linux", NULL};
+    struct child_ctx cx = {
+        .fd_in = fd, .fd_out = fd, .fd_err = fd, .cwd = "/", .user = "root", .argv = argv, .envp = envp,
+        .exe_fd = -1, .cgroup = leaf_fd >= 0 ? "tty" : NULL, .guard = !full_guest, .ctty = 1,
+    };
+    pid_t pid = spawn_in_namespaces(&cx, leaf_fd);
+    if (leaf_fd >= 0) close(leaf_fd);
+    close(fd);
+    if (pid > 0) {
+        tty_pid = pid;
+        tty_started_ms = now;
+    }
+}
+
+/* The console shell ended (reap). */
+static void tty_ended(void) {
+    int64_t now = now_ms();
+    tty_pid = 0;
+    tty_delay_ms = now - tty_started_ms < 5000 ? (tty_delay_ms * 2 > 60000 ? 60000 : tty_delay_ms * 2) : 1000;
+    tty_respawn_ms = now + tty_delay_ms;
+}
+
+/* Kill the console shell (and what it started) and start it again now (the mode changed). */
+static void restart_tty(void) {
+    if (!tty_wanted) return;
+    if (cmd_cg_fd >= 0) cg_write(cmd_cg_fd, "tty/cgroup.kill", "1");
+    if (tty_pid > 0) {
+        kill(-tty_pid, SIGKILL);
+        kill(tty_pid, SIGKILL);
+    }
+    tty_pid = 0; /* the old one is reaped as an unknown child */
+    tty_delay_ms = 1000;
+    spawn_tty();
+}
+
 static struct exec_state *exec_by_id(uint32_t id) {
     for (int i = 0; i < MAX_EXECS; i++)
         if (execs[i].used && execs[i].id == id) return &execs[i];
@@ -1029,6 +1675,16 @@ static void do_exec(uint32_t id, int nargs, struct arg *a) {
         send_err(id, -ur, "unknown user");
         goto out;
     }
+    ensure_namespaces();
+    if (!full_guest && guard_error[0]) { /* never a guarded sandbox's command without its guard */
+        char msg[400];
+        snprintf(msg, sizeof msg, "the guard of this sandbox's commands is unavailable (%s)", guard_error);
+        char code[16];
+        snprintf(code, sizeof code, "%d", EPERM);
+        struct arg ea[2] = {str_arg(code), str_arg(msg)};
+        send_frame(id, OP_ERR, 2, ea);
+        goto out;
+    }
     if (pipe2(p_out, O_CLOEXEC) < 0 || pipe2(p_err, O_CLOEXEC) < 0 || pipe2(p_in, O_CLOEXEC) < 0) {
         send_err(id, errno, "pipe");
         goto out;
@@ -1043,9 +1699,9 @@ static void do_exec(uint32_t id, int nargs, struct arg *a) {
     struct child_ctx cx = {
         .fd_in = p_in[0], .fd_out = p_out[1], .fd_err = p_err[1], .cwd = cwd && *cwd ? cwd : "/",
         .user = user, .uid = uid, .gid = gid, .argv = argv, .envp = envp,
-        .exe_fd = tool ? busybox_fd : -1, .cgroup = leaf[0] ? leaf : NULL,
+        .exe_fd = tool ? busybox_fd : -1, .cgroup = leaf[0] ? leaf : NULL, .guard = !full_guest,
     };
-    pid_t pid = spawn_command(&cx, leaf_fd);
+    pid_t pid = spawn_in_namespaces(&cx, leaf_fd);
     if (leaf_fd >= 0) close(leaf_fd);
     if (pid < 0) {
         int err = errno;
@@ -1160,6 +1816,14 @@ static void reap(void) {
         int status;
         pid_t pid = waitpid(-1, &status, WNOHANG);
         if (pid <= 0) return;
+        if (pid == nsinit_pid) {
+            nsinit_pid = 0; /* rebuilt before the next command (ensure_namespaces) */
+            continue;
+        }
+        if (pid == tty_pid) {
+            tty_ended();
+            continue;
+        }
         for (int i = 0; i < MAX_EXECS; i++) {
             if (execs[i].used && execs[i].pid == pid && !execs[i].exited) {
                 execs[i].exited = 1;
@@ -1353,9 +2017,35 @@ static int launch(int argc, char **argv) {
     return 127;
 }
 
+/* Whether the kernel command line has the word ``word``. */
+static int cmdline_has(const char *word) {
+    char buf[4096];
+    int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    size_t len = strlen(word);
+    for (char *p = buf; (p = strstr(p, word)) != NULL; p += len)
+        if ((p == buf || p[-1] == ' ') && (p[len] == 0 || p[len] == ' ' || p[len] == '\n')) return 1;
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "--launch") == 0) return launch(argc, argv);
-    const char *root = argc > 1 ? argv[1] : "/newroot";
+    if (argc > 1) sandbox_root = strdup(argv[1]); /* nsinit overwrites the argv strings */
+    argv_area = argv[0];
+    argv_area_len = (size_t)(argv[argc - 1] + strlen(argv[argc - 1]) + 1 - argv[0]);
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* inherited by the commands' namespace init */
+    /* PID 1 shares its root and cwd (fs_struct) with the kernel's threads; setns() into a mount
+     * namespace needs a private one. The kernel threads keep the initramfs root: the helpers the
+     * kernel runs as root (modprobe on a module request, a core_pattern pipe) are never looked
+     * up in the sandbox root, where a command could have put its own. */
+    if (unshare(CLONE_FS) < 0) fprintf(stderr, "dsec-agent: unshare(CLONE_FS): %s\n", strerror(errno));
+    /* the agent first whenever it has work, however busy the commands keep the vCPUs (each
+     * command starts at nice 0 again) */
+    setpriority(PRIO_PROCESS, 0, -20);
 
     port_fd = open_agent_port();
     if (port_fd < 0) {
@@ -1366,11 +2056,18 @@ int main(int argc, char **argv) {
     setup_cgroups();
     busybox_fd = open("/bin/busybox", O_RDONLY | O_CLOEXEC);
     upper_fd = open("/rw", O_PATH | O_CLOEXEC);
-    if (chdir(root) < 0 || chroot(".") < 0 || chdir("/") < 0) {
-        fprintf(stderr, "dsec-agent: chroot %s: %s\n", root, strerror(errno));
-        return 1;
+    tty_wanted = cmdline_has("dsec.tty=1");
+    if (cmdline_has("dsec.bpf_jit=0")) { /* under TCG: see _kernel_args in runtime.py */
+        int fd = open("/proc/sys/net/core/bpf_jit_enable", O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            if (write(fd, "0", 1) < 0) fprintf(stderr, "dsec-agent: bpf_jit_enable: %s\n", strerror(errno));
+            close(fd);
+        }
     }
-    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    load_guard();
+    guest_proc_fd = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    root_mnt_fd = open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
+    root_pid_fd = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
 
     sigset_t mask;
     sigemptyset(&mask);
@@ -1381,6 +2078,12 @@ int main(int argc, char **argv) {
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);
     int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+
+    if (make_namespaces() < 0) {
+        fprintf(stderr, "dsec-agent: %s; only full_guest sandboxes can run commands\n", guard_error);
+        enter_root_without_namespaces();
+    }
+    spawn_tty();
 
     struct pollfd pfds[2 + 3 * MAX_EXECS];
     struct exec_state *owner[2 + 3 * MAX_EXECS];
@@ -1419,6 +2122,7 @@ int main(int argc, char **argv) {
             int64_t t = e->exited ? e->exit_ms + DRAIN_GRACE_MS : e->deadline_ms;
             if (t > 0 && (wake < 0 || t < wake)) wake = t;
         }
+        if (tty_wanted && tty_pid == 0 && (wake < 0 || tty_respawn_ms < wake)) wake = tty_respawn_ms;
         int timeout = wake < 0 ? -1 : (int)(wake > now ? wake - now : 0);
         out_flush();
         int r = poll(pfds, (nfds_t)n, timeout);
@@ -1454,6 +2158,7 @@ int main(int argc, char **argv) {
         }
         reap();
         now = now_ms();
+        if (tty_wanted && tty_pid == 0 && now >= tty_respawn_ms) spawn_tty();
         for (int i = 0; i < MAX_EXECS; i++) {
             struct exec_state *e = &execs[i];
             if (!e->used) continue;

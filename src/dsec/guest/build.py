@@ -12,7 +12,9 @@ What gets built, once per (kernel package, agent source, init script), under
     under TCG against 4.5-5.2 s for a bzImage (MACHINE.md).
 ``initramfs.cpio``
     An uncompressed cpio (newc) archive written here in Python: ``/init`` (init.sh, run by
-    the host's static busybox), ``/bin/busybox``, ``/agent`` and the modules the guest needs
+    the host's static busybox), ``/bin/busybox``, ``/agent``, the guard of the sandbox's
+    commands (``/dsec/guard.policy`` and ``/dsec/guard.bpf``, :mod:`dsec.guest.guard`) and
+    the modules the guest needs
     (virtio-mmio/pci, virtio-blk, virtio-console, erofs, overlay and their dependencies from
     ``modules.dep``, e.g. libcrc32c) in load order (``/modules.order``). Uncompressed because
     decompression under TCG costs more than reading a few MB.
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.errors import SandboxError, TierUnavailable
+from dsec.guest.guard import guard_files
 
 __all__ = [
     "GUEST_MODULES",
@@ -71,7 +74,7 @@ GUEST_MODULES = (
     "erofs",
     "overlay",
 )
-_BUILD_FORMAT = "4"  # bump when the layout of the artifacts changes
+_BUILD_FORMAT = "5"  # bump when the layout of the artifacts changes
 _SRC_DIR = Path(__file__).resolve().parent
 
 
@@ -360,6 +363,8 @@ def _sources_hash(package: str, version: str) -> str:
     h.update(f"{_BUILD_FORMAT}\0{package}\0{version}\0".encode())
     for name in ("agent.c", "init.sh"):
         h.update((_SRC_DIR / name).read_bytes())
+    for name, data in sorted(guard_files().items()):  # the commands' guard (dsec.guest.guard)
+        h.update(f"{name}\0{len(data)}\0".encode() + data)
     busybox = shutil.which("busybox") or "/bin/busybox"
     with contextlib.suppress(OSError):
         st = os.stat(busybox)
@@ -470,8 +475,10 @@ def _build(deb: Path, out: Path, busybox: Path) -> str:
     if missing:
         raise SandboxError(f"{deb.name} lacks the modules {missing} (built in is not expected)")
     entries: list[tuple[str, int, bytes, int]] = []
-    for d in ("bin", "dev", "proc", "sys", "newroot", "rw", "layers", "lib", "lib/modules"):
+    for d in ("bin", "dev", "proc", "sys", "newroot", "rw", "layers", "lib", "lib/modules", "dsec"):
         entries.append((d, stat.S_IFDIR | 0o755, b"", 0))
+    for name, data in sorted(guard_files().items()):
+        entries.append((name, stat.S_IFREG | 0o644, data, 0))
     entries.append(("dev/console", stat.S_IFCHR | 0o600, b"", os.makedev(5, 1)))
     entries.append(("init", stat.S_IFREG | 0o755, (_SRC_DIR / "init.sh").read_bytes(), 0))
     entries.append(("bin/busybox", stat.S_IFREG | 0o755, busybox.read_bytes(), 0))

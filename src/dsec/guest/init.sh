@@ -6,7 +6,8 @@
 #   dsec.layers=N     number of layer disks (virtio-blk serial "layer0".."layerN-1", bottom first)
 #   dsec.disk_mb=M    size of the writable layer (tmpfs), MiB; ignored when a disk with serial
 #                     "upper" exists (the vm tier): that ext4 disk is the writable layer
-#   dsec.tty=1        also run an interactive shell on the VGA console tty1 (vm tier display)
+#   dsec.tty=1        the VGA console tty1 shows an interactive shell (vm tier display; the
+#                     agent starts it)
 # Any failure prints "dsec-init: FAILED ..." on the console and reboots, which with -no-reboot ends QEMU (the host sees QEMU
 # exit and reports the console tail).
 /bin/busybox mkdir -p /proc /sys /dev /newroot /rw /layers
@@ -81,9 +82,8 @@ for d in proc sys dev tmp run; do /bin/busybox mkdir -p "/newroot/$d"; done
 /bin/busybox mount -t tmpfs -o mode=0755 tmpfs /newroot/run
 /bin/busybox hostname sandbox
 if [ "$tty" = "1" ] && [ -e /dev/tty1 ]; then
+    # the agent runs the console's shell (a command like any other: under the guard)
     /bin/busybox dmesg -n 1
     /bin/busybox printf '\033[H\033[J' > /dev/tty1
-    /bin/busybox setsid /bin/busybox sh -c \
-        'exec /bin/busybox chroot /newroot /bin/sh -i </dev/tty1 >/dev/tty1 2>&1' &
 fi
 exec /agent /newroot

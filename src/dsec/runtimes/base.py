@@ -48,6 +48,8 @@ class SandboxSpec:
     hostname: str = "sandbox"
     labels: dict[str, str] = field(default_factory=dict)
     network: Any = None  # a dsec.network.NetworkPolicy, or None: loopback only
+    # VM tiers: commands get the whole guest instead of the container tier's protections
+    full_guest: bool = False
 
 
 @dataclass

@@ -549,6 +549,7 @@ class AsyncSandbox:
         on_timeout: OnTimeout = "kill",
         paused_ttl_s: float | None = 24 * 3600.0,
         network: NetworkPolicyLike | None = None,
+        full_guest: bool = False,
         url: str | None = None,
         api_key: str | None = None,
         timeout: float = CREATE_TIMEOUT_S,
@@ -575,6 +576,10 @@ class AsyncSandbox:
                 protocols, deny rules and operator presets, enforced outside the
                 sandbox; :attr:`network` changes it later. Validated here
                 (``InvalidRequest``).
+            full_guest: ``microvm`` and ``vm`` only (else ``InvalidRequest``): commands get
+                the whole guest (every capability, device, ``/proc`` file and syscall: kernel
+                work, penetration testing) instead of the container tier's protections. The
+                guest agent still lives outside the commands' PID namespace.
             url, api_key, transport: connection (ignored when ``client`` is given).
             timeout: how long to wait for creation, seconds.
             client: a shared :class:`AsyncClient` (its connection pool is reused).
@@ -596,6 +601,7 @@ class AsyncSandbox:
             on_timeout=on_timeout,
             paused_ttl_s=paused_ttl_s,
             network=network,
+            full_guest=full_guest,
         )
         conn, owned = cls._client_for(client, url, api_key, transport)
         body = req.model_dump(mode="json")  # keep an explicit ttl_s=None

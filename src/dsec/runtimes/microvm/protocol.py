@@ -193,10 +193,14 @@ class AgentClient:
         timeout_s: float = 10.0,
         pids: int = 0,
         memory_mb: int = 0,
+        full_guest: bool | None = None,
     ) -> None:
         """Set the guest clock to now, reseed its RNG, set the hostname, resize the writable
         layer to ``disk_mb`` MiB, cap the commands (the guest cgroup every command runs in)
-        at ``pids`` processes and ``memory_mb`` MiB. 0 keeps a value as it is."""
+        at ``pids`` processes and ``memory_mb`` MiB. 0 keeps a value as it is.
+        ``full_guest``: True runs the sandbox's commands without the guard (the whole guest;
+        the agent refuses to go back), False with it, None keeps the mode."""
+        mode = b"" if full_guest is None else b"1" if full_guest else b"0"
         await self.request(
             AgentOp.SETUP,
             [
@@ -206,6 +210,7 @@ class AgentClient:
                 str(disk_mb).encode(),
                 str(pids).encode(),
                 str(memory_mb).encode(),
+                mode,
             ],
             timeout_s,
         )

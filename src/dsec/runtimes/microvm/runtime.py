@@ -432,7 +432,10 @@ class MicroVMRuntime:
             # - clearcpuid=rep_good: page clearing and copying by unrolled 8-byte moves, not
             #   `rep stosq/movsq`, which TCG runs one iteration per loop turn.
             # Together with tcg_cpu: echo round trip -12% (benchmarks/vm.py, A/B).
-            args += ["mitigations=off", "init_on_alloc=0", "clearcpuid=rep_good"]
+            # - dsec.bpf_jit=0: the agent turns the BPF JIT off. Each guarded command attaches
+            #   the seccomp filter; JIT-compiling it, and QEMU translating the fresh code, cost
+            #   more under TCG than interpreting it for a command's lifetime.
+            args += ["mitigations=off", "init_on_alloc=0", "clearcpuid=rep_good", "dsec.bpf_jit=0"]
         return " ".join(args + self.config.extra_kernel_args)
 
     def _accel_args(self) -> list[str]:
@@ -770,7 +773,7 @@ class MicroVMRuntime:
             "dir": str(d), "pid": 0, "accel": self.accel, "vcpus": vcpus, "memory_mb": spec.memory_mb,
             "disk_mb": spec.disk_mb, "workdir": spec.workdir, "env": dict(spec.env), "user": spec.user,
             "hostname": spec.hostname, "template": None, "cpu": spec.cpu, "pids": spec.pids,
-            "layer_paths": list(spec.layer_paths),
+            "layer_paths": list(spec.layer_paths), "full_guest": spec.full_guest,
         })  # fmt: skip
         try:
             async with asyncio.timeout(
@@ -826,7 +829,8 @@ class MicroVMRuntime:
                     # the first request after the restore sets clock, RNG, hostname, disk size
                     await self._until_ready(proc, vm.agent, self.config.restore_timeout_s, "restore",
                                             vm.agent.setup(spec.hostname, self._setup_disk_mb(spec),
-                                                           pids=spec.pids, memory_mb=spec.memory_mb))  # fmt: skip
+                                                           pids=spec.pids, memory_mb=spec.memory_mb,
+                                                           full_guest=spec.full_guest))  # fmt: skip
                     self._refill_pool(tpl, spec, vcpus)
                 else:
                     await self._until_ready(
@@ -834,7 +838,7 @@ class MicroVMRuntime:
                     )
                     await vm.agent.setup(
                         spec.hostname, self._setup_disk_mb(spec), pids=spec.pids,
-                        memory_mb=spec.memory_mb,
+                        memory_mb=spec.memory_mb, full_guest=spec.full_guest,
                     )  # fmt: skip
                 t_ready = time.perf_counter()
                 t2 = t_ready
@@ -1374,7 +1378,7 @@ class MicroVMRuntime:
             "env": dict(spec.env), "user": spec.user, "hostname": spec.hostname,
             "template": src.get("template"), "cpu": spec.cpu, "pids": spec.pids,
             "layer_paths": list(src["layer_paths"]), "qemu_name": spec.id,
-            "forked_from": snapshot.parent_id,
+            "forked_from": snapshot.parent_id, "full_guest": spec.full_guest,
         })  # fmt: skip
         try:
             async with asyncio.timeout(
@@ -1391,7 +1395,8 @@ class MicroVMRuntime:
                 self._live[spec.id] = _VM(id=spec.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent)
                 await self._until_ready(proc, agent, self.config.restore_timeout_s, "fork",
                                         agent.setup(spec.hostname, self._setup_disk_mb(spec),
-                                                    pids=spec.pids, memory_mb=spec.memory_mb))  # fmt: skip
+                                                    pids=spec.pids, memory_mb=spec.memory_mb,
+                                                    full_guest=spec.full_guest))  # fmt: skip
         except BaseException as e:
             await self.destroy(handle)
             if isinstance(e, TimeoutError) and not isinstance(e, DsecError):
