@@ -17,9 +17,17 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
@@ -625,3 +633,93 @@ class PushImageResult(_Model):
 
 SandboxInfo.model_rebuild()
 ForkResult.model_rebuild()
+
+
+# --- run_code: SandboxFusion's shapes (``/run_code``) and dsec's (``/v1/run_code``) ---------
+
+
+class CommandRunStatus(StrEnum):
+    Finished = "Finished"
+    Error = "Error"
+    TimeLimitExceeded = "TimeLimitExceeded"
+
+
+class RunStatus(StrEnum):
+    Success = "Success"
+    Failed = "Failed"
+    SandboxError = "SandboxError"
+
+
+class CommandRunResult(BaseModel):
+    """One step (compile or run). ``execution_time``/``cpu_time`` in seconds."""
+
+    status: CommandRunStatus
+    execution_time: float | None = None
+    cpu_time: float | None = None
+    return_code: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+class RunCodeRequest(BaseModel):
+    """SandboxFusion's ``/run_code`` body. Unknown fields are ignored, as SandboxFusion does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    code: str
+    language: str
+    compile_timeout: float = 10
+    run_timeout: float = 10
+    memory_limit_MB: int = -1
+    stdin: str | None = None
+    files: dict[str, str | None] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+
+
+class RunCodeResponse(BaseModel):
+    status: RunStatus
+    message: str
+    compile_result: CommandRunResult | None = None
+    run_result: CommandRunResult | None = None
+    executor_pod_name: str | None = None
+    files: dict[str, str] = Field(default_factory=dict)
+
+
+# --- dsec shapes --------------------------------------------------------------------------
+
+
+class CodeRunRequest(_Model):
+    """dsec's ``/v1/run_code``. Times in seconds, sizes in MiB/bytes; files are base64."""
+
+    code: str
+    language: str
+    stdin: str | None = None
+    stdin_b64: str | None = None
+    files: dict[str, str] = Field(
+        default_factory=dict, description="path under /work -> base64 content"
+    )
+    fetch_files: list[str] = Field(default_factory=list, description="paths under /work to return")
+    timeout_s: float = Field(10.0, gt=0, description="run wall-clock limit")
+    compile_timeout_s: float = Field(30.0, gt=0)
+    memory_mb: int | None = Field(None, ge=16, description="memory limit; default: the pool's")
+    max_output_bytes: int = Field(1 << 20, ge=0, description="cap per stream")
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+Outcome = Literal["ok", "compile_error", "runtime_error", "timeout", "compile_timeout", "oom"]
+"""What a dsec ``run_code`` came to (answers keep it a string: a newer server may add some)."""
+
+
+class CodeRunResult(_Model):
+    """dsec's ``/v1/run_code`` answer; ``compile``/``run`` are the steps' results."""
+
+    outcome: str = Field(
+        description="ok | compile_error | runtime_error | timeout | compile_timeout | oom"
+    )
+    compile: ExecResult | None = None
+    run: ExecResult | None = None
+    files: dict[str, str] = Field(default_factory=dict, description="fetched files, base64")
+    file_errors: dict[str, str] = Field(default_factory=dict)
+    cpu_time_s: float | None = None
+    worker: str = ""
+    duration_ms: float = 0.0

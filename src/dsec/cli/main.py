@@ -699,7 +699,7 @@ def replay(
     client = make_client()
 
     async def go() -> Any:
-        sb = await AsyncSandbox.create(**kwargs, client=client._impl)
+        sb = await AsyncSandbox.create(**kwargs, client=client.async_client)
         try:
             stderr.print(f"replaying {log_file} on {sb.id}")
             return await replay_lines(lines, sb)

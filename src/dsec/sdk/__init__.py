@@ -2,7 +2,7 @@
 
 from dsec.sdk import jobs
 from dsec.sdk.client import AsyncClient
-from dsec.sdk.jobs import AsyncJobs, Jobs
+from dsec.sdk.jobs import AsyncJobs
 from dsec.sdk.sandbox import (
     AsyncCommands,
     AsyncFiles,
@@ -11,7 +11,7 @@ from dsec.sdk.sandbox import (
     AsyncSandboxBatch,
     CommandResult,
 )
-from dsec.sdk.sync_api import Client, Commands, Files, Network, Sandbox, SandboxBatch
+from dsec.sdk.sync_api import Client, Commands, Files, Jobs, Network, Sandbox, SandboxBatch
 
 __all__ = [
     "AsyncClient",

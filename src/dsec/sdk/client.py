@@ -15,7 +15,7 @@ import builtins
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -24,6 +24,8 @@ from pydantic import TypeAdapter
 from dsec.models import (
     BuildImageRequest,
     Capabilities,
+    CodeRunRequest,
+    CodeRunResult,
     ImageInfo,
     LayerInfo,
     NodeInfo,
@@ -35,6 +37,9 @@ from dsec.models import (
 from dsec.sdk._http import DEFAULT_TIMEOUT_S, HttpClient
 from dsec.sdk._tar import build_context
 from dsec.wire import ANSWER
+
+if TYPE_CHECKING:
+    from dsec.sdk.jobs import AsyncJobs
 
 __all__ = ["AsyncClient"]
 
@@ -214,9 +219,9 @@ class AsyncClient:
         compile_timeout: float = 30.0,
         memory_mb: int | None = None,
         env: dict[str, str] | None = None,
-    ) -> Any:
+    ) -> CodeRunResult:
         """Run one snippet in a fresh ``fncall`` worker and return its
-        :class:`~dsec.runtimes.fncall.service.CodeRunResult` (``outcome`` is ok,
+        :class:`~dsec.models.CodeRunResult` (``outcome`` is ok,
         compile_error, runtime_error, timeout, compile_timeout or oom).
 
         Args:
@@ -231,8 +236,6 @@ class AsyncClient:
             env: extra environment variables.
         """
         import base64
-
-        from dsec.runtimes.fncall.service import CodeRunRequest, CodeRunResult
 
         req = CodeRunRequest(
             code=code,
@@ -275,7 +278,7 @@ class AsyncClient:
         return _SANDBOXES.validate_python(r.json()["sandboxes"], context=ANSWER)
 
     @property
-    def jobs(self) -> Any:
+    def jobs(self) -> AsyncJobs:
         """The job API over this client's connections: an :class:`~dsec.jobs.AsyncJobs`
         (``await client.jobs.pause("run-42")``)."""
         from dsec.sdk.jobs import AsyncJobs

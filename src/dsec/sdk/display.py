@@ -18,12 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from dsec.sdk.sync import SyncWrapper, synchronize
-
 if TYPE_CHECKING:
     from dsec.sdk.sandbox import AsyncSandbox
 
-__all__ = ["AsyncDisplay", "Display", "MouseButton"]
+__all__ = ["AsyncDisplay", "MouseButton"]
 
 MouseButton = Literal["left", "right", "middle"]
 
@@ -62,6 +60,9 @@ class AsyncDisplay:
         await self._sandbox._client._http.request("POST", self._path("key"), json={"name": name})
 
 
-@synchronize(AsyncDisplay)
-class Display(SyncWrapper):
-    """The display of one sandbox (sync): ``screenshot``, ``click``, ``type``, ``key``."""
+def __getattr__(name: str) -> object:
+    if name == "Display":  # the sync class lives with the other generated ones
+        from dsec.sdk.sync_api import Display
+
+        return Display
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,10 +44,10 @@ from pydantic import TypeAdapter
 from dsec.errors import InvalidRequest
 from dsec.models import JobAction, JobActionResult, SandboxInfo
 from dsec.sdk.client import AsyncClient
-from dsec.sdk.sync import SyncWrapper, runner, synchronize
+from dsec.sdk.sync import runner
 from dsec.wire import ANSWER
 
-__all__ = ["JOB_TIMEOUT_S", "AsyncJobs", "Jobs", "kill", "list", "pause", "resume"]
+__all__ = ["JOB_TIMEOUT_S", "AsyncJobs", "kill", "list", "pause", "resume"]
 
 JOB_TIMEOUT_S = 600.0
 """Default wait for a job action, seconds (a job may have thousands of sandboxes)."""
@@ -137,25 +137,6 @@ class AsyncJobs:
         await self.close()
 
 
-@synchronize(AsyncJobs)
-class Jobs(SyncWrapper):
-    """The job API of one server (sync). See :class:`AsyncJobs`."""
-
-    def __init__(
-        self,
-        client: Any = None,
-        *,
-        url: str | None = None,
-        api_key: str | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-        timeout: float = JOB_TIMEOUT_S,
-    ) -> None:
-        inner = client._impl if isinstance(client, SyncWrapper) else client
-        self._impl = AsyncJobs(
-            inner, url=url, api_key=api_key, transport=transport, timeout=timeout
-        )
-
-
 def _once(
     call: Callable[[AsyncJobs], Awaitable[T]],
     url: str | None,
@@ -214,3 +195,11 @@ def list(
     return _once(
         lambda api: api.list(job, include_stopped=include_stopped), url, api_key, transport
     )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Jobs":  # the sync class lives with the other generated ones
+        from dsec.sdk.sync_api import Jobs
+
+        return Jobs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

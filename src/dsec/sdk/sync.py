@@ -86,6 +86,9 @@ runner = LoopThread()
 
 _SYNC_OF: dict[type, type[SyncWrapper]] = {}
 
+HANDWRITTEN: dict[type, frozenset[str]] = {}
+"""Per generated sync class, the attributes it defined itself (the rest were generated)."""
+
 
 def _wrap(value: Any) -> Any:
     sync_cls = _SYNC_OF.get(type(value))
@@ -204,6 +207,7 @@ def synchronize(async_cls: type) -> Callable[[type[SyncWrapper]], type[SyncWrapp
 
     def decorate(sync_cls: type[SyncWrapper]) -> type[SyncWrapper]:
         _SYNC_OF[async_cls] = sync_cls
+        HANDWRITTEN[sync_cls] = frozenset(sync_cls.__dict__)
         seen: set[str] = set()
         for klass in async_cls.__mro__:
             if klass is object:

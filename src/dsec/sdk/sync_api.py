@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 
 from dsec.sdk._http import DEFAULT_TIMEOUT_S
 from dsec.sdk.client import AsyncClient
+from dsec.sdk.display import AsyncDisplay
+from dsec.sdk.jobs import JOB_TIMEOUT_S, AsyncJobs
 from dsec.sdk.sandbox import (
     AsyncCommands,
     AsyncFiles,
@@ -27,7 +28,7 @@ from dsec.sdk.sandbox import (
 )
 from dsec.sdk.sync import SyncWrapper, synchronize
 
-__all__ = ["Client", "Commands", "Files", "Network", "Sandbox", "SandboxBatch"]
+__all__ = ["Client", "Commands", "Display", "Files", "Jobs", "Network", "Sandbox", "SandboxBatch"]
 
 
 @synchronize(AsyncClient)
@@ -43,6 +44,13 @@ class Client(SyncWrapper):
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._impl = AsyncClient(url, api_key, timeout=timeout, transport=transport)
+
+    @property
+    def async_client(self) -> AsyncClient:
+        """The :class:`~dsec.AsyncClient` this client runs on (same connections), for code
+        that mixes the two APIs: ``await AsyncSandbox.create(client=client.async_client)``."""
+        impl: AsyncClient = self._impl
+        return impl
 
 
 @synchronize(AsyncCommands)
@@ -71,8 +79,32 @@ class SandboxBatch(SyncWrapper):
     """What :meth:`Sandbox.create_many` made (sync): ``sandboxes``, ``errors``, ``ok``,
     ``raise_on_error()``, ``kill_all()``; ``with`` kills them all on exit."""
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Sandbox]:
         return iter(self.sandboxes)
 
     def __len__(self) -> int:
         return len(self._impl.sandboxes)
+
+
+@synchronize(AsyncJobs)
+class Jobs(SyncWrapper):
+    """The job API of one server (sync). See :class:`dsec.sdk.jobs.AsyncJobs`."""
+
+    def __init__(
+        self,
+        client: Client | AsyncClient | None = None,
+        *,
+        url: str | None = None,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        timeout: float = JOB_TIMEOUT_S,
+    ) -> None:
+        inner = client._impl if isinstance(client, SyncWrapper) else client
+        self._impl = AsyncJobs(
+            inner, url=url, api_key=api_key, transport=transport, timeout=timeout
+        )
+
+
+@synchronize(AsyncDisplay)
+class Display(SyncWrapper):
+    """The display of one sandbox (sync): ``screenshot``, ``click``, ``type``, ``key``."""

@@ -31,13 +31,20 @@ import os
 import posixpath
 import time
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from dsec.errors import DsecError, InvalidRequest, PayloadTooLarge, SandboxError
-from dsec.models import ExecResult
+from dsec.models import (
+    CodeRunRequest,
+    CodeRunResult,
+    CommandRunResult,
+    CommandRunStatus,
+    ExecResult,
+    Outcome,
+    RunCodeRequest,
+    RunCodeResponse,
+    RunStatus,
+)
 from dsec.runtimes.fncall.languages import LanguageSpec, resolve_language
 from dsec.runtimes.fncall.runtime import FncallRuntime, result_from_agent
 
@@ -55,93 +62,6 @@ __all__ = [
     "RunCodeService",
     "RunStatus",
 ]
-
-
-# --- SandboxFusion shapes -------------------------------------------------------------------
-
-
-class CommandRunStatus(StrEnum):
-    Finished = "Finished"
-    Error = "Error"
-    TimeLimitExceeded = "TimeLimitExceeded"
-
-
-class RunStatus(StrEnum):
-    Success = "Success"
-    Failed = "Failed"
-    SandboxError = "SandboxError"
-
-
-class CommandRunResult(BaseModel):
-    """One step (compile or run). ``execution_time``/``cpu_time`` in seconds."""
-
-    status: CommandRunStatus
-    execution_time: float | None = None
-    cpu_time: float | None = None
-    return_code: int | None = None
-    stdout: str | None = None
-    stderr: str | None = None
-
-
-class RunCodeRequest(BaseModel):
-    """SandboxFusion's ``/run_code`` body. Unknown fields are ignored, as SandboxFusion does."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    code: str
-    language: str
-    compile_timeout: float = 10
-    run_timeout: float = 10
-    memory_limit_MB: int = -1
-    stdin: str | None = None
-    files: dict[str, str | None] = Field(default_factory=dict)
-    fetch_files: list[str] = Field(default_factory=list)
-
-
-class RunCodeResponse(BaseModel):
-    status: RunStatus
-    message: str
-    compile_result: CommandRunResult | None = None
-    run_result: CommandRunResult | None = None
-    executor_pod_name: str | None = None
-    files: dict[str, str] = Field(default_factory=dict)
-
-
-# --- dsec shapes --------------------------------------------------------------------------
-
-
-class CodeRunRequest(BaseModel):
-    """dsec's ``/v1/run_code``. Times in seconds, sizes in MiB/bytes; files are base64."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    code: str
-    language: str
-    stdin: str | None = None
-    stdin_b64: str | None = None
-    files: dict[str, str] = Field(
-        default_factory=dict, description="path under /work -> base64 content"
-    )
-    fetch_files: list[str] = Field(default_factory=list, description="paths under /work to return")
-    timeout_s: float = Field(10.0, gt=0, description="run wall-clock limit")
-    compile_timeout_s: float = Field(30.0, gt=0)
-    memory_mb: int | None = Field(None, ge=16, description="memory limit; default: the pool's")
-    max_output_bytes: int = Field(1 << 20, ge=0, description="cap per stream")
-    env: dict[str, str] = Field(default_factory=dict)
-
-
-Outcome = Literal["ok", "compile_error", "runtime_error", "timeout", "compile_timeout", "oom"]
-
-
-class CodeRunResult(BaseModel):
-    outcome: Outcome
-    compile: ExecResult | None = None
-    run: ExecResult | None = None
-    files: dict[str, str] = Field(default_factory=dict, description="fetched files, base64")
-    file_errors: dict[str, str] = Field(default_factory=dict)
-    cpu_time_s: float | None = None
-    worker: str = ""
-    duration_ms: float = 0.0
 
 
 # --- the job --------------------------------------------------------------------------------
