@@ -72,7 +72,9 @@ from dsec.models import (
     SnapshotRequest,
 )
 from dsec.runtimes.base import (
+    Display,
     Handle,
+    Interactive,
     MemoryStateful,
     Networked,
     Pausable,
@@ -80,6 +82,7 @@ from dsec.runtimes.base import (
     SandboxFiles,
     SandboxSpec,
     Snapshottable,
+    capabilities_of,
 )
 
 log = logging.getLogger("dsec.edge")
@@ -324,10 +327,7 @@ class EdgeAgent:
                     if row.request.get("on_timeout") == "pause" and isinstance(rt, Pausable):
                         try:
                             # VM tiers: suspend to a file (host memory freed), others: freeze
-                            idle_suspend = (
-                                isinstance(rt, MemoryStateful)
-                                and self.runtimes[row.tier].capabilities().suspend
-                            )
+                            idle_suspend = isinstance(rt, MemoryStateful)
                             await self._pause(lv, "suspend" if idle_suspend else "auto")
                         except Exception as e:
                             log.warning("ttl pause of %s failed (%s); killing it", row.id, e)
@@ -352,9 +352,9 @@ class EdgeAgent:
                 tier=tier,
                 available=sorted(self.runtimes),
             )
-        caps = rt.capabilities()
-        if not caps.available:
-            raise TierUnavailable(f"tier {tier!r} is not available: {caps.reason}", tier=tier)
+        facts = rt.facts()
+        if not facts.available:
+            raise TierUnavailable(f"tier {tier!r} is not available: {facts.reason}", tier=tier)
         return rt
 
     def _info(self, row: SandboxRow, next_seq: int | None = None) -> SandboxInfo:
@@ -450,10 +450,7 @@ class EdgeAgent:
         return alive
 
     def _files(self, lv: _Live) -> SandboxFiles:
-        rt = self.runtimes[lv.row.tier]
-        if not rt.capabilities().files:
-            raise CapabilityNotSupported(f"tier {lv.row.tier} has no file access")
-        return rt.files(lv.handle)
+        return self.runtimes[lv.row.tier].files(lv.handle)
 
     def _check_admission(
         self, req: CreateSandboxRequest, caps: Capabilities, count: int = 1
@@ -517,7 +514,7 @@ class EdgeAgent:
         tier = req.tier
         try:
             rt = self._runtime(tier)
-            caps = rt.capabilities()
+            caps = capabilities_of(rt)
             if req.network is not None and not caps.network:
                 raise CapabilityNotSupported(
                     f"the {tier} tier on node {self.node} cannot give sandboxes a network "
@@ -617,7 +614,7 @@ class EdgeAgent:
 
         A batch that can never fit this node (``n`` above its sandbox limit), or with
         ``all_or_nothing`` one that does not fit now, is refused up front (QuotaExceeded)."""
-        caps = self._runtime(req.tier).capabilities()
+        caps = capabilities_of(self._runtime(req.tier))
         if n > self.limits.max_sandboxes:
             raise QuotaExceeded(
                 f"a batch of {n} is more than node {self.node} can ever hold "
@@ -1050,7 +1047,7 @@ class EdgeAgent:
     # ------------------------------------------------------------------ pause, snapshot, fork
     def _pausable(self, lv: _Live) -> Pausable:
         rt = self.runtimes.get(lv.row.tier)
-        if not isinstance(rt, Pausable) or not rt.capabilities().pause:
+        if not isinstance(rt, Pausable):
             raise CapabilityNotSupported(
                 f"tier {lv.row.tier} cannot pause sandboxes", tier=lv.row.tier
             )
@@ -1060,10 +1057,7 @@ class EdgeAgent:
         """Pause ``lv``: ``auto``/``freeze`` the tier's pause, ``suspend`` memory to a file
         (VM tiers; a frozen sandbox can be suspended too)."""
         rt = self._pausable(lv)
-        if mode == "suspend" and (
-            not isinstance(rt, MemoryStateful)
-            or not self.runtimes[lv.row.tier].capabilities().suspend
-        ):
+        if mode == "suspend" and not isinstance(rt, MemoryStateful):
             raise CapabilityNotSupported(
                 f"tier {lv.row.tier} cannot suspend sandboxes to a file (use mode=freeze)",
                 tier=lv.row.tier,
@@ -1112,7 +1106,7 @@ class EdgeAgent:
 
     async def _snapshot(self, lv: _Live, req: SnapshotRequest) -> LayerInfo:
         rt = self.runtimes.get(lv.row.tier)
-        if not isinstance(rt, Snapshottable) or not rt.capabilities().snapshot:
+        if not isinstance(rt, Snapshottable):
             raise CapabilityNotSupported(
                 f"tier {lv.row.tier} cannot snapshot sandboxes", tier=lv.row.tier
             )
@@ -1161,7 +1155,7 @@ class EdgeAgent:
         lv = self._live_for(sandbox_id, owner)
         base = CreateSandboxRequest.model_validate(lv.row.request)
         # admission for all n first, so a fork that cannot fit creates nothing
-        self._check_admission(base, self._runtime(base.tier).capabilities(), count=req.n)
+        self._check_admission(base, capabilities_of(self._runtime(base.tier)), count=req.n)
         if req.memory:
             return await self._fork_memory(sandbox_id, owner, base, req)
         layer = await self._use(
@@ -1210,12 +1204,11 @@ class EdgeAgent:
         return await self.create_sandbox(req, owner)
 
     # --- VM migration by memory state (cluster mode: dsec.cluster.migrate moves the files) ---
-    def _memory_runtime(self, tier: str) -> Any:
+    def _memory_runtime(self, tier: str) -> MemoryStateful:
         """The runtime of ``tier`` if it can capture and load memory state, else
-        ``CapabilityNotSupported``. Typed ``Any``: ``memory_snapshot(portable=True)`` and
-        ``accel`` / ``guest_ram_mb`` belong to the VM runtimes, not to ``MemoryStateful``."""
+        ``CapabilityNotSupported``."""
         rt = self._runtime(tier)
-        if not isinstance(rt, MemoryStateful) or not rt.capabilities().memory_fork:
+        if not isinstance(rt, MemoryStateful):
             raise CapabilityNotSupported(
                 f"the {tier} tier on node {self.node} has no memory snapshots", tier=tier
             )
@@ -1288,7 +1281,7 @@ class EdgeAgent:
         tier = str(export["tier"])
         rt = self._memory_runtime(tier)
         source = export["source"]
-        accel = getattr(rt, "accel", None)
+        accel = rt.accel
         if source.get("accel") != accel:
             raise CapabilityNotSupported(
                 f"the sandbox runs under {source.get('accel')} and node {self.node} under "
@@ -1303,7 +1296,8 @@ class EdgeAgent:
                 tier=tier,
             )
         self._check_admission(
-            CreateSandboxRequest.model_validate(export["request"]), rt.capabilities()
+            CreateSandboxRequest.model_validate(export["request"]),
+            capabilities_of(self._runtime(tier)),
         )
 
     async def import_memory(self, export: dict[str, Any], owner: str, staged: str) -> SandboxInfo:
@@ -1359,7 +1353,7 @@ class EdgeAgent:
     ) -> ForkResult:
         """n sandboxes resuming one capture of this sandbox's memory (VM tiers)."""
         rt = self._runtime(base.tier)
-        if not isinstance(rt, MemoryStateful) or not rt.capabilities().memory_fork:
+        if not isinstance(rt, MemoryStateful):
             raise CapabilityNotSupported(
                 f"tier {base.tier} cannot fork from memory (use memory=false)", tier=base.tier
             )
@@ -1406,9 +1400,9 @@ class EdgeAgent:
         )
 
     # ------------------------------------------------------------------ display (vm tier)
-    def _display_runtime(self, lv: _Live) -> Any:
+    def _display_runtime(self, lv: _Live) -> Display:
         rt = self.runtimes.get(lv.row.tier)
-        if rt is None or not rt.capabilities().display or not hasattr(rt, "screenshot"):
+        if not isinstance(rt, Display):
             raise CapabilityNotSupported(
                 f"tier {lv.row.tier} has no display (use tier='vm')", tier=lv.row.tier
             )
@@ -1631,7 +1625,7 @@ class EdgeAgent:
                     )
                 )
             else:
-                out.append(rt.capabilities())
+                out.append(capabilities_of(rt))
         return out
 
     async def node_info(self) -> NodeInfo:
@@ -1683,11 +1677,11 @@ class EdgeAgent:
 
         async def run(lv: _Live) -> Any:
             rt = self.runtimes[lv.row.tier]
-            start = getattr(rt, "start_process", None)
-            if start is None:
+            if not isinstance(rt, Interactive):
                 raise CapabilityNotSupported(
                     f"tier {lv.row.tier} has no interactive processes (stdin after start, pty)"
                 )
+            start = rt.start_process
             if lv.row.request.get("workdir") and req.cwd is None:
                 req.cwd = lv.row.request["workdir"]
             sid = lv.row.id
