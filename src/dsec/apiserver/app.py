@@ -14,7 +14,7 @@ Open routes: ``GET /healthz``; ``GET /metrics`` from loopback (anyone else needs
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request, Response
 
@@ -130,6 +130,13 @@ def _route_templates(app: FastAPI) -> list[tuple[str, set[str]]]:
     return out
 
 
+class _SchemaOnlyEdge:
+    """Stands in for an edge while the schema is rendered: routes are built, never called."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the schema-only app has no edge (asked for {name!r})")
+
+
 class _NoKeys:
     def verify(self, key: str) -> str | None:
         return None
@@ -142,9 +149,8 @@ def openapi_document() -> dict[str, Any]:
     """The OpenAPI document of the app (independent of any edge or key), with the run_code
     routes ``dsec serve`` adds on a node with the fncall tier."""
     from dsec.apiserver.routes_runcode import make_runcode_router
-    from dsec.testing import FakeEdge
 
-    app = create_app(FakeEdge(), _NoKeys(), access_log="off")
+    app = create_app(cast(EdgeAPI, _SchemaOnlyEdge()), _NoKeys(), access_log="off")
 
     def no_service() -> Any:
         raise RuntimeError("the schema-only app runs no code")
