@@ -45,6 +45,7 @@ from dsec.errors import (
     SequenceGap,
     TierUnavailable,
 )
+from dsec.layers.source import LayerSource, LazyLayers
 from dsec.layers.workspace import check_stack
 from dsec.models import (
     SYSTEM_OWNER,
@@ -168,19 +169,27 @@ class EdgeAgent:
     Args:
         paths: where this node keeps its state.
         runtimes: tier name -> runtime (only tiers present here can be created).
-        layer_store: a :class:`dsec.layers.store.LayerStore` (images, layers).
+        layer_store: the node's images and layers (a :class:`dsec.layers.store.LayerStore`;
+            :class:`dsec.testing.MemoryLayers` for tests).
         limits: admission limits.
+        node: the node's name in sandbox ids (default :func:`node_name`).
+        network: the node's network manager (None: no networking).
+        trajectory_path: SQLite file of the trajectory log (default under ``paths.home``).
+        cpus, memory_mb: the node's size for admission (default: this machine's).
     """
 
     def __init__(
         self,
         paths: Paths,
         runtimes: dict[str, Runtime],
-        layer_store: Any,
+        layer_store: LayerSource,
         *,
         limits: EdgeLimits | None = None,
         node: str | None = None,
         network: Any = None,
+        trajectory_path: Path | None = None,
+        cpus: int | None = None,
+        memory_mb: int | None = None,
     ) -> None:
         self.paths = paths
         self.runtimes = runtimes
@@ -189,19 +198,20 @@ class EdgeAgent:
         self.limits = limits or EdgeLimits.from_env()
         self.node = node or node_name()
         self.registry = Registry(paths.state_db)
-        self.trajectory = TrajectoryLog(paths.home / "trajectory.db")
+        self.trajectory = TrajectoryLog(trajectory_path or paths.home / "trajectory.db")
         self._running_entries: dict[
             tuple[str, int], asyncio.Future[tuple[str, dict[str, Any]]]
         ] = {}
         self.metrics = EdgeMetrics(self.node, self.registry.count_by)
-        if hasattr(layer_store, "lazy_stats"):  # on-demand layer loading counters
+        if isinstance(layer_store, LazyLayers):  # on-demand layer loading counters
             self.metrics.add_lazy_layers(layer_store.lazy_stats)
         self._live: dict[str, _Live] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._closing = False
         self._closed = False
-        self._cpus = os.cpu_count() or 1
-        self._mem_mb = host_memory_mb() or 1024  # unknown: admit as a small node would
+        # the node's size for admission (default: this machine's; unknown: a small node's)
+        self._cpus = cpus or os.cpu_count() or 1
+        self._mem_mb = memory_mb or host_memory_mb() or 1024
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -389,6 +399,7 @@ class EdgeAgent:
             last_pause=lv.last_pause if lv is not None else None,
             next_seq=self.trajectory.next_seq(row.id) if next_seq is None else next_seq,
             network=req.get("network"),
+            forked_from=row.forked_from,
         )
 
     def _lookup_row(self, sandbox_id: str, owner: str) -> SandboxRow:
@@ -472,17 +483,21 @@ class EdgeAgent:
         live = [lv.row.request for lv in self._live.values()]
         if len(live) + count > self.limits.max_sandboxes:
             raise QuotaExceeded(
-                f"node {self.node} is at its limit of {self.limits.max_sandboxes} sandboxes"
+                f"node {self.node} is at its limit of {self.limits.max_sandboxes} sandboxes",
+                requested=count,
+                limit=self.limits.max_sandboxes,
             )
         cpu_sum = sum(r.get("cpu", 0) for r in live) + req.cpu * count
         if cpu_sum > self._cpus * self.limits.cpu_overcommit + 1e-6:
             raise QuotaExceeded(
-                f"node {self.node} CPU overcommit cap reached ({cpu_sum:.1f} > {self._cpus * self.limits.cpu_overcommit:.1f} cores requested)"
+                f"node {self.node} CPU overcommit cap reached ({cpu_sum:.1f} > {self._cpus * self.limits.cpu_overcommit:.1f} cores requested)",
+                requested=count,
             )
         mem_sum = sum(r.get("memory_mb", 0) for r in live) + req.memory_mb * count
         if mem_sum > self._mem_mb * self.limits.memory_overcommit + 1e-6:
             raise QuotaExceeded(
-                f"node {self.node} memory overcommit cap reached ({mem_sum} MiB requested)"
+                f"node {self.node} memory overcommit cap reached ({mem_sum} MiB requested)",
+                requested=count,
             )
 
     async def _destroy(self, lv: _Live, reason: str) -> None:
@@ -508,8 +523,10 @@ class EdgeAgent:
         owner: str,
         *,
         maker: Callable[[SandboxSpec], Awaitable[Handle]] | None = None,
+        forked_from: str | None = None,
     ) -> SandboxInfo:
-        """Create a sandbox; ``maker`` (memory forks) replaces ``runtime.create``."""
+        """Create a sandbox; ``maker`` (memory forks) replaces ``runtime.create``;
+        ``forked_from``: the sandbox a fork comes from (shown in its info)."""
         t0 = time.perf_counter()
         tier = req.tier
         try:
@@ -555,6 +572,7 @@ class EdgeAgent:
             updated_at=now,
             last_active=now,
             ttl_s=req.ttl_s,
+            forked_from=forked_from,
         )
         try:  # re-checked now: other creations may have been admitted during the awaits above
             self._check_admission(req, caps)
@@ -917,7 +935,7 @@ class EdgeAgent:
         return await self._logged_file_op(
             sandbox_id,
             owner,
-            "write",
+            "write_file",
             {"path": path, "mode": mode, "data": data},
             seq,
             idem_key,
@@ -954,7 +972,7 @@ class EdgeAgent:
         await self._logged_file_op(
             sandbox_id,
             owner,
-            "remove",
+            "remove_file",
             {"path": path, "recursive": recursive},
             seq,
             idem_key,
@@ -976,7 +994,7 @@ class EdgeAgent:
         return await self._logged_file_op(
             sandbox_id,
             owner,
-            "mkdir",
+            "make_dir",
             {"path": path},
             seq,
             idem_key,
@@ -1000,7 +1018,7 @@ class EdgeAgent:
         return await self._logged_file_op(
             sandbox_id,
             owner,
-            "rename",
+            "rename_file",
             {"src": src, "dst": dst},
             seq,
             idem_key,
@@ -1164,13 +1182,13 @@ class EdgeAgent:
         child_req = base.model_copy(
             update={
                 "layers": [*base.layers, layer.digest],
-                "labels": {**base.labels, **req.labels, "dsec/forked-from": sandbox_id},
+                "labels": {**base.labels, **req.labels},
             }
         )
         created: list[SandboxInfo] = []
         try:
             for _ in range(req.n):
-                created.append(await self.create_sandbox(child_req, owner))
+                created.append(await self.create_sandbox(child_req, owner, forked_from=sandbox_id))
         except DsecError:
             for info in created:  # nothing half-done: undo the ones already made
                 with contextlib.suppress(Exception):
@@ -1358,15 +1376,16 @@ class EdgeAgent:
                 f"tier {base.tier} cannot fork from memory (use memory=false)", tier=base.tier
             )
         snap = await self._use(sandbox_id, owner, lambda lv: rt.memory_snapshot(lv.handle))
-        child_req = base.model_copy(
-            update={"labels": {**base.labels, **req.labels, "dsec/forked-from": sandbox_id}}
-        )
+        child_req = base.model_copy(update={"labels": {**base.labels, **req.labels}})
         created: list[SandboxInfo] = []
         try:
             for _ in range(req.n):
                 created.append(
                     await self.create_sandbox(
-                        child_req, owner, maker=lambda spec: rt.create_from_memory(snap, spec)
+                        child_req,
+                        owner,
+                        maker=lambda spec: rt.create_from_memory(snap, spec),
+                        forked_from=sandbox_id,
                     )
                 )
         except DsecError:
