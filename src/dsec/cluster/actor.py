@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec.edge.interface import edge_verbs
 from dsec.errors import DsecError, InternalError, InvalidRequest
 
 __all__ = [
@@ -52,54 +53,8 @@ ACTOR_PREFIX = "dsec-edge-"
 NODE_LABEL = "dsec.io/node"
 BURST_LABEL = "dsec.io/burst"
 
-# EdgeAgent methods an apiserver may call through ``EdgeActor.call``
-_CALLABLE = frozenset(
-    {
-        "create_sandbox",
-        "create_sandboxes",
-        "get_sandbox",
-        "list_sandboxes",
-        "kill_sandbox",
-        "set_ttl",
-        "exec",
-        "read_file",
-        "write_file",
-        "list_files",
-        "stat_file",
-        "remove_file",
-        "make_dir",
-        "rename_file",
-        "upload_tar",
-        "download_tar",
-        "pause_sandbox",
-        "pause_sandbox_mode",
-        "resume_sandbox",
-        "snapshot_sandbox",
-        "fork_sandbox",
-        "job_action",
-        "export_trajectory",
-        "update_network",
-        "network_stats",
-        "list_images",
-        "get_image",
-        "delete_image",
-        "share_image",
-        "list_layers",
-        "pull_image",
-        "build_image",
-        "push_image",
-        "attach_image",
-        "node_info",
-        "capabilities",
-        "stats",
-        "display_screenshot",
-        "display_click",
-        "display_type",
-        "display_key",
-        "export_sandbox",
-        "import_sandbox",
-    }
-)
+# EdgeAgent methods an apiserver may call through ``EdgeActor.call``: the edge contract's
+_CALLABLE = edge_verbs()
 
 
 @dataclass(frozen=True)

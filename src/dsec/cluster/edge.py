@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 
 from dsec import __version__
 from dsec.cluster.actor import BURST_LABEL, NodeConfig, ensure_edge_actor, node_name_of
+from dsec.edge.interface import SANDBOX_VERBS
 from dsec.errors import (
-    CapabilityNotSupported,
     DsecError,
     InvalidRequest,
     NodeLost,
@@ -58,7 +58,6 @@ from dsec.models import (
     ExecEvent,
     ExecRequest,
     ExecResult,
-    FileInfo,
     ForkRequest,
     ForkResult,
     ImageInfo,
@@ -69,7 +68,6 @@ from dsec.models import (
     MigrateResult,
     NodeInfo,
     SandboxInfo,
-    SnapshotRequest,
 )
 from dsec.placement import Node, NodeUsage, Overcommit, PlacementRequest, Placer
 
@@ -176,212 +174,29 @@ class _NodeHandle:
     lost_reason: str = ""
 
 
-class ClusterEdge:
-    """The cluster's :class:`~dsec.edge.interface.EdgeAPI`. ``ray.init`` must have been
-    called; construct, ``await start()``, use, ``await close()``.
+class NodeRelay:
+    """Calls to the edge actors of a cluster's nodes: the relayed ``EdgeAgent`` verbs
+    (:meth:`call`, :meth:`on_sandbox`), the actors' own methods (:meth:`actor_call`) and a
+    result handed from one node to another through the object store (:meth:`pipe`). Every
+    wait races the node's *lost* signal and a timeout; every failure is a typed error.
+    :class:`ClusterEdge` and :mod:`dsec.cluster.migrate` share it.
 
     Args:
-        state: the PostgreSQL registry (``None``: no shared registry; lists then only show
-            sandboxes of live nodes and lost ones are reported from memory).
-        config: how edge actors are set up on each node.
-        options: timings and placement settings.
+        state: the PostgreSQL registry (None: none), to tell a lost node from an unknown one.
+        options: the cluster's timings.
     """
 
-    def __init__(
-        self,
-        state: Any,
-        config: NodeConfig,
-        options: ClusterOptions | None = None,
-    ) -> None:
+    def __init__(self, state: Any, options: ClusterOptions) -> None:
         self.state = state
-        self.config = config
-        self.options = options or ClusterOptions.from_env()
+        self.options = options
         self.nodes: dict[str, _NodeHandle] = {}
-        self.placer = Placer([], k=self.options.placement_k, overcommit=self.options.overcommit)
-        self.rejections_retried = 0
-        self._monitor: asyncio.Task[None] | None = None
-        self._closing = False
 
-    # ------------------------------------------------------------------ lifecycle
-    async def start(self, *, wait_s: float = 120.0) -> None:
-        """Start (or find) an edge per alive Ray node and wait up to ``wait_s`` seconds
-        for every one of them to report once."""
-        await self.refresh()
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            pending = [h.name for h in self._alive() if h.report is None]
-            if not pending:
-                break
-            await asyncio.sleep(0.2)
-            await self.refresh()
-        pending = [h.name for h in self._alive() if h.report is None]
-        if pending:
-            log.warning("edges not reporting yet: %s", ", ".join(pending))
-        self._monitor = asyncio.create_task(self._monitor_loop(), name="dsec-cluster-monitor")
-
-    async def close(self) -> None:
-        """Stop monitoring. Edge actors keep running (they are detached)."""
-        self._closing = True
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-
-    async def shutdown_edges(self, *, kill_sandboxes: bool = False) -> None:
-        """Close every edge actor (and their sandboxes if ``kill_sandboxes``) and release
-        them: what an operator does to take the cluster's dsec down."""
-        import ray
-
-        for h in self._alive():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(h.actor.shutdown.remote(kill_sandboxes), 120)
-            with contextlib.suppress(Exception):
-                ray.kill(h.actor, no_restart=True)
-
-    async def _monitor_loop(self) -> None:
-        while not self._closing:
-            await asyncio.sleep(self.options.report_interval_s)
-            try:
-                await self.refresh()
-            except Exception:
-                log.exception("cluster refresh failed")
-
-    def _alive(self) -> list[_NodeHandle]:
+    def alive(self) -> list[_NodeHandle]:
         return [h for h in self.nodes.values() if h.state == "alive"]
 
-    # ------------------------------------------------------------------ membership and reports
-    async def refresh(self) -> None:
-        """One monitor step: follow Ray's node table, collect reports, rebuild the placer."""
-        import ray
-
-        ray_nodes = await asyncio.to_thread(ray.nodes)
-        seen: set[str] = set()
-        for rn in ray_nodes:
-            name = node_name_of(rn)
-            h = self.nodes.get(name)
-            if not rn.get("Alive"):
-                if h is not None and h.ray_node_id == rn["NodeID"] and h.state == "alive":
-                    await self._mark_lost(h, "node lost (Ray reported the node dead)")
-                continue
-            seen.add(name)
-            if h is None or h.state == "lost" or h.ray_node_id != rn["NodeID"]:
-                if h is not None and h.state == "alive":
-                    await self._mark_lost(h, "node lost (replaced by a new Ray node)")
-                labels = rn.get("Labels") or {}
-                actor = await asyncio.to_thread(ensure_edge_actor, rn, self.config)
-                self.nodes[name] = _NodeHandle(
-                    name=name,
-                    ray_node_id=rn["NodeID"],
-                    actor=actor,
-                    burst=str(labels.get(BURST_LABEL, "")).lower() in ("1", "true", "yes"),
-                )
-        for h in self._alive():
-            if h.name not in seen:  # gone from Ray's table altogether
-                await self._mark_lost(h, "node lost (left the Ray cluster)")
-        await asyncio.gather(*(self._collect(h) for h in self._alive()))
-        self._rebuild_placer()
-
-    async def _collect(self, h: _NodeHandle) -> None:
-        try:
-            report = await asyncio.wait_for(
-                _ray_await(h.actor.report.remote()), self.options.probe_timeout_s
-            )
-        except Exception as e:
-            silent = time.monotonic() - h.last_ok
-            # a new edge starts (and reconciles) on its first call: give it longer
-            limit = (
-                self.options.lost_after_s if h.report is not None else self.options.start_grace_s
-            )
-            if silent > limit:
-                await self._mark_lost(
-                    h, f"node lost (its edge did not answer for {silent:.0f} s: {e!r})"[:300]
-                )
-            return
-        h.last_ok = time.monotonic()
-        h.report = report
-        if self.state is not None:
-            try:
-                owned = await asyncio.wait_for(
-                    _ray_await(h.actor.owned_sandboxes.remote()), self.options.probe_timeout_s
-                )
-                live = {info.id: (owner, info) for owner, info in owned}
-                await asyncio.to_thread(self.state.sync_node, h.name, live)
-                await asyncio.to_thread(
-                    self.state.upsert_node,
-                    h.name,
-                    h.ray_node_id,
-                    "alive",
-                    {k: v for k, v in report.items() if k != "layers"},
-                )
-            except Exception as e:
-                log.warning("registry sync of node %s failed: %s", h.name, e)
-
-    async def _mark_lost(self, h: _NodeHandle, reason: str) -> None:
-        import ray
-
-        if h.state == "lost":
-            return
-        log.warning("node %s: %s", h.name, reason)
-        h.state = "lost"
-        h.lost_reason = reason
-        h.lost.set()
-        with contextlib.suppress(Exception):
-            self.placer.remove_node(h.name)
-        if self.state is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.state.mark_node_lost, h.name, reason)
-        # release the pinned actor: a node coming back under this name gets a new edge
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(ray.kill, h.actor, no_restart=True)
-
-    def _rebuild_placer(self) -> None:
-        """A fresh placer view from the latest reports: actual usage observed, and the
-        requested totals each edge admits against committed as one reservation per node."""
-        placer = Placer(
-            [],
-            k=self.options.placement_k,
-            overcommit=self.options.overcommit,
-            burst_threshold=self.options.burst_threshold,
-        )
-        for h in self._alive():
-            r = h.report
-            if r is None or not r.get("tiers"):
-                continue
-            live = int(r["sandboxes"])
-            placer.add_node(
-                Node(
-                    node_id=h.name,
-                    cpu_cores=float(r["cpus"]),
-                    memory_bytes=int(r["memory_bytes"]),
-                    tiers=frozenset(r["tiers"]),
-                    disk_free_bytes=int(r["disk_free_bytes"]),
-                    # the committed totals below count as one sandbox
-                    max_sandboxes=max(1, int(r["max_sandboxes"]) - live + (1 if live else 0)),
-                    burst=h.burst,
-                    layers=frozenset(r.get("layers", ())),
-                )
-            )
-            placer.observe(
-                h.name,
-                NodeUsage(
-                    cpu_used=float(r["cpu_used"]),
-                    memory_used=int(r["memory_used"]),
-                    sandboxes=live,
-                    disk_free_bytes=int(r["disk_free_bytes"]),
-                ),
-            )
-            if live and r["requested_cpu"] > 0:
-                committed = PlacementRequest(
-                    tier=sorted(r["tiers"])[0],
-                    cpu=float(r["requested_cpu"]),
-                    memory_bytes=max(1, int(r["requested_memory"])),
-                )
-                with contextlib.suppress(QuotaExceeded):
-                    placer.commit(placer.begin(h.name, committed))
-        self.placer = placer
-
-    # ------------------------------------------------------------------ calls
-    def _handle(self, node: str, sandbox_id: str | None = None) -> _NodeHandle:
+    def handle(self, node: str, sandbox_id: str | None = None) -> _NodeHandle:
+        """The live node ``node`` (``NodeLost`` for a lost one, ``SandboxNotFound`` /
+        ``NotFound`` for an unknown one)."""
         h = self.nodes.get(node)
         if h is not None and h.state == "alive":
             return h
@@ -405,7 +220,7 @@ class ClusterEdge:
             raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id)
         raise NotFound(f"unknown node {node!r}", node=node)
 
-    async def _await(self, h: _NodeHandle, ref: Any, timeout: float, what: str) -> Any:
+    async def await_ref(self, h: _NodeHandle, ref: Any, timeout: float, what: str) -> Any:
         """Await an actor call, racing the node's lost signal; typed errors only."""
         from ray.exceptions import RayActorError, RayError
 
@@ -442,7 +257,7 @@ class ClusterEdge:
             f"node {h.name} did not answer {what} within {timeout:.0f} s", node=h.name
         )
 
-    async def _call(
+    async def call(
         self,
         node: str,
         method: str,
@@ -453,16 +268,18 @@ class ClusterEdge:
     ) -> Any:
         """Relay ``EdgeAgent.<method>(*args, **kwargs)`` to ``node``'s edge actor; its
         ``("error", ...)`` answer is raised as the typed error."""
-        h = self._handle(node, sandbox_id)
-        return await self._answer(h, h.actor.call.remote(method, args, kwargs), timeout, method)
+        h = self.handle(node, sandbox_id)
+        return await self.answer(h, h.actor.call.remote(method, args, kwargs), timeout, method)
 
-    async def _answer(self, h: Any, ref: Any, timeout: float | None, what: str) -> Any:
-        status, value = await self._await(h, ref, timeout or self.options.call_timeout_s, what)
+    async def answer(self, h: _NodeHandle, ref: Any, timeout: float | None, what: str) -> Any:
+        """Await ``ref`` (an actor method's ``("ok"|"error", value)``) as the value or the
+        typed error."""
+        status, value = await self.await_ref(h, ref, timeout or self.options.call_timeout_s, what)
         if status == "error":
             raise error_from_wire(0, value)
         return value
 
-    async def _actor_call(
+    async def actor_call(
         self,
         node: str,
         method: str,
@@ -473,23 +290,96 @@ class ClusterEdge:
         """Call the edge actor's own method ``method`` on ``node`` (not a relayed
         ``EdgeAgent`` call: e.g. the memory migration steps of :mod:`dsec.cluster.migrate`);
         its ``("error", ...)`` answer is raised as the typed error."""
-        h = self._handle(node, sandbox_id)
-        return await self._answer(h, getattr(h.actor, method).remote(*args), timeout, method)
+        h = self.handle(node, sandbox_id)
+        return await self.answer(h, getattr(h.actor, method).remote(*args), timeout, method)
 
-    async def _on_sandbox(
+    async def on_sandbox(
         self, sandbox_id: str, method: str, *args: Any, timeout: float | None = None, **kw: Any
     ) -> Any:
+        """Relay ``method(sandbox_id, *args, **kw)`` to the node the id names."""
         node = node_of_sandbox(sandbox_id)
         try:
-            return await self._call(
+            return await self.call(
                 node, method, sandbox_id, *args, timeout=timeout, sandbox_id=sandbox_id, **kw
             )
         except NodeLost as e:
             e.details.setdefault("sandbox_id", sandbox_id)
             raise
 
-    # ------------------------------------------------------------------ placement
-    def _placement_request(self, req: CreateSandboxRequest) -> PlacementRequest:
+    async def pipe(
+        self,
+        source: str,
+        target: str,
+        read: tuple[str, tuple[Any, ...]],
+        write: tuple[str, tuple[Any, ...]],
+        timeout: float,
+    ) -> Any:
+        """``target``'s actor method ``write[0](*write[1], <answer of source's read>)``: the
+        answer of ``read`` (an actor method of ``source``) goes node to node through Ray's
+        object store, never through this process. Returns ``write``'s value."""
+        src, dst = self.handle(source), self.handle(target)
+        ref = getattr(src.actor, read[0]).remote(*read[1])
+        return await self.answer(
+            dst, getattr(dst.actor, write[0]).remote(*write[1], ref), timeout, write[0]
+        )
+
+
+class ClusterPlacement:
+    """Where sandboxes go: the placer's view of the live nodes (rebuilt from their reports),
+    the order in which nodes are tried, and a reservation around each attempt."""
+
+    def __init__(self, options: ClusterOptions) -> None:
+        self.options = options
+        self.placer = Placer([], k=options.placement_k, overcommit=options.overcommit)
+
+    def rebuild(self, alive: list[_NodeHandle]) -> None:
+        """A fresh placer view from the latest reports: actual usage observed, and the
+        requested totals each edge admits against committed as one reservation per node."""
+        placer = Placer(
+            [],
+            k=self.options.placement_k,
+            overcommit=self.options.overcommit,
+            burst_threshold=self.options.burst_threshold,
+        )
+        for h in alive:
+            r = h.report
+            if r is None or not r.get("tiers"):
+                continue
+            live = int(r["sandboxes"])
+            placer.add_node(
+                Node(
+                    node_id=h.name,
+                    cpu_cores=float(r["cpus"]),
+                    memory_bytes=int(r["memory_bytes"]),
+                    tiers=frozenset(r["tiers"]),
+                    disk_free_bytes=int(r["disk_free_bytes"]),
+                    # the committed totals below count as one sandbox
+                    max_sandboxes=max(1, int(r["max_sandboxes"]) - live + (1 if live else 0)),
+                    burst=h.burst,
+                    layers=frozenset(r.get("layers", ())),
+                )
+            )
+            placer.observe(
+                h.name,
+                NodeUsage(
+                    cpu_used=float(r["cpu_used"]),
+                    memory_used=int(r["memory_used"]),
+                    sandboxes=live,
+                    disk_free_bytes=int(r["disk_free_bytes"]),
+                ),
+            )
+            if live and r["requested_cpu"] > 0:
+                committed = PlacementRequest(
+                    tier=sorted(r["tiers"])[0],
+                    cpu=float(r["requested_cpu"]),
+                    memory_bytes=max(1, int(r["requested_memory"])),
+                )
+                with contextlib.suppress(QuotaExceeded):
+                    placer.commit(placer.begin(h.name, committed))
+        self.placer = placer
+
+    def request(self, req: CreateSandboxRequest) -> PlacementRequest:
+        """What the placer needs to know of ``req``."""
         return PlacementRequest(
             tier=req.tier,
             cpu=req.cpu,
@@ -547,57 +437,20 @@ class ClusterEdge:
                 out.append(n)
         return out
 
-    # ------------------------------------------------------------------ sandboxes
-    async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
-        if req.tier not in TIERS:
-            raise InvalidRequest(f"unknown tier {req.tier!r}")
-        preq = self._placement_request(req)
-        candidates = self.candidates(preq, prefer=req.labels.get(PREFER_NODE_LABEL))
-
-        async def attempt(node: str) -> tuple[SandboxInfo, None]:
-            try:
-                info: SandboxInfo = await self._call(
-                    node, "create_sandbox", req, owner, timeout=self.options.create_timeout_s
-                )
-            except (QuotaExceeded, NodeLost, ServiceUnavailable) as e:
-                self.rejections_retried += 1
-                log.info("node %s did not admit a %s sandbox: %s", node, req.tier, e.message)
-                raise
-            return info, None
-
-        def none_admits(last: DsecError | None) -> DsecError:
-            if isinstance(last, QuotaExceeded) or last is None:
-                return QuotaExceeded(
-                    "no node of the cluster admits this sandbox"
-                    + (f" (last refusal: {last.message})" if last else ""),
-                    tier=req.tier,
-                )
-            return last
-
-        info, _ = await self._on_first_admitting(
-            candidates,
-            preq,
-            owner,
-            attempt,
-            refusals=(QuotaExceeded, NodeLost, ServiceUnavailable),
-            none_admits=none_admits,
-        )
-        return info
-
-    async def _on_first_admitting(
+    async def first_admitting(
         self,
         candidates: list[str],
         preq: PlacementRequest,
-        owner: str,
         attempt: Callable[[str], Awaitable[tuple[SandboxInfo, _T]]],
         *,
         refusals: tuple[type[DsecError], ...] = (QuotaExceeded,),
         explicit: bool = False,
         none_admits: Callable[[DsecError | None], DsecError],
+        admitted: Callable[[SandboxInfo], Awaitable[None]] | None = None,
     ) -> tuple[SandboxInfo, _T]:
         """Run ``attempt(node)`` on the candidates in order, each under a placement
-        reservation for ``preq``, until one succeeds: the reservation is committed and the
-        new sandbox recorded. A refusal (``refusals`` from the node, or the placer's own)
+        reservation for ``preq``, until one succeeds: the reservation is committed and
+        ``admitted(new sandbox)`` awaited (the registry write). A refusal (``refusals`` from the node, or the placer's own)
         moves on to the next candidate, unless the target was ``explicit`` (then it is
         raised); when none admits, ``none_admits(last refusal)`` is raised. Used by creation
         and by both migration methods (:mod:`dsec.cluster.migrate`)."""
@@ -624,9 +477,218 @@ class ClusterEdge:
                 raise
             with contextlib.suppress(DsecError):
                 placer.commit(reservation)
-            await self._record(owner, info)
+            if admitted is not None:
+                await admitted(info)
             return info, extra
         raise none_admits(last)
+
+
+class ClusterEdge:
+    """The cluster's :class:`~dsec.edge.interface.EdgeAPI`. ``ray.init`` must have been
+    called; construct, ``await start()``, use, ``await close()``.
+
+    Args:
+        state: the PostgreSQL registry (``None``: no shared registry; lists then only show
+            sandboxes of live nodes and lost ones are reported from memory).
+        config: how edge actors are set up on each node.
+        options: timings and placement settings.
+    """
+
+    def __init__(
+        self,
+        state: Any,
+        config: NodeConfig,
+        options: ClusterOptions | None = None,
+    ) -> None:
+        self.state = state
+        self.config = config
+        self.options = options or ClusterOptions.from_env()
+        self.relay = NodeRelay(state, self.options)
+        self.placement = ClusterPlacement(self.options)
+        self.rejections_retried = 0
+        self._monitor: asyncio.Task[None] | None = None
+        self._closing = False
+
+    @property
+    def nodes(self) -> dict[str, _NodeHandle]:
+        """The nodes this replica knows, by name (live and lost)."""
+        return self.relay.nodes
+
+    @property
+    def placer(self) -> Placer:
+        """The placer's current view of the live nodes."""
+        return self.placement.placer
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, *, wait_s: float = 120.0) -> None:
+        """Start (or find) an edge per alive Ray node and wait up to ``wait_s`` seconds
+        for every one of them to report once."""
+        await self.refresh()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            pending = [h.name for h in self._alive() if h.report is None]
+            if not pending:
+                break
+            await asyncio.sleep(0.2)
+            await self.refresh()
+        pending = [h.name for h in self._alive() if h.report is None]
+        if pending:
+            log.warning("edges not reporting yet: %s", ", ".join(pending))
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="dsec-cluster-monitor")
+
+    async def close(self) -> None:
+        """Stop monitoring. Edge actors keep running (they are detached)."""
+        self._closing = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+
+    async def shutdown_edges(self, *, kill_sandboxes: bool = False) -> None:
+        """Close every edge actor (and their sandboxes if ``kill_sandboxes``) and release
+        them: what an operator does to take the cluster's dsec down."""
+        import ray
+
+        for h in self._alive():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(h.actor.shutdown.remote(kill_sandboxes), 120)
+            with contextlib.suppress(Exception):
+                ray.kill(h.actor, no_restart=True)
+
+    async def _monitor_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.options.report_interval_s)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("cluster refresh failed")
+
+    def _alive(self) -> list[_NodeHandle]:
+        return self.relay.alive()
+
+    # ------------------------------------------------------------------ membership and reports
+    async def refresh(self) -> None:
+        """One monitor step: follow Ray's node table, collect reports, rebuild the placer."""
+        import ray
+
+        ray_nodes = await asyncio.to_thread(ray.nodes)
+        seen: set[str] = set()
+        for rn in ray_nodes:
+            name = node_name_of(rn)
+            h = self.nodes.get(name)
+            if not rn.get("Alive"):
+                if h is not None and h.ray_node_id == rn["NodeID"] and h.state == "alive":
+                    await self._mark_lost(h, "node lost (Ray reported the node dead)")
+                continue
+            seen.add(name)
+            if h is None or h.state == "lost" or h.ray_node_id != rn["NodeID"]:
+                if h is not None and h.state == "alive":
+                    await self._mark_lost(h, "node lost (replaced by a new Ray node)")
+                labels = rn.get("Labels") or {}
+                actor = await asyncio.to_thread(ensure_edge_actor, rn, self.config)
+                self.nodes[name] = _NodeHandle(
+                    name=name,
+                    ray_node_id=rn["NodeID"],
+                    actor=actor,
+                    burst=str(labels.get(BURST_LABEL, "")).lower() in ("1", "true", "yes"),
+                )
+        for h in self._alive():
+            if h.name not in seen:  # gone from Ray's table altogether
+                await self._mark_lost(h, "node lost (left the Ray cluster)")
+        await asyncio.gather(*(self._collect(h) for h in self._alive()))
+        self.placement.rebuild(self._alive())
+
+    async def _collect(self, h: _NodeHandle) -> None:
+        try:
+            report = await asyncio.wait_for(
+                _ray_await(h.actor.report.remote()), self.options.probe_timeout_s
+            )
+        except Exception as e:
+            silent = time.monotonic() - h.last_ok
+            # a new edge starts (and reconciles) on its first call: give it longer
+            limit = (
+                self.options.lost_after_s if h.report is not None else self.options.start_grace_s
+            )
+            if silent > limit:
+                await self._mark_lost(
+                    h, f"node lost (its edge did not answer for {silent:.0f} s: {e!r})"[:300]
+                )
+            return
+        h.last_ok = time.monotonic()
+        h.report = report
+        if self.state is not None:
+            try:
+                owned = await asyncio.wait_for(
+                    _ray_await(h.actor.owned_sandboxes.remote()), self.options.probe_timeout_s
+                )
+                live = {info.id: (owner, info) for owner, info in owned}
+                await asyncio.to_thread(self.state.sync_node, h.name, live)
+                await asyncio.to_thread(
+                    self.state.upsert_node,
+                    h.name,
+                    h.ray_node_id,
+                    "alive",
+                    {k: v for k, v in report.items() if k != "layers"},
+                )
+            except Exception as e:
+                log.warning("registry sync of node %s failed: %s", h.name, e)
+
+    async def _mark_lost(self, h: _NodeHandle, reason: str) -> None:
+        import ray
+
+        if h.state == "lost":
+            return
+        log.warning("node %s: %s", h.name, reason)
+        h.state = "lost"
+        h.lost_reason = reason
+        h.lost.set()
+        with contextlib.suppress(Exception):
+            self.placer.remove_node(h.name)
+        if self.state is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.state.mark_node_lost, h.name, reason)
+        # release the pinned actor: a node coming back under this name gets a new edge
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(ray.kill, h.actor, no_restart=True)
+
+    # ------------------------------------------------------------------ calls
+    # ------------------------------------------------------------------ placement
+    # ------------------------------------------------------------------ sandboxes
+    async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
+        if req.tier not in TIERS:
+            raise InvalidRequest(f"unknown tier {req.tier!r}")
+        preq = self.placement.request(req)
+        candidates = self.placement.candidates(preq, prefer=req.labels.get(PREFER_NODE_LABEL))
+
+        async def attempt(node: str) -> tuple[SandboxInfo, None]:
+            try:
+                info: SandboxInfo = await self.relay.call(
+                    node, "create_sandbox", req, owner, timeout=self.options.create_timeout_s
+                )
+            except (QuotaExceeded, NodeLost, ServiceUnavailable) as e:
+                self.rejections_retried += 1
+                log.info("node %s did not admit a %s sandbox: %s", node, req.tier, e.message)
+                raise
+            return info, None
+
+        def none_admits(last: DsecError | None) -> DsecError:
+            if isinstance(last, QuotaExceeded) or last is None:
+                return QuotaExceeded(
+                    "no node of the cluster admits this sandbox"
+                    + (f" (last refusal: {last.message})" if last else ""),
+                    tier=req.tier,
+                )
+            return last
+
+        info, _ = await self.placement.first_admitting(
+            candidates,
+            preq,
+            attempt,
+            refusals=(QuotaExceeded, NodeLost, ServiceUnavailable),
+            none_admits=none_admits,
+            admitted=lambda info: self._record(owner, info),
+        )
+        return info
 
     async def create_sandboxes(
         self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
@@ -638,8 +700,8 @@ class ClusterEdge:
         made and raises."""
         if n < 1:
             raise InvalidRequest("a batch needs n >= 1", n=n)
-        preq = self._placement_request(req)
-        self.candidates(preq)  # TierUnavailable before anything else
+        preq = self.placement.request(req)
+        self.placement.candidates(preq)  # TierUnavailable before anything else
         placer = self.placer
         batch = placer.place_many(n, preq)
         if all_or_nothing and batch.failed:
@@ -660,7 +722,7 @@ class ClusterEdge:
 
         async def on_node(node: str, items: list[tuple[int, Any]]) -> None:
             try:
-                res: BatchCreateResult = await self._call(
+                res: BatchCreateResult = await self.relay.call(
                     node,
                     "create_sandboxes",
                     req,
@@ -727,10 +789,6 @@ class ClusterEdge:
             except Exception as e:
                 log.warning("registry write of %s failed: %s", info.id, e)
 
-    async def get_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "get_sandbox", owner)
-        return info
-
     async def list_sandboxes(
         self,
         owner: str,
@@ -742,7 +800,7 @@ class ClusterEdge:
     ) -> list[SandboxInfo]:
         async def one(h: _NodeHandle) -> list[SandboxInfo] | None:
             try:
-                out: list[SandboxInfo] = await self._call(
+                out: list[SandboxInfo] = await self.relay.call(
                     h.name,
                     "list_sandboxes",
                     owner,
@@ -782,12 +840,8 @@ class ClusterEdge:
         return out
 
     async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "kill_sandbox", owner)
+        info: SandboxInfo = await self.relay.on_sandbox(sandbox_id, "kill_sandbox", owner)
         await self._record(owner, info)
-        return info
-
-    async def set_ttl(self, sandbox_id: str, owner: str, ttl_s: float) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "set_ttl", owner, ttl_s)
         return info
 
     # ------------------------------------------------------------------ exec
@@ -800,7 +854,7 @@ class ClusterEdge:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> ExecResult:
-        res: ExecResult = await self._on_sandbox(
+        res: ExecResult = await self.relay.on_sandbox(
             sandbox_id,
             "exec",
             owner,
@@ -827,155 +881,28 @@ class ClusterEdge:
         """Events relayed from the edge's Ray streaming generator as they are produced; a
         lost node ends the stream with an ``error`` event (``NodeLost``)."""
         node = node_of_sandbox(sandbox_id)
-        h = self._handle(node, sandbox_id)
+        h = self.relay.handle(node, sandbox_id)
         gen = h.actor.exec_stream.remote(sandbox_id, owner, req, seq, idem_key)
         step_timeout = self._exec_timeout(req)
         while True:
             try:
-                ref = await self._await(h, gen.__anext__(), step_timeout, "exec stream")
+                ref = await self.relay.await_ref(h, gen.__anext__(), step_timeout, "exec stream")
             except StopAsyncIteration:
                 return
             except DsecError as e:
                 e.details.setdefault("sandbox_id", sandbox_id)
                 yield ExecEvent(type="error", error=e.to_wire()["error"])
                 return
-            ev: ExecEvent = await self._await(h, ref, step_timeout, "exec stream")
+            ev: ExecEvent = await self.relay.await_ref(h, ref, step_timeout, "exec stream")
             yield ev
             if ev.type in ("exit", "error"):
                 return
 
     # ------------------------------------------------------------------ files
-    async def read_file(self, sandbox_id: str, owner: str, path: str) -> bytes:
-        data: bytes = await self._on_sandbox(sandbox_id, "read_file", owner, path)
-        return data
-
-    async def write_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        data: bytes,
-        mode: int = 0o644,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> FileInfo:
-        info: FileInfo = await self._on_sandbox(
-            sandbox_id, "write_file", owner, path, data, mode, seq=seq, idem_key=idem_key
-        )
-        return info
-
-    async def list_files(
-        self, sandbox_id: str, owner: str, path: str, depth: int = 1
-    ) -> list[FileInfo]:
-        out: list[FileInfo] = await self._on_sandbox(sandbox_id, "list_files", owner, path, depth)
-        return out
-
-    async def stat_file(self, sandbox_id: str, owner: str, path: str) -> FileInfo:
-        info: FileInfo = await self._on_sandbox(sandbox_id, "stat_file", owner, path)
-        return info
-
-    async def remove_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        recursive: bool = False,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> None:
-        await self._on_sandbox(
-            sandbox_id, "remove_file", owner, path, recursive, seq=seq, idem_key=idem_key
-        )
-
-    async def make_dir(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> FileInfo:
-        info: FileInfo = await self._on_sandbox(
-            sandbox_id, "make_dir", owner, path, seq=seq, idem_key=idem_key
-        )
-        return info
-
-    async def rename_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        src: str,
-        dst: str,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> FileInfo:
-        info: FileInfo = await self._on_sandbox(
-            sandbox_id, "rename_file", owner, src, dst, seq=seq, idem_key=idem_key
-        )
-        return info
-
-    async def upload_tar(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        data: bytes,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> int:
-        n: int = await self._on_sandbox(
-            sandbox_id, "upload_tar", owner, path, data, seq=seq, idem_key=idem_key
-        )
-        return n
-
-    async def download_tar(self, sandbox_id: str, owner: str, path: str) -> bytes:
-        data: bytes = await self._on_sandbox(sandbox_id, "download_tar", owner, path)
-        return data
-
     # ------------------------------------------------------------------ lifecycle verbs
-    async def pause_sandbox(
-        self, sandbox_id: str, owner: str, *args: Any, **kw: Any
-    ) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "pause_sandbox", owner, *args, **kw)
-        return info
-
-    async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
-        """``freeze`` or ``suspend`` on the sandbox's node (see ``PauseModes``)."""
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "pause_sandbox_mode", owner, mode)
-        return info
-
-    async def resume_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "resume_sandbox", owner)
-        return info
-
-    async def snapshot_sandbox(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: SnapshotRequest,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> LayerInfo:
-        layer: LayerInfo = await self._on_sandbox(
-            sandbox_id,
-            "snapshot_sandbox",
-            owner,
-            req,
-            seq=seq,
-            idem_key=idem_key,
-            timeout=self.options.create_timeout_s,
-        )
-        return layer
-
     async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult:
         """Forks stay on the source's node (the snapshot layer is there)."""
-        res: ForkResult = await self._on_sandbox(
+        res: ForkResult = await self.relay.on_sandbox(
             sandbox_id, "fork_sandbox", owner, req, timeout=self.options.create_timeout_s
         )
         for info in res.sandboxes:
@@ -989,7 +916,9 @@ class ClusterEdge:
 
         async def one(h: _NodeHandle) -> JobActionResult | DsecError:
             try:
-                res: JobActionResult = await self._call(h.name, "job_action", owner, job, action)
+                res: JobActionResult = await self.relay.call(
+                    h.name, "job_action", owner, job, action
+                )
                 return res
             except DsecError as e:
                 return e
@@ -1028,45 +957,8 @@ class ClusterEdge:
                     )
         return JobActionResult(job=job, action=action, outcomes=outcomes)
 
-    async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
-        text: str = await self._on_sandbox(sandbox_id, "export_trajectory", owner)
-        return text
-
     # ------------------------------------------------------------------ network
-    async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "update_network", owner, policy)
-        return info
-
-    async def network_stats(self, sandbox_id: str, owner: str) -> dict[str, Any]:
-        out: dict[str, Any] = await self._on_sandbox(sandbox_id, "network_stats", owner)
-        return out
-
     # ------------------------------------------------------------------ display (vm tier)
-    async def display_screenshot(self, sandbox_id: str, owner: str) -> bytes:
-        data: bytes = await self._on_sandbox(sandbox_id, "display_screenshot", owner)
-        return data
-
-    async def display_click(
-        self, sandbox_id: str, owner: str, x: int, y: int, button: str = "left"
-    ) -> None:
-        await self._on_sandbox(sandbox_id, "display_click", owner, x, y, button)
-
-    async def display_type(self, sandbox_id: str, owner: str, text: str) -> None:
-        await self._on_sandbox(sandbox_id, "display_type", owner, text)
-
-    async def display_key(self, sandbox_id: str, owner: str, name: str) -> None:
-        await self._on_sandbox(sandbox_id, "display_key", owner, name)
-
-    async def start_process(self, sandbox_id: str, owner: str, req: ExecRequest, **kw: Any) -> Any:
-        """Interactive processes (E2B stdin/pty) hold a live object on the edge that is not
-        relayed across nodes yet: ``CapabilityNotSupported`` in cluster mode."""
-        await self.get_sandbox(sandbox_id, owner)
-        raise CapabilityNotSupported(
-            "interactive processes (stdin after start, pty) are not available in cluster "
-            "mode; use exec or exec/stream",
-            sandbox_id=sandbox_id,
-        )
-
     # ------------------------------------------------------------------ migration
     async def migrate_sandbox(
         self, sandbox_id: str, owner: str, node: str | None = None
@@ -1075,7 +967,9 @@ class ClusterEdge:
         :func:`dsec.cluster.migrate.migrate_sandbox`."""
         from dsec.cluster.migrate import migrate_sandbox
 
-        return await migrate_sandbox(self, sandbox_id, owner, node)
+        return await migrate_sandbox(
+            self.relay, self.placement, sandbox_id, owner, node, record=self._record
+        )
 
     # ------------------------------------------------------------------ images
     def _any_node(self) -> str:
@@ -1087,11 +981,11 @@ class ClusterEdge:
         return alive[0]
 
     async def list_images(self, owner: str) -> list[ImageInfo]:
-        out: list[ImageInfo] = await self._call(self._any_node(), "list_images", owner)
+        out: list[ImageInfo] = await self.relay.call(self._any_node(), "list_images", owner)
         return out
 
     async def get_image(self, name: str, owner: str) -> ImageInfo:
-        out: ImageInfo = await self._call(self._any_node(), "get_image", name, owner)
+        out: ImageInfo = await self.relay.call(self._any_node(), "get_image", name, owner)
         return out
 
     async def delete_image(self, name: str, owner: str) -> None:
@@ -1104,7 +998,7 @@ class ClusterEdge:
         return out
 
     async def list_layers(self, owner: str) -> list[LayerInfo]:
-        out: list[LayerInfo] = await self._call(self._any_node(), "list_layers", owner)
+        out: list[LayerInfo] = await self.relay.call(self._any_node(), "list_layers", owner)
         return out
 
     async def _on_every_node(self, method: str, *args: Any) -> Any:
@@ -1112,7 +1006,10 @@ class ClusterEdge:
         if not names:
             raise ServiceUnavailable("no live node in the cluster")
         results = await asyncio.gather(
-            *(self._call(n, method, *args, timeout=self.options.create_timeout_s) for n in names),
+            *(
+                self.relay.call(n, method, *args, timeout=self.options.create_timeout_s)
+                for n in names
+            ),
             return_exceptions=True,
         )
         for r in results:
@@ -1132,7 +1029,7 @@ class ClusterEdge:
 
     async def push_image(self, name: str, target: str, owner: str) -> Any:
         """Pushed from one node's layer store (any node holding the image)."""
-        return await self._call(
+        return await self.relay.call(
             self._any_node(),
             "push_image",
             name,
@@ -1150,7 +1047,8 @@ class ClusterEdge:
     async def capabilities(self) -> list[Capabilities]:
         """Per tier: the capabilities of a node offering it (unavailable if none does)."""
         answers = await asyncio.gather(
-            *(self._call(h.name, "capabilities") for h in self._alive()), return_exceptions=True
+            *(self.relay.call(h.name, "capabilities") for h in self._alive()),
+            return_exceptions=True,
         )
         best: dict[str, Capabilities] = {}
         for a in answers:
@@ -1221,3 +1119,26 @@ class ClusterEdge:
 async def _ray_await(ref: Any) -> Any:
     """Await a Ray ObjectRef (or a streaming generator step) from asyncio."""
     return await ref
+
+
+_NODE_SIDE_VERBS = frozenset({"export_sandbox", "export_memory", "start_process"})
+"""Sandbox verbs a cluster does not relay: migrations call the edge actors' own steps, and an
+interactive process is a live object of its node (E2B falls back to exec streams)."""
+_CREATE_TIMEOUT_VERBS = frozenset({"snapshot_sandbox"})
+"""Relayed verbs that may take as long as a creation (a snapshot packs a whole layer)."""
+
+
+def _forwarder(name: str) -> Callable[..., Awaitable[Any]]:
+    async def forward(self: ClusterEdge, sandbox_id: str, *args: Any, **kwargs: Any) -> Any:
+        timeout = self.options.create_timeout_s if name in _CREATE_TIMEOUT_VERBS else None
+        return await self.relay.on_sandbox(sandbox_id, name, *args, timeout=timeout, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"``{name}`` on the node the sandbox id names (see ``EdgeAPI``)."
+    return forward
+
+
+# Every sandbox verb of the contract that ClusterEdge does not implement itself is relayed
+# to the sandbox's node: adding a verb to dsec.edge.interface adds it here.
+for _name in sorted(SANDBOX_VERBS - _NODE_SIDE_VERBS - set(vars(ClusterEdge))):
+    setattr(ClusterEdge, _name, _forwarder(_name))
