@@ -105,12 +105,16 @@ def context(files: dict[str, bytes], mode: int = 0o644) -> bytes:
     return buf.getvalue()
 
 
+RUN_ONE = "echo one > /one; cat /proc/sys/kernel/random/uuid > /nonce"
+"""Its layer differs on every run (as most RUN layers do: new mtimes), for certain."""
+
+
 def three_steps(name: str = "app") -> dict[str, Any]:
     return {
         "name": name,
         "steps": [
             {"op": "from_image", "image": "busybox"},
-            {"op": "run", "cmd": "echo one > /one"},
+            {"op": "run", "cmd": RUN_ONE},
             {"op": "copy", "src": ["app.txt"], "dest": "/app/"},
             {"op": "run", "cmd": "cat /app/app.txt > /two"},
         ],
@@ -153,6 +157,17 @@ async def test_cold_then_fully_cached_then_a_changed_middle_step(node: Node) -> 
     assert await node.sh(owner, "app", "cat /one /two") == "one\nv2\n"
     config = node.edge.layers.get_image("app", owner).meta
     assert config["build"]["cached_steps"] == 1 and config["source"] == "build"
+
+    # the first RUN's entry goes stale: it rebuilds into a new layer, and the steps above it
+    # (unchanged) must not reuse layers made on the old one
+    for entry in node.builder.cache.entries(owner):
+        if entry["step"] == f"RUN {RUN_ONE}":
+            node.builder.cache.forget(owner, entry["key"])
+    again = await node.build(owner, three_steps(), context({"app.txt": b"v2\n"}))
+    a = done(again)
+    assert (a.built_steps, a.cached_steps) == (3, 0)
+    assert a.image.layers[1] != c.image.layers[1]
+    assert await node.sh(owner, "app", "cat /one /two") == "one\nv2\n"
 
 
 async def test_a_failing_run_names_its_step_keeps_its_output_and_stores_nothing(node: Node) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import tarfile
 from pathlib import Path
@@ -24,7 +25,7 @@ from dsec.builds import (
     Workdir,
     parse_dockerfile,
 )
-from dsec.builds.cache import BuildCache, base_key
+from dsec.builds.cache import BuildCache, step_key
 from dsec.builds.context import BuildContext, DockerIgnore
 from dsec.builds.plan import APT_NETWORK, plan_steps
 from dsec.errors import InvalidRequest, PayloadTooLarge
@@ -64,6 +65,8 @@ def keys(
     config: ImageConfig | None = None,
     mtime: int = 1_700_000_000,
 ) -> list[str | None]:
+    """The key of every step (None: not a filesystem step) in a build where each step's
+    layer is derived from its key, as the engine computes them (on the stack so far)."""
     plan = plan_steps(
         steps,
         base_layers=base,
@@ -72,7 +75,15 @@ def keys(
         context=BuildContext.from_tar(tar(files or {}, mtime)),
         run_network=None,
     )
-    return [s.key for s in plan.steps]
+    stack, out = list(base), []
+    for s in plan.steps:
+        if s.canonical is None:
+            out.append(None)
+            continue
+        key = step_key(stack, s.canonical)
+        out.append(key)
+        stack.append("sha256:" + hashlib.sha256(key.encode()).hexdigest())
+    return out
 
 
 THREE = [
@@ -132,7 +143,25 @@ def test_user_workdir_network_and_base_are_part_of_the_keys() -> None:
     assert keys([THREE[0], net, *THREE[2:]], files=FILES)[1] != a[1]
     other = keys(THREE, files=FILES, base=["sha256:" + "2" * 64])
     assert all(x != y for x, y in zip(a[1:], other[1:], strict=True))
-    assert base_key(BASE) != base_key(["sha256:" + "2" * 64])
+
+
+def test_keys_chain_through_the_layers_actually_below() -> None:
+    plan = plan_steps(
+        THREE,
+        base_layers=BASE,
+        base_config=ImageConfig(),
+        build_args={},
+        context=BuildContext.from_tar(tar(FILES)),
+        run_network=None,
+    )
+    canonical = plan.steps[2].canonical
+    assert canonical is not None
+    # the same COPY on a rebuilt (different) layer below is another key: no stale reuse
+    assert step_key([*BASE, "sha256:" + "a" * 64], canonical) != step_key(
+        [*BASE, "sha256:" + "b" * 64], canonical
+    )
+    # a step that changed nothing added no layer: the next step's key does not move
+    assert step_key(BASE, canonical) == step_key(list(BASE), dict(canonical))
 
 
 def test_dockerfile_comment_and_blank_changes_keep_every_key() -> None:

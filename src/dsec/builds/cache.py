@@ -1,16 +1,18 @@
 """The build cache: which layer a build step made, per owner, keyed by what the step is.
 
-Keys form a chain, as in Docker: the base's key is the sha256 of its layer digests; each
-filesystem step's key is the sha256 of ``(version, the previous filesystem step's key, the
-step's canonical form)``. The canonical form is everything that decides the step's result
-and nothing else: for ``run`` the command, the environment (``env`` and ``arg`` values in
+A step's key is the sha256 of ``(version, the digests of the layers it runs on, its
+canonical form)``: the filesystem below it (Docker's chain-ID rule: a step rebuilt into a
+different layer changes the key of every step above it, even if its instruction did not
+change) and everything else that decides its result, and nothing more. Canonical forms: for ``run`` the command, the environment (``env`` and ``arg`` values in
 effect), working directory, user and network; for ``apt_install`` / ``pip_install`` the
 packages, environment, working directory and network; for ``copy`` the sources as written,
 the destination, ``chown``/``chmod``, and the digest of the copied content (paths, types,
 modes, link targets and bytes; not modification times); for a ``workdir`` that creates its
 directory, the path. The instruction text, Dockerfile line numbers, comments and steps that
 only change the image config (``cmd``, ``label``, ...) are not in any key. So an unchanged
-step is a hit, a changed one misses and so does everything after it.
+step on unchanged layers is a hit; a changed one misses, makes a new layer, and so every
+step after it misses too. A step that changed nothing adds no layer and so does not change
+the keys above it.
 
 The index (:class:`BuildCache`) is a small SQLite file of the node (next to the layer
 store by default): table ``build_cache(owner, key, layer, step, created_at, used_at)``,
@@ -23,6 +25,7 @@ then adds no layer).
 Example::
 
     cache = BuildCache(store.root / "build-cache.db", store)
+    key = step_key(stack, planned.canonical)
     hit = cache.lookup(owner, key)            # None, or CacheHit(layer="sha256:..." | None)
     cache.record(owner, key, layer.digest, "RUN make")
 """
@@ -44,11 +47,11 @@ from dsec.errors import LayerNotFound
 if TYPE_CHECKING:
     from dsec.layers.store import LayerStore
 
-__all__ = ["CACHE_KEY_VERSION", "BuildCache", "CacheHit", "base_key", "step_key"]
+__all__ = ["CACHE_KEY_VERSION", "BuildCache", "CacheHit", "step_key"]
 
 log = logging.getLogger(__name__)
 
-CACHE_KEY_VERSION = 1
+CACHE_KEY_VERSION = 2
 """Bumped whenever what a step key means changes (old entries then simply miss)."""
 
 _SCHEMA = """
@@ -69,14 +72,10 @@ def _digest(obj: Any) -> str:
     return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 
 
-def base_key(layers: list[str]) -> str:
-    """The chain's start: the base image's layer digests, bottom first."""
-    return _digest({"v": CACHE_KEY_VERSION, "base": list(layers)})
-
-
-def step_key(parent: str, canonical: dict[str, Any]) -> str:
-    """The key of a filesystem step whose predecessor's key is ``parent``."""
-    return _digest({"v": CACHE_KEY_VERSION, "parent": parent, "step": canonical})
+def step_key(layers: list[str], canonical: dict[str, Any]) -> str:
+    """The key of a filesystem step with ``canonical`` form run on ``layers`` (digests,
+    bottom first: the base image's and the build's so far)."""
+    return _digest({"v": CACHE_KEY_VERSION, "layers": list(layers), "step": canonical})
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ How a build runs:
    the image name must be free for the key; the context is indexed (bounded by
    :class:`BuildLimits`); a Dockerfile is parsed; the base is resolved as the key sees it
    (a built-in is built first if needed); the steps are planned (:mod:`dsec.builds.plan`):
-   every cache key is known before anything runs, and a missing ``COPY`` source is a 400.
-2. **Run**, step by step: a filesystem step whose key the key's cache holds
+   a missing ``COPY`` source is a 400 before anything runs.
+2. **Run**, step by step: a filesystem step whose key (its canonical form and the layers
+   it runs on, :func:`~dsec.builds.cache.step_key`) the key's cache holds
    (:class:`~dsec.builds.cache.BuildCache`) reuses its layer and creates **no sandbox**.
    Otherwise: ``run`` / ``apt_install`` / ``pip_install`` / a ``workdir`` that must create
    its directory get a ``container`` sandbox of the image so far, created through the
@@ -56,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.builds.cache import BuildCache
+from dsec.builds.cache import BuildCache, step_key
 from dsec.builds.context import BuildContext, DockerIgnore
 from dsec.builds.copy_layer import (
     ImageFS,
@@ -399,9 +400,10 @@ class ImageBuilder:
             if not ps.fs:
                 yield StepDone(step=ps.index, duration_ms=_ms(t0))
                 continue
-            assert ps.key is not None
-            async with self._lock_for(b.owner, ps.key):
-                hit = None if b.req.no_cache else self.cache.lookup(b.owner, ps.key)
+            assert ps.canonical is not None
+            key = step_key(stack, ps.canonical)
+            async with self._lock_for(b.owner, key):
+                hit = None if b.req.no_cache else self.cache.lookup(b.owner, key)
                 if hit is not None:
                     layer, from_cache = hit.layer, True
                     cached += 1
@@ -429,7 +431,7 @@ class ImageBuilder:
                         yield error
                         return
                     layer, from_cache = outcome.layer, False
-                    self.cache.record(b.owner, ps.key, layer, ps.instruction)
+                    self.cache.record(b.owner, key, layer, ps.instruction)
                     built += 1
             if layer is not None:
                 stack = [d for d in stack if d != layer] + [layer]

@@ -1,12 +1,13 @@
-"""Planning a build: what each step will run in, and its cache key, before anything runs.
+"""Planning a build: what each step will run in, and what decides its result.
 
 :func:`plan_steps` is pure: given the base (its layer digests and config), the steps, the
 build arguments, the context and the default ``run`` network, it walks the steps once,
 tracking the build state (environment, build arguments, working directory, user, the image
 config), and gives each step a :class:`PlannedStep`: whether it changes the filesystem,
 the exact environment/working directory/user/network its sandbox gets, and for filesystem
-steps the cache key (:mod:`dsec.builds.cache`). Errors a build can know in advance (a copy
-source missing from the context, too many layers) are raised here, before any sandbox.
+steps its canonical form, which with the layers below it makes its cache key
+(:func:`dsec.builds.cache.step_key`). Errors a build can know in advance (a copy source
+missing from the context, too many layers) are raised here, before any sandbox.
 
 A ``workdir`` step creates its directory as part of the next ``run``-like step (every one
 of them ensures the working directory exists); only a ``workdir`` that no such step
@@ -20,7 +21,6 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsec.builds.cache import base_key, step_key
 from dsec.builds.context import BuildContext
 from dsec.builds.image_config import ImageConfig
 from dsec.builds.steps import (
@@ -67,7 +67,9 @@ class PlannedStep:
     instruction: str
     line: int | None
     fs: bool = False
-    key: str | None = None
+    canonical: dict[str, Any] | None = None
+    """Filesystem steps: everything that decides the step's result besides the layers
+    below it (see :mod:`dsec.builds.cache`); None for the others."""
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
     user: str | None = None
@@ -157,7 +159,6 @@ def plan_steps(
         labels=dict(base_config.Labels or {}),
         exposed=dict(base_config.ExposedPorts or {}),
     )
-    parent = base_key(base_layers)
     planned: list[PlannedStep] = []
     declared_args: set[str] = set()
     workdir_pending = False
@@ -268,9 +269,7 @@ def plan_steps(
         elif isinstance(step, Expose):
             for p in step.ports:
                 st.exposed[p if "/" in p else p + "/tcp"] = {}
-        if canonical is not None:
-            ps.key = step_key(parent, canonical)
-            parent = ps.key
+        ps.canonical = canonical
     plan = BuildPlan(list(base_layers), planned, _config(st, bool(base_config.WorkingDir)))
     if len(base_layers) + plan.fs_steps > max_layers:
         raise InvalidRequest(
