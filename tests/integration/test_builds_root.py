@@ -196,6 +196,22 @@ async def test_a_failing_run_names_its_step_keeps_its_output_and_stores_nothing(
     assert await node.live(owner) == []
 
 
+async def test_a_step_whose_sandbox_cannot_be_made_is_a_client_error(node: Node) -> None:
+    owner = owner_id()
+    req = {
+        "name": "big-env",
+        "steps": [
+            {"op": "from_image", "image": "busybox"},
+            {"op": "env", "vars": {"BIG": "x" * 300_000}},  # more than a sandbox's 256 KiB
+            {"op": "run", "cmd": "true"},
+        ],
+    }
+    err = (await node.build(owner, req))[-1]
+    assert isinstance(err, BuildError) and err.code == "invalid_request", err
+    assert err.step == 3 and "environment" in err.message
+    assert await node.made(owner) == 0
+
+
 async def test_a_caller_that_stops_reading_leaves_no_sandbox(node: Node) -> None:
     owner = owner_id()
     req = BuildRequest.parse(

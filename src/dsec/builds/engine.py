@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from dsec.builds.cache import BuildCache, step_key
 from dsec.builds.context import BuildContext, DockerIgnore
 from dsec.builds.copy_layer import (
@@ -511,17 +513,23 @@ class ImageBuilder:
             if small
             else {"cpu": req.cpu, "memory_mb": req.memory_mb, "disk_mb": req.disk_mb}
         )
-        create = CreateSandboxRequest(
-            tier="container",
-            image=stack[0],
-            layers=stack[1:],
-            env=env or {},
-            pids=4096,
-            ttl_s=req.step_timeout_s + 600,
-            labels={"dsec.io/build": b.id, "dsec.io/build-step": str(ps.index)},
-            network=network,
-            **sizes,
-        )
+        try:
+            create = CreateSandboxRequest(
+                tier="container",
+                image=stack[0],
+                layers=stack[1:],
+                env=env or {},
+                pids=4096,
+                ttl_s=req.step_timeout_s + 600,
+                labels={"dsec.io/build": b.id, "dsec.io/build-step": str(ps.index)},
+                network=network,
+                **sizes,
+            )
+        except ValidationError as e:  # e.g. an environment larger than a sandbox takes
+            msgs = "; ".join(
+                str(x.get("msg", "")).removeprefix("Value error, ") for x in e.errors()
+            )
+            raise InvalidRequest(f"the step's sandbox cannot be made: {msgs}") from None
         info = await self.edge.create_sandbox(create, b.owner)
         try:
             yield info.id
