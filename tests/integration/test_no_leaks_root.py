@@ -24,6 +24,7 @@ count: no slack.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -189,3 +190,77 @@ def test_sandbox_cycles_leave_nothing_behind(
     )
     assert max(zombies_seen, default=0) <= 2, f"zombies piled up while running: {zombies_seen}"
     assert end.descendants == baseline.descendants == 0
+
+
+@pytest.mark.debian
+def test_fncall_workers_are_reaped_when_their_zygote_goes() -> None:
+    """fncall: calls and sandboxes leave nothing; when a pool's zygote dies its workers are
+    reaped (they come back to the server in the zygote's process group), and when the
+    server stops, the zygotes reap their workers before exiting (they used to be left as
+    zombies, of the server and then of PID 1)."""
+    from dsec import Client, Sandbox
+    from dsec.privileged.reaper import child_pids, proc_stat
+
+    home = Path(tempfile.mkdtemp(prefix="dsec-leaks-fncall-", dir="/tmp")) / "home"
+    workers: list[int] = []
+    try:
+        with ServeProcess(home, env={"DSEC_TIERS": "fncall"}) as srv:
+            client = Client(srv.url, srv.api_key, timeout=120)
+
+            def cycles(n: int) -> None:
+                for i in range(n):
+                    if i % 2:
+                        r = client.run_code(f"print({i} * 2)", "python")
+                        assert r.run.stdout == f"{i * 2}\n", r
+                    else:
+                        sb = Sandbox.create(tier="fncall", image="debian", client=client)
+                        try:
+                            assert sb.commands.run(f"echo {i}").stdout == f"{i}\n"
+                        finally:
+                            sb.kill()
+
+            def zygotes() -> list[int]:
+                out = []
+                for p in child_pids(srv.proc.pid):
+                    with contextlib.suppress(OSError):
+                        if b"dsec_zygote" in Path(f"/proc/{p}/cmdline").read_bytes():
+                            out.append(p)
+                return out
+
+            try:
+                cycles(4)
+                time.sleep(2)  # pools refilled
+                baseline = server_footprint(srv.proc.pid, srv.home)
+                cycles(30)
+                grew = settle(srv, baseline)
+                assert not grew, f"leaked: {grew}\nchildren: {describe(srv.proc.pid)}"
+
+                # a zygote dies (here: killed) with its ready workers
+                victim = zygotes()[0]
+                orphans = child_pids(victim)
+                assert orphans, "the pool had no ready workers"
+                os.kill(victim, 9)
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    left = [p for p in orphans if (st := proc_stat(p)) and st.state == "Z"]
+                    if not left and proc_stat(victim) is None:
+                        break
+                    time.sleep(0.1)
+                assert not left, (
+                    f"workers of a dead zygote stayed zombies: {describe(srv.proc.pid)}"
+                )
+                cycles(6)  # the tier recovers with a new pool
+                workers = [w for z in zygotes() for w in child_pids(z)]
+                assert workers
+            finally:
+                client.close()
+        # the server stopped: its zygotes killed and reaped their workers on the way out
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            zombies = [w for w in workers if (st := proc_stat(w)) and st.state == "Z"]
+            if not zombies:
+                break
+            time.sleep(0.1)
+        assert not zombies, f"workers left as zombies after the server stopped: {zombies}"
+    finally:
+        shutil.rmtree(home.parent, ignore_errors=True)
