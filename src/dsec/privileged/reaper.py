@@ -12,9 +12,9 @@ edge exits (``pid_max`` is 32768: a node would stop forking after ~32k sandboxes
 
 Reaping them with ``waitpid(-1)`` would be wrong: the same process runs code that waits
 for its *own* children by pid -- ``subprocess`` (``waitpid(pid)``; a stolen child makes it
-report exit status 0), asyncio's child watchers and uvloop (``waitpid(pid, WNOHANG)``; a
-stolen child makes the waiting coroutine hang), and the tiers (QEMU's pid is waited for
-by the microVM runtime, which then trusts the pid is not reused). So the reaper decides
+report exit status 0), asyncio's child watcher (reports 255), uvloop (libuv's
+``waitpid(pid, WNOHANG)`` never sees the exit: the awaiting coroutine hangs), and the tiers
+(QEMU's pid is waited for by the microVM runtime, which trusts the pid is not reused). So the reaper decides
 per zombie, never blindly:
 
 * it **peeks** with ``waitid(P_ALL, WEXITED | WNOWAIT)`` (the zombie stays a zombie) and,
