@@ -174,6 +174,7 @@ def print_table(res: dict[str, Any]) -> None:
         ("machine tasks (pids): before / after",
          f"{res['machine_tasks_before']} / {res['machine_tasks_after']}"),
         ("machine forks during the run", str(res["machine_forks"])),
+        ("machine load (1 min) before / after", f"{res['load_before']:.2f} / {res['load_after']:.2f}"),
         ("leaks", "none" if ok else json.dumps(res["growth"])[:200]),
     ]  # fmt: skip
     for what, measured in rows:
@@ -203,6 +204,7 @@ def main() -> None:
         results["machine_forks"] = forks_since_boot() - forks_before
         results["pid_max"] = int(Path("/proc/sys/kernel/pid_max").read_text())
         results["load_before"] = load_before
+        results["load_after"] = os.getloadavg()[0]
     finally:
         if args.home is None:
             shutil.rmtree(home, ignore_errors=True)

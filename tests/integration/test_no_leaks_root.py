@@ -171,7 +171,7 @@ def test_sandbox_cycles_leave_nothing_behind(
     for i in range(min(2, e2b_cycles)):
         e2b_cycle(i)
     deadline = time.monotonic() + 10
-    while True:  # the last kill's zombies are reaped within a reaper pass (~0.25 s)
+    while True:  # the last kill's zombies are reaped within a reaper pass (~50 ms)
         baseline = server_footprint(server.proc.pid, server.home)
         if not baseline.zombies or time.monotonic() > deadline:
             break
