@@ -15,6 +15,13 @@ Whole training jobs (every sandbox created with ``job="run-42"``) are paused, re
 killed or listed through :mod:`dsec.jobs`: ``from dsec import jobs; jobs.pause("run-42")``
 (sync), or ``dsec.jobs.AsyncJobs`` (async).
 
+Images are built from steps or a Dockerfile, cached step by step::
+
+    from dsec import Image
+
+    image = Image.from_image("debian").apt_install("git").pip_install("pytest").copy("./src", "/app")
+    image.build("app:1")                          # then Sandbox.create(image="app:1")
+
 Sandboxes have no network unless created with a :class:`NetworkPolicy`
 (``Sandbox.create(network={"allow_domains": ["pypi.org"]})``); ``sb.network.update(...)``
 changes it while the sandbox runs and ``sb.network.stats()`` reports what was allowed and
@@ -28,6 +35,7 @@ __version__ = "0.1.0"
 from dsec.errors import (
     AuthenticationError,
     BlobDigestMismatch,
+    BuildFailed,
     CapabilityNotSupported,
     Conflict,
     DsecError,
@@ -76,6 +84,7 @@ from dsec.sdk import (
     AsyncSandbox,
     Client,
     CommandResult,
+    Image,
     Sandbox,
     jobs,
 )
@@ -88,6 +97,7 @@ __all__ = [
     "AsyncSandbox",
     "AuthenticationError",
     "BlobDigestMismatch",
+    "BuildFailed",
     "Capabilities",
     "CapabilityNotSupported",
     "Client",
@@ -101,6 +111,7 @@ __all__ = [
     "FileExists_",
     "FileInfo",
     "FileNotFound",
+    "Image",
     "ImageInfo",
     "ImageNotFound",
     "ImageNotReady",

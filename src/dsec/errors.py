@@ -25,6 +25,7 @@ TimeoutError`` or ``except LookupError`` work as expected::
     │   ├── SequenceConflict                     409 sequence_conflict
     │   └── OutcomeUnknown                       409 outcome_unknown
     ├── PayloadTooLarge                          413 payload_too_large
+    ├── BuildFailed                              422 build_failed
     ├── Unsupported                              422 unsupported
     │   ├── TierUnavailable                      422 tier_unavailable
     │   └── CapabilityNotSupported               422 capability_not_supported
@@ -58,6 +59,7 @@ from dsec.serverpaths import scrub_server_paths
 __all__ = [
     "AuthenticationError",
     "BlobDigestMismatch",
+    "BuildFailed",
     "CapabilityNotSupported",
     "Conflict",
     "DsecError",
@@ -246,6 +248,16 @@ class PayloadTooLarge(DsecError):
 
     code = "payload_too_large"
     http_status = 413
+
+
+class BuildFailed(DsecError):
+    """An image build stopped because a step's command failed (a non-zero exit, a signal,
+    its timeout, out of memory). ``details``: ``step`` (1 is the ``FROM``), ``instruction``,
+    ``line`` (Dockerfile builds), ``output_tail`` (the end of the step's output) and
+    ``exit_code``. Nothing of that step was stored and no image was made."""
+
+    code = "build_failed"
+    http_status = 422
 
 
 class Unsupported(DsecError):

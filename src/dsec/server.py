@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -21,18 +20,10 @@ from typing import Any
 
 from dsec.config import Paths
 from dsec.edge.agent import EdgeAgent, EdgeLimits
+from dsec.privileged.reaper import become_subreaper
 from dsec.runtimes.base import Runtime
 
 log = logging.getLogger("dsec.server")
-
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def _become_subreaper() -> None:
-    """Orphans of our helpers come back to us (PID 1 of this VM reaps slowly)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def _json_env(name: str) -> Any:
@@ -251,7 +242,9 @@ def serve(
         raise SystemExit("--database needs --cluster (embedded mode keeps its state in SQLite)")
     if os.geteuid() != 0:
         raise SystemExit("dsec serve must run as root (it mounts layers and manages cgroups)")
-    _become_subreaper()
+    # orphans of our helpers (crun's monitor, container inits...) come back to this process,
+    # whose reaper thread waits for them (dsec.privileged.reaper)
+    become_subreaper()
     paths = Paths.from_env()
 
     # DSEC_TIERS=container,fncall limits the tiers this node serves (default: all it can)
@@ -495,9 +488,10 @@ class BackgroundServer:
 
         from dsec.apiserver.auth import KeyStore
 
-        # sandbox inits outlive the OCI runtime process that started them: make them come
-        # back to this process (which reaps them on destroy), not to the machine's PID 1
-        _become_subreaper()
+        # sandbox inits and crun's monitors outlive the OCI runtime process that started
+        # them: make them come back to this process, whose reaper waits for them, not to the
+        # machine's PID 1
+        become_subreaper()
         ready = threading.Event()
 
         async def main() -> None:

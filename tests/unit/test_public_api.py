@@ -13,7 +13,7 @@ import dsec.sdk
 EXPECTED = {
     "__version__",
     # SDK
-    "AsyncClient", "AsyncSandbox", "Client", "CommandResult", "Sandbox",
+    "AsyncClient", "AsyncSandbox", "Client", "CommandResult", "Image", "Sandbox",
     # models
     "Capabilities", "CreateSandboxRequest", "ExecEvent", "ExecRequest", "ExecResult",
     "FileInfo", "ImageInfo", "LayerInfo", "NodeInfo", "SandboxInfo",

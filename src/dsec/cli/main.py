@@ -21,6 +21,8 @@ Commands::
     dsec replay LOG.jsonl [--image I] [--keep]
     dsec image ls
     dsec image build PATH --name N [--kind K] [--base B] [--system]
+    dsec image build -f Dockerfile CONTEXT --name N [--build-arg K=V]... [--no-cache]
+                     [--run-network default|none]
     dsec image rm NAME | dsec image share NAME [--stop]
     dsec image push NAME oci://HOST[:PORT]/REPO[:TAG]
     dsec image pull [--lazy] REF
@@ -912,23 +914,99 @@ def image_push(
 @image_app.command("build")
 @handle_errors
 def image_build(
-    path: Annotated[str, typer.Argument(help="local directory or tar archive", show_default=False)],
+    path: Annotated[
+        str,
+        typer.Argument(help="local directory or tar archive (with -f: the context directory)"),
+    ],
     name: Annotated[str, typer.Option(help="image name[:tag]", show_default=False)],
-    kind: Annotated[str, typer.Option(help="base | workspace | toolkit")] = "workspace",
-    base: Annotated[str | None, typer.Option(help="image to stack on")] = None,
+    file: Annotated[
+        str | None,
+        typer.Option("--file", "-f", help="build this Dockerfile, with PATH as its context"),
+    ] = None,
+    build_arg: Annotated[
+        list[str] | None, typer.Option("--build-arg", help="K=V for the Dockerfile's ARG")
+    ] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="rebuild every step")] = False,
+    run_network: Annotated[
+        str,
+        typer.Option(help="network of RUN steps: default (debian + pypi presets) or none"),
+    ] = "default",
+    kind: Annotated[
+        str, typer.Option(help="base | workspace | toolkit (without -f)")
+    ] = "workspace",
+    base: Annotated[str | None, typer.Option(help="image to stack on (without -f)")] = None,
     system: Annotated[
         bool,
         typer.Option("--system", help="publish as a system image for every key (operator key)"),
     ] = False,
 ) -> None:
-    """Build an image from a local directory or tar archive (uploaded as the build context)."""
+    """Build an image: from a Dockerfile (-f: every instruction a cached step, its output
+    streamed here), or from a local directory or tar archive that becomes one layer."""
+    if file is None:
+        if build_arg or no_cache or run_network != "default":
+            raise _fail("--build-arg, --no-cache and --run-network need -f DOCKERFILE")
+        client = make_client()
+        try:
+            with stderr.status(f"building {name} from {path} ..."):
+                image = client.build_image(path, name, kind, base, system=system)
+        finally:
+            client.close()
+        stdout.print(f"built {image.name}: {len(image.layers)} layers, {_size(image.size)}")
+        return
+    if system or base is not None or kind != "workspace":
+        raise _fail("--kind, --base and --system do not apply to Dockerfile builds")
+    if run_network not in ("default", "none"):
+        raise _fail("--run-network is default or none")
+    from dsec.sdk.image import Image
+
+    args = dict(_key_values(build_arg or [], "--build-arg"))
+    dockerfile_image = Image.from_dockerfile(file, path, build_args=args)
+    options: dict[str, Any] = {"no_cache": no_cache}
+    if run_network == "none":
+        options["run_network"] = None
     client = make_client()
+    done: Any = None
     try:
-        with stderr.status(f"building {name} from {path} ..."):
-            image = client.build_image(path, name, kind, base, system=system)
+        for event in client.build_events(dockerfile_image, name, **options):
+            _print_build_event(event)
+            if event.type == "done":
+                done = event
     finally:
         client.close()
-    stdout.print(f"built {image.name}: {len(image.layers)} layers, {_size(image.size)}")
+    if done is not None:
+        im = done.image
+        stdout.print(
+            f"built {im.name}: {len(im.layers)} layers, {_size(im.size)} "
+            f"({done.built_steps} steps built, {done.cached_steps} cached, "
+            f"{done.duration_ms / 1000:.1f} s)"
+        )
+
+
+def _key_values(items: list[str], what: str) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise _fail(f"{what} takes KEY=VALUE, got {item!r}")
+        out.append((key, value))
+    return out
+
+
+def _print_build_event(event: Any) -> None:
+    """Build progress on stderr: one line per step, the steps' output as it comes."""
+    kind = event.type
+    if kind == "start":
+        for note in event.notes:
+            stderr.print(f"[yellow]note:[/] {escape(note)}")
+    elif kind == "step":
+        stderr.print(f"[bold][{event.step}/{event.total}][/] {escape(event.instruction)}")
+    elif kind == "cached":
+        stderr.print("  [dim]cached[/]")
+    elif kind == "output":
+        sys.stderr.write(event.data)
+        sys.stderr.flush()
+    elif kind == "step_done" and event.layer and not event.cached:
+        stderr.print(f"  [dim]{event.layer[:19]} ({event.duration_ms / 1000:.1f} s)[/]")
 
 
 @app.command()

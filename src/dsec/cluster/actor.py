@@ -141,9 +141,10 @@ class EdgeActor:
         from dsec.config import Paths
         from dsec.edge.agent import EdgeAgent
         from dsec.layers.store import LayerStore
-        from dsec.server import _become_subreaper, build_network, build_runtimes
+        from dsec.privileged.reaper import become_subreaper
+        from dsec.server import build_network, build_runtimes
 
-        _become_subreaper()  # sandbox inits come back to this process, which reaps them
+        become_subreaper()  # sandbox inits come back to this process, whose reaper waits for them
         self.home.mkdir(parents=True, exist_ok=True)
         if self.config.shared_layers and not (self.home / "layers").exists():
             (self.home / "layers").symlink_to(self.config.shared_layers, target_is_directory=True)

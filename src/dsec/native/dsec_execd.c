@@ -70,6 +70,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef SYS_pidfd_open
@@ -430,9 +431,25 @@ static void reap(void) {
     }
 }
 
+/* The edge went away (or is destroying the sandbox): kill every running exec's process
+ * group and reap the children before leaving. Orphaned, they would be handed to the edge
+ * (a child subreaper, outside the container's pid namespace), and until the edge reaped
+ * them the container's init could not finish exiting (a dying pid-namespace init waits
+ * for every process of its namespace to be reaped). Bounded: 1.5 s (the edge waits 2 s
+ * for this server), then whatever is still dying is left to the edge. */
 static void kill_all_and_exit(void) {
-    for (struct child *c = children; c; c = c->next)
-        if (!c->exited) killpg(c->pid, SIGKILL);
+    for (struct child *c = children; c; c = c->next) {
+        if (c->exited) continue;
+        killpg(c->pid, SIGKILL);
+        kill(c->pid, SIGKILL); /* just forked: it may not have called setsid() yet */
+    }
+    for (int i = 0; i < 1500; i++) {
+        pid_t pid = waitpid(-1, NULL, WNOHANG);
+        if (pid < 0 && errno == ECHILD) break; /* none left */
+        if (pid > 0) continue;
+        struct timespec ms = {0, 1000 * 1000};
+        nanosleep(&ms, NULL);
+    }
     _exit(0);
 }
 

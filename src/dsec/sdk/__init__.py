@@ -2,6 +2,7 @@
 
 from dsec.sdk import jobs
 from dsec.sdk.client import AsyncClient
+from dsec.sdk.image import Image
 from dsec.sdk.jobs import AsyncJobs
 from dsec.sdk.sandbox import (
     AsyncCommands,
@@ -25,6 +26,7 @@ __all__ = [
     "CommandResult",
     "Commands",
     "Files",
+    "Image",
     "Jobs",
     "Network",
     "Sandbox",

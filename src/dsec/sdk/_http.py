@@ -208,6 +208,7 @@ class HttpClient:
         path: str,
         *,
         json: Any = None,
+        content: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
     ) -> AsyncIterator[httpx.Response]:
@@ -215,7 +216,12 @@ class HttpClient:
         t = self.timeout if timeout is None else timeout
         try:
             async with self._http().stream(
-                method, path, json=json, headers=headers, timeout=self._timeout(t)
+                method,
+                path,
+                json=json,
+                content=content,
+                headers=headers,
+                timeout=self._timeout(t),
             ) as response:
                 if not response.is_success:
                     await response.aread()

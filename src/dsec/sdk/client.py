@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,9 @@ from dsec.wire import ANSWER
 
 if TYPE_CHECKING:
     from dsec.sdk.jobs import AsyncJobs
+
+if TYPE_CHECKING:
+    from dsec.sdk.image import EventCallback, Image
 
 __all__ = ["AsyncClient"]
 
@@ -157,6 +161,66 @@ class AsyncClient:
             timeout=timeout,
         )
         return ImageInfo.model_validate(r.json(), context=ANSWER)
+
+    async def build(
+        self,
+        image: Image,
+        name: str,
+        *,
+        on_event: EventCallback | None = None,
+        timeout: float = 3600.0,
+        **options: Any,
+    ) -> ImageInfo:
+        """Build ``image`` (a :class:`dsec.Image`) as this key's image ``name`` and return it
+        when it is stored. ``on_event`` (sync or async) sees every build event as it comes;
+        ``options`` are :meth:`dsec.Image.request` options. Raises ``BuildFailed`` when a
+        step's command fails (``details``: step, instruction, output_tail)."""
+        from dsec.builds.wire import BuildDone
+        from dsec.errors import ServiceUnavailable
+        from dsec.sdk.image import call_back
+
+        async for event in self.build_events(image, name, timeout=timeout, **options):
+            await call_back(on_event, event)
+            if isinstance(event, BuildDone):
+                return event.image
+        raise ServiceUnavailable(  # pragma: no cover - build_events raises first
+            "the build stream ended without a result"
+        )
+
+    async def build_events(
+        self, image: Image, name: str, *, timeout: float = 3600.0, **options: Any
+    ) -> AsyncIterator[Any]:
+        """Build ``image`` as ``name``, yielding the server's build events
+        (:mod:`dsec.builds.wire`: ``start``, ``step``, ``cached``, ``output``, ``step_done``,
+        ``done``). An ``error`` event is raised as its :class:`~dsec.errors.DsecError`
+        (``BuildFailed`` for a failed command); events of types this SDK does not know are
+        skipped. ``POST /v1/builds``; ``timeout``: the whole build, seconds."""
+        from dsec.builds.wire import BuildDone, BuildError, encode_build_upload, parse_event
+        from dsec.errors import ServiceUnavailable, error_from_wire
+
+        req = image.request(name, **options)
+        context = await asyncio.to_thread(image.context)
+        body = encode_build_upload(req, context)
+        async with self._http.stream(
+            "POST",
+            "/v1/builds",
+            content=body,
+            headers={"content-type": "application/x-tar"},
+            timeout=timeout,
+        ) as response:
+            async for line in response.aiter_lines():
+                event = parse_event(line)
+                if event is None:
+                    continue
+                if isinstance(event, BuildError):
+                    raise error_from_wire(422, event.to_wire_error())
+                yield event
+                if isinstance(event, BuildDone):
+                    return
+        raise ServiceUnavailable(
+            f"the build stream of {name} ended before the build did (the server went away?)",
+            delivered=True,
+        )
 
     async def pull_image(
         self,

@@ -60,12 +60,18 @@ def _renames() -> dict[str, str]:
     return {a.__name__: s.__name__ for s, a in _pairs()}
 
 
+_USED: set[str] = set()
+"""Names the annotations rendered so far use (their first dotted component): what the stub
+imports."""
+
+
 def _annotation(text: str, renames: dict[str, str], *, to_iterator: bool = False) -> str:
     out = text
     for old, new in renames.items():
         out = re.sub(rf"\b{old}\b", new, out)
     if to_iterator:
         out = re.sub(r"\bAsyncIterator\[", "Iterator[", out)
+    _USED.update(m.split(".")[0] for m in re.findall(r"[A-Za-z_][A-Za-z0-9_.]*", out))
     return out
 
 
@@ -146,7 +152,7 @@ def _render_class(sync_cls: type, async_cls: type, renames: dict[str, str]) -> s
     for name, raw, owner in _members(sync_cls, async_cls):
         if owner is sync_cls and isinstance(raw, property):
             assert raw.fget is not None
-            ret = inspect.signature(raw.fget).return_annotation
+            ret = _annotation(str(inspect.signature(raw.fget).return_annotation), {})
             lines.append(f"    @property\n    def {name}(self) -> {ret}: ...\n")
         elif owner is sync_cls:  # written for the sync class: its annotations are sync already
             sig = _signature(raw, {}, drop_first=True, to_iterator=False)
@@ -181,14 +187,10 @@ def _render_class(sync_cls: type, async_cls: type, renames: dict[str, str]) -> s
     return "".join(lines)
 
 
-def _imports(body: str, renames: dict[str, str]) -> str:
-    """The import lines a stub body needs: every capitalised or dotted name it uses."""
+def _imports(renames: dict[str, str]) -> str:
+    """The import lines for the names the rendered annotations use."""
     sync_names = set(renames.values())
-    wanted = {"Any", "Iterator", "Self", "TracebackType"}
-    wanted |= set(re.findall(r"\b([A-Za-z_][A-Za-z0-9_]*)\.", body))  # modules: httpx., os.
-    wanted |= set(re.findall(r":\s*([A-Za-z_][A-Za-z0-9_]*)", body))
-    wanted |= set(re.findall(r"[\[|,]\s*([A-Za-z_][A-Za-z0-9_]*)", body))
-    wanted |= set(re.findall(r"->\s*([A-Za-z_][A-Za-z0-9_]*)", body))
+    wanted = _USED | {"Any", "Iterator", "Self", "TracebackType"}
     fixed = {
         "Any": "typing",
         "Literal": "typing",
@@ -226,7 +228,20 @@ def _imports(body: str, renames: dict[str, str]) -> str:
 
 
 def _source_of(name: str) -> str | None:
-    mods = [importlib.import_module(m) for m in _LOOKUP_ORDER]
+    """The module to import ``name`` from: the first of :data:`_LOOKUP_ORDER`, then of every
+    loaded ``dsec`` module, that exports it in ``__all__``; else the first that has it."""
+    import sys
+
+    names = list(_LOOKUP_ORDER) + sorted(
+        m for m in sys.modules if m.startswith("dsec.") and m not in _LOOKUP_ORDER
+    )
+    mods = [importlib.import_module(m) for m in names]
+    for m in mods:  # a class or function: where it is defined (under that name)
+        obj = vars(m).get(name)
+        if isinstance(obj, type) or inspect.isfunction(obj):
+            home = importlib.import_module(obj.__module__)
+            if vars(home).get(name) is obj:
+                return home.__name__
     for m in mods:
         if name in getattr(m, "__all__", ()):
             return m.__name__
@@ -241,6 +256,7 @@ def render_sync_stubs() -> str:
     from dsec.sdk import sync_api
 
     renames = _renames()
+    _USED.clear()
     classes = "\n\n".join(_render_class(s, a, renames) for s, a in _pairs())
     body = f"__all__ = {sorted(sync_api.__all__)!r}\n\n\n{classes}"
-    return _HEADER + _imports(body, renames) + "\n" + body
+    return _HEADER + _imports(renames) + "\n" + body

@@ -42,6 +42,7 @@ from dsec.errors import (
     SandboxError,
     SandboxStopped,
 )
+from dsec.privileged.reaper import REAPER, proc_stat
 
 __all__ = [
     "ExecOutcome",
@@ -207,7 +208,10 @@ class ExecServer:
         return self._attached and not self._closed and self._proc.poll() is None
 
     async def close(self) -> None:
-        """Close the socket (the server then kills in-flight execs and exits) and reap it."""
+        """Close the socket (the server then kills in-flight execs, reaps them and exits)
+        and reap it. Commands it could not reap in time (or all of them, if it has to be
+        killed) come back to the edge as orphans: they are announced to its child reaper."""
+        inflight = self._inflight_children() if not self._closed else []
         if not self._closed:
             self._closed = True
             self.closed_by_edge = True
@@ -221,6 +225,37 @@ class ExecServer:
             except TimeoutError:
                 self._proc.kill()
                 await asyncio.to_thread(self._proc.wait)
+        for pid, start in inflight:
+            st = proc_stat(pid)
+            if st is not None and st.start == start:  # not reaped by the server: ours now
+                REAPER.expect(pid, start)
+
+    def _announce_orphans(self) -> None:
+        """The server died on its own: the commands it ran are (or, while it finishes
+        exiting, are about to be) the edge's children, leading their own process groups.
+        Announce them to the edge's child reaper, else their zombies would stay, and keep
+        the container's init from ever finishing its exit."""
+        for p in self._pending.values():
+            fut = p.started
+            if p.exited.done() or not fut.done() or fut.cancelled() or fut.exception():
+                continue
+            pid = fut.result()
+            st = proc_stat(pid)
+            if st is not None and st.pgrp == pid and st.ppid in (self.pid, os.getpid()):
+                REAPER.expect(pid, st.start)
+
+    def _inflight_children(self) -> list[tuple[int, int]]:
+        """(host pid, start time) of the commands that run now (children of the server)."""
+        out: list[tuple[int, int]] = []
+        for p in self._pending.values():
+            fut = p.started
+            if p.exited.done() or not fut.done() or fut.cancelled() or fut.exception():
+                continue
+            pid = fut.result()
+            st = proc_stat(pid)
+            if st is not None and st.ppid == self.pid:
+                out.append((pid, st.start))
+        return out
 
     # -- socket --------------------------------------------------------------
 
@@ -242,6 +277,7 @@ class ExecServer:
             if not msg:
                 self._closed = True
                 self._loop.remove_reader(self._sock.fileno())
+                self._announce_orphans()
                 self._fail_all(SandboxStopped("the sandbox's exec server went away"))
                 return
             if len(msg) < _HDR.size:

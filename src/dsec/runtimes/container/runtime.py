@@ -35,7 +35,6 @@ import hashlib
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import stat
@@ -62,6 +61,7 @@ from dsec.layers.rootfs import assemble_rootfs, rootfs_path, teardown_rootfs, up
 from dsec.models import ExecRequest, ExecResult, LayerInfo, SnapshotRequest
 from dsec.privileged.cgroups import CGROUP_ROOT, CgroupV1
 from dsec.privileged.nodesetup import NodeReport, prepare_node
+from dsec.privileged.reaper import REAPER, reap_pid
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.container import pause as pausing
 from dsec.runtimes.container.bundle import (
@@ -429,6 +429,9 @@ class ContainerRuntime:
         if start_time is None:
             raise SandboxError("the container's init exited right after start")
         state["init_pid"], state["init_start"] = init_pid, start_time
+        # the init leads its own session and comes back to the edge (a subreaper) once
+        # crun's monitor exits: announce it, so that it is reaped whenever it dies
+        REAPER.expect(init_pid, start_time)
         await live.server.attach(init_pid, cgroup_procs_files(init_pid, self._cgroup_mounts))
         t_end = time.monotonic()
         state["create_ms"] = {
@@ -481,6 +484,10 @@ class ContainerRuntime:
                 sink,
             )
         except (SandboxStopped, SandboxError) as e:
+            if server.closed_by_edge:  # destroyed (killed, TTL) while the command ran
+                raise SandboxStopped(
+                    f"sandbox {handle.id} was stopped while the command ran"
+                ) from None
             await self._explain_exec_failure(handle, e)
             raise
         oom_after = _oom_kills(oom_control)
@@ -597,6 +604,9 @@ class ContainerRuntime:
         state = self._load_state(handle)
         if self._unavailable is not None or not await self.alive(handle):
             return False
+        # the init is our child again if it was reparented to this process (an in-process
+        # server restarted, or this process is the subreaper above the old edge)
+        REAPER.expect(int(state["init_pid"]), int(state["init_start"]))
         if handle.id not in self._acquired:
             acquired: list[str] = []
             for digest, layer_file in zip(
@@ -689,7 +699,7 @@ class ContainerRuntime:
             if (Path(root) / sandbox_id).exists():
                 shutil.rmtree(Path(root) / sandbox_id, ignore_errors=True)
         if isinstance(pid, int):
-            _reap(pid)
+            reap_pid(pid, start if isinstance(start, int) else None)
         rel = state.get("cgroup") or self._cgroup_rel(sandbox_id)
         try:
             _remove_cgroup_everywhere(rel)
@@ -896,21 +906,6 @@ def _is_container_dir(sandbox_dir: Path) -> bool:
     except (OSError, ValueError):
         return (sandbox_dir / "config.json").is_file()
     return isinstance(state, dict) and "oci_runtime" in state
-
-
-def _reap(pid: int, timeout_s: float = 2.0) -> None:
-    """Wait for ``pid`` to die and reap it if it is our child (the edge is a subreaper)."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        pidfd = -1
-    if pidfd >= 0:
-        try:
-            select.select([pidfd], [], [], timeout_s)
-        finally:
-            os.close(pidfd)
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
 
 
 def _remove_cgroup_everywhere(rel: str, timeout_s: float = 5.0) -> None:

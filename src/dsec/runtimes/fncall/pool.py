@@ -429,6 +429,10 @@ class WorkerPool:
                 stderr=logf,
                 pass_fds=(zygote_end.fileno(), *self._cg_fds),
                 close_fds=True,
+                # its own process group: should it die before reaping its workers, they come
+                # back to the edge in a group no code here waits for, and its child reaper
+                # takes them (dsec.privileged.reaper); this Popen waits for the zygote
+                process_group=0,
                 env={
                     "PATH": "/usr/bin:/bin",
                     "LANG": "C.UTF-8",

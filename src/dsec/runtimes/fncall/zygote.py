@@ -326,6 +326,24 @@ class Zygote:
                     time.sleep(0.001)
         self.ctl.send(json.dumps({"op": "exited", "wid": wid, "status": status}).encode())
 
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """Kill every worker and reap it before the zygote exits: orphaned, the workers
+        would come back to the edge (a child subreaper) as zombies. Bounded by
+        ``timeout_s`` seconds; a worker still dying after that is left to the edge."""
+        for pidfd in self.children:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        for pidfd, (_, pid) in list(self.children.items()):
+            with contextlib.suppress(OSError):
+                sel = selectors.DefaultSelector()
+                try:
+                    sel.register(pidfd, selectors.EVENT_READ)
+                    sel.select(max(0.0, deadline - time.monotonic()))
+                finally:
+                    sel.close()
+                os.waitpid(pid, os.WNOHANG)
+
 
 # --- the worker agent (pid 1 of the worker's namespaces) -------------------------------
 
@@ -1183,8 +1201,13 @@ def _exit_code(code: object) -> int:
 def main(cfg: dict[str, Any]) -> None:
     """Entry point of the zygote process."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    Zygote(cfg).serve()
-    # server gone or asked us to exit: workers die with us (PDEATHSIG) or by their pidfds
+    zygote = Zygote(cfg)
+    try:
+        zygote.serve()
+    finally:
+        # server gone or asked us to exit: kill and reap the workers (PDEATHSIG would kill
+        # them too, but then nobody here reaps them)
+        zygote.shutdown()
     os._exit(0)
 
 

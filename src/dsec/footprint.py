@@ -1,0 +1,203 @@
+"""What one ``dsec serve`` holds on its node, as a snapshot to compare over time.
+
+Nothing may grow with the number of sandboxes a server has created and destroyed:
+zombies (``pid_max`` is 32768 here), processes, threads, file descriptors, mounts,
+cgroups, network namespaces, files. :func:`server_footprint` measures all of them for one
+server process and its ``DSEC_HOME``; :meth:`ServerFootprint.growth` says what grew
+between two snapshots. Used by the leak test (``tests/integration/test_no_leaks_root.py``)
+and the soak benchmark (``benchmarks/soak.py``)::
+
+    before = server_footprint(srv.proc.pid, srv.home)
+    ...  # thousands of create / exec / kill cycles
+    after = server_footprint(srv.proc.pid, srv.home)
+    assert not after.growth(before, threads=8, fds=16)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsec.privileged.reaper import child_pids, proc_stat
+
+__all__ = ["ServerFootprint", "install_cgroups", "machine_tasks", "server_footprint"]
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_SANDBOX_FS = ("overlay", "erofs", "nsfs", "tmpfs")
+
+
+@dataclass
+class ServerFootprint:
+    """One snapshot (counts and, for what must return to its baseline, the names).
+
+    ``zombies``: pids of zombie children of the server process; ``descendants``: every
+    process below it (children, grandchildren...), zombies included; ``threads`` and
+    ``fds`` of the server process; ``mounts``: overlay/erofs/fuse/nsfs/tmpfs mount points
+    under its home; ``cgroups``: cgroup directories of this install (relative, per
+    hierarchy); ``netns``: pinned network namespace files and the network manager's
+    per-sandbox records; ``links``: host network interfaces of this install (the host
+    ends of sandboxes' veth pairs); ``sandbox_dirs``: entries of
+    ``$DSEC_HOME/sandboxes``; ``oci_state``: containers in crun's/runc's state directories
+    (``--root``) of this install; ``machine_tasks``: tasks (processes + threads, i.e. pids in
+    use) on the whole machine.
+    """
+
+    zombies: list[int] = field(default_factory=list)
+    descendants: int = 0
+    threads: int = 0
+    fds: int = 0
+    mounts: list[str] = field(default_factory=list)
+    cgroups: list[str] = field(default_factory=list)
+    netns: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    sandbox_dirs: list[str] = field(default_factory=list)
+    oci_state: list[str] = field(default_factory=list)
+    machine_tasks: int = 0
+
+    def counts(self) -> dict[str, int]:
+        """Every field as a number (lists by their length)."""
+        return {k: len(v) if isinstance(v, list) else int(v) for k, v in asdict(self).items()}
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def growth(
+        self,
+        baseline: ServerFootprint,
+        *,
+        threads: int = 0,
+        fds: int = 0,
+        descendants: int = 0,
+    ) -> dict[str, Any]:
+        """What this snapshot holds beyond ``baseline``, allowing the given fixed slack for
+        thread, fd and descendant counts (pools that size themselves on demand). Empty if
+        nothing leaked. Zombies get no slack; mounts, cgroups, namespaces and sandbox dirs
+        none either (compared by count, since warm pools replace their workers' cgroups
+        with new names; the new names are reported)."""
+        out: dict[str, Any] = {}
+        if self.zombies:
+            out["zombies"] = self.zombies
+        for name in ("mounts", "cgroups", "netns", "links", "sandbox_dirs", "oci_state"):
+            now, then = getattr(self, name), getattr(baseline, name)
+            if len(now) > len(then):  # by count: warm pools rename their workers' cgroups
+                out[name] = sorted(set(now) - set(then))
+        for name, slack in (("threads", threads), ("fds", fds), ("descendants", descendants)):
+            grew = getattr(self, name) - getattr(baseline, name)
+            if grew > slack:
+                out[name] = f"{getattr(baseline, name)} -> {getattr(self, name)} (slack {slack})"
+        return out
+
+
+def _descendants(pid: int) -> int:
+    n, todo = 0, child_pids(pid)
+    while todo:
+        p = todo.pop()
+        n += 1
+        todo.extend(child_pids(p))
+    return n
+
+
+def install_cgroups(home: Path) -> list[str]:
+    """Every cgroup directory of the install at ``home`` in every cgroup v1 hierarchy, as
+    ``<hierarchy>/<path>``. Each tier's parent is named ``dsec-<sha256(home)>...``."""
+    digest = hashlib.sha256(str(home.resolve()).encode()).hexdigest()
+    out: list[str] = []
+    try:
+        hierarchies = sorted(CGROUP_ROOT.iterdir())
+    except OSError:
+        return out
+    for h in hierarchies:
+        try:
+            tops = [p for p in h.iterdir() if p.is_dir() and p.name.startswith("dsec-")]
+        except OSError:
+            continue
+        for top in tops:
+            tag = top.name[5:].split("-", 1)[0]
+            if len(tag) < 8 or not digest.startswith(tag):
+                continue
+            for dirpath, dirnames, _ in os.walk(top):
+                out.append(os.path.relpath(dirpath, CGROUP_ROOT))
+                dirnames.sort()
+    return sorted(out)
+
+
+def machine_tasks() -> int:
+    """Tasks (processes and threads: each holds a pid) on the machine, from /proc/loadavg."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _mounts_under(home: Path) -> list[str]:
+    prefix = str(home.resolve()) + "/"
+    out: list[str] = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split(" ")
+            fstype = right.split(" ", 1)[0]
+            mountpoint = fields[4] if len(fields) > 4 else ""
+            if mountpoint.startswith(prefix) and (
+                fstype in _SANDBOX_FS or fstype.startswith("fuse")
+            ):
+                out.append(f"{fstype} {mountpoint}")
+    return sorted(out)
+
+
+def _install_links(home: Path) -> list[str]:
+    """Host interfaces named after this install's network manager (``dsv<tag>...``, the
+    tag from its state directory ``$DSEC_HOME/net``; see dsec.network.manager)."""
+    tag = hashlib.sha256(str((home / "net").resolve()).encode()).hexdigest()[:4]
+    return [n for n in _listdir(Path("/sys/class/net")) if n.startswith(f"dsv{tag}")]
+
+
+def _oci_state(home: Path) -> list[str]:
+    """Container state entries of this install's OCI runtimes: ``/dev/shm/<cgroup
+    parent>/{crun,runc}`` and ``$DSEC_HOME/run/{crun,runc}`` (dsec.runtimes.container)."""
+    parent = "dsec-" + hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:10]
+    out: list[str] = []
+    for base in (Path("/dev/shm") / parent, home / "run"):
+        for name in ("crun", "runc"):
+            out.extend(f"{base / name}/{n}" for n in _listdir(base / name))
+    return out
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def server_footprint(pid: int, home: Path) -> ServerFootprint:
+    """Measure server process ``pid`` (root: its fds and the cgroup tree are read)."""
+    zombies = []
+    for child in child_pids(pid):
+        st = proc_stat(child)
+        if st is not None and st.state == "Z":
+            zombies.append(child)
+    try:
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        threads = fds = 0
+    return ServerFootprint(
+        zombies=sorted(zombies),
+        descendants=_descendants(pid),
+        threads=threads,
+        fds=fds,
+        mounts=_mounts_under(home),
+        cgroups=install_cgroups(home),
+        netns=[
+            *(f"netns/{n}" for n in _listdir(home / "net" / "netns")),
+            *(f"records/{n}" for n in _listdir(home / "net" / "records")),
+        ],
+        links=_install_links(home),
+        sandbox_dirs=_listdir(home / "sandboxes"),
+        oci_state=_oci_state(home),
+        machine_tasks=machine_tasks(),
+    )
