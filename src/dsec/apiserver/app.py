@@ -18,7 +18,6 @@ from typing import Any, cast
 
 from fastapi import FastAPI, Request, Response
 
-import dsec
 from dsec.apiserver.auth import KeyVerifier
 from dsec.apiserver.errors import install_error_handlers
 from dsec.apiserver.metrics import ApiMetrics
@@ -30,6 +29,7 @@ from dsec.apiserver.routes_sandboxes import UPLOAD_ROUTES
 from dsec.apiserver.routes_sandboxes import router as sandboxes_router
 from dsec.apiserver.schemas import Health
 from dsec.edge.interface import EdgeAPI
+from dsec.version import __version__
 
 __all__ = [
     "DEFAULT_MAX_JSON_BYTES",
@@ -71,7 +71,7 @@ def create_app(
     access_mode = access_log_mode(access_log)
     app = FastAPI(
         title="dsec",
-        version=dsec.__version__,
+        version=__version__,
         summary="Sandboxes for agentic RL: one API over four isolation tiers.",
         openapi_url="/openapi.json",
     )
@@ -87,7 +87,7 @@ def create_app(
 
     @app.get("/healthz", response_model=Health, tags=["node"], summary="Liveness (no auth)")
     async def healthz() -> Health:
-        return Health(status="ok", version=dsec.__version__)
+        return Health(status="ok", version=__version__)
 
     @app.get(
         "/metrics",

@@ -84,7 +84,7 @@ from dsec.errors import (
 from dsec.models import CreateSandboxRequest, LayerInfo, MigrateResult, SandboxInfo
 
 if TYPE_CHECKING:
-    from dsec.cluster.edge import ClusterPlacement, NodeRelay
+    from dsec.cluster.relay import ClusterPlacement, NodeRelay
 
 Record = Callable[[str, SandboxInfo], Awaitable[None]]
 """Writes an (owner, sandbox) to the cluster's registry."""

@@ -25,8 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dsec import __version__
 from dsec.config import Paths, host_memory_mb
+from dsec.edge.interface import NodeUsage
 from dsec.edge.jobs import create_batch, for_each_sandbox
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.registry import Registry, SandboxRow
@@ -85,6 +85,7 @@ from dsec.runtimes.base import (
     Snapshottable,
     capabilities_of,
 )
+from dsec.version import __version__
 
 log = logging.getLogger("dsec.edge")
 
@@ -1598,7 +1599,7 @@ class EdgeAgent:
         for the operator's system images)."""
         import tempfile
 
-        from dsec.layers.store import extract_tarball
+        from dsec.layers.tarball import extract_tarball
 
         if len(context) > self.limits.max_build_context_bytes:
             raise PayloadTooLarge(
@@ -1659,6 +1660,25 @@ class EdgeAgent:
 
     def metrics_text(self) -> bytes:
         return self.metrics.text()
+
+    def usage(self) -> NodeUsage:
+        """:class:`dsec.edge.interface.NodeReports`: what this edge holds and admits against."""
+        live = [lv.row.request for lv in self._live.values()]
+        return NodeUsage(
+            node=self.node,
+            cpus=self._cpus,
+            memory_mb=self._mem_mb,
+            sandboxes=len(live),
+            requested_cpu=sum(float(r.get("cpu", 0)) for r in live),
+            requested_memory_mb=sum(int(r.get("memory_mb", 0)) for r in live),
+            max_sandboxes=self.limits.max_sandboxes,
+            cpu_overcommit=self.limits.cpu_overcommit,
+            memory_overcommit=self.limits.memory_overcommit,
+        )
+
+    def owned_sandboxes(self) -> list[tuple[str, SandboxInfo]]:
+        """:class:`dsec.edge.interface.NodeReports`: ``(owner, info)`` of every live sandbox."""
+        return [(lv.row.owner, self._info(lv.row)) for lv in list(self._live.values())]
 
     async def stats(self) -> dict[str, Any]:
         return {
