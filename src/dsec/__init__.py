@@ -30,8 +30,6 @@ blocked.
 
 import sys
 
-__version__ = "0.1.0"
-
 from dsec.errors import (
     AuthenticationError,
     BlobDigestMismatch,
@@ -88,6 +86,7 @@ from dsec.sdk import (
     Sandbox,
     jobs,
 )
+from dsec.version import __version__
 
 # `import dsec.jobs` and `from dsec.jobs import AsyncJobs` work like a real submodule.
 sys.modules.setdefault("dsec.jobs", jobs)

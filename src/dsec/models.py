@@ -204,6 +204,7 @@ class SandboxInfo(_Model):
     last_pause: PauseReport | None = None
     next_seq: int = Field(1, description="the trajectory sequence number the edge expects next")
     network: NetworkPolicy | None = None
+    forked_from: str | None = Field(None, description="the sandbox this one was forked from")
 
     @field_serializer("stopped_reason")
     def _public_reason(self, reason: str | None) -> str | None:

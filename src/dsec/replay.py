@@ -190,8 +190,18 @@ def _expected_stream(entry: dict[str, Any], result: dict[str, Any], name: str) -
     return None
 
 
+_OLD_OP_NAMES = {
+    "write": "write_file",
+    "remove": "remove_file",
+    "mkdir": "make_dir",
+    "rename": "rename_file",
+}
+"""Operation names an edge of an earlier version logged (now the edge's method names)."""
+
+
 async def _apply(target: ReplayTarget, op: str, req: dict[str, Any]) -> dict[str, Any]:
     """Run one logged request; return a result dict comparable with the recorded one."""
+    op = _OLD_OP_NAMES.get(op, op)
     if op == "exec":
         stdin: str | bytes | None = req.get("stdin")
         if req.get("stdin_b64") is not None:
@@ -274,7 +284,11 @@ def _compare(
                     out.append(Divergence(seq, op, f"{f}_sha256", want_digest, got_digest))
             elif f in recorded and recorded.get(f) != live.get(f):
                 out.append(Divergence(seq, op, f, recorded.get(f), live.get(f)))
-    elif op == "write_file" and "size" in recorded and recorded["size"] != live.get("size"):
+    elif (
+        _OLD_OP_NAMES.get(op, op) == "write_file"
+        and "size" in recorded
+        and recorded["size"] != live.get("size")
+    ):
         out.append(Divergence(seq, op, "size", recorded["size"], live.get("size")))
     return out
 

@@ -14,103 +14,15 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from dsec.config import Paths
 from dsec.edge.agent import EdgeAgent, EdgeLimits
+from dsec.node import _list_env, embedded_edge, tiers_from_env
 from dsec.privileged.reaper import become_subreaper
-from dsec.runtimes.base import Runtime
 
 log = logging.getLogger("dsec.server")
-
-
-def _json_env(name: str) -> Any:
-    import json
-
-    try:
-        return json.loads(os.environ[name])
-    except ValueError as e:
-        from dsec.errors import InvalidRequest
-
-        raise InvalidRequest(f"${name} is not valid JSON: {e}") from None
-
-
-def _list_env(name: str) -> list[str]:
-    return [item.strip() for item in os.environ[name].split(",") if item.strip()]
-
-
-def build_network(paths: Paths, options: dict[str, Any] | None = None) -> Any:
-    """The node's network manager (started by the edge), configured by the operator:
-
-    * ``DSEC_NETWORK=off`` disables networking;
-    * ``DSEC_NET_SUBNET``: the sandbox subnet (default ``10.203.0.0/16``);
-    * ``DSEC_NET_UPSTREAM_DNS``: comma-separated resolvers allowed names are forwarded to
-      (``ip`` or ``ip:port``); unset: only static records are answered;
-    * ``DSEC_NET_STATIC_RECORDS``: JSON ``{"name": ["ipv4", ...]}`` answered locally;
-    * ``DSEC_NET_PRESETS``: JSON ``{"name": {"domains": [...], "cidrs": [...]}}``
-      replacing the built-in presets of the same name;
-    * ``DSEC_NET_PROTECTED_CIDRS``: comma-separated networks no sandbox may reach.
-
-    ``options`` (keyword arguments of :class:`dsec.network.NetworkManager`) override the
-    environment; embedders and tests pass them through :func:`embedded_edge`.
-    """
-    if os.environ.get("DSEC_NETWORK", "on") == "off":
-        return None
-    from dsec.network import NetworkManager
-
-    kw: dict[str, Any] = {}
-    if os.environ.get("DSEC_NET_SUBNET"):
-        kw["subnet"] = os.environ["DSEC_NET_SUBNET"]
-    if os.environ.get("DSEC_NET_UPSTREAM_DNS"):
-        kw["upstream_dns"] = _list_env("DSEC_NET_UPSTREAM_DNS")
-    if os.environ.get("DSEC_NET_STATIC_RECORDS"):
-        kw["static_records"] = _json_env("DSEC_NET_STATIC_RECORDS")
-    if os.environ.get("DSEC_NET_PRESETS"):
-        kw["presets"] = _json_env("DSEC_NET_PRESETS")
-    if os.environ.get("DSEC_NET_PROTECTED_CIDRS"):
-        kw["protected_cidrs"] = _list_env("DSEC_NET_PROTECTED_CIDRS")
-    kw.update(options or {})
-    return NetworkManager(paths.home / "net", **kw)
-
-
-def build_runtimes(
-    paths: Paths, layer_store: Any, tiers: list[str] | None = None, network: Any = None
-) -> dict[str, Runtime]:
-    """Instantiate the runtimes this node can run. Unavailable tiers are left out
-    (the edge then answers ``TierUnavailable``) with a log line saying why."""
-    from dsec.layers.mounts import LayerMounts
-
-    mounts = LayerMounts(paths.layer_mounts)
-    runtimes: dict[str, Runtime] = {}
-    wanted = tiers or ["container", "fncall", "microvm", "vm"]
-    if "container" in wanted:
-        from dsec.runtimes.container.runtime import ContainerRuntime
-
-        runtimes["container"] = ContainerRuntime(paths, mounts, network=network)
-    if "fncall" in wanted:
-        try:
-            from dsec.runtimes.fncall.runtime import FncallRuntime
-
-            runtimes["fncall"] = FncallRuntime(paths, mounts, layer_store)
-        except ImportError as e:
-            log.info("fncall tier not available: %s", e)
-    if "microvm" in wanted:
-        try:
-            from dsec.runtimes.microvm.runtime import MicroVMRuntime
-
-            runtimes["microvm"] = MicroVMRuntime(paths)
-        except ImportError as e:
-            log.info("microvm tier not available: %s", e)
-    if "vm" in wanted:
-        try:
-            from dsec.runtimes.vm.runtime import VMRuntime
-
-            runtimes["vm"] = VMRuntime(paths)
-        except ImportError as e:
-            log.info("vm tier not available: %s", e)
-    return runtimes
 
 
 def build_app(edge: Any, keys: Any) -> Any:
@@ -162,42 +74,6 @@ async def close_app(app: Any) -> None:
             await close()
 
 
-@contextlib.asynccontextmanager
-async def embedded_edge(
-    home: Path | None = None,
-    *,
-    tiers: list[str] | None = None,
-    limits: EdgeLimits | None = None,
-    network_options: dict[str, Any] | None = None,
-) -> AsyncIterator[EdgeAgent]:
-    """An in-process edge for tests and embedding: ``async with embedded_edge() as edge``.
-
-    ``network_options``: keyword arguments of the node's
-    :class:`~dsec.network.NetworkManager` (see :func:`build_network`)."""
-    from dsec.layers.store import LayerStore
-    from dsec.serverpaths import hide_server_path
-
-    paths = Paths(home) if home else Paths.from_env()
-    paths.ensure()
-    # errors that leave the server show $DSEC_HOME, not where it is (nor where layers/ leads)
-    hide_server_path(paths.layers, "$DSEC_HOME/layers")
-    hide_server_path(paths.home, "$DSEC_HOME")
-    store = LayerStore(paths.layers, paths.scratch)
-    network = build_network(paths, network_options)
-    edge = EdgeAgent(
-        paths, build_runtimes(paths, store, tiers, network), store, limits=limits, network=network
-    )
-    await edge.start()
-    store.prestart_lazy()  # the on-demand layer server's ~1 s start off the first sandbox
-    try:
-        yield edge
-    finally:
-        try:
-            await edge.close()
-        finally:
-            store.close()  # stops the lazy layer server cleanly
-
-
 def serve(
     host: str = "127.0.0.1",
     port: int = 7070,
@@ -247,8 +123,7 @@ def serve(
     become_subreaper()
     paths = Paths.from_env()
 
-    # DSEC_TIERS=container,fncall limits the tiers this node serves (default: all it can)
-    tiers = [t.strip() for t in os.environ.get("DSEC_TIERS", "").split(",") if t.strip()] or None
+    tiers = tiers_from_env()
 
     async def main() -> None:
         async with embedded_edge(paths.home, tiers=tiers) as edge:
@@ -398,7 +273,7 @@ def serve_cluster(
         except DsecError as e:
             raise SystemExit(f"dsec serve: {e.message}") from None
     connect_ray(address)
-    tiers = [t.strip() for t in os.environ.get("DSEC_TIERS", "").split(",") if t.strip()]
+    tiers = tiers_from_env() or []
     config = NodeConfig(
         node_root=node_root or os.environ.get("DSEC_CLUSTER_NODE_ROOT", "/var/lib/dsec/nodes"),
         shared_layers=os.environ.get("DSEC_CLUSTER_SHARED_LAYERS") or None,

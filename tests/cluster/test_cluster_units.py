@@ -58,3 +58,26 @@ async def test_migrate_on_a_single_node_server_is_refused() -> None:
             headers={"authorization": "Bearer dsec_key"},
         )
         assert r.status_code == 404
+
+
+def test_the_cluster_edge_relays_the_whole_contract() -> None:
+    from dsec.cluster.actor import _CALLABLE, NodeConfig
+    from dsec.cluster.edge import _NODE_SIDE_VERBS, ClusterEdge, ClusterOptions
+    from dsec.edge.interface import (
+        SANDBOX_VERBS,
+        DisplayEdge,
+        EdgeAPI,
+        ImagePublisher,
+        InteractiveExec,
+        PauseModes,
+        edge_verbs,
+    )
+
+    edge = ClusterEdge(None, NodeConfig(), ClusterOptions())
+    for ability in (EdgeAPI, PauseModes, DisplayEdge, ImagePublisher):
+        assert isinstance(edge, ability), ability
+    # an interactive process is a live object of its node: E2B falls back to exec streams
+    assert not isinstance(edge, InteractiveExec)
+    relayed = SANDBOX_VERBS - _NODE_SIDE_VERBS
+    assert all(callable(getattr(edge, verb, None)) for verb in relayed)
+    assert _CALLABLE == edge_verbs()  # an edge actor accepts exactly the contract's verbs

@@ -20,12 +20,13 @@ from typing import Any
 
 import pytest
 import uvicorn
-from fake_edge import FakeEdge
+from fake_edge import make_fake_edge
 from starlette.applications import Starlette
 from starlette.routing import Mount
 from tests.conftest import free_port
 
 from dsec.e2b import make_e2b_app
+from dsec.testing import FakeEdge
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 
@@ -84,23 +85,31 @@ def serve_e2b(edge: Any) -> Iterator[tuple[str, Any, asyncio.AbstractEventLoop]]
         thread.join(10)
 
 
-@pytest.fixture(scope="session")
-def fake_edge() -> Iterator[FakeEdge]:
+@contextlib.contextmanager
+def _bwrap_edge() -> Iterator[FakeEdge]:
     if shutil.which("bwrap") is None:
         pytest.skip("the fake edge needs bwrap (apt-get install bubblewrap)")
     base = Path(tempfile.mkdtemp(prefix="dsec-e2b-test-"))
-    edge = FakeEdge(base)
+    edge = make_fake_edge(base)
     try:
         yield edge
     finally:
-        asyncio.run(edge.close())
+        asyncio.run(edge.close(kill_sandboxes=True))
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def fake_edge() -> Iterator[FakeEdge]:
+    """The real edge over bubblewrap sandboxes (started on the E2B server's loop)."""
+    with _bwrap_edge() as edge:
+        yield edge
 
 
 @pytest.fixture(scope="session")
 def e2b_server(fake_edge: FakeEdge) -> Iterator[E2BServer]:
     """The E2B app over the fake edge; the E2B_* environment points the SDK at it."""
     with serve_e2b(fake_edge) as (root, app, loop):
+        asyncio.run_coroutine_threadsafe(fake_edge.start(), loop).result(30)  # TTLs run
         env = {"E2B_API_URL": root, "E2B_SANDBOX_URL": f"{root}/envd", "E2B_API_KEY": "key-alice"}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -109,6 +118,7 @@ def e2b_server(fake_edge: FakeEdge) -> Iterator[E2BServer]:
                 api_url=root, sandbox_url=f"{root}/envd", edge=fake_edge, loop=loop, app=app
             )
         finally:
+            asyncio.run_coroutine_threadsafe(fake_edge.close(kill_sandboxes=True), loop).result(60)
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
@@ -117,12 +127,11 @@ def e2b_server(fake_edge: FakeEdge) -> Iterator[E2BServer]:
 
 
 @pytest.fixture(scope="session")
-def stream_only_server(fake_edge: FakeEdge) -> Iterator[E2BServer]:
-    """The E2B app over an edge without InteractiveExec (URLs passed explicitly)."""
-    with serve_e2b(StreamOnlyEdge(fake_edge)) as (root, app, loop):
-        yield E2BServer(
-            api_url=root, sandbox_url=f"{root}/envd", edge=fake_edge, loop=loop, app=app
-        )
+def stream_only_server() -> Iterator[E2BServer]:
+    """The E2B app over an edge without InteractiveExec (URLs passed explicitly); an edge
+    of its own (an edge serves one event loop)."""
+    with _bwrap_edge() as edge, serve_e2b(StreamOnlyEdge(edge)) as (root, app, loop):
+        yield E2BServer(api_url=root, sandbox_url=f"{root}/envd", edge=edge, loop=loop, app=app)
 
 
 def pause_during_stream(sandbox: Any, join_s: float) -> tuple[bool, dict[str, Any]]:

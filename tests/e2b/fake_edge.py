@@ -1,15 +1,17 @@
-"""An in-memory ``EdgeAPI`` (+ ``InteractiveExec``) that really runs commands.
+"""A bubblewrap runtime under the real edge: E2B tests run real commands without root.
 
-Each fake sandbox is a directory used as the root filesystem of ``bwrap``
-(bubblewrap): the host's ``/usr`` is bound read-only, ``/bin``, ``/lib`` ...
-are symlinks into it (Debian's merged-/usr layout), ``/etc/passwd`` knows
-``root`` and ``user`` (uid 1000), and everything else (``/home``, ``/tmp``,
-files written through the API) lives in the directory. So paths seen by
-commands and by the file API agree, exit codes, stdin, signals and timeouts are
-real, and nothing touches the host outside the directory. Requires ``bwrap``.
+:class:`BwrapRuntime` is a :class:`~dsec.runtimes.base.Runtime` (with the ``Interactive``,
+``Pausable`` and ``Snapshottable`` abilities) whose sandboxes are directories used as the
+root filesystem of ``bwrap``: the host's ``/usr`` is bound read-only, ``/bin``, ``/lib`` ...
+are symlinks into it (Debian's merged-/usr layout), ``/etc/passwd`` knows ``root`` and
+``user`` (uid 1000), and everything else (``/home``, ``/tmp``, files written through the API)
+lives in the directory. Paths seen by commands and by the file API agree; exit codes,
+stdin, signals, terminals and timeouts are real. :func:`make_fake_edge` puts it under the
+real :class:`~dsec.edge.agent.EdgeAgent` (``dsec.testing.FakeEdge``), so ownership, states,
+TTLs, pause, snapshots, forks and the trajectory log follow the real edge's rules.
+Requires ``bwrap``.
 
-It is a test double, not an isolation boundary: no cgroups, no network
-namespace, no quota. Ownership, states and error types follow ``EdgeAPI``.
+It is a test double, not an isolation boundary: no cgroups, no network namespace, no quota.
 """
 
 from __future__ import annotations
@@ -20,68 +22,53 @@ import fcntl
 import io
 import os
 import posixpath
-import secrets
 import shutil
 import signal
 import stat as stat_mod
 import struct
 import tarfile
+import tempfile
 import termios
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from dsec.e2b.interactive import OutputChunk, PtySize
+from dsec.edge.interface import OutputChunk, PtySize
 from dsec.errors import (
     CapabilityNotSupported,
     FileExists_,
     FileNotFound,
-    ImageNotFound,
     InvalidRequest,
     PayloadTooLarge,
-    SandboxNotFound,
     SandboxStopped,
 )
-from dsec.models import (
-    BuildImageRequest,
-    Capabilities,
-    CreateSandboxRequest,
-    ExecEvent,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    ForkRequest,
-    ForkResult,
-    ImageInfo,
-    JobAction,
-    JobActionResult,
-    LayerInfo,
-    NodeInfo,
-    SandboxInfo,
-    SnapshotRequest,
-)
+from dsec.models import ExecRequest, ExecResult, FileInfo, LayerInfo, SnapshotRequest
+from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxSpec
+from dsec.testing import FakeEdge, MemoryLayers
 
-MAX_READ_BYTES = 8 << 20
-"""Largest file ``read_file`` returns, bytes (bigger: PayloadTooLarge)."""
+__all__ = ["BwrapRuntime", "make_fake_edge"]
 
 PASSWD = "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\n"
 GROUP = "root:x:0:\nuser:x:1000:\n"
+MAX_READ_BYTES = 8 << 20
+"""Largest file a read returns here, bytes (bigger: PayloadTooLarge): small, so tests of the
+limit stay cheap."""
+_HOST_DIRS = ("usr", "proc", "dev")
+"""Top-level directories that are the host's, not the sandbox's (never snapshotted)."""
 
 
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-@dataclass
-class _Sandbox:
-    info: SandboxInfo
-    owner: str
-    root: Path
-    env: dict[str, str]
-    procs: set[FakeProcess] = field(default_factory=set)
+def make_fake_edge(base: Path) -> FakeEdge:
+    """The real edge over :class:`BwrapRuntime` sandboxes under ``base`` (one ``container``
+    tier; system images ``debian`` and ``busybox`` are empty: everything comes from /usr)."""
+    layers = MemoryLayers(system_images=("busybox", "debian"))
+    edge = FakeEdge(
+        available_tiers=("container",),
+        layers=layers,
+        runtime_factory=lambda tier: BwrapRuntime(tier, base, layers),
+    )
+    edge.limits.max_read_bytes = MAX_READ_BYTES
+    return edge
 
 
 class FakeProcess:
@@ -191,79 +178,37 @@ class FakeProcess:
         )
 
 
-class FakeEdge:
-    """``EdgeAPI`` + ``InteractiveExec`` over bwrap'ed directories under ``base``."""
+@dataclass
+class _Sandbox:
+    root: Path
+    env: dict[str, str]
+    user: str | None
+    workdir: str
+    procs: set[FakeProcess] = field(default_factory=set)
 
-    images = ("debian", "busybox")
 
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        self.sandboxes: dict[str, _Sandbox] = {}
-        self.snapshots: dict[str, Path] = {}
-        """Image name -> copy of a sandbox's tree (what snapshot_sandbox made)."""
-        self.calls: list[str] = []
+class HostDirFiles:
+    """:class:`~dsec.runtimes.base.SandboxFiles` over a sandbox's directory."""
 
-    # --- helpers ------------------------------------------------------------
-    def _get(self, sandbox_id: str, owner: str) -> _Sandbox:
-        sb = self.sandboxes.get(sandbox_id)
-        if sb is None or sb.owner != owner:
-            raise SandboxNotFound(f"sandbox {sandbox_id} not found")
-        if sb.info.state == "running" and sb.info.expires_at and sb.info.expires_at <= _now():
-            if sb.info.on_timeout == "pause":
-                self._pause(sb)
-            else:
-                self._stop(sb, "ttl")
-        return sb
-
-    def _running(self, sandbox_id: str, owner: str) -> _Sandbox:
-        """The sandbox, resumed if it was paused (any request resumes a paused sandbox)."""
-        sb = self._get(sandbox_id, owner)
-        if sb.info.state == "stopped":
-            raise SandboxStopped(f"sandbox {sandbox_id} is stopped")
-        if sb.info.state == "paused":
-            self._resume(sb)
-        return sb
-
-    def _pause(self, sb: _Sandbox) -> None:
-        for p in list(sb.procs):
-            p.kill_tree(signal.SIGSTOP)
-        sb.info.state = "paused"
-        sb.info.paused_at = sb.info.updated_at = _now()
-
-    def _resume(self, sb: _Sandbox) -> None:
-        for p in list(sb.procs):
-            p.kill_tree(signal.SIGCONT)
-        sb.info.state = "running"
-        sb.info.paused_at = None
-        sb.info.updated_at = _now()
-        if sb.info.ttl_s:
-            sb.info.expires_at = _now() + timedelta(seconds=sb.info.ttl_s)
-
-    def _stop(self, sb: _Sandbox, reason: str) -> None:
-        for p in list(sb.procs):
-            p.kill_tree()
-        sb.info.state = "stopped"
-        sb.info.stopped_reason = reason
-        sb.info.updated_at = _now()
-        shutil.rmtree(sb.root, ignore_errors=True)
+    def __init__(self, root: Path) -> None:
+        self.root = root
 
     @staticmethod
     def _rel(path: str) -> str:
-        if not path.startswith("/") or "\0" in path:
-            raise InvalidRequest(f"path must be absolute: {path!r}")
         return posixpath.normpath(path).lstrip("/")
 
-    def _host(self, sb: _Sandbox, path: str) -> Path:
+    def _host(self, path: str) -> Path:
         rel = self._rel(path)
-        if rel.split("/", 1)[0] in ("usr", "proc", "dev"):
+        if rel.split("/", 1)[0] in _HOST_DIRS:
             raise InvalidRequest(f"{path} is outside the fake sandbox's writable tree")
-        return sb.root / rel if rel not in ("", ".") else sb.root
+        return self.root / rel if rel not in ("", ".") else self.root
 
-    def _info(self, sb: _Sandbox, host: Path, sandbox_path: str) -> FileInfo:
+    @staticmethod
+    def _info(host: Path, sandbox_path: str) -> FileInfo:
         try:
             st = host.lstat()
         except FileNotFoundError:
-            raise FileNotFound(f"{sandbox_path} does not exist") from None
+            raise FileNotFound(f"{sandbox_path} does not exist", path=sandbox_path) from None
         if stat_mod.S_ISLNK(st.st_mode):
             kind, target = "symlink", os.readlink(host)
         elif stat_mod.S_ISDIR(st.st_mode):
@@ -272,10 +217,9 @@ class FakeEdge:
             kind, target = "file", None
         else:
             kind, target = "other", None
-        name = posixpath.basename(sandbox_path.rstrip("/")) or "/"
         return FileInfo(
             path=sandbox_path,
-            name=name,
+            name=posixpath.basename(sandbox_path.rstrip("/")) or "/",
             type=kind,
             size=st.st_size,
             mode=stat_mod.S_IMODE(st.st_mode),
@@ -285,16 +229,120 @@ class FakeEdge:
             target=target,
         )
 
-    # --- sandboxes ------------------------------------------------------------
-    async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
-        self.calls.append("create_sandbox")
-        snapshot = self.snapshots.get(req.image)
-        if req.image not in self.images and snapshot is None:
-            raise ImageNotFound(f"no image named {req.image!r}")
-        sandbox_id = "sb-fake-" + secrets.token_hex(6)
-        root = self.base / sandbox_id
-        if snapshot is not None:
-            shutil.copytree(snapshot, root, symlinks=True)
+    async def read(self, path: str, max_bytes: int) -> bytes:
+        host = self._host(path)
+        info = self._info(host, path)
+        if info.type == "dir":
+            raise InvalidRequest(f"{path} is a directory", path=path)
+        if info.size > max_bytes:
+            raise PayloadTooLarge(f"{path} is larger than {max_bytes} bytes", limit=max_bytes)
+        return host.read_bytes()
+
+    async def write(
+        self, path: str, data: bytes, mode: int = 0o644, make_parents: bool = True
+    ) -> FileInfo:
+        host = self._host(path)
+        if host.is_dir():
+            raise InvalidRequest(f"{path} is a directory", path=path)
+        host.parent.mkdir(parents=True, exist_ok=True)
+        host.write_bytes(data)
+        host.chmod(mode)
+        return self._info(host, path)
+
+    async def list(self, path: str, depth: int = 1) -> list[FileInfo]:
+        host = self._host(path)
+        if self._info(host, path).type != "dir":
+            raise InvalidRequest(f"{path} is not a directory", path=path)
+        out: list[FileInfo] = []
+
+        def walk(h: Path, p: str, level: int) -> None:
+            for child in sorted(h.iterdir()):
+                cp = posixpath.join(p, child.name)
+                info = self._info(child, cp)
+                out.append(info)
+                if info.type == "dir" and level < depth:
+                    walk(child, cp, level + 1)
+
+        walk(host, path.rstrip("/") or "/", 1)
+        return out
+
+    async def stat(self, path: str) -> FileInfo:
+        return self._info(self._host(path), path)
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        host = self._host(path)
+        if self._info(host, path).type == "dir":
+            if not recursive and any(host.iterdir()):
+                raise InvalidRequest(f"{path} is a non-empty directory", path=path)
+            shutil.rmtree(host)
+        else:
+            host.unlink()
+
+    async def mkdir(self, path: str, parents: bool = True) -> FileInfo:
+        host = self._host(path)
+        if host.exists() and not host.is_dir():
+            raise FileExists_(f"{path} exists and is not a directory", path=path)
+        host.mkdir(parents=True, exist_ok=True)
+        return self._info(host, path)
+
+    async def rename(self, src: str, dst: str) -> FileInfo:
+        hsrc, hdst = self._host(src), self._host(dst)
+        self._info(hsrc, src)
+        hdst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(hsrc, hdst)
+        return self._info(hdst, dst)
+
+    async def upload_tar(self, path: str, data: bytes) -> int:
+        host = self._host(path)
+        host.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+            members = tf.getmembers()
+            tf.extractall(host, filter="data")
+        return len(members)
+
+    async def download_tar(self, path: str, max_bytes: int) -> bytes:
+        host = self._host(path)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tf:
+            tf.add(host, arcname=posixpath.basename(path.rstrip("/")) or ".")
+        if buf.tell() > max_bytes:
+            raise PayloadTooLarge(f"{path} packs to more than {max_bytes} bytes")
+        return buf.getvalue()
+
+
+class BwrapRuntime:
+    """Sandboxes as bwrap'ed directories under ``base`` (see the module docstring)."""
+
+    def __init__(self, tier: str, base: Path, layers: MemoryLayers) -> None:
+        self.tier = tier
+        self.base = base
+        self.layers = layers
+        self.sandboxes: dict[str, _Sandbox] = {}
+
+    def facts(self) -> RuntimeFacts:
+        return RuntimeFacts(available=shutil.which("bwrap") is not None, reason="bubblewrap")
+
+    async def start(self) -> None:
+        self.base.mkdir(parents=True, exist_ok=True)
+
+    async def close(self) -> None:
+        for sid in list(self.sandboxes):
+            await self.destroy(Handle(sid))
+
+    def _get(self, handle: Handle) -> _Sandbox:
+        sb = self.sandboxes.get(handle.id)
+        if sb is None:
+            raise SandboxStopped(f"sandbox {handle.id} is gone", sandbox_id=handle.id)
+        return sb
+
+    async def create(self, spec: SandboxSpec) -> Handle:
+        root = self.base / spec.id
+        root.mkdir(parents=True)
+        for digest in spec.layer_digests:  # snapshots: tar archives of a sandbox's tree
+            content = self.layers.content(digest)
+            if content:
+                with tarfile.open(fileobj=io.BytesIO(content)) as tf:
+                    tf.extractall(root, filter="tar")
         for d in ("usr", "etc", "tmp", "home/user", "root", "proc", "dev"):
             (root / d).mkdir(parents=True, exist_ok=True)
         for link in ("bin", "lib", "lib64", "sbin"):
@@ -303,70 +351,32 @@ class FakeEdge:
         (root / "etc/passwd").write_text(PASSWD)
         (root / "etc/group").write_text(GROUP)
         os.chown(root / "home/user", 1000, 1000)
-        now = _now()
-        info = SandboxInfo(
-            id=sandbox_id,
-            tier=req.tier,
-            image=req.image,
-            state="running",
-            cpu=req.cpu,
-            memory_mb=req.memory_mb,
-            disk_mb=req.disk_mb,
-            labels=dict(req.labels),
-            user=req.user,
-            workdir=req.workdir,
-            node="fake",
-            created_at=now,
-            updated_at=now,
-            expires_at=now + timedelta(seconds=req.ttl_s) if req.ttl_s else None,
-            ttl_s=req.ttl_s,
-            on_timeout=req.on_timeout,
-        )
-        self.sandboxes[sandbox_id] = _Sandbox(info=info, owner=owner, root=root, env=dict(req.env))
-        return info.model_copy()
+        self.sandboxes[spec.id] = _Sandbox(root, dict(spec.env), spec.user, spec.workdir)
+        return Handle(spec.id, {"root": str(root)})
 
-    async def get_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        return self._get(sandbox_id, owner).info.model_copy()
+    async def destroy(self, handle: Handle) -> None:
+        sb = self.sandboxes.pop(handle.id, None)
+        if sb is not None:
+            for p in list(sb.procs):
+                p.kill_tree()
+            shutil.rmtree(sb.root, ignore_errors=True)
 
-    async def list_sandboxes(
-        self,
-        owner: str,
-        *,
-        state: str | None = None,
-        labels: dict[str, str] | None = None,
-        job: str | None = None,
-        include_stopped: bool = False,
-    ) -> list[SandboxInfo]:
-        out = []
-        for sid, sb in self.sandboxes.items():
-            if sb.owner != owner:
-                continue
-            info = self._get(sid, owner).info
-            if info.state == "stopped" and not include_stopped:
-                continue
-            if state is not None and info.state != state:
-                continue
-            if labels and any(info.labels.get(k) != v for k, v in labels.items()):
-                continue
-            out.append(info.model_copy())
-        return out
+    async def recover(self, handle: Handle) -> bool:
+        return handle.id in self.sandboxes
 
-    async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        self.calls.append("kill_sandbox")
-        sb = self._get(sandbox_id, owner)
-        if sb.info.state != "stopped":
-            self._stop(sb, "killed")
-        return sb.info.model_copy()
+    async def alive(self, handle: Handle) -> bool:
+        return handle.id in self.sandboxes
 
-    async def set_ttl(self, sandbox_id: str, owner: str, ttl_s: float) -> SandboxInfo:
-        if not 0 < ttl_s <= 30 * 24 * 3600:  # as EdgeAgent.set_ttl
-            raise InvalidRequest(f"ttl_s={ttl_s!r} must be > 0 and <= 30 days")
-        sb = self._running(sandbox_id, owner)
-        sb.info.ttl_s = ttl_s
-        sb.info.expires_at = _now() + timedelta(seconds=ttl_s)
-        return sb.info.model_copy()
+    async def list_orphans(self, known: set[str]) -> list[str]:
+        return [sid for sid in self.sandboxes if sid not in known]
 
-    # --- exec -------------------------------------------------------------------
+    async def destroy_orphan(self, sandbox_id: str) -> None:
+        await self.destroy(Handle(sandbox_id))
+
+    def files(self, handle: Handle) -> HostDirFiles:
+        return HostDirFiles(self._get(handle).root)
+
+    # --- commands
     def _uid_gid(self, sb: _Sandbox, user: str | None) -> tuple[int, int, str]:
         if user is None:
             return 0, 0, "/root"
@@ -381,18 +391,16 @@ class FakeEdge:
 
     async def start_process(
         self,
-        sandbox_id: str,
-        owner: str,
+        handle: Handle,
         req: ExecRequest,
         *,
         stdin: bool = False,
         pty: PtySize | None = None,
     ) -> FakeProcess:
-        self.calls.append("start_process")
-        sb = self._running(sandbox_id, owner)
-        uid, gid, home = self._uid_gid(sb, req.user or sb.info.user)
-        cwd = req.cwd or sb.info.workdir or "/"
-        if not (sb.root / self._rel(cwd)).is_dir():
+        sb = self._get(handle)
+        uid, gid, home = self._uid_gid(sb, req.user or sb.user)
+        cwd = req.cwd or sb.workdir or "/"
+        if not (sb.root / HostDirFiles._rel(cwd)).is_dir():
             raise InvalidRequest(f"cwd {cwd} is not a directory")
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": home}
         env.update(sb.env)
@@ -400,16 +408,8 @@ class FakeEdge:
         if pty is not None:
             env.setdefault("TERM", "xterm")
         argv = ["bwrap", "--bind", str(sb.root), "/", "--ro-bind", "/usr", "/usr"]
-        argv += [
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--chdir",
-            cwd,
-            "--unshare-pid",
-            "--die-with-parent",
-        ]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--chdir", cwd]
+        argv += ["--unshare-pid", "--die-with-parent"]
         if uid != 0 or gid != 0:
             argv += ["--unshare-user", "--uid", str(uid), "--gid", str(gid)]
         argv += ["--clearenv"]
@@ -444,289 +444,45 @@ class FakeEdge:
         sb.procs.discard(fp)
 
     async def exec(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: ExecRequest,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        self, handle: Handle, req: ExecRequest, sink: OutputSink | None = None
     ) -> ExecResult:
-        out: dict[str, list[str]] = {"stdout": [], "stderr": []}
-        result = ExecResult()
-        async for ev in self.exec_stream(sandbox_id, owner, req):
-            if ev.type in out and ev.data:
-                out[ev.type].append(ev.data)
-            elif ev.type == "exit" and ev.result is not None:
-                result = ev.result
-        result.stdout = "".join(out["stdout"])
-        result.stderr = "".join(out["stderr"])
-        return result
-
-    async def exec_stream(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: ExecRequest,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> AsyncIterator[ExecEvent]:
-        self.calls.append("exec_stream")
-        stdin = (req.stdin or "").encode()
-        proc = await self.start_process(sandbox_id, owner, req, stdin=bool(stdin))
-        if stdin:
-            await proc.write_stdin(stdin)
+        data = (req.stdin or "").encode()
+        proc = await self.start_process(handle, req, stdin=bool(data))
+        if data:
+            await proc.write_stdin(data)
         await proc.close_stdin()
+        out: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
         try:
             while (chunk := await proc.read_output()) is not None:
-                yield ExecEvent(type=chunk[0], data=chunk[1].decode("utf-8", "replace"))
-            yield ExecEvent(type="exit", result=await proc.wait())
+                name, body = chunk
+                out[name].append(body)
+                if sink is not None:
+                    await sink(name, body)
+            result = await proc.wait()
         finally:
             await proc.signal(signal.SIGKILL)
+        result.stdout = b"".join(out["stdout"]).decode("utf-8", "replace")
+        result.stderr = b"".join(out["stderr"]).decode("utf-8", "replace")
+        return result
 
-    # --- files ------------------------------------------------------------------
-    async def read_file(self, sandbox_id: str, owner: str, path: str) -> bytes:
-        sb = self._running(sandbox_id, owner)
-        host = self._host(sb, path)
-        info = self._info(sb, host, path)
-        if info.type == "dir":
-            raise InvalidRequest(f"{path} is a directory")
-        if info.size > MAX_READ_BYTES:
-            raise PayloadTooLarge(f"{path} is larger than {MAX_READ_BYTES} bytes")
-        return host.read_bytes()
+    # --- pause: the processes stop, the tree stays
+    async def pause(self, handle: Handle) -> dict[str, Any]:
+        for p in list(self._get(handle).procs):
+            p.kill_tree(signal.SIGSTOP)
+        return {"method": "sigstop"}
 
-    async def write_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        data: bytes,
-        mode: int = 0o644,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> FileInfo:
-        sb = self._running(sandbox_id, owner)
-        host = self._host(sb, path)
-        if host.is_dir():
-            raise InvalidRequest(f"{path} is a directory")
-        host.parent.mkdir(parents=True, exist_ok=True)
-        host.write_bytes(data)
-        host.chmod(mode)
-        return self._info(sb, host, path)
+    async def resume(self, handle: Handle) -> None:
+        for p in list(self._get(handle).procs):
+            p.kill_tree(signal.SIGCONT)
 
-    async def list_files(
-        self, sandbox_id: str, owner: str, path: str, depth: int = 1
-    ) -> list[FileInfo]:
-        sb = self._running(sandbox_id, owner)
-        host = self._host(sb, path)
-        if self._info(sb, host, path).type != "dir":
-            raise InvalidRequest(f"{path} is not a directory")
-        out: list[FileInfo] = []
-
-        def walk(h: Path, p: str, level: int) -> None:
-            for child in sorted(h.iterdir()):
-                cp = posixpath.join(p, child.name)
-                info = self._info(sb, child, cp)
-                out.append(info)
-                if info.type == "dir" and level < depth:
-                    walk(child, cp, level + 1)
-
-        walk(host, path.rstrip("/") or "/", 1)
-        return out
-
-    async def stat_file(self, sandbox_id: str, owner: str, path: str) -> FileInfo:
-        sb = self._running(sandbox_id, owner)
-        return self._info(sb, self._host(sb, path), path)
-
-    async def remove_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        recursive: bool = False,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> None:
-        sb = self._running(sandbox_id, owner)
-        host = self._host(sb, path)
-        info = self._info(sb, host, path)
-        if info.type == "dir":
-            if not recursive and any(host.iterdir()):
-                raise InvalidRequest(f"{path} is a non-empty directory")
-            shutil.rmtree(host)
-        else:
-            host.unlink()
-
-    async def make_dir(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> FileInfo:
-        sb = self._running(sandbox_id, owner)
-        host = self._host(sb, path)
-        if host.exists() and not host.is_dir():
-            raise FileExists_(f"{path} exists and is not a directory")
-        host.mkdir(parents=True, exist_ok=True)
-        return self._info(sb, host, path)
-
-    async def rename_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        src: str,
-        dst: str,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> FileInfo:
-        sb = self._running(sandbox_id, owner)
-        hsrc, hdst = self._host(sb, src), self._host(sb, dst)
-        self._info(sb, hsrc, src)
-        hdst.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(hsrc, hdst)
-        return self._info(sb, hdst, dst)
-
-    async def upload_tar(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        data: bytes,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> int:
-        sb = self._running(sandbox_id, owner)
-        host = self._host(sb, path)
-        host.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(fileobj=io.BytesIO(data)) as tf:
-            members = tf.getmembers()
-            tf.extractall(host, filter="data")
-        return len(members)
-
-    async def download_tar(self, sandbox_id: str, owner: str, path: str) -> bytes:
-        sb = self._running(sandbox_id, owner)
-        host = self._host(sb, path)
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tf:
-            tf.add(host, arcname=posixpath.basename(path.rstrip("/")) or ".")
-        return buf.getvalue()
-
-    # --- RL lifecycle -------------------------------------------------------------
-    async def pause_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        sb = self._get(sandbox_id, owner)
-        if sb.info.state == "stopped":
-            raise SandboxStopped(f"sandbox {sandbox_id} is stopped")
-        if sb.info.state == "running":
-            self._pause(sb)
-        return sb.info.model_copy()
-
-    async def resume_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        return self._running(sandbox_id, owner).info.model_copy()
-
-    def _copy_tree(self, sb: _Sandbox, name: str) -> Path:
-        dest = self.base / "snapshots" / name
-        if dest.exists() or name in self.images:
-            raise FileExists_(f"an image named {name!r} exists")
-        shutil.copytree(sb.root, dest, symlinks=True)
-        self.snapshots[name] = dest
-        return dest
-
-    async def snapshot_sandbox(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: SnapshotRequest,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+    # --- snapshots: a tar of the sandbox's own tree
+    async def snapshot(
+        self, handle: Handle, store: Any, req: SnapshotRequest, meta: dict[str, Any]
     ) -> LayerInfo:
-        sb = self._running(sandbox_id, owner)
-        name = req.name or "snap-" + secrets.token_hex(6)
-        self._copy_tree(sb, name)
-        return LayerInfo(
-            digest="sha256:" + secrets.token_hex(32),
-            kind="workspace",
-            name=name,
-            size=0,
-            created_at=_now(),
-        )
-
-    async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult:
-        sb = self._running(sandbox_id, owner)
-        layer = await self.snapshot_sandbox(sandbox_id, owner, SnapshotRequest())
-        children = []
-        for _ in range(req.n):
-            child = CreateSandboxRequest(
-                tier=sb.info.tier,
-                image=str(layer.name),
-                env=sb.env,
-                labels=req.labels or sb.info.labels,
-                ttl_s=sb.info.ttl_s,
-                user=sb.info.user,
-                workdir=sb.info.workdir,
-            )
-            children.append(await self.create_sandbox(child, owner))
-        return ForkResult(layer=layer, sandboxes=children)
-
-    async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult:
-        raise CapabilityNotSupported("the fake edge has no jobs")
-
-    async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
-        raise CapabilityNotSupported("the fake edge keeps no trajectory")
-
-    # --- images, node -------------------------------------------------------------
-    async def list_images(self, owner: str) -> list[ImageInfo]:
-        return [ImageInfo(name=n, layers=[], size=0, created_at=_now()) for n in self.images]
-
-    async def get_image(self, name: str, owner: str) -> ImageInfo:
-        if name not in self.images:
-            raise ImageNotFound(name)
-        return ImageInfo(name=name, layers=[], size=0, created_at=_now())
-
-    async def delete_image(self, name: str, owner: str) -> None:
-        raise CapabilityNotSupported("the fake edge cannot remove images")
-
-    async def share_image(self, name: str, owner: str, shared: bool) -> ImageInfo:
-        raise CapabilityNotSupported("the fake edge cannot share images")
-
-    async def list_layers(self, owner: str) -> list[LayerInfo]:
-        return []
-
-    async def pull_image(self, ref: str, owner: str, name: str | None = None) -> ImageInfo:
-        raise CapabilityNotSupported("the fake edge cannot pull images")
-
-    async def build_image(self, owner: str, req: BuildImageRequest, context: bytes) -> ImageInfo:
-        raise CapabilityNotSupported("the fake edge cannot build images")
-
-    async def node_info(self) -> NodeInfo:
-        return NodeInfo(
-            node="fake",
-            version="0",
-            tiers=await self.capabilities(),
-            sandboxes=len(self.sandboxes),
-            cpus=1,
-            memory_mb=1,
-        )
-
-    async def capabilities(self) -> list[Capabilities]:
-        return [Capabilities(tier="container", available=True, tty=True)]
-
-    def metrics_text(self) -> bytes:
-        return b""
-
-    async def stats(self) -> dict[str, Any]:
-        return {"sandboxes": len(self.sandboxes)}
-
-    async def close(self) -> None:
-        """Kill everything (test teardown)."""
-        for sb in self.sandboxes.values():
-            if sb.info.state != "stopped":
-                self._stop(sb, "closed")
+        sb = self._get(handle)
+        fd, tmp = tempfile.mkstemp(dir=self.layers.scratch, suffix=".tar")
+        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tf:
+            for entry in sorted(sb.root.iterdir()):
+                if entry.name not in _HOST_DIRS:
+                    tf.add(entry, arcname=entry.name)
+        return self.layers.import_layer_file(Path(tmp), "workspace", name=req.name, meta=meta)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from tests.conftest import _seed_layers
 
+from dsec.runtimes.base import capabilities_of
 from e2b import CommandExitException, FileType, Sandbox, SandboxQuery
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -53,7 +54,10 @@ def server(dsec_home_root: Path, shared_layers: Path) -> Iterator[Any]:
 @pytest.mark.parametrize("tier", list(TIER_TEMPLATES))
 def test_core_e2b_surface_on_tier(server: Any, tier: str) -> None:
     assert server.edge is not None
-    if tier not in server.edge.runtimes or not server.edge.runtimes[tier].capabilities().available:
+    if (
+        tier not in server.edge.runtimes
+        or not capabilities_of(server.edge.runtimes[tier]).available
+    ):
         pytest.skip(f"tier {tier} is not available on this node")
     sbx = Sandbox.create(
         template=TIER_TEMPLATES[tier],
@@ -92,7 +96,7 @@ def test_core_e2b_surface_on_tier(server: Any, tier: str) -> None:
         assert sleeper.pid in {p.pid for p in sbx.commands.list()}
         assert sbx.commands.kill(sleeper.pid) is True
 
-        caps = server.edge.runtimes[tier].capabilities()
+        caps = capabilities_of(server.edge.runtimes[tier])
         if caps.pause:  # pause, then any request resumes it (E2B's auto-resume)
             assert sbx.pause() is True
             assert sbx.get_info().state.value == "paused"

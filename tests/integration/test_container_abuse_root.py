@@ -26,7 +26,7 @@ from dsec.layers.rootfs import upper_dir
 from dsec.layers.store import LayerStore
 from dsec.models import ExecRequest, ExecResult, SnapshotRequest
 from dsec.privileged.mount import mount_points
-from dsec.runtimes.base import Handle, SandboxSpec
+from dsec.runtimes.base import Handle, SandboxSpec, capabilities_of
 from dsec.runtimes.container.files import RootedFiles, _walk_tree
 from dsec.runtimes.container.runtime import ContainerRuntime
 
@@ -59,7 +59,7 @@ async def runtime(
 ) -> AsyncIterator[ContainerRuntime]:
     rt = ContainerRuntime(node[0], LayerMounts(node[0].layer_mounts))
     await rt.start()
-    assert rt.capabilities().available, rt.capabilities().reason
+    assert capabilities_of(rt).available, capabilities_of(rt).reason
     yield rt
     await rt.close()
 

@@ -23,7 +23,7 @@ from dsec.layers.store import LayerStore
 from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import CGROUP_ROOT
 from dsec.privileged.mount import mount_points
-from dsec.runtimes.base import Handle, Runtime, SandboxSpec
+from dsec.runtimes.base import Handle, Runtime, SandboxSpec, capabilities_of
 from dsec.runtimes.container.runtime import ContainerRuntime
 
 pytestmark = pytest.mark.root
@@ -54,7 +54,7 @@ async def runtime(node: tuple[Paths, list[str], list[str]]) -> AsyncIterator[Con
     paths, _, _ = node
     rt = ContainerRuntime(paths, LayerMounts(paths.layer_mounts))
     await rt.start()
-    assert rt.capabilities().available, rt.capabilities().reason
+    assert capabilities_of(rt).available, capabilities_of(rt).reason
     yield rt
     await rt.close()
 
@@ -109,7 +109,7 @@ async def run(rt: ContainerRuntime, h: Handle, cmd: str | list[str], **kw: objec
 
 async def test_create_exec_files_destroy(runtime: ContainerRuntime, make: Factory) -> None:
     assert isinstance(runtime, Runtime)
-    caps = runtime.capabilities()
+    caps = capabilities_of(runtime)
     assert caps.tier == "container" and caps.pause and caps.snapshot and caps.tty
     h = await make(hostname="box1")
     assert await runtime.alive(h)

@@ -43,13 +43,12 @@ from tests.conftest import free_port
 from dsec.errors import ImageNotFound, SandboxError
 from dsec.layers import LayerMounts, LayerStore, assemble_rootfs, teardown_rootfs
 from dsec.layers.oci import (
-    MT_OCI_INDEX,
-    MT_OCI_MANIFEST,
     BlobDigestMismatch,
     RegistryUnauthorized,
     RegistryUnavailable,
     pull_image,
 )
+from dsec.layers.registry import MT_OCI_INDEX, MT_OCI_MANIFEST
 from dsec.privileged.mount import mount, mount_points, umount_quiet
 
 pytestmark = [

@@ -24,7 +24,7 @@ from dsec.config import Paths
 from dsec.errors import DsecError, InvalidRequest, QuotaExceeded
 from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS
-from dsec.runtimes.base import Handle
+from dsec.runtimes.base import Handle, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive
 from dsec.runtimes.vm import VMRuntime
@@ -190,8 +190,8 @@ async def runtime(request: pytest.FixtureRequest, image: BusyboxImage) -> AsyncI
     cls = VMRuntime if request.param == "vm" else MicroVMRuntime
     rt = cls(Paths(VM_HOME), MicroVMConfig(pool_size=0, exec_grace_s=3.0))
     await rt.start()
-    if not rt.capabilities().available:
-        pytest.fail(f"{request.param} tier unavailable: {rt.capabilities().reason}")
+    if not capabilities_of(rt).available:
+        pytest.fail(f"{request.param} tier unavailable: {capabilities_of(rt).reason}")
     yield rt
     await rt.close()
 

@@ -121,7 +121,7 @@ async def test_open_routes_and_metrics_policy() -> None:
         r = await local.get("/metrics")
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/plain")
-        assert "dsec_fake_sandboxes 0" in r.text  # the edge's own metrics are appended
+        assert "# TYPE dsec_file_ops_total counter" in r.text  # the edge's own metrics are appended
         assert 'dsec_api_errors_total{code="unauthenticated"} 1.0' in r.text
         assert 'route="/metrics",status="401"' in r.text
     async with await _client(app, None, "::1") as local6:

@@ -30,13 +30,15 @@ async def test_create_many_all_created() -> None:
         assert all(sb.info.labels == {"run": "r1"} for sb in batch.sandboxes)
         assert (await batch.sandboxes[3].commands.run("echo hi")).stdout == "hi\n"
         assert len(edge.calls_to("create_sandboxes")) == 1  # one API call for the batch
-    alive = [s for s in edge._sandboxes.values() if s.info.state != "stopped"]
+    alive = [s for s in edge.sandboxes.values() if s.state != "stopped"]
     assert alive == []  # `async with` killed them all
 
 
 async def test_partial_success_is_reported_not_hidden() -> None:
-    edge = FakeEdge(max_sandboxes=3)
-    batch = await AsyncSandbox.create_many(5, **_conn(edge))
+    edge = FakeEdge(max_sandboxes=5)
+    conn = _conn(edge)
+    first = await AsyncSandbox.create_many(2, **conn)  # the node has room for 3 more
+    batch = await AsyncSandbox.create_many(5, **conn)
     try:
         assert not batch.ok
         assert len(batch.sandboxes) == 3 and len(batch.errors) == 2
@@ -47,13 +49,17 @@ async def test_partial_success_is_reported_not_hidden() -> None:
             batch.raise_on_error()
     finally:
         assert await batch.kill_all() == 3
+        await first.kill_all()
+    # a batch larger than the node can ever hold is refused before anything is made
+    with pytest.raises(E.QuotaExceeded, match="can ever hold"):
+        await AsyncSandbox.create_many(6, **conn)
 
 
 async def test_all_or_nothing_creates_nothing_when_it_cannot_fit() -> None:
     edge = FakeEdge(max_sandboxes=3)
     with pytest.raises(E.QuotaExceeded):
         await AsyncSandbox.create_many(5, all_or_nothing=True, **_conn(edge))
-    assert [s for s in edge._sandboxes.values() if s.info.state != "stopped"] == []
+    assert [s for s in edge.sandboxes.values() if s.state != "stopped"] == []
 
 
 async def test_bad_batch_requests_are_typed_errors() -> None:
@@ -87,7 +93,7 @@ def test_sync_create_many() -> None:
         ids = [sb.id for sb in batch]
         assert all(isinstance(sb, Sandbox) for sb in batch.sandboxes)
         assert batch.sandboxes[0].commands.run("echo x").stdout == "x\n"
-    assert all(edge._sandboxes[i].info.state == "stopped" for i in ids)
+    assert all(edge.sandboxes[i].state == "stopped" for i in ids)
 
 
 async def test_create_batch_helper_all_or_nothing_kills_what_it_made() -> None:

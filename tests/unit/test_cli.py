@@ -117,7 +117,7 @@ def test_image_commands_and_info(runner: CliRunner, edge: FakeEdge, tmp_path: Pa
     assert "node fake" in info.stdout
     for tier in ("fncall", "container", "microvm", "vm"):
         assert tier in info.stdout
-    assert "not enabled on the fake edge" in info.stdout
+    assert "not enabled on this node" in info.stdout
 
 
 def test_unreachable_server_hint(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,11 +187,8 @@ def test_snapshot_and_fork(runner: CliRunner, edge: FakeEdge) -> None:
 def test_job_commands(runner: CliRunner, edge: FakeEdge) -> None:
     ids = [
         _keep_sandbox(runner, edge),  # not in the job
-        *(_keep_sandbox(runner, edge) for _ in range(2)),
+        *(_keep_sandbox(runner, edge, "--job", "run-42") for _ in range(2)),
     ]
-    # `dsec run` has no --job: put two sandboxes in a job directly on the fake
-    for sid in ids[1:]:
-        edge._sandboxes[sid].info.job = "run-42"
     paused = runner.invoke(cli.app, ["job", "pause", "run-42"])
     assert paused.exit_code == 0, paused.output
     assert all(sid in paused.stdout for sid in ids[1:]) and ids[0] not in paused.stdout
@@ -227,7 +224,7 @@ def test_trajectory_and_replay(runner: CliRunner, edge: FakeEdge, tmp_path: Path
     assert "2 entries, 2 applied, 2 compared, 2 matched, 0 divergence(s)" in ok.stdout
     fresh = edge.calls_to("create_sandbox")[-1]["req"]
     assert fresh.memory_mb == 128  # rebuilt from the log's header
-    assert edge._sandboxes[fresh_id(edge)].info.state == "stopped"  # killed afterwards
+    assert edge.sandboxes[fresh_id(edge)].state == "stopped"  # killed afterwards
 
     edge.program("./check", stdout="2 passed\n", exit_code=1)
     diverged = runner.invoke(cli.app, ["replay", str(log), "--image", "busybox", "--keep"])
@@ -243,4 +240,4 @@ def test_trajectory_and_replay(runner: CliRunner, edge: FakeEdge, tmp_path: Path
 
 def fresh_id(edge: FakeEdge) -> str:
     """The id of the last sandbox the fake created."""
-    return list(edge._sandboxes)[-1]
+    return max(edge.sandboxes.values(), key=lambda info: info.created_at).id

@@ -23,21 +23,23 @@ import pytest
 from dsec.errors import ImageNotFound, InvalidRequest, Unsupported
 from dsec.layers import LayerStore
 from dsec.layers.oci import (
-    DOCKER_HUB,
     BlobDigestMismatch,
-    ImageRef,
-    RegistryClient,
     RegistryUnauthorized,
     RegistryUnavailable,
     apply_oci_whiteouts,
-    default_image_name,
     merge_layer_tree,
-    parse_challenge,
-    parse_ref,
     plan_groups,
     pull_image,
-    select_platform,
     strip_overlay_markers,
+)
+from dsec.layers.registry import (
+    DOCKER_HUB,
+    ImageRef,
+    RegistryClient,
+    default_image_name,
+    parse_challenge,
+    parse_ref,
+    select_platform,
 )
 
 Handler = Callable[[httpx.Request], httpx.Response]

@@ -276,7 +276,7 @@ async def test_kill_on_exit_tolerates_a_vanished_sandbox(
     edge: FakeEdge, conn: dict[str, Any]
 ) -> None:
     async with await AsyncSandbox.create(**conn) as sb:
-        edge._sandboxes.clear()  # the server forgot it (expired and purged)
+        edge.forget(sb.id)  # the server forgot it (expired and purged)
     assert sb.info.state == "running"  # nothing to update, and no exception
 
 

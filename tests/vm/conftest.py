@@ -22,7 +22,7 @@ import pytest
 
 from dsec.config import Paths
 from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS
-from dsec.runtimes.base import Handle, SandboxSpec
+from dsec.runtimes.base import Handle, SandboxSpec, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 
 VM_HOME = Path(os.environ.get("DSEC_VM_TEST_HOME", "/tmp/dsec-vmtest"))
@@ -89,8 +89,8 @@ def busybox_image(vm_home: Path) -> BusyboxImage:
 async def microvm(vm_home: Path) -> AsyncIterator[MicroVMRuntime]:
     rt = MicroVMRuntime(Paths(vm_home), MicroVMConfig(pool_size=0, exec_grace_s=3.0))
     await rt.start()
-    if not rt.capabilities().available:
-        pytest.fail(f"microvm tier unavailable: {rt.capabilities().reason}")
+    if not capabilities_of(rt).available:
+        pytest.fail(f"microvm tier unavailable: {capabilities_of(rt).reason}")
     yield rt
     await rt.close()
 

@@ -17,7 +17,7 @@ import pytest
 from dsec.config import Paths
 from dsec.errors import Conflict, SandboxError
 from dsec.models import ExecRequest
-from dsec.runtimes.base import Handle, MemoryStateful
+from dsec.runtimes.base import Handle, MemoryStateful, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive, qemu_processes
 from dsec.runtimes.microvm.runtime import SUSPEND_DIR
@@ -61,7 +61,7 @@ async def _holder_answers(rt: MicroVMRuntime, h: Handle) -> str:
 
 def test_protocol(microvm: MicroVMRuntime) -> None:
     assert isinstance(microvm, MemoryStateful)
-    caps = microvm.capabilities()
+    caps = capabilities_of(microvm)
     assert caps.suspend and caps.memory_fork
 
 

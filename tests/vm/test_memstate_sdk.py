@@ -80,7 +80,7 @@ def test_sdk_suspend_fork_reaper_and_refusals(home: Path) -> None:
             try:
                 assert len(children) == 2
                 for c in children:
-                    assert c.info.labels["dsec/forked-from"] == sb.id
+                    assert c.info.forked_from == sb.id
                     assert c.commands.run(_ASK).stdout.strip() == "kept-42"
             finally:
                 for c in children:

@@ -25,7 +25,7 @@ from dsec.errors import (
     SandboxStopped,
 )
 from dsec.models import ExecRequest
-from dsec.runtimes.base import Handle, Pausable, Runtime
+from dsec.runtimes.base import Handle, Pausable, Runtime, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive, qemu_processes
 
@@ -74,7 +74,7 @@ def _escaping_tars() -> list[bytes]:
 def test_protocols(microvm: MicroVMRuntime) -> None:
     assert isinstance(microvm, Runtime)
     assert isinstance(microvm, Pausable)
-    caps = microvm.capabilities()
+    caps = capabilities_of(microvm)
     assert caps.available and caps.pause
     assert ("TCG" in (caps.reason or "")) or ("KVM" in (caps.reason or ""))
 

@@ -24,7 +24,7 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.models import ExecRequest, SandboxInfo
-from dsec.runtimes.base import Handle, Pausable, Runtime
+from dsec.runtimes.base import Handle, Pausable, Runtime, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig
 from dsec.runtimes.microvm.qemu import pid_alive
 from dsec.runtimes.vm import VMRuntime
@@ -84,7 +84,7 @@ def _display(edge: object, sandbox_id: str) -> tuple[AsyncDisplay, AsyncClient]:
 async def vm_runtime(vm_home: Path) -> AsyncIterator[VMRuntime]:
     rt = VMRuntime(Paths(vm_home), MicroVMConfig(exec_grace_s=3.0, pool_size=1))
     await rt.start()
-    assert rt.capabilities().available, rt.capabilities().reason
+    assert capabilities_of(rt).available, capabilities_of(rt).reason
     yield rt
     await rt.close()
 
@@ -113,7 +113,7 @@ async def test_vm_templates_disk_and_display(
 ) -> None:
     rt, h = vm_sandbox
     assert isinstance(rt, Runtime) and isinstance(rt, Pausable)
-    assert rt.capabilities().display
+    assert capabilities_of(rt).display
     assert rt.last_create["restored"] == 1.0  # cold boot once (the template), then a clone
     assert isinstance(RuntimeDisplayEdge(rt, []), DisplayEdge)
     # same agent as microvm; the writable layer is the qcow2 disk of disk_mb

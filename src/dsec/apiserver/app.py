@@ -14,11 +14,10 @@ Open routes: ``GET /healthz``; ``GET /metrics`` from loopback (anyone else needs
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request, Response
 
-import dsec
 from dsec.apiserver.auth import KeyVerifier
 from dsec.apiserver.errors import install_error_handlers
 from dsec.apiserver.metrics import ApiMetrics
@@ -30,6 +29,7 @@ from dsec.apiserver.routes_sandboxes import UPLOAD_ROUTES
 from dsec.apiserver.routes_sandboxes import router as sandboxes_router
 from dsec.apiserver.schemas import Health
 from dsec.edge.interface import EdgeAPI
+from dsec.version import __version__
 
 __all__ = [
     "DEFAULT_MAX_JSON_BYTES",
@@ -71,7 +71,7 @@ def create_app(
     access_mode = access_log_mode(access_log)
     app = FastAPI(
         title="dsec",
-        version=dsec.__version__,
+        version=__version__,
         summary="Sandboxes for agentic RL: one API over four isolation tiers.",
         openapi_url="/openapi.json",
     )
@@ -87,7 +87,7 @@ def create_app(
 
     @app.get("/healthz", response_model=Health, tags=["node"], summary="Liveness (no auth)")
     async def healthz() -> Health:
-        return Health(status="ok", version=dsec.__version__)
+        return Health(status="ok", version=__version__)
 
     @app.get(
         "/metrics",
@@ -130,6 +130,13 @@ def _route_templates(app: FastAPI) -> list[tuple[str, set[str]]]:
     return out
 
 
+class _SchemaOnlyEdge:
+    """Stands in for an edge while the schema is rendered: routes are built, never called."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the schema-only app has no edge (asked for {name!r})")
+
+
 class _NoKeys:
     def verify(self, key: str) -> str | None:
         return None
@@ -142,9 +149,8 @@ def openapi_document() -> dict[str, Any]:
     """The OpenAPI document of the app (independent of any edge or key), with the run_code
     routes ``dsec serve`` adds on a node with the fncall tier."""
     from dsec.apiserver.routes_runcode import make_runcode_router
-    from dsec.testing import FakeEdge
 
-    app = create_app(FakeEdge(), _NoKeys(), access_log="off")
+    app = create_app(cast(EdgeAPI, _SchemaOnlyEdge()), _NoKeys(), access_log="off")
 
     def no_service() -> Any:
         raise RuntimeError("the schema-only app runs no code")

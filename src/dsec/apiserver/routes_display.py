@@ -13,42 +13,20 @@ display answers 422 ``capability_not_supported``; a bad coordinate or key name 4
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Protocol, runtime_checkable
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Owner, current_owner
 from dsec.apiserver.schemas import SANDBOX_ID_PATTERN
+from dsec.edge.interface import DisplayEdge
 from dsec.errors import CapabilityNotSupported
 
 __all__ = ["ClickRequest", "DisplayEdge", "KeyRequest", "TypeRequest", "router"]
 
 MAX_TYPE_CHARS = 10_000
 """Longest text one ``type`` call sends (characters)."""
-
-
-@runtime_checkable
-class DisplayEdge(Protocol):
-    """What the edge offers for displays. Each call checks that ``owner`` owns the sandbox
-    (``SandboxNotFound`` otherwise), resumes it if paused and raises
-    ``CapabilityNotSupported`` for a tier without a display."""
-
-    async def display_screenshot(self, sandbox_id: str, owner: str) -> bytes:
-        """The screen as PNG bytes."""
-        ...
-
-    async def display_click(self, sandbox_id: str, owner: str, x: int, y: int, button: str) -> None:
-        """Move the pointer to pixel (x, y) of the screenshot and click ``button``."""
-        ...
-
-    async def display_type(self, sandbox_id: str, owner: str, text: str) -> None:
-        """Type ``text`` on the keyboard."""
-        ...
-
-    async def display_key(self, sandbox_id: str, owner: str, name: str) -> None:
-        """Press a key or a chord such as ``ctrl-c``."""
-        ...
 
 
 class ClickRequest(BaseModel):

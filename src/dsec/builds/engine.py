@@ -728,7 +728,7 @@ class ImageBuilder:
 
 def _unpack(data: bytes, dest: Path, limits: BuildLimits) -> Path:
     """An ``ADD`` archive unpacked (safely: no escapes, devices dropped) into ``dest``."""
-    from dsec.layers.store import extract_tarball
+    from dsec.layers.tarball import extract_tarball
 
     dest.mkdir(parents=True)
     archive = dest.with_suffix(".archive")

@@ -343,6 +343,7 @@ def run(
     env: Annotated[list[str], typer.Option("--env", "-e", help="KEY=VALUE; repeatable")] = [],  # noqa: B006
     cpu: Annotated[float, typer.Option(help="CPU cores")] = 1.0,
     memory_mb: Annotated[int, typer.Option(help="memory limit, MiB")] = 512,
+    job: Annotated[str | None, typer.Option(help="the training job it belongs to")] = None,
     allow_domain: AllowDomainOption = [],  # noqa: B006
     allow_cidr: AllowCidrOption = [],  # noqa: B006
     deny_domain: DenyDomainOption = [],  # noqa: B006
@@ -362,7 +363,13 @@ def run(
     client = make_client()
     try:
         sb = Sandbox.create(
-            tier=tier, image=image, cpu=cpu, memory_mb=memory_mb, network=policy, client=client
+            tier=tier,
+            image=image,
+            cpu=cpu,
+            memory_mb=memory_mb,
+            job=job,
+            network=policy,
+            client=client,
         )
         try:
             code = _run_streaming(sb, command, timeout, env_vars)

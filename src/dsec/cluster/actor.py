@@ -32,7 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec.edge.interface import edge_verbs
 from dsec.errors import DsecError, InternalError, InvalidRequest
+from dsec.models import SYSTEM_OWNER
 
 __all__ = [
     "ACTOR_NAMESPACE",
@@ -52,54 +54,8 @@ ACTOR_PREFIX = "dsec-edge-"
 NODE_LABEL = "dsec.io/node"
 BURST_LABEL = "dsec.io/burst"
 
-# EdgeAgent methods an apiserver may call through ``EdgeActor.call``
-_CALLABLE = frozenset(
-    {
-        "create_sandbox",
-        "create_sandboxes",
-        "get_sandbox",
-        "list_sandboxes",
-        "kill_sandbox",
-        "set_ttl",
-        "exec",
-        "read_file",
-        "write_file",
-        "list_files",
-        "stat_file",
-        "remove_file",
-        "make_dir",
-        "rename_file",
-        "upload_tar",
-        "download_tar",
-        "pause_sandbox",
-        "pause_sandbox_mode",
-        "resume_sandbox",
-        "snapshot_sandbox",
-        "fork_sandbox",
-        "job_action",
-        "export_trajectory",
-        "update_network",
-        "network_stats",
-        "list_images",
-        "get_image",
-        "delete_image",
-        "share_image",
-        "list_layers",
-        "pull_image",
-        "build_image",
-        "push_image",
-        "attach_image",
-        "node_info",
-        "capabilities",
-        "stats",
-        "display_screenshot",
-        "display_click",
-        "display_type",
-        "display_key",
-        "export_sandbox",
-        "import_sandbox",
-    }
-)
+# EdgeAgent methods an apiserver may call through ``EdgeActor.call``: the edge contract's
+_CALLABLE = edge_verbs()
 
 
 @dataclass(frozen=True)
@@ -184,26 +140,18 @@ class EdgeActor:
 
     async def _start(self) -> Any:
         from dsec.config import Paths
-        from dsec.edge.agent import EdgeAgent
-        from dsec.layers.store import LayerStore
+        from dsec.node import open_edge
         from dsec.privileged.reaper import become_subreaper
-        from dsec.server import build_network, build_runtimes
 
         become_subreaper()  # sandbox inits come back to this process, whose reaper waits for them
         self.home.mkdir(parents=True, exist_ok=True)
         if self.config.shared_layers and not (self.home / "layers").exists():
             (self.home / "layers").symlink_to(self.config.shared_layers, target_is_directory=True)
-        paths = Paths(self.home)
-        paths.ensure()
-        store = LayerStore(paths.layers, paths.scratch)
-        network = build_network(paths) if self.config.network else None
-        tiers = list(self.config.tiers) if self.config.tiers else None
-        agent = EdgeAgent(
-            paths,
-            build_runtimes(paths, store, tiers, network),
-            store,
+        agent, _store = open_edge(
+            Paths(self.home),
+            tiers=list(self.config.tiers) if self.config.tiers else None,
+            network=self.config.network,
             node=self.node,
-            network=network,
         )
         await agent.start()  # reconciles with what still runs on this node
         self._started_at = time.time()
@@ -221,27 +169,27 @@ class EdgeActor:
         sandboxes, layers present, tiers, limits, and the requested totals the edge admits
         against."""
         agent = await self._agent()
-        live = [lv.row for lv in agent._live.values()]
+        usage = agent.usage()
         cpu_used, mem_used = self._cgroup_usage(agent)
         caps = await agent.capabilities()
         try:
-            layers = [x.digest for x in agent.layers.list_layers()]
+            layers = [x.digest for x in agent.layers.list_owned_layers(SYSTEM_OWNER)]
         except Exception:
             layers = []
         stat = os.statvfs(self.home)
         return {
             "node": self.node,
-            "cpus": agent._cpus,
-            "memory_bytes": agent._mem_mb << 20,
+            "cpus": usage.cpus,
+            "memory_bytes": usage.memory_mb << 20,
             "cpu_used": cpu_used,
             "memory_used": mem_used,
-            "sandboxes": len(live),
-            "requested_cpu": sum(float(r.request.get("cpu", 0)) for r in live),
-            "requested_memory": sum(int(r.request.get("memory_mb", 0)) << 20 for r in live),
+            "sandboxes": usage.sandboxes,
+            "requested_cpu": usage.requested_cpu,
+            "requested_memory": usage.requested_memory_mb << 20,
             "disk_free_bytes": stat.f_bavail * stat.f_frsize,
-            "max_sandboxes": agent.limits.max_sandboxes,
-            "cpu_overcommit": agent.limits.cpu_overcommit,
-            "memory_overcommit": agent.limits.memory_overcommit,
+            "max_sandboxes": usage.max_sandboxes,
+            "cpu_overcommit": usage.cpu_overcommit,
+            "memory_overcommit": usage.memory_overcommit,
             "tiers": [c.tier for c in caps if c.available],
             "layers": layers,
             "started_at": self._started_at,
@@ -251,10 +199,12 @@ class EdgeActor:
     def _cgroup_usage(self, agent: Any) -> tuple[float, int]:
         """(cores used since the previous report, bytes of memory used) of this edge's
         sandboxes, from the container runtime's cgroup v1 parent (0 when unknown)."""
+        from dsec.runtimes.container.runtime import ContainerRuntime
+
         rt = agent.runtimes.get("container")
-        parent = getattr(rt, "cgroup_parent", None)
-        if not parent:
+        if not isinstance(rt, ContainerRuntime) or not rt.cgroup_parent:
             return 0.0, 0
+        parent = rt.cgroup_parent
         root = Path("/sys/fs/cgroup")
         mem = cpu_ns = 0
         with contextlib.suppress(OSError, ValueError):
@@ -271,7 +221,8 @@ class EdgeActor:
     async def owned_sandboxes(self) -> list[tuple[str, Any]]:
         """(owner, SandboxInfo) of every live sandbox here (for the cluster registry)."""
         agent = await self._agent()
-        return [(lv.row.owner, agent._info(lv.row)) for lv in list(agent._live.values())]
+        owned: list[tuple[str, Any]] = agent.owned_sandboxes()
+        return owned
 
     # --- relayed calls ----------------------------------------------------------------
     async def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -27,25 +27,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from dsec import __version__
 from dsec.cluster.actor import BURST_LABEL, NodeConfig, ensure_edge_actor, node_name_of
+from dsec.cluster.relay import (
+    BURSTABLE_LABEL,
+    ClusterOptions,
+    ClusterPlacement,
+    NodeHandle,
+    NodeRelay,
+    _ray_await,
+    node_of_sandbox,
+)
+from dsec.edge.interface import SANDBOX_VERBS
 from dsec.errors import (
-    CapabilityNotSupported,
     DsecError,
     InvalidRequest,
     NodeLost,
-    NotFound,
     QuotaExceeded,
-    SandboxNotFound,
-    SandboxTimeout,
     ServiceUnavailable,
-    TierUnavailable,
     error_from_wire,
 )
 from dsec.models import (
@@ -58,7 +60,6 @@ from dsec.models import (
     ExecEvent,
     ExecRequest,
     ExecResult,
-    FileInfo,
     ForkRequest,
     ForkResult,
     ImageInfo,
@@ -69,9 +70,9 @@ from dsec.models import (
     MigrateResult,
     NodeInfo,
     SandboxInfo,
-    SnapshotRequest,
 )
-from dsec.placement import Node, NodeUsage, Overcommit, PlacementRequest, Placer
+from dsec.placement import Placer
+from dsec.version import __version__
 
 __all__ = [
     "BURSTABLE_LABEL",
@@ -84,96 +85,8 @@ __all__ = [
 
 log = logging.getLogger("dsec.cluster")
 
-_T = TypeVar("_T")
-
 PREFER_NODE_LABEL = "dsec.io/prefer-node"
 """Sandbox label naming a node to try first (soft: other nodes are tried if it rejects)."""
-
-BURSTABLE_LABEL = "dsec.io/burstable"
-"""Sandbox label ``"true"``: the sandbox may run on the burst pool (see docs/design/cluster.md)."""
-
-
-def node_of_sandbox(sandbox_id: str) -> str:
-    """The node part of ``sb-<node>-<random>`` (``SandboxNotFound`` if malformed)."""
-    parts = sandbox_id.split("-")
-    if len(parts) != 3 or parts[0] != "sb" or not parts[1]:
-        raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id)
-    return parts[1]
-
-
-@dataclass
-class ClusterOptions:
-    """Timings and placement settings of :class:`ClusterEdge` (seconds unless noted).
-
-    Attributes:
-        report_interval_s: how often node reports are collected and the placer refreshed.
-        probe_timeout_s: how long one report may take before it counts as a miss.
-        lost_after_s: an edge that has not answered for this long is declared lost.
-        start_grace_s: the same for a new edge that has not reported once yet (its first
-            call starts the ``EdgeAgent``, which reconciles its node).
-        call_timeout_s: default timeout of one call to an edge.
-        create_timeout_s: timeout of a creation (first use of an image builds it).
-        exec_margin_s: added to an exec's own timeout for the call's timeout.
-        placement_k: candidates sampled per decision (power of k).
-        overcommit: the placer's overcommit caps (each edge still applies its own).
-        burst_threshold: regular-pool utilisation (0..1) from which burstable sandboxes may
-            go to nodes labelled ``dsec.io/burst``.
-    """
-
-    report_interval_s: float = 2.0
-    start_grace_s: float = 180.0
-    probe_timeout_s: float = 5.0
-    lost_after_s: float = 15.0
-    call_timeout_s: float = 120.0
-    create_timeout_s: float = 600.0
-    exec_margin_s: float = 30.0
-    placement_k: int = 2
-    overcommit: Overcommit = field(default_factory=Overcommit)
-    burst_threshold: float = 0.8
-
-    @classmethod
-    def from_env(cls) -> ClusterOptions:
-        """Defaults overridden by ``DSEC_CLUSTER_REPORT_INTERVAL_S``,
-        ``DSEC_CLUSTER_LOST_AFTER_S``, ``DSEC_CLUSTER_CALL_TIMEOUT_S``,
-        ``DSEC_CLUSTER_PROBE_TIMEOUT_S``, ``DSEC_CLUSTER_K``, ``DSEC_CPU_OVERCOMMIT``,
-        ``DSEC_MEMORY_OVERCOMMIT`` and ``DSEC_BURST_THRESHOLD``."""
-        o = cls()
-        env = os.environ
-        try:
-            if "DSEC_CLUSTER_REPORT_INTERVAL_S" in env:
-                o.report_interval_s = float(env["DSEC_CLUSTER_REPORT_INTERVAL_S"])
-            if "DSEC_CLUSTER_LOST_AFTER_S" in env:
-                o.lost_after_s = float(env["DSEC_CLUSTER_LOST_AFTER_S"])
-            if "DSEC_CLUSTER_CALL_TIMEOUT_S" in env:
-                o.call_timeout_s = float(env["DSEC_CLUSTER_CALL_TIMEOUT_S"])
-            if "DSEC_CLUSTER_PROBE_TIMEOUT_S" in env:
-                o.probe_timeout_s = float(env["DSEC_CLUSTER_PROBE_TIMEOUT_S"])
-            if "DSEC_CLUSTER_K" in env:
-                o.placement_k = int(env["DSEC_CLUSTER_K"])
-            if "DSEC_BURST_THRESHOLD" in env:
-                o.burst_threshold = float(env["DSEC_BURST_THRESHOLD"])
-            o.overcommit = Overcommit(
-                cpu=float(env.get("DSEC_CPU_OVERCOMMIT", o.overcommit.cpu)),
-                memory=float(env.get("DSEC_MEMORY_OVERCOMMIT", o.overcommit.memory)),
-            )
-        except ValueError as e:
-            raise InvalidRequest(f"invalid cluster setting in the environment: {e}") from e
-        return o
-
-
-@dataclass
-class _NodeHandle:
-    """One node's edge actor as this apiserver replica sees it."""
-
-    name: str
-    ray_node_id: str
-    actor: Any
-    burst: bool = False
-    state: str = "alive"  # alive | lost
-    last_ok: float = field(default_factory=time.monotonic)
-    report: dict[str, Any] | None = None
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
-    lost_reason: str = ""
 
 
 class ClusterEdge:
@@ -196,11 +109,21 @@ class ClusterEdge:
         self.state = state
         self.config = config
         self.options = options or ClusterOptions.from_env()
-        self.nodes: dict[str, _NodeHandle] = {}
-        self.placer = Placer([], k=self.options.placement_k, overcommit=self.options.overcommit)
+        self.relay = NodeRelay(state, self.options)
+        self.placement = ClusterPlacement(self.options)
         self.rejections_retried = 0
         self._monitor: asyncio.Task[None] | None = None
         self._closing = False
+
+    @property
+    def nodes(self) -> dict[str, NodeHandle]:
+        """The nodes this replica knows, by name (live and lost)."""
+        return self.relay.nodes
+
+    @property
+    def placer(self) -> Placer:
+        """The placer's current view of the live nodes."""
+        return self.placement.placer
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, *, wait_s: float = 120.0) -> None:
@@ -246,8 +169,8 @@ class ClusterEdge:
             except Exception:
                 log.exception("cluster refresh failed")
 
-    def _alive(self) -> list[_NodeHandle]:
-        return [h for h in self.nodes.values() if h.state == "alive"]
+    def _alive(self) -> list[NodeHandle]:
+        return self.relay.alive()
 
     # ------------------------------------------------------------------ membership and reports
     async def refresh(self) -> None:
@@ -269,7 +192,7 @@ class ClusterEdge:
                     await self._mark_lost(h, "node lost (replaced by a new Ray node)")
                 labels = rn.get("Labels") or {}
                 actor = await asyncio.to_thread(ensure_edge_actor, rn, self.config)
-                self.nodes[name] = _NodeHandle(
+                self.nodes[name] = NodeHandle(
                     name=name,
                     ray_node_id=rn["NodeID"],
                     actor=actor,
@@ -279,9 +202,9 @@ class ClusterEdge:
             if h.name not in seen:  # gone from Ray's table altogether
                 await self._mark_lost(h, "node lost (left the Ray cluster)")
         await asyncio.gather(*(self._collect(h) for h in self._alive()))
-        self._rebuild_placer()
+        self.placement.rebuild(self._alive())
 
-    async def _collect(self, h: _NodeHandle) -> None:
+    async def _collect(self, h: NodeHandle) -> None:
         try:
             report = await asyncio.wait_for(
                 _ray_await(h.actor.report.remote()), self.options.probe_timeout_s
@@ -316,7 +239,7 @@ class ClusterEdge:
             except Exception as e:
                 log.warning("registry sync of node %s failed: %s", h.name, e)
 
-    async def _mark_lost(self, h: _NodeHandle, reason: str) -> None:
+    async def _mark_lost(self, h: NodeHandle, reason: str) -> None:
         import ray
 
         if h.state == "lost":
@@ -334,229 +257,18 @@ class ClusterEdge:
         with contextlib.suppress(Exception):
             await asyncio.to_thread(ray.kill, h.actor, no_restart=True)
 
-    def _rebuild_placer(self) -> None:
-        """A fresh placer view from the latest reports: actual usage observed, and the
-        requested totals each edge admits against committed as one reservation per node."""
-        placer = Placer(
-            [],
-            k=self.options.placement_k,
-            overcommit=self.options.overcommit,
-            burst_threshold=self.options.burst_threshold,
-        )
-        for h in self._alive():
-            r = h.report
-            if r is None or not r.get("tiers"):
-                continue
-            live = int(r["sandboxes"])
-            placer.add_node(
-                Node(
-                    node_id=h.name,
-                    cpu_cores=float(r["cpus"]),
-                    memory_bytes=int(r["memory_bytes"]),
-                    tiers=frozenset(r["tiers"]),
-                    disk_free_bytes=int(r["disk_free_bytes"]),
-                    # the committed totals below count as one sandbox
-                    max_sandboxes=max(1, int(r["max_sandboxes"]) - live + (1 if live else 0)),
-                    burst=h.burst,
-                    layers=frozenset(r.get("layers", ())),
-                )
-            )
-            placer.observe(
-                h.name,
-                NodeUsage(
-                    cpu_used=float(r["cpu_used"]),
-                    memory_used=int(r["memory_used"]),
-                    sandboxes=live,
-                    disk_free_bytes=int(r["disk_free_bytes"]),
-                ),
-            )
-            if live and r["requested_cpu"] > 0:
-                committed = PlacementRequest(
-                    tier=sorted(r["tiers"])[0],
-                    cpu=float(r["requested_cpu"]),
-                    memory_bytes=max(1, int(r["requested_memory"])),
-                )
-                with contextlib.suppress(QuotaExceeded):
-                    placer.commit(placer.begin(h.name, committed))
-        self.placer = placer
-
     # ------------------------------------------------------------------ calls
-    def _handle(self, node: str, sandbox_id: str | None = None) -> _NodeHandle:
-        h = self.nodes.get(node)
-        if h is not None and h.state == "alive":
-            return h
-        if h is not None:
-            raise NodeLost(
-                f"sandbox {sandbox_id} was on node {node}, which was lost ({h.lost_reason})"
-                if sandbox_id
-                else f"node {node} was lost ({h.lost_reason})",
-                sandbox_id=sandbox_id,
-                node=node,
-            )
-        if self.state is not None:
-            known = self.state.nodes().get(node)
-            if known is not None and known["state"] == "lost":
-                raise NodeLost(
-                    f"sandbox {sandbox_id} was on node {node}, which was lost",
-                    sandbox_id=sandbox_id,
-                    node=node,
-                )
-        if sandbox_id:
-            raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id)
-        raise NotFound(f"unknown node {node!r}", node=node)
-
-    async def _await(self, h: _NodeHandle, ref: Any, timeout: float, what: str) -> Any:
-        """Await an actor call, racing the node's lost signal; typed errors only."""
-        from ray.exceptions import RayActorError, RayError
-
-        call = asyncio.ensure_future(_ray_await(ref))
-        lost = asyncio.ensure_future(h.lost.wait())
-        try:
-            done, _ = await asyncio.wait(
-                {call, lost}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            lost.cancel()
-        if call in done:
-            try:
-                return call.result()
-            except RayActorError as e:
-                if h.state == "lost":
-                    raise NodeLost(f"node {h.name} was lost during {what}", node=h.name) from None
-                raise ServiceUnavailable(
-                    f"the edge of node {h.name} is unavailable (restarting?): {e}"[:500],
-                    node=h.name,
-                ) from None
-            except RayError as e:
-                raise ServiceUnavailable(
-                    f"call to node {h.name} failed: {e}"[:500], node=h.name
-                ) from None
-        call.cancel()
-        with contextlib.suppress(Exception):
-            import ray
-
-            ray.cancel(ref)
-        if lost in done:
-            raise NodeLost(f"node {h.name} was lost during {what}", node=h.name)
-        raise SandboxTimeout(
-            f"node {h.name} did not answer {what} within {timeout:.0f} s", node=h.name
-        )
-
-    async def _call(
-        self,
-        node: str,
-        method: str,
-        *args: Any,
-        timeout: float | None = None,
-        sandbox_id: str | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Relay ``EdgeAgent.<method>(*args, **kwargs)`` to ``node``'s edge actor; its
-        ``("error", ...)`` answer is raised as the typed error."""
-        h = self._handle(node, sandbox_id)
-        return await self._answer(h, h.actor.call.remote(method, args, kwargs), timeout, method)
-
-    async def _answer(self, h: Any, ref: Any, timeout: float | None, what: str) -> Any:
-        status, value = await self._await(h, ref, timeout or self.options.call_timeout_s, what)
-        if status == "error":
-            raise error_from_wire(0, value)
-        return value
-
-    async def _actor_call(
-        self,
-        node: str,
-        method: str,
-        *args: Any,
-        timeout: float | None = None,
-        sandbox_id: str | None = None,
-    ) -> Any:
-        """Call the edge actor's own method ``method`` on ``node`` (not a relayed
-        ``EdgeAgent`` call: e.g. the memory migration steps of :mod:`dsec.cluster.migrate`);
-        its ``("error", ...)`` answer is raised as the typed error."""
-        h = self._handle(node, sandbox_id)
-        return await self._answer(h, getattr(h.actor, method).remote(*args), timeout, method)
-
-    async def _on_sandbox(
-        self, sandbox_id: str, method: str, *args: Any, timeout: float | None = None, **kw: Any
-    ) -> Any:
-        node = node_of_sandbox(sandbox_id)
-        try:
-            return await self._call(
-                node, method, sandbox_id, *args, timeout=timeout, sandbox_id=sandbox_id, **kw
-            )
-        except NodeLost as e:
-            e.details.setdefault("sandbox_id", sandbox_id)
-            raise
-
     # ------------------------------------------------------------------ placement
-    def _placement_request(self, req: CreateSandboxRequest) -> PlacementRequest:
-        return PlacementRequest(
-            tier=req.tier,
-            cpu=req.cpu,
-            memory_bytes=req.memory_mb << 20,
-            disk_bytes=req.disk_mb << 20,
-            layers=tuple(x for x in req.layers if x.startswith("sha256:")),
-            burstable=req.labels.get(BURSTABLE_LABEL, "").lower() == "true",
-        )
-
-    def candidates(
-        self,
-        preq: PlacementRequest,
-        *,
-        prefer: str | None = None,
-        exclude: frozenset[str] | set[str] = frozenset(),
-    ) -> list[str]:
-        """Nodes to try in order: a preferred node, the placer's choice and fallbacks, then
-        every other live node serving the tier, least loaded first.
-
-        Raises:
-            TierUnavailable: no live node serves the tier.
-            QuotaExceeded: the placer sees every such node at its caps.
-        """
-        placer = self.placer
-        serving = [
-            load
-            for load in placer.nodes
-            if not load.dead and preq.tier in load.tiers and load.node_id not in exclude
-        ]
-        if not serving:
-            offered = sorted({t for load in placer.nodes if not load.dead for t in load.tiers})
-            raise TierUnavailable(
-                f"no node of this cluster offers the {preq.tier} tier"
-                + (" (besides the excluded ones)" if exclude else ""),
-                tier=preq.tier,
-                available=offered,
-            )
-        order: list[str] = []
-        if prefer and any(load.node_id == prefer for load in serving):
-            order.append(prefer)
-        try:
-            decision = placer.place(preq)
-            order += [decision.node_id, *decision.fallbacks]
-        except QuotaExceeded:
-            if not order:
-                raise
-        use_burst = preq.burstable and placer.regular_utilisation >= placer.burst_threshold
-        rest = sorted(
-            (x for x in serving if use_burst or not x.burst), key=lambda x: x.load_score()
-        )
-        order += [x.node_id for x in rest]
-        out: list[str] = []
-        for n in order:
-            if n not in exclude and n not in out:
-                out.append(n)
-        return out
-
     # ------------------------------------------------------------------ sandboxes
     async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
         if req.tier not in TIERS:
             raise InvalidRequest(f"unknown tier {req.tier!r}")
-        preq = self._placement_request(req)
-        candidates = self.candidates(preq, prefer=req.labels.get(PREFER_NODE_LABEL))
+        preq = self.placement.request(req)
+        candidates = self.placement.candidates(preq, prefer=req.labels.get(PREFER_NODE_LABEL))
 
         async def attempt(node: str) -> tuple[SandboxInfo, None]:
             try:
-                info: SandboxInfo = await self._call(
+                info: SandboxInfo = await self.relay.call(
                     node, "create_sandbox", req, owner, timeout=self.options.create_timeout_s
                 )
             except (QuotaExceeded, NodeLost, ServiceUnavailable) as e:
@@ -574,59 +286,15 @@ class ClusterEdge:
                 )
             return last
 
-        info, _ = await self._on_first_admitting(
+        info, _ = await self.placement.first_admitting(
             candidates,
             preq,
-            owner,
             attempt,
             refusals=(QuotaExceeded, NodeLost, ServiceUnavailable),
             none_admits=none_admits,
+            admitted=lambda info: self._record(owner, info),
         )
         return info
-
-    async def _on_first_admitting(
-        self,
-        candidates: list[str],
-        preq: PlacementRequest,
-        owner: str,
-        attempt: Callable[[str], Awaitable[tuple[SandboxInfo, _T]]],
-        *,
-        refusals: tuple[type[DsecError], ...] = (QuotaExceeded,),
-        explicit: bool = False,
-        none_admits: Callable[[DsecError | None], DsecError],
-    ) -> tuple[SandboxInfo, _T]:
-        """Run ``attempt(node)`` on the candidates in order, each under a placement
-        reservation for ``preq``, until one succeeds: the reservation is committed and the
-        new sandbox recorded. A refusal (``refusals`` from the node, or the placer's own)
-        moves on to the next candidate, unless the target was ``explicit`` (then it is
-        raised); when none admits, ``none_admits(last refusal)`` is raised. Used by creation
-        and by both migration methods (:mod:`dsec.cluster.migrate`)."""
-        last: DsecError | None = None
-        for node in candidates:
-            placer = self.placer
-            try:
-                reservation = placer.begin(node, preq)
-            except (QuotaExceeded, NotFound) as e:
-                if explicit:
-                    raise
-                last = e
-                continue
-            try:
-                info, extra = await attempt(node)
-            except refusals as e:
-                placer.abort(reservation)
-                if explicit:
-                    raise
-                last = e
-                continue
-            except BaseException:
-                placer.abort(reservation)
-                raise
-            with contextlib.suppress(DsecError):
-                placer.commit(reservation)
-            await self._record(owner, info)
-            return info, extra
-        raise none_admits(last)
 
     async def create_sandboxes(
         self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
@@ -638,8 +306,8 @@ class ClusterEdge:
         made and raises."""
         if n < 1:
             raise InvalidRequest("a batch needs n >= 1", n=n)
-        preq = self._placement_request(req)
-        self.candidates(preq)  # TierUnavailable before anything else
+        preq = self.placement.request(req)
+        self.placement.candidates(preq)  # TierUnavailable before anything else
         placer = self.placer
         batch = placer.place_many(n, preq)
         if all_or_nothing and batch.failed:
@@ -660,7 +328,7 @@ class ClusterEdge:
 
         async def on_node(node: str, items: list[tuple[int, Any]]) -> None:
             try:
-                res: BatchCreateResult = await self._call(
+                res: BatchCreateResult = await self.relay.call(
                     node,
                     "create_sandboxes",
                     req,
@@ -727,10 +395,6 @@ class ClusterEdge:
             except Exception as e:
                 log.warning("registry write of %s failed: %s", info.id, e)
 
-    async def get_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "get_sandbox", owner)
-        return info
-
     async def list_sandboxes(
         self,
         owner: str,
@@ -740,9 +404,9 @@ class ClusterEdge:
         job: str | None = None,
         include_stopped: bool = False,
     ) -> list[SandboxInfo]:
-        async def one(h: _NodeHandle) -> list[SandboxInfo] | None:
+        async def one(h: NodeHandle) -> list[SandboxInfo] | None:
             try:
-                out: list[SandboxInfo] = await self._call(
+                out: list[SandboxInfo] = await self.relay.call(
                     h.name,
                     "list_sandboxes",
                     owner,
@@ -782,12 +446,8 @@ class ClusterEdge:
         return out
 
     async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "kill_sandbox", owner)
+        info: SandboxInfo = await self.relay.on_sandbox(sandbox_id, "kill_sandbox", owner)
         await self._record(owner, info)
-        return info
-
-    async def set_ttl(self, sandbox_id: str, owner: str, ttl_s: float) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "set_ttl", owner, ttl_s)
         return info
 
     # ------------------------------------------------------------------ exec
@@ -800,7 +460,7 @@ class ClusterEdge:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> ExecResult:
-        res: ExecResult = await self._on_sandbox(
+        res: ExecResult = await self.relay.on_sandbox(
             sandbox_id,
             "exec",
             owner,
@@ -827,155 +487,28 @@ class ClusterEdge:
         """Events relayed from the edge's Ray streaming generator as they are produced; a
         lost node ends the stream with an ``error`` event (``NodeLost``)."""
         node = node_of_sandbox(sandbox_id)
-        h = self._handle(node, sandbox_id)
+        h = self.relay.handle(node, sandbox_id)
         gen = h.actor.exec_stream.remote(sandbox_id, owner, req, seq, idem_key)
         step_timeout = self._exec_timeout(req)
         while True:
             try:
-                ref = await self._await(h, gen.__anext__(), step_timeout, "exec stream")
+                ref = await self.relay.await_ref(h, gen.__anext__(), step_timeout, "exec stream")
             except StopAsyncIteration:
                 return
             except DsecError as e:
                 e.details.setdefault("sandbox_id", sandbox_id)
                 yield ExecEvent(type="error", error=e.to_wire()["error"])
                 return
-            ev: ExecEvent = await self._await(h, ref, step_timeout, "exec stream")
+            ev: ExecEvent = await self.relay.await_ref(h, ref, step_timeout, "exec stream")
             yield ev
             if ev.type in ("exit", "error"):
                 return
 
     # ------------------------------------------------------------------ files
-    async def read_file(self, sandbox_id: str, owner: str, path: str) -> bytes:
-        data: bytes = await self._on_sandbox(sandbox_id, "read_file", owner, path)
-        return data
-
-    async def write_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        data: bytes,
-        mode: int = 0o644,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> FileInfo:
-        info: FileInfo = await self._on_sandbox(
-            sandbox_id, "write_file", owner, path, data, mode, seq=seq, idem_key=idem_key
-        )
-        return info
-
-    async def list_files(
-        self, sandbox_id: str, owner: str, path: str, depth: int = 1
-    ) -> list[FileInfo]:
-        out: list[FileInfo] = await self._on_sandbox(sandbox_id, "list_files", owner, path, depth)
-        return out
-
-    async def stat_file(self, sandbox_id: str, owner: str, path: str) -> FileInfo:
-        info: FileInfo = await self._on_sandbox(sandbox_id, "stat_file", owner, path)
-        return info
-
-    async def remove_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        recursive: bool = False,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> None:
-        await self._on_sandbox(
-            sandbox_id, "remove_file", owner, path, recursive, seq=seq, idem_key=idem_key
-        )
-
-    async def make_dir(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> FileInfo:
-        info: FileInfo = await self._on_sandbox(
-            sandbox_id, "make_dir", owner, path, seq=seq, idem_key=idem_key
-        )
-        return info
-
-    async def rename_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        src: str,
-        dst: str,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> FileInfo:
-        info: FileInfo = await self._on_sandbox(
-            sandbox_id, "rename_file", owner, src, dst, seq=seq, idem_key=idem_key
-        )
-        return info
-
-    async def upload_tar(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        data: bytes,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> int:
-        n: int = await self._on_sandbox(
-            sandbox_id, "upload_tar", owner, path, data, seq=seq, idem_key=idem_key
-        )
-        return n
-
-    async def download_tar(self, sandbox_id: str, owner: str, path: str) -> bytes:
-        data: bytes = await self._on_sandbox(sandbox_id, "download_tar", owner, path)
-        return data
-
     # ------------------------------------------------------------------ lifecycle verbs
-    async def pause_sandbox(
-        self, sandbox_id: str, owner: str, *args: Any, **kw: Any
-    ) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "pause_sandbox", owner, *args, **kw)
-        return info
-
-    async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
-        """``freeze`` or ``suspend`` on the sandbox's node (see ``PauseModes``)."""
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "pause_sandbox_mode", owner, mode)
-        return info
-
-    async def resume_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "resume_sandbox", owner)
-        return info
-
-    async def snapshot_sandbox(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: SnapshotRequest,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
-    ) -> LayerInfo:
-        layer: LayerInfo = await self._on_sandbox(
-            sandbox_id,
-            "snapshot_sandbox",
-            owner,
-            req,
-            seq=seq,
-            idem_key=idem_key,
-            timeout=self.options.create_timeout_s,
-        )
-        return layer
-
     async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult:
         """Forks stay on the source's node (the snapshot layer is there)."""
-        res: ForkResult = await self._on_sandbox(
+        res: ForkResult = await self.relay.on_sandbox(
             sandbox_id, "fork_sandbox", owner, req, timeout=self.options.create_timeout_s
         )
         for info in res.sandboxes:
@@ -987,9 +520,11 @@ class ClusterEdge:
         a ``NodeLost`` error outcome."""
         alive = self._alive()
 
-        async def one(h: _NodeHandle) -> JobActionResult | DsecError:
+        async def one(h: NodeHandle) -> JobActionResult | DsecError:
             try:
-                res: JobActionResult = await self._call(h.name, "job_action", owner, job, action)
+                res: JobActionResult = await self.relay.call(
+                    h.name, "job_action", owner, job, action
+                )
                 return res
             except DsecError as e:
                 return e
@@ -1028,45 +563,8 @@ class ClusterEdge:
                     )
         return JobActionResult(job=job, action=action, outcomes=outcomes)
 
-    async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
-        text: str = await self._on_sandbox(sandbox_id, "export_trajectory", owner)
-        return text
-
     # ------------------------------------------------------------------ network
-    async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo:
-        info: SandboxInfo = await self._on_sandbox(sandbox_id, "update_network", owner, policy)
-        return info
-
-    async def network_stats(self, sandbox_id: str, owner: str) -> dict[str, Any]:
-        out: dict[str, Any] = await self._on_sandbox(sandbox_id, "network_stats", owner)
-        return out
-
     # ------------------------------------------------------------------ display (vm tier)
-    async def display_screenshot(self, sandbox_id: str, owner: str) -> bytes:
-        data: bytes = await self._on_sandbox(sandbox_id, "display_screenshot", owner)
-        return data
-
-    async def display_click(
-        self, sandbox_id: str, owner: str, x: int, y: int, button: str = "left"
-    ) -> None:
-        await self._on_sandbox(sandbox_id, "display_click", owner, x, y, button)
-
-    async def display_type(self, sandbox_id: str, owner: str, text: str) -> None:
-        await self._on_sandbox(sandbox_id, "display_type", owner, text)
-
-    async def display_key(self, sandbox_id: str, owner: str, name: str) -> None:
-        await self._on_sandbox(sandbox_id, "display_key", owner, name)
-
-    async def start_process(self, sandbox_id: str, owner: str, req: ExecRequest, **kw: Any) -> Any:
-        """Interactive processes (E2B stdin/pty) hold a live object on the edge that is not
-        relayed across nodes yet: ``CapabilityNotSupported`` in cluster mode."""
-        await self.get_sandbox(sandbox_id, owner)
-        raise CapabilityNotSupported(
-            "interactive processes (stdin after start, pty) are not available in cluster "
-            "mode; use exec or exec/stream",
-            sandbox_id=sandbox_id,
-        )
-
     # ------------------------------------------------------------------ migration
     async def migrate_sandbox(
         self, sandbox_id: str, owner: str, node: str | None = None
@@ -1075,7 +573,9 @@ class ClusterEdge:
         :func:`dsec.cluster.migrate.migrate_sandbox`."""
         from dsec.cluster.migrate import migrate_sandbox
 
-        return await migrate_sandbox(self, sandbox_id, owner, node)
+        return await migrate_sandbox(
+            self.relay, self.placement, sandbox_id, owner, node, record=self._record
+        )
 
     # ------------------------------------------------------------------ images
     def _any_node(self) -> str:
@@ -1087,11 +587,11 @@ class ClusterEdge:
         return alive[0]
 
     async def list_images(self, owner: str) -> list[ImageInfo]:
-        out: list[ImageInfo] = await self._call(self._any_node(), "list_images", owner)
+        out: list[ImageInfo] = await self.relay.call(self._any_node(), "list_images", owner)
         return out
 
     async def get_image(self, name: str, owner: str) -> ImageInfo:
-        out: ImageInfo = await self._call(self._any_node(), "get_image", name, owner)
+        out: ImageInfo = await self.relay.call(self._any_node(), "get_image", name, owner)
         return out
 
     async def delete_image(self, name: str, owner: str) -> None:
@@ -1104,7 +604,7 @@ class ClusterEdge:
         return out
 
     async def list_layers(self, owner: str) -> list[LayerInfo]:
-        out: list[LayerInfo] = await self._call(self._any_node(), "list_layers", owner)
+        out: list[LayerInfo] = await self.relay.call(self._any_node(), "list_layers", owner)
         return out
 
     async def _on_every_node(self, method: str, *args: Any) -> Any:
@@ -1112,7 +612,10 @@ class ClusterEdge:
         if not names:
             raise ServiceUnavailable("no live node in the cluster")
         results = await asyncio.gather(
-            *(self._call(n, method, *args, timeout=self.options.create_timeout_s) for n in names),
+            *(
+                self.relay.call(n, method, *args, timeout=self.options.create_timeout_s)
+                for n in names
+            ),
             return_exceptions=True,
         )
         for r in results:
@@ -1132,7 +635,7 @@ class ClusterEdge:
 
     async def push_image(self, name: str, target: str, owner: str) -> Any:
         """Pushed from one node's layer store (any node holding the image)."""
-        return await self._call(
+        return await self.relay.call(
             self._any_node(),
             "push_image",
             name,
@@ -1150,7 +653,8 @@ class ClusterEdge:
     async def capabilities(self) -> list[Capabilities]:
         """Per tier: the capabilities of a node offering it (unavailable if none does)."""
         answers = await asyncio.gather(
-            *(self._call(h.name, "capabilities") for h in self._alive()), return_exceptions=True
+            *(self.relay.call(h.name, "capabilities") for h in self._alive()),
+            return_exceptions=True,
         )
         best: dict[str, Capabilities] = {}
         for a in answers:
@@ -1218,6 +722,24 @@ class ClusterEdge:
         }
 
 
-async def _ray_await(ref: Any) -> Any:
-    """Await a Ray ObjectRef (or a streaming generator step) from asyncio."""
-    return await ref
+_NODE_SIDE_VERBS = frozenset({"export_sandbox", "export_memory", "start_process"})
+"""Sandbox verbs a cluster does not relay: migrations call the edge actors' own steps, and an
+interactive process is a live object of its node (E2B falls back to exec streams)."""
+_CREATE_TIMEOUT_VERBS = frozenset({"snapshot_sandbox"})
+"""Relayed verbs that may take as long as a creation (a snapshot packs a whole layer)."""
+
+
+def _forwarder(name: str) -> Callable[..., Awaitable[Any]]:
+    async def forward(self: ClusterEdge, sandbox_id: str, *args: Any, **kwargs: Any) -> Any:
+        timeout = self.options.create_timeout_s if name in _CREATE_TIMEOUT_VERBS else None
+        return await self.relay.on_sandbox(sandbox_id, name, *args, timeout=timeout, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"``{name}`` on the node the sandbox id names (see ``EdgeAPI``)."
+    return forward
+
+
+# Every sandbox verb of the contract that ClusterEdge does not implement itself is relayed
+# to the sandbox's node: adding a verb to dsec.edge.interface adds it here.
+for _name in sorted(SANDBOX_VERBS - _NODE_SIDE_VERBS - set(vars(ClusterEdge))):
+    setattr(ClusterEdge, _name, _forwarder(_name))

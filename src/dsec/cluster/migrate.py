@@ -68,7 +68,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from dsec.errors import (
@@ -80,12 +80,14 @@ from dsec.errors import (
     QuotaExceeded,
     SandboxStopped,
     TierUnavailable,
-    error_from_wire,
 )
 from dsec.models import CreateSandboxRequest, LayerInfo, MigrateResult, SandboxInfo
 
 if TYPE_CHECKING:
-    from dsec.cluster.edge import ClusterEdge
+    from dsec.cluster.relay import ClusterPlacement, NodeRelay
+
+Record = Callable[[str, SandboxInfo], Awaitable[None]]
+"""Writes an (owner, sandbox) to the cluster's registry."""
 
 __all__ = ["CHUNK_BYTES", "WINDOW", "migrate_sandbox"]
 
@@ -98,27 +100,31 @@ WINDOW = 4
 
 
 def _targets(
-    edge: ClusterEdge, info: SandboxInfo, req: CreateSandboxRequest, target: str | None
+    relay: NodeRelay,
+    placement: ClusterPlacement,
+    info: SandboxInfo,
+    req: CreateSandboxRequest,
+    target: str | None,
 ) -> list[str]:
     """Target nodes to try, in order (checked before anything is created)."""
     source = info.node
-    preq = edge._placement_request(req)
+    preq = placement.request(req)
     if target is None:
         try:
-            return edge.candidates(preq, exclude={source})
+            return placement.candidates(preq, exclude={source})
         except TierUnavailable as e:
             raise QuotaExceeded(
                 f"no other node can take sandbox {info.id}: {e.message}", sandbox_id=info.id
             ) from None
     if target == source:
         raise InvalidRequest(f"sandbox {info.id} is already on node {target}", node=target)
-    h = edge.nodes.get(target)
+    h = relay.nodes.get(target)
     if h is None:
         raise NotFound(f"unknown node {target!r}", node=target)
     if h.state != "alive":
         raise NotFound(f"node {target!r} was lost ({h.lost_reason})", node=target)
     try:
-        load = edge.placer.node(target)
+        load = placement.placer.node(target)
     except NotFound:
         raise TierUnavailable(
             f"node {target} has not reported yet or serves no tier", node=target
@@ -127,15 +133,23 @@ def _targets(
         raise TierUnavailable(
             f"node {target} does not offer the {req.tier} tier", node=target, tier=req.tier
         )
-    if not edge.placer.admits(target, preq):
+    if not placement.placer.admits(target, preq):
         raise QuotaExceeded(f"node {target} is full for this sandbox", node=target)
     return [target]
 
 
 async def migrate_sandbox(
-    edge: ClusterEdge, sandbox_id: str, owner: str, target: str | None
+    relay: NodeRelay,
+    placement: ClusterPlacement,
+    sandbox_id: str,
+    owner: str,
+    target: str | None,
+    *,
+    record: Record,
 ) -> MigrateResult:
     """Move ``sandbox_id`` to ``target`` (or a placer-chosen node); see the module docstring.
+    ``relay`` reaches the nodes, ``placement`` picks and reserves the target, ``record``
+    writes the new and the killed sandbox to the registry.
 
     Raises:
         SandboxNotFound / NodeLost: no such sandbox for ``owner``, or its node was lost.
@@ -150,7 +164,7 @@ async def migrate_sandbox(
         SandboxError: (memory_snapshot) the target failed to load the capture.
     """
     t0 = time.perf_counter()
-    info = await edge.get_sandbox(sandbox_id, owner)
+    info: SandboxInfo = await relay.on_sandbox(sandbox_id, "get_sandbox", owner)
     if info.state not in ("running", "paused"):
         raise SandboxStopped(f"sandbox {sandbox_id} is {info.state}", sandbox_id=sandbox_id)
     source = info.node
@@ -161,10 +175,10 @@ async def migrate_sandbox(
         memory_mb=info.memory_mb or 512,
         disk_mb=info.disk_mb or 1024,
     )
-    candidates = _targets(edge, info, base, target)
+    candidates = _targets(relay, placement, info, base, target)
     method: Literal["pack_diff", "memory_snapshot"] = "pack_diff"
     if info.tier in ("microvm", "vm"):
-        caps = {c.tier: c for c in await edge._call(source, "capabilities")}
+        caps = {c.tier: c for c in await relay.call(source, "capabilities")}
         tier_caps = caps.get(info.tier)
         if tier_caps is not None and tier_caps.memory_fork:
             method = "memory_snapshot"
@@ -175,24 +189,26 @@ async def migrate_sandbox(
                 tier=info.tier,
             )
     mig_id = None
-    if edge.state is not None:
+    if relay.state is not None:
         mig_id = await asyncio.to_thread(
-            edge.state.begin_migration, owner, sandbox_id, source, method
+            relay.state.begin_migration, owner, sandbox_id, source, method
         )
     explicit = target is not None
     state_bytes = 0
     try:
         if method == "memory_snapshot":
             new, moved_bytes, state_bytes = await _move_memory(
-                edge, info, owner, candidates, explicit=explicit
+                relay, placement, record, info, owner, candidates, explicit=explicit
             )
         else:
-            new, moved_bytes = await _move(edge, info, owner, candidates, explicit=explicit)
+            new, moved_bytes = await _move(
+                relay, placement, record, info, owner, candidates, explicit=explicit
+            )
     except BaseException as e:
         if mig_id is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(
-                    edge.state.end_migration,
+                    relay.state.end_migration,
                     mig_id,
                     to_id=None,
                     to_node=None,
@@ -201,17 +217,18 @@ async def migrate_sandbox(
         raise
     # the target is up: now the source goes
     try:
-        await edge.kill_sandbox(sandbox_id, owner)
-        if edge.state is not None:
+        killed: SandboxInfo = await relay.on_sandbox(sandbox_id, "kill_sandbox", owner)
+        await record(owner, killed)
+        if relay.state is not None:
             await asyncio.to_thread(
-                edge.state.mark_stopped, sandbox_id, f"migrated to {new.id} on node {new.node}"
+                relay.state.mark_stopped, sandbox_id, f"migrated to {new.id} on node {new.node}"
             )
     except DsecError as e:  # the copy runs; the old one is reported, not hidden
         log.error("migration of %s: source kill failed: %s", sandbox_id, e.message)
     if mig_id is not None:
         with contextlib.suppress(Exception):
             await asyncio.to_thread(
-                edge.state.end_migration, mig_id, to_id=new.id, to_node=new.node
+                relay.state.end_migration, mig_id, to_id=new.id, to_node=new.node
             )
     return MigrateResult(
         sandbox=new,
@@ -236,93 +253,99 @@ def _none_admits(info: SandboxInfo) -> Callable[[DsecError | None], DsecError]:
 
 
 async def _move(
-    edge: ClusterEdge, info: SandboxInfo, owner: str, candidates: list[str], *, explicit: bool
+    relay: NodeRelay,
+    placement: ClusterPlacement,
+    record: Record,
+    info: SandboxInfo,
+    owner: str,
+    candidates: list[str],
+    *,
+    explicit: bool,
 ) -> tuple[SandboxInfo, int]:
     source = info.node
-    export: dict[str, Any] = await edge._call(
+    export: dict[str, Any] = await relay.call(
         source,
         "export_sandbox",
         info.id,
         owner,
-        timeout=edge.options.create_timeout_s,
+        timeout=relay.options.create_timeout_s,
         sandbox_id=info.id,
     )
     diff: LayerInfo = export["diff_layer"]
     digests = [*export["image_layers"], diff.digest]
 
     async def attempt(node: str) -> tuple[SandboxInfo, int]:
-        moved = await _move_layers(edge, source, node, digests)
-        new: SandboxInfo = await edge._call(
+        moved = await _move_layers(relay, source, node, digests)
+        new: SandboxInfo = await relay.call(
             node,
             "import_sandbox",
             export["request"],
             owner,
             export["image_layers"],
             diff.digest,
-            timeout=edge.options.create_timeout_s,
+            timeout=relay.options.create_timeout_s,
         )
         return new, moved
 
     req = CreateSandboxRequest.model_validate(export["request"])
-    return await edge._on_first_admitting(
+    return await placement.first_admitting(
         candidates,
-        edge._placement_request(req),
-        owner,
+        placement.request(req),
         attempt,
         explicit=explicit,
         none_admits=_none_admits(info),
+        admitted=lambda new: record(owner, new),
     )
 
 
-async def _move_layers(edge: ClusterEdge, source: str, target: str, digests: list[str]) -> int:
+async def _move_layers(relay: NodeRelay, source: str, target: str, digests: list[str]) -> int:
     """Copy the layers ``target`` lacks from ``source``, node to node; returns bytes moved."""
-    src, dst = edge._handle(source), edge._handle(target)
-    timeout = edge.options.create_timeout_s
-    status, missing = await edge._await(
-        dst, dst.actor.missing_layers.remote(digests), timeout, "missing_layers"
-    )
-    if status == "error":
-        raise error_from_wire(0, missing)
+    timeout = relay.options.create_timeout_s
+    missing: list[str] = await relay.actor_call(target, "missing_layers", digests, timeout=timeout)
     moved = 0
-    for digest in missing:
-        blob_ref = src.actor.read_layer.remote(digest)  # stays in the object store
-        status, layer = await edge._await(
-            dst, dst.actor.put_layer.remote(blob_ref), timeout, "put_layer"
+    for digest in missing:  # the blob stays in the object store on its way
+        layer: LayerInfo = await relay.pipe(
+            source, target, ("read_layer", (digest,)), ("put_layer", ()), timeout
         )
-        if status == "error":
-            raise error_from_wire(0, layer)
         moved += int(layer.size or 0)
     return moved
 
 
 async def _move_memory(
-    edge: ClusterEdge, info: SandboxInfo, owner: str, candidates: list[str], *, explicit: bool
+    relay: NodeRelay,
+    placement: ClusterPlacement,
+    record: Record,
+    info: SandboxInfo,
+    owner: str,
+    candidates: list[str],
+    *,
+    explicit: bool,
 ) -> tuple[SandboxInfo, int, int]:
     """The ``memory_snapshot`` move (module docstring, steps 1-4). Returns (the new
     sandbox, layer bytes moved, capture bytes moved)."""
     source = info.node
-    timeout = edge.options.create_timeout_s
+    timeout = relay.options.create_timeout_s
     t0 = time.perf_counter()
-    export: dict[str, Any] = await edge._actor_call(
+    export: dict[str, Any] = await relay.actor_call(
         source, "export_memory", info.id, owner, timeout=timeout, sandbox_id=info.id
     )
     t_export = time.perf_counter()
 
     async def attempt(node: str) -> tuple[SandboxInfo, tuple[int, int]]:
-        import_id: str = await edge._actor_call(node, "prepare_import", export)
+        import_id: str = await relay.actor_call(node, "prepare_import", export)
         try:
-            layer_bytes = await _move_layers(edge, source, node, list(export["image_layers"]))
+            layer_bytes = await _move_layers(relay, source, node, list(export["image_layers"]))
             t_moved = time.perf_counter()
             state_bytes = await _move_files(
-                edge, source, node, export["export_id"], import_id, export["files"]
+                relay, source, node, export["export_id"], import_id, export["files"]
             )
             t_state = time.perf_counter()
-            new: SandboxInfo = await edge._actor_call(
+            new: SandboxInfo = await relay.actor_call(
                 node, "finish_import", import_id, owner, timeout=timeout
             )
         except BaseException:
             with contextlib.suppress(Exception):
-                await edge._actor_call(node, "abort_import", import_id)
+                await relay.actor_call(node, "abort_import", import_id)
             raise
         log.info(
             "memory migration %s -> %s (%s -> %s): capture %.2f s, %d state bytes in "
@@ -340,23 +363,23 @@ async def _move_memory(
 
     try:
         req = CreateSandboxRequest.model_validate(export["request"])
-        new, (layer_bytes, state_bytes) = await edge._on_first_admitting(
+        new, (layer_bytes, state_bytes) = await placement.first_admitting(
             candidates,
-            edge._placement_request(req),
-            owner,
+            placement.request(req),
             attempt,
             explicit=explicit,
             refusals=(QuotaExceeded, CapabilityNotSupported),
             none_admits=_none_admits(info),
+            admitted=lambda new: record(owner, new),
         )
         return new, layer_bytes, state_bytes
     finally:
         with contextlib.suppress(Exception):
-            await edge._actor_call(source, "drop_export", export["export_id"])
+            await relay.actor_call(source, "drop_export", export["export_id"])
 
 
 async def _move_files(
-    edge: ClusterEdge,
+    relay: NodeRelay,
     source: str,
     target: str,
     export_id: str,
@@ -365,8 +388,7 @@ async def _move_files(
 ) -> int:
     """Copy a capture's files from ``source`` to ``target`` in :data:`CHUNK_BYTES` objects,
     :data:`WINDOW` at a time, node to node; returns the bytes moved."""
-    src, dst = edge._handle(source), edge._handle(target)
-    timeout = edge.options.call_timeout_s
+    timeout = relay.options.call_timeout_s
     chunks = [
         (name, offset, min(CHUNK_BYTES, size - offset))
         for name, size in sorted(files.items())
@@ -374,15 +396,13 @@ async def _move_files(
     ]
 
     async def one(name: str, offset: int, length: int) -> int:
-        data_ref = src.actor.read_export_chunk.remote(export_id, name, offset, length)
-        status, written = await edge._await(
-            dst,
-            dst.actor.write_import_chunk.remote(import_id, name, offset, data_ref),
+        written = await relay.pipe(
+            source,
+            target,
+            ("read_export_chunk", (export_id, name, offset, length)),
+            ("write_import_chunk", (import_id, name, offset)),
             timeout,
-            "write_import_chunk",
         )
-        if status == "error":
-            raise error_from_wire(0, written)
         if int(written) != length:
             raise InternalError(f"{name}: {written} of {length} bytes written at {offset}")
         return length

@@ -3,12 +3,10 @@
 E2B's process API keeps a command running after the request that started it
 (``commands.run(background=True)``), writes to its stdin later
 (``send_stdin`` / ``stream_input`` / ``close_stdin``), signals it (``kill``) and
-lets other requests attach to its output (``commands.connect``). ``EdgeAPI``
-has no such call, so this module defines the small optional protocol an edge
-implements to give full fidelity:
-
-* :class:`InteractiveExec` -- ``start_process()`` returns an
-  :class:`InteractiveProcess` whose stdin stays open until closed.
+lets other requests attach to its output (``commands.connect``). An edge with the optional
+:class:`~dsec.edge.interface.InteractiveExec` ability gives full fidelity:
+``start_process()`` returns an :class:`~dsec.edge.interface.InteractiveProcess` whose stdin
+stays open until closed.
 
 An edge without it still works through :class:`ExecStreamProcess`, an adapter
 over ``exec_stream``: output streams, exit codes, kill (by cancelling the
@@ -25,10 +23,14 @@ import contextlib
 import logging
 import signal as signal_mod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
 
-from dsec.edge.interface import EdgeAPI
+from dsec.edge.interface import (
+    EdgeAPI,
+    InteractiveExec,
+    InteractiveProcess,
+    OutputChunk,
+    PtySize,
+)
 from dsec.errors import CapabilityNotSupported, DsecError, InternalError
 from dsec.models import ExecEvent, ExecRequest, ExecResult
 
@@ -42,77 +44,6 @@ __all__ = [
     "PtySize",
     "start_interactive",
 ]
-
-StreamName = Literal["stdout", "stderr", "pty"]
-OutputChunk = tuple[StreamName, bytes]
-"""One piece of output: which stream (``pty`` when the process has a terminal) and its bytes."""
-
-
-@dataclass(frozen=True)
-class PtySize:
-    """Terminal size in character cells."""
-
-    cols: int
-    rows: int
-
-
-@runtime_checkable
-class InteractiveProcess(Protocol):
-    """One process running in a sandbox, started by :meth:`InteractiveExec.start_process`.
-
-    Life cycle: output is read with :meth:`read_output` until it returns ``None``
-    (every output stream closed), then :meth:`wait` returns the result. Calls after
-    the process exited are harmless no-ops (``signal``) or raise
-    ``SandboxStopped``-free ``Conflict`` errors (``write_stdin``).
-    """
-
-    async def read_output(self) -> OutputChunk | None:
-        """The next chunk of output, or ``None`` once all output streams are closed."""
-        ...
-
-    async def write_stdin(self, data: bytes) -> None:
-        """Write ``data`` to the process's stdin (or terminal input when it has a PTY)."""
-        ...
-
-    async def close_stdin(self) -> None:
-        """Close stdin so the process reads EOF. Idempotent."""
-        ...
-
-    async def signal(self, signum: int) -> None:
-        """Send signal ``signum`` (e.g. ``signal.SIGKILL``) to the process. No-op once exited."""
-        ...
-
-    async def resize(self, size: PtySize) -> None:
-        """Resize the process's terminal; ``CapabilityNotSupported`` without a PTY."""
-        ...
-
-    async def wait(self) -> ExecResult:
-        """Wait for exit; ``stdout``/``stderr`` of the result are empty (they were streamed)."""
-        ...
-
-
-@runtime_checkable
-class InteractiveExec(Protocol):
-    """Optional edge ability: start a process whose stdin stays open.
-
-    ``req.timeout_s`` is the wall-clock limit after which the edge kills the
-    process (``ExecResult.timed_out``); ``req.stdin``/``stdin_b64`` are ignored
-    (use :meth:`InteractiveProcess.write_stdin`). When ``stdin`` is False the
-    process gets an empty stdin (``/dev/null``). ``pty`` asks for a terminal of
-    that size: stdout and stderr then arrive merged as ``pty`` chunks; a tier
-    without a TTY raises ``CapabilityNotSupported``. Ownership is checked like
-    every ``EdgeAPI`` call (another owner's sandbox: ``SandboxNotFound``).
-    """
-
-    async def start_process(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: ExecRequest,
-        *,
-        stdin: bool = False,
-        pty: PtySize | None = None,
-    ) -> InteractiveProcess: ...
 
 
 class ExecStreamProcess:

@@ -25,8 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dsec import __version__
 from dsec.config import Paths, host_memory_mb
+from dsec.edge.interface import NodeUsage
 from dsec.edge.jobs import create_batch, for_each_sandbox
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.registry import Registry, SandboxRow
@@ -45,6 +45,7 @@ from dsec.errors import (
     SequenceGap,
     TierUnavailable,
 )
+from dsec.layers.source import LayerSource, LazyLayers
 from dsec.layers.workspace import check_stack
 from dsec.models import (
     SYSTEM_OWNER,
@@ -72,7 +73,9 @@ from dsec.models import (
     SnapshotRequest,
 )
 from dsec.runtimes.base import (
+    Display,
     Handle,
+    Interactive,
     MemoryStateful,
     Networked,
     Pausable,
@@ -80,7 +83,9 @@ from dsec.runtimes.base import (
     SandboxFiles,
     SandboxSpec,
     Snapshottable,
+    capabilities_of,
 )
+from dsec.version import __version__
 
 log = logging.getLogger("dsec.edge")
 
@@ -165,19 +170,27 @@ class EdgeAgent:
     Args:
         paths: where this node keeps its state.
         runtimes: tier name -> runtime (only tiers present here can be created).
-        layer_store: a :class:`dsec.layers.store.LayerStore` (images, layers).
+        layer_store: the node's images and layers (a :class:`dsec.layers.store.LayerStore`;
+            :class:`dsec.testing.MemoryLayers` for tests).
         limits: admission limits.
+        node: the node's name in sandbox ids (default :func:`node_name`).
+        network: the node's network manager (None: no networking).
+        trajectory_path: SQLite file of the trajectory log (default under ``paths.home``).
+        cpus, memory_mb: the node's size for admission (default: this machine's).
     """
 
     def __init__(
         self,
         paths: Paths,
         runtimes: dict[str, Runtime],
-        layer_store: Any,
+        layer_store: LayerSource,
         *,
         limits: EdgeLimits | None = None,
         node: str | None = None,
         network: Any = None,
+        trajectory_path: Path | None = None,
+        cpus: int | None = None,
+        memory_mb: int | None = None,
     ) -> None:
         self.paths = paths
         self.runtimes = runtimes
@@ -186,19 +199,20 @@ class EdgeAgent:
         self.limits = limits or EdgeLimits.from_env()
         self.node = node or node_name()
         self.registry = Registry(paths.state_db)
-        self.trajectory = TrajectoryLog(paths.home / "trajectory.db")
+        self.trajectory = TrajectoryLog(trajectory_path or paths.home / "trajectory.db")
         self._running_entries: dict[
             tuple[str, int], asyncio.Future[tuple[str, dict[str, Any]]]
         ] = {}
         self.metrics = EdgeMetrics(self.node, self.registry.count_by)
-        if hasattr(layer_store, "lazy_stats"):  # on-demand layer loading counters
+        if isinstance(layer_store, LazyLayers):  # on-demand layer loading counters
             self.metrics.add_lazy_layers(layer_store.lazy_stats)
         self._live: dict[str, _Live] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._closing = False
         self._closed = False
-        self._cpus = os.cpu_count() or 1
-        self._mem_mb = host_memory_mb() or 1024  # unknown: admit as a small node would
+        # the node's size for admission (default: this machine's; unknown: a small node's)
+        self._cpus = cpus or os.cpu_count() or 1
+        self._mem_mb = memory_mb or host_memory_mb() or 1024
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -324,10 +338,7 @@ class EdgeAgent:
                     if row.request.get("on_timeout") == "pause" and isinstance(rt, Pausable):
                         try:
                             # VM tiers: suspend to a file (host memory freed), others: freeze
-                            idle_suspend = (
-                                isinstance(rt, MemoryStateful)
-                                and self.runtimes[row.tier].capabilities().suspend
-                            )
+                            idle_suspend = isinstance(rt, MemoryStateful)
                             await self._pause(lv, "suspend" if idle_suspend else "auto")
                         except Exception as e:
                             log.warning("ttl pause of %s failed (%s); killing it", row.id, e)
@@ -352,9 +363,9 @@ class EdgeAgent:
                 tier=tier,
                 available=sorted(self.runtimes),
             )
-        caps = rt.capabilities()
-        if not caps.available:
-            raise TierUnavailable(f"tier {tier!r} is not available: {caps.reason}", tier=tier)
+        facts = rt.facts()
+        if not facts.available:
+            raise TierUnavailable(f"tier {tier!r} is not available: {facts.reason}", tier=tier)
         return rt
 
     def _info(self, row: SandboxRow, next_seq: int | None = None) -> SandboxInfo:
@@ -389,6 +400,7 @@ class EdgeAgent:
             last_pause=lv.last_pause if lv is not None else None,
             next_seq=self.trajectory.next_seq(row.id) if next_seq is None else next_seq,
             network=req.get("network"),
+            forked_from=row.forked_from,
         )
 
     def _lookup_row(self, sandbox_id: str, owner: str) -> SandboxRow:
@@ -450,10 +462,7 @@ class EdgeAgent:
         return alive
 
     def _files(self, lv: _Live) -> SandboxFiles:
-        rt = self.runtimes[lv.row.tier]
-        if not rt.capabilities().files:
-            raise CapabilityNotSupported(f"tier {lv.row.tier} has no file access")
-        return rt.files(lv.handle)
+        return self.runtimes[lv.row.tier].files(lv.handle)
 
     def _check_admission(
         self, req: CreateSandboxRequest, caps: Capabilities, count: int = 1
@@ -475,17 +484,21 @@ class EdgeAgent:
         live = [lv.row.request for lv in self._live.values()]
         if len(live) + count > self.limits.max_sandboxes:
             raise QuotaExceeded(
-                f"node {self.node} is at its limit of {self.limits.max_sandboxes} sandboxes"
+                f"node {self.node} is at its limit of {self.limits.max_sandboxes} sandboxes",
+                requested=count,
+                limit=self.limits.max_sandboxes,
             )
         cpu_sum = sum(r.get("cpu", 0) for r in live) + req.cpu * count
         if cpu_sum > self._cpus * self.limits.cpu_overcommit + 1e-6:
             raise QuotaExceeded(
-                f"node {self.node} CPU overcommit cap reached ({cpu_sum:.1f} > {self._cpus * self.limits.cpu_overcommit:.1f} cores requested)"
+                f"node {self.node} CPU overcommit cap reached ({cpu_sum:.1f} > {self._cpus * self.limits.cpu_overcommit:.1f} cores requested)",
+                requested=count,
             )
         mem_sum = sum(r.get("memory_mb", 0) for r in live) + req.memory_mb * count
         if mem_sum > self._mem_mb * self.limits.memory_overcommit + 1e-6:
             raise QuotaExceeded(
-                f"node {self.node} memory overcommit cap reached ({mem_sum} MiB requested)"
+                f"node {self.node} memory overcommit cap reached ({mem_sum} MiB requested)",
+                requested=count,
             )
 
     async def _destroy(self, lv: _Live, reason: str) -> None:
@@ -511,13 +524,15 @@ class EdgeAgent:
         owner: str,
         *,
         maker: Callable[[SandboxSpec], Awaitable[Handle]] | None = None,
+        forked_from: str | None = None,
     ) -> SandboxInfo:
-        """Create a sandbox; ``maker`` (memory forks) replaces ``runtime.create``."""
+        """Create a sandbox; ``maker`` (memory forks) replaces ``runtime.create``;
+        ``forked_from``: the sandbox a fork comes from (shown in its info)."""
         t0 = time.perf_counter()
         tier = req.tier
         try:
             rt = self._runtime(tier)
-            caps = rt.capabilities()
+            caps = capabilities_of(rt)
             if req.network is not None and not caps.network:
                 raise CapabilityNotSupported(
                     f"the {tier} tier on node {self.node} cannot give sandboxes a network "
@@ -558,6 +573,7 @@ class EdgeAgent:
             updated_at=now,
             last_active=now,
             ttl_s=req.ttl_s,
+            forked_from=forked_from,
         )
         try:  # re-checked now: other creations may have been admitted during the awaits above
             self._check_admission(req, caps)
@@ -617,7 +633,7 @@ class EdgeAgent:
 
         A batch that can never fit this node (``n`` above its sandbox limit), or with
         ``all_or_nothing`` one that does not fit now, is refused up front (QuotaExceeded)."""
-        caps = self._runtime(req.tier).capabilities()
+        caps = capabilities_of(self._runtime(req.tier))
         if n > self.limits.max_sandboxes:
             raise QuotaExceeded(
                 f"a batch of {n} is more than node {self.node} can ever hold "
@@ -920,7 +936,7 @@ class EdgeAgent:
         return await self._logged_file_op(
             sandbox_id,
             owner,
-            "write",
+            "write_file",
             {"path": path, "mode": mode, "data": data},
             seq,
             idem_key,
@@ -957,7 +973,7 @@ class EdgeAgent:
         await self._logged_file_op(
             sandbox_id,
             owner,
-            "remove",
+            "remove_file",
             {"path": path, "recursive": recursive},
             seq,
             idem_key,
@@ -979,7 +995,7 @@ class EdgeAgent:
         return await self._logged_file_op(
             sandbox_id,
             owner,
-            "mkdir",
+            "make_dir",
             {"path": path},
             seq,
             idem_key,
@@ -1003,7 +1019,7 @@ class EdgeAgent:
         return await self._logged_file_op(
             sandbox_id,
             owner,
-            "rename",
+            "rename_file",
             {"src": src, "dst": dst},
             seq,
             idem_key,
@@ -1050,7 +1066,7 @@ class EdgeAgent:
     # ------------------------------------------------------------------ pause, snapshot, fork
     def _pausable(self, lv: _Live) -> Pausable:
         rt = self.runtimes.get(lv.row.tier)
-        if not isinstance(rt, Pausable) or not rt.capabilities().pause:
+        if not isinstance(rt, Pausable):
             raise CapabilityNotSupported(
                 f"tier {lv.row.tier} cannot pause sandboxes", tier=lv.row.tier
             )
@@ -1060,10 +1076,7 @@ class EdgeAgent:
         """Pause ``lv``: ``auto``/``freeze`` the tier's pause, ``suspend`` memory to a file
         (VM tiers; a frozen sandbox can be suspended too)."""
         rt = self._pausable(lv)
-        if mode == "suspend" and (
-            not isinstance(rt, MemoryStateful)
-            or not self.runtimes[lv.row.tier].capabilities().suspend
-        ):
+        if mode == "suspend" and not isinstance(rt, MemoryStateful):
             raise CapabilityNotSupported(
                 f"tier {lv.row.tier} cannot suspend sandboxes to a file (use mode=freeze)",
                 tier=lv.row.tier,
@@ -1112,7 +1125,7 @@ class EdgeAgent:
 
     async def _snapshot(self, lv: _Live, req: SnapshotRequest) -> LayerInfo:
         rt = self.runtimes.get(lv.row.tier)
-        if not isinstance(rt, Snapshottable) or not rt.capabilities().snapshot:
+        if not isinstance(rt, Snapshottable):
             raise CapabilityNotSupported(
                 f"tier {lv.row.tier} cannot snapshot sandboxes", tier=lv.row.tier
             )
@@ -1161,7 +1174,7 @@ class EdgeAgent:
         lv = self._live_for(sandbox_id, owner)
         base = CreateSandboxRequest.model_validate(lv.row.request)
         # admission for all n first, so a fork that cannot fit creates nothing
-        self._check_admission(base, self._runtime(base.tier).capabilities(), count=req.n)
+        self._check_admission(base, capabilities_of(self._runtime(base.tier)), count=req.n)
         if req.memory:
             return await self._fork_memory(sandbox_id, owner, base, req)
         layer = await self._use(
@@ -1170,13 +1183,13 @@ class EdgeAgent:
         child_req = base.model_copy(
             update={
                 "layers": [*base.layers, layer.digest],
-                "labels": {**base.labels, **req.labels, "dsec/forked-from": sandbox_id},
+                "labels": {**base.labels, **req.labels},
             }
         )
         created: list[SandboxInfo] = []
         try:
             for _ in range(req.n):
-                created.append(await self.create_sandbox(child_req, owner))
+                created.append(await self.create_sandbox(child_req, owner, forked_from=sandbox_id))
         except DsecError:
             for info in created:  # nothing half-done: undo the ones already made
                 with contextlib.suppress(Exception):
@@ -1210,12 +1223,11 @@ class EdgeAgent:
         return await self.create_sandbox(req, owner)
 
     # --- VM migration by memory state (cluster mode: dsec.cluster.migrate moves the files) ---
-    def _memory_runtime(self, tier: str) -> Any:
+    def _memory_runtime(self, tier: str) -> MemoryStateful:
         """The runtime of ``tier`` if it can capture and load memory state, else
-        ``CapabilityNotSupported``. Typed ``Any``: ``memory_snapshot(portable=True)`` and
-        ``accel`` / ``guest_ram_mb`` belong to the VM runtimes, not to ``MemoryStateful``."""
+        ``CapabilityNotSupported``."""
         rt = self._runtime(tier)
-        if not isinstance(rt, MemoryStateful) or not rt.capabilities().memory_fork:
+        if not isinstance(rt, MemoryStateful):
             raise CapabilityNotSupported(
                 f"the {tier} tier on node {self.node} has no memory snapshots", tier=tier
             )
@@ -1288,7 +1300,7 @@ class EdgeAgent:
         tier = str(export["tier"])
         rt = self._memory_runtime(tier)
         source = export["source"]
-        accel = getattr(rt, "accel", None)
+        accel = rt.accel
         if source.get("accel") != accel:
             raise CapabilityNotSupported(
                 f"the sandbox runs under {source.get('accel')} and node {self.node} under "
@@ -1303,7 +1315,8 @@ class EdgeAgent:
                 tier=tier,
             )
         self._check_admission(
-            CreateSandboxRequest.model_validate(export["request"]), rt.capabilities()
+            CreateSandboxRequest.model_validate(export["request"]),
+            capabilities_of(self._runtime(tier)),
         )
 
     async def import_memory(self, export: dict[str, Any], owner: str, staged: str) -> SandboxInfo:
@@ -1359,20 +1372,21 @@ class EdgeAgent:
     ) -> ForkResult:
         """n sandboxes resuming one capture of this sandbox's memory (VM tiers)."""
         rt = self._runtime(base.tier)
-        if not isinstance(rt, MemoryStateful) or not rt.capabilities().memory_fork:
+        if not isinstance(rt, MemoryStateful):
             raise CapabilityNotSupported(
                 f"tier {base.tier} cannot fork from memory (use memory=false)", tier=base.tier
             )
         snap = await self._use(sandbox_id, owner, lambda lv: rt.memory_snapshot(lv.handle))
-        child_req = base.model_copy(
-            update={"labels": {**base.labels, **req.labels, "dsec/forked-from": sandbox_id}}
-        )
+        child_req = base.model_copy(update={"labels": {**base.labels, **req.labels}})
         created: list[SandboxInfo] = []
         try:
             for _ in range(req.n):
                 created.append(
                     await self.create_sandbox(
-                        child_req, owner, maker=lambda spec: rt.create_from_memory(snap, spec)
+                        child_req,
+                        owner,
+                        maker=lambda spec: rt.create_from_memory(snap, spec),
+                        forked_from=sandbox_id,
                     )
                 )
         except DsecError:
@@ -1406,9 +1420,9 @@ class EdgeAgent:
         )
 
     # ------------------------------------------------------------------ display (vm tier)
-    def _display_runtime(self, lv: _Live) -> Any:
+    def _display_runtime(self, lv: _Live) -> Display:
         rt = self.runtimes.get(lv.row.tier)
-        if rt is None or not rt.capabilities().display or not hasattr(rt, "screenshot"):
+        if not isinstance(rt, Display):
             raise CapabilityNotSupported(
                 f"tier {lv.row.tier} has no display (use tier='vm')", tier=lv.row.tier
             )
@@ -1585,7 +1599,7 @@ class EdgeAgent:
         for the operator's system images)."""
         import tempfile
 
-        from dsec.layers.store import extract_tarball
+        from dsec.layers.tarball import extract_tarball
 
         if len(context) > self.limits.max_build_context_bytes:
             raise PayloadTooLarge(
@@ -1631,7 +1645,7 @@ class EdgeAgent:
                     )
                 )
             else:
-                out.append(rt.capabilities())
+                out.append(capabilities_of(rt))
         return out
 
     async def node_info(self) -> NodeInfo:
@@ -1646,6 +1660,25 @@ class EdgeAgent:
 
     def metrics_text(self) -> bytes:
         return self.metrics.text()
+
+    def usage(self) -> NodeUsage:
+        """:class:`dsec.edge.interface.NodeReports`: what this edge holds and admits against."""
+        live = [lv.row.request for lv in self._live.values()]
+        return NodeUsage(
+            node=self.node,
+            cpus=self._cpus,
+            memory_mb=self._mem_mb,
+            sandboxes=len(live),
+            requested_cpu=sum(float(r.get("cpu", 0)) for r in live),
+            requested_memory_mb=sum(int(r.get("memory_mb", 0)) for r in live),
+            max_sandboxes=self.limits.max_sandboxes,
+            cpu_overcommit=self.limits.cpu_overcommit,
+            memory_overcommit=self.limits.memory_overcommit,
+        )
+
+    def owned_sandboxes(self) -> list[tuple[str, SandboxInfo]]:
+        """:class:`dsec.edge.interface.NodeReports`: ``(owner, info)`` of every live sandbox."""
+        return [(lv.row.owner, self._info(lv.row)) for lv in list(self._live.values())]
 
     async def stats(self) -> dict[str, Any]:
         return {
@@ -1683,11 +1716,11 @@ class EdgeAgent:
 
         async def run(lv: _Live) -> Any:
             rt = self.runtimes[lv.row.tier]
-            start = getattr(rt, "start_process", None)
-            if start is None:
+            if not isinstance(rt, Interactive):
                 raise CapabilityNotSupported(
                     f"tier {lv.row.tier} has no interactive processes (stdin after start, pty)"
                 )
+            start = rt.start_process
             if lv.row.request.get("workdir") and req.cwd is None:
                 req.cwd = lv.row.request["workdir"]
             sid = lv.row.id

@@ -18,12 +18,21 @@ of one client may arrive out of order) and then raises ``SequenceGap``. Calls wi
 are logged under the next number.
 
 Paused sandboxes: any call that needs the sandbox running resumes it transparently.
+
+Optional abilities, each a protocol of its own (an edge has them or not; the apiserver checks
+with ``isinstance`` and answers ``unsupported`` / ``capability_not_supported`` otherwise):
+:class:`PauseModes`, :class:`ImagePublisher`, :class:`InteractiveExec`, :class:`DisplayEdge`,
+:class:`SandboxMigration`, :class:`MemoryMigration` and :class:`NodeReports`. Every verb is
+declared here once; :func:`edge_verbs` and :data:`SANDBOX_VERBS` derive from these classes
+what a remote edge (a cluster node) may be asked and which calls route by sandbox id.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from dsec.models import (
     BatchCreateResult,
@@ -46,6 +55,24 @@ from dsec.models import (
     SandboxInfo,
     SnapshotRequest,
 )
+
+__all__ = [
+    "SANDBOX_VERBS",
+    "DisplayEdge",
+    "EdgeAPI",
+    "ImagePublisher",
+    "InteractiveExec",
+    "InteractiveProcess",
+    "MemoryMigration",
+    "NodeReports",
+    "NodeUsage",
+    "OutputChunk",
+    "PauseModes",
+    "PtySize",
+    "SandboxMigration",
+    "StreamName",
+    "edge_verbs",
+]
 
 
 @runtime_checkable
@@ -232,3 +259,194 @@ class ImagePublisher(Protocol):
         """Register a pushed image as ``owner``'s; ``lazy``: its layers stay remote, read on
         demand."""
         ...
+
+
+StreamName = Literal["stdout", "stderr", "pty"]
+OutputChunk = tuple[StreamName, bytes]
+"""One piece of output: which stream (``pty`` when the process has a terminal) and its bytes."""
+
+
+@dataclass(frozen=True)
+class PtySize:
+    """Terminal size in character cells."""
+
+    cols: int
+    rows: int
+
+
+@runtime_checkable
+class InteractiveProcess(Protocol):
+    """One process running in a sandbox, started by :meth:`InteractiveExec.start_process`.
+
+    Life cycle: output is read with :meth:`read_output` until it returns ``None``
+    (every output stream closed), then :meth:`wait` returns the result. Calls after
+    the process exited are harmless no-ops (``signal``) or raise
+    ``SandboxStopped``-free ``Conflict`` errors (``write_stdin``).
+    """
+
+    async def read_output(self) -> OutputChunk | None:
+        """The next chunk of output, or ``None`` once all output streams are closed."""
+        ...
+
+    async def write_stdin(self, data: bytes) -> None:
+        """Write ``data`` to the process's stdin (or terminal input when it has a PTY)."""
+        ...
+
+    async def close_stdin(self) -> None:
+        """Close stdin so the process reads EOF. Idempotent."""
+        ...
+
+    async def signal(self, signum: int) -> None:
+        """Send signal ``signum`` (e.g. ``signal.SIGKILL``) to the process. No-op once exited."""
+        ...
+
+    async def resize(self, size: PtySize) -> None:
+        """Resize the process's terminal; ``CapabilityNotSupported`` without a PTY."""
+        ...
+
+    async def wait(self) -> ExecResult:
+        """Wait for exit; ``stdout``/``stderr`` of the result are empty (they were streamed)."""
+        ...
+
+
+@runtime_checkable
+class InteractiveExec(Protocol):
+    """Optional edge ability: start a process whose stdin stays open.
+
+    ``req.timeout_s`` is the wall-clock limit after which the edge kills the
+    process (``ExecResult.timed_out``); ``req.stdin``/``stdin_b64`` are ignored
+    (use :meth:`InteractiveProcess.write_stdin`). When ``stdin`` is False the
+    process gets an empty stdin (``/dev/null``). ``pty`` asks for a terminal of
+    that size: stdout and stderr then arrive merged as ``pty`` chunks; a tier
+    without a TTY raises ``CapabilityNotSupported``. Ownership is checked like
+    every ``EdgeAPI`` call (another owner's sandbox: ``SandboxNotFound``).
+    """
+
+    async def start_process(
+        self,
+        sandbox_id: str,
+        owner: str,
+        req: ExecRequest,
+        *,
+        stdin: bool = False,
+        pty: PtySize | None = None,
+    ) -> InteractiveProcess: ...
+
+
+@runtime_checkable
+class DisplayEdge(Protocol):
+    """Optional edge ability: the screen and input devices of a sandbox with a display. Each
+    call checks that ``owner`` owns the sandbox (``SandboxNotFound`` otherwise), resumes it if
+    paused and raises ``CapabilityNotSupported`` for a tier without a display."""
+
+    async def display_screenshot(self, sandbox_id: str, owner: str) -> bytes:
+        """The screen as PNG bytes."""
+        ...
+
+    async def display_click(
+        self, sandbox_id: str, owner: str, x: int, y: int, button: str = "left"
+    ) -> None:
+        """Move the pointer to pixel (x, y) of the screenshot and click ``button``."""
+        ...
+
+    async def display_type(self, sandbox_id: str, owner: str, text: str) -> None:
+        """Type ``text`` on the keyboard."""
+        ...
+
+    async def display_key(self, sandbox_id: str, owner: str, name: str) -> None:
+        """Press a key or a chord such as ``ctrl-c``."""
+        ...
+
+
+@runtime_checkable
+class SandboxMigration(Protocol):
+    """Optional edge ability: move a sandbox's files to another node (``pack_diff``). Its
+    processes are not kept; see :class:`MemoryMigration` for VM tiers."""
+
+    async def export_sandbox(self, sandbox_id: str, owner: str) -> dict[str, Any]:
+        """The create request, image layers and a ``pack_diff`` layer of the sandbox (which
+        keeps running): ``{"request", "image_layers", "diff_layer", "method"}``."""
+        ...
+
+    async def import_sandbox(
+        self, request: dict[str, Any], owner: str, image_layers: list[str], diff_layer: str
+    ) -> SandboxInfo:
+        """A new sandbox from another node's export (its layers already in this node's store)."""
+        ...
+
+
+@runtime_checkable
+class MemoryMigration(Protocol):
+    """Optional edge ability of VM tiers: move a sandbox with its processes (a portable
+    memory snapshot written here, staged there, resumed there)."""
+
+    async def export_memory(self, sandbox_id: str, owner: str) -> dict[str, Any]: ...
+    async def drop_memory_export(self, tier: str, snapshot: Any) -> None: ...
+    async def check_memory_import(self, export: dict[str, Any]) -> None: ...
+    async def import_memory(
+        self, export: dict[str, Any], owner: str, staged: str
+    ) -> SandboxInfo: ...
+
+
+@dataclass(frozen=True)
+class NodeUsage:
+    """What a node's edge admits against and holds, for a placer (``dsec.placement``).
+    Sizes in MiB, cores as floats."""
+
+    node: str
+    cpus: int
+    memory_mb: int
+    sandboxes: int
+    requested_cpu: float
+    requested_memory_mb: int
+    max_sandboxes: int
+    cpu_overcommit: float
+    memory_overcommit: float
+
+
+@runtime_checkable
+class NodeReports(Protocol):
+    """Optional edge ability: reports for the cluster's control plane."""
+
+    def usage(self) -> NodeUsage:
+        """Totals of the sandboxes this edge holds now (running totals: O(1))."""
+        ...
+
+    def owned_sandboxes(self) -> list[tuple[str, SandboxInfo]]:
+        """``(owner, info)`` of every live sandbox (for the cluster registry)."""
+        ...
+
+
+_ABILITIES: tuple[type, ...] = (
+    EdgeAPI,
+    PauseModes,
+    ImagePublisher,
+    InteractiveExec,
+    DisplayEdge,
+    SandboxMigration,
+    MemoryMigration,
+)
+
+
+def _methods(proto: type) -> dict[str, Any]:
+    return {
+        name: fn for name, fn in vars(proto).items() if not name.startswith("_") and callable(fn)
+    }
+
+
+def edge_verbs() -> frozenset[str]:
+    """Every method of :class:`EdgeAPI` and its optional abilities: what a remote edge may be
+    asked to run (the cluster's edge actors accept exactly these)."""
+    return frozenset(name for proto in _ABILITIES for name in _methods(proto))
+
+
+def _routes_by_sandbox(fn: Any) -> bool:
+    params = list(inspect.signature(fn).parameters)
+    return len(params) > 1 and params[1] == "sandbox_id"
+
+
+SANDBOX_VERBS: frozenset[str] = frozenset(
+    name for proto in _ABILITIES for name, fn in _methods(proto).items() if _routes_by_sandbox(fn)
+)
+"""The verbs whose first argument is a sandbox id: a cluster routes them to the node that the
+id names (``sb-<node>-<random>``)."""

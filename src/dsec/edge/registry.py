@@ -31,7 +31,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     last_active REAL NOT NULL,
     ttl_s REAL,
     stopped_reason TEXT,
-    paused_at REAL
+    paused_at REAL,
+    forked_from TEXT
 );
 CREATE INDEX IF NOT EXISTS sandboxes_owner_state ON sandboxes(owner, state);
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
@@ -56,6 +57,7 @@ class SandboxRow:
     ttl_s: float | None = None
     stopped_reason: str | None = None
     paused_at: float | None = None
+    forked_from: str | None = None  # the sandbox this one was forked from
 
     @property
     def expires_at(self) -> float | None:
@@ -74,6 +76,9 @@ class Registry:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+        if "forked_from" not in columns:  # a registry of an older dsec
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN forked_from TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -97,17 +102,18 @@ class Registry:
             ttl_s=r[12],
             stopped_reason=r[13],
             paused_at=r[14],
+            forked_from=r[15],
         )
 
     _COLS = (
         "id, owner, tier, state, request, image_layers, handle, job, labels, "
-        "created_at, updated_at, last_active, ttl_s, stopped_reason, paused_at"
+        "created_at, updated_at, last_active, ttl_s, stopped_reason, paused_at, forked_from"
     )
 
     def insert(self, row: SandboxRow) -> None:
         with self._lock:
             self._db.execute(
-                f"INSERT INTO sandboxes ({self._COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO sandboxes ({self._COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     row.id,
                     row.owner,
@@ -124,6 +130,7 @@ class Registry:
                     row.ttl_s,
                     row.stopped_reason,
                     row.paused_at,
+                    row.forked_from,
                 ),
             )
 
@@ -207,6 +214,11 @@ class Registry:
                 (now,),
             ).fetchall()
         return [self._row(r) for r in rows]
+
+    def remove(self, sandbox_id: str) -> None:
+        """Forget one sandbox's row (whatever its state)."""
+        with self._lock:
+            self._db.execute("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))
 
     def purge_stopped(self, older_than: float) -> list[str]:
         """Forget stopped sandboxes last updated before ``older_than``; returns their ids."""

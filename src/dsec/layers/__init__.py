@@ -21,7 +21,8 @@ from dsec.layers.builtin import (
 from dsec.layers.erofs import mkfs_erofs
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import assemble_rootfs, rootfs_path, teardown_rootfs, upper_dir
-from dsec.layers.store import LayerStore, extract_tarball
+from dsec.layers.store import LayerStore
+from dsec.layers.tarball import extract_tarball
 
 __all__ = [
     "BUILTIN_IMAGES",

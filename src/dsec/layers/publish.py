@@ -56,12 +56,8 @@ from dsec.errors import (
 )
 from dsec.layers.chunktable import MEDIA_TYPE as CHUNK_TABLE_MT
 from dsec.layers.chunktable import fetch_chunk_table, publish_chunk_table
-from dsec.layers.oci import (
-    MT_OCI_MANIFEST,
-    default_image_name,
-    parse_ref,
-    pull_image,
-)
+from dsec.layers.oci import pull_image
+from dsec.layers.registry import MT_OCI_MANIFEST, default_image_name, parse_ref
 from dsec.layers.registry_store import RegistryBlobStore, parse_store_url
 from dsec.layers.workspace import layer_labels, normalise_labels
 from dsec.models import SYSTEM_OWNER, ImageInfo, LayerInfo, LayerKind

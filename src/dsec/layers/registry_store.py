@@ -69,7 +69,7 @@ from dsec.errors import (
     RegistryUnauthorized,
     RegistryUnavailable,
 )
-from dsec.layers.oci import ImageRef, RegistryClient
+from dsec.layers.registry import ImageRef, RegistryClient
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

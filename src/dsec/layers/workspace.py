@@ -48,7 +48,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from dsec.errors import InvalidRequest, SandboxError
-from dsec.layers.store import extract_tarball
+from dsec.layers.tarball import extract_tarball
 from dsec.models import LayerInfo
 
 __all__ = [

@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dsec.network import dns
+import dsec.network.dns as dns
 from dsec.network.policy import ResolvedPolicy, normalize_domain
 
 __all__ = [

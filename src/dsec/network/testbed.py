@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsec.network import dns
+import dsec.network.dns as dns
 from dsec.network.resolver import ZoneServer
 from dsec.privileged.netns import RtNetlink, create_netns, delete_netns, in_netns, write_sysctl
 

@@ -13,18 +13,27 @@ State machine seen by a runtime (the edge never calls out of order)::
 ``recover()`` is called on edge start for every sandbox the registry says is
 alive; it returns False if the sandbox is gone so the edge can clean up.
 
-Optional abilities are separate protocols (``Pausable``...), advertised in
-:class:`~dsec.models.Capabilities`; the edge checks them and raises
-``CapabilityNotSupported`` otherwise.
+Optional abilities are separate protocols: ``Pausable`` (freeze and give memory back),
+``Networked`` (a policy that changes while it runs), ``Snapshottable`` (``pack_diff`` of the
+writable layer), ``MemoryStateful`` (RAM and device state to a file: suspend, memory forks,
+migration with processes), ``Interactive`` (processes whose stdin stays open, terminals) and
+``Display`` (screen, pointer, keyboard). The edge checks them with ``isinstance`` and raises
+``CapabilityNotSupported`` for a tier without one; the capability table a node publishes is
+derived from them by :func:`capabilities_of`, so it cannot disagree with what the code can
+do. A runtime itself reports only what changes at run time (:class:`RuntimeFacts`: whether it
+is available, why not, its limits, whether networking is up).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from dsec.models import Capabilities, ExecRequest, ExecResult, FileInfo, LayerInfo, SnapshotRequest
+
+if TYPE_CHECKING:
+    from dsec.edge.interface import InteractiveProcess, PtySize
 
 # Called with ("stdout"|"stderr", chunk) while a command runs.
 OutputSink = Callable[[str, bytes], Awaitable[None]]
@@ -79,13 +88,34 @@ class SandboxFiles(Protocol):
     async def download_tar(self, path: str, max_bytes: int) -> bytes: ...
 
 
+@dataclass(frozen=True)
+class RuntimeFacts:
+    """What a runtime knows about itself at run time (the abilities are its protocols).
+
+    Attributes:
+        available: it can create sandboxes now.
+        reason: why not, or a note on how it runs (``QEMU q35, TCG (...)``).
+        max_cpu: most cores one sandbox may ask for (None: no limit of its own).
+        max_memory_mb: most memory one sandbox may ask for, MiB.
+        persistent: a sandbox outlives one call (``fncall``: no, each call is a new worker).
+        network_ready: for a ``Networked`` runtime, its node's networking is up.
+    """
+
+    available: bool
+    reason: str | None = None
+    max_cpu: float | None = None
+    max_memory_mb: int | None = None
+    persistent: bool = True
+    network_ready: bool = False
+
+
 @runtime_checkable
 class Runtime(Protocol):
     """One tier's backend on one node."""
 
     tier: str
 
-    def capabilities(self) -> Capabilities: ...
+    def facts(self) -> RuntimeFacts: ...
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     async def create(self, spec: SandboxSpec) -> Handle: ...
@@ -141,8 +171,70 @@ class MemoryStateful(Protocol):
     migration). ``suspend`` returns
     :class:`dsec.models.PauseReport` fields."""
 
+    accel: str
+    """The accelerator the guests run under (``kvm``, ``tcg``): a memory state loads only
+    under the one it was made with."""
+
+    def guest_ram_mb(self, memory_mb: int) -> int:
+        """The RAM a guest of a sandbox asking for ``memory_mb`` MiB gets, MiB."""
+        ...
+
     def is_suspended(self, handle: Handle) -> bool: ...
     async def suspend(self, handle: Handle) -> dict[str, Any]: ...
     async def memory_snapshot(self, handle: Handle, *, portable: bool = False) -> Any: ...
     async def create_from_memory(self, snapshot: Any, spec: SandboxSpec) -> Handle: ...
     async def drop_memory_snapshot(self, snapshot: Any) -> None: ...
+
+
+@runtime_checkable
+class Interactive(Protocol):
+    """Processes that keep running after the call that started them: stdin open for writes,
+    signals, an optional terminal (``pty``). What E2B's process API needs; see
+    :class:`dsec.edge.interface.InteractiveExec` for the semantics."""
+
+    async def start_process(
+        self,
+        handle: Handle,
+        req: ExecRequest,
+        *,
+        stdin: bool = False,
+        pty: PtySize | None = None,
+    ) -> InteractiveProcess: ...
+
+
+@runtime_checkable
+class Display(Protocol):
+    """A screen and input devices: a PNG screenshot, a click at pixel coordinates of it,
+    typing text on a US layout, pressing a key or a chord (``ctrl-c``)."""
+
+    async def screenshot(self, handle: Handle) -> bytes: ...
+    async def click(self, handle: Handle, x: int, y: int, button: str = "left") -> None: ...
+    async def type(self, handle: Handle, text: str) -> None: ...
+    async def key(self, handle: Handle, name: str) -> None: ...
+
+
+def capabilities_of(rt: Runtime) -> Capabilities:
+    """The capability table row of ``rt``'s tier: its abilities are the protocols it
+    implements, the rest comes from its :meth:`Runtime.facts`."""
+    f = rt.facts()
+    snapshots = isinstance(rt, Snapshottable)
+    memory = isinstance(rt, MemoryStateful)
+    return Capabilities(
+        tier=rt.tier,
+        available=f.available,
+        reason=f.reason,
+        exec=True,
+        files=True,
+        streaming=True,
+        pause=isinstance(rt, Pausable),
+        snapshot=snapshots,
+        fork=snapshots,
+        network=isinstance(rt, Networked) and f.network_ready,
+        tty=isinstance(rt, Interactive),
+        display=isinstance(rt, Display),
+        persistent=f.persistent,
+        suspend=memory,
+        memory_fork=memory,
+        max_cpu=f.max_cpu,
+        max_memory_mb=f.max_memory_mb,
+    )

@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 
-import dsec
 from dsec.config import DEFAULT_HOME, DEFAULT_URL
 from dsec.errors import DsecError, SandboxTimeout, ServiceUnavailable, error_from_wire
+from dsec.version import __version__
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
@@ -124,7 +124,7 @@ class HttpClient:
     def _http(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop or self._client.is_closed:
-            headers = {"user-agent": f"dsec-python/{dsec.__version__}"}
+            headers = {"user-agent": f"dsec-python/{__version__}"}
             if self.api_key:
                 headers["authorization"] = f"Bearer {self.api_key}"
             self._client = httpx.AsyncClient(

@@ -58,11 +58,11 @@ from dsec.errors import (
 )
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import assemble_rootfs, rootfs_path, teardown_rootfs, upper_dir
-from dsec.models import Capabilities, ExecRequest, ExecResult, LayerInfo, SnapshotRequest
+from dsec.models import ExecRequest, ExecResult, LayerInfo, SnapshotRequest
 from dsec.privileged.cgroups import CGROUP_ROOT, CgroupV1
 from dsec.privileged.nodesetup import NodeReport, prepare_node
 from dsec.privileged.reaper import REAPER, reap_pid
-from dsec.runtimes.base import Handle, OutputSink, SandboxFiles, SandboxSpec
+from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.container import pause as pausing
 from dsec.runtimes.container.bundle import (
     DEFAULT_PATH,
@@ -206,23 +206,13 @@ class ContainerRuntime:
         """Path of the OCI runtime in use (None until :meth:`start`, or if none works)."""
         return self._oci
 
-    def capabilities(self) -> Capabilities:
-        return Capabilities(
-            tier="container",
+    def facts(self) -> RuntimeFacts:
+        return RuntimeFacts(
             available=self._unavailable is None,
             reason=self._unavailable,
-            exec=True,
-            files=True,
-            streaming=True,
-            pause=True,
-            snapshot=True,
-            fork=True,
-            network=self.network is not None and bool(self.network.started),
-            tty=True,
-            display=False,
-            persistent=True,
             max_cpu=float(os.cpu_count() or 1),
             max_memory_mb=host_memory_mb(),
+            network_ready=self.network is not None and bool(self.network.started),
         )
 
     async def start(self) -> None:

@@ -32,9 +32,9 @@ from dsec.errors import (
     SandboxStopped,
     TierUnavailable,
 )
-from dsec.models import Capabilities, ExecRequest, ExecResult
+from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import CgroupV1, list_children
-from dsec.runtimes.base import Handle, OutputSink, SandboxFiles, SandboxSpec
+from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.fncall.files import WorkerFiles
 from dsec.runtimes.fncall.languages import LanguageSpec
 from dsec.runtimes.fncall.pool import PoolConfig, Worker, WorkerPool
@@ -102,24 +102,14 @@ class FncallRuntime:
             return "the fncall tier needs cgroup v1 memory/pids/cpu controllers"
         return None
 
-    def capabilities(self) -> Capabilities:
+    def facts(self) -> RuntimeFacts:
         reason = self._unavailable or self._check_node()
-        return Capabilities(
-            tier="fncall",
+        return RuntimeFacts(
             available=reason is None,
             reason=reason,
-            exec=True,
-            files=True,
-            streaming=True,
-            pause=False,
-            snapshot=False,
-            fork=False,
-            network=False,
-            tty=False,
-            display=False,
-            persistent=False,
             max_cpu=float(os.cpu_count() or 1),
             max_memory_mb=self.config.pool.memory_mb * 4,
+            persistent=False,
         )
 
     async def start(self) -> None:

@@ -54,7 +54,7 @@ import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from dsec.config import Paths, host_memory_mb
 from dsec.errors import (
@@ -68,9 +68,9 @@ from dsec.errors import (
     TierUnavailable,
 )
 from dsec.guest.build import GuestArtifacts, ensure_guest_artifacts, host_tsc_khz
-from dsec.models import Capabilities, ExecRequest, ExecResult, Tier
+from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS, CgroupV1
-from dsec.runtimes.base import Handle, OutputSink, SandboxFiles, SandboxSpec
+from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.microvm.ksm import ksmd_acquire, ksmd_release
 from dsec.runtimes.microvm.protocol import AgentClient, AgentOp, VMFiles
 from dsec.runtimes.microvm.qemu import (
@@ -200,7 +200,6 @@ class MicroVMRuntime:
 
     tier = "microvm"
     machine = "microvm"
-    display = False  # screenshot / input (the vm tier)
 
     def __init__(self, paths: Paths | None = None, config: MicroVMConfig | None = None) -> None:
         self.paths = paths or Paths.from_env()
@@ -232,24 +231,11 @@ class MicroVMRuntime:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def capabilities(self) -> Capabilities:
-        return Capabilities(
-            tier=cast(Tier, self.tier),
+    def facts(self) -> RuntimeFacts:
+        return RuntimeFacts(
             available=self._unavailable is None,
             reason=self._unavailable
             or f"QEMU {self.machine}, {self.accel.upper()} ({self.accel_reason})",
-            exec=True,
-            files=True,
-            streaming=True,
-            pause=True,
-            snapshot=False,
-            fork=False,
-            suspend=True,
-            memory_fork=True,
-            network=False,
-            tty=False,
-            display=self.display,
-            persistent=True,
             max_cpu=float(os.cpu_count() or 1),
             max_memory_mb=host_memory_mb() // 2,
         )

@@ -93,7 +93,6 @@ class VMRuntime(MicroVMRuntime):
 
     tier = "vm"
     machine = "q35"
-    display = True
     _virtio_bus = "pci"
 
     def __init__(self, paths: Paths | None = None, config: MicroVMConfig | None = None) -> None:

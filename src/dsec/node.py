@@ -1,0 +1,185 @@
+"""A node: the parts one machine runs for dsec, composed.
+
+One place builds them, for every process that runs an edge: ``dsec serve`` (the embedded
+edge), each Ray node's edge actor in cluster mode, tests and benchmarks. What is built is set
+by the operator's environment (``DSEC_TIERS``, ``DSEC_NETWORK``, ``DSEC_NET_*``; see
+:func:`build_network`) and by arguments.
+
+* :func:`build_network`: the node's network manager (or None);
+* :func:`build_runtimes`: one runtime per tier the node can run;
+* :func:`open_edge`: an :class:`~dsec.edge.agent.EdgeAgent` over them and the node's layer
+  store, not yet started;
+* :func:`embedded_edge`: the same, started, as an ``async with`` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from dsec.config import Paths
+from dsec.edge.agent import EdgeAgent, EdgeLimits
+from dsec.errors import InvalidRequest
+from dsec.layers.store import LayerStore
+from dsec.runtimes.base import Runtime
+
+__all__ = ["build_network", "build_runtimes", "embedded_edge", "open_edge", "tiers_from_env"]
+
+log = logging.getLogger("dsec.node")
+
+
+def tiers_from_env() -> list[str] | None:
+    """``DSEC_TIERS`` (e.g. ``container,fncall``): the tiers this node serves (None: all it can)."""
+    return _list_env("DSEC_TIERS") if os.environ.get("DSEC_TIERS", "").strip() else None
+
+
+def _json_env(name: str) -> Any:
+    try:
+        return json.loads(os.environ[name])
+    except ValueError as e:
+        raise InvalidRequest(f"${name} is not valid JSON: {e}") from None
+
+
+def _list_env(name: str) -> list[str]:
+    return [item.strip() for item in os.environ[name].split(",") if item.strip()]
+
+
+def build_network(paths: Paths, options: dict[str, Any] | None = None) -> Any:
+    """The node's network manager (started by the edge), configured by the operator:
+
+    * ``DSEC_NETWORK=off`` disables networking;
+    * ``DSEC_NET_SUBNET``: the sandbox subnet (default ``10.203.0.0/16``);
+    * ``DSEC_NET_UPSTREAM_DNS``: comma-separated resolvers allowed names are forwarded to
+      (``ip`` or ``ip:port``); unset: only static records are answered;
+    * ``DSEC_NET_STATIC_RECORDS``: JSON ``{"name": ["ipv4", ...]}`` answered locally;
+    * ``DSEC_NET_PRESETS``: JSON ``{"name": {"domains": [...], "cidrs": [...]}}``
+      replacing the built-in presets of the same name;
+    * ``DSEC_NET_PROTECTED_CIDRS``: comma-separated networks no sandbox may reach.
+
+    ``options`` (keyword arguments of :class:`dsec.network.NetworkManager`) override the
+    environment; embedders and tests pass them through :func:`embedded_edge`.
+    """
+    if os.environ.get("DSEC_NETWORK", "on") == "off":
+        return None
+    from dsec.network import NetworkManager
+
+    kw: dict[str, Any] = {}
+    if os.environ.get("DSEC_NET_SUBNET"):
+        kw["subnet"] = os.environ["DSEC_NET_SUBNET"]
+    if os.environ.get("DSEC_NET_UPSTREAM_DNS"):
+        kw["upstream_dns"] = _list_env("DSEC_NET_UPSTREAM_DNS")
+    if os.environ.get("DSEC_NET_STATIC_RECORDS"):
+        kw["static_records"] = _json_env("DSEC_NET_STATIC_RECORDS")
+    if os.environ.get("DSEC_NET_PRESETS"):
+        kw["presets"] = _json_env("DSEC_NET_PRESETS")
+    if os.environ.get("DSEC_NET_PROTECTED_CIDRS"):
+        kw["protected_cidrs"] = _list_env("DSEC_NET_PROTECTED_CIDRS")
+    kw.update(options or {})
+    return NetworkManager(paths.home / "net", **kw)
+
+
+def build_runtimes(
+    paths: Paths, layer_store: Any, tiers: list[str] | None = None, network: Any = None
+) -> dict[str, Runtime]:
+    """Instantiate the runtimes this node can run. Unavailable tiers are left out
+    (the edge then answers ``TierUnavailable``) with a log line saying why."""
+    from dsec.layers.mounts import LayerMounts
+
+    mounts = LayerMounts(paths.layer_mounts)
+    runtimes: dict[str, Runtime] = {}
+    wanted = tiers or ["container", "fncall", "microvm", "vm"]
+    if "container" in wanted:
+        from dsec.runtimes.container.runtime import ContainerRuntime
+
+        runtimes["container"] = ContainerRuntime(paths, mounts, network=network)
+    if "fncall" in wanted:
+        try:
+            from dsec.runtimes.fncall.runtime import FncallRuntime
+
+            runtimes["fncall"] = FncallRuntime(paths, mounts, layer_store)
+        except ImportError as e:
+            log.info("fncall tier not available: %s", e)
+    if "microvm" in wanted:
+        try:
+            from dsec.runtimes.microvm.runtime import MicroVMRuntime
+
+            runtimes["microvm"] = MicroVMRuntime(paths)
+        except ImportError as e:
+            log.info("microvm tier not available: %s", e)
+    if "vm" in wanted:
+        try:
+            from dsec.runtimes.vm.runtime import VMRuntime
+
+            runtimes["vm"] = VMRuntime(paths)
+        except ImportError as e:
+            log.info("vm tier not available: %s", e)
+    return runtimes
+
+
+def open_edge(
+    paths: Paths,
+    *,
+    tiers: list[str] | None = None,
+    network: bool | dict[str, Any] = True,
+    limits: EdgeLimits | None = None,
+    node: str | None = None,
+) -> tuple[EdgeAgent, LayerStore]:
+    """The node's edge and its layer store (``paths.layers``), with the network manager
+    (``network``: False for none, or :class:`~dsec.network.NetworkManager` options) and the
+    runtimes of ``tiers``. Call ``await edge.start()`` before use; ``await edge.close()``,
+    then ``store.close()`` after."""
+    paths.ensure()
+    store = LayerStore(paths.layers, paths.scratch)
+    manager = None
+    if network is not False:
+        manager = build_network(paths, network if isinstance(network, dict) else None)
+    edge = EdgeAgent(
+        paths,
+        build_runtimes(paths, store, tiers, manager),
+        store,
+        limits=limits,
+        node=node,
+        network=manager,
+    )
+    return edge, store
+
+
+@contextlib.asynccontextmanager
+async def embedded_edge(
+    home: Path | None = None,
+    *,
+    tiers: list[str] | None = None,
+    limits: EdgeLimits | None = None,
+    network_options: dict[str, Any] | None = None,
+) -> AsyncIterator[EdgeAgent]:
+    """An in-process edge for tests and embedding: ``async with embedded_edge() as edge``.
+
+    ``network_options``: keyword arguments of the node's
+    :class:`~dsec.network.NetworkManager` (see :func:`build_network`)."""
+    from dsec.layers.store import LayerStore
+    from dsec.serverpaths import hide_server_path
+
+    paths = Paths(home) if home else Paths.from_env()
+    paths.ensure()
+    # errors that leave the server show $DSEC_HOME, not where it is (nor where layers/ leads)
+    hide_server_path(paths.layers, "$DSEC_HOME/layers")
+    hide_server_path(paths.home, "$DSEC_HOME")
+    store = LayerStore(paths.layers, paths.scratch)
+    network = build_network(paths, network_options)
+    edge = EdgeAgent(
+        paths, build_runtimes(paths, store, tiers, network), store, limits=limits, network=network
+    )
+    await edge.start()
+    store.prestart_lazy()  # the on-demand layer server's ~1 s start off the first sandbox
+    try:
+        yield edge
+    finally:
+        try:
+            await edge.close()
+        finally:
+            store.close()  # stops the lazy layer server cleanly
