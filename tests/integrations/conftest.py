@@ -38,7 +38,8 @@ def child_env(sdk_env: LiveServer, tmp_path: Path) -> Iterator[dict[str, str]]:
         **os.environ,
         "DSEC_URL": sdk_env.url,
         "DSEC_API_KEY": sdk_env.api_key,
-        "PYTHONPATH": src + (":" + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
+        "PYTHONPATH": src
+        + (":" + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
         "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path / "mini-config"),
         "MSWEA_CONFIGURED": "true",
         "MSWEA_SILENT_STARTUP": "1",

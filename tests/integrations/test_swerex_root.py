@@ -81,9 +81,11 @@ async def test_exit_codes_and_check(rt: DsecRuntime) -> None:
     assert (await rt.run_in_session(A("false && true", check="silent"))).exit_code == 1
     await rt.run_in_session(A("false || true", check="raise"))
     with pytest.raises(NonZeroExitCodeError, match="exit code 3") as e:
-        await rt.run_in_session(A("echo out; exit_with() { return $1; }; exit_with 3", check="raise"))
+        await rt.run_in_session(
+            A("echo out; exit_with() { return $1; }; exit_with 3", check="raise")
+        )
     assert "out" in str(e.value)
-    with pytest.raises(NonZeroExitCodeError, match="^custom: "):
+    with pytest.raises(NonZeroExitCodeError, match=r"^custom: "):
         await rt.run_in_session(A("false", check="raise", error_msg="custom"))
     r = await rt.run_in_session(A("false", check="ignore"))
     assert r.exit_code is None
@@ -114,7 +116,7 @@ async def test_output_is_exact(rt: DsecRuntime) -> None:
 
 
 async def test_timeout_then_interrupt(rt: DsecRuntime) -> None:
-    with pytest.raises(CommandTimeoutError, match="timeout after 0.5 seconds"):
+    with pytest.raises(CommandTimeoutError, match=r"timeout after 0\.5 seconds"):
         await rt.run_in_session(A("echo started; sleep 30; echo not-reached", timeout=0.5))
     r = await rt.run_in_session(BashInterruptAction())
     assert r.exit_code == 0
@@ -199,7 +201,9 @@ async def test_sessions_are_isolated(rt: DsecRuntime) -> None:
 
 
 async def test_startup_source_and_exit(rt: DsecRuntime) -> None:
-    await rt.write_file(WriteFileRequest(path="/root/env.sh", content="export FROM_RC=yes\necho sourced\n"))
+    await rt.write_file(
+        WriteFileRequest(path="/root/env.sh", content="export FROM_RC=yes\necho sourced\n")
+    )
     r = await rt.create_session(
         CreateBashSessionRequest(session="rc", startup_source=["/root/env.sh"], startup_timeout=20)
     )
@@ -226,7 +230,9 @@ async def test_pipe_mode_session(deployment: DsecDeployment) -> None:
 
 
 async def test_execute(rt: DsecRuntime) -> None:
-    assert (await rt.execute(Command(command="echo 'hello world'", shell=True))).stdout == "hello world\n"
+    assert (
+        await rt.execute(Command(command="echo 'hello world'", shell=True))
+    ).stdout == "hello world\n"
     r = await rt.execute(Command(command=["echo", "-n", "\nhello world"]))
     assert r.stdout == "\nhello world" and r.exit_code == 0
     r = await rt.execute(

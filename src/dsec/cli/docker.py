@@ -53,6 +53,7 @@ from dsec.errors import (
     FileNotFound,
     ImageNotFound,
     InvalidRequest,
+    NotFound,
     SandboxNotFound,
     SandboxStopped,
     ServiceUnavailable,
@@ -70,6 +71,8 @@ EXIT_NOT_FOUND = 127
 
 NAME_LABEL = "docker.name"
 COMMAND_LABEL = "docker.command"
+AUTOREMOVE_LABEL = "docker.autoremove"
+"""Set by ``run --rm``: once stopped, the container is gone for ``ps -a``, ``rm``, ``cp``."""
 _NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
 _MAX_S = 24 * 3600.0 - 60  # an exec lives at most 24 hours
 _TIERS = ("container", "microvm", "vm", "fncall")
@@ -105,32 +108,66 @@ class _Spec:
 
 _SPECS: dict[str, _Spec] = {
     "run": _Spec(
-        bools={"-d": "detach", "--detach": "detach", "--rm": "rm", "-i": "interactive",
-               "--interactive": "interactive"},
-        values={"--name": "name", "-w": "workdir", "--workdir": "workdir", "-e": "env",
-                "--env": "env", "-l": "label", "--label": "label", "-u": "user",
-                "--user": "user", "--cpus": "cpus", "-m": "memory", "--memory": "memory",
-                "--network": "network", "--net": "network", "--runtime": "runtime"},
+        bools={
+            "-d": "detach",
+            "--detach": "detach",
+            "--rm": "rm",
+            "-i": "interactive",
+            "--interactive": "interactive",
+        },
+        values={
+            "--name": "name",
+            "-w": "workdir",
+            "--workdir": "workdir",
+            "-e": "env",
+            "--env": "env",
+            "-l": "label",
+            "--label": "label",
+            "-u": "user",
+            "--user": "user",
+            "--cpus": "cpus",
+            "-m": "memory",
+            "--memory": "memory",
+            "--network": "network",
+            "--net": "network",
+            "--runtime": "runtime",
+        },
         multi=frozenset({"env", "label"}),
         interspersed=False,
         refused={"-t": "no terminals", "--tty": "no terminals"},
     ),
     "exec": _Spec(
-        bools={"-i": "interactive", "--interactive": "interactive", "-d": "detach",
-               "--detach": "detach"},
-        values={"-w": "workdir", "--workdir": "workdir", "-e": "env", "--env": "env",
-                "-u": "user", "--user": "user"},
+        bools={
+            "-i": "interactive",
+            "--interactive": "interactive",
+            "-d": "detach",
+            "--detach": "detach",
+        },
+        values={
+            "-w": "workdir",
+            "--workdir": "workdir",
+            "-e": "env",
+            "--env": "env",
+            "-u": "user",
+            "--user": "user",
+        },
         multi=frozenset({"env"}),
         interspersed=False,
         refused={"-t": "no terminals", "--tty": "no terminals"},
     ),
     "ps": _Spec(
-        bools={"-a": "all", "--all": "all", "-q": "quiet", "--quiet": "quiet",
-               "--no-trunc": "no_trunc"},
+        bools={
+            "-a": "all",
+            "--all": "all",
+            "-q": "quiet",
+            "--quiet": "quiet",
+            "--no-trunc": "no_trunc",
+        },
         values={"--format": "format"},
     ),
-    "stop": _Spec(bools={}, values={"-t": "time", "--time": "time", "-s": "signal",
-                                    "--signal": "signal"}),
+    "stop": _Spec(
+        bools={}, values={"-t": "time", "--time": "time", "-s": "signal", "--signal": "signal"}
+    ),
     "rm": _Spec(bools={"-f": "force", "--force": "force"}, values={}),
     "pull": _Spec(bools={"-q": "quiet", "--quiet": "quiet"}, values={}),
     "cp": _Spec(bools={"-q": "quiet", "--quiet": "quiet"}, values={}),
@@ -186,7 +223,10 @@ def parse(verb: str, args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         elif raw.lower() in ("false", "0"):
             opts[spec.bools[flag]] = False
         else:
-            _usage(verb, f'invalid argument "{raw}" for "{flag}" flag: strconv.ParseBool: parsing "{raw}": invalid syntax')
+            _usage(
+                verb,
+                f'invalid argument "{raw}" for "{flag}" flag: strconv.ParseBool: parsing "{raw}": invalid syntax',
+            )
 
     def known(flag: str) -> None:
         if flag in spec.refused:
@@ -222,6 +262,7 @@ def parse(verb: str, args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
                 flag = "-" + a[j]
                 known(flag)
                 if flag in spec.bools:
+                    set_bool(flag, None)
                     j += 1
                     continue
                 rest = a[j + 1 :]
@@ -256,7 +297,10 @@ def _env_pairs(items: list[str], verb: str) -> dict[str, str]:
     for item in items:
         key, eq, value = item.partition("=")
         if not key:
-            _usage(verb, f'invalid argument "{item}" for "-e, --env" flag: invalid environment variable: {item}')
+            _usage(
+                verb,
+                f'invalid argument "{item}" for "-e, --env" flag: invalid environment variable: {item}',
+            )
         if eq:
             env[key] = value
         elif key in os.environ:  # -e NAME: the host's value, if it has one
@@ -289,9 +333,14 @@ def _resolve_image(client: Any, ref: str) -> str:
     for candidate in candidates:
         try:
             return str(client.get_image(candidate).name)
-        except (ImageNotFound, InvalidRequest):
+        except (NotFound, InvalidRequest):  # NotFound: also a name no route matches
             continue
     raise ImageNotFound(f"image {ref!r} not found")
+
+
+def _removed(info: SandboxInfo) -> bool:
+    """A stopped ``--rm`` container: docker would have removed it."""
+    return info.state == "stopped" and info.labels.get(AUTOREMOVE_LABEL) == "true"
 
 
 def _name_of(info: SandboxInfo) -> str:
@@ -300,7 +349,7 @@ def _name_of(info: SandboxInfo) -> str:
 
 def _find(client: Any, ref: str, *, live_only: bool = False) -> SandboxInfo:
     """The container ``ref`` names: an id, a name, or a unique id prefix; live ones first."""
-    sandboxes = client.list_sandboxes(include_stopped=not live_only)
+    sandboxes = [s for s in client.list_sandboxes(include_stopped=not live_only) if not _removed(s)]
     live = [s for s in sandboxes if s.state != "stopped"]
     for pool in (live, sandboxes):
         exact = [s for s in pool if s.id == ref or s.labels.get(NAME_LABEL) == ref]
@@ -310,7 +359,9 @@ def _find(client: Any, ref: str, *, live_only: bool = False) -> SandboxInfo:
     if len({s.id for s in prefixed}) == 1:
         return prefixed[0]
     if len(prefixed) > 1:
-        raise DockerError(f"Error response from daemon: Multiple IDs found with provided prefix: {ref}")
+        raise DockerError(
+            f"Error response from daemon: Multiple IDs found with provided prefix: {ref}"
+        )
     raise DockerError(f"Error response from daemon: No such container: {ref}")
 
 
@@ -331,23 +382,44 @@ def _start_failure(result: Any, argv: list[str]) -> tuple[int, str] | None:
         return None
     if result.exit_code == 127:
         if "/" in argv[0]:
-            return 127, f"exec: \"{argv[0]}\": stat {argv[0]}: no such file or directory"
-        return 127, f"exec: \"{argv[0]}\": executable file not found in $PATH"
-    return 126, f"exec: \"{argv[0]}\": permission denied"
+            return 127, f'exec: "{argv[0]}": stat {argv[0]}: no such file or directory'
+        return 127, f'exec: "{argv[0]}": executable file not found in $PATH'
+    return 126, f'exec: "{argv[0]}": permission denied'
 
 
 def _stream(sb: Any, argv: list[str], **kw: Any) -> Any:
-    """Run ``argv``, writing its output to our stdout/stderr as it comes."""
-
-    def out(chunk: str) -> None:
-        sys.stdout.write(chunk)
+    """Run ``argv``, writing its output to our stdout/stderr as it comes; returns the
+    command's :class:`~dsec.models.ExecResult` with the output that was written."""
+    out: list[str] = []
+    err: list[str] = []
+    result: Any = None
+    for event in sb.commands.stream(argv, **kw):
+        if event.type == "stdout" and event.data:
+            out.append(event.data)
+            sys.stdout.write(event.data)
+            sys.stdout.flush()
+        elif event.type == "stderr" and event.data:
+            err.append(event.data)
+            sys.stderr.write(event.data)
+            sys.stderr.flush()
+        elif event.type == "exit":
+            result = event.result
+    assert result is not None  # stream() ends with an exit event or raises
+    if not out and result.stdout:
+        sys.stdout.write(result.stdout)
         sys.stdout.flush()
+    # a command that could not be started streams nothing: its message is in the result
+    # (the callers print docker's message for it, or the result's stderr)
+    unstreamed = "" if err else result.stderr
+    return result.model_copy(
+        update={"stdout": "".join(out) or result.stdout, "stderr": "".join(err) or unstreamed}
+    ), unstreamed
 
-    def err(chunk: str) -> None:
-        sys.stderr.write(chunk)
+
+def _print_unstreamed(text: str) -> None:
+    if text:
+        sys.stderr.write(text)
         sys.stderr.flush()
-
-    return sb.commands.run(argv, on_stdout=out, on_stderr=err, **kw)
 
 
 def _read_stdin() -> bytes:
@@ -370,16 +442,21 @@ def cmd_run(client: Any, args: list[str]) -> int:
     image, command = pos[0], pos[1:] or ["/bin/sh"]
     network = opts["network"]
     if network not in (None, "none"):
-        _usage("run", f"docker: unsupported network {network!r} (dsec docker: only --network none; "
-               "sandboxes have no network)")
+        _usage(
+            "run",
+            f"docker: unsupported network {network!r} (dsec docker: only --network none; "
+            "sandboxes have no network)",
+        )
     tier = opts["runtime"] or os.environ.get("DSEC_DOCKER_TIER", "container")
     if tier not in _TIERS:
         _usage("run", f"docker: unknown runtime {tier!r} (dsec tiers: {', '.join(_TIERS)})")
     name = opts["name"]
     if name is not None and not _NAME.match(name):
         raise DockerError(
-            f'docker: Error response from daemon: Invalid container name ({name}), only '
-            "[a-zA-Z0-9][a-zA-Z0-9_.-] are allowed.", EXIT_DAEMON)
+            f"docker: Error response from daemon: Invalid container name ({name}), only "
+            "[a-zA-Z0-9][a-zA-Z0-9_.-] are allowed.",
+            EXIT_DAEMON,
+        )
     labels: dict[str, str] = {}
     for item in opts["label"]:
         key, _, value = item.partition("=")
@@ -389,7 +466,10 @@ def cmd_run(client: Any, args: list[str]) -> int:
         try:
             cpu = float(opts["cpus"])
         except ValueError:
-            _usage("run", f'docker: invalid argument "{opts["cpus"]}" for "--cpus" flag: failed to parse {opts["cpus"]} as a rational number')
+            _usage(
+                "run",
+                f'docker: invalid argument "{opts["cpus"]}" for "--cpus" flag: failed to parse {opts["cpus"]} as a rational number',
+            )
     memory_mb = _memory_mb(opts["memory"]) if opts["memory"] is not None else 512
     env = _env_pairs(opts["env"], "run")
     workdir = opts["workdir"] or "/"
@@ -404,24 +484,39 @@ def cmd_run(client: Any, args: list[str]) -> int:
             raise DockerError(
                 f'docker: Error response from daemon: Conflict. The container name "/{name}" is '
                 f'already in use by container "{other.id}". You have to remove (or rename) that '
-                "container to be able to reuse that name.", EXIT_DAEMON)
+                "container to be able to reuse that name.",
+                EXIT_DAEMON,
+            )
         try:
             image_name = _resolve_image(client, image)
         except ImageNotFound:
             raise DockerError(
                 f"Unable to find image '{image}' locally\ndocker: Error response from daemon: "
                 f"pull access denied for {image}, repository does not exist or may require "
-                "'docker login'.", EXIT_DAEMON) from None
+                "'docker login'.",
+                EXIT_DAEMON,
+            ) from None
         labels[NAME_LABEL] = name or f"dsec_{secrets.token_hex(4)}"
         labels[COMMAND_LABEL] = shlex.join(command)[:1024]
+        if opts["rm"]:
+            labels[AUTOREMOVE_LABEL] = "true"
         sb = Sandbox.create(
-            tier=tier, image=image_name, cpu=cpu, memory_mb=memory_mb, env=env,
-            labels=labels, user=opts["user"], workdir=workdir, client=client,
+            tier=tier,
+            image=image_name,
+            cpu=cpu,
+            memory_mb=memory_mb,
+            env=env,
+            labels=labels,
+            user=opts["user"],
+            workdir=workdir,
+            client=client,
         )
     except DockerError:
         raise
     except DsecError as e:
-        raise DockerError(f"docker: Error response from daemon: {e.message}.", EXIT_DAEMON) from None
+        raise DockerError(
+            f"docker: Error response from daemon: {e.message}.", EXIT_DAEMON
+        ) from None
     try:
         if workdir != "/":
             sb.files.make_dir(workdir)  # docker creates the working directory
@@ -429,24 +524,32 @@ def cmd_run(client: Any, args: list[str]) -> int:
             # the command in the background, outliving this exec (own process group)
             r = sb.commands.run(
                 ["/bin/sh", "-c", 'set -m; "$@" </dev/null >/dev/null 2>&1 &', "sh", *command],
-                cwd=workdir, timeout=60,
+                cwd=workdir,
+                timeout=60,
             )
             if r.exit_code != 0:
-                raise DockerError(f"docker: Error response from daemon: {r.stderr.strip()}.", EXIT_DAEMON)
+                raise DockerError(
+                    f"docker: Error response from daemon: {r.stderr.strip()}.", EXIT_DAEMON
+                )
             print(sb.id)
             return 0
-        result = _stream(sb, command, cwd=workdir, stdin=stdin, timeout=_MAX_S,
-                         max_output_bytes=64 << 20)
+        result, unstreamed = _stream(
+            sb, command, cwd=workdir, stdin=stdin, timeout=_MAX_S, max_output_bytes=64 << 20
+        )
         failed = _start_failure(result, command)
         if failed is not None:
             code, reason = failed
             sys.stderr.write(
                 "docker: Error response from daemon: failed to create task for container: "
-                f"unable to start container process: {reason}: unknown.\n")
+                f"unable to start container process: {reason}: unknown.\n"
+            )
             return code
+        _print_unstreamed(unstreamed)
         return _exit_code(result)
     except DsecError as e:
-        raise DockerError(f"docker: Error response from daemon: {e.message}.", EXIT_DAEMON) from None
+        raise DockerError(
+            f"docker: Error response from daemon: {e.message}.", EXIT_DAEMON
+        ) from None
     finally:
         if not opts["detach"]:
             try:
@@ -472,25 +575,39 @@ def cmd_exec(client: Any, args: list[str]) -> int:
         if opts["detach"]:
             r = sb.commands.run(
                 ["/bin/sh", "-c", 'set -m; "$@" </dev/null >/dev/null 2>&1 &', "sh", *command],
-                cwd=opts["workdir"], env=env, user=opts["user"], timeout=60,
+                cwd=opts["workdir"],
+                env=env,
+                user=opts["user"],
+                timeout=60,
             )
             return 0 if r.exit_code == 0 else EXIT_CANNOT_INVOKE
-        result = _stream(sb, command, cwd=opts["workdir"], env=env, user=opts["user"],
-                         stdin=stdin, timeout=_MAX_S, max_output_bytes=64 << 20)
+        result, unstreamed = _stream(
+            sb,
+            command,
+            cwd=opts["workdir"],
+            env=env,
+            user=opts["user"],
+            stdin=stdin,
+            timeout=_MAX_S,
+            max_output_bytes=64 << 20,
+        )
     except InvalidRequest as e:
         if "cwd" in e.details:
             sys.stderr.write(
                 "OCI runtime exec failed: exec failed: unable to start container process: "
-                f"chdir to cwd (\"{opts['workdir']}\") set in config.json failed: no such file "
-                "or directory: unknown\n")
+                f'chdir to cwd ("{opts["workdir"]}") set in config.json failed: no such file '
+                "or directory: unknown\n"
+            )
             return EXIT_CANNOT_INVOKE
         raise
     failed = _start_failure(result, command)
     if failed is not None:
         sys.stderr.write(
             "OCI runtime exec failed: exec failed: unable to start container process: "
-            f"{failed[1]}: unknown\n")
+            f"{failed[1]}: unknown\n"
+        )
         return EXIT_CANNOT_INVOKE
+    _print_unstreamed(unstreamed)
     return _exit_code(result)
 
 
@@ -556,10 +673,22 @@ def _row(info: SandboxInfo, now: datetime, no_trunc: bool) -> dict[str, str]:
     }
 
 
-_HEADERS = {"ID": "CONTAINER ID", "Image": "IMAGE", "Command": "COMMAND", "CreatedAt": "CREATED AT",
-            "RunningFor": "CREATED", "Ports": "PORTS", "State": "STATE", "Status": "STATUS",
-            "Size": "SIZE", "Names": "NAMES", "Labels": "LABELS", "Mounts": "MOUNTS",
-            "Networks": "NETWORKS", "LocalVolumes": "LOCAL VOLUMES"}
+_HEADERS = {
+    "ID": "CONTAINER ID",
+    "Image": "IMAGE",
+    "Command": "COMMAND",
+    "CreatedAt": "CREATED AT",
+    "RunningFor": "CREATED",
+    "Ports": "PORTS",
+    "State": "STATE",
+    "Status": "STATUS",
+    "Size": "SIZE",
+    "Names": "NAMES",
+    "Labels": "LABELS",
+    "Mounts": "MOUNTS",
+    "Networks": "NETWORKS",
+    "LocalVolumes": "LOCAL VOLUMES",
+}
 _FIELD = re.compile(r"\{\{\s*(?:(json)\s+)?\.(\w*)(?:\s+\"([^\"]*)\")?\s*\}\}")
 _ANY_ACTION = re.compile(r"\{\{.*?\}\}")
 
@@ -588,8 +717,10 @@ def _check_template(template: str) -> None:
         if not ok:
             raise DockerError(
                 f"template parsing error: unsupported action {action} (dsec docker supports "
-                "{{.Field}}, {{json .}}, {{json .Field}} and {{.Label \"key\"}} with the fields "
-                f"{', '.join(_HEADERS)})", EXIT_DAEMON)
+                '{{.Field}}, {{json .}}, {{json .Field}} and {{.Label "key"}} with the fields '
+                f"{', '.join(_HEADERS)})",
+                EXIT_DAEMON,
+            )
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -607,12 +738,12 @@ def _table(rows: list[list[str]]) -> str:
 def cmd_ps(client: Any, args: list[str]) -> int:
     opts, pos = parse("ps", args)
     if pos:
-        _usage("ps", f"\"docker ps\" accepts no arguments.")
+        _usage("ps", '"docker ps" accepts no arguments.')
     fmt = opts["format"]
     if fmt is not None:
         fmt = fmt.replace("\\t", "\t").replace("\\n", "\n")
         _check_template(fmt)
-    sandboxes = client.list_sandboxes(include_stopped=opts["all"])
+    sandboxes = [s for s in client.list_sandboxes(include_stopped=opts["all"]) if not _removed(s)]
     sandboxes.sort(key=lambda s: s.created_at, reverse=True)
     now = datetime.now(UTC)
     rows = [(_row(s, now, opts["no_trunc"]), s.labels) for s in sandboxes]
@@ -624,8 +755,11 @@ def cmd_ps(client: Any, args: list[str]) -> int:
     if fmt.startswith("table"):
         body = fmt[len("table") :].lstrip(" ")
         header = _FIELD.sub(
-            lambda m: "" if m.group(2) == "" else (
-                m.group(3).upper() if m.group(2) == "Label" else _HEADERS[m.group(2)]),
+            lambda m: (
+                ""
+                if m.group(2) == ""
+                else (m.group(3).upper() if m.group(2) == "Label" else _HEADERS[m.group(2)])
+            ),
             body,
         )
         lines = [header] + [_render(body, r, labels) for r, labels in rows]
@@ -640,7 +774,10 @@ def cmd_stop(client: Any, args: list[str]) -> int:
     if not pos:
         _usage("stop", "docker: 'docker stop' requires at least 1 argument.")
     if opts["time"] is not None and not re.fullmatch(r"-?\d+", opts["time"]):
-        _usage("stop", f'invalid argument "{opts["time"]}" for "-t, --time" flag: strconv.ParseInt: parsing "{opts["time"]}": invalid syntax')
+        _usage(
+            "stop",
+            f'invalid argument "{opts["time"]}" for "-t, --time" flag: strconv.ParseInt: parsing "{opts["time"]}": invalid syntax',
+        )
     code = 0
     for ref in pos:
         try:
@@ -675,7 +812,8 @@ def cmd_rm(client: Any, args: list[str]) -> int:
                 if not opts["force"]:
                     raise DockerError(
                         f'Error response from daemon: cannot remove container "/{_name_of(info)}": '
-                        "container is running: stop the container before removing or force remove")
+                        "container is running: stop the container before removing or force remove"
+                    )
                 _kill(client, info.id)
             print(ref)
         except DockerError as e:
@@ -687,15 +825,20 @@ def cmd_rm(client: Any, args: list[str]) -> int:
 def cmd_pull(client: Any, args: list[str]) -> int:
     opts, pos = parse("pull", args)
     if len(pos) != 1:
-        _usage("pull", f"docker: 'docker pull' requires 1 argument.")
+        _usage("pull", "docker: 'docker pull' requires 1 argument.")
     ref = pos[0]
     try:
         name = _resolve_image(client, ref)
     except ImageNotFound:
-        if "/" not in _image_name(ref).split(":", 1)[0] and "." not in ref.split("/", 1)[0]:
+        first, slash, _ = ref.partition("/")
+        registry = ref.startswith("oci://") or (
+            bool(slash) and ("." in first or ":" in first or first == "localhost")
+        )
+        if not registry:
             raise DockerError(
                 f"Error response from daemon: pull access denied for {ref}, repository does not "
-                "exist or may require 'docker login'") from None
+                "exist or may require 'docker login'"
+            ) from None
         try:  # a registry reference: the server pulls it (OCI / Docker v2)
             name = str(client.pull_image(ref).name)
         except DsecError as e:
@@ -730,8 +873,12 @@ def cmd_cp(client: Any, args: list[str]) -> int:
         _usage("cp", "docker: 'docker cp' requires 2 arguments.")
     (src_ref, src), (dst_ref, dst) = _split_cp(pos[0]), _split_cp(pos[1])
     if (src_ref is None) == (dst_ref is None):
-        _usage("cp", "must specify at least one container source" if src_ref is None
-               else "copying between containers is not supported")
+        _usage(
+            "cp",
+            "must specify at least one container source"
+            if src_ref is None
+            else "copying between containers is not supported",
+        )
     if (src_ref is not None and not src) or (dst_ref is not None and not dst):
         raise DockerError("Error response from daemon: path cannot be empty", 1)
     from dsec.sdk import Sandbox
@@ -740,8 +887,10 @@ def cmd_cp(client: Any, args: list[str]) -> int:
     assert ref is not None
     info = _find(client, ref)
     if info.state == "stopped":
-        raise DockerError(f"Error response from daemon: container {info.id} is not running (dsec "
-                          "keeps no files of a stopped sandbox)")
+        raise DockerError(
+            f"Error response from daemon: container {info.id} is not running (dsec "
+            "keeps no files of a stopped sandbox)"
+        )
     sb = Sandbox.connect(info.id, client=client)
     workdir = info.workdir or "/"
     if src_ref is not None:
@@ -759,7 +908,9 @@ def _cp_from(sb: Any, src: str, dst: str, ref: str) -> int:
     try:
         st = sb.files.stat(src_path)
     except FileNotFound:
-        raise DockerError(f"Error response from daemon: Could not find the file {src} in container {ref}") from None
+        raise DockerError(
+            f"Error response from daemon: Could not find the file {src} in container {ref}"
+        ) from None
     if dst == "-":  # a tar stream of the path on stdout, as docker does
         with tempfile.TemporaryDirectory() as tmp:
             written = sb.files.download_dir(src_path, tmp)
@@ -823,7 +974,9 @@ def _cp_to(sb: Any, src: str, dst: str, ref: str) -> int:
         dst_stat = None
     if src == "-":  # a tar archive on stdin, extracted into the directory dst
         if dst_stat is None or dst_stat.type != "dir":
-            raise DockerError(f"Error response from daemon: Could not find the file {dst} in container {ref}")
+            raise DockerError(
+                f"Error response from daemon: Could not find the file {dst} in container {ref}"
+            )
         data = _read_stdin()
         with tempfile.TemporaryDirectory() as tmp:
             try:
@@ -846,20 +999,33 @@ def _cp_to(sb: Any, src: str, dst: str, ref: str) -> int:
         sb.files.upload_dir(local, target)
         return sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
     if dst.endswith("/") and (dst_stat is None or dst_stat.type != "dir"):
-        raise DockerError(f"Error response from daemon: Could not find the file {dst} in container {ref}")
-    target = posixpath.join(dst_path, local.name) if dst_stat is not None and dst_stat.type == "dir" else dst_path
+        raise DockerError(
+            f"Error response from daemon: Could not find the file {dst} in container {ref}"
+        )
+    target = (
+        posixpath.join(dst_path, local.name)
+        if dst_stat is not None and dst_stat.type == "dir"
+        else dst_path
+    )
     data = local.read_bytes()
     sb.files.write(target, data, mode=local.stat().st_mode & 0o777)
     return len(data)
 
 
 _VERBS: dict[str, Callable[[Any, list[str]], int]] = {
-    "run": cmd_run, "exec": cmd_exec, "ps": cmd_ps, "stop": cmd_stop, "rm": cmd_rm,
-    "pull": cmd_pull, "cp": cmd_cp,
+    "run": cmd_run,
+    "exec": cmd_exec,
+    "ps": cmd_ps,
+    "stop": cmd_stop,
+    "rm": cmd_rm,
+    "pull": cmd_pull,
+    "cp": cmd_cp,
 }
 
 
-def main(argv: Sequence[str] | None = None, *, url: str | None = None, api_key: str | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, url: str | None = None, api_key: str | None = None
+) -> int:
     """Run one docker command (``argv`` without the program name); returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -872,8 +1038,10 @@ def main(argv: Sequence[str] | None = None, *, url: str | None = None, api_key: 
     if verb == "container" and rest:  # docker container run|exec|ls|stop|rm|cp
         verb, rest = ("ps" if rest[0] in ("ls", "list") else rest[0]), rest[1:]
     if verb not in _VERBS:
-        sys.stderr.write(f"docker: '{verb}' is not a docker command (dsec docker supports "
-                         f"{', '.join(_VERBS)}).\nSee 'docker --help'\n")
+        sys.stderr.write(
+            f"docker: '{verb}' is not a docker command (dsec docker supports "
+            f"{', '.join(_VERBS)}).\nSee 'docker --help'\n"
+        )
         return 1
     try:
         return _VERBS[verb](_client(url, api_key), rest)
@@ -884,7 +1052,9 @@ def main(argv: Sequence[str] | None = None, *, url: str | None = None, api_key: 
         sys.stderr.write(e.message.rstrip("\n") + "\n")
         return e.code
     except ServiceUnavailable as e:
-        sys.stderr.write(f"Cannot connect to the dsec server: {e.message}. Is `dsec serve` running?\n")
+        sys.stderr.write(
+            f"Cannot connect to the dsec server: {e.message}. Is `dsec serve` running?\n"
+        )
         return EXIT_DAEMON if verb == "run" else 1
     except DsecError as e:
         sys.stderr.write(f"Error response from daemon: {e.message}\n")

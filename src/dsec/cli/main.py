@@ -90,8 +90,12 @@ app.add_typer(job_app, name="job")
 
 @app.command(
     "docker",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
-                      "allow_interspersed_args": False, "help_option_names": []},
+    context_settings={
+        "allow_extra_args": True,
+        "ignore_unknown_options": True,
+        "allow_interspersed_args": False,
+        "help_option_names": [],
+    },
     add_help_option=False,
 )
 def docker(ctx: typer.Context) -> None:
@@ -100,6 +104,7 @@ def docker(ctx: typer.Context) -> None:
     from dsec.cli.docker import main as docker_main
 
     raise typer.Exit(docker_main(ctx.args, url=_connection["url"], api_key=_connection["api_key"]))
+
 
 stdout = Console(highlight=False, soft_wrap=False)
 stderr = Console(stderr=True, highlight=False)

@@ -119,6 +119,7 @@ class _State:
     running: str | None = None  # id of the command the shell is running
     pending: str = ""  # consumed but not yet returned (text after a match, before an end)
     dead: bool = False
+    closed: bool = False
     terminal: str = ""
 
 
@@ -241,8 +242,8 @@ class ShellSession:
 
     async def close(self) -> None:
         """Kill the shell and everything in its process group; remove its directory."""
-        if self._st.terminal and not self._st.dead:
-            self._st.dead = True
+        if self._st.terminal and not self._st.closed:
+            self._st.dead = self._st.closed = True
             try:
                 await self._helper("close", "-", 10.0, poll=False, stdin=None)
             except (SandboxNotFound, SandboxStopped):

@@ -180,7 +180,11 @@ class DsecEnvironment:
     def _check_finished(self, output: dict) -> None:
         """Raise ``Submitted`` when the first output line asks for it (mini's rule)."""
         lines = output.get("output", "").lstrip().splitlines(keepends=True)
-        if lines and lines[0].strip() == "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" and output["returncode"] == 0:
+        if (
+            lines
+            and lines[0].strip() == "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+            and output["returncode"] == 0
+        ):
             submission = "".join(lines[1:])
             raise Submitted(
                 {
@@ -196,7 +200,9 @@ class DsecEnvironment:
                 ["/bin/sh", "-c", "uname -s; uname -n; uname -r; uname -v; uname -m"], timeout=30
             )
             values = r.stdout.split("\n")
-            self._uname = {k: (values[i] if i < len(values) else "") for i, k in enumerate(_UNAME_KEYS)}
+            self._uname = {
+                k: (values[i] if i < len(values) else "") for i, k in enumerate(_UNAME_KEYS)
+            }
         return self._uname
 
     def get_template_vars(self, **kwargs: Any) -> dict[str, Any]:

@@ -72,6 +72,13 @@ _start() {
     fi
 }
 
+_alive() { # process $1 exists and is not a zombie (its parent may reap it late)
+    local stat
+    read -r stat 2>/dev/null <"/proc/$1/stat" || return 1
+    stat=${stat##*) }
+    [[ ${stat%% *} != Z ]]
+}
+
 _kill_group() {  # SIGKILL every process in process group $1 except $1 itself
     local p stat rest
     for p in /proc/[0-9]*; do
@@ -123,7 +130,7 @@ _wait() {
     esac
     if [[ $id == - ]]; then
         status=idle
-        kill -0 "$pid" 2>/dev/null || status=dead
+        _alive "$pid" || status=dead
     else
         exec 4<>"$d/done"
         _now_us
@@ -143,9 +150,13 @@ _wait() {
                     status=done rc=$drc
                     break
                 fi
-                continue  # the end of a command given up on earlier
+                if [[ $did == __dsec_exit ]]; then # the shell ran `exit`
+                    status=dead
+                    break
+                fi
+                continue # the end of a command given up on earlier
             fi
-            if ! kill -0 "$pid" 2>/dev/null; then
+            if ! _alive "$pid"; then
                 status=dead
                 break
             fi
@@ -185,7 +196,7 @@ loop)
     # here see no positional parameters and `declare` makes globals, as at a prompt.
     __dsec_d=$2
     set --
-    unset -f _now_us _start _kill_group _wait
+    unset -f _now_us _start _alive _kill_group _wait
     exec 3<>"$__dsec_d/ctl" 4<>"$__dsec_d/done"
     if [[ -t 0 ]]; then
         stty -echo rows 24 cols 80 2>/dev/null
@@ -196,6 +207,7 @@ loop)
     # interactive prompt; between commands it does nothing
     trap '[[ -n $__dsec_busy ]] && return 130' INT
     __dsec_status() { return "$1"; }
+    trap 'printf "__dsec_exit %s\n" "$?" >&4' EXIT
     __dsec_rc=0
     echo "$$" >"$__dsec_d/pid"
     echo "ready $$" >&4

@@ -211,9 +211,7 @@ class DsecRuntime(AbstractRuntime):
             raise SessionExistsError(f"session {request.session} already exists")
         if not isinstance(request, CreateBashSessionRequest):
             raise ValueError(f"unknown session type: {request!r}")
-        shell = ShellSession(
-            self._sb, request.session, root=self._root, terminal=self._terminal
-        )
+        shell = ShellSession(self._sb, request.session, root=self._root, terminal=self._terminal)
         await shell.start()
         self._sessions[request.session] = _Session(shell)
         output = ""
@@ -253,7 +251,9 @@ class DsecRuntime(AbstractRuntime):
         timeout that was not interrupted, an interactive program), typed into its
         terminal: where SWE-ReX's ``sendline`` puts it."""
         if shell.running:
-            return await shell.send(action.command + "\n", timeout=action.timeout, expect=action.expect)
+            return await shell.send(
+                action.command + "\n", timeout=action.timeout, expect=action.expect
+            )
         return await shell.run(action.command, timeout=action.timeout, expect=action.expect)
 
     def _raise_common(self, action: BashAction, r: ShellOutput) -> None:
@@ -320,9 +320,7 @@ class DsecRuntime(AbstractRuntime):
             output=output, exit_code=0, expect_string=self._expect_string(action, r)
         )
 
-    async def _interrupt(
-        self, shell: ShellSession, action: BashInterruptAction
-    ) -> BashObservation:
+    async def _interrupt(self, shell: ShellSession, action: BashInterruptAction) -> BashObservation:
         """SIGINT up to ``n_retry`` times (each waits ``timeout`` s for the command to end
         or an ``expect`` pattern), then SIGKILL of the command (and the session's
         background jobs)."""
@@ -385,7 +383,9 @@ class DsecRuntime(AbstractRuntime):
                 ) from None
             raise
         if r.timed_out:
-            raise CommandTimeoutError(f"Timeout ({command.timeout}s) exceeded while running command")
+            raise CommandTimeoutError(
+                f"Timeout ({command.timeout}s) exceeded while running command"
+            )
         if (
             not command.shell
             and r.exit_code in (126, 127)
@@ -424,13 +424,12 @@ class DsecRuntime(AbstractRuntime):
     async def upload(self, request: UploadRequest) -> UploadResponse:
         """Copy a local file to ``target_path``, or a local directory's contents into the
         directory ``target_path``."""
-        source = Path(request.source_path).resolve()
+        source, kind, data, mode = await asyncio.to_thread(_read_source, request.source_path)
         target = self._abs(request.target_path)
-        if source.is_dir():
+        if kind == "dir":
             await self._sb.files.upload_dir(source, target)
-        elif source.is_file():
-            data = await asyncio.to_thread(source.read_bytes)
-            await self._sb.files.write(target, data, mode=source.stat().st_mode & 0o777)
+        elif kind == "file":
+            await self._sb.files.write(target, data, mode=mode)
         else:
             raise ValueError(f"Source path {source} is not a file or directory")
         return UploadResponse()
@@ -444,6 +443,16 @@ class DsecRuntime(AbstractRuntime):
             except DsecError as e:
                 self.logger.warning("closing session %s: %s", session.shell.name, e)
         return CloseResponse()
+
+
+def _read_source(path: str) -> tuple[Path, str, bytes, int]:
+    """(resolved path, "dir"/"file"/"", a file's bytes, its permission bits)."""
+    source = Path(path).resolve()
+    if source.is_dir():
+        return source, "dir", b"", 0
+    if source.is_file():
+        return source, "file", source.read_bytes(), source.stat().st_mode & 0o777
+    return source, "", b"", 0
 
 
 class DsecDeployment(AbstractDeployment):
@@ -549,4 +558,3 @@ class DsecDeployment(AbstractDeployment):
                 "its idle TTL",
                 self._sandbox.id if self._sandbox is not None else "?",
             )
-
