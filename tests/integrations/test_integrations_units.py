@@ -346,3 +346,13 @@ def test_docker_pull_from_a_registry_goes_to_the_server() -> None:
     code, _, err = _run_cli(["pull", "python:3.11"], edge)  # Docker Hub: not reachable here
     assert code == 1 and "pull access denied for python:3.11" in err
     assert len(edge.calls_to("pull_image")) == 1
+
+
+@needs_bash
+async def test_interrupt_twice_in_a_row(shell: ShellSession) -> None:
+    """Each interrupt stops its command: a child process, then a pure-bash loop (bash runs
+    no INT trap after one returned from a sourced file until it forks again)."""
+    for command in ("sleep 30", "while true; do :; done", "sleep 30", "x=0; while :; do x=1; done"):
+        assert (await shell.run(command, timeout=0.3)).status == "timeout"
+        r = await shell.interrupt(timeout=5)
+        assert (r.status, r.exit_code) == ("done", 130), command

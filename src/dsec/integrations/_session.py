@@ -107,7 +107,7 @@ class _Step:
     status: str
     rc: int | None
     marker_pos: int | None
-    size: int
+    size: int | None
     data: bytes = b""
     extra: bytes = b""
 
@@ -262,7 +262,6 @@ class ShellSession:
         text = self._st.pending + step.data.decode("utf-8", "surrogateescape")
         self._st.pending = ""
         self._st.offset += len(step.data)
-        self._st.known = step.size
         return ShellOutput("exited" if step.status == "dead" else "idle", text)
 
     async def _await(
@@ -293,29 +292,43 @@ class ShellSession:
                 )
             if step.status == "timeout":
                 return ShellOutput("timeout")
+            if step.status == "done":
+                await self._locate_marker(step)
             found = self._take(step, patterns)
             if found is not None:
                 return found
             if time.monotonic() >= deadline:
                 return ShellOutput("timeout")
 
+    async def _locate_marker(self, step: _Step) -> None:
+        """Set ``step.marker_pos``: where the running command's end marker is in the output
+        (searched in the returned bytes; asked of the helper when they were cut at the cap).
+        None when the command's output never reached the terminal (``exec >file``)."""
+        assert self._st.running is not None
+        marker = b"\x1e" + self._st.running.encode() + b"\x1f"
+        pos = step.data.find(marker)
+        if pos >= 0:
+            step.marker_pos = pos
+        elif len(step.data) >= self._cap:
+            found = await self._helper("find", self._st.running, 10.0, poll=False, stdin=None)
+            step.marker_pos = found.marker_pos
+
     def _take(self, step: _Step, patterns: list[re.Pattern[str]]) -> ShellOutput | None:
         """Consume what ``step`` returned; None: nothing to return yet (keep waiting)."""
         st = self._st
-        st.known = step.size
+        if step.size is not None:
+            st.known = step.size
         ended = step.status == "done"
         assert st.running is not None
-        marker = 2 + len(st.running)
+        marker = b"\x1e" + st.running.encode() + b"\x1f"
         if ended and step.marker_pos is not None:
             body = step.data[: step.marker_pos]
-            skip = step.marker_pos + marker  # bytes up to and including the end marker
+            skip = step.marker_pos + len(marker)  # bytes up to and including the end marker
         else:
             body = step.data
             skip = len(step.data)
         # bash names the sourced file in its messages: say "bash" as `bash -c` would
-        text = body.decode("utf-8", "surrogateescape").replace(
-            f"{self._dir}/cmd.{st.running}: ", "bash: "
-        )
+        text = body.decode("utf-8", "surrogateescape").replace(f"{self._dir}/cmd: ", "bash: ")
         match = None
         for i, pattern in enumerate(patterns):
             m = pattern.search(text)
@@ -372,7 +385,7 @@ class ShellSession:
             max_output_bytes=(self._cap // 3 + 1) * 4 + (self._cap >> 4) + 4096,
         )
         if r.timed_out:
-            return _Step("timeout", None, None, st.known)
+            return _Step("timeout", None, None, None)
         head, _, rest = r.stdout.partition("\n")
         fields = head.split()
         if len(fields) != 5 or fields[0] != "DSEC":
@@ -386,7 +399,7 @@ class ShellSession:
             status,
             int(rc) if rc.lstrip("-").isdigit() else None,
             int(pos) if pos.isdigit() else None,
-            int(size) if size.isdigit() else 0,
+            int(size) if size.isdigit() else None,
         )
         try:
             if status == "syntax":

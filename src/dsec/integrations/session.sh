@@ -11,9 +11,10 @@
 #         once at start)
 #   in    FIFO: the terminal's input (the pty's input in pty mode, the loop's stdin else)
 #   out   file: everything the session printed, appended (the client keeps a byte offset)
-#   cmd.ID  the command text, sourced by the loop (so cd, export, functions, aliases and
+#   cmd   the command text, sourced by the loop (so cd, export, functions, aliases and
 #         shell options persist: the command runs in the loop shell itself)
-#   pid, launcher  the loop shell's pid (= its process group) and the launcher's
+#   pid, launcher, mode  the loop shell's pid (= its process group), the launcher's, pty|pipe
+#   typed non-empty when terminal input was sent during the running command
 #
 # After each command the loop prints the end marker \036ID\037 to its stdout (through the
 # terminal, so it lands in `out` after all of the command's output) and then "ID RC" to
@@ -22,10 +23,11 @@
 # Usage (argv of the exec):  bash session.sh start DIR auto|on|off
 #                            bash session.sh loop DIR
 #                            bash session.sh wait DIR MODE ID TIMEOUT_MS OFFSET KNOWN POLL CAP
-# wait prints "DSEC STATUS RC MARKER_POS SIZE" and then, for done/output/idle, the bytes of
-# `out` from OFFSET (at most CAP) in base64. MODE is one of run (stdin: the command),
-# input (stdin: text for the terminal), wait, intr (SIGINT to the loop's process group),
-# kill (SIGKILL to every process of that group but the loop), close.
+# wait prints "DSEC STATUS RC MARKER_POS SIZE" ("-" for what it does not know) and then,
+# for done/output/idle/dead, the bytes of `out` from OFFSET (at most CAP) in base64. MODE is
+# one of run (stdin: the command), input (stdin: text for the terminal), wait, intr
+# (SIGINT to the loop's process group), kill (SIGKILL to every process of that group but
+# the loop), find (the end marker's offset, when the output was cut), close.
 
 _now_us() {
     if [[ -n ${EPOCHREALTIME-} ]]; then
@@ -63,6 +65,8 @@ _start() {
     launcher=$!
     set +m
     echo "$launcher" >"$d/launcher"
+    echo "$mode" >"$d/mode"
+    : >"$d/typed"
     exec 4<>"$d/done"
     if IFS=' ' read -r -t 30 word pid <&4 && [[ $word == ready ]]; then
         echo "DSEC started $mode - 0"
@@ -92,29 +96,38 @@ _kill_group() {  # SIGKILL every process in process group $1 except $1 itself
 
 _wait() {
     local d=$1 mode=$2 id=$3 timeout_ms=$4 off=$5 known=$6 poll=$7 cap=$8
-    local pid launcher status=timeout rc=- pos=- size step t did drc deadline i out err
+    local pid launcher tmode status=timeout rc=- pos size step t did drc deadline i out
     read -r pid 2>/dev/null <"$d/pid" || {
-        echo "DSEC dead - - 0"
+        echo "DSEC dead - - -"
         return 0
     }
     read -r launcher 2>/dev/null <"$d/launcher"
+    read -r tmode 2>/dev/null <"$d/mode"
     case $mode in
     run)
-        cat >"$d/cmd.$id.tmp" || return 1
-        bash -n <"$d/cmd.$id.tmp" >"$d/syntax.out" 2>"$d/syntax.err"
+        # the shell is idle (the client's rule), so `cmd` is free to be rewritten
+        cat >"$d/cmd" || return 1
+        bash -n <"$d/cmd" >"$d/syntax.out" 2>"$d/syntax.err"
         i=$?
         if ((i != 0)); then
-            echo "DSEC syntax $i - 0"
+            echo "DSEC syntax $i - -"
             base64 <"$d/syntax.out"
             echo "DSEC-SEP"
             base64 <"$d/syntax.err"
-            rm -f "$d/cmd.$id.tmp" "$d/syntax.out" "$d/syntax.err"
             return 0
         fi
-        mv -f "$d/cmd.$id.tmp" "$d/cmd.$id"
         printf '%s\n' "$id" >"$d/ctl"
         ;;
-    input) cat >"$d/in" ;;
+    input)
+        echo 1 >"$d/typed" # the shell drains what the command leaves unread
+        cat >"$d/in"
+        ;;
+    find) # where the end marker of $id is, from $off (when the output was cut at $cap)
+        out=$(tail -c +$((off + 1)) "$d/out" | grep -abo -F -e $'\036'"$id"$'\037' | head -n 1)
+        pos=${out%%:*}
+        echo "DSEC found - ${pos:--} -"
+        return 0
+        ;;
     intr) kill -INT -- "-$pid" 2>/dev/null ;;
     kill)
         kill -INT "$pid" 2>/dev/null # the shell aborts the rest of the command (its trap)
@@ -124,7 +137,7 @@ _wait() {
         kill -KILL -- "-$pid" 2>/dev/null
         [[ -n $launcher ]] && kill -KILL -- "-$launcher" 2>/dev/null
         rm -rf "$d"
-        echo "DSEC closed - - 0"
+        echo "DSEC closed - - -"
         return 0
         ;;
     esac
@@ -169,19 +182,15 @@ _wait() {
             fi
         done
     fi
-    if [[ $status == done ]]; then
-        # the marker passes through the terminal: it may land a moment after the done line
-        for ((i = 0; i < 400; i++)); do
-            out=$(tail -c +$((off + 1)) "$d/out" | grep -abo -F -e $'\036'"$id"$'\037' | head -n 1)
-            if [[ -n $out ]]; then
-                pos=${out%%:*}
-                break
-            fi
-            sleep 0.01
+    if [[ $status == done && $tmode == pty ]]; then
+        # the end marker passes through the terminal: it may land a moment after the done
+        # line (on pipes the shell wrote it to `out` before the done line)
+        for ((i = 0; i < 1000; i++)); do
+            tail -c +$((off + 1)) "$d/out" | grep -aqF -e $'\036'"$id"$'\037' && break
+            read -r -t 0.003 _ <&4 # a sleep without a fork (nothing else comes for $id)
         done
     fi
-    size=$(stat -c %s "$d/out" 2>/dev/null || echo 0)
-    echo "DSEC $status $rc $pos $size"
+    echo "DSEC $status $rc - ${size:--}"
     case $status in
     done | output | idle | dead) tail -c +$((off + 1)) "$d/out" | head -c "$cap" | base64 ;;
     esac
@@ -213,18 +222,24 @@ loop)
     echo "ready $$" >&4
     while :; do
         IFS= read -r __dsec_id <&3 || continue
-        [[ -f $__dsec_d/cmd.$__dsec_id ]] || continue
         __dsec_busy=1
         __dsec_status "$__dsec_rc" # $? in the command: the previous command's status
-        . "$__dsec_d/cmd.$__dsec_id"
+        . "$__dsec_d/cmd"
         __dsec_rc=$?
         __dsec_busy=
-        rm -f "$__dsec_d/cmd.$__dsec_id"
-        if [[ -t 0 ]]; then
-            stty -echo 2>/dev/null # a program may have turned echo back on
+        if ((__dsec_rc > 128)); then
+            # after the INT trap returned from the sourced command, bash (5.2) runs no
+            # further INT trap until it next forks a child: fork one
+            (:)
         fi
-        # terminal input the finished command did not read is not for the next one
-        IFS= read -r -s -t 0.002 -N 65536 __dsec_junk
+        if [[ -s $__dsec_d/typed ]]; then # something was typed into the terminal
+            # what the finished command did not read is not for the next one
+            IFS= read -r -s -t 0.002 -N 65536 __dsec_junk
+            : >"$__dsec_d/typed"
+            if [[ -t 0 ]]; then
+                stty -echo 2>/dev/null # the program (a REPL) may have turned echo back on
+            fi
+        fi
         printf '\036%s\037' "$__dsec_id"
         printf '%s %s\n' "$__dsec_id" "$__dsec_rc" >&4
     done
