@@ -356,3 +356,36 @@ async def test_interrupt_twice_in_a_row(shell: ShellSession) -> None:
         assert (await shell.run(command, timeout=0.3)).status == "timeout"
         r = await shell.interrupt(timeout=5)
         assert (r.status, r.exit_code) == ("done", 130), command
+
+
+def test_docker_cp_refuses_an_unsafe_tar_on_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import tarfile
+
+    from dsec import Sandbox
+
+    edge = FakeEdge()
+    transport, key = app_transport(edge)
+    sb = Sandbox.create(
+        image="busybox", transport=transport, api_key=key, labels={"docker.name": "box"}
+    )
+    sb.files.make_dir("/work")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        member = tarfile.TarInfo("../escape.txt")
+        member.size = 1
+        tar.addfile(member, io.BytesIO(b"x"))
+
+    class _Stdin:
+        buffer = io.BytesIO(buf.getvalue())
+
+    monkeypatch.setattr(sys, "stdin", _Stdin())
+    docker_cli.transport_factory = lambda: transport
+    err = io.StringIO()
+    try:
+        with redirect_stderr(err):
+            assert docker_cli.main(["cp", "-", "box:/work"], api_key=key) == 1
+    finally:
+        docker_cli.transport_factory = None
+    assert "unsafe tar member" in err.getvalue()
+    assert not edge.calls_to("upload_tar")

@@ -979,11 +979,13 @@ def _cp_to(sb: Any, src: str, dst: str, ref: str) -> int:
             )
         data = _read_stdin()
         with tempfile.TemporaryDirectory() as tmp:
+            # the SDK's checked extraction: no absolute or escaping paths, links or devices
+            from dsec.sdk.sandbox import _safe_extract
+
             try:
-                with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
-                    tar.extractall(tmp, filter="data")
-            except tarfile.TarError as e:
-                raise DockerError(f"Error response from daemon: invalid tar stream: {e}") from None
+                _safe_extract(data, Path(tmp))
+            except InvalidRequest as e:
+                raise DockerError(f"Error response from daemon: {e.message}") from None
             sb.files.upload_dir(tmp, dst_path)
         return len(data)
     local = Path(src)
