@@ -38,6 +38,6 @@ fi
 stamp=.venv/.dsec-installed
 if [[ ! -f $stamp || pyproject.toml -nt $stamp || constraints.txt -nt $stamp ]]; then
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -c constraints.txt -e '.[dev,server,cluster]'
+  .venv/bin/pip install -q -c constraints.txt -e '.[dev,server,cluster,integrations]'
   touch "$stamp"
 fi

@@ -20,7 +20,10 @@ def main(argv: list[str]) -> int:
     text = render_sync_stubs()
     if "--check" in argv:
         if (TARGET.read_text() if TARGET.exists() else "") != text:
-            print(f"{TARGET} is stale; run: .venv/bin/python scripts/gen_sync_stubs.py", file=sys.stderr)
+            print(
+                f"{TARGET} is stale; run: .venv/bin/python scripts/gen_sync_stubs.py",
+                file=sys.stderr,
+            )
             return 1
         print(f"{TARGET} is up to date")
         return 0

@@ -483,6 +483,21 @@ class MemoryLayers:
             self._grants.update((owner, d) for d in layers)
         return image
 
+    def attach(self, ref: str, name: str | None, lazy: bool, owner: str) -> ImageInfo:
+        """A registry in memory: every reference is an image of one empty layer (named as
+        the real store names it, ``team-app:1`` for ``localhost:5000/team/app:1``)."""
+        from dsec.layers.registry import default_image_name, parse_ref
+
+        parsed = parse_ref(ref.removeprefix("oci://"))
+        digest = "sha256:" + hashlib.sha256(str(parsed).encode()).hexdigest()
+        with self._lock:
+            self._layers.setdefault(
+                digest,
+                LayerInfo(digest=digest, kind="base", name=ref, size=4096, created_at=_now()),
+            )
+        meta = {"source": "registry", "ref": ref, "lazy": lazy}
+        return self.put_image(name or default_image_name(parsed), [digest], meta=meta, owner=owner)
+
     def get_image(self, ref: str, owner: str = SYSTEM_OWNER) -> ImageInfo:
         if ref.startswith("sha256:"):
             try:

@@ -27,6 +27,7 @@ Commands::
     dsec image push NAME oci://HOST[:PORT]/REPO[:TAG]
     dsec image pull [--lazy] REF
     dsec info
+    dsec docker run|exec|ps|stop|rm|pull|cp ...   (a docker CLI subset: dsec/cli/docker.py)
     dsec key create|ls|revoke        (local key store in $DSEC_HOME, no server needed)
 
 Sandboxes have no network unless a network option is given (``--allow-domain``,
@@ -87,6 +88,25 @@ job_app = typer.Typer(help="Act on every sandbox of a training job at once.", no
 app.add_typer(image_app, name="image")
 app.add_typer(key_app, name="key")
 app.add_typer(job_app, name="job")
+
+
+@app.command(
+    "docker",
+    context_settings={
+        "allow_extra_args": True,
+        "ignore_unknown_options": True,
+        "allow_interspersed_args": False,
+        "help_option_names": [],
+    },
+    add_help_option=False,
+)
+def docker(ctx: typer.Context) -> None:
+    """A docker-compatible subset on sandboxes: run, exec, ps, stop, rm, pull, cp
+    (``dsec docker --help``; docs/integrations.md). Same as the ``dsec-docker`` command."""
+    from dsec.cli.docker import main as docker_main
+
+    raise typer.Exit(docker_main(ctx.args, url=_connection["url"], api_key=_connection["api_key"]))
+
 
 stdout = Console(highlight=False, soft_wrap=False)
 stderr = Console(stderr=True, highlight=False)

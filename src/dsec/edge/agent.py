@@ -45,7 +45,7 @@ from dsec.errors import (
     SequenceGap,
     TierUnavailable,
 )
-from dsec.layers.source import LayerSource, LazyLayers
+from dsec.layers.source import LayerSource, LazyLayers, RegistryLayers
 from dsec.layers.workspace import check_stack
 from dsec.models import (
     SYSTEM_OWNER,
@@ -1569,11 +1569,12 @@ class EdgeAgent:
         """Register a pushed image as ``owner``'s (``lazy``: layers stay remote and are
         fetched on first read; other images fall back to a full pull):
         :func:`dsec.layers.publish.attach_image`."""
-        from dsec.layers.publish import attach_image
-
+        layers = self.layers
+        if not isinstance(layers, RegistryLayers):
+            raise CapabilityNotSupported("this node's layer store cannot pull from registries")
         if name is not None and owner != SYSTEM_OWNER:
-            self.layers.check_name_free(name, owner)  # before anything is downloaded
-        return await asyncio.to_thread(attach_image, self.layers, ref, name, lazy, owner)
+            layers.check_name_free(name, owner)  # before anything is downloaded
+        return await asyncio.to_thread(layers.attach, ref, name, lazy, owner)
 
     async def push_image(
         self, name: str, target: str, owner: str = SYSTEM_OWNER

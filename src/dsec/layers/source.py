@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from dsec.models import SYSTEM_OWNER, ImageInfo, LayerInfo, LayerKind
 
-__all__ = ["LayerSource", "LazyLayers"]
+__all__ = ["LayerSource", "LazyLayers", "RegistryLayers"]
 
 
 @runtime_checkable
@@ -106,3 +106,14 @@ class LazyLayers(Protocol):
     feed the node's metrics."""
 
     def lazy_stats(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class RegistryLayers(Protocol):
+    """A store that can take images from an OCI / Docker v2 registry."""
+
+    def attach(self, ref: str, name: str | None, lazy: bool, owner: str) -> ImageInfo:
+        """Make the image at ``ref`` ``owner``'s image ``name`` (default from the ref): a
+        dsec artifact's layers are recorded as remote (``lazy``) or downloaded; any other
+        image is converted from its tar layers. Blocks on the network."""
+        ...

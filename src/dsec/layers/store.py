@@ -662,6 +662,13 @@ class LayerStore:
             return 1.0
         return self._lazy_server().cached_fraction(digest, info.size)
 
+    def attach(self, ref: str, name: str | None, lazy: bool, owner: str) -> ImageInfo:
+        """Take the image at ``ref`` from its registry as ``owner``'s image:
+        :func:`dsec.layers.publish.attach_image`."""
+        from dsec.layers.publish import attach_image
+
+        return attach_image(self, ref, name, lazy, owner)
+
     def lazy_stats(self) -> dict[str, Any]:
         """On-demand loading counters: ``{"node": {...}, "layers": {digest: {...}},
         "running": bool}``. Per layer and node: ``bytes_fetched``, ``bytes_written`` (to the

@@ -1,0 +1,12 @@
+"""Backends for agent harnesses, built on dsec's public SDK (``pip install 'dsec[integrations]'``).
+
+One module per harness; each imports its harness only when imported itself:
+
+* :mod:`dsec.integrations.swerex` — SWE-ReX: ``DsecDeployment`` (an ``AbstractDeployment``)
+  and its ``DsecRuntime`` (persistent shell sessions over exec, no server in the sandbox);
+* :mod:`dsec.integrations.minisweagent` — mini-swe-agent: ``DsecEnvironment``, for
+  ``environment_class: dsec.integrations.minisweagent.DsecEnvironment``.
+
+Tools that shell out to ``docker`` can use ``dsec docker`` / ``dsec-docker`` instead
+(:mod:`dsec.cli.docker`). Commands for each harness: ``docs/integrations.md``.
+"""
