@@ -61,6 +61,7 @@ from dsec.errors import (
     SequenceConflict,
     SequenceGap,
     ServiceUnavailable,
+    StartFailed,
     TierUnavailable,
     Unsupported,
 )
@@ -73,6 +74,7 @@ from dsec.models import (
     FileInfo,
     ImageInfo,
     LayerInfo,
+    LogLine,
     NodeInfo,
     SandboxInfo,
 )
@@ -118,6 +120,7 @@ __all__ = [
     "InvalidRequest",
     "LayerInfo",
     "LayerNotFound",
+    "LogLine",
     "NetworkPolicy",
     "NodeInfo",
     "NodeLost",
@@ -139,6 +142,7 @@ __all__ = [
     "SequenceConflict",
     "SequenceGap",
     "ServiceUnavailable",
+    "StartFailed",
     "TierUnavailable",
     "Unsupported",
     "__version__",

@@ -26,6 +26,7 @@ TimeoutError`` or ``except LookupError`` work as expected::
     │   └── OutcomeUnknown                       409 outcome_unknown
     ├── PayloadTooLarge                          413 payload_too_large
     ├── BuildFailed                              422 build_failed
+    ├── StartFailed                              422 start_failed
     ├── Unsupported                              422 unsupported
     │   ├── TierUnavailable                      422 tier_unavailable
     │   └── CapabilityNotSupported               422 capability_not_supported
@@ -87,6 +88,7 @@ __all__ = [
     "SequenceConflict",
     "SequenceGap",
     "ServiceUnavailable",
+    "StartFailed",
     "TierUnavailable",
     "Unsupported",
     "error_from_wire",
@@ -257,6 +259,15 @@ class BuildFailed(DsecError):
     ``exit_code``. Nothing of that step was stored and no image was made."""
 
     code = "build_failed"
+    http_status = 422
+
+
+class StartFailed(DsecError):
+    """A sandbox's image start command failed: it exited non-zero before its readiness
+    check passed, or the check did not pass in time. The sandbox was killed. ``details``:
+    ``sandbox_id``, ``exit_code`` (when it exited), ``logs_tail`` (the end of its output)."""
+
+    code = "start_failed"
     http_status = 422
 
 

@@ -92,14 +92,24 @@ class CreateSandboxRequest(_Model):
     memory_mb: int = Field(512, ge=16, le=1024 * 1024, description="memory limit, MiB")
     disk_mb: int = Field(1024, ge=1, le=1024 * 1024, description="writable layer size, MiB")
     pids: int = Field(1024, ge=8, le=1_000_000, description="max processes/threads")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(
+        default_factory=dict, description="environment of every command, over the image's Env"
+    )
     ttl_s: float | None = Field(
         3600, gt=0, le=30 * 24 * 3600, description="idle seconds before the sandbox is killed"
     )
-    user: str | None = Field(None, description="default user for exec: name, uid or uid:gid")
+    user: str | None = Field(
+        None,
+        description="default user for exec: name, uid or uid:gid (default: the image's User, "
+        "else root)",
+    )
     labels: dict[str, str] = Field(default_factory=dict)
     job: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-    workdir: str = Field("/", max_length=4096)
+    workdir: str | None = Field(
+        None,
+        max_length=4096,
+        description="default cwd of commands (default: the image's WorkingDir, else /)",
+    )
     on_timeout: OnTimeout = Field(
         "kill", description="what happens when ttl_s passes without activity: kill or pause"
     )
@@ -111,6 +121,11 @@ class CreateSandboxRequest(_Model):
     )
     network: NetworkPolicy | None = Field(
         None, description="None (default): no network at all; else the allowlist policy"
+    )
+    start: bool = Field(
+        True,
+        description="run the image's start command, if it has one (a server, a desktop); "
+        "its output is the sandbox's logs",
     )
     full_guest: bool = Field(
         False,
@@ -170,8 +185,8 @@ class CreateSandboxRequest(_Model):
 
     @field_validator("workdir")
     @classmethod
-    def _workdir(cls, v: str) -> str:
-        if not v.startswith("/") or "\0" in v:
+    def _workdir(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("/") or "\0" in v):
             raise ValueError("workdir must be an absolute path")
         return v
 
@@ -407,6 +422,17 @@ class ExecEvent(_Model):
     data: str | None = None
     result: ExecResult | None = None
     error: dict[str, Any] | None = None
+
+
+class LogLine(_Model):
+    """A piece of a sandbox's logs (NDJSON on ``GET /v1/sandboxes/{id}/logs``): output of
+    its image's start command, as it came (a chunk may hold several lines, or part of one)."""
+
+    ts: float = Field(description="when the edge read it, Unix seconds")
+    stream: str = Field(
+        description="stdout | stderr | dsec (the edge's own note: how the command ended)"
+    )
+    data: str
 
 
 FileType = Literal["file", "dir", "symlink", "other"]

@@ -614,7 +614,7 @@ class MemoryRuntime:
         self.sandboxes: dict[str, _Sandbox] = {}
 
     def facts(self) -> RuntimeFacts:
-        return RuntimeFacts(available=True, network_ready=True)
+        return RuntimeFacts(available=True, network_ready=True, sink_sees_all_output=True)
 
     async def start(self) -> None:
         return None
@@ -641,15 +641,15 @@ class MemoryRuntime:
         self, handle: Handle, req: ExecRequest, sink: OutputSink | None = None
     ) -> ExecResult:
         self._get(handle)
-        result = _truncate(await self._answer(handle.id, req), req.max_output_bytes)
+        full = await self._answer(handle.id, req)
         self.executed["exec"] = self.executed.get("exec", 0) + 1
-        if sink is not None:
-            for stream, text in (("stdout", result.stdout), ("stderr", result.stderr)):
+        if sink is not None:  # a sink sees all of it (the result keeps the cap)
+            for stream, text in (("stdout", full.stdout), ("stderr", full.stderr)):
                 for line in text.splitlines(keepends=True):
                     if self.chunk_delay_s:
                         await asyncio.sleep(self.chunk_delay_s)
                     await sink(stream, line.encode())
-        return result
+        return _truncate(full, req.max_output_bytes)
 
     def files(self, handle: Handle) -> SandboxFiles:
         return self._get(handle).files

@@ -137,6 +137,32 @@ def test_pause_modes_reach_the_node(cluster_server: ClusterServer) -> None:
         assert sb.kill().state == "stopped"  # a paused container dies promptly
 
 
+def test_a_build_is_usable_on_every_node_and_its_logs_stream_through(
+    cluster_server: ClusterServer,
+) -> None:
+    """``POST /v1/builds`` runs on one node, its layers are copied to the others before
+    ``done``; a start command's logs are streamed from the sandbox's node (the derived
+    stream relay), followed until it ends."""
+    from dsec import Client, Image
+
+    image = Image.from_image("busybox").start_cmd(
+        "echo started on $(hostname); sleep 1; echo finished", ready_cmd="true"
+    )
+    with Client(cluster_server.url, cluster_server.api_key) as client:
+        info = image.build("logs:1", client=client)
+    assert info.meta["start"]["cmd"].startswith("echo started")
+    made = [_create(cluster_server, image="logs:1", labels={PREFER: n}) for n in ("w1", "w2")]
+    try:
+        assert {sb.info.node for sb in made} == {"w1", "w2"}  # the image is on both
+        for sb in made:
+            lines = list(sb.logs(follow=True, timeout=60))
+            text = "".join(x.data for x in lines if x.stream == "stdout")
+            assert text.startswith("started on ") and text.endswith("finished\n")
+            assert lines[-1].stream == "dsec" and "exited with code 0" in lines[-1].data
+    finally:
+        _kill_all(made)
+
+
 def test_migration_moves_files_between_nodes(cluster_server: ClusterServer) -> None:
     sb = _create(cluster_server, labels={PREFER: "w1"})
     try:

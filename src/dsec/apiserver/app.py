@@ -105,7 +105,7 @@ def create_app(
         keys=keys,
         metrics=metrics,
         routes=_route_templates(app),
-        upload_routes=UPLOAD_ROUTES | {"/v1/images/build"},
+        upload_routes=UPLOAD_ROUTES | {"/v1/images/build", "/v1/builds"},
         max_upload_bytes=max_upload_bytes,
         max_json_bytes=min(max_json_bytes, max_upload_bytes),
         access_log=access_mode,

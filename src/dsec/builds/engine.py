@@ -72,7 +72,6 @@ from dsec.builds.copy_layer import (
     tree_entries,
 )
 from dsec.builds.dockerfile import parse_dockerfile
-from dsec.builds.image_config import ImageConfig
 from dsec.builds.plan import BuildPlan, PlannedStep, plan_steps
 from dsec.builds.steps import (
     AptInstall,
@@ -105,6 +104,7 @@ from dsec.errors import (
     Unsupported,
     error_from_wire,
 )
+from dsec.image_config import ImageConfig, StartCommand
 from dsec.layers.store import LayerStore
 from dsec.models import (
     CreateSandboxRequest,
@@ -331,6 +331,7 @@ class ImageBuilder:
             context=ctx,
             run_network=run_network,
             max_layers=lim.max_layers,
+            base_start=StartCommand.from_meta(base.meta),
         )
         notes.extend(plan.notes)
         for ps in plan.steps:
@@ -446,12 +447,14 @@ class ImageBuilder:
                 }
             )
             yield StepDone(step=ps.index, layer=layer, cached=from_cache, duration_ms=_ms(t0))
-        meta = {
+        meta: dict[str, Any] = {
             "config": b.plan.config.to_meta(),
             "source": "build",
             "base": b.base_name,
             "build": {"id": b.id, "steps": history, "cached_steps": cached, "built_steps": built},
         }
+        if b.plan.start is not None:
+            meta["start"] = b.plan.start.to_meta()
         try:
             image = await asyncio.to_thread(
                 self.store.put_image, b.req.name, stack, meta=meta, owner=b.owner

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.edge.interface import edge_verbs
+from dsec.edge.interface import STREAM_VERBS, edge_verbs
 from dsec.errors import DsecError, InternalError, InvalidRequest
 from dsec.models import SYSTEM_OWNER
 
@@ -54,8 +54,10 @@ ACTOR_PREFIX = "dsec-edge-"
 NODE_LABEL = "dsec.io/node"
 BURST_LABEL = "dsec.io/burst"
 
-# EdgeAgent methods an apiserver may call through ``EdgeActor.call``: the edge contract's
-_CALLABLE = edge_verbs()
+# EdgeAgent methods an apiserver may call through ``EdgeActor.call`` (the edge contract's
+# verbs) and through ``EdgeActor.stream`` (those that answer with a stream)
+_CALLABLE = edge_verbs() - STREAM_VERBS
+_STREAMING = STREAM_VERBS
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,26 @@ class EdgeActor:
                 raise
             return _err(e)
 
+    async def stream(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> AsyncIterator[Any]:
+        """Run the streaming verb ``EdgeAgent.<method>(*args, **kwargs)`` (Ray streaming
+        generator): each item ``("ok", item)``; an error ends the stream as one
+        ``("error", wire error)`` item."""
+        if method not in _STREAMING:
+            yield _err(InvalidRequest(f"edge method {method!r} does not stream"))
+            return
+        try:
+            agent = await self._agent()
+            gen = getattr(agent, method)(*args, **kwargs)
+            async with contextlib.aclosing(gen):
+                async for item in gen:
+                    yield _ok(item)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError | GeneratorExit):
+                raise
+            yield _err(e)
+
     async def exec_stream(
         self, sandbox_id: str, owner: str, req: Any, seq: int | None, idem_key: str | None
     ) -> AsyncIterator[Any]:
@@ -310,6 +332,17 @@ class EdgeActor:
                     f"layer moved as {info.digest} arrived as {layer.digest}", digest=info.digest
                 )
             return _ok(layer)
+        except BaseException as e:
+            return _err(e)
+
+    async def put_image(self, owner: str, image: Any) -> Any:
+        """Register ``image`` (an ``ImageInfo`` of another node, whose layers were moved
+        here first) as ``owner``'s: a build's image on every node."""
+        try:
+            agent = await self._agent()
+            return _ok(
+                agent.layers.put_image(image.name, list(image.layers), meta=image.meta, owner=owner)
+            )
         except BaseException as e:
             return _err(e)
 

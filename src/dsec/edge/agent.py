@@ -19,17 +19,19 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec.config import Paths, host_memory_mb
 from dsec.edge.interface import NodeUsage
 from dsec.edge.jobs import create_batch, for_each_sandbox
+from dsec.edge.logs import SandboxLogs, log_bytes_from_env
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.registry import Registry, SandboxRow
+from dsec.edge.start import StartProcess, start_command_of, with_image_defaults
 from dsec.edge.trajectory import TrajectoryLog
 from dsec.errors import (
     CapabilityNotSupported,
@@ -45,6 +47,7 @@ from dsec.errors import (
     SequenceGap,
     TierUnavailable,
 )
+from dsec.image_config import StartCommand
 from dsec.layers.source import LayerSource, LazyLayers, RegistryLayers
 from dsec.layers.workspace import check_stack
 from dsec.models import (
@@ -65,6 +68,7 @@ from dsec.models import (
     JobActionResult,
     JobOutcome,
     LayerInfo,
+    LogLine,
     MigrateResult,
     NodeInfo,
     PauseReport,
@@ -86,6 +90,10 @@ from dsec.runtimes.base import (
     capabilities_of,
 )
 from dsec.version import __version__
+
+if TYPE_CHECKING:
+    from dsec.builds.engine import ImageBuilder
+    from dsec.builds.wire import BuildEvent, BuildRequest
 
 log = logging.getLogger("dsec.edge")
 
@@ -110,13 +118,15 @@ class EdgeLimits:
     max_build_context_bytes: int = 256 << 20  # an uploaded build context, bytes
     max_build_bytes: int = 4 << 30  # what a build context may unpack to, bytes
     max_build_entries: int = 500_000  # files, directories and links in a build context
+    log_bytes: int = 1 << 20  # start-command output kept per sandbox (its logs), bytes
 
     @classmethod
     def from_env(cls) -> EdgeLimits:
         """Defaults, overridden by ``DSEC_MAX_SANDBOXES``, ``DSEC_CPU_OVERCOMMIT``,
         ``DSEC_MEMORY_OVERCOMMIT``, ``DSEC_IMAGE_WAIT_S`` (seconds a create waits for a
         built-in image being built), ``DSEC_MAX_BUILD_CONTEXT_BYTES`` and
-        ``DSEC_MAX_BUILD_BYTES`` (operator settings of ``dsec serve``)."""
+        ``DSEC_MAX_BUILD_BYTES`` (operator settings of ``dsec serve``) and ``DSEC_LOG_BYTES``
+        (start-command output kept per sandbox)."""
         lim = cls()
         env = os.environ
         try:
@@ -132,6 +142,7 @@ class EdgeLimits:
                 lim.max_build_context_bytes = int(env["DSEC_MAX_BUILD_CONTEXT_BYTES"])
             if "DSEC_MAX_BUILD_BYTES" in env:
                 lim.max_build_bytes = int(env["DSEC_MAX_BUILD_BYTES"])
+            lim.log_bytes = log_bytes_from_env()
         except ValueError as e:
             raise SystemExit(f"invalid edge limit in the environment: {e}") from e
         return lim
@@ -144,6 +155,8 @@ class _Live:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     inflight: int = 0
     last_pause: PauseReport | None = None
+    logs: SandboxLogs | None = None  # the start command's output, if the image has one
+    start: StartProcess | None = None
 
 
 def node_name() -> str:
@@ -207,6 +220,7 @@ class EdgeAgent:
         if isinstance(layer_store, LazyLayers):  # on-demand layer loading counters
             self.metrics.add_lazy_layers(layer_store.lazy_stats)
         self._live: dict[str, _Live] = {}
+        self._builder: ImageBuilder | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._closing = False
         self._closed = False
@@ -250,6 +264,8 @@ class EdgeAgent:
         if self.network is not None:
             with contextlib.suppress(Exception):
                 await self.network.close()
+        if self._builder is not None:
+            self._builder.close()
         self.registry.close()
         self.trajectory.close()
         self._closed = True
@@ -502,6 +518,8 @@ class EdgeAgent:
             )
 
     async def _destroy(self, lv: _Live, reason: str) -> None:
+        if lv.start is not None:
+            await lv.start.stop()
         async with lv.lock:
             if lv.row.state == "stopped":
                 return
@@ -543,6 +561,7 @@ class EdgeAgent:
             image = await self.layers.ensure_image(
                 req.image, owner, wait_s=self.limits.image_wait_s
             )
+            req = with_image_defaults(req, image)
             extra: list[LayerInfo] = (
                 self.layers.resolve_layers(req.layers, owner) if req.layers else []
             )
@@ -595,7 +614,7 @@ class EdgeAgent:
             pids=req.pids,
             env=dict(req.env),
             user=req.user,
-            workdir=req.workdir,
+            workdir=req.workdir or "/",
             labels=dict(req.labels),
             network=req.network,
             full_guest=req.full_guest,
@@ -622,9 +641,37 @@ class EdgeAgent:
                 raise
             log.exception("create %s failed", sid)
             raise SandboxError(f"could not create sandbox: {e}", sandbox_id=sid) from e
+        start = start_command_of(image) if maker is None and req.start else None
+        if start is not None:
+            try:
+                await self._start(lv, rt, start, rt.facts().sink_sees_all_output)
+            except BaseException as e:
+                await self._destroy(lv, "start command failed")
+                self.metrics.creations.labels(tier, "failed").inc()
+                if isinstance(e, DsecError):
+                    self.metrics.errors.labels(e.code).inc()
+                raise
         self.metrics.creations.labels(tier, "ok").inc()
         self.metrics.create_seconds.labels(tier).observe(time.perf_counter() - t0)
         return self._info(row)
+
+    async def _start(
+        self, lv: _Live, rt: Runtime, start: StartCommand, sink_sees_all: bool
+    ) -> None:
+        """Launch the image's start command in a new sandbox; wait for its readiness check."""
+        lv.logs = SandboxLogs(self.limits.log_bytes)
+        lv.start = StartProcess(
+            rt,
+            lv.handle,
+            start,
+            lv.row.request.get("workdir") or "/",
+            lv.logs,
+            sink_sees_all=sink_sees_all,
+        )
+        lv.start.launch()
+        waited = await lv.start.wait_ready()
+        if start.ready_cmd is not None:
+            log.info("%s: start command ready after %.2f s", lv.row.id, waited)
 
     async def create_sandboxes(
         self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
@@ -1485,6 +1532,49 @@ class EdgeAgent:
         row = self._lookup_row(sandbox_id, owner)
         header = {"node": self.node, "create": row.request, "image_layers": row.image_layers}
         return "".join(self.trajectory.export_jsonl(sandbox_id, header=header))
+
+    async def sandbox_logs(
+        self, sandbox_id: str, owner: str, *, follow: bool = False
+    ) -> AsyncGenerator[LogLine, None]:
+        """The output of the sandbox's start command (:mod:`dsec.edge.logs`): what is kept,
+        then with ``follow`` what comes until the command ends. Empty for a sandbox whose
+        image has none. The sandbox must be live (``SandboxStopped`` otherwise)."""
+        lv = self._live_for(sandbox_id, owner)
+        if lv.logs is None:
+            return
+        async for line in lv.logs.read(follow=follow):
+            yield line
+
+    # ------------------------------------------------------------------ builds
+    def image_builder(self) -> ImageBuilder:
+        """The node's build engine, made on first use (its cache index opens then)."""
+        if self._builder is None:
+            from dsec.builds.engine import BuildLimits, ImageBuilder
+            from dsec.layers.store import LayerStore
+
+            if not isinstance(self.layers, LayerStore):
+                raise CapabilityNotSupported(
+                    "this node's layer store cannot build images (it makes no layer files)"
+                )
+            self._builder = ImageBuilder(
+                self,
+                self.layers,
+                cache_db=self.paths.home / "build-cache.db",
+                limits=BuildLimits.from_env(),
+                resolve_registry=None,
+            )
+        return self._builder
+
+    async def build(
+        self, owner: str, req: BuildRequest, context: bytes = b""
+    ) -> AsyncGenerator[BuildEvent, None]:
+        """Build ``req`` as ``owner``'s image (:class:`dsec.builds.engine.ImageBuilder`):
+        refusals raise from the first ``__anext__``, then events until ``done`` or
+        ``error``. ``context``: the build context, a tar archive (may be compressed)."""
+        builder = self.image_builder()
+        async with contextlib.aclosing(builder.build(owner, req, context)) as events:
+            async for event in events:
+                yield event
 
     # ------------------------------------------------------------------ images
     def _layer_cache_info(self, layer: LayerInfo) -> LayerInfo:

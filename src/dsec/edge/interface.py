@@ -21,18 +21,19 @@ Paused sandboxes: any call that needs the sandbox running resumes it transparent
 
 Optional abilities, each a protocol of its own (an edge has them or not; the apiserver checks
 with ``isinstance`` and answers ``unsupported`` / ``capability_not_supported`` otherwise):
-:class:`PauseModes`, :class:`ImagePublisher`, :class:`InteractiveExec`, :class:`DisplayEdge`,
-:class:`SandboxMigration`, :class:`MemoryMigration` and :class:`NodeReports`. Every verb is
-declared here once; :func:`edge_verbs` and :data:`SANDBOX_VERBS` derive from these classes
-what a remote edge (a cluster node) may be asked and which calls route by sandbox id.
+:class:`PauseModes`, :class:`ImageBuilds`, :class:`ImagePublisher`, :class:`InteractiveExec`,
+:class:`DisplayEdge`, :class:`SandboxMigration`, :class:`MemoryMigration` and
+:class:`NodeReports`. Every verb is declared here once; :func:`edge_verbs`,
+:data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive from these classes what a remote edge (a
+cluster node) may be asked, which calls route by sandbox id and which answer with a stream.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from dsec.models import (
     BatchCreateResult,
@@ -49,6 +50,7 @@ from dsec.models import (
     JobAction,
     JobActionResult,
     LayerInfo,
+    LogLine,
     MigrateResult,
     NodeInfo,
     PushImageResult,
@@ -56,10 +58,15 @@ from dsec.models import (
     SnapshotRequest,
 )
 
+if TYPE_CHECKING:
+    from dsec.builds.wire import BuildRequest
+
 __all__ = [
     "SANDBOX_VERBS",
+    "STREAM_VERBS",
     "DisplayEdge",
     "EdgeAPI",
+    "ImageBuilds",
     "ImagePublisher",
     "InteractiveExec",
     "InteractiveProcess",
@@ -201,6 +208,13 @@ class EdgeAPI(Protocol):
         """The sandbox's trajectory log as JSONL text (a header line, then one entry per line)."""
         ...
 
+    def sandbox_logs(
+        self, sandbox_id: str, owner: str, *, follow: bool = False
+    ) -> AsyncGenerator[LogLine, None]:
+        """The output of the sandbox's image start command (empty without one); with
+        ``follow``, new output until the command ends."""
+        ...
+
     # --- network (policy is a dsec.network.NetworkPolicy) ---------------------
     async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo: ...
     async def network_stats(self, sandbox_id: str, owner: str) -> dict[str, Any]: ...
@@ -241,6 +255,20 @@ class PauseModes(Protocol):
 
     async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
         """Pause with ``mode``: ``freeze`` the tier's pause, ``suspend`` memory to a file."""
+        ...
+
+
+@runtime_checkable
+class ImageBuilds(Protocol):
+    """Optional ability of an edge: image builds (``POST /v1/builds``; the engine is
+    :mod:`dsec.builds`). The apiserver answers ``capability_not_supported`` without it."""
+
+    def build(
+        self, owner: str, req: BuildRequest, context: bytes = b""
+    ) -> AsyncGenerator[Any, None]:
+        """Build ``req`` as ``owner``'s image from ``context`` (a tar archive): refusals
+        raise from the first ``__anext__``, then :data:`dsec.builds.wire.BuildEvent` s
+        until ``done`` or ``error``."""
         ...
 
 
@@ -420,6 +448,7 @@ class NodeReports(Protocol):
 _ABILITIES: tuple[type, ...] = (
     EdgeAPI,
     PauseModes,
+    ImageBuilds,
     ImagePublisher,
     InteractiveExec,
     DisplayEdge,
@@ -444,6 +473,18 @@ def _routes_by_sandbox(fn: Any) -> bool:
     params = list(inspect.signature(fn).parameters)
     return len(params) > 1 and params[1] == "sandbox_id"
 
+
+def _streams(fn: Any) -> bool:
+    return str(inspect.signature(fn).return_annotation).startswith(
+        ("AsyncIterator", "AsyncGenerator")
+    )
+
+
+STREAM_VERBS: frozenset[str] = frozenset(
+    name for proto in _ABILITIES for name, fn in _methods(proto).items() if _streams(fn)
+)
+"""The verbs that return an async iterator (a stream of events or lines): a cluster relays
+them as streams (refusals raise from the first item)."""
 
 SANDBOX_VERBS: frozenset[str] = frozenset(
     name for proto in _ABILITIES for name, fn in _methods(proto).items() if _routes_by_sandbox(fn)

@@ -99,6 +99,9 @@ class RuntimeFacts:
         max_memory_mb: most memory one sandbox may ask for, MiB.
         persistent: a sandbox outlives one call (``fncall``: no, each call is a new worker).
         network_ready: for a ``Networked`` runtime, its node's networking is up.
+        sink_sees_all_output: an exec's ``sink`` gets all of its output, whatever its
+            ``max_output_bytes`` (which then bounds only the result); else the cap bounds
+            both (the VM tiers' guest agents cap in the guest).
     """
 
     available: bool
@@ -107,6 +110,7 @@ class RuntimeFacts:
     max_memory_mb: int | None = None
     persistent: bool = True
     network_ready: bool = False
+    sink_sees_all_output: bool = False
 
 
 @runtime_checkable

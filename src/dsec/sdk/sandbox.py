@@ -89,6 +89,7 @@ from dsec.models import (
     ForkRequest,
     ForkResult,
     LayerInfo,
+    LogLine,
     MigrateRequest,
     MigrateResult,
     OnTimeout,
@@ -142,6 +143,9 @@ CREATE_TIMEOUT_S = 120.0
 
 EXEC_GRACE_S = 30.0
 """Extra seconds the client waits beyond a command's own timeout before giving up."""
+
+FOLLOW_TIMEOUT_S = 24 * 3600.0
+"""How long ``logs(follow=True)`` may run by default, seconds."""
 
 TRANSFER_TIMEOUT_S = 600.0
 """Default wait for a file or tar transfer, seconds."""
@@ -545,11 +549,12 @@ class AsyncSandbox:
         labels: dict[str, str] | None = None,
         user: str | None = None,
         job: str | None = None,
-        workdir: str = "/",
+        workdir: str | None = None,
         on_timeout: OnTimeout = "kill",
         paused_ttl_s: float | None = 24 * 3600.0,
         network: NetworkPolicyLike | None = None,
         full_guest: bool = False,
+        start: bool = True,
         url: str | None = None,
         api_key: str | None = None,
         timeout: float = CREATE_TIMEOUT_S,
@@ -565,9 +570,11 @@ class AsyncSandbox:
             cpu: CPU cores. memory_mb: memory limit, MiB. disk_mb: writable layer, MiB.
             pids: max processes. env: environment of every command.
             ttl_s: idle seconds before ``on_timeout`` applies (None: no idle limit).
-            labels: free-form key/values to filter on. user: default exec user.
+            labels: free-form key/values to filter on. user: default exec user (default:
+                the image's ``User``, else root).
             job: training-job id: groups sandboxes for :mod:`dsec.jobs` (pause, resume or
-                kill the whole job at once). workdir: default cwd.
+                kill the whole job at once). workdir: default cwd (default: the image's
+                ``WorkingDir``, else ``/``). The image's ``Env`` is under ``env``.
             on_timeout: ``"kill"`` or ``"pause"`` (free its memory, keep its state) when
                 ``ttl_s`` passes without activity; any request resumes a paused sandbox.
             paused_ttl_s: seconds a paused sandbox lives before it is killed (None: no limit).
@@ -580,6 +587,9 @@ class AsyncSandbox:
                 the whole guest (every capability, device, ``/proc`` file and syscall: kernel
                 work, penetration testing) instead of the container tier's protections. The
                 guest agent still lives outside the commands' PID namespace.
+            start: run the image's start command (a server, a desktop: see
+                :meth:`dsec.Image.start_cmd`); its output is :meth:`logs`. When the image
+                has a readiness check, the creation returns once it passes.
             url, api_key, transport: connection (ignored when ``client`` is given).
             timeout: how long to wait for creation, seconds.
             client: a shared :class:`AsyncClient` (its connection pool is reused).
@@ -602,6 +612,7 @@ class AsyncSandbox:
             paused_ttl_s=paused_ttl_s,
             network=network,
             full_guest=full_guest,
+            start=start,
         )
         conn, owned = cls._client_for(client, url, api_key, transport)
         body = req.model_dump(mode="json")  # keep an explicit ttl_s=None
@@ -966,6 +977,23 @@ class AsyncSandbox:
         and :func:`dsec.replay.replay_lines` read it."""
         r = await self._client._http.request("GET", self._path("/trajectory"))
         return r.text
+
+    async def logs(
+        self, *, follow: bool = False, timeout: float | None = None
+    ) -> AsyncIterator[LogLine]:
+        """The output of the image's start command (:meth:`dsec.Image.start_cmd`), as
+        :class:`~dsec.models.LogLine` chunks (``stream`` ``stdout``/``stderr``, then one
+        ``dsec`` line once the command ended). ``follow``: keep yielding new output until
+        the command ends. ``timeout``: seconds for the whole call (default: the client's;
+        following, a day). Empty for an image without a start command."""
+        async with self._client._http.stream(
+            "GET",
+            self._path("/logs?follow=true" if follow else "/logs"),
+            timeout=timeout if timeout is not None else (FOLLOW_TIMEOUT_S if follow else None),
+        ) as response:
+            async for line in response.aiter_lines():
+                if line.strip():
+                    yield LogLine.model_validate_json(line, context=ANSWER)
 
     async def kill(self) -> SandboxInfo:
         """Kill the sandbox (idempotent) and release this object's connections."""

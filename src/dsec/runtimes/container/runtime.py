@@ -213,6 +213,7 @@ class ContainerRuntime:
             max_cpu=float(os.cpu_count() or 1),
             max_memory_mb=host_memory_mb(),
             network_ready=self.network is not None and bool(self.network.started),
+            sink_sees_all_output=True,
         )
 
     async def start(self) -> None:
