@@ -240,7 +240,8 @@ class PauseReport(_Model):
 class SnapshotRequest(_Model):
     """Capture the sandbox's writable layer as a new content-addressed workspace layer
     (``pack_diff``). ``scrub`` paths (globs, absolute) are left out on top of the defaults
-    (shell histories, package caches, /tmp); ``secret_values`` are the builder's secrets:
+    (shell histories, package caches, /tmp; ``default_scrub=False``: none); ``secret_values``
+    are the builder's secrets:
     a file containing any of them refuses the snapshot (nothing is stored)."""
 
     name: str | None = Field(None, description="also tag an image of this name (base + snapshot)")
@@ -251,6 +252,12 @@ class SnapshotRequest(_Model):
         "~30 ms per MB here; snapshots are uncompressed by default (fast pack_diff)",
     )
     secret_values: list[str] = Field(default_factory=list, max_length=64)
+    default_scrub: bool = Field(
+        True,
+        description="also leave out the default build leftovers (shell histories, package "
+        "caches, /tmp, /var/tmp); false keeps them (image builds: a RUN step's files as "
+        "Docker keeps them)",
+    )
 
     @field_validator("name")
     @classmethod

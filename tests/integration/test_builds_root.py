@@ -518,3 +518,18 @@ async def test_a_start_command_runs_with_the_sandbox_and_its_output_is_the_logs(
         assert failed.value.details["exit_code"] == 9
         assert "cannot start" in failed.value.details["logs_tail"]
     assert await node.live(owner) == []
+
+
+async def test_a_run_step_keeps_what_it_wrote_in_tmp_as_docker_does(node: Node) -> None:
+    """Build layers are snapshots without the default scrub: ``/tmp`` and ``/var/tmp``
+    files of a RUN stay (a user's snapshot still leaves them out)."""
+    owner = owner_id()
+    req = {
+        "name": "tmpkeep",
+        "steps": [
+            {"op": "from_image", "image": "busybox"},
+            {"op": "run", "cmd": "echo t > /tmp/t && mkdir -p /var/tmp/d && echo v > /var/tmp/d/v"},
+        ],
+    }
+    done(await node.build(owner, req))
+    assert await node.sh(owner, "tmpkeep", "cat /tmp/t /var/tmp/d/v") == "t\nv\n"

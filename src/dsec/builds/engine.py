@@ -24,9 +24,9 @@ How a build runs:
    needs (``apt_install``: the ``debian`` preset; ``pip_install``: ``pypi``; ``run``: its own
    or the build's ``run_network``); the working directory is created, the command runs
    (its output streams as ``output`` events), and the sandbox's writable layer becomes the
-   step's layer (``snapshot_sandbox``: pack_diff, so the snapshot's default scrub applies:
-   ``/tmp``, ``/var/tmp``, apt lists and caches, pip caches, shell histories are not kept;
-   the sandbox's ``/etc/resolv.conf`` is never kept). A ``copy`` builds its layer straight
+   step's layer (``snapshot_sandbox``: pack_diff without the snapshot's default scrub, so a
+   step keeps what it wrote, ``/tmp`` included, as Docker does; the sandbox's
+   ``/etc/resolv.conf`` is never kept). A ``copy`` builds its layer straight
    from the context files (:mod:`dsec.builds.copy_layer`); its sandbox only answers
    ``stat`` and ``/etc/passwd`` questions about the image. Every sandbox is killed when its
    step ends, whatever happens (also when the caller stops reading).
@@ -557,7 +557,9 @@ class ImageBuilder:
     async def _snapshot(self, sid: str, b: _Build, network: NetworkPolicy | None) -> str | None:
         scrub = ["/etc/resolv.conf"] if network is not None else []
         layer = await self.edge.snapshot_sandbox(
-            sid, b.owner, SnapshotRequest(scrub=scrub, compress=b.req.compress)
+            sid,
+            b.owner,
+            SnapshotRequest(scrub=scrub, compress=b.req.compress, default_scrub=False),
         )
         stats = layer.meta.get("pack_diff") or {}
         changed = sum(

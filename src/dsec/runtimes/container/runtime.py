@@ -748,6 +748,7 @@ class ContainerRuntime:
                 upper,
                 store,
                 scrub=req.scrub,
+                default_scrub=req.default_scrub,
                 meta=meta,
                 secret_values=req.secret_values,
                 compress="lz4" if req.compress else None,
