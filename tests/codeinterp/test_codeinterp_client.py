@@ -328,3 +328,36 @@ def test_execution_right_after_an_error_runs(sandbox: Any) -> None:
     for i in range(10):
         assert sandbox.run_code("raise ValueError('v')").error.name == "ValueError"
         assert sandbox.run_code(f"{i} * 2").text == str(i * 2)
+
+
+def test_chart_data_of_matplotlib_figures(sandbox: Any) -> None:
+    from e2b_code_interpreter.charts import BarChart, ChartType, LineChart, PieChart, SuperChart
+
+    line = (
+        sandbox.run_code(
+            "import matplotlib.pyplot as plt\n"
+            "plt.plot([1, 2, 3], [1, 4, 9], label='squares')\nplt.title('growth')\n"
+            "plt.xlabel('n')\nplt.show()"
+        )
+        .results[0]
+        .chart
+    )
+    assert isinstance(line, LineChart) and line.type == ChartType.LINE
+    assert line.title == "growth" and line.x_label == "n"
+    assert line.elements[0].label == "squares"
+    assert line.elements[0].points == [(1, 1), (2, 4), (3, 9)]
+    bar = sandbox.run_code("plt.bar(['a', 'b'], [3, 1])\nplt.show()").results[0].chart
+    assert isinstance(bar, BarChart)
+    assert [(e.label, e.value) for e in bar.elements] == [("a", 3), ("b", 1)]
+    pie = sandbox.run_code("plt.pie([1, 3], labels=['one', 'three'])\nplt.show()").results[0]
+    assert isinstance(pie.chart, PieChart)
+    assert [(e.label, e.angle) for e in pie.chart.elements] == [("one", 90.0), ("three", 270.0)]
+    both = (
+        sandbox.run_code(
+            "fig, (a, b) = plt.subplots(1, 2)\na.plot([1, 2])\nb.bar(['x'], [1])\nplt.show()"
+        )
+        .results[0]
+        .chart
+    )
+    assert isinstance(both, SuperChart)
+    assert [c.type for c in both.elements] == [ChartType.LINE, ChartType.BAR]

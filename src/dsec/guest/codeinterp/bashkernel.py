@@ -69,6 +69,7 @@ class BashKernel(Kernel):
             dimensions=(50, 200),
             preexec_fn=_default_sigint,
         )
+        child.delaybeforesend = None  # pexpect sleeps 50 ms before each send by default
         # prompt = RS token:status US; no continuation prompt
         child.sendline(
             f"PS1=$'\\x1e{self._token}:'\"\\$?\"$'\\x1f'; PS2=''; "
