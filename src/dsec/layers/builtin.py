@@ -508,13 +508,19 @@ def build_code_interpreter_rootfs(dest: Path) -> None:
     build_debian_rootfs(dest, include=("python3", "gpgv", "debian-archive-keyring"))
     apt_install_into(dest, ci.APT_PACKAGES)
     ci.apply_steps(dest)
-    for needed in (
-        "usr/lib/python3/dist-packages/ipykernel",
-        "usr/bin/node",
-        ci.SITE_DIR.lstrip("/") + "/dsec_codeinterp/__main__.py",
-    ):
-        if not (dest / needed).exists():
-            raise SandboxError(f"the code-interpreter image lacks /{needed}")
+    # the start command's imports, checked in the tree (a package off sys.path fails here)
+    _run_in_chroot(
+        dest,
+        [
+            "/usr/bin/python3",
+            "-c",
+            "import dsec_codeinterp.server, dsec_codeinterp.contexts, "
+            "matplotlib_inline.backend_inline, pexpect",
+        ],
+        "the code-interpreter server's imports in the image",
+    )
+    if not (dest / "usr/bin/node").exists():
+        raise SandboxError("the code-interpreter image lacks /usr/bin/node")
 
 
 def _code_interpreter_meta() -> dict[str, Any]:

@@ -65,8 +65,10 @@ APT_PACKAGES: tuple[str, ...] = (
 )
 """Debian bookworm packages of the image (their dependencies come along)."""
 
-SITE_DIR = "/usr/local/lib/python3/dist-packages"
-"""Where the server package goes: on the ``sys.path`` of Debian's ``python3``."""
+SITE_DIR = "/usr/lib/python3/dist-packages"
+"""Where the server package goes: on the ``sys.path`` of every Debian ``python3`` version
+(``/usr/local/lib/python3.X/dist-packages`` names the version; there is no
+``/usr/local/lib/python3/dist-packages`` on the path)."""
 
 WORKDIR = "/home/user"
 """E2B's default working directory of a context (its client documents ``/home/user``)."""

@@ -33,7 +33,7 @@ def install_into(site_dir: Path) -> Path:
     """Copy the server into ``site_dir/dsec_codeinterp`` (created; replaced if present).
 
     ``site_dir`` is a directory on the target Python's ``sys.path`` (in an image:
-    ``/usr/local/lib/python3/dist-packages``). Returns the package directory.
+    ``/usr/lib/python3/dist-packages``). Returns the package directory.
     """
     dest = Path(site_dir) / PACKAGE_NAME
     if dest.exists():

@@ -9,8 +9,10 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 from .contexts import ContextRegistry, KernelCatalog, Limits
 from .server import serve
@@ -23,6 +25,19 @@ def _default_cwd() -> str:
         if candidate and os.path.isdir(candidate):
             return candidate
     return "/"
+
+
+def _private_dirs() -> str:
+    """Jupyter's runtime directory (connection files) and, when the home directory is not
+    writable, IPython's and matplotlib's: private temporary directories, so that the
+    server works as any user and kernels do not rebuild caches in a read-only home."""
+    base = tempfile.mkdtemp(prefix="dsec-codeinterp-")
+    os.environ.setdefault("JUPYTER_RUNTIME_DIR", os.path.join(base, "runtime"))
+    home = os.environ.get("HOME") or ""
+    if not (home and os.access(home, os.W_OK)):
+        os.environ.setdefault("IPYTHONDIR", os.path.join(base, "ipython"))
+        os.environ.setdefault("MPLCONFIGDIR", os.path.join(base, "matplotlib"))
+    return base
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         interrupt_grace_s=args.interrupt_grace,
     )
     cwd = args.cwd or _default_cwd()
+    private = _private_dirs()
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -69,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         registry = ContextRegistry(KernelCatalog(), limits, cwd)
         await serve(registry, args.host, args.port, stop)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
     return 0
 
 

@@ -28,6 +28,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -164,7 +165,16 @@ class CodeContext:
 
     async def start(self) -> None:
         """Start the kernel and wait until it answers (``kernel_start_timeout_s``)."""
-        km = AsyncKernelManager(kernel_name=self.language, kernel_spec_manager=self._catalog)
+        # ZMQ over unix sockets in a private directory: faster than loopback TCP and out of
+        # reach of other users' processes in the sandbox
+        sockets = os.environ.get("JUPYTER_RUNTIME_DIR") or tempfile.gettempdir()
+        os.makedirs(sockets, mode=0o700, exist_ok=True)
+        km = AsyncKernelManager(
+            kernel_name=self.language,
+            kernel_spec_manager=self._catalog,
+            transport="ipc",
+            ip=os.path.join(sockets, f"k-{self.id[:8]}-{self.generation}"),
+        )
         km.shutdown_wait_time = 1.0
         env = {**self._env, "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
         env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
@@ -192,8 +202,6 @@ class CodeContext:
             if pgid:  # the kernel's children too (it leads its own process group)
                 with contextlib.suppress(OSError):
                     os.killpg(pgid, signal.SIGKILL)
-            with contextlib.suppress(Exception):
-                km.cleanup_resources()
 
     def _kill_process(self) -> None:
         """SIGKILL the kernel's process group now (a running execution then sees it die)."""

@@ -96,6 +96,8 @@ class Execute(_Base):
             self.fail(500, f"could not start the context: {e}")
             return
         async with ctx.lock:
+            if self._gone:  # the client left while this request waited for the context
+                return
             self.set_header("Content-Type", "application/x-ndjson")
             try:
                 await ctx.ensure_running()
