@@ -359,6 +359,10 @@ class CodeContext:
                     st.reply = shell_task.result() or {}
                     shell_task = None
                 if msg is None:
+                    if st.reply is not None:
+                        # replied and a second of silence: the idle status was lost (a
+                        # SUB socket drops messages past its high-water mark)
+                        break
                     if not await self._alive():
                         if self._closed:
                             yield protocol.output_line(
