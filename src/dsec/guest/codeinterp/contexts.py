@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jupyter_client.session
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 from jupyter_client.manager import AsyncKernelManager
 
@@ -46,6 +47,11 @@ __all__ = ["CodeContext", "ContextRegistry", "KernelCatalog", "Limits"]
 log = logging.getLogger("dsec_codeinterp")
 
 _HERE = Path(__file__).resolve().parent
+
+# jupyter_client parses every date of every message header with dateutil (about a third of
+# this server's CPU per execution); the only date used here is copied out as ISO 8601
+# text, which the header already holds, so headers are left as sent.
+jupyter_client.session.extract_dates = lambda obj: obj
 
 
 @dataclass(frozen=True)
