@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=300, help="round trips per mode")
     args = parser.parse_args()
 
+    load_before = os.getloadavg()[0]
     with server() as url:
         sbx = client_sandbox(url)
         http = httpx.Client(timeout=30)
@@ -191,6 +192,8 @@ def main() -> None:
             f"{name:<12} {row['p50_ms']:>8.2f} {row['p90_ms']:>8.2f} {row['p99_ms']:>8.2f} "
             f"{row['n']:>5}"
         )
+    load = (round(load_before, 2), round(os.getloadavg()[0], 2))
+    print(f"load average (1 min) before/after: {load[0]} / {load[1]} on {os.cpu_count()} cores")
     ok = rows["client"]["p50_ms"] <= TARGET_P50_MS
     print(f"target: client p50 <= {TARGET_P50_MS} ms: {'met' if ok else 'NOT met'}")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -201,6 +204,7 @@ def main() -> None:
         "target_p50_ms": TARGET_P50_MS,
         "target_met": ok,
         "modes": rows,
+        "load_average_before_after": list(load),
         "unix_time": int(time.time()),
     }
     (RESULTS / "codeinterp.json").write_text(json.dumps(out, indent=2) + "\n")

@@ -42,6 +42,7 @@ __all__ = ["make_app", "serve"]
 log = logging.getLogger("dsec_codeinterp")
 
 MAX_BODY_BYTES = 32 << 20
+_COUNT_LINE = b'{"type":"number_of_executions"'
 
 
 class _Base(tornado.web.RequestHandler):
@@ -110,7 +111,9 @@ class Execute(_Base):
                 return
             try:
                 async for line in ctx.execute(req.code, req.env_vars, lambda: self._gone):
-                    await self._send(line)
+                    # the execution count goes out with the next line (one write less per
+                    # execution; the client only keeps the number)
+                    await self._send(line, flush=not line.startswith(_COUNT_LINE))
             except Exception as e:
                 log.exception("context %s: execution failed", ctx.id)
                 await self._send(
@@ -118,14 +121,19 @@ class Execute(_Base):
                         {"type": "error", "name": "ServerError", "value": str(e), "traceback": ""}
                     )
                 )
-            await self._send(protocol.output_line({"type": "end_of_execution"}))
-        if not self._gone:
-            self.finish()
+            if not self._gone:
+                self.write(protocol.output_line({"type": "end_of_execution"}))
+                try:
+                    await self.finish()
+                except StreamClosedError:
+                    self._gone = True
 
-    async def _send(self, line: bytes) -> None:
+    async def _send(self, line: bytes, flush: bool = True) -> None:
         if self._gone:
             return
         self.write(line)
+        if not flush:
+            return
         try:
             await self.flush()
         except StreamClosedError:
