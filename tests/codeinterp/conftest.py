@@ -67,6 +67,7 @@ class CodeInterpreterServer:
     proc: subprocess.Popen[bytes]
     log: Path
     home: Path
+    scratch: Path
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -98,6 +99,8 @@ def run_server(tmp: Path, *extra: str) -> Iterator[CodeInterpreterServer]:
     codeinterp.install_into(site)
     home = tmp / "home"
     home.mkdir(exist_ok=True)
+    scratch = tmp / "scratch"  # the server's TMPDIR: empty again once it stopped
+    scratch.mkdir(exist_ok=True)
     port = free_port()
     log = tmp / "server.log"
     env = {
@@ -106,6 +109,7 @@ def run_server(tmp: Path, *extra: str) -> Iterator[CodeInterpreterServer]:
         "PYTHONPATH": str(site),
         "LANG": "C.UTF-8",
         "DSEC_CI_MARKER": "from-the-server-env",
+        "TMPDIR": str(scratch),
     }
     with open(log, "wb") as f:
         proc = subprocess.Popen(
@@ -128,7 +132,7 @@ def run_server(tmp: Path, *extra: str) -> Iterator[CodeInterpreterServer]:
             cwd=tmp,
         )
     url = f"http://127.0.0.1:{port}"
-    server = CodeInterpreterServer(url=url, proc=proc, log=log, home=home)
+    server = CodeInterpreterServer(url=url, proc=proc, log=log, home=home, scratch=scratch)
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -130,3 +133,52 @@ def test_smolagents_e2b_executor(e2b_env: Any) -> None:
     finally:
         executor.cleanup()
     assert e2b_env.requests[-1][0] == "DELETE"
+
+
+def test_server_leaves_no_files_or_processes(tmp_path: Path) -> None:
+    """Kernels killed mid-cell, removed and restarted: once the server stops, its TMPDIR
+    (private runtime directory, ipc sockets, connection files, bash cells) is empty and
+    no kernel survives."""
+    import httpx
+    from tests.codeinterp.conftest import kernel_pids, run_server
+
+    with run_server(tmp_path) as server:
+        url = server.url
+        ctx = httpx.post(f"{url}/contexts", json={"language": "bash"}, timeout=60).json()
+        with httpx.stream(
+            "POST",
+            f"{url}/execute",
+            timeout=60,
+            json={"code": "echo $$; sleep 30", "context_id": ctx["id"]},
+        ) as r:
+            stream = (json.loads(line) for line in r.iter_lines() if line)
+            assert next(stream)["type"] == "number_of_executions"
+            first = next(stream)
+            assert first["type"] == "stdout", first
+            shell_pid = int(first["text"])
+            kernel_pid = int(
+                Path(f"/proc/{shell_pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            )
+            os.kill(kernel_pid, 9)  # the bash kernel, mid-cell
+            lines = list(stream)
+        assert any(x.get("name") == "ContextRestarting" for x in lines), lines
+        httpx.post(f"{url}/contexts/{ctx['id']}/restart", timeout=60)
+        httpx.delete(f"{url}/contexts/{ctx['id']}", timeout=60)
+        pid = server.proc.pid
+        kernels = kernel_pids(pid)
+        assert kernels  # the default Python context
+    assert server.proc.returncode == 0
+    assert not [k for k in kernels if Path(f"/proc/{k}").exists()]
+    assert list(server.scratch.iterdir()) == []
+
+
+def test_bash_output_is_streamed(sandbox: Any) -> None:
+    arrivals: list[float] = []
+    start = time.monotonic()
+    sandbox.run_code(
+        "echo first; sleep 1.5; echo second",
+        language="bash",
+        on_stdout=lambda m: arrivals.append(time.monotonic() - start),
+    )
+    assert len(arrivals) == 2
+    assert arrivals[0] < 1.0 < arrivals[1]

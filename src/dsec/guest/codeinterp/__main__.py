@@ -33,6 +33,7 @@ def _private_dirs() -> str:
     server works as any user and kernels do not rebuild caches in a read-only home."""
     base = tempfile.mkdtemp(prefix="dsec-codeinterp-")
     os.environ.setdefault("JUPYTER_RUNTIME_DIR", os.path.join(base, "runtime"))
+    os.makedirs(os.environ["JUPYTER_RUNTIME_DIR"], mode=0o700, exist_ok=True)
     home = os.environ.get("HOME") or ""
     if not (home and os.access(home, os.W_OK)):
         os.environ.setdefault("IPYTHONDIR", os.path.join(base, "ipython"))

@@ -29,7 +29,9 @@ import pexpect  # noqa: E402
 from ipykernel.kernelapp import IPKernelApp  # noqa: E402
 from ipykernel.kernelbase import Kernel  # noqa: E402
 
-_INTERRUPT_WAIT_S = 2.0
+_INTERRUPT_WAIT_S = 1.0
+"""How long an interrupted command may take to stop before the shell (or node) is
+replaced; below the server's --interrupt-grace, so the kernel and its other state stay."""
 
 
 def _default_sigint() -> None:
@@ -50,8 +52,10 @@ class BashKernel(Kernel):
         super().__init__(**kwargs)
         self._token = secrets.token_hex(8)
         self._prompt = re.compile("\x1e" + self._token + r":(\d+)\x1f")
-        self._cells = tempfile.mkdtemp(prefix="dsec-bash-")
-        self._n = 0
+        # cells are files in the server's private runtime directory (removed with it, also
+        # when this kernel is killed mid-cell)
+        self._cells = os.environ.get("JUPYTER_RUNTIME_DIR") or tempfile.gettempdir()
+        os.makedirs(self._cells, mode=0o700, exist_ok=True)
         self._child: Any = None
         self._start_shell()
 
@@ -107,13 +111,11 @@ class BashKernel(Kernel):
             if match:
                 self._emit(buf[: match.start()])
                 return int(match.group(1))
-            if len(buf) > hold:
-                # emit whole lines when there are some; keep a possible prompt start
-                limit = len(buf) - hold
-                newline = buf.rfind("\n", 0, limit)
-                cut = newline + 1 if newline >= 0 else limit
-                start = buf.find("\x1e", 0, cut)
-                cut = start if start >= 0 else cut
+            # emit all but a possible start of the prompt (it begins with RS)
+            cut = buf.rfind("\x1e")
+            if cut < 0 or len(buf) - cut > hold:
+                cut = len(buf)
+            if cut:
                 self._emit(buf[:cut])
                 buf = buf[cut:]
 
@@ -126,7 +128,13 @@ class BashKernel(Kernel):
         self._start_shell()
         return -1 if status is None else int(status)
 
-    def do_execute(
+    def do_execute(self, code: str, silent: bool, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return self._execute(code, silent)
+        except Exception as e:  # a fault of this kernel, reported rather than swallowed
+            return self._error("KernelError", f"{type(e).__name__}: {e}", silent)
+
+    def _execute(
         self,
         code: str,
         silent: bool,
@@ -137,9 +145,8 @@ class BashKernel(Kernel):
     ) -> dict[str, Any]:
         import time
 
-        self._n += 1
-        path = os.path.join(self._cells, f"cell{self._n}.sh")
-        with open(path, "w") as f:
+        fd, path = tempfile.mkstemp(prefix="dsec-bash-cell-", suffix=".sh", dir=self._cells)
+        with os.fdopen(fd, "w") as f:
             f.write(code if code.endswith("\n") else code + "\n")
         try:
             self._child.sendline(f"source {path}")
@@ -179,13 +186,10 @@ class BashKernel(Kernel):
         return {"status": "error", "execution_count": self.execution_count, **content}
 
     def do_shutdown(self, restart: bool) -> dict[str, Any]:
-        import shutil
-
         try:
             self._child.close(force=True)
         except Exception:
             pass
-        shutil.rmtree(self._cells, ignore_errors=True)
         return {"status": "ok", "restart": restart}
 
 

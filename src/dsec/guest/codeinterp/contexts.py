@@ -47,6 +47,8 @@ __all__ = ["CodeContext", "ContextRegistry", "KernelCatalog", "Limits"]
 log = logging.getLogger("dsec_codeinterp")
 
 _HERE = Path(__file__).resolve().parent
+_IPC_PATH_MAX = 107
+"""Longest unix socket path (``sizeof(sun_path) - 1``)."""
 
 # jupyter_client parses every date of every message header with dateutil (about a third of
 # this server's CPU per execution); the only date used here is copied out as ISO 8601
@@ -172,15 +174,22 @@ class CodeContext:
     async def start(self) -> None:
         """Start the kernel and wait until it answers (``kernel_start_timeout_s``)."""
         # ZMQ over unix sockets in a private directory: faster than loopback TCP and out of
-        # reach of other users' processes in the sandbox
+        # reach of other users' processes in the sandbox; loopback TCP when that directory's
+        # path is too long for a socket address (108 bytes with the port suffix)
         sockets = os.environ.get("JUPYTER_RUNTIME_DIR") or tempfile.gettempdir()
-        os.makedirs(sockets, mode=0o700, exist_ok=True)
-        km = AsyncKernelManager(
-            kernel_name=self.language,
-            kernel_spec_manager=self._catalog,
-            transport="ipc",
-            ip=os.path.join(sockets, f"k-{self.id[:8]}-{self.generation}"),
-        )
+        prefix = os.path.join(sockets, f"k-{self.id[:8]}-{self.generation}")
+        if len(prefix.encode()) + 8 < _IPC_PATH_MAX:
+            os.makedirs(sockets, mode=0o700, exist_ok=True)
+            km = AsyncKernelManager(
+                kernel_name=self.language,
+                kernel_spec_manager=self._catalog,
+                transport="ipc",
+                ip=prefix,
+            )
+        else:
+            km = AsyncKernelManager(
+                kernel_name=self.language, kernel_spec_manager=self._catalog, ip="127.0.0.1"
+            )
         km.shutdown_wait_time = 1.0
         env = {**self._env, "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
         env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
@@ -189,11 +198,20 @@ class CodeContext:
         kc = km.client()
         kc.start_channels()
         self._km, self._kc = km, kc
-        try:
-            await kc.wait_for_ready(timeout=self._limits.kernel_start_timeout_s)
-        except (RuntimeError, TimeoutError) as e:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._limits.kernel_start_timeout_s
+        while True:  # ready, dead (fail at once, not after the timeout) or too slow
+            try:
+                await kc.wait_for_ready(timeout=1.0)
+                return
+            except (RuntimeError, TimeoutError) as e:
+                why = str(e)
+            if not await self._alive():
+                why = await self._death_note()
+            elif loop.time() < deadline:
+                continue
             await self._stop_kernel()
-            raise RuntimeError(f"the {self.language} kernel did not start: {e}") from None
+            raise RuntimeError(f"the {self.language} kernel did not start: {why}")
 
     async def _stop_kernel(self) -> None:
         kc, km = self._kc, self._km

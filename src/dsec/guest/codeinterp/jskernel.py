@@ -15,7 +15,6 @@ import json
 import os
 import select
 import shutil
-import signal
 import subprocess
 import sys
 from typing import Any
@@ -27,7 +26,9 @@ if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _HERE:
 from ipykernel.kernelapp import IPKernelApp  # noqa: E402
 from ipykernel.kernelbase import Kernel  # noqa: E402
 
-_INTERRUPT_WAIT_S = 2.0
+_INTERRUPT_WAIT_S = 1.0
+"""How long an interrupted command may take to stop before the shell (or node) is
+replaced; below the server's --interrupt-grace, so the kernel and its other state stay."""
 
 
 def _node() -> str:
@@ -64,7 +65,6 @@ class JavaScriptKernel(Kernel):
             pass_fds=(write_fd,),
             env=env,
             cwd=os.getcwd(),
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         os.close(write_fd)
         self._ctl = read_fd
@@ -126,7 +126,13 @@ class JavaScriptKernel(Kernel):
                     return None
                 self._ctl_buf += chunk
 
-    def do_execute(
+    def do_execute(self, code: str, silent: bool, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return self._execute(code, silent)
+        except Exception as e:  # a fault of this kernel, reported rather than swallowed
+            return self._error("KernelError", f"{type(e).__name__}: {e}", [], silent)
+
+    def _execute(
         self,
         code: str,
         silent: bool,
@@ -144,8 +150,10 @@ class JavaScriptKernel(Kernel):
                 pass
             reply = self._wait_reply()
         except KeyboardInterrupt:
-            if self._proc is not None:
-                self._proc.send_signal(2)
+            # node got the same SIGINT (the server signals the kernel's process group); a
+            # second one could land while vm has no SIGINT handler installed and kill it.
+            # node keeps the SIGINT disposition it inherited (ignored, as ipykernel set it;
+            # libuv resets it for the processes node spawns)
             try:
                 reply = self._wait_reply(_INTERRUPT_WAIT_S)
             except (TimeoutError, KeyboardInterrupt):
