@@ -42,8 +42,8 @@ __all__ = ["DEFAULT_TEMPLATE_ALIASES", "AccessTokens", "TemplateMap", "TemplateT
 
 DEFAULT_TEMPLATE_ALIASES: dict[str, str] = {
     "base": "debian",
-    "code-interpreter-v1": "debian",
-    "code-interpreter": "debian",
+    "code-interpreter-v1": "code-interpreter",
+    "code-interpreter": "code-interpreter",
 }
 """E2B's public template names mapped to dsec images. Any other name is looked up as an image."""
 MAX_REMEMBERED_SANDBOXES = 10_000

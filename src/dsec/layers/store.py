@@ -944,7 +944,9 @@ class LayerStore:
 
     def _build_builtin(self, name: str) -> ImageInfo:
         with contextlib.suppress(ImageNotFound):
-            return self.get_image(name)  # another process or thread finished it meanwhile
+            done = self.get_image(name)  # another process or thread finished it meanwhile
+            if not self._outdated(done):
+                return done
         recipe = builtin.BUILTIN_IMAGES[name]
         started = time.monotonic()
         with self._build_slot() as build_id:
@@ -1048,11 +1050,23 @@ class LayerStore:
                 self._progress.pop(name, None)
             fut.set_result(image)
 
+    @staticmethod
+    def _outdated(image: ImageInfo) -> bool:
+        """A system image of a built-in recipe that has changed since it was built (its
+        ``meta["recipe"]`` fingerprint; recipes without one count as ``"1"``)."""
+        recipe = builtin.BUILTIN_IMAGES.get(image.name)
+        if recipe is None or image.owner != "system" or image.meta.get("builtin") != image.name:
+            return False
+        return str(image.meta.get("recipe", "1")) != str(recipe.meta.get("recipe", "1"))
+
     def _lookup_or_claim(
         self, name: str, owner: str
     ) -> tuple[ImageInfo | None, concurrent.futures.Future[ImageInfo] | None, bool]:
         try:
-            return self.get_image(name, owner), None, False
+            found = self.get_image(name, owner)
+            if not self._outdated(found):
+                return found, None, False
+            log.info("built-in image %s was built from another recipe: rebuilding it", name)
         except ImageNotFound:
             if name not in builtin.BUILTIN_IMAGES:
                 known = self._known_names(owner)
