@@ -29,6 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from dsec.errors import InvalidRequest
+from dsec.images.reference import parse_ref
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
 from dsec.wire import WireModel
@@ -49,6 +51,19 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
 _IMAGE_REF = re.compile(r"^(k[0-9a-f]{16}/)?[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
 """An image as a key names it: its own or a system image (``name[:tag]``), or another key's
 shared image (``<owner id>/name[:tag]``)."""
+
+
+def _image_ref_ok(v: str) -> bool:
+    """A local or shared image name, or an image reference a registry could serve."""
+    if _IMAGE_REF.match(v):
+        return True
+    try:
+        parse_ref(v)
+    except InvalidRequest:
+        return False
+    return True
+
+
 _USER = re.compile(r"^([a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})(:[0-9]{1,10})?$")
 
 MAX_ENV_BYTES = 256 * 1024
@@ -147,15 +162,19 @@ class CreateSandboxRequest(_Model):
             if not re.fullmatch(r"sha256:[0-9a-f]{64}", v):
                 raise ValueError("digest must be sha256:<64 hex>")
             return v
-        if not _IMAGE_REF.match(v):
-            raise ValueError(f"invalid image name {v!r}")
+        if not _image_ref_ok(v):
+            raise ValueError(
+                f"invalid image {v!r}: a name (debian, task:1), another key's shared image "
+                "(<owner id>/name) or a registry reference (host:port/repo:tag, "
+                "repo@sha256:<hex>, python:3.12-slim)"
+            )
         return v
 
     @field_validator("layers")
     @classmethod
     def _layers(cls, v: list[str]) -> list[str]:
         for name in v:
-            if not (re.fullmatch(r"sha256:[0-9a-f]{64}", name) or _IMAGE_REF.match(name)):
+            if not (re.fullmatch(r"sha256:[0-9a-f]{64}", name) or _image_ref_ok(name)):
                 raise ValueError(f"invalid layer reference {name!r}")
         return v
 
@@ -492,7 +511,8 @@ class ImageInfo(_Model):
     status: str = Field(
         "ready",
         description="`ready`, or for a built-in image not built yet: `building`, `queued` "
-        "or `failed` (`progress` says more; `layers` is empty until it is ready)",
+        "or `failed`, or for a registry reference being pulled: `pulling` (`progress` says "
+        "more; `layers` is empty until it is ready)",
     )
     progress: str | None = Field(None, description="what a build is doing, or why it failed")
 

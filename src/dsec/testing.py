@@ -60,7 +60,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -81,6 +81,7 @@ from dsec.errors import (
     SandboxStopped,
     SecretInSnapshot,
 )
+from dsec.images.reference import familiar_name, is_reference_name, parse_ref
 from dsec.models import (
     SYSTEM_OWNER,
     ExecRequest,
@@ -306,12 +307,24 @@ class MemoryLayers:
     ``<owner>/<name>``, and layers usable by digest only where granted. A layer's content is
     the bytes it was imported with (for :class:`MemoryRuntime`: a snapshot's files)."""
 
-    def __init__(self, system_images: Iterable[str] = ("busybox",)) -> None:
+    def __init__(
+        self,
+        system_images: Iterable[str] = ("busybox",),
+        *,
+        registry: Mapping[str, dict[str, Any]] | None = None,
+    ) -> None:
         self._lock = threading.RLock()
         self._layers: dict[str, LayerInfo] = {}
         self._content: dict[str, bytes] = {}
         self._images: dict[tuple[str, str], ImageInfo] = {}  # (owner, name) -> image
         self._grants: set[tuple[str, str]] = set()  # (owner, digest)
+        self.registry: dict[str, dict[str, Any]] = {}
+        """The registry in memory: reference (as :func:`~dsec.images.reference.parse_ref`
+        spells it, ``registry-1.docker.io/library/python:3.12``) -> image meta (``config``,
+        ``start``). ``pulls`` counts the pulls each one got."""
+        self.pulls: dict[str, int] = {}
+        for ref, meta in (registry or {}).items():
+            self.registry[str(parse_ref(ref))] = dict(meta)
         self._tmp = tempfile.TemporaryDirectory(prefix="dsec-fake-layers-")
         self.scratch = Path(self._tmp.name)
         busybox = LayerInfo(
@@ -451,7 +464,12 @@ class MemoryLayers:
         return (SYSTEM_OWNER, name) in self._images
 
     def check_name_free(self, name: str, owner: str) -> None:
-        if not isinstance(name, str) or not name or "/" in name or name.startswith("sha256:"):
+        local = isinstance(name, str) and bool(name) and "/" not in name
+        if (
+            not isinstance(name, str)
+            or name.startswith("sha256:")
+            or not (local or is_reference_name(name))
+        ):
             raise InvalidRequest(f"invalid image name {name!r}", name=name)
         if owner != SYSTEM_OWNER and self._system_name(name):
             raise Conflict(f"{name!r} is a system image: keys cannot replace it", name=name)
@@ -484,19 +502,22 @@ class MemoryLayers:
         return image
 
     def attach(self, ref: str, name: str | None, lazy: bool, owner: str) -> ImageInfo:
-        """A registry in memory: every reference is an image of one empty layer (named as
-        the real store names it, ``team-app:1`` for ``localhost:5000/team/app:1``)."""
-        from dsec.layers.registry import default_image_name, parse_ref
-
-        parsed = parse_ref(ref.removeprefix("oci://"))
-        digest = "sha256:" + hashlib.sha256(str(parsed).encode()).hexdigest()
+        """Pull ``ref`` from :attr:`registry` (an image of one empty layer with the meta it
+        was given); a reference it lacks is ``ImageNotFound``, as a real registry's 404.
+        Named ``name``, else by the reference (``127.0.0.1:5000/team/app:1``)."""
+        parsed = parse_ref(ref)
+        key = str(parsed)
         with self._lock:
+            if key not in self.registry:
+                raise ImageNotFound(f"manifest unknown: {key}", image=ref)
+            self.pulls[key] = self.pulls.get(key, 0) + 1
+            digest = "sha256:" + hashlib.sha256(key.encode()).hexdigest()
             self._layers.setdefault(
                 digest,
-                LayerInfo(digest=digest, kind="base", name=ref, size=4096, created_at=_now()),
+                LayerInfo(digest=digest, kind="base", name=key, size=4096, created_at=_now()),
             )
-        meta = {"source": "registry", "ref": ref, "lazy": lazy}
-        return self.put_image(name or default_image_name(parsed), [digest], meta=meta, owner=owner)
+            meta = {**self.registry[key], "source": "registry", "ref": key, "lazy": lazy}
+        return self.put_image(name or familiar_name(parsed), [digest], meta=meta, owner=owner)
 
     def get_image(self, ref: str, owner: str = SYSTEM_OWNER) -> ImageInfo:
         if ref.startswith("sha256:"):

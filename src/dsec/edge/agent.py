@@ -30,12 +30,14 @@ from dsec.edge.interface import NodeUsage
 from dsec.edge.jobs import create_batch, for_each_sandbox
 from dsec.edge.logs import SandboxLogs, log_bytes_from_env
 from dsec.edge.metrics import EdgeMetrics
+from dsec.edge.references import ImageReferences, short_name_registry_from_env
 from dsec.edge.registry import Registry, SandboxRow
 from dsec.edge.start import StartProcess, start_command_of, with_image_defaults
 from dsec.edge.trajectory import TrajectoryLog
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
+    ImageNotFound,
     InternalError,
     InvalidRequest,
     PathOutsideSandbox,
@@ -47,7 +49,7 @@ from dsec.errors import (
     SequenceGap,
     TierUnavailable,
 )
-from dsec.image_config import StartCommand
+from dsec.images.config import StartCommand
 from dsec.layers.source import LayerSource, LazyLayers, RegistryLayers
 from dsec.layers.workspace import check_stack
 from dsec.models import (
@@ -221,6 +223,7 @@ class EdgeAgent:
             self.metrics.add_lazy_layers(layer_store.lazy_stats)
         self._live: dict[str, _Live] = {}
         self._builder: ImageBuilder | None = None
+        self.references = ImageReferences(layer_store, short_names=short_name_registry_from_env())
         self._reaper: asyncio.Task[None] | None = None
         self._closing = False
         self._closed = False
@@ -558,9 +561,7 @@ class EdgeAgent:
                     tier=tier,
                 )
             self._check_admission(req, caps)
-            image = await self.layers.ensure_image(
-                req.image, owner, wait_s=self.limits.image_wait_s
-            )
+            image = await self._image(req.image, owner, self.limits.image_wait_s)
             req = with_image_defaults(req, image)
             extra: list[LayerInfo] = (
                 self.layers.resolve_layers(req.layers, owner) if req.layers else []
@@ -654,6 +655,26 @@ class EdgeAgent:
         self.metrics.creations.labels(tier, "ok").inc()
         self.metrics.create_seconds.labels(tier).observe(time.perf_counter() - t0)
         return self._info(row)
+
+    async def _image(self, name: str, owner: str, wait_s: float | None) -> ImageInfo:
+        """The image ``owner`` means by ``name``: its own, a system one (a built-in is built
+        on first use), or a registry reference pulled on first use
+        (:mod:`dsec.edge.references`)."""
+        try:
+            return await self.layers.ensure_image(name, owner, wait_s=wait_s)
+        except ImageNotFound as missing:
+            try:
+                wanted = self.references.wanted(name)
+            except DsecError:
+                raise missing from None
+            if wanted is None:
+                raise
+        return await self.references.resolve(name, owner, wait_s=wait_s)
+
+    async def image_by_reference(self, owner: str, ref: str) -> ImageInfo:
+        """``owner``'s image of the registry reference ``ref``, pulled if this node has no
+        copy (for builds ``FROM`` a registry image: they wait for the pull)."""
+        return await self.references.resolve(ref, owner, wait_s=None)
 
     async def _start(
         self, lv: _Live, rt: Runtime, start: StartCommand, sink_sees_all: bool
@@ -1561,7 +1582,7 @@ class EdgeAgent:
                 self.layers,
                 cache_db=self.paths.home / "build-cache.db",
                 limits=BuildLimits.from_env(),
-                resolve_registry=None,
+                resolve_registry=self.image_by_reference,
             )
         return self._builder
 
@@ -1631,8 +1652,10 @@ class EdgeAgent:
         """The images ``owner`` can use: its own and the system's (built-in images not built
         yet included, with their build status)."""
         images = [self._image_cache_info(im) for im in self.layers.list_images(owner)]
-        pending = self._pending_builtins(owner, {im.name for im in images})
-        return sorted([*images, *pending], key=lambda im: im.name)
+        known = {im.name for im in images}
+        pending = self._pending_builtins(owner, known)
+        pulling = [im for im in self.references.pending(owner) if im.name not in known]
+        return sorted([*images, *pending, *pulling], key=lambda im: im.name)
 
     async def get_image(self, name: str, owner: str) -> ImageInfo:
         return self._image_cache_info(self.layers.get_image(name, owner))
@@ -1650,7 +1673,12 @@ class EdgeAgent:
         """Pull ``ref`` (``oci://HOST/REPO:TAG`` or ``[registry/]repo[:tag]``) as ``owner``'s
         image: an image pushed with ``dsec image push`` gets its EROFS layers downloaded;
         any other image is converted from its tar layers. Credentials from
-        ``DSEC_REGISTRY_AUTH`` (JSON ``{"host:port": ["user", "password"]}``)."""
+        ``DSEC_REGISTRY_AUTH`` (JSON ``{"host:port": ["user", "password"]}``). Without
+        ``name`` the image is named by the reference (``127.0.0.1:5000/debian:12``) and the
+        node's copy of that reference is shared with other keys that ask for it
+        (:mod:`dsec.edge.references`); with ``name``, it is pulled as that image."""
+        if name is None:
+            return await self.references.resolve(ref, owner, wait_s=None)
         return await self.attach_image(ref, name, False, owner)
 
     async def attach_image(
