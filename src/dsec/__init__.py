@@ -32,6 +32,7 @@ import sys
 
 from dsec.errors import (
     AuthenticationError,
+    BadGateway,
     BlobDigestMismatch,
     BuildFailed,
     CapabilityNotSupported,
@@ -50,6 +51,7 @@ from dsec.errors import (
     PathOutsideSandbox,
     PayloadTooLarge,
     PermissionDenied,
+    PortNotListening,
     QuotaExceeded,
     RegistryUnauthorized,
     RegistryUnavailable,
@@ -62,6 +64,7 @@ from dsec.errors import (
     SequenceGap,
     ServiceUnavailable,
     TierUnavailable,
+    TooManyConnections,
     Unsupported,
 )
 from dsec.models import (
@@ -95,6 +98,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "AuthenticationError",
+    "BadGateway",
     "BlobDigestMismatch",
     "BuildFailed",
     "Capabilities",
@@ -126,6 +130,7 @@ __all__ = [
     "PathOutsideSandbox",
     "PayloadTooLarge",
     "PermissionDenied",
+    "PortNotListening",
     "QuotaExceeded",
     "RegistryUnauthorized",
     "RegistryUnavailable",
@@ -140,6 +145,7 @@ __all__ = [
     "SequenceGap",
     "ServiceUnavailable",
     "TierUnavailable",
+    "TooManyConnections",
     "Unsupported",
     "__version__",
 ]
