@@ -16,6 +16,7 @@ routes on ``ports.test`` and the TLS listener using the node's own certificate a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -274,19 +275,20 @@ def test_connections_bounded_and_nothing_leaks(sdk: BackgroundServer) -> None:
         limit = sdk.edge.limits.max_port_connections
         sdk.edge.limits.max_port_connections = 3
         try:
-            held = [socket.create_connection(("127.0.0.1", sdk.port)) for _ in range(3)]
-            for s in held:  # requests whose body never ends keep their connection open
-                s.sendall(
-                    f"POST /v1/sandboxes/{sb.id}/ports/8000/x HTTP/1.1\r\nhost: x\r\n"
-                    f"authorization: Bearer {sdk.api_key}\r\ncontent-length: 100\r\n\r\n".encode()
-                )
+            from websockets.sync.client import connect
+
+            tcp = f"{sdk.url.replace('http', 'ws', 1)}/v1/sandboxes/{sb.id}/tcp/8000"
+            auth = {"authorization": f"Bearer {sdk.api_key}"}
+            # raw TCP connections that send nothing: httpd waits for a request on each
+            stack = contextlib.ExitStack()
+            for _ in range(3):
+                stack.enter_context(connect(tcp, additional_headers=auth))
             deadline = time.monotonic() + 10
             while len(live.ports) < 3 and time.monotonic() < deadline:
                 time.sleep(0.05)
             r = httpx.get(url, timeout=30)
             assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_connections"
-            for s in held:
-                s.close()
+            stack.close()
             deadline = time.monotonic() + 10
             while live.ports and time.monotonic() < deadline:
                 time.sleep(0.05)
