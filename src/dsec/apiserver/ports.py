@@ -108,7 +108,7 @@ TOKEN_PATH_PREFIX = "/_dsec_token/"
 TOKEN_HEADERS = (b"x-dsec-port-token", b"e2b-traffic-access-token")
 ENVD_PORT = 49983
 """E2B's in-sandbox API port: a request for it is envd (``/e2b/envd``), not a proxy."""
-READ_CHUNK = 256 * 1024
+READ_CHUNK = 1024 * 1024
 
 _PATH_RE = re.compile(r"^/v1/sandboxes/(?P<sid>[^/]+)/ports/(?P<port>[^/]+)(?P<rest>/.*)?$")
 _TCP_RE = re.compile(r"^/v1/sandboxes/(?P<sid>[^/]+)/tcp/(?P<port>[^/]+)/?$")

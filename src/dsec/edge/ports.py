@@ -63,7 +63,7 @@ log = logging.getLogger("dsec.ports")
 CONNECT_TIMEOUT_S = 5.0
 """How long a connection to a sandbox port may take to be accepted, seconds (a listener
 whose accept queue is full drops SYNs: the client would otherwise wait for minutes)."""
-READ_CHUNK = 256 * 1024
+READ_CHUNK = 1024 * 1024
 """Largest read from a connection, bytes."""
 GATEWAY_MAGIC = b"DSEC-PORT1 "
 
