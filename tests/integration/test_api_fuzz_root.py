@@ -477,9 +477,9 @@ def test_hand_fuzz_of_the_port_proxy(server: Any) -> None:
                 and err["code"] in ("port_not_listening", "bad_gateway", "unavailable")
             ):
                 bad.append(f"{method} {path[:80]} -> {r.status_code}: {r.text[:300]}")
-            assert key not in r.text and token not in r.text, (
-                f"{method} {path[:80]} echoed a credential"
-            )
+            assert key not in r.text, f"{method} {path[:80]} echoed the API key"
+            # a token the client put in its own URL may come back in a "not found" message
+            assert token not in r.text or token in path, f"{method} {path[:80]} echoed the token"
     assert sent > 100 and reached > 10, (sent, reached)
     assert not bad, "\n".join(bad[:30])
 
