@@ -45,7 +45,7 @@ from dsec.server import ServeProcess  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 WS_ECHO = ROOT / "tests" / "integration" / "data" / "ws_echo.py"
 
-SERVER = r'''
+SERVER = r"""
 import socket, sys, threading
 CHUNK = b"x" * (1 << 20)
 
@@ -77,7 +77,7 @@ while True:
     c, _ = srv.accept()
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     threading.Thread(target=serve, args=(c,), daemon=True).start()
-'''
+"""
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -274,11 +274,19 @@ def main() -> None:
         "bulk_ge_1_gbps": bulk["proxied_median_gbps"] >= 1.0,
     }
     print(f"{'measurement':<34} {'direct':>10} {'proxied':>10} {'ratio':>7}")
-    print(f"{'HTTP request p50 (ms)':<34} {http['direct_p50_ms']:>10.3f} {http['proxied_p50_ms']:>10.3f} {http['ratio_p50']:>7.2f}")
-    print(f"{'HTTP request p90 (ms)':<34} {http['direct_p90_ms']:>10.3f} {http['proxied_p90_ms']:>10.3f}")
+    print(
+        f"{'HTTP request p50 (ms)':<34} {http['direct_p50_ms']:>10.3f} {http['proxied_p50_ms']:>10.3f} {http['ratio_p50']:>7.2f}"
+    )
+    print(
+        f"{'HTTP request p90 (ms)':<34} {http['direct_p90_ms']:>10.3f} {http['proxied_p90_ms']:>10.3f}"
+    )
     print(f"{'HTTP added at p50 (ms)':<34} {'':>10} {http['added_p50_ms']:>10.3f}")
-    print(f"{'WebSocket echo RTT p50 (ms)':<34} {ws['direct_p50_ms']:>10.3f} {ws['proxied_p50_ms']:>10.3f} {ws['ratio_p50']:>7.2f}")
-    print(f"{'bulk download, median (GB/s)':<34} {bulk['direct_median_gbps']:>10.2f} {bulk['proxied_median_gbps']:>10.2f} {bulk['ratio']:>7.2f}")
+    print(
+        f"{'WebSocket echo RTT p50 (ms)':<34} {ws['direct_p50_ms']:>10.3f} {ws['proxied_p50_ms']:>10.3f} {ws['ratio_p50']:>7.2f}"
+    )
+    print(
+        f"{'bulk download, median (GB/s)':<34} {bulk['direct_median_gbps']:>10.2f} {bulk['proxied_median_gbps']:>10.2f} {bulk['ratio']:>7.2f}"
+    )
     print("targets:", ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in targets.items()))
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {

@@ -502,3 +502,42 @@ def test_raw_tcp_route(h: Harness) -> None:
 async def _aiter(xs: list[bytes]) -> AsyncIterator[bytes]:
     for x in xs:
         yield x
+
+
+async def test_host_route_of_the_envd_port_is_the_e2b_api() -> None:
+    """``49983-{id}.<domain>`` (E2B's envd port) is the E2B in-sandbox API itself, so the
+    e2b SDK works with E2B_DOMAIN alone; E2B-routed ports come with the traffic token."""
+    from dsec.server import PortsSettings, build_app
+
+    edge = FakeEdge(available_tiers=("container",))
+    app = build_app(edge, StaticKeys([KEY]), PortsSettings(domain=DOMAIN))
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://x", timeout=10
+    ) as c:
+        r = await c.post(
+            "/e2b/sandboxes", json={"templateID": "busybox"}, headers={"x-api-key": KEY}
+        )
+        assert r.status_code == 201, r.text
+        body = r.json()
+        sid, envd_token = body["sandboxID"], body["envdAccessToken"]
+        assert body["domain"] == DOMAIN and body["trafficAccessToken"]
+        host = {"host": f"49983-{sid}.{DOMAIN}"}
+        r = await c.get("/health", headers={**host, "x-access-token": envd_token})
+        assert r.status_code == 204, r.text
+        r = await c.get("/health", headers={**host, "x-access-token": "nope"})
+        assert r.status_code == 502  # envd's "sandbox not found" for a wrong token
+        # another port through E2B's headers: the envd token is a credential there
+        r = await c.get(
+            "/e2b/envd/x",
+            headers={
+                "e2b-sandbox-id": sid,
+                "e2b-sandbox-port": "8000",
+                "x-access-token": envd_token,
+            },
+        )
+        assert r.status_code == 502 and r.json()["error"]["code"] == "port_not_listening"
+        r = await c.get("/e2b/envd/x", headers={"e2b-sandbox-id": sid, "e2b-sandbox-port": "8000"})
+        assert r.status_code == 401
+    from dsec.server import close_app
+
+    await close_app(app)
