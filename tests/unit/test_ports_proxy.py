@@ -541,3 +541,15 @@ async def test_host_route_of_the_envd_port_is_the_e2b_api() -> None:
     from dsec.server import close_app
 
     await close_app(app)
+
+
+def test_port_forward_cli_refuses_bad_specs() -> None:
+    from typer.testing import CliRunner
+
+    from dsec.cli.main import app
+
+    runner = CliRunner(env={"DSEC_API_KEY": KEY, "DSEC_URL": "http://dsec.invalid"})
+    for spec in ("abc", "0", "70000", "x:80", "99999:80"):
+        r = runner.invoke(app, ["port-forward", "sb-fake-0123456789ab", spec])
+        assert r.exit_code == 1, (spec, r.output)
+        assert "bad port spec" in r.output
