@@ -142,6 +142,11 @@ class CreateSandboxRequest(_Model):
         description="run the image's start command, if it has one (a server, a desktop); "
         "its output is the sandbox's logs",
     )
+    public_ports: bool = Field(
+        False,
+        description="the sandbox's ports answer through the port proxy without any "
+        "credential (its id then carries 96 random bits: anyone with a URL reaches them)",
+    )
     full_guest: bool = Field(
         False,
         description="microvm and vm tiers only: give commands the whole guest (every "
@@ -239,6 +244,7 @@ class SandboxInfo(_Model):
     next_seq: int = Field(1, description="the trajectory sequence number the edge expects next")
     network: NetworkPolicy | None = None
     forked_from: str | None = Field(None, description="the sandbox this one was forked from")
+    public_ports: bool = Field(False, description="its ports need no credential")
 
     @field_serializer("stopped_reason")
     def _public_reason(self, reason: str | None) -> str | None:
@@ -596,6 +602,9 @@ class Capabilities(_Model):
     persistent: bool = True
     suspend: bool = Field(False, description="pause mode=suspend: memory to a file, process exits")
     memory_fork: bool = Field(False, description="fork with memory=True (running processes)")
+    ports: bool = Field(
+        False, description="TCP ports inside the sandbox reachable through the port proxy"
+    )
     max_cpu: float | None = None
     max_memory_mb: int | None = None
 
@@ -603,6 +612,23 @@ class Capabilities(_Model):
     def _public_reason(self, reason: str | None) -> str | None:
         """Why a tier is unavailable can name server paths: shown as ``$DSEC_HOME/...``."""
         return scrub_server_paths(reason)
+
+
+class PortAccess(_Model):
+    """How to reach a sandbox's ports through the port proxy (``GET
+    /v1/sandboxes/{id}/ports``). URLs: ``{api}/v1/sandboxes/{sandbox_id}/ports/{port}/...``
+    (path route) and, when the server has a ports domain,
+    ``{scheme}://{port}-{sandbox_id}.{domain}/...`` (host route). Either takes ``token``
+    (header ``X-Dsec-Port-Token``, cookie, ``?dsec_token=`` or a ``/_dsec_token/<token>``
+    first path segment) instead of the API key."""
+
+    sandbox_id: str
+    token: str = Field(description="the sandbox's access token (all its ports, its whole life)")
+    public: bool = Field(False, description="created with public_ports: no credential needed")
+    domain: str | None = Field(
+        None, description="host routes: '{port}-{sandbox_id}.' + this ('name[:port]')"
+    )
+    scheme: str = Field("https", description="the scheme of host routes (https or http)")
 
 
 class NodeInfo(_Model):

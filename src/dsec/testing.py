@@ -38,7 +38,9 @@ that really ran in a sandbox (a fast-forwarded repeat does not). Pauses report
 ``method="fake"`` (nothing is frozen); a snapshot copies the sandbox's files (minus the
 ``scrub`` globs) into a layer whose content a new sandbox starts from; a file holding one of
 ``secret_values`` refuses it (``SecretInSnapshot``). Network policies are recorded, not
-enforced (fake sandboxes send no traffic).
+enforced (fake sandboxes send no traffic). Ports (every tier but ``fncall``): a fake
+sandbox's port is whatever TCP address :meth:`FakeEdge.serve_port` maps it to (a server
+the test runs on loopback); unmapped ports are refused (``PortNotListening``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from dsec.errors import (
     InvalidRequest,
     LayerNotFound,
     PayloadTooLarge,
+    PortNotListening,
     SandboxStopped,
     SecretInSnapshot,
 )
@@ -105,7 +108,14 @@ from dsec.runtimes.base import (
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["ExecHandler", "FakeEdge", "MemoryLayers", "MemoryRuntime", "app_transport"]
+__all__ = [
+    "ExecHandler",
+    "FakeEdge",
+    "MemoryLayers",
+    "MemoryPortRuntime",
+    "MemoryRuntime",
+    "app_transport",
+]
 
 ExecHandler = Callable[[SandboxInfo, ExecRequest], "ExecResult | Awaitable[ExecResult]"]
 """A function that answers one exec request for a fake sandbox."""
@@ -762,6 +772,29 @@ class MemoryRuntime:
         }
 
 
+class MemoryPortRuntime(MemoryRuntime):
+    """:class:`MemoryRuntime` with ports (``PortConnectable``): port ``p`` of sandbox ``s``
+    is the TCP address ``ports[(s, p)]`` (a test server on loopback)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ports: dict[tuple[str, int], tuple[str, int]] = {}
+
+    async def connect_port(self, handle: Handle, port: int) -> Any:
+        import socket
+
+        from dsec.edge.ports import connect_socket
+
+        self._get(handle)
+        host, real = self.ports.get((handle.id, port), ("127.0.0.1", 0))
+        if real == 0:
+            raise PortNotListening(
+                f"nothing in the sandbox accepts connections on port {port}", port=port
+            )
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        return await connect_socket(sock, real, host=host)
+
+
 # --- the edge --------------------------------------------------------------------------------
 
 _DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("dsec_fake_edge_depth", default=0)
@@ -813,7 +846,7 @@ class FakeEdge(EdgeAgent):
         self.memory_layers = layers if layers is not None else MemoryLayers()
 
         def memory_runtime(tier: str) -> Runtime:
-            return MemoryRuntime(
+            return (MemoryRuntime if tier == "fncall" else MemoryPortRuntime)(
                 tier,
                 self.memory_layers,
                 self._answer,
@@ -873,6 +906,15 @@ class FakeEdge(EdgeAgent):
             row.id: self._info(self._live[row.id].row if row.id in self._live else row)
             for row in self.registry.select()
         }
+
+    def serve_port(self, sandbox_id: str, port: int, address: tuple[str, int]) -> None:
+        """Make ``port`` of a fake sandbox the TCP server at ``address`` (e.g. a test's
+        loopback server): what the port proxy reaches for that sandbox and port."""
+        lv = self._live[sandbox_id]
+        rt = self.runtimes[lv.row.tier]
+        if not isinstance(rt, MemoryPortRuntime):
+            raise CapabilityNotSupported(f"tier {lv.row.tier} has no ports")
+        rt.ports[(sandbox_id, port)] = address
 
     def forget(self, sandbox_id: str) -> None:
         """Make the node forget a sandbox altogether, as once a stopped sandbox's record is
@@ -1023,3 +1065,6 @@ if TYPE_CHECKING:  # mypy checks that the fakes satisfy the contracts they stand
     _pausable: Pausable = MemoryRuntime("container", MemoryLayers(), _no_answer)
     _snapshots: Snapshottable = MemoryRuntime("container", MemoryLayers(), _no_answer)
     _networked: Networked = MemoryRuntime("container", MemoryLayers(), _no_answer)
+    from dsec.runtimes.base import PortConnectable
+
+    _ports: PortConnectable = MemoryPortRuntime("container", MemoryLayers(), _no_answer)
