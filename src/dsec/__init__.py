@@ -75,6 +75,7 @@ from dsec.models import (
     LayerInfo,
     NodeInfo,
     SandboxInfo,
+    SandboxMetrics,
 )
 from dsec.network.policy import NetworkPolicy
 from dsec.sdk import (
@@ -132,6 +133,7 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "SandboxInfo",
+    "SandboxMetrics",
     "SandboxNotFound",
     "SandboxStopped",
     "SandboxTimeout",

@@ -19,7 +19,11 @@ Mapping:
 * ``allow_internet_access`` and ``network`` (``allow_out``/``deny_out``/
   ``dns_servers``) -> a dsec ``NetworkPolicy`` (:mod:`dsec.e2b.network`);
   ``update_network`` -> ``update_network``; ``get_info`` shows the policy back.
-* features dsec does not have (listing/deleting snapshots, metrics, logs,
+* metrics (``GET /sandboxes/{id}/metrics``, ``GET /sandboxes/metrics?sandbox_ids=``) ->
+  ``sandbox_metrics``: one sample, taken now (dsec samples on request and keeps no history),
+  returned when ``now`` is inside the asked ``[start, end]``; CPU percent of the sandbox's
+  cores, memory and disk in bytes (``get_metrics``).
+* features dsec does not have (listing/deleting snapshots, logs,
   egress proxies and request transforms, MCP, volumes, template builds) answer
   422 (or 501 for routes not implemented at all) with a message that says so;
   the SDK raises ``SandboxException("<status>: <message>")``.
@@ -62,8 +66,15 @@ from dsec.e2b.errors import E2BError, control_status
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
 from dsec.e2b.process import ProcessRegistry, paused_error
-from dsec.edge.interface import EdgeAPI
-from dsec.errors import DsecError, ImageNotFound, ServiceUnavailable
+from dsec.edge.interface import EdgeAPI, MetricsEdge
+from dsec.errors import (
+    CapabilityNotSupported,
+    DsecError,
+    ImageNotFound,
+    SandboxNotFound,
+    SandboxStopped,
+    ServiceUnavailable,
+)
 from dsec.models import CreateSandboxRequest, ForkRequest, SandboxInfo, SnapshotRequest
 
 __all__ = ["ENVD_VERSION", "SANDBOX_DOMAIN", "TEMPLATE_LABEL", "ControlPlane"]
@@ -210,7 +221,7 @@ class ControlPlane:
             Route("/v2/sandboxes", g(self.create), methods=["POST"]),
             Route("/sandboxes", g(self.list_v1), methods=["GET"]),
             Route("/v2/sandboxes", g(self.list_v2), methods=["GET"]),
-            Route("/sandboxes/metrics", g(self.refuse_metrics), methods=["GET"]),
+            Route("/sandboxes/metrics", g(self.metrics_many), methods=["GET"]),
             Route("/sandboxes/{sandbox_id}", g(self.get), methods=["GET"]),
             Route("/sandboxes/{sandbox_id}", g(self.kill), methods=["DELETE"]),
             Route("/sandboxes/{sandbox_id}/timeout", g(self.set_timeout), methods=["POST"]),
@@ -222,7 +233,7 @@ class ControlPlane:
             Route("/sandboxes/{sandbox_id}/snapshots", g(self.snapshot), methods=["POST"]),
             Route("/sandboxes/{sandbox_id}/fork", g(self.fork), methods=["POST"]),
             Route("/sandboxes/{sandbox_id}/network", g(self.update_network), methods=["PUT"]),
-            Route("/sandboxes/{sandbox_id}/metrics", g(self.refuse_on_sandbox), methods=["GET"]),
+            Route("/sandboxes/{sandbox_id}/metrics", g(self.metrics), methods=["GET"]),
             Route("/sandboxes/{sandbox_id}/logs", g(self.refuse_on_sandbox), methods=["GET"]),
             Route("/v2/sandboxes/{sandbox_id}/logs", g(self.refuse_on_sandbox), methods=["GET"]),
             Route("/snapshots", g(self.refuse_snapshots), methods=["GET"]),
@@ -647,8 +658,58 @@ class ControlPlane:
             "later releases)",
         )
 
-    async def refuse_metrics(self, request: Request, owner: str) -> Response:
-        return _error(422, "sandbox metrics are not supported by dsec yet")
+    async def _metric(self, sandbox_id: str, owner: str) -> dict[str, Any]:
+        """One E2B ``SandboxMetric`` of the sandbox, now."""
+        if not isinstance(self.edge, MetricsEdge):
+            await self._live(sandbox_id, owner)
+            raise E2BError(422, "this dsec server cannot measure sandboxes")
+        try:
+            m = await self.edge.sandbox_metrics(sandbox_id, owner)
+        except SandboxStopped:
+            raise E2BError(404, f"sandbox {sandbox_id} not found") from None
+        return {
+            "timestamp": m.timestamp.isoformat().replace("+00:00", "Z"),
+            "timestampUnix": int(m.timestamp.timestamp()),
+            "cpuCount": max(1, math.ceil(m.cpu.limit_cores)),
+            "cpuUsedPct": m.cpu.used_pct,
+            "memUsed": m.memory.used_bytes,
+            "memTotal": m.memory.limit_bytes or 0,
+            "memCache": m.memory.cache_bytes,
+            "diskUsed": m.disk.used_bytes or 0,
+            "diskTotal": m.disk.total_bytes or 0,
+        }
+
+    @staticmethod
+    def _time_window(request: Request) -> tuple[float, float]:
+        """``start``/``end`` query parameters (Unix seconds; defaults: ever, now)."""
+        q = request.query_params
+        try:
+            start = float(q["start"]) if q.get("start") else -math.inf
+            end = float(q["end"]) if q.get("end") else math.inf
+        except ValueError:
+            raise E2BError(400, "start and end are Unix timestamps in seconds") from None
+        return start, end
+
+    async def metrics(self, request: Request, owner: str) -> Response:
+        """E2B ``get_metrics``: the metric taken now, if now is inside ``[start, end]``."""
+        sandbox_id = request.path_params["sandbox_id"]
+        start, end = self._time_window(request)
+        metric = await self._metric(sandbox_id, owner)
+        inside = start - 1 <= metric["timestampUnix"] <= end + 1
+        return JSONResponse([metric] if inside else [])
+
+    async def metrics_many(self, request: Request, owner: str) -> Response:
+        """E2B ``GET /sandboxes/metrics?sandbox_ids=a,b``: the latest metric of each of this
+        key's running sandboxes among them (others, and unknown ids, are left out)."""
+        raw = request.query_params.get("sandbox_ids", "")
+        ids = [x for x in (p.strip() for p in raw.split(",")) if x][:100]
+        out: dict[str, Any] = {}
+        for sandbox_id in ids:
+            try:
+                out[sandbox_id] = await self._metric(sandbox_id, owner)
+            except (E2BError, SandboxNotFound, SandboxStopped, CapabilityNotSupported):
+                continue
+        return JSONResponse({"sandboxes": out})
 
     async def refuse_snapshots(self, request: Request, owner: str) -> Response:
         return _error(

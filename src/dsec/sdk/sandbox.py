@@ -94,6 +94,7 @@ from dsec.models import (
     OnTimeout,
     PauseRequest,
     SandboxInfo,
+    SandboxMetrics,
     SnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
@@ -966,6 +967,15 @@ class AsyncSandbox:
         and :func:`dsec.replay.replay_lines` read it."""
         r = await self._client._http.request("GET", self._path("/trajectory"))
         return r.text
+
+    async def metrics(self) -> SandboxMetrics:
+        """One sample of the sandbox's resource usage: CPU (``usage_s`` cumulative seconds,
+        ``used_cores`` / ``used_pct`` since the previous sample), memory (working set, cache
+        and limit, bytes), disk (its writable layer, bytes), network (bytes and packets; None
+        without a network) and processes. Reading it neither resumes a paused sandbox nor
+        extends its TTL. ``CapabilityNotSupported`` on a tier that cannot measure."""
+        r = await self._client._http.request("GET", self._path("/metrics"))
+        return SandboxMetrics.model_validate(r.json(), context=ANSWER)
 
     async def kill(self) -> SandboxInfo:
         """Kill the sandbox (idempotent) and release this object's connections."""
