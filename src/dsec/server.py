@@ -25,13 +25,15 @@ from dsec.privileged.reaper import become_subreaper
 log = logging.getLogger("dsec.server")
 
 
-def build_app(edge: Any, keys: Any) -> Any:
-    """The full HTTP surface of one server: the dsec API, the E2B-compatible API under
-    ``/e2b`` (control plane) and ``/e2b/envd`` (in-sandbox API), and SandboxFusion's
-    ``/run_code`` when the fncall tier is present."""
+def build_app(edge: Any, keys: Any, home: Path | None = None) -> Any:
+    """The full HTTP surface of one server: the dsec API, the dashboard under ``/ui``
+    (sessions signed with ``home/ui_secret``), the E2B-compatible API under ``/e2b``
+    (control plane) and ``/e2b/envd`` (in-sandbox API), and SandboxFusion's ``/run_code``
+    when the fncall tier is present."""
     from dsec.apiserver.app import create_app
+    from dsec.ui.session import load_secret
 
-    app = create_app(edge, keys)
+    app = create_app(edge, keys, ui_secret=load_secret(home))
     app.state.closers = []
     try:
         from dsec.e2b import make_e2b_app
@@ -129,7 +131,7 @@ def serve(
         async with embedded_edge(paths.home, tiers=tiers) as edge:
             prebuild_images(edge.layers)
             keys = KeyStore(paths.home)
-            app = build_app(edge, keys)
+            app = build_app(edge, keys, paths.home)
             log.info(
                 "dsec serve on http://%s:%d (home %s, node %s)", host, port, paths.home, edge.node
             )
@@ -298,7 +300,7 @@ def serve_cluster(
             keys: Any = PgKeyStore(state, paths.home)
         else:
             keys = KeyStore(paths.home)
-        app = build_app(edge, keys)
+        app = build_app(edge, keys, paths.home)
         log.info(
             "dsec serve on http://%s:%d: cluster %s, nodes %s",
             host,
@@ -378,7 +380,7 @@ class BackgroundServer:
             ) as edge:
                 self.edge = edge
                 self.keys = KeyStore(self.home)
-                app = build_app(edge, self.keys)
+                app = build_app(edge, self.keys, self.home)
                 server = uvicorn.Server(
                     uvicorn.Config(
                         app,
