@@ -76,8 +76,8 @@ function Live({ id, active }) {
           <span class="muted">(${latest.source})</span></p>`
       : null}
     <div class="charts">
-      <${Chart} testid="chart-cpu" title="CPU (cores)" t=${t} series=${[{ label: "used", values: ss.map((m) => m.cpu.used_cores) }]} />
-      <${Chart} testid="chart-memory" title="memory (MiB)" t=${t}
+      <${Chart} span=${KEEP * 2} testid="chart-cpu" title="CPU (cores)" t=${t} series=${[{ label: "used", values: ss.map((m) => m.cpu.used_cores) }]} />
+      <${Chart} span=${KEEP * 2} testid="chart-memory" title="memory (MiB)" t=${t}
         series=${[{ label: "used", values: ss.map((m) => m.memory.used_bytes / 1048576), unit: " MiB" },
                   { label: "cache", values: ss.map((m) => m.memory.cache_bytes / 1048576), unit: " MiB" }]} />
     </div>
