@@ -11,13 +11,15 @@ Commands::
     dsec network ID update [--allow-domain D]... [--allow-cidr C]... [--deny-domain D]...
                            [--deny-cidr C]... [--port P]... [--protocol tcp|udp|icmp]...
                            [--preset NAME]... | --file POLICY.json
-    dsec ps [--all]
+    dsec ps [--all] [-o table|wide|json]
     dsec kill ID...
     dsec pause ID... | dsec resume ID...
     dsec snapshot ID [--name N] [--scrub PATH]...
     dsec fork ID -n N [--label K=V]...
     dsec job pause|resume|kill|ls JOB
     dsec trajectory ID [-o FILE]
+    dsec logs ID [-f] [-o json]
+    dsec metrics ID [-o json]
     dsec replay LOG.jsonl [--image I] [--keep]
     dsec image ls
     dsec image build PATH --name N [--kind K] [--base B] [--system]
@@ -662,6 +664,63 @@ def metrics(
         (Column(m.sandbox_id, is_id=True), Column(m.tier)), _metrics_rows(m), wide=True
     )
     print_table(stdout, table, wide=output is OutputFormat.wide)
+
+
+FOLLOW_TIMEOUT_S = 24 * 3600.0
+"""How long ``dsec logs -f`` follows at most, seconds."""
+
+
+async def _log_lines(client: Client, sandbox_id: str, follow: bool) -> Any:
+    """The NDJSON lines of ``GET /v1/sandboxes/{id}/logs`` as dicts (``ts``, ``stream``,
+    ``data``); lines this version cannot parse are skipped."""
+    from urllib.parse import quote
+
+    path = f"/v1/sandboxes/{quote(sandbox_id, safe='')}/logs" + ("?follow=true" if follow else "")
+    http = client.async_client._http
+    async with http.stream("GET", path, timeout=FOLLOW_TIMEOUT_S if follow else None) as r:
+        async for line in r.aiter_lines():
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(item, dict) and isinstance(item.get("data"), str):
+                yield item
+
+
+@app.command()
+@handle_errors
+def logs(
+    sandbox_id: Annotated[str, typer.Argument(help="sandbox id", show_default=False)],
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="keep printing new output until it ends")
+    ] = False,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Print what the sandbox's start command wrote (stdout to stdout, stderr to stderr);
+    -o json: the NDJSON lines as they come (ts, stream, data)."""
+    client = make_client()
+
+    async def go() -> None:
+        async for item in _log_lines(client, sandbox_id, follow):
+            stream = item.get("stream")
+            if output is OutputFormat.json:
+                sys.stdout.write(json.dumps(item, sort_keys=True) + "\n")
+                sys.stdout.flush()
+            elif stream == "stderr":
+                sys.stderr.write(item["data"])
+                sys.stderr.flush()
+            elif stream == "stdout":
+                sys.stdout.write(item["data"])
+                sys.stdout.flush()
+            else:  # the edge's own note (how the command ended)
+                stderr.print(f"[dim]{escape(item['data'].rstrip())}[/]", soft_wrap=True)
+
+    try:
+        _run(go())
+    finally:
+        client.close()
 
 
 @app.command()
