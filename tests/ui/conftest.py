@@ -9,6 +9,7 @@ would. Every test keeps screenshots of the pages it saw in ``tests/ui/evidence/`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import threading
@@ -56,12 +57,15 @@ def chromium_path() -> str:
     return CHROMIUM
 
 
-@pytest.fixture(scope="module")
-def ui_server() -> Iterator[UiServer]:
-    edge = FakeEdge(available_tiers=("fncall", "container", "vm"), max_sandboxes=5000)
+@contextlib.contextmanager
+def serve_ui(edge: FakeEdge, routes: Any = None) -> Iterator[UiServer]:
+    """The app over ``edge`` on a loopback port (``routes``: an extra router, included
+    after the app's own)."""
     app = create_app(
         edge, StaticKeys([OPERATOR, ALICE, BOB], operators=[OPERATOR]), access_log="off"
     )
+    if routes is not None:
+        app.include_router(routes)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
@@ -78,6 +82,12 @@ def ui_server() -> Iterator[UiServer]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def ui_server() -> Iterator[UiServer]:
+    with serve_ui(FakeEdge(available_tiers=("fncall", "container", "vm"), max_sandboxes=5000)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

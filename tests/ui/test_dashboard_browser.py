@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 from tests.ui.conftest import ALICE, BOB, OPERATOR, Evidence, UiServer, sign_in
 
 from dsec import Sandbox
@@ -205,3 +206,39 @@ def test_the_operator_view(ui_server: UiServer, new_page: Any, evidence: Evidenc
     evidence.shot(page, "images")
     a.kill()
     b.kill()
+
+
+@pytest.mark.slow
+def test_the_table_paginates_two_thousand_sandboxes(
+    ui_server: UiServer, new_page: Any, evidence: Evidence
+) -> None:
+    from dsec.models import CreateSandboxRequest
+
+    async def fill() -> list[str]:
+        req = CreateSandboxRequest(job="many")
+        return [
+            (await ui_server.edge.create_sandbox(req, ui_server.owner(ALICE))).id
+            for _ in range(2000)
+        ]
+
+    ids = ui_server.call(fill(), timeout=600)
+    page = new_page()
+    sign_in(page, ui_server.url, ALICE)
+    page.goto(f"{ui_server.url}/ui#/sandboxes")
+    page.wait_for_function(
+        "() => (document.querySelector('.tabulator-page-counter') || {}).innerText"
+        "?.includes('of 2000 rows')"
+    )
+    # a page of rows in the DOM, not 2,000
+    assert page.locator("[data-testid=sandbox-link]").count() <= 50
+    page.locator(".tabulator-col[tabulator-field=id] input").press_sequentially(ids[1234])
+    page.wait_for_function(
+        "() => document.querySelectorAll('[data-testid=sandbox-link]').length === 1"
+    )
+    assert page.inner_text("[data-testid=sandbox-link]") == ids[1234]
+    evidence.shot(page, "filtered")
+    page.select_option("[data-testid=job-select]", "many")
+    page.click("[data-testid=kill-job]")
+    page.locator("[data-testid=action-message]", has_text="kill job many: 2000 ok").wait_for(
+        timeout=120_000
+    )
