@@ -605,6 +605,7 @@ class Capabilities(_Model):
     ports: bool = Field(
         False, description="TCP ports inside the sandbox reachable through the port proxy"
     )
+    metrics: bool = Field(False, description="GET /v1/sandboxes/{id}/metrics: resource usage")
     max_cpu: float | None = None
     max_memory_mb: int | None = None
 
@@ -638,6 +639,64 @@ class NodeInfo(_Model):
     sandboxes: int
     cpus: int
     memory_mb: int
+
+
+class CpuMetrics(_Model):
+    """CPU of one sandbox. ``usage_s`` is cumulative; the rates cover ``interval_s`` of the
+    :class:`SandboxMetrics` they belong to."""
+
+    usage_s: float = Field(description="CPU time consumed since the sandbox started, seconds")
+    used_cores: float = Field(description="cores busy on average over the interval")
+    used_pct: float = Field(description="used_cores as a percentage of limit_cores")
+    limit_cores: float = Field(description="the cores the sandbox asked for (its quota)")
+
+
+class MemoryMetrics(_Model):
+    """Memory of one sandbox, bytes. ``used`` is the working set (charged memory minus
+    inactive file cache); ``cache`` the page cache charged to it (its tmpfs files too)."""
+
+    used_bytes: int
+    cache_bytes: int = 0
+    limit_bytes: int | None = Field(None, description="its memory limit (None: none known)")
+    peak_bytes: int | None = Field(None, description="highest charge seen, where kept")
+    host_bytes: int | None = Field(None, description="VM tiers: what QEMU holds on the host")
+
+
+class DiskMetrics(_Model):
+    """The sandbox's writable layer, bytes (``used_bytes`` None: not measurable on this tier)."""
+
+    used_bytes: int | None = None
+    total_bytes: int | None = None
+
+
+class NetworkMetrics(_Model):
+    """Traffic as the sandbox sees it (``rx``: arrived, ``tx``: sent), cumulative."""
+
+    rx_bytes: int = 0
+    tx_bytes: int = 0
+    rx_packets: int = 0
+    tx_packets: int = 0
+
+
+class SandboxMetrics(_Model):
+    """``GET /v1/sandboxes/{id}/metrics``: one sample of a sandbox's resource usage.
+
+    Reading it neither resumes a paused sandbox nor counts as activity (its TTL is not
+    extended). Rates (``cpu.used_cores``) cover ``interval_s``: the time since the previous
+    sample anyone took of this sandbox, or since it was created for the first one.
+    """
+
+    sandbox_id: str
+    tier: str
+    state: str
+    timestamp: datetime
+    interval_s: float = Field(description="seconds the rates average over")
+    cpu: CpuMetrics
+    memory: MemoryMetrics
+    disk: DiskMetrics = Field(default_factory=DiskMetrics)
+    network: NetworkMetrics | None = Field(None, description="None: the sandbox has no network")
+    pids: int | None = Field(None, description="processes (threads) in the sandbox now")
+    source: str = Field("", description="where the numbers come from, e.g. 'cgroup v1'")
 
 
 class RemoveRequest(_Model):

@@ -41,7 +41,7 @@ from dsec.apiserver.schemas import (
     SandboxList,
     TarUploadResult,
 )
-from dsec.edge.interface import PauseModes
+from dsec.edge.interface import MetricsEdge, PauseModes
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
@@ -65,6 +65,7 @@ from dsec.models import (
     MigrateResult,
     PauseRequest,
     SandboxInfo,
+    SandboxMetrics,
     SetTTLRequest,
     SnapshotRequest,
 )
@@ -560,6 +561,22 @@ async def export_trajectory(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner
         media_type="application/x-ndjson",
         headers={"cache-control": "no-store"},
     )
+
+
+@router.get(
+    "/{sandbox_id}/metrics",
+    response_model=SandboxMetrics,
+    summary="Resource usage: CPU, memory, disk, network, processes",
+    description="One sample, read without resuming a paused sandbox or extending its TTL. "
+    "``cpu.used_cores`` averages over ``interval_s`` (since the previous sample of this "
+    "sandbox, or since its creation). A stopped sandbox is a 409 ``sandbox_stopped``; a "
+    "tier whose capabilities lack ``metrics`` a 422 ``capability_not_supported``.",
+)
+async def sandbox_metrics(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxMetrics:
+    if not isinstance(edge, MetricsEdge):
+        await edge.get_sandbox(sandbox_id, owner)  # another key's: not found, as everywhere
+        raise CapabilityNotSupported("this server's edge cannot measure sandboxes")
+    return await edge.sandbox_metrics(sandbox_id, owner)
 
 
 # --- network policy ------------------------------------------------------------
