@@ -15,6 +15,8 @@ States: ``creating -> running <-> paused -> stopped``. ``stopped`` is final.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from datetime import datetime
 from enum import StrEnum
@@ -103,7 +105,9 @@ class CreateSandboxRequest(_Model):
     layers: list[str] = Field(
         default_factory=list, max_length=64, description="extra layers stacked above the image"
     )
-    cpu: float = Field(1.0, gt=0, le=256, description="CPU cores (CFS quota)")
+    cpu: float = Field(
+        1.0, ge=0.01, le=256, description="CPU cores (CFS quota; 0.01, 1 ms per 100 ms, at least)"
+    )
     memory_mb: int = Field(512, ge=16, le=1024 * 1024, description="memory limit, MiB")
     disk_mb: int = Field(1024, ge=1, le=1024 * 1024, description="writable layer size, MiB")
     pids: int = Field(1024, ge=8, le=1_000_000, description="max processes/threads")
@@ -379,6 +383,16 @@ class ExecRequest(_Model):
     max_output_bytes: int = Field(
         1 << 20, ge=0, le=64 << 20, description="cap per stream; the rest is dropped"
     )
+
+    @field_validator("stdin_b64")
+    @classmethod
+    def _stdin_b64(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                base64.b64decode(v, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise ValueError(f"stdin_b64 is not valid base64: {e}") from None
+        return v
 
     @field_validator("cmd")
     @classmethod

@@ -130,4 +130,3 @@ def test_logs_v1_and_v2(server: dict[str, Any]) -> None:
             assert r.status_code == 400, (params, r.text)
     finally:
         sbx.kill()
-

@@ -242,6 +242,15 @@ async def exec_command(
     return _mark_replayed(response, result)
 
 
+def ndjson_of(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI media entry of an NDJSON body: no ``schema`` (the whole body, possibly
+    empty or many lines, is not one JSON value); each line is one ``model``, whose schema is
+    under ``x-line-schema``."""
+    return {
+        "x-line-schema": model.model_json_schema(ref_template="#/components/schemas/{model}"),
+    }
+
+
 def _event_line(event: ExecEvent) -> bytes:
     return event.model_dump_json(exclude_none=True).encode() + b"\n"
 
@@ -254,11 +263,7 @@ def _event_line(event: ExecEvent) -> bytes:
         200: {
             "description": "NDJSON: ExecEvent lines (stdout/stderr chunks, then one exit or error)",
             "content": {
-                "application/x-ndjson": {
-                    "schema": ExecEvent.model_json_schema(
-                        ref_template="#/components/schemas/{model}"
-                    )
-                }
+                "application/x-ndjson": ndjson_of(ExecEvent),
             },
         }
     },
@@ -508,9 +513,7 @@ async def migrate_sandbox(
             "description": "NDJSON: LogLine objects (ts, stream, data) in order; with "
             "follow=true the response stays open until the start command ends",
             "content": {
-                "application/x-ndjson": {
-                    "schema": LogLine.model_json_schema(ref_template="#/components/schemas/{model}")
-                }
+                "application/x-ndjson": ndjson_of(LogLine),
             },
         }
     },

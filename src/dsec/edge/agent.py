@@ -1666,7 +1666,8 @@ class EdgeAgent:
             interval = max(1e-3, now - lv.row.created_at)
             busy_ns = u.cpu_usage_ns
         lv.last_usage = (now_mono, u.cpu_usage_ns)
-        limit = float(lv.row.request.get("cpu", 1.0)) or 1.0
+        # the CFS quota is at least 0.01 cores (1 ms per 100 ms), whatever was asked
+        limit = max(0.01, float(lv.row.request.get("cpu", 1.0)))
         cores = busy_ns / 1e9 / interval
         net = u.net
         return SandboxMetrics(
