@@ -38,7 +38,12 @@ def build_app(edge: Any, keys: Any) -> Any:
     except ImportError as e:  # the e2b package is a dependency; say so if it is missing
         log.warning("E2B-compatible API disabled: %s", e)
     else:
-        e2b_app = make_e2b_app(edge, keys.verify)
+        home = getattr(getattr(edge, "paths", None), "home", None)
+        e2b_app = make_e2b_app(
+            edge,
+            keys.verify,
+            template_files_dir=Path(home) / "e2b-template-files" if home is not None else None,
+        )
         app.mount("/e2b", e2b_app)
         # the E2B SDK builds signed file URLs (upload_url/download_url) on the server's root,
         # without the /e2b/envd prefix: serve /files there too (signature-checked, no key)
