@@ -32,6 +32,7 @@ import sys
 
 from dsec.errors import (
     AuthenticationError,
+    BadGateway,
     BlobDigestMismatch,
     BuildFailed,
     CapabilityNotSupported,
@@ -50,6 +51,7 @@ from dsec.errors import (
     PathOutsideSandbox,
     PayloadTooLarge,
     PermissionDenied,
+    PortNotListening,
     QuotaExceeded,
     RegistryUnauthorized,
     RegistryUnavailable,
@@ -63,6 +65,7 @@ from dsec.errors import (
     ServiceUnavailable,
     StartFailed,
     TierUnavailable,
+    TooManyConnections,
     Unsupported,
 )
 from dsec.models import (
@@ -97,6 +100,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "AuthenticationError",
+    "BadGateway",
     "BlobDigestMismatch",
     "BuildFailed",
     "Capabilities",
@@ -129,6 +133,7 @@ __all__ = [
     "PathOutsideSandbox",
     "PayloadTooLarge",
     "PermissionDenied",
+    "PortNotListening",
     "QuotaExceeded",
     "RegistryUnauthorized",
     "RegistryUnavailable",
@@ -144,6 +149,7 @@ __all__ = [
     "ServiceUnavailable",
     "StartFailed",
     "TierUnavailable",
+    "TooManyConnections",
     "Unsupported",
     "__version__",
 ]

@@ -40,7 +40,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Mount
 
 from dsec.e2b.access import DEFAULT_TEMPLATE_ALIASES, AccessTokens, TemplateMap
-from dsec.e2b.control import ENVD_VERSION, ControlPlane, VerifyKey
+from dsec.e2b.control import ENVD_VERSION, ControlPlane, TrafficTokens, VerifyKey
 from dsec.e2b.envd import DEFAULT_MAX_UPLOAD_BYTES, EnvdApp
 from dsec.e2b.errors import e2b_http_exception_handlers
 from dsec.e2b.interactive import (
@@ -102,6 +102,8 @@ def make_e2b_app(
     watch_poll_interval_s: float = 0.25,
     template_files_dir: Path | None = None,
     max_build_context_bytes: int | None = None,
+    sandbox_domain: str | None = None,
+    traffic_tokens: TrafficTokens | None = None,
 ) -> Starlette:
     """Build the E2B-compatible ASGI app.
 
@@ -121,6 +123,9 @@ def make_e2b_app(
             ``$DSEC_HOME/e2b-template-files``).
         max_build_context_bytes: largest upload and largest set of files of one template
             build, bytes (default: ``DSEC_MAX_BUILD_CONTEXT_BYTES`` or 256 MiB).
+        sandbox_domain: the ``domain`` answered to the SDK (the port proxy's
+            ``DSEC_PORTS_DOMAIN``; None: ``dsec.invalid``, a name that never resolves).
+        traffic_tokens: issues the ``trafficAccessToken`` (the port proxy's tokens).
 
     Returns:
         A Starlette app; ``app.state.e2b`` is the :class:`E2BCompat` (call
@@ -152,7 +157,15 @@ def make_e2b_app(
         max_context_bytes=max_build_context_bytes,
     )
     control = ControlPlane(
-        edge, verify_key, tokens, template_map, registry, envd.filesystem, template_api
+        edge,
+        verify_key,
+        tokens,
+        template_map,
+        registry,
+        envd.filesystem,
+        template_api,
+        sandbox_domain=sandbox_domain,
+        traffic_tokens=traffic_tokens,
     )
     routes: list[BaseRoute] = []
     if envd_path is not None:

@@ -134,7 +134,7 @@ from dsec.e2b.access import TemplateMap, TemplateTarget
 from dsec.e2b.errors import E2BError, control_status
 from dsec.edge.interface import EdgeAPI, ImageBuilds
 from dsec.errors import DsecError, ImageNotFound
-from dsec.image_config import ImageConfig
+from dsec.images.config import ImageConfig
 from dsec.models import ImageInfo
 
 __all__ = [
@@ -758,9 +758,11 @@ class TemplateAPI:
         """The key's templates by alias (its own images, grouped by name)."""
         groups: dict[str, list[ImageInfo]] = {}
         for img in await self.edge.list_images(owner):
-            if img.owner != owner or img.status != "ready":
-                continue
+            if img.owner != owner or img.status != "ready" or img.meta.get("reference"):
+                continue  # others', not built, or a registry reference's copy
             alias, _ = split_image_name(img.name)
+            if not _ALIAS.match(alias):
+                continue  # a name in reference form (host:port/repo:tag) is no template
             groups.setdefault(alias, []).append(img)
         return {a: _Template(template_id_of(owner, a), a, imgs) for a, imgs in groups.items()}
 
