@@ -27,6 +27,8 @@ from typing import Any
 
 import pytest
 from tests.conftest import _seed_layers
+from tests.integration.test_image_refs_root import _busybox_tar, _image
+from tests.integration.test_oci_pull_root import DistributionRegistry, OciRepo
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -85,7 +87,12 @@ def write_task(root: Path, dockerfile: str) -> Path:
     return root
 
 
-GOOD_DOCKERFILE = "FROM busybox\nWORKDIR /app\nRUN printf '1\\n2\\n39\\n' > /app/numbers.txt\n"
+def good_dockerfile(registry: DistributionRegistry) -> str:
+    """The task's environment: FROM an image of the loopback registry (whose
+    ``/etc/numbers.txt`` the task's RUN step copies)."""
+    return (
+        f"FROM {registry.host}/tb/base:1\nWORKDIR /app\nRUN cp /etc/numbers.txt /app/numbers.txt\n"
+    )
 
 
 class Server:
@@ -138,7 +145,26 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(dsec_home_root: Path, shared_layers: Path) -> Iterator[Server]:
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DistributionRegistry]:
+    """Debian's docker-registry on loopback with ``tb/base:1``: busybox and a data file."""
+    if shutil.which("docker-registry") is None:
+        pytest.skip("needs docker-registry (apt-get install docker-registry)")
+    home = tmp_path_factory.mktemp("harbor-registry")
+    reg = DistributionRegistry(home)
+    try:
+        repo = OciRepo()
+        tar = _busybox_tar(home, {"/etc/numbers.txt": b"1\n2\n39\n"})
+        _image(repo, tar, "1", {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]})
+        reg.push("tb/base", repo)
+        yield reg
+    finally:
+        reg.stop()
+
+
+@pytest.fixture(scope="module")
+def server(
+    dsec_home_root: Path, shared_layers: Path, registry: DistributionRegistry
+) -> Iterator[Server]:
     if os.geteuid() != 0:
         pytest.skip("needs root")
     python = harbor_python()
@@ -172,17 +198,19 @@ def errors(trials: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def test_harbor_e2b_environment_solves_the_task(server: Server, tmp_path: Path) -> None:
-    task = write_task(tmp_path / "sum-task", GOOD_DOCKERFILE)
+def test_harbor_e2b_environment_solves_the_task(
+    server: Server, registry: DistributionRegistry, tmp_path: Path
+) -> None:
+    task = write_task(tmp_path / "sum-task", good_dockerfile(registry))
     trials = server.harbor(task, tmp_path / "jobs", "e2b")
     assert rewards(trials) == [1.0], errors(trials)
     assert server.live() == []  # Harbor killed its sandbox
 
 
 def test_harbor_dsec_environment_8_concurrent_trials_one_build(
-    server: Server, tmp_path: Path
+    server: Server, registry: DistributionRegistry, tmp_path: Path
 ) -> None:
-    task = write_task(tmp_path / "sum-dsec", GOOD_DOCKERFILE)
+    task = write_task(tmp_path / "sum-dsec", good_dockerfile(registry))
     trials = server.harbor(task, tmp_path / "jobs", DSEC_ENV, "-k", "8", "-n", "8")
     assert rewards(trials) == [1.0] * 8, errors(trials)
     made = server.sandboxes("sum-dsec")
@@ -196,8 +224,10 @@ def test_harbor_dsec_environment_8_concurrent_trials_one_build(
     assert server.live() == []
 
 
-def test_harbor_dsec_environment_api(server: Server, tmp_path: Path) -> None:
-    task = write_task(tmp_path / "checks", GOOD_DOCKERFILE)
+def test_harbor_dsec_environment_api(
+    server: Server, registry: DistributionRegistry, tmp_path: Path
+) -> None:
+    task = write_task(tmp_path / "checks", good_dockerfile(registry))
     r = subprocess.run(
         [
             str(server.python),
