@@ -115,3 +115,24 @@ def test_expand_and_ids() -> None:
     assert tid == template_id_of("k1", "web") != template_id_of("k2", "web")
     assert len(tid) == 20 and tid.isalnum() and tid.islower()
     assert isinstance(tr({"steps": []}).steps[-1], Label)
+
+
+def test_build_records_are_bounded() -> None:
+    from dsec.e2b import templates as t
+
+    api = t.TemplateAPI(None, None, None)  # type: ignore[arg-type]
+    from datetime import timedelta
+
+    old = t._now() - timedelta(seconds=t.UPLOAD_URL_TTL_S + 60)
+    for i in range(t.MAX_BUILDS + 50):  # finished, and requested but never started
+        status = "ready" if i % 2 else "waiting"
+        b = t._Build(f"b{i}", "k", "tid", "a", ["default"], None, None, status=status)
+        b.created_at = old
+        api._remember(b)
+    running = t._Build("run", "k", "tid", "a", ["default"], None, None, status="building")
+    api._remember(running)
+    assert len(api._builds) <= t.MAX_BUILDS and "run" in api._builds
+    b = t._Build("logs", "k", "tid", "a", ["default"], None, None)
+    for i in range(t.MAX_LOG_ENTRIES + 10):
+        b.log(str(i))
+    assert len(b.entries) == t.MAX_LOG_ENTRIES and b.dropped == 10

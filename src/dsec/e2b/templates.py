@@ -164,10 +164,11 @@ FILES_PREFIX = ".e2b-files"
 """Where each COPY's upload sits in the build context: ``.e2b-files/<hash>/...``."""
 LOGS_PAGE = 100
 """Log entries per status answer (E2B's limit)."""
-MAX_LOG_ENTRIES = 20_000
+MAX_LOG_ENTRIES = 5_000
 """Log entries kept per build (the oldest are dropped first)."""
-MAX_BUILDS = 1_000
-"""Finished builds remembered (status and logs) by this process."""
+MAX_BUILDS = 256
+"""Builds remembered (status and logs) by this process: past it, finished ones and builds
+never started within :data:`UPLOAD_URL_TTL_S` are forgotten, oldest first."""
 UPLOAD_URL_TTL_S = 3600.0
 """How long a file upload URL is valid, seconds (the SDK's upload timeout)."""
 DEFAULT_FILES_BYTES_PER_KEY = 4 << 30
@@ -904,12 +905,15 @@ class TemplateAPI:
 
     def _remember(self, b: _Build) -> None:
         self._builds[b.build_id] = b
-        if len(self._builds) > MAX_BUILDS:
-            for bid, old in list(self._builds.items()):
-                if len(self._builds) <= MAX_BUILDS:
-                    break
-                if old.status in ("ready", "error"):
-                    del self._builds[bid]
+        if len(self._builds) <= MAX_BUILDS:
+            return
+        stale = _now().timestamp() - UPLOAD_URL_TTL_S
+        for bid, old in list(self._builds.items()):
+            if len(self._builds) <= MAX_BUILDS:
+                break
+            abandoned = old.status == "waiting" and old.created_at.timestamp() < stale
+            if old.status in ("ready", "error") or abandoned:
+                del self._builds[bid]
 
     async def list_templates(self, request: Request, owner: str) -> Response:
         found = await self._templates(owner)
