@@ -92,8 +92,13 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
     except ImportError as e:  # the e2b package is a dependency; say so if it is missing
         log.warning("E2B-compatible API disabled: %s", e)
     else:
+        home = getattr(getattr(edge, "paths", None), "home", None)
         e2b_app = make_e2b_app(
-            edge, keys.verify, sandbox_domain=ports.domain, traffic_tokens=tokens
+            edge,
+            keys.verify,
+            sandbox_domain=ports.domain,
+            traffic_tokens=tokens,
+            template_files_dir=Path(home) / "e2b-template-files" if home is not None else None,
         )
         app.mount("/e2b", e2b_app)
         # E2B-routed port requests (E2b-Sandbox-Port) may carry the envdAccessToken

@@ -15,7 +15,9 @@ Mapping:
 * pause / resume / connect-resumes -> ``pause_sandbox`` / ``resume_sandbox``;
   ``lifecycle.on_timeout`` -> ``on_timeout``; snapshots -> ``snapshot_sandbox``
   tagged as an image (the snapshot id is that image name, so it works as a
-  template); fork -> ``fork_sandbox``.
+  template, and ``delete_snapshot`` deletes it like a template); fork -> ``fork_sandbox``.
+* templates (``Template.build``, aliases, tags, list, delete) -> :mod:`dsec.e2b.templates`
+  over the edge's image builds; a template is the key's images named after it.
 * ``allow_internet_access`` and ``network`` (``allow_out``/``deny_out``/
   ``dns_servers``) -> a dsec ``NetworkPolicy`` (:mod:`dsec.e2b.network`);
   ``update_network`` -> ``update_network``; ``get_info`` shows the policy back.
@@ -29,7 +31,7 @@ Mapping:
   own note ``warn``; ``start``/``cursor`` in milliseconds, ``limit``, ``direction``,
   ``level`` (the lowest shown) and ``search`` (a substring) as E2B has them.
 * features dsec does not have (listing/deleting snapshots,
-  egress proxies and request transforms, MCP, volumes, template builds) answer
+  egress proxies and request transforms, MCP, volumes) answer
   422 (or 501 for routes not implemented at all) with a message that says so;
   the SDK raises ``SandboxException("<status>: <message>")``.
 """
@@ -72,6 +74,7 @@ from dsec.e2b.errors import E2BError, control_status
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
 from dsec.e2b.process import ProcessRegistry, paused_error
+from dsec.e2b.templates import TemplateAPI
 from dsec.edge.interface import EdgeAPI, MetricsEdge
 from dsec.errors import (
     CapabilityNotSupported,
@@ -228,11 +231,13 @@ class ControlPlane:
         templates: TemplateMap,
         registry: ProcessRegistry,
         filesystem: FilesystemService,
+        template_api: TemplateAPI | None = None,
         *,
         sandbox_domain: str | None = None,
         traffic_tokens: TrafficTokens | None = None,
     ) -> None:
         self.edge = edge
+        self.template_api = template_api
         self.sandbox_domain = sandbox_domain or SANDBOX_DOMAIN
         self.traffic_tokens = traffic_tokens
         self.verify_key = verify_key
@@ -266,7 +271,7 @@ class ControlPlane:
             Route("/sandboxes/{sandbox_id}/logs", g(self.logs_v1), methods=["GET"]),
             Route("/v2/sandboxes/{sandbox_id}/logs", g(self.logs_v2), methods=["GET"]),
             Route("/snapshots", g(self.refuse_snapshots), methods=["GET"]),
-            Route("/templates/{template_id:path}", g(self.refuse_snapshots), methods=["DELETE"]),
+            *(self.template_api.routes(g) if self.template_api is not None else []),
         ]
 
     def _guard(
@@ -438,6 +443,9 @@ class ControlPlane:
             E2BEgress.from_wire(wire_network) if wire_network is not None else None,
         )
         target = self.templates.resolve(new.template_id)
+        sizes: dict[str, Any] = {}
+        if self.template_api is not None:  # a template id, name:default; its cpu and memory
+            target, sizes = await self.template_api.sandbox_target(owner, new.template_id, target)
         metadata = _unset(new.metadata) or {}
         envs = _unset(new.env_vars) or {}
         if not isinstance(metadata, dict) or not isinstance(envs, dict):
@@ -447,6 +455,7 @@ class ControlPlane:
             req = CreateSandboxRequest(
                 tier=target.tier,
                 image=target.image,
+                **sizes,
                 env={str(k): str(v) for k, v in envs.items()},
                 labels={
                     **{str(k): str(v) for k, v in metadata.items()},
@@ -823,6 +832,6 @@ class ControlPlane:
     async def refuse_snapshots(self, request: Request, owner: str) -> Response:
         return _error(
             422,
-            "listing and deleting snapshots is not supported by dsec's E2B API yet "
-            "(snapshots are dsec images: see `dsec images`)",
+            "listing snapshots is not supported by dsec's E2B API yet (snapshots are dsec "
+            "images: see `dsec image ls`; delete_snapshot works)",
         )
