@@ -963,7 +963,12 @@ class EdgeAgent:
             except Exception as e:  # pragma: no cover - reported to the client, logged here
                 log.exception("exec stream failed")
                 await queue.put(
-                    ExecEvent(type="error", error=InternalError(str(e)).to_wire()["error"])
+                    ExecEvent(
+                        type="error",
+                        error=InternalError(
+                            f"exec failed on the node ({type(e).__name__}); the node logged it"
+                        ).to_wire()["error"],
+                    )
                 )
             finally:
                 await queue.put(None)
