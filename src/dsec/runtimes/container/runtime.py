@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import concurrent.futures
 import contextlib
 import errno
 import hashlib
@@ -694,7 +695,10 @@ class ContainerRuntime:
         if not keep_live:
             self._live.pop(handle.id, None)
         errors: list[str] = []
-        await asyncio.to_thread(self._kill_and_clean, handle.id, state, sandbox_dir, errors)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            _teardown_executor(), self._kill_and_clean, handle.id, state, sandbox_dir, errors
+        )
         if self.network is not None and state.get("network"):
             try:
                 await self.network.teardown(handle.id)
@@ -714,10 +718,17 @@ class ContainerRuntime:
         oci = state.get("oci_runtime") or self._oci
         root = state.get("state_root") or str(self.state_root)
         pid, start = state.get("init_pid"), state.get("init_start")
-        if isinstance(pid, int) and isinstance(start, int) and _proc_start_time(pid) == start:
+        known_init = isinstance(pid, int) and isinstance(start, int)
+        if isinstance(pid, int) and known_init and _proc_start_time(pid) == start:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        if oci and (Path(root) / sandbox_id).exists():
+        oci_state = Path(root) / sandbox_id
+        if isinstance(pid, int) and isinstance(start, int) and reap_pid(pid, start):
+            # the init is gone, and with it the pid namespace, every process and mount of
+            # the container: what `crun delete` would do besides (cgroups, its state
+            # directory) is done here without forking the OCI runtime (~5-10 ms per kill)
+            shutil.rmtree(oci_state, ignore_errors=True)
+        elif oci and oci_state.exists():
             try:
                 proc = subprocess.run(
                     [oci, "--root", root, "delete", "--force", sandbox_id],
@@ -942,6 +953,22 @@ def _is_container_dir(sandbox_dir: Path) -> bool:
     except (OSError, ValueError):
         return (sandbox_dir / "config.json").is_file()
     return isinstance(state, dict) and "oci_runtime" in state
+
+
+_TEARDOWN_WORKERS = 16
+_teardown_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _teardown_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for sandbox teardown (kill, cgroup removal, unmounts: blocking syscalls that
+    release the GIL). asyncio's default executor has ``cpus + 4`` threads, which capped a
+    job's parallel kill at 6 teardowns in flight on this 2-core node."""
+    global _teardown_pool
+    if _teardown_pool is None:
+        _teardown_pool = concurrent.futures.ThreadPoolExecutor(
+            _TEARDOWN_WORKERS, thread_name_prefix="dsec-teardown"
+        )
+    return _teardown_pool
 
 
 def _remove_cgroup_everywhere(rel: str, timeout_s: float = 5.0) -> None:
