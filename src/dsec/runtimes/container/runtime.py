@@ -31,11 +31,13 @@ import base64
 import binascii
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import stat
@@ -79,6 +81,7 @@ from dsec.runtimes.container.bundle import (
 from dsec.runtimes.container.execd import ExecServer, InteractiveExecution, TerminalSize
 from dsec.runtimes.container.files import RootedFiles
 from dsec.runtimes.container.native import build_native
+from dsec.runtimes.container.pool import PoolConfig, WarmPool
 from dsec.runtimes.container.users import ResolvedUser, resolve_user
 
 __all__ = ["ContainerRuntime"]
@@ -95,6 +98,20 @@ class _Live:
 
     server: ExecServer | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class _Warm:
+    """A container of the warm pool: made under its own id, renamed when claimed."""
+
+    id: str
+    state: dict[str, Any]
+    live: _Live
+
+
+# (layer digests, layer files, writable layer MiB, hostname): what a running container keeps
+_PoolKey = tuple[tuple[str, ...], tuple[str, ...], int, str]
+_WARM_PREFIX = "wp-"
 
 
 def _proc_start_time(pid: int) -> int | None:
@@ -158,6 +175,7 @@ class ContainerRuntime:
         paths: the node's directories (``DSEC_HOME``).
         layer_mounts: node-wide reference-counted EROFS mounts.
         oci_runtime: ``crun``, ``runc`` or a path; default: crun, runc if crun cannot work.
+        pool: the warm pool's sizes (default :meth:`PoolConfig.from_env`; see ``pool.py``).
     """
 
     tier = "container"
@@ -169,6 +187,7 @@ class ContainerRuntime:
         *,
         oci_runtime: str | None = None,
         network: Any = None,
+        pool: PoolConfig | None = None,
     ) -> None:
         self.paths = paths
         self.network = network  # a dsec.network.NetworkManager, or None (loopback only)
@@ -186,6 +205,10 @@ class ContainerRuntime:
         self._policy_file: Path | None = None
         self._acquired: dict[str, list[str]] = {}  # sandbox id -> layer digests we hold
         self._netns_sockets: NetnsSockets | None = None  # made on the first port connection
+        self.pool: WarmPool[_PoolKey, SandboxSpec, _Warm] = WarmPool(
+            pool or PoolConfig.from_env(), make=self._make_warm, discard=self._discard_warm
+        )
+        self._warm_ids: set[str] = set()  # warm containers, made and not claimed
 
     # ------------------------------------------------------------------ node
     @property
@@ -256,7 +279,9 @@ class ContainerRuntime:
         )
 
     async def close(self) -> None:
-        """Stop talking to the sandboxes (they keep running; :meth:`recover` finds them)."""
+        """Stop talking to the sandboxes (they keep running; :meth:`recover` finds them).
+        Warm containers of the pool are destroyed."""
+        await self.pool.close()
         if self._netns_sockets is not None:
             self._netns_sockets.close()
             self._netns_sockets = None
@@ -344,6 +369,13 @@ class ContainerRuntime:
         sandbox_dir = self._sandbox_dir(spec.id)
         if sandbox_dir.exists() or spec.id in self._live:
             raise InvalidRequest(f"sandbox {spec.id} already exists on this node")
+        if spec.network is None and not spec.id.startswith(_WARM_PREFIX):
+            warm = self.pool.take(_pool_key(spec), spec)
+            if warm is not None:
+                return await self._claim(warm, spec, sandbox_dir)
+        return await self._create_fresh(spec, sandbox_dir)
+
+    async def _create_fresh(self, spec: SandboxSpec, sandbox_dir: Path) -> Handle:
         live = _Live()
         self._live[spec.id] = live
         async with live.lock:
@@ -379,6 +411,7 @@ class ContainerRuntime:
             "env": dict(spec.env),
             "user": spec.user,
             "workdir": spec.workdir,
+            "limits": {"cpu": spec.cpu, "memory_mb": spec.memory_mb, "pids": spec.pids},
         }
         self._write_state(sandbox_dir, state)  # destroy_orphan needs it from here on
         rootfs = assemble_rootfs(sandbox_dir, lowers, spec.disk_mb)
@@ -452,6 +485,78 @@ class ContainerRuntime:
             "total": round((t_end - t0) * 1000, 2),
         }
         self._write_state(sandbox_dir, state)
+        return Handle(spec.id, state)
+
+    # ------------------------------------------------------------------ warm pool
+    async def _make_warm(self, template: SandboxSpec) -> _Warm:
+        """One warm container for ``template``'s pool key: no environment, default user."""
+        wid = f"{_WARM_PREFIX}{secrets.token_hex(8)}"
+        spec = dataclasses.replace(
+            template, id=wid, env={}, user=None, workdir="/", labels={}, network=None
+        )
+        self._warm_ids.add(wid)
+        try:
+            handle = await self._create_fresh(spec, self._sandbox_dir(wid))
+        except BaseException:
+            self._warm_ids.discard(wid)
+            raise
+        live = self._live.pop(wid)
+        return _Warm(wid, handle.state, live)
+
+    async def _discard_warm(self, warm: _Warm) -> None:
+        self._live[warm.id] = warm.live
+        try:
+            await self.destroy(Handle(warm.id, warm.state))
+        finally:
+            self._warm_ids.discard(warm.id)
+
+    async def _claim(self, warm: _Warm, spec: SandboxSpec, sandbox_dir: Path) -> Handle:
+        """Make warm container ``warm`` sandbox ``spec.id``: rename it, set its limits,
+        record its environment, user and workdir. O(1) in the live count, ~1 ms."""
+        t0 = time.monotonic()
+        state = dict(warm.state)
+        live = warm.live
+        self._warm_ids.discard(warm.id)
+        self._live[spec.id] = live
+        self._acquired[spec.id] = self._acquired.pop(warm.id, [])
+        renamed = False
+        async with live.lock:
+            try:
+                if live.server is None or not live.server.alive:
+                    raise SandboxError("the warm container's exec server is gone")
+                _set_limits(CgroupV1(state["cgroup"]), state.get("limits") or {}, spec)
+                os.rename(self._sandbox_dir(warm.id), sandbox_dir)
+                renamed = True
+                oci_root = Path(state["state_root"])
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(oci_root / warm.id, oci_root / spec.id)
+                user = self._resolve_user(rootfs_path(sandbox_dir), spec.user)
+                state.update(
+                    env=dict(spec.env),
+                    user=spec.user,
+                    workdir=spec.workdir,
+                    uid=user.uid,
+                    gid=user.gid,
+                    limits={"cpu": spec.cpu, "memory_mb": spec.memory_mb, "pids": spec.pids},
+                    warm_id=warm.id,
+                )
+                ms = round((time.monotonic() - t0) * 1000, 2)
+                state["create_ms"] = {"claim": ms, "total": ms}
+                self._write_state(sandbox_dir, state)
+            except BaseException as e:
+                # under whichever name it has now: destroy it, the create fails
+                name = spec.id if renamed else warm.id
+                if name != spec.id:
+                    self._acquired[warm.id] = self._acquired.pop(spec.id, [])
+                    self._live[warm.id] = self._live.pop(spec.id)
+                try:
+                    await self._destroy(Handle(name, state), keep_live=False)
+                except Exception as cleanup_error:
+                    log.error("cleanup of claimed %s failed: %s", name, cleanup_error)
+                self._live.pop(spec.id, None)
+                if isinstance(e, DsecError | asyncio.CancelledError):
+                    raise
+                raise SandboxError(f"creating sandbox {spec.id} failed: {e}") from e
         return Handle(spec.id, state)
 
     async def _start_server(self, sandbox_id: str, init_pid: int) -> ExecServer:
@@ -828,7 +933,12 @@ class ContainerRuntime:
         base = CGROUP_ROOT / "memory" / self.cgroup_parent
         if base.is_dir():
             found.update(p.name for p in base.iterdir() if p.is_dir())
-        return sorted(found - known - set(self._live))
+        # a claimed warm container keeps the cgroup of its warm id (cgroup2 cannot rename)
+        for sid in known:
+            cg = self._load_state(Handle(sid)).get("cgroup")
+            if isinstance(cg, str):
+                found.discard(cg.rsplit("/", 1)[-1])
+        return sorted(found - known - set(self._live) - self._warm_ids)
 
     async def destroy_orphan(self, sandbox_id: str) -> None:
         """Destroy an unknown sandbox from what the node shows (its state.json if any)."""
@@ -924,6 +1034,30 @@ def _killed_by_oom(
     if oom_after <= oom_before:
         return False
     return signo == signal.SIGKILL or exit_code == 128 + signal.SIGKILL
+
+
+def _pool_key(spec: SandboxSpec) -> _PoolKey:
+    return (tuple(spec.layer_digests), tuple(spec.layer_paths), spec.disk_mb, spec.hostname)
+
+
+def _set_limits(cg: CgroupV1, current: dict[str, Any], spec: SandboxSpec) -> None:
+    """Write ``spec``'s CPU, memory and pids limits into ``cg`` where they differ from
+    ``current`` (the values the container has). The memory+swap limit must never be below
+    the memory limit: it is raised first and lowered last."""
+    if current.get("cpu") != spec.cpu:
+        cg._write("cpu", "cpu.cfs_quota_us", max(1000, int(spec.cpu * 100_000)))
+    if current.get("memory_mb") != spec.memory_mb:
+        new = spec.memory_mb * 1024 * 1024
+        memsw = cg.path("memory") / "memory.memsw.limit_in_bytes"
+        has_memsw = memsw.exists()
+        raising = new > int(cg._read("memory", "memory.limit_in_bytes"))
+        if has_memsw and raising:
+            cg._write("memory", "memory.memsw.limit_in_bytes", new)
+        cg._write("memory", "memory.limit_in_bytes", new)
+        if has_memsw and not raising:
+            cg._write("memory", "memory.memsw.limit_in_bytes", new)
+    if current.get("pids") != spec.pids:
+        cg._write("pids", "pids.max", spec.pids)
 
 
 def _private_tmpfs_dir(name: str) -> Path | None:
