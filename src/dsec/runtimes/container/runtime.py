@@ -98,6 +98,7 @@ class _Live:
 
     server: ExecServer | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    active: int = 0  # commands running (exec and interactive processes)
 
 
 @dataclass
@@ -176,6 +177,11 @@ class ContainerRuntime:
         layer_mounts: node-wide reference-counted EROFS mounts.
         oci_runtime: ``crun``, ``runc`` or a path; default: crun, runc if crun cannot work.
         pool: the warm pool's sizes (default :meth:`PoolConfig.from_env`; see ``pool.py``).
+        idle_cpu_shares: the ``cpu.shares`` of a sandbox with no command running (default
+            ``DSEC_IDLE_CPU_SHARES`` or 2; 0: off, every sandbox keeps its full weight). While
+            a command runs a sandbox has ``1024 x cpu`` shares: under contention an idle
+            crowd's background processes yield to the sandboxes that work. Its CFS quota
+            (the ``cpu`` limit) holds either way.
     """
 
     tier = "container"
@@ -188,6 +194,7 @@ class ContainerRuntime:
         oci_runtime: str | None = None,
         network: Any = None,
         pool: PoolConfig | None = None,
+        idle_cpu_shares: int | None = None,
     ) -> None:
         self.paths = paths
         self.network = network  # a dsec.network.NetworkManager, or None (loopback only)
@@ -209,6 +216,9 @@ class ContainerRuntime:
             pool or PoolConfig.from_env(), make=self._make_warm, discard=self._discard_warm
         )
         self._warm_ids: set[str] = set()  # warm containers, made and not claimed
+        self.idle_cpu_shares = (
+            idle_cpu_shares if idle_cpu_shares is not None else _idle_shares_from_env()
+        )
 
     # ------------------------------------------------------------------ node
     @property
@@ -444,6 +454,7 @@ class ContainerRuntime:
             pids=spec.pids,
             env=spec.env,
             memsw=(CGROUP_ROOT / "memory" / "memory.memsw.limit_in_bytes").exists(),
+            cpu_shares=self.idle_cpu_shares or None,  # no command runs yet
         )
         if netns is not None:
             for ns in config["linux"]["namespaces"]:
@@ -586,6 +597,7 @@ class ContainerRuntime:
             except (binascii.Error, ValueError) as e:
                 raise InvalidRequest(f"stdin_b64 is not valid base64: {e}") from e
         oom_before = _oom_kills(oom_control)
+        self._busy(handle, +1)
         try:
             out = await server.run(
                 req.argv(),
@@ -606,6 +618,8 @@ class ContainerRuntime:
                 ) from None
             await self._explain_exec_failure(handle, e)
             raise
+        finally:
+            self._busy(handle, -1)
         oom_after = _oom_kills(oom_control)
         return ExecResult(
             stdout=out.stdout.decode("utf-8", errors="replace"),
@@ -677,6 +691,7 @@ class ContainerRuntime:
         """
         server, env_list, cwd, user, oom_control = await self._exec_context(handle, req)
         oom_before = _oom_kills(oom_control)
+        self._busy(handle, +1)
         try:
             execution = await server.start_process(
                 req.argv(),
@@ -690,10 +705,36 @@ class ContainerRuntime:
                 timeout_s=req.timeout_s,
                 max_output_bytes=req.max_output_bytes,
             )
-        except (SandboxStopped, SandboxError) as e:
-            await self._explain_exec_failure(handle, e)
+        except BaseException as e:
+            self._busy(handle, -1)
+            if isinstance(e, SandboxStopped | SandboxError):
+                await self._explain_exec_failure(handle, e)
             raise
         return ContainerProcess(self, handle, execution, oom_control, oom_before)
+
+    def _busy(self, handle: Handle, delta: int) -> None:
+        """Count a command starting (+1) or ending (-1); on the first start and the last
+        end, switch the sandbox's ``cpu.shares`` between its full and its idle weight."""
+        live = self._live.get(handle.id)
+        if live is None or not self.idle_cpu_shares:
+            return
+        before = live.active
+        live.active = max(0, before + delta)
+        if (before == 0) == (live.active == 0):
+            return
+        state = self._load_state(handle)
+        if live.active:
+            cpu = float((state.get("limits") or {}).get("cpu", 1.0))
+            shares = max(2, min(262_144, int(1024 * cpu)))
+        else:
+            shares = self.idle_cpu_shares
+        rel = state.get("cgroup") or self._cgroup_rel(handle.id)
+        with contextlib.suppress(OSError):  # a sandbox going away: nothing to weigh
+            fd = os.open(f"{CGROUP_ROOT}/cpu/{rel}/cpu.shares", os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, str(shares).encode())
+            finally:
+                os.close(fd)
 
     def files(self, handle: Handle) -> SandboxFiles:
         """File access confined to the sandbox's root; new files belong to its default user."""
@@ -973,6 +1014,12 @@ class ContainerProcess:
         self._execution = execution
         self._oom_control = oom_control
         self._oom_before = oom_before
+        self._counted = True  # counts as a running command for the CPU weight
+
+    def _done(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._runtime._busy(self._handle, -1)
 
     async def read_output(self) -> tuple[str, bytes] | None:
         """The next ``(stream, bytes)`` (``stdout``, ``stderr`` or ``pty``), ``None`` at the end."""
@@ -1001,12 +1048,14 @@ class ContainerProcess:
         try:
             out = await self._execution.wait()
         except (SandboxStopped, SandboxError) as e:
+            self._done()
             if self._execution.server_closed_by_edge:
                 raise SandboxStopped(
                     f"sandbox {self._handle.id} was stopped while the process ran"
                 ) from None
             await self._runtime._explain_exec_failure(self._handle, e)
             raise
+        self._done()
         return ExecResult(
             exit_code=out.exit_code,
             signal=out.signal,
@@ -1022,6 +1071,7 @@ class ContainerProcess:
     def close(self) -> None:
         """Kill the process if it still runs and drop its output."""
         self._execution.close()
+        self._done()
 
 
 def _killed_by_oom(
@@ -1034,6 +1084,15 @@ def _killed_by_oom(
     if oom_after <= oom_before:
         return False
     return signo == signal.SIGKILL or exit_code == 128 + signal.SIGKILL
+
+
+def _idle_shares_from_env() -> int:
+    raw = os.environ.get("DSEC_IDLE_CPU_SHARES", "2")
+    try:
+        value = int(raw)
+    except ValueError as e:
+        raise SystemExit(f"invalid DSEC_IDLE_CPU_SHARES={raw!r}: {e}") from e
+    return 0 if value <= 0 else max(2, value)
 
 
 def _pool_key(spec: SandboxSpec) -> _PoolKey:
