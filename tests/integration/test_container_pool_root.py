@@ -28,7 +28,7 @@ pytestmark = pytest.mark.root
 Node = tuple[Paths, list[str], list[str]]
 
 
-def spec(node: Node, **kw: object) -> SandboxSpec:
+def spec(node: Node, **kw: object) -> SandboxSpec:  # noqa: F811
     _, layer_paths, digests = node
     args: dict = dict(
         id=f"sb-p-{uuid.uuid4().hex[:10]}",

@@ -48,3 +48,26 @@ async def test_admission_and_usage_come_from_the_running_totals() -> None:
     await edge.kill_sandbox(c.id, "k1")
     assert (edge.usage().sandboxes, edge.usage().requested_cpu) == (0, 0.0)
     await edge.close()
+
+
+async def test_a_create_commits_twice_to_the_registry() -> None:
+    """The row as ``creating`` (what a restarted edge cleans up), then ``running`` with its
+    handle and activity time in one commit (it was three commits)."""
+    edge = FakeEdge()
+    writes: list[str] = []
+    edge.registry._db.set_trace_callback(
+        lambda sql: (
+            writes.append(sql) if sql.lstrip().upper().startswith(("INSERT", "UPDATE")) else None
+        )
+    )
+    info = await edge.create_sandbox(CreateSandboxRequest(tier="container"), "k1")
+    edge.registry._db.set_trace_callback(None)
+    assert len(writes) == 2, writes
+    row = edge.registry.get(info.id)
+    assert (
+        row is not None
+        and row.state == "running"
+        and row.last_active > 0
+        and row.handle == {"fake": True}
+    )
+    await edge.close()

@@ -651,8 +651,10 @@ class EdgeAgent:
                 lv.handle = handle
                 row.state = "running"
                 row.last_active = time.time()
-                self.registry.set_state(sid, "running", handle=handle.state)
-                self.registry.touch(sid, row.last_active)
+                # one commit: the state, the handle and the activity time
+                self.registry.set_state(
+                    sid, "running", handle=handle.state, last_active=row.last_active
+                )
         except BaseException as e:
             self._live.pop(sid)
             with contextlib.suppress(Exception):
