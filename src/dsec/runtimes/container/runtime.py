@@ -835,16 +835,23 @@ class ContainerRuntime:
             if cg.exists() and cg.freezer_state() != "THAWED":
                 await asyncio.to_thread(cg.kill_all)
         live = self._live.get(handle.id)
-        if live is not None and live.server is not None:
-            await live.server.close()
+        server = live.server if live is not None else None
+        if live is not None:
             live.server = None
         if not keep_live:
             self._live.pop(handle.id, None)
         errors: list[str] = []
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(
+        # the init's SIGKILL (in the teardown thread) ends the pid namespace and every
+        # command in it, while the exec server exits on its socket's EOF: in parallel
+        teardown = loop.run_in_executor(
             _teardown_executor(), self._kill_and_clean, handle.id, state, sandbox_dir, errors
         )
+        try:
+            if server is not None:  # closes its socket before the loop runs again
+                await server.close()
+        finally:
+            await teardown
         if self.network is not None and state.get("network"):
             try:
                 await self.network.teardown(handle.id)
