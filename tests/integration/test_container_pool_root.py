@@ -109,7 +109,9 @@ async def test_a_claimed_container_is_a_fresh_sandbox(pooled: ContainerRuntime, 
         assert cgroup_value(pooled, h, "cpu", "cpu.cfs_quota_us") == "50000"
         assert cgroup_value(pooled, h, "memory", "memory.limit_in_bytes") == str(96 << 20)
         assert cgroup_value(pooled, h, "pids", "pids.max") == "77"
-        on_disk = json.loads((pooled.paths.sandboxes / h.id / "state.json").read_text())
+        on_disk = json.loads(pooled._state_file(h.id).read_text())
+        assert pooled._state_file(h.id).parent.parent == pooled.state_root.parent  # tmpfs
+        assert not pooled._state_file(h.state["warm_id"]).exists()
         assert on_disk["env"] == {"TASK": "t-1"} and on_disk["cgroup"] == h.state["cgroup"]
         # what a restarted edge does: the claimed sandbox is known, not an orphan
         assert set(await pooled.list_orphans({first.id, h.id})) == set()

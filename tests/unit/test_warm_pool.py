@@ -45,7 +45,9 @@ async def settle(pool: WarmPool[str, str, int]) -> None:
 
 async def test_first_claim_misses_then_the_key_is_kept_warm() -> None:
     f = Fakes()
-    pool: WarmPool[str, str, int] = WarmPool(PoolConfig(min_ready=2), make=f.make, discard=f.discard)
+    pool: WarmPool[str, str, int] = WarmPool(
+        PoolConfig(min_ready=2), make=f.make, discard=f.discard
+    )
     assert pool.take("busybox", "tmpl") is None  # nothing made before demand
     await settle(pool)
     assert pool.ready_count("busybox") == 2 and pool.ready_count("other") == 0
