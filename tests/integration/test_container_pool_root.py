@@ -74,9 +74,9 @@ def cgroup_value(rt: ContainerRuntime, h: Handle, controller: str, name: str) ->
 
 def gone_everywhere(rt: ContainerRuntime, h: Handle) -> None:
     assert_gone(rt, h.id)
-    rel = h.state["cgroup"]
-    for hierarchy in CGROUP_ROOT.iterdir():
-        assert not (hierarchy / rel).exists(), f"cgroup {rel} left in {hierarchy}"
+    for rel in {h.state["cgroup"], h.state.get("cgroup_warm", h.state["cgroup"])}:
+        for hierarchy in CGROUP_ROOT.iterdir():
+            assert not (hierarchy / rel).exists(), f"cgroup {rel} left in {hierarchy}"
     assert not (rt.state_root / h.state.get("warm_id", h.id)).exists()
 
 
@@ -109,6 +109,13 @@ async def test_a_claimed_container_is_a_fresh_sandbox(pooled: ContainerRuntime, 
         assert cgroup_value(pooled, h, "cpu", "cpu.cfs_quota_us") == "50000"
         assert cgroup_value(pooled, h, "memory", "memory.limit_in_bytes") == str(96 << 20)
         assert cgroup_value(pooled, h, "pids", "pids.max") == "77"
+        # its cgroups carry its id (processes are found by it on the host), but cgroup2's
+        assert h.state["cgroup"] == f"{pooled.cgroup_parent}/{h.id}"
+        for c in ("memory", "cpu", "pids", "freezer"):
+            assert (CGROUP_ROOT / c / h.state["cgroup"]).is_dir()
+        init = h.state["init_pid"]
+        with open(f"/proc/{init}/cgroup") as f:
+            assert h.id in f.read()
         on_disk = json.loads(pooled._state_file(h.id).read_text())
         assert pooled._state_file(h.id).parent.parent == pooled.state_root.parent  # tmpfs
         assert not pooled._state_file(h.state["warm_id"]).exists()

@@ -562,6 +562,12 @@ class ContainerRuntime:
                 _set_limits(CgroupV1(state["cgroup"]), state.get("limits") or {}, spec)
                 os.rename(self._sandbox_dir(warm.id), sandbox_dir)
                 renamed = True
+                # the cgroups take the sandbox's id (its processes are found by it on the
+                # host); cgroup2 cannot rename: the unified one keeps the warm id
+                old_rel, new_rel = state["cgroup"], self._cgroup_rel(spec.id)
+                state["cgroup_warm"] = old_rel
+                _rename_cgroup(old_rel, new_rel)
+                state["cgroup"] = new_rel
                 oci_root = Path(state["state_root"])
                 with contextlib.suppress(FileNotFoundError):
                     os.rename(oci_root / warm.id, oci_root / spec.id)
@@ -926,10 +932,12 @@ class ContainerRuntime:
         if isinstance(pid, int):
             reap_pid(pid, start if isinstance(start, int) else None)
         rel = state.get("cgroup") or self._cgroup_rel(sandbox_id)
-        try:
-            _remove_cgroup_everywhere(rel)
-        except (OSError, TimeoutError) as e:
-            errors.append(f"cgroup {rel}: {e}")
+        warm_rel = state.get("cgroup_warm")  # a claimed one: what kept the warm id (cgroup2)
+        for r in (rel, warm_rel) if isinstance(warm_rel, str) else (rel,):
+            try:
+                _remove_cgroup_everywhere(r)
+            except (OSError, TimeoutError) as e:
+                errors.append(f"cgroup {r}: {e}")
         try:
             teardown_rootfs(sandbox_dir)
         except DsecError as e:
@@ -1016,11 +1024,12 @@ class ContainerRuntime:
         base = CGROUP_ROOT / "memory" / self.cgroup_parent
         if base.is_dir():
             found.update(p.name for p in base.iterdir() if p.is_dir())
-        # a claimed warm container keeps the cgroup of its warm id (cgroup2 cannot rename)
+        # a claim interrupted between renames: its cgroups may still have the warm id
         for sid in known:
-            cg = self._load_state(Handle(sid)).get("cgroup")
-            if isinstance(cg, str):
-                found.discard(cg.rsplit("/", 1)[-1])
+            st = self._load_state(Handle(sid))
+            for cg in (st.get("cgroup"), st.get("cgroup_warm")):
+                if isinstance(cg, str):
+                    found.discard(cg.rsplit("/", 1)[-1])
         return sorted(found - known - set(self._live) - self._warm_ids)
 
     async def destroy_orphan(self, sandbox_id: str) -> None:
@@ -1139,6 +1148,16 @@ def _idle_shares_from_env() -> int:
 
 def _pool_key(spec: SandboxSpec) -> _PoolKey:
     return (tuple(spec.layer_digests), tuple(spec.layer_paths), spec.disk_mb, spec.hostname)
+
+
+def _rename_cgroup(old_rel: str, new_rel: str) -> None:
+    """Rename cgroup ``old_rel`` to ``new_rel`` in every hierarchy that allows it (cgroup v1;
+    cgroup2 refuses with EPERM and keeps the old name)."""
+    for hierarchy in CGROUP_ROOT.iterdir():
+        if hierarchy.is_symlink():  # co-mounted controllers (cpu -> cpu,cpuacct)
+            continue
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            os.rename(hierarchy / old_rel, hierarchy / new_rel)
 
 
 def _set_limits(cg: CgroupV1, current: dict[str, Any], spec: SandboxSpec) -> None:
