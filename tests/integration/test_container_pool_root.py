@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -116,6 +117,7 @@ async def test_a_claimed_container_is_a_fresh_sandbox(pooled: ContainerRuntime, 
         init = h.state["init_pid"]
         with open(f"/proc/{init}/cgroup") as f:
             assert h.id in f.read()
+        assert os.getpriority(os.PRIO_PROCESS, init) == 0  # made at nice 10, claimed at 0
         on_disk = json.loads(pooled._state_file(h.id).read_text())
         assert pooled._state_file(h.id).parent.parent == pooled.state_root.parent  # tmpfs
         assert not pooled._state_file(h.state["warm_id"]).exists()
