@@ -100,6 +100,12 @@ async def test_idle_sandboxes_get_a_low_weight(weighted: ContainerRuntime, node:
         # a failing command ends as well
         assert not (await rt.exec(h, ExecRequest(cmd="exit 3"))).ok
         assert shares(h) == 2
+        # frozen with its full weight (every task must run to reach the freezer), idle again
+        # once resumed
+        await rt.pause(h)
+        assert shares(h) == 512
+        await rt.resume(h)
+        assert shares(h) == 2
     finally:
         for h in made:
             await rt.destroy(h)

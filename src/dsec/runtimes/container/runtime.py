@@ -763,8 +763,16 @@ class ContainerRuntime:
         live.active = max(0, before + delta)
         if (before == 0) == (live.active == 0):
             return
+        self._weigh(handle, active=bool(live.active))
+
+    def _weigh(self, handle: Handle, *, active: bool) -> None:
+        """Write the sandbox's full (``active``) or idle ``cpu.shares``. Also full while it
+        is killed or frozen: its processes must get the CPU to exit or reach the freezer
+        (at 2 shares on a busy node they did not within 5 s, and the kill left cgroups)."""
+        if not self.idle_cpu_shares:
+            return
         state = self._load_state(handle)
-        if live.active:
+        if active:
             cpu = float((state.get("limits") or {}).get("cpu", 1.0))
             shares = max(2, min(262_144, int(1024 * cpu)))
         else:
@@ -870,6 +878,7 @@ class ContainerRuntime:
         sandbox_dir = self._sandbox_dir(handle.id)
         state = self._load_state(handle)
         cg = CgroupV1(state.get("cgroup") or self._cgroup_rel(handle.id))
+        self._weigh(Handle(handle.id, state), active=True)  # dying tasks need the CPU to exit
         # a paused sandbox: its processes (and the exec server, which closing below waits
         # for) sit in the freezer and ignore SIGKILL until thawed: kill, then thaw
         with contextlib.suppress(OSError):
@@ -962,6 +971,7 @@ class ContainerRuntime:
     async def pause(self, handle: Handle) -> dict[str, Any]:
         """Freeze the sandbox, then reclaim its page cache (see ``pause.py``). Returns
         :class:`dsec.models.PauseReport` fields."""
+        self._weigh(handle, active=True)  # every task must run to reach the freezer
         rep = await pausing.pause(self._cgroup(handle))
         return {
             "memory_before_bytes": rep.before.usage,
@@ -973,6 +983,8 @@ class ContainerRuntime:
 
     async def resume(self, handle: Handle) -> None:
         await pausing.resume(self._cgroup(handle), prefetch=True)
+        live = self._live.get(handle.id)
+        self._weigh(handle, active=live is not None and live.active > 0)
 
     async def snapshot(
         self, handle: Handle, store: Any, req: SnapshotRequest, meta: dict[str, Any]
@@ -983,6 +995,7 @@ class ContainerRuntime:
         cg = self._cgroup(handle)
         was_frozen = cg.freezer_state() == "FROZEN"
         if not was_frozen:
+            self._weigh(handle, active=True)  # every task must run to reach the freezer
             await pausing.pause(cg, reclaim=False)
         try:
             upper = upper_dir(self._sandbox_dir(handle.id))
@@ -999,6 +1012,8 @@ class ContainerRuntime:
         finally:
             if not was_frozen:
                 await pausing.resume(cg, prefetch=False)
+                live = self._live.get(handle.id)
+                self._weigh(handle, active=live is not None and live.active > 0)
 
     async def network_update(self, handle: Handle, policy: Any) -> None:
         if self.network is None or not self._load_state(handle).get("network"):
