@@ -59,7 +59,20 @@ def slab_kib() -> int:
     return 0
 
 
-async def bench_create_first_exec(n: int, kw: dict[str, Any]) -> list[float]:
+def claimed(home: Path, sandbox_id: str) -> bool:
+    """Whether the container runtime made this sandbox from a warm-pool claim."""
+    from dsec.runtimes.container.bundle import cgroup_parent
+
+    tmpfs = Path("/dev/shm") / cgroup_parent(home) / "sandbox-state" / f"{sandbox_id}.json"
+    for path in (tmpfs, home / "sandboxes" / sandbox_id / "state.json"):
+        if path.exists():
+            return "warm_id" in json.loads(path.read_text())
+    return False
+
+
+async def bench_create_first_exec(
+    n: int, kw: dict[str, Any], home: Path, claims: list[bool]
+) -> list[float]:
     lat = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -67,6 +80,7 @@ async def bench_create_first_exec(n: int, kw: dict[str, Any]) -> list[float]:
         r = await sb.commands.run("true")
         lat.append((time.perf_counter() - t0) * 1000)
         assert r.exit_code == 0, r
+        claims.append(claimed(home, sb.id))
         await sb.kill()
     return lat
 
@@ -249,7 +263,11 @@ def main() -> None:
         async def run_sdk() -> None:
             await (await AsyncSandbox.create(**kw)).kill()  # image build + warm caches
             print("create-to-first-exec ...", flush=True)
-            results["create_to_first_exec_ms"] = await bench_create_first_exec(n_seq, kw)
+            claims: list[bool] = []
+            results["create_to_first_exec_ms"] = await bench_create_first_exec(
+                n_seq, kw, home, claims
+            )
+            results["warm_pool_claims"] = sum(claims) / max(1, len(claims))
             print("exec round trip ...", flush=True)
             results["exec_ms"] = await bench_exec(n_exec, kw)
             print(f"sustained creations ({duration:.0f} s, 16 clients) ...", flush=True)
@@ -282,6 +300,7 @@ def main() -> None:
     rows = [
         ("create-to-first-exec p50", f"{pct(cfe, 50):.1f} ms", "<= 30 ms"),
         ("create-to-first-exec p99", f"{pct(cfe, 99):.1f} ms", ""),
+        ("  of which warm-pool claims", f"{results['warm_pool_claims'] * 100:.0f}%", ""),
         (
             "sustained creations/s (16 clients)",
             f"{results['sustained']['per_s']:.1f}/s ({results['sustained']['errors']} errors)",

@@ -159,12 +159,13 @@ def _install_links(home: Path) -> list[str]:
 
 
 def _oci_state(home: Path) -> list[str]:
-    """Container state entries of this install's OCI runtimes: ``/dev/shm/<cgroup
-    parent>/{crun,runc}`` and ``$DSEC_HOME/run/{crun,runc}`` (dsec.runtimes.container)."""
+    """Container state entries of this install's OCI runtimes and the container tier's
+    state files: ``/dev/shm/<cgroup parent>/{crun,runc,sandbox-state}`` and
+    ``$DSEC_HOME/run/{crun,runc}`` (dsec.runtimes.container)."""
     parent = "dsec-" + hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:10]
     out: list[str] = []
     for base in (Path("/dev/shm") / parent, home / "run"):
-        for name in ("crun", "runc"):
+        for name in ("crun", "runc", "sandbox-state"):  # sandbox-state: their state.json
             out.extend(f"{base / name}/{n}" for n in _listdir(base / name))
     return out
 

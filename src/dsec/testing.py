@@ -945,7 +945,7 @@ class FakeEdge(EdgeAgent):
     def forget(self, sandbox_id: str) -> None:
         """Make the node forget a sandbox altogether, as once a stopped sandbox's record is
         purged (its id then answers ``SandboxNotFound``)."""
-        lv = self._live.pop(sandbox_id, None)
+        lv = self._live.pop(sandbox_id)
         if lv is not None:
             for rt in self.runtimes.values():
                 if isinstance(rt, MemoryRuntime):

@@ -29,6 +29,7 @@ from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.config import Paths, host_memory_mb
 from dsec.edge.interface import NodeUsage, PortStream, PortTicket
 from dsec.edge.jobs import create_batch, for_each_sandbox
+from dsec.edge.live import LiveTable
 from dsec.edge.logs import SandboxLogs, log_bytes_from_env
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.ports import PortGateway, TrackedStream, check_port
@@ -239,7 +240,7 @@ class EdgeAgent:
         self.metrics = EdgeMetrics(self.node, self.registry.count_by)
         if isinstance(layer_store, LazyLayers):  # on-demand layer loading counters
             self.metrics.add_lazy_layers(layer_store.lazy_stats)
-        self._live: dict[str, _Live] = {}
+        self._live: LiveTable[_Live] = LiveTable()  # with the running totals of requests
         self._builder: ImageBuilder | None = None
         self.build_records = BuildRecords()
         self.references = ImageReferences(layer_store, short_names=short_name_registry_from_env())
@@ -279,7 +280,7 @@ class EdgeAgent:
                 await self._reaper
         if kill_sandboxes:
             await asyncio.gather(
-                *(self._destroy(lv, "edge shutdown") for lv in list(self._live.values())),
+                *(self._destroy(lv, "edge shutdown") for lv in self._live.values()),
                 return_exceptions=True,
             )
         for rt in self.runtimes.values():
@@ -319,7 +320,7 @@ class EdgeAgent:
             if ok:
                 row.handle = handle.state
                 self.registry.set_state(row.id, row.state, handle=handle.state)
-                self._live[row.id] = _Live(row, handle)
+                self._add_live(_Live(row, handle))
                 # a store migrated from before owners grants loose layers to nobody: a live
                 # sandbox's layers stay its owner's (for forks and snapshots of it)
                 with contextlib.suppress(DsecError):
@@ -358,7 +359,7 @@ class EdgeAgent:
             await asyncio.sleep(self.limits.reap_interval_s)
             now = time.time()
             try:
-                for lv in list(self._live.values()):
+                for lv in self._live.values():
                     if lv.inflight or lv.lock.locked():
                         continue
                     row = lv.row
@@ -502,6 +503,15 @@ class EdgeAgent:
             await self._destroy(lv, "sandbox died")
         return alive
 
+    def _add_live(self, lv: _Live) -> None:
+        req = lv.row.request
+        self._live.add(
+            lv.row.id,
+            lv,
+            cpu=float(req.get("cpu", 0) or 0),
+            memory_mb=int(req.get("memory_mb", 0) or 0),
+        )
+
     def _files(self, lv: _Live) -> SandboxFiles:
         return self.runtimes[lv.row.tier].files(lv.handle)
 
@@ -522,20 +532,19 @@ class EdgeAgent:
             raise InvalidRequest(
                 f"memory_mb={req.memory_mb} is more than this node has ({self._mem_mb} MiB)"
             )
-        live = [lv.row.request for lv in self._live.values()]
-        if len(live) + count > self.limits.max_sandboxes:
+        if len(self._live) + count > self.limits.max_sandboxes:
             raise QuotaExceeded(
                 f"node {self.node} is at its limit of {self.limits.max_sandboxes} sandboxes",
                 requested=count,
                 limit=self.limits.max_sandboxes,
             )
-        cpu_sum = sum(r.get("cpu", 0) for r in live) + req.cpu * count
+        cpu_sum = self._live.requested_cpu + req.cpu * count
         if cpu_sum > self._cpus * self.limits.cpu_overcommit + 1e-6:
             raise QuotaExceeded(
                 f"node {self.node} CPU overcommit cap reached ({cpu_sum:.1f} > {self._cpus * self.limits.cpu_overcommit:.1f} cores requested)",
                 requested=count,
             )
-        mem_sum = sum(r.get("memory_mb", 0) for r in live) + req.memory_mb * count
+        mem_sum = self._live.requested_memory_mb + req.memory_mb * count
         if mem_sum > self._mem_mb * self.limits.memory_overcommit + 1e-6:
             raise QuotaExceeded(
                 f"node {self.node} memory overcommit cap reached ({mem_sum} MiB requested)",
@@ -560,7 +569,7 @@ class EdgeAgent:
                 with contextlib.suppress(Exception):
                     await stream.close()
             self.registry.set_state(lv.row.id, "stopped", reason=reason)
-            self._live.pop(lv.row.id, None)
+            self._live.pop(lv.row.id)
             self.metrics.kills.labels(lv.row.tier, reason.split()[0]).inc()
 
     # ------------------------------------------------------------------ sandboxes
@@ -629,7 +638,7 @@ class EdgeAgent:
             raise
         self.registry.insert(row)
         lv = _Live(row, Handle(sid))
-        self._live[sid] = lv
+        self._add_live(lv)
         spec = SandboxSpec(
             id=sid,
             tier=tier,
@@ -652,10 +661,12 @@ class EdgeAgent:
                 lv.handle = handle
                 row.state = "running"
                 row.last_active = time.time()
-                self.registry.set_state(sid, "running", handle=handle.state)
-                self.registry.touch(sid, row.last_active)
+                # one commit: the state, the handle and the activity time
+                self.registry.set_state(
+                    sid, "running", handle=handle.state, last_active=row.last_active
+                )
         except BaseException as e:
-            self._live.pop(sid, None)
+            self._live.pop(sid)
             with contextlib.suppress(Exception):
                 await rt.destroy(lv.handle)
             reason = f"creation failed: {e}"[:500]
@@ -1951,14 +1962,13 @@ class EdgeAgent:
 
     def usage(self) -> NodeUsage:
         """:class:`dsec.edge.interface.NodeReports`: what this edge holds and admits against."""
-        live = [lv.row.request for lv in self._live.values()]
         return NodeUsage(
             node=self.node,
             cpus=self._cpus,
             memory_mb=self._mem_mb,
-            sandboxes=len(live),
-            requested_cpu=sum(float(r.get("cpu", 0)) for r in live),
-            requested_memory_mb=sum(int(r.get("memory_mb", 0)) for r in live),
+            sandboxes=len(self._live),
+            requested_cpu=self._live.requested_cpu,
+            requested_memory_mb=self._live.requested_memory_mb,
             max_sandboxes=self.limits.max_sandboxes,
             cpu_overcommit=self.limits.cpu_overcommit,
             memory_overcommit=self.limits.memory_overcommit,
@@ -1966,7 +1976,7 @@ class EdgeAgent:
 
     def owned_sandboxes(self) -> list[tuple[str, SandboxInfo]]:
         """:class:`dsec.edge.interface.NodeReports`: ``(owner, info)`` of every live sandbox."""
-        return [(lv.row.owner, self._info(lv.row)) for lv in list(self._live.values())]
+        return [(lv.row.owner, self._info(lv.row)) for lv in self._live.values()]
 
     async def stats(self) -> dict[str, Any]:
         return {

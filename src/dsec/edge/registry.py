@@ -170,10 +170,26 @@ class Registry:
         *,
         handle: dict[str, Any] | None = None,
         reason: str | None = None,
+        last_active: float | None = None,
     ) -> None:
+        """Set ``state`` (and the handle, the stop reason, ``last_active`` when given) in
+        one commit."""
         now = time.time()
         with self._lock:
-            if handle is not None:
+            if last_active is not None:
+                self._db.execute(
+                    "UPDATE sandboxes SET state=?, handle=COALESCE(?, handle), updated_at=?, "
+                    "last_active=?, stopped_reason=COALESCE(?, stopped_reason) WHERE id=?",
+                    (
+                        state,
+                        json.dumps(handle) if handle is not None else None,
+                        now,
+                        last_active,
+                        reason,
+                        sandbox_id,
+                    ),
+                )
+            elif handle is not None:
                 self._db.execute(
                     "UPDATE sandboxes SET state=?, handle=?, updated_at=?, stopped_reason=COALESCE(?, stopped_reason) WHERE id=?",
                     (state, json.dumps(handle), now, reason, sandbox_id),

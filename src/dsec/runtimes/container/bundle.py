@@ -134,6 +134,7 @@ def oci_config(
     pids: int,
     env: dict[str, str],
     memsw: bool,
+    cpu_shares: int | None = None,
 ) -> dict[str, Any]:
     """The OCI runtime config (``config.json``) of one sandbox.
 
@@ -147,6 +148,7 @@ def oci_config(
         pids: maximum number of processes and threads.
         env: extra environment of the init process (exec'd commands get their own).
         memsw: whether the memory cgroup has ``memory.memsw.*`` (swap accounting).
+        cpu_shares: the cgroup's ``cpu.shares`` (None: the kernel's default, 1024).
     """
     caps = sorted(CAPABILITIES)
     memory_bytes = memory_mb * 1024 * 1024
@@ -239,7 +241,11 @@ def oci_config(
                     _device(136, None),  # pts/*
                 ],
                 "memory": memory,
-                "cpu": {"quota": max(1000, int(cpu * _CPU_PERIOD_US)), "period": _CPU_PERIOD_US},
+                "cpu": {
+                    "quota": max(1000, int(cpu * _CPU_PERIOD_US)),
+                    "period": _CPU_PERIOD_US,
+                    **({"shares": cpu_shares} if cpu_shares else {}),
+                },
                 "pids": {"limit": pids},
             },
             "maskedPaths": list(MASKED_PATHS),

@@ -107,6 +107,27 @@ class _Stream:
 Sink = Callable[[str, bytes], Awaitable[None]]
 
 
+async def _exited(pid: int) -> None:
+    """Return once process ``pid`` (a child, not yet reaped) has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # gone already
+        return
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
 class ExecServer:
     """A ``dsec_execd`` for one container, and the client of its socket.
 
@@ -220,11 +241,15 @@ class ExecServer:
             self._sock.close()
             self._fail_all(SandboxStopped("the sandbox's exec server was closed"))
         if self._proc.poll() is None:
+            # waited for on the event loop (a pidfd turns readable at exit), not in a thread:
+            # a job's kill closed many servers at once and held every thread of asyncio's
+            # default executor (6 here), which file transfers and creates also need
             try:
-                await asyncio.wait_for(asyncio.to_thread(self._proc.wait), 2.0)
+                await asyncio.wait_for(_exited(self._proc.pid), 2.0)
             except TimeoutError:
                 self._proc.kill()
-                await asyncio.to_thread(self._proc.wait)
+                await _exited(self._proc.pid)
+            self._proc.wait()  # exited: reaps at once
         for pid, start in inflight:
             st = proc_stat(pid)
             if st is not None and st.start == start:  # not reaped by the server: ours now

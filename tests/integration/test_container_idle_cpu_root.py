@@ -1,0 +1,123 @@
+"""Idle-aware CPU weights of the container tier: a sandbox with no command running has a
+low ``cpu.shares``, its full weight (1024 x cpu) while a command runs. Needs root."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from tests.integration.test_container_runtime import node  # noqa: F401
+
+from dsec.config import Paths
+from dsec.layers.mounts import LayerMounts
+from dsec.models import ExecRequest
+from dsec.privileged.cgroups import CGROUP_ROOT
+from dsec.runtimes.base import Handle, SandboxSpec
+from dsec.runtimes.container.pool import PoolConfig
+from dsec.runtimes.container.runtime import ContainerRuntime
+
+pytestmark = pytest.mark.root
+
+Node = tuple[Paths, list[str], list[str]]
+
+
+async def runtime(node: Node, shares: int) -> ContainerRuntime:  # noqa: F811
+    paths, _, _ = node
+    rt = ContainerRuntime(
+        paths,
+        LayerMounts(paths.layer_mounts),
+        pool=PoolConfig(min_ready=1, max_total=2),
+        idle_cpu_shares=shares,
+    )
+    await rt.start()
+    return rt
+
+
+def spec(node: Node, cpu: float) -> SandboxSpec:  # noqa: F811
+    _, layer_paths, digests = node
+    return SandboxSpec(
+        id=f"sb-c-{uuid.uuid4().hex[:10]}",
+        tier="container",
+        layer_paths=layer_paths,
+        layer_digests=digests,
+        cpu=cpu,
+        memory_mb=128,
+        disk_mb=64,
+        pids=128,
+        env={},
+        user=None,
+        workdir="/",
+    )
+
+
+def shares(h: Handle) -> int:
+    return int((CGROUP_ROOT / "cpu" / h.state["cgroup"] / "cpu.shares").read_text())
+
+
+async def while_running(rt: ContainerRuntime, h: Handle) -> int:
+    """``cpu.shares`` seen while ``sleep 1`` runs in ``h``."""
+    task = asyncio.create_task(rt.exec(h, ExecRequest(cmd="sleep 1")))
+    await asyncio.sleep(0.4)
+    seen = shares(h)
+    assert (await task).ok
+    return seen
+
+
+@pytest.fixture
+async def weighted(node: Node) -> AsyncIterator[ContainerRuntime]:  # noqa: F811
+    rt = await runtime(node, 2)
+    yield rt
+    await rt.close()
+
+
+async def test_idle_sandboxes_get_a_low_weight(weighted: ContainerRuntime, node: Node) -> None:  # noqa: F811
+    rt = weighted
+    made = [await rt.create(spec(node, 0.5))]
+    for _ in range(100):  # a warm one, then a claimed sandbox: the same rule applies
+        if rt.pool.ready_count():
+            break
+        await asyncio.sleep(0.05)
+    made.append(await rt.create(spec(node, 1.5)))
+    assert "warm_id" in made[1].state
+    try:
+        for h, full in zip(made, (512, 1536), strict=True):
+            assert shares(h) == 2  # created idle
+            assert await while_running(rt, h) == full
+            assert shares(h) == 2
+        # an interactive process counts until it ends; two commands at once: until both end
+        h = made[0]
+        proc = await rt.start_process(h, ExecRequest(cmd="sleep 0.5"), stdin=False, pty=None)
+        assert shares(h) == 512
+        other = asyncio.create_task(rt.exec(h, ExecRequest(cmd="sleep 1")))
+        while await proc.read_output() is not None:
+            pass
+        assert (await proc.wait()).ok
+        assert shares(h) == 512  # the exec still runs
+        assert (await other).ok
+        assert shares(h) == 2
+        # a failing command ends as well
+        assert not (await rt.exec(h, ExecRequest(cmd="exit 3"))).ok
+        assert shares(h) == 2
+        # frozen with its full weight (every task must run to reach the freezer), idle again
+        # once resumed
+        await rt.pause(h)
+        assert shares(h) == 512
+        await rt.resume(h)
+        assert shares(h) == 2
+    finally:
+        for h in made:
+            await rt.destroy(h)
+
+
+async def test_weights_off(node: Node) -> None:  # noqa: F811
+    rt = await runtime(node, 0)
+    try:
+        h = await rt.create(spec(node, 0.5))
+        try:
+            assert shares(h) == 1024 and await while_running(rt, h) == 1024
+        finally:
+            await rt.destroy(h)
+    finally:
+        await rt.close()

@@ -1,0 +1,168 @@
+"""The container tier's warm pool on this node: a claimed container is a fresh sandbox
+(its own id, limits, environment, user; nothing from the pool), the off switch, memory
+pressure and close give everything back. Needs root (crun, cgroups, mounts)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from tests.integration.test_container_runtime import assert_gone, node  # noqa: F401
+
+from dsec.config import Paths
+from dsec.layers.mounts import LayerMounts
+from dsec.layers.rootfs import upper_dir
+from dsec.models import ExecRequest
+from dsec.privileged.cgroups import CGROUP_ROOT
+from dsec.privileged.mount import mount_points
+from dsec.runtimes.base import Handle, SandboxSpec
+from dsec.runtimes.container.pool import PoolConfig
+from dsec.runtimes.container.runtime import ContainerRuntime
+
+pytestmark = pytest.mark.root
+
+Node = tuple[Paths, list[str], list[str]]
+
+
+def spec(node: Node, **kw: object) -> SandboxSpec:  # noqa: F811
+    _, layer_paths, digests = node
+    args: dict = dict(
+        id=f"sb-p-{uuid.uuid4().hex[:10]}",
+        tier="container",
+        layer_paths=layer_paths,
+        layer_digests=digests,
+        cpu=1.0,
+        memory_mb=256,
+        disk_mb=64,
+        pids=256,
+        env={},
+        user=None,
+        workdir="/",
+    )
+    args.update(kw)
+    return SandboxSpec(**args)
+
+
+@pytest.fixture
+async def pooled(node: Node) -> AsyncIterator[ContainerRuntime]:  # noqa: F811
+    paths, _, _ = node
+    rt = ContainerRuntime(
+        paths, LayerMounts(paths.layer_mounts), pool=PoolConfig(min_ready=1, max_total=4)
+    )
+    await rt.start()
+    yield rt
+    await rt.close()
+    assert not list(paths.sandboxes.glob("wp-*")), "warm containers left after close"
+    assert not [p for p in (CGROUP_ROOT / "memory" / rt.cgroup_parent).glob("wp-*")]
+
+
+async def warm(rt: ContainerRuntime, n: int = 1, timeout_s: float = 30.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if rt.pool.ready_count() >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the pool did not fill: {rt.pool.stats}")
+
+
+def cgroup_value(rt: ContainerRuntime, h: Handle, controller: str, name: str) -> str:
+    return (CGROUP_ROOT / controller / h.state["cgroup"] / name).read_text().strip()
+
+
+def gone_everywhere(rt: ContainerRuntime, h: Handle) -> None:
+    assert_gone(rt, h.id)
+    for rel in {h.state["cgroup"], h.state.get("cgroup_warm", h.state["cgroup"])}:
+        for hierarchy in CGROUP_ROOT.iterdir():
+            assert not (hierarchy / rel).exists(), f"cgroup {rel} left in {hierarchy}"
+    assert not (rt.state_root / h.state.get("warm_id", h.id)).exists()
+
+
+async def test_a_claimed_container_is_a_fresh_sandbox(pooled: ContainerRuntime, node: Node) -> None:  # noqa: F811
+    first = await pooled.create(spec(node))  # a miss: made fresh, the key is now in demand
+    assert "warm_id" not in first.state
+    await warm(pooled)
+    s = spec(
+        node, env={"TASK": "t-1"}, user="nobody", workdir="/tmp", cpu=0.5, memory_mb=96, pids=77
+    )
+    h = await pooled.create(s)
+    try:
+        assert h.id == s.id and h.state["warm_id"].startswith("wp-") and pooled.pool.stats.hits == 1
+
+        # nothing ran in it: its writable layer holds what a fresh one's does
+        def upper(x: Handle) -> list[str]:
+            top = upper_dir(pooled.paths.sandboxes / x.id)
+            return sorted(str(p.relative_to(top)) for p in top.rglob("*"))
+
+        assert upper(h) == upper(first)
+        r = await pooled.exec(
+            h, ExecRequest(cmd="echo $TASK; id -u; pwd; hostname; ps -o pid,comm | wc -l")
+        )
+        assert r.ok, r
+        assert r.stdout.split("\n")[:4] == ["t-1", "65534", "/tmp", "sandbox"]
+        # between commands: its init and exec server, as in a fresh one (nothing from the pool)
+        procs = {x.id: cgroup_value(pooled, x, "pids", "cgroup.procs").split() for x in (first, h)}
+        assert len(procs[h.id]) == len(procs[first.id]) == 2
+        # the sandbox's own limits, not the warm container's
+        assert cgroup_value(pooled, h, "cpu", "cpu.cfs_quota_us") == "50000"
+        assert cgroup_value(pooled, h, "memory", "memory.limit_in_bytes") == str(96 << 20)
+        assert cgroup_value(pooled, h, "pids", "pids.max") == "77"
+        # its cgroups carry its id (processes are found by it on the host), but cgroup2's
+        assert h.state["cgroup"] == f"{pooled.cgroup_parent}/{h.id}"
+        for c in ("memory", "cpu", "pids", "freezer"):
+            assert (CGROUP_ROOT / c / h.state["cgroup"]).is_dir()
+        init = h.state["init_pid"]
+        with open(f"/proc/{init}/cgroup") as f:
+            assert h.id in f.read()
+        assert os.getpriority(os.PRIO_PROCESS, init) == 0  # made at nice 10, claimed at 0
+        on_disk = json.loads(pooled._state_file(h.id).read_text())
+        assert pooled._state_file(h.id).parent.parent == pooled.state_root.parent  # tmpfs
+        assert not pooled._state_file(h.state["warm_id"]).exists()
+        assert on_disk["env"] == {"TASK": "t-1"} and on_disk["cgroup"] == h.state["cgroup"]
+        # what a restarted edge does: the claimed sandbox is known, not an orphan
+        assert set(await pooled.list_orphans({first.id, h.id})) == set()
+        # files and a second exec work under the new name
+        await pooled.files(h).write("/tmp/x", b"mine", 0o644)
+        assert (await pooled.exec(h, ExecRequest(cmd="cat /tmp/x"))).stdout == "mine"
+    finally:
+        await pooled.destroy(h)
+        await pooled.destroy(first)
+    gone_everywhere(pooled, h)
+    gone_everywhere(pooled, first)
+
+
+async def test_memory_pressure_and_the_off_switch(pooled: ContainerRuntime, node: Node) -> None:  # noqa: F811
+    h = await pooled.create(spec(node))
+    await pooled.destroy(h)
+    await warm(pooled)
+    pooled.pool._memory_fraction = lambda: 0.0  # the node is out of memory
+    assert await pooled.pool.trim() >= 1
+    assert pooled.pool.ready_count() == 0 and not list(pooled.paths.sandboxes.glob("wp-*"))
+    paths, _, _ = node
+    off = ContainerRuntime(paths, LayerMounts(paths.layer_mounts), pool=PoolConfig(enabled=False))
+    await off.start()
+    try:
+        made = [await off.create(spec(node)) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        assert all("warm_id" not in m.state for m in made) and off.pool.ready_count() == 0
+        assert not list(paths.sandboxes.glob("wp-*"))
+        for m in made:
+            await off.destroy(m)
+    finally:
+        await off.close()
+
+
+def test_fixture_home_is_clean(node: Node) -> None:  # noqa: F811
+    paths, _, _ = node
+    assert not [m for m in mount_points(paths.sandboxes) if "wp-" in str(m)]
+    assert isinstance(paths.home, Path)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_warm(node: Node) -> Iterator[None]:  # noqa: F811
+    yield
+    paths, _, _ = node
+    assert not list(paths.sandboxes.glob("wp-*"))

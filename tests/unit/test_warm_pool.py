@@ -1,0 +1,133 @@
+"""The warm pool's policy (sizing by demand, caps, idle and memory-pressure trims, close),
+with fake containers: no root needed. The container runtime's use of it is tested in
+tests/integration/test_container_pool_root.py."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from dsec.runtimes.container.pool import PoolConfig, WarmPool
+
+
+class Fakes:
+    def __init__(self) -> None:
+        self.ids = itertools.count()
+        self.made: list[int] = []
+        self.discarded: list[int] = []
+        self.fail = False
+
+    async def make(self, template: str) -> int:
+        await asyncio.sleep(0)
+        if self.fail:
+            raise OSError("no more containers")
+        n = next(self.ids)
+        self.made.append(n)
+        return n
+
+    async def discard(self, entry: int) -> None:
+        self.discarded.append(entry)
+
+    def live(self) -> set[int]:
+        return set(self.made) - set(self.discarded)
+
+
+async def settle(pool: WarmPool[str, str, int]) -> None:
+    for _ in range(50):
+        await asyncio.sleep(0)
+        tasks = [k.task for k in pool._keys.values() if k.task and not k.task.done()]
+        if not tasks:
+            return
+        await asyncio.gather(*tasks)
+
+
+async def test_first_claim_misses_then_the_key_is_kept_warm() -> None:
+    f = Fakes()
+    pool: WarmPool[str, str, int] = WarmPool(
+        PoolConfig(min_ready=2), make=f.make, discard=f.discard
+    )
+    assert pool.take("busybox", "tmpl") is None  # nothing made before demand
+    await settle(pool)
+    assert pool.ready_count("busybox") == 2 and pool.ready_count("other") == 0
+    got = pool.take("busybox", "tmpl")
+    assert got in f.made and pool.stats.hits == 1 and pool.stats.misses == 1
+    await settle(pool)
+    assert pool.ready_count("busybox") == 2  # refilled in the background
+    await pool.close()
+    assert f.live() == {got}  # close destroyed every unclaimed one, not the claimed one
+
+
+async def test_demand_sizes_a_key_within_its_caps() -> None:
+    f = Fakes()
+    cfg = PoolConfig(min_ready=1, max_per_key=6, max_total=8, window_s=10.0, lead_s=10.0)
+    pool: WarmPool[str, str, int] = WarmPool(cfg, make=f.make, discard=f.discard)
+    for _ in range(4):  # 4 claims in the window: 0.4/s x 10 s lead = 4 wanted
+        pool.take("a", "t")
+    assert pool.target("a") == 4
+    for _ in range(20):
+        pool.take("a", "t")
+    assert pool.target("a") == 6  # the per-key cap
+    await settle(pool)
+    assert pool.ready_count("a") == 6
+    pool.take("b", "t")
+    await settle(pool)
+    assert pool.ready_count() <= 8  # the total cap holds across keys
+    await pool.close()
+    assert f.live() == set() and pool.ready_count() == 0  # none was claimed: all destroyed
+
+
+async def test_idle_keys_and_memory_pressure_empty_the_pool() -> None:
+    f = Fakes()
+    available = [0.5]
+    pool: WarmPool[str, str, int] = WarmPool(
+        PoolConfig(min_ready=2, idle_s=1000.0),
+        make=f.make,
+        discard=f.discard,
+        memory_fraction=lambda: available[0],
+    )
+    pool.take("a", "t")
+    await settle(pool)
+    assert pool.ready_count() == 2
+    available[0] = 0.02  # under pressure: everything goes, nothing is refilled
+    assert await pool.trim() == 2 and pool.ready_count() == 0
+    assert pool.stats.pressure_drains == 1
+    pool.take("a", "t")
+    await settle(pool)
+    assert pool.ready_count() == 0
+    available[0] = 0.5
+    pool.config.idle_s = 0.0  # and a key nobody claims is emptied
+    pool.take("a", "t")
+    await settle(pool)
+    await asyncio.sleep(0.01)
+    await pool.trim()
+    assert pool.ready_count() == 0 and not pool._keys
+    await pool.close()
+    assert f.live() == set()
+
+
+async def test_failures_stop_the_fill_and_the_off_switch_holds() -> None:
+    f = Fakes()
+    f.fail = True
+    pool: WarmPool[str, str, int] = WarmPool(PoolConfig(), make=f.make, discard=f.discard)
+    pool.take("a", "t")
+    await settle(pool)
+    assert pool.ready_count() == 0 and pool.stats.failed >= 1
+    await pool.close()
+    off: WarmPool[str, str, int] = WarmPool(
+        PoolConfig(enabled=False), make=f.make, discard=f.discard
+    )
+    assert off.take("a", "t") is None and not off._keys
+
+
+def test_env_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_CONTAINER_POOL", "0")
+    assert not PoolConfig.from_env().enabled
+    monkeypatch.setenv("DSEC_CONTAINER_POOL", "1")
+    monkeypatch.setenv("DSEC_CONTAINER_POOL_MAX", "3")
+    monkeypatch.setenv("DSEC_CONTAINER_POOL_IDLE_S", "5")
+    cfg = PoolConfig.from_env()
+    assert cfg.enabled and cfg.max_total == 3 and cfg.max_per_key == 3 and cfg.idle_s == 5.0
+    monkeypatch.setenv("DSEC_CONTAINER_POOL_MAX", "0")
+    assert not PoolConfig.from_env().enabled
