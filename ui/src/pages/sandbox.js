@@ -227,6 +227,13 @@ function Logs({ id }) {
 function Screen({ id, session, running }) {
   const [ts, setTs] = useState(Date.now());
   const [vnc, setVnc] = useState(false);
+  // the port proxy does not take the dashboard's session: the sandbox's access token (asked
+  // with the session) opens the noVNC page, and the cookie it sets covers its WebSocket
+  const [token, setToken] = useState(null);
+  useEffect(() => {
+    if (!vnc || token) return;
+    get(`/v1/sandboxes/${encodeURIComponent(id)}/ports`).then((a) => setToken(a.token), () => setVnc(false));
+  }, [vnc, id]);
   useEffect(() => {
     if (!running) return undefined;
     const timer = setInterval(() => document.visibilityState === "visible" && setTs(Date.now()), 2000);
@@ -237,8 +244,8 @@ function Screen({ id, session, running }) {
     ${session.features.port_proxy
       ? html`<p><label><input type="checkbox" checked=${vnc} onChange=${(e) => setVnc(e.target.checked)} data-testid="vnc-toggle" /> live view (noVNC through the port proxy)</label></p>`
       : html`<p class="muted">live view needs the port proxy (not on this server): refreshed screenshots every 2 s</p>`}
-    ${vnc
-      ? html`<iframe class="vnc" data-testid="vnc" src=${`${base}/ports/6080/vnc.html?autoconnect=1&resize=scale&path=${encodeURIComponent(`${base.slice(1)}/ports/6080/websockify`)}`}></iframe>`
+    ${vnc && token
+      ? html`<iframe class="vnc" data-testid="vnc" src=${`${base}/ports/6080/vnc.html?autoconnect=1&resize=scale&path=${encodeURIComponent(`${base.slice(1)}/ports/6080/websockify`)}&dsec_token=${encodeURIComponent(token)}`}></iframe>`
       : running
         ? html`<img class="screenshot" data-testid="screenshot" alt="screen" src=${`${base}/display/screenshot?ts=${ts}`} />`
         : html`<p class="muted">the sandbox is not running (a screenshot would resume it)</p>`}
