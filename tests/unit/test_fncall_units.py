@@ -109,7 +109,7 @@ def test_languages_and_aliases() -> None:
     assert resolve_language("c++").name == "cpp"
     assert {"python", "bash", "c", "cpp"} <= set(LANGUAGES)
     for spec in LANGUAGES.values():
-        assert spec.toolkit is None or spec.toolkit in TOOLKITS
+        assert all(t in TOOLKITS for t in spec.toolkits)
     with pytest.raises(InvalidRequest, match="unsupported language"):
         resolve_language("cobol")
 
