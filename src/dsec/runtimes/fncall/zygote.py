@@ -70,6 +70,13 @@ PR_SET_DUMPABLE = 4
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_BENEATH = 0x08
 RESOLVE_IN_ROOT = 0x10
+_SINGLE_THREAD_ENV = (
+    "OPENBLAS_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+"""Variables that keep numerical libraries from starting thread pools at import."""
 FRAME = struct.Struct("<II")
 MAX_FRAME = 512 << 20
 
@@ -223,11 +230,24 @@ class Zygote:
         self.children: dict[int, tuple[int, int]] = {}  # pidfd -> (wid, pid)
 
     def serve(self) -> None:
+        # every worker is a clone() of this process, which must stay single-threaded: a
+        # thread pool started by a preloaded module (OpenBLAS under numpy starts one per
+        # core at import) would be missing in the child, holding locks it needs
+        for var in _SINGLE_THREAD_ENV:
+            os.environ[var] = "1"
         for name in self.cfg.get("preload", []):
             try:
                 __import__(name)
             except Exception as e:
                 print(f"zygote: preload {name}: {e}", file=sys.stderr)
+        try:
+            threads = len(os.listdir("/proc/self/task"))
+        except OSError:
+            threads = 1  # no /proc mounted here
+        if threads > 1:
+            print(
+                f"zygote: {threads} threads after the preloads; workers may hang", file=sys.stderr
+            )
         gc.collect()
         gc.freeze()  # keep the imported heap shared copy-on-write in every worker
         if self.cfg.get("collapse_heap", True):
