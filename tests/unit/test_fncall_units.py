@@ -398,9 +398,7 @@ def _anon_huge_kb() -> int:
 def test_fetch_files_take_absolute_paths(tmp_path: Path, path: str, key: str) -> None:
     """SandboxFusion fetches absolute paths (``/mnt/b``); ``files`` still go under /work."""
     svc = _service(tmp_path)
-    job = svc.job_from_sandboxfusion(
-        RunCodeRequest(code="", language="python", fetch_files=[path])
-    )
+    job = svc.job_from_sandboxfusion(RunCodeRequest(code="", language="python", fetch_files=[path]))
     assert job.fetch == [key] and job.fetch_names == {key: [path]}
     assert work_relative(path, absolute_ok=True) == key
     with pytest.raises(InvalidRequest, match=r"'\.\.'"):
