@@ -629,7 +629,7 @@ def _argv(argv: tuple[str, ...], job: CodeJob) -> list[str]:
 def _fetch_error(rel: str, reason: str) -> str:
     """The worker's reason for not returning the fetched file ``rel`` (``strerror``, maybe
     after an ``"open <rel>: "`` prefix), in the client's terms."""
-    reason = reason.removeprefix(f"open {rel}: ")
+    reason = reason.removeprefix(f"open {rel}: ").removeprefix(f"open {rel.lstrip('/')}: ")
     if reason == _EXDEV:
         # openat2(RESOLVE_BENEATH) says EXDEV for any symlink it does not follow
         return (
