@@ -445,7 +445,17 @@ class WorkerPool:
         self._cg_fds = []
         assert self._proc.stdin is not None
         proc_stdin = self._proc.stdin
-        await asyncio.to_thread(lambda: (proc_stdin.write(bundle), proc_stdin.close()))
+
+        def send_bundle() -> None:
+            # the launcher exits early when the image cannot run a zygote (no python3): the
+            # bundle (larger than a pipe's 64 KiB) then meets a closed pipe, and the exit
+            # status below says why
+            with contextlib.suppress(BrokenPipeError):
+                proc_stdin.write(bundle)
+            with contextlib.suppress(BrokenPipeError):
+                proc_stdin.close()
+
+        await asyncio.to_thread(send_bundle)
         self._ctl = server_end
         server_end.setblocking(False)
         self._zygote_ready = self._loop.create_future()

@@ -168,10 +168,8 @@ def work_relative(path: str, what: str = "file path", absolute_ok: bool = False)
             f"{what} {path!r} names a directory ({'/' if absolute else '/work'}), not a file"
         )
     if ".." in parts:
-        raise InvalidRequest(
-            f"{what} {path!r} is outside the work directory /work (paths may not use '..')",
-            path=path,
-        )
+        where = "" if absolute else " is outside the work directory /work"
+        raise InvalidRequest(f"{what} {path!r}{where} (paths may not use '..')", path=path)
     for part in parts:
         if len(part.encode()) > NAME_MAX_BYTES:
             raise InvalidRequest(
