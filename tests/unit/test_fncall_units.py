@@ -456,3 +456,12 @@ def test_toolkit_key_of_debian_packages_is_unchanged() -> None:
     assert with_pip != toolkit_key(base, ("gcc",))
     assert with_pip != toolkit_key(base, ("gcc",), pip=("requests==2.32.0",))
     assert toolkit_key(base, ("gcc",), npm=("lodash@4.17.21",)) != toolkit_key(base, ("gcc",))
+
+
+def test_build_only_packages_are_part_of_the_key() -> None:
+    base = ["sha256:" + "1" * 64]
+    kit = TOOLKITS["nodejs"]
+    assert "npm" in kit.build_only and "npm" not in kit.apt  # purged before the layer
+    assert toolkit_key(base, kit.apt, npm=kit.npm, build_only=kit.build_only) != toolkit_key(
+        base, kit.apt, npm=kit.npm
+    )
