@@ -122,7 +122,9 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
         if "container" in getattr(edge, "runtimes", {}):
             from dsec.apiserver.jupyter import RunJupyterService
 
-            jupyter = RunJupyterService(edge, pod_name=f"dsec-jupyter@{edge.node}")
+            jupyter = RunJupyterService(
+                edge, pod_name=f"dsec-jupyter@{edge.node}", layer_store=edge.layers
+            )
         app.include_router(
             make_runcode_router(
                 lambda: service,

@@ -269,12 +269,14 @@ def test_jupyter_cells_share_a_kernel(node: BackgroundServer) -> None:
 
 def test_jupyter_plot_files_and_cleanup(node: BackgroundServer) -> None:
     """SandboxFusion test_jupyter_plot (an ``image/png`` display), ``files`` and
-    ``fetch_files`` relative to the kernel's directory, and no sandbox left behind."""
+    ``fetch_files`` relative to the kernel's directory, SandboxFusion's Python libraries in
+    the kernel, and no sandbox left behind."""
     res = run_jupyter(
         node,
         cells=[
             "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()",
             "open('out.txt', 'w').write(open('in/data.txt').read().upper())",
+            "import requests, numpy\nprint(requests.__version__, numpy.__version__)",
         ],
         files={"in/data.txt": _b64(b"abc")},
         fetch_files=["out.txt"],
@@ -282,6 +284,8 @@ def test_jupyter_plot_files_and_cleanup(node: BackgroundServer) -> None:
     assert res["status"] == "Success", res
     assert "image/png" in res["cells"][0]["display"][0]
     assert base64.b64decode(res["files"]["out.txt"]) == b"ABC"
+    # the python-runtime toolkit stacked on the kernel's image: SandboxFusion's pins
+    assert res["cells"][2]["stdout"] == "2.31.0 1.26.3\n"
     left = httpx.get(
         node.url + "/v1/sandboxes", headers={"Authorization": f"Bearer {node.api_key}"}
     ).json()["sandboxes"]

@@ -2,7 +2,9 @@
 
 Each call gets a fresh ``container`` sandbox of the built-in ``code-interpreter`` image (the
 one behind E2B's code interpreter: Debian's ipykernel driven by dsec's kernel server,
-:mod:`dsec.guest.codeinterp`, on port 49999), owned by the caller, without network. The
+:mod:`dsec.guest.codeinterp`, on port 49999) with the ``python-runtime`` toolkit layer
+(SandboxFusion's Python libraries, :mod:`dsec.runtimes.fncall.toolkits`, built over that
+image once per node) stacked on it, owned by the caller, without network. The
 server reaches the kernel server through the edge's
 :class:`~dsec.edge.interface.PortForwarding` (a TCP connection made inside the sandbox),
 sends each cell as one ``POST /execute`` with ``mime_bundles`` (results as the kernel's own
@@ -133,11 +135,41 @@ class RunJupyterService:
     """Runs ``/run_jupyter`` calls on ``edge`` (which must forward ports)."""
 
     def __init__(
-        self, edge: EdgeAPI, limits: JupyterLimits | None = None, pod_name: str = ""
+        self,
+        edge: EdgeAPI,
+        limits: JupyterLimits | None = None,
+        pod_name: str = "",
+        *,
+        layer_store: Any = None,
+        toolkits: tuple[str, ...] = ("python-runtime",),
     ) -> None:
+        """``layer_store`` (a :class:`dsec.layers.LayerStore`) builds the ``toolkits``
+        layers over :data:`IMAGE` on first use; without one the image runs alone."""
         self.edge = edge
         self.limits = limits or JupyterLimits()
         self.pod_name = pod_name or "dsec-jupyter"
+        self.layer_store = layer_store
+        self.toolkits = toolkits if layer_store is not None else ()
+        self._layers: list[str] | None = None
+        self._layers_lock = asyncio.Lock()
+
+    async def extra_layers(self) -> list[str]:
+        """Digests of the toolkit layers stacked on :data:`IMAGE` (built once, then cached)."""
+        if self._layers is not None:
+            return self._layers
+        async with self._layers_lock:
+            if self._layers is None:
+                from dsec.runtimes.fncall.toolkits import build_toolkit_image
+
+                store = self.layer_store
+                base = await asyncio.to_thread(store.ensure_image_sync, IMAGE)
+                image = IMAGE
+                for toolkit in self.toolkits:
+                    info = await asyncio.to_thread(build_toolkit_image, store, image, toolkit)
+                    image = info.name
+                top = store.get_image(image) if self.toolkits else base
+                self._layers = list(top.layers[len(base.layers) :])
+        return self._layers
 
     def _check(self, req: RunJupyterRequest) -> tuple[int, list[tuple[str, bytes]]]:
         lim = self.limits
@@ -205,10 +237,12 @@ class RunJupyterService:
         files: list[tuple[str, bytes]],
     ) -> RunJupyterResponse:
         t0 = time.monotonic()
+        layers = await self.extra_layers()
         info = await self.edge.create_sandbox(
             CreateSandboxRequest(
                 tier="container",
                 image=IMAGE,
+                layers=layers,
                 cpu=self.limits.cpu,
                 memory_mb=memory,
                 ttl_s=req.total_timeout + 120.0,  # a backstop: the call kills it itself
