@@ -9,7 +9,10 @@ Compile and run commands follow SandboxFusion's runners (``sandbox/runners/major
 Java runs with assertions on (``-ea``) and ``javatuples`` plus every ``*.jar`` of the call's
 ``files`` on its class path (the token :data:`CLASSPATH` in an argv is replaced by it);
 Node.js finds SandboxFusion's preinstalled npm packages through ``NODE_PATH``; Rust is
-``rustc`` without optimisation, as there.
+``rustc`` without optimisation, as there, but linked against Debian's shared ``libstd``
+(``-C prefer-dynamic -C rpath``): a third of the CPU of a static link (0.13 vs 0.40 s for a
+hello world here), which keeps SandboxFusion's 1 s compile limits within reach on a busy
+node.
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ LANGUAGES: dict[str, LanguageSpec] = {
         "main.rs",
         "none",
         ("./main",),
-        compile=("/usr/bin/rustc", "main.rs", "-o", "main"),
+        compile=("/usr/bin/rustc", "-C", "prefer-dynamic", "-C", "rpath", "main.rs", "-o", "main"),
         toolkits=("rust",),
     ),
 }
