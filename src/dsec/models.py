@@ -838,6 +838,41 @@ class RunCodeResponse(BaseModel):
     files: dict[str, str] = Field(default_factory=dict)
 
 
+class RunJupyterRequest(BaseModel):
+    """SandboxFusion's ``/run_jupyter`` body: cells run in order on one Python kernel.
+    Times in seconds (``cell_timeout`` 0: none of its own). Unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    cells: list[str]
+    cell_timeout: float = 0
+    total_timeout: float = 45
+    memory_limit_MB: int = -1
+    kernel: str = "python3"
+    files: dict[str, str] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+
+
+class CellRunResult(BaseModel):
+    """One cell as SandboxFusion reports it: the kernel's stream text, its display and
+    execute results (MIME bundles: ``{"text/plain": ..., "image/png": <base64>}``) and its
+    errors (``{"ename", "evalue", "traceback"}``)."""
+
+    stdout: str = ""
+    stderr: str = ""
+    display: list[dict[str, Any]] = Field(default_factory=list)
+    error: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class RunJupyterResponse(BaseModel):
+    status: RunStatus
+    message: str
+    driver: CommandRunResult | None = None
+    cells: list[CellRunResult] = Field(default_factory=list)
+    executor_pod_name: str | None = None
+    files: dict[str, str] = Field(default_factory=dict)
+
+
 # --- dsec shapes --------------------------------------------------------------------------
 
 
@@ -851,7 +886,10 @@ class CodeRunRequest(_Model):
     files: dict[str, str] = Field(
         default_factory=dict, description="path under /work -> base64 content"
     )
-    fetch_files: list[str] = Field(default_factory=list, description="paths under /work to return")
+    fetch_files: list[str] = Field(
+        default_factory=list,
+        description="files to return: relative to /work, or absolute paths in the sandbox",
+    )
     timeout_s: float = Field(10.0, gt=0, description="run wall-clock limit")
     compile_timeout_s: float = Field(30.0, gt=0)
     memory_mb: int | None = Field(None, ge=16, description="memory limit; default: the pool's")

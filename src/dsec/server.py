@@ -126,7 +126,21 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
             for c in os.environ.get("DSEC_RUNCODE_KEYLESS_CIDRS", "").split(",")
             if c.strip()
         ]
-        app.include_router(make_runcode_router(lambda: service, authorize, keyless_networks=cidrs))
+        jupyter = None
+        if "container" in getattr(edge, "runtimes", {}):
+            from dsec.apiserver.jupyter import RunJupyterService
+
+            jupyter = RunJupyterService(
+                edge, pod_name=f"dsec-jupyter@{edge.node}", layer_store=edge.layers
+            )
+        app.include_router(
+            make_runcode_router(
+                lambda: service,
+                authorize,
+                keyless_networks=cidrs,
+                get_jupyter=(lambda: jupyter) if jupyter is not None else None,
+            )
+        )
     return app
 
 

@@ -361,3 +361,14 @@ def test_chart_data_of_matplotlib_figures(sandbox: Any) -> None:
     )
     assert isinstance(both, SuperChart)
     assert [c.type for c in both.elements] == [ChartType.LINE, ChartType.BAR]
+
+
+def test_execute_mime_bundles_flag_is_parsed() -> None:
+    """dsec's ``mime_bundles`` extension of ``/execute`` (what ``/run_jupyter`` sends)."""
+    from dsec.guest.codeinterp.protocol import RequestError, parse_execute
+
+    assert parse_execute(b'{"code": "1"}').mime_bundles is False
+    assert parse_execute(b'{"code": "1", "mime_bundles": true}').mime_bundles is True
+    with pytest.raises(RequestError) as e:
+        parse_execute(b'{"code": "1", "mime_bundles": "yes"}')
+    assert e.value.status == 422

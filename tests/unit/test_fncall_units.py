@@ -109,7 +109,7 @@ def test_languages_and_aliases() -> None:
     assert resolve_language("c++").name == "cpp"
     assert {"python", "bash", "c", "cpp"} <= set(LANGUAGES)
     for spec in LANGUAGES.values():
-        assert spec.toolkit is None or spec.toolkit in TOOLKITS
+        assert all(t in TOOLKITS for t in spec.toolkits)
     with pytest.raises(InvalidRequest, match="unsupported language"):
         resolve_language("cobol")
 
@@ -386,3 +386,82 @@ def _anon_huge_kb() -> int:
         if line.startswith("AnonHugePages:"):
             return int(line.split()[1])
     return 0
+
+
+# --- SandboxFusion parity (issue 19) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "key"),
+    [("/mnt/b", "/mnt/b"), ("/mnt//b/./c", "/mnt/b/c"), ("/work/x", "x"), ("./y", "y")],
+)
+def test_fetch_files_take_absolute_paths(tmp_path: Path, path: str, key: str) -> None:
+    """SandboxFusion fetches absolute paths (``/mnt/b``); ``files`` still go under /work."""
+    svc = _service(tmp_path)
+    job = svc.job_from_sandboxfusion(RunCodeRequest(code="", language="python", fetch_files=[path]))
+    assert job.fetch == [key] and job.fetch_names == {key: [path]}
+    assert work_relative(path, absolute_ok=True) == key
+    with pytest.raises(InvalidRequest, match=r"'\.\.'"):
+        work_relative("/mnt/../etc/passwd", absolute_ok=True)
+    with pytest.raises(InvalidRequest, match="names a directory"):
+        work_relative("/", absolute_ok=True)
+    with pytest.raises(InvalidRequest, match="outside the work directory"):
+        svc.job_from_sandboxfusion(
+            RunCodeRequest(code="", language="python", files={"/mnt/b": "eA=="})
+        )
+
+
+def test_java_runs_as_sandboxfusion_does(tmp_path: Path) -> None:
+    """``-ea``, javatuples and the call's jars on both class paths, and JVM flags on the
+    command line (JAVA_TOOL_OPTIONS would make the JVM print "Picked up ..." on stderr)."""
+    from dsec.runtimes.fncall.languages import CLASSPATH
+    from dsec.runtimes.fncall.service import _argv
+
+    java = LANGUAGES["java"]
+    assert "JAVA_TOOL_OPTIONS" not in java.env
+    assert java.compile is not None and CLASSPATH in java.compile and CLASSPATH in java.run
+    assert java.run.index("-ea") < java.run.index("Main")
+    svc = _service(tmp_path)
+    x = base64.b64encode(b"x").decode()
+    job = svc.job_from_sandboxfusion(
+        RunCodeRequest(code="", language="java", files={"deps/a.jar": x, "notes.txt": x})
+    )
+    cp = ".:/usr/share/java/javatuples.jar:deps/a.jar"
+    assert _argv(java.run, job)[_argv(java.run, job).index("-cp") + 1] == cp
+    assert _argv(java.compile, job)[_argv(java.compile, job).index("-cp") + 1] == cp
+    assert _argv(LANGUAGES["c"].run, job) == list(LANGUAGES["c"].run)
+
+
+def test_sandboxfusion_languages_and_toolkits() -> None:
+    rust = resolve_language("rust")
+    assert rust.compile is not None and rust.compile[0] == "/usr/bin/rustc"
+    assert resolve_language("rs") is rust
+    assert "lodash@4.17.21" in TOOLKITS["nodejs"].npm
+    assert LANGUAGES["nodejs"].env["NODE_PATH"].endswith("/node_modules")
+    pins = dict(p.split("==") for p in TOOLKITS["python-runtime"].pip)
+    assert pins["requests"] == "2.31.0" and pins["numpy"] == "1.26.3"
+    assert LANGUAGES["python"].toolkits == ("python-runtime",)
+
+
+def test_toolkit_key_of_debian_packages_is_unchanged() -> None:
+    """Cached toolkits of Debian packages only keep their key (no rebuild on upgrade); PyPI
+    and npm packages are part of the key."""
+    import hashlib
+    import json
+
+    base = ["sha256:" + "1" * 64]
+    old = json.dumps({"base": base, "packages": ["g++", "gcc"], "v": 1}, sort_keys=True)
+    assert toolkit_key(base, ("gcc", "g++")) == hashlib.sha256(old.encode()).hexdigest()[:16]
+    with_pip = toolkit_key(base, ("gcc",), pip=("requests==2.31.0",))
+    assert with_pip != toolkit_key(base, ("gcc",))
+    assert with_pip != toolkit_key(base, ("gcc",), pip=("requests==2.32.0",))
+    assert toolkit_key(base, ("gcc",), npm=("lodash@4.17.21",)) != toolkit_key(base, ("gcc",))
+
+
+def test_build_only_packages_are_part_of_the_key() -> None:
+    base = ["sha256:" + "1" * 64]
+    kit = TOOLKITS["nodejs"]
+    assert "npm" in kit.build_only and "npm" not in kit.apt  # purged before the layer
+    assert toolkit_key(base, kit.apt, npm=kit.npm, build_only=kit.build_only) != toolkit_key(
+        base, kit.apt, npm=kit.npm
+    )

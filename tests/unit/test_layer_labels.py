@@ -83,3 +83,11 @@ def test_toolkit_stacks_on_a_detected_debian_base(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest) as e:
         check_stack([bare, toolkit])
     assert e.value.details["missing"] == sorted(TOOLKIT_REQUIRES)
+
+
+def test_toolkit_stacks_on_the_code_interpreter_image() -> None:
+    """/run_jupyter stacks the python-runtime toolkit on the built-in code-interpreter
+    image (Debian bookworm), whose layer says so through its builtin name."""
+    ci = _layer("c", "base", {"builtin": "code-interpreter"})
+    toolkit = _layer("d", "toolkit", {"toolkit": "python-runtime"})
+    check_stack([ci, toolkit])

@@ -67,6 +67,8 @@ def test_openapi_describes_routes_security_and_errors() -> None:
         "/run_code": {"post"},
         "/k/{api_key}/run_code": {"post"},
         "/v1/run_code": {"post"},
+        "/run_jupyter": {"post"},
+        "/k/{api_key}/run_jupyter": {"post"},
     }
     assert {p: set(ops) for p, ops in paths.items()} == expected
     for path, ops in paths.items():

@@ -188,7 +188,7 @@ class _NoKeys:
 
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI document of the app (independent of any edge or key), with the run_code
-    routes ``dsec serve`` adds on a node with the fncall tier."""
+    and run_jupyter routes ``dsec serve`` adds on a node with the fncall (and container) tier."""
     from dsec.apiserver.routes_runcode import make_runcode_router
 
     app = create_app(cast(EdgeAPI, _SchemaOnlyEdge()), _NoKeys(), access_log="off", ui=False)
@@ -196,7 +196,7 @@ def openapi_document() -> dict[str, Any]:
     def no_service() -> Any:
         raise RuntimeError("the schema-only app runs no code")
 
-    app.include_router(make_runcode_router(no_service))
+    app.include_router(make_runcode_router(no_service, get_jupyter=no_service))
     return app.openapi()
 
 

@@ -6,6 +6,9 @@ route                              body -> answer
 ``POST /run_code``                 SandboxFusion ``RunCodeRequest`` -> ``RunCodeResponse``
 ``POST /k/{api_key}/run_code``     same, with the API key in the path (for unmodified clients)
 ``POST /v1/run_code``              dsec ``CodeRunRequest`` -> ``CodeRunResult``
+``POST /run_jupyter``              SandboxFusion ``RunJupyterRequest`` -> ``RunJupyterResponse``
+                                   (when the server has a :class:`RunJupyterService`)
+``POST /k/{api_key}/run_jupyter``  same, with the API key in the path
 =================================  ===========================================================
 
 Authentication: ``authorize(request)`` returns the caller's owner id or None. It sees the
@@ -37,6 +40,7 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
 from dsec.apiserver.deps import ERROR_RESPONSES
+from dsec.apiserver.jupyter import RunJupyterService
 from dsec.errors import (
     AuthenticationError,
     DsecError,
@@ -44,6 +48,7 @@ from dsec.errors import (
     InvalidRequest,
     PayloadTooLarge,
 )
+from dsec.models import RunJupyterRequest, RunJupyterResponse
 from dsec.runtimes.fncall.service import (
     CodeRunRequest,
     CodeRunResult,
@@ -110,8 +115,9 @@ def make_runcode_router(
     *,
     keyless_networks: Sequence[str] = (),
     max_body_bytes: int = MAX_BODY_BYTES,
+    get_jupyter: Callable[[], RunJupyterService] | None = None,
 ) -> APIRouter:
-    """The run_code routes.
+    """The run_code routes (and ``/run_jupyter`` when ``get_jupyter`` is given).
 
     Args:
         get_service: returns the :class:`RunCodeService` (called per request).
@@ -119,6 +125,7 @@ def make_runcode_router(
             caller as ``keyless`` (for a private, loopback-only server).
         keyless_networks: client CIDRs allowed to call without a key.
         max_body_bytes: larger bodies get 413.
+        get_jupyter: returns the :class:`RunJupyterService` (called per request).
     """
     networks = [ipaddress.ip_network(n, strict=False) for n in keyless_networks]
     router = APIRouter(tags=["run_code"])
@@ -243,6 +250,51 @@ def make_runcode_router(
         responses=ERROR_RESPONSES,
         route_class_override=LeanRoute,
     )
+    if get_jupyter is None:
+        return router
+
+    async def jupyter(request: Request) -> Response:
+        try:
+            owner = await owner_of(request)
+            data = await body_json(request)
+        except DsecError as e:
+            return _error(e)
+        try:
+            req = RunJupyterRequest.model_validate(data)
+        except ValidationError as e:
+            msg = "; ".join(
+                f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors()[:8]
+            )
+            return _json(
+                RunJupyterResponse(status=RunStatus.SandboxError, message=f"invalid request: {msg}")
+            )
+        return _json(await get_jupyter().run_jupyter(req, owner))
+
+    for path, summary in (
+        ("/run_jupyter", "Run cells on a Jupyter kernel (SandboxFusion-compatible)"),
+        ("/k/{api_key}/run_jupyter", "Run cells on a Jupyter kernel (API key in the path)"),
+    ):
+        extra: dict[str, Any] = {"requestBody": _body_schema(RunJupyterRequest)}
+        if "{api_key}" in path:
+            extra["parameters"] = [
+                {
+                    "name": "api_key",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string"},
+                    "description": "a dsec API key (never logged nor echoed)",
+                }
+            ]
+        router.add_api_route(
+            path,
+            jupyter,
+            methods=["POST"],
+            response_model=RunJupyterResponse,
+            summary=summary,
+            openapi_extra=extra,
+            responses=SANDBOXFUSION_ERRORS,
+            route_class_override=LeanRoute,
+        )
     return router
 
 

@@ -67,6 +67,8 @@ _DEBIAN_VERSIONS = {"bookworm": "12", "trixie": "13", "bullseye": "11"}
 BUILTIN_LABELS: dict[str, tuple[str, ...]] = {
     "busybox": ("busybox",),
     "debian": ("glibc", "apt"),  # + debian-<version> and the included packages
+    # Debian bookworm with Jupyter (dsec.layers.code_interpreter): toolkits stack on it
+    "code-interpreter": ("glibc", "apt", "debian-12", "python3"),
 }
 """Labels the built-in images provide (see :func:`layer_labels` for the Debian extras)."""
 

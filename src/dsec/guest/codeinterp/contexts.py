@@ -130,6 +130,7 @@ class _ExecutionState:
     idle: bool = False
     reply: dict[str, Any] | None = None
     lines: list[bytes] = field(default_factory=list)
+    mime_bundles: bool = False
 
 
 class CodeContext:
@@ -319,9 +320,14 @@ class CodeContext:
                 return
 
     async def execute(
-        self, code: str, env: dict[str, str], disconnected: Callable[[], bool]
+        self,
+        code: str,
+        env: dict[str, str],
+        disconnected: Callable[[], bool],
+        mime_bundles: bool = False,
     ) -> AsyncIterator[bytes]:
-        """Run ``code`` with ``env`` set for this call; yield NDJSON lines as they come.
+        """Run ``code`` with ``env`` set for this call; yield NDJSON lines as they come
+        (``mime_bundles``: results as the kernel's MIME bundles, see ``ExecuteRequest``).
 
         The caller holds :attr:`lock`. ``disconnected()`` says whether the client went away:
         then the kernel is interrupted (and restarted if it does not go idle in time) and
@@ -337,7 +343,7 @@ class CodeContext:
         if env:
             await self._run_silent(protocol.env_set_code(self.language, env))
         try:
-            async for line in self._execute_cell(code, disconnected):
+            async for line in self._execute_cell(code, disconnected, mime_bundles):
                 yield line
         finally:
             if env and self._km is not None:
@@ -347,7 +353,7 @@ class CodeContext:
                     log.warning("context %s: could not restore the environment", self.id)
 
     async def _execute_cell(
-        self, code: str, disconnected: Callable[[], bool]
+        self, code: str, disconnected: Callable[[], bool], mime_bundles: bool = False
     ) -> AsyncIterator[bytes]:
         kc = self._kc
         loop = asyncio.get_running_loop()
@@ -356,7 +362,8 @@ class CodeContext:
         st = _ExecutionState(
             msg_id=kc.execute(
                 code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False
-            )
+            ),
+            mime_bundles=mime_bundles,
         )
         last_sent = loop.time()
         shell_task: asyncio.Task[Any] | None = None
@@ -487,6 +494,15 @@ class CodeContext:
             )
         if kind in ("execute_result", "display_data"):
             data = content.get("data") or {}
+            if st.mime_bundles:
+                return self._bounded(
+                    st,
+                    {
+                        "type": "result",
+                        "is_main_result": kind == "execute_result",
+                        "bundle": dict(data),
+                    },
+                )
             return self._bounded(st, protocol.result_fields(dict(data), kind == "execute_result"))
         return []
 

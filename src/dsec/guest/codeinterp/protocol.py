@@ -93,6 +93,10 @@ class ExecuteRequest:
     context_id: str | None
     language: str | None
     env_vars: dict[str, str]
+    mime_bundles: bool = False
+    """dsec's extension (``"mime_bundles": true``, what ``/run_jupyter`` asks for): ``result``
+    lines carry the kernel's MIME bundle unchanged as ``bundle`` (``{"text/plain": "'a'"}``)
+    instead of E2B's fields, whose ``text`` loses a string's quotes."""
 
 
 def normalize_language(language: str | None) -> str:
@@ -154,7 +158,16 @@ def parse_execute(body: bytes) -> ExecuteRequest:
             if not key or "=" in key or "\0" in key or "\0" in value:
                 raise RequestError(400, f"invalid environment variable name or value: {key!r}")
             env[key] = value
-    return ExecuteRequest(code=code, context_id=context_id or None, language=language, env_vars=env)
+    bundles = data.get("mime_bundles", False)
+    if not isinstance(bundles, bool):
+        raise RequestError(422, "'mime_bundles' must be a boolean")
+    return ExecuteRequest(
+        code=code,
+        context_id=context_id or None,
+        language=language,
+        env_vars=env,
+        mime_bundles=bundles,
+    )
 
 
 def parse_create_context(body: bytes) -> tuple[str, str | None]:

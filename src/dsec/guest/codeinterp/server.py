@@ -110,7 +110,9 @@ class Execute(_Base):
                 self.fail(500, f"could not start the context: {e}")
                 return
             try:
-                async for line in ctx.execute(req.code, req.env_vars, lambda: self._gone):
+                async for line in ctx.execute(
+                    req.code, req.env_vars, lambda: self._gone, req.mime_bundles
+                ):
                     # the execution count goes out with the next line (one write less per
                     # execution; the client only keeps the number)
                     await self._send(line, flush=not line.startswith(_COUNT_LINE))

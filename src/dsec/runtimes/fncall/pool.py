@@ -447,8 +447,9 @@ class WorkerPool:
         proc_stdin = self._proc.stdin
 
         def send_bundle() -> None:
-            # a launcher that could not start the interpreter (the image has none) is gone
-            # before it reads: its exit status, seen below, says why
+            # the launcher exits early when the image cannot run a zygote (no python3): the
+            # bundle (larger than a pipe's 64 KiB) then meets a closed pipe, and the exit
+            # status below says why
             with contextlib.suppress(BrokenPipeError):
                 proc_stdin.write(bundle)
             with contextlib.suppress(BrokenPipeError):

@@ -201,18 +201,19 @@ class FncallRuntime:
         return files, list(info.layers)
 
     async def pool_for_language(self, lang: LanguageSpec) -> WorkerPool:
-        """The warm pool serving ``lang``: the base image, plus its toolkit layer if any."""
+        """The warm pool serving ``lang``: the base image with its toolkit layers stacked."""
         cached = self._language_pools.get(lang.name)
         if cached is not None and not cached.closed:
             return cached
         image = self.config.base_image
-        if lang.toolkit is not None:
+        if lang.toolkits:
             from dsec.runtimes.fncall.toolkits import build_toolkit_image
 
-            lock = self._toolkit_locks.setdefault(lang.toolkit, asyncio.Lock())
+        for toolkit in lang.toolkits:  # each over the image of the ones before it
+            lock = self._toolkit_locks.setdefault(f"{image}+{toolkit}", asyncio.Lock())
             async with lock:  # one build per toolkit at a time
                 info = await asyncio.to_thread(
-                    build_toolkit_image, self.layer_store, image, lang.toolkit
+                    build_toolkit_image, self.layer_store, image, toolkit
                 )
             image = info.name
         files, digests = await self.image_layers(image)

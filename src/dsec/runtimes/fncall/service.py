@@ -45,7 +45,7 @@ from dsec.models import (
     RunCodeResponse,
     RunStatus,
 )
-from dsec.runtimes.fncall.languages import LanguageSpec, resolve_language
+from dsec.runtimes.fncall.languages import CLASSPATH, LanguageSpec, resolve_language
 from dsec.runtimes.fncall.runtime import FncallRuntime, result_from_agent
 
 log = logging.getLogger("dsec.fncall.service")
@@ -132,12 +132,14 @@ ARG_STRLEN_MAX = 32 * 4096
 """The kernel's ``MAX_ARG_STRLEN``: longest ``KEY=VALUE`` string ``execve`` takes, with its NUL."""
 
 
-def work_relative(path: str, what: str = "file path") -> str:
+def work_relative(path: str, what: str = "file path", absolute_ok: bool = False) -> str:
     """``path`` relative to ``/work`` (relative paths are already so); anything leaving it raises.
 
+    With ``absolute_ok`` (``fetch_files``: SandboxFusion fetches absolute paths) an absolute
+    path outside ``/work`` is kept, normalised (``/mnt//b`` -> ``/mnt/b``), instead.
     Also refused (:class:`InvalidRequest`, message starting with ``what``): paths that are not
     UTF-8 (a lone surrogate), longer than ``MAX_PATH_BYTES`` or with a component longer than
-    ``NAME_MAX_BYTES``, which the worker could not create or open.
+    ``NAME_MAX_BYTES``, which the worker could not create or open, and ``..`` anywhere.
     """
     if not isinstance(path, str) or not path or "\0" in path:
         raise InvalidRequest(f"{what} {path!r} is not a valid path", path=str(path)[:200])
@@ -151,20 +153,23 @@ def work_relative(path: str, what: str = "file path") -> str:
         raise InvalidRequest(
             f"{what} is {size} bytes long; at most {MAX_PATH_BYTES}", path=path[:200]
         )
+    absolute = False
     if path == "/work" or path.startswith("/work/"):
         rel = path[len("/work") :]
     elif path.startswith("/"):
-        raise InvalidRequest(f"{what} {path!r} is outside the work directory /work", path=path)
+        if not absolute_ok:
+            raise InvalidRequest(f"{what} {path!r} is outside the work directory /work", path=path)
+        rel, absolute = path, True
     else:
         rel = path
     parts = [p for p in rel.split("/") if p not in ("", ".")]
     if not parts:
-        raise InvalidRequest(f"{what} {path!r} names the work directory itself, not a file")
-    if ".." in parts:
         raise InvalidRequest(
-            f"{what} {path!r} is outside the work directory /work (paths may not use '..')",
-            path=path,
+            f"{what} {path!r} names a directory ({'/' if absolute else '/work'}), not a file"
         )
+    if ".." in parts:
+        where = "" if absolute else " is outside the work directory /work"
+        raise InvalidRequest(f"{what} {path!r}{where} (paths may not use '..')", path=path)
     for part in parts:
         if len(part.encode()) > NAME_MAX_BYTES:
             raise InvalidRequest(
@@ -172,7 +177,8 @@ def work_relative(path: str, what: str = "file path") -> str:
                 f" at most {NAME_MAX_BYTES}",
                 path=path,
             )
-    return posixpath.join(*parts)
+    joined = posixpath.join(*parts)
+    return "/" + joined if absolute else joined
 
 
 def check_env(env: dict[str, str], limits: RunCodeLimits) -> None:
@@ -291,7 +297,8 @@ class RunCodeService:
             raise PayloadTooLarge(f"{len(fetch)} fetch_files; at most {lim.max_files}")
         names: dict[str, list[str]] = {}
         for i, name in enumerate(fetch):
-            names.setdefault(work_relative(name, f"fetch_files[{i}]"), []).append(name)
+            key = work_relative(name, f"fetch_files[{i}]", absolute_ok=True)
+            names.setdefault(key, []).append(name)
         if not (0 < run_timeout <= lim.max_run_timeout_s):
             raise InvalidRequest(
                 f"run timeout must be in (0, {lim.max_run_timeout_s}] s (got {run_timeout})"
@@ -410,7 +417,7 @@ class RunCodeService:
             warm = lang.warm != "none" and pool.warm == lang.warm
             if lang.warm == "bash" and job.env:
                 warm = False
-            run["argv"] = None if warm else list(lang.run)
+            run["argv"] = None if warm else _argv(lang.run, job)
             header: dict[str, Any] = {
                 "op": "run",
                 "files": files,
@@ -422,7 +429,7 @@ class RunCodeService:
                 "fetch_max": self.limits.max_fetch_bytes,
                 "compile": (
                     {
-                        "argv": list(lang.compile),
+                        "argv": _argv(lang.compile, job),
                         "timeout_s": job.compile_timeout_s,
                         "cpu_s": job.compile_timeout_s,
                     }
@@ -608,10 +615,19 @@ class RunCodeService:
 _EXDEV = os.strerror(errno.EXDEV)
 
 
+def _argv(argv: tuple[str, ...], job: CodeJob) -> list[str]:
+    """``argv`` with :data:`CLASSPATH` replaced by ``.``, the language's jars and the call's
+    ``*.jar`` files (SandboxFusion's ``-cp .:javatuples-1.2.jar:<files>.jar``)."""
+    if CLASSPATH not in argv:
+        return list(argv)
+    cp = ":".join([".", *job.lang.jars, *(rel for rel, _ in job.files if rel.endswith(".jar"))])
+    return [cp if a == CLASSPATH else a for a in argv]
+
+
 def _fetch_error(rel: str, reason: str) -> str:
     """The worker's reason for not returning the fetched file ``rel`` (``strerror``, maybe
     after an ``"open <rel>: "`` prefix), in the client's terms."""
-    reason = reason.removeprefix(f"open {rel}: ")
+    reason = reason.removeprefix(f"open {rel}: ").removeprefix(f"open {rel.lstrip('/')}: ")
     if reason == _EXDEV:
         # openat2(RESOLVE_BENEATH) says EXDEV for any symlink it does not follow
         return (

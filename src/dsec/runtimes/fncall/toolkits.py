@@ -1,20 +1,32 @@
-"""Toolkit layers: Debian packages installed over an image, stored as one EROFS layer.
+"""Toolkit layers: packages installed over an image, stored as one EROFS layer.
 
-:func:`build_toolkit_image` is a pure function of (base layer digests, package list, suite):
-the result is cached as the image ``fncall-<toolkit>:<key>`` where ``key`` hashes those
-inputs, so a second call returns at once. The build:
+A :class:`Toolkit` names Debian packages, and optionally pinned PyPI and npm packages (the
+registries are reachable when a toolkit is built, never from a running worker).
+:func:`build_toolkit_image` is a pure function of (base layer digests, toolkit contents,
+suite): the result is cached as the image ``fncall-<toolkit>:<key>`` where ``key`` hashes
+those inputs, so a second call returns at once. The build:
 
 1. in a child process with a private mount namespace (``unshare --mount``; every mount
    vanishes with it), mount the base EROFS layers, stack an overlay with an empty upper
    directory on disk, bind ``/dev`` and mount ``/proc`` in it;
 2. ``chroot`` and ``apt-get install --no-install-recommends`` the packages (the base's apt
-   sources; ``/etc/resolv.conf`` is lent for the build and removed);
-3. drop apt caches and logs from the upper, then ``LayerStore.build_layer(upper,
+   sources; ``/etc/resolv.conf`` is lent for the build and removed); then, if the toolkit
+   has them, ``pip install`` of the pinned PyPI packages (wheels only) with the image's
+   ``python3`` (Debian's pip puts them in ``/usr/local/lib/python3.X/dist-packages``) and
+   ``npm install`` of the pinned npm packages into :data:`NODE_MODULES_PREFIX`
+   (``node_modules`` there, found through ``NODE_PATH``); then the toolkit's
+   ``build_only`` packages are purged;
+3. drop apt/pip/npm caches and logs from the upper, then ``LayerStore.build_layer(upper,
    "toolkit")`` turns it into a layer (overlay whiteouts are kept, so deletions stack) and
    ``put_image`` records base + toolkit.
 
+Toolkits compose: one language's pool may stack several (``LanguageSpec.toolkits``), each
+built over the image of the ones before it, so a heavy library set is a layer of its own
+that only the pools asking for it carry.
+
 Reproducibility: inputs are fixed, but Debian's archive moves; point the base image's apt
-sources at ``snapshot.debian.org`` for bit-identical rebuilds.
+sources at ``snapshot.debian.org`` for bit-identical rebuilds. PyPI and npm packages are
+pinned to exact versions (npm's transitive dependencies are resolved at build time).
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,22 +47,124 @@ from dsec.models import ImageInfo
 
 log = logging.getLogger("dsec.fncall.toolkits")
 
-__all__ = ["TOOLKITS", "build_toolkit_image", "toolkit_key"]
+__all__ = ["NODE_MODULES_PREFIX", "TOOLKITS", "Toolkit", "build_toolkit_image", "toolkit_key"]
 
-TOOLKITS: dict[str, tuple[str, ...]] = {
-    "gcc": ("gcc", "g++", "libc6-dev"),
-    "nodejs": ("nodejs",),
-    "golang": ("golang-go",),
-    "java": ("default-jdk-headless",),
+NODE_MODULES_PREFIX = "/usr/local/lib/dsec-node"
+"""npm packages of a toolkit go to ``<prefix>/node_modules`` (``NODE_PATH`` of nodejs)."""
+
+
+@dataclass(frozen=True)
+class Toolkit:
+    """What one toolkit layer installs.
+
+    ``apt``: Debian (bookworm) package names. ``pip``: ``name==version`` requirements,
+    installed with the image's ``/usr/bin/python3`` under ``/usr/local`` (``apt`` must
+    provide ``python3-pip``). ``npm``: ``name@version`` specs, installed into
+    :data:`NODE_MODULES_PREFIX` (``apt`` must provide ``npm``).
+    """
+
+    apt: tuple[str, ...]
+    pip: tuple[str, ...] = ()
+    npm: tuple[str, ...] = ()
+    build_only: tuple[str, ...] = ()
+    """Debian packages installed for the build and purged (with what only they pulled in)
+    before the layer is made: ``npm`` (60 MB of ``node-*`` packages no program needs)."""
+
+
+SANDBOXFUSION_PYTHON: tuple[str, ...] = (
+    # SandboxFusion's runtime/python/requirements.txt, its versions; see docs/sandboxfusion.md
+    # for the ones left out (GPU frameworks, GUI toolkits, sdist-only or conflicting pins)
+    "requests==2.31.0",
+    "requests-toolbelt==1.0.0",
+    "numpy==1.26.3",
+    "pandas==2.2.0",
+    "scipy==1.11.4",
+    "matplotlib==3.8.2",
+    "seaborn==0.13.2",
+    "scikit-learn==1.4.0",
+    "statsmodels==0.14.1",
+    "pillow==10.2.0",
+    "lxml==5.1.0",
+    "beautifulsoup4==4.12.3",
+    "bs4==0.0.2",
+    "openpyxl==3.1.2",
+    "xlrd==2.0.1",
+    "XlsxWriter==3.1.9",
+    "xlwt==1.3.0",
+    "toml==0.10.2",
+    "Flask==3.0.1",
+    "Werkzeug==3.0.1",
+    "Django==5.0.1",
+    "pytest==7.4.4",
+    "pytest-mock==3.12.0",
+    "coverage==7.4.0",
+    "shapely==2.0.2",
+    "plotly==5.18.0",
+    "pycryptodome==3.20.0",
+    "pycryptodomex==3.20.0",
+    "cryptography==42.0.5",
+    "PyJWT==2.8.0",
+    "psutil==5.9.8",
+    "jsonlines==4.0.0",
+    "tabulate==0.9.0",
+    "colorama==0.4.4",
+    "Faker==25.1.0",
+    "pydantic==2.6.4",
+    "python-docx==1.1.2",
+    "PyPDF2==3.0.1",
+    "APScheduler==3.10.4",
+    "astor==0.8.1",
+    "absl-py==2.1.0",
+    "nltk==3.8.1",
+    "gmpy2==2.1.5",
+    "xarray==2023.6.0",
+    "pulp==2.8.0",
+)
+"""The Python libraries of the ``python-runtime`` toolkit (pinned)."""
+
+SANDBOXFUSION_NODE: tuple[str, ...] = (
+    # SandboxFusion's runtime/node/package.json (the packages code calls with require();
+    # jest/babel/puppeteer are for its jest and typescript modes, which dsec does not run)
+    "lodash@4.17.21",
+    "js-md5@0.7.3",
+    "random-seed@0.3.0",
+    "seedrandom@3.0.5",
+    "commander@12.1.0",
+    "jsdom@24.1.0",
+)
+"""The npm packages of the ``nodejs`` toolkit (pinned)."""
+
+TOOLKITS: dict[str, Toolkit] = {
+    "gcc": Toolkit(("gcc", "g++", "libc6-dev")),
+    "nodejs": Toolkit(("nodejs",), npm=SANDBOXFUSION_NODE, build_only=("npm",)),
+    "golang": Toolkit(("golang-go",)),
+    "java": Toolkit(("default-jdk-headless", "libjavatuples-java")),
+    "rust": Toolkit(("rustc",)),
+    "python-runtime": Toolkit(("python3-pip",), pip=SANDBOXFUSION_PYTHON),
 }
-"""Toolkit name -> Debian packages (bookworm)."""
+"""Toolkit name -> what it installs."""
 
 _BUILD_TIMEOUT_S = 1800.0
 
 
-def toolkit_key(base_layers: list[str], packages: tuple[str, ...]) -> str:
-    """16 hex digits naming a toolkit build: sha256 of the inputs."""
-    blob = json.dumps({"base": base_layers, "packages": sorted(packages), "v": 1}, sort_keys=True)
+def toolkit_key(
+    base_layers: list[str],
+    packages: tuple[str, ...],
+    pip: tuple[str, ...] = (),
+    npm: tuple[str, ...] = (),
+    build_only: tuple[str, ...] = (),
+) -> str:
+    """16 hex digits naming a toolkit build: sha256 of the inputs (order-free).
+
+    A toolkit with Debian packages only hashes as it did before PyPI and npm packages
+    existed, so its cached layers stay valid.
+    """
+    doc: dict[str, Any] = {"base": base_layers, "packages": sorted(packages), "v": 1}
+    if pip or npm or build_only:
+        doc["pip"], doc["npm"] = sorted(pip), sorted(npm)
+    if build_only:
+        doc["build_only"] = sorted(build_only)
+    blob = json.dumps(doc, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -66,11 +181,12 @@ def build_toolkit_image(store: Any, base_image: str, toolkit: str) -> ImageInfo:
     Raises:
         ImageNotFound: unknown toolkit. SandboxError: the build failed (apt output included).
     """
-    packages = TOOLKITS.get(toolkit)
-    if packages is None:
+    kit = TOOLKITS.get(toolkit)
+    if kit is None:
         raise ImageNotFound(f"no toolkit {toolkit!r}; known: {', '.join(sorted(TOOLKITS))}")
+    packages = kit.apt
     base = store.ensure_image_sync(base_image)
-    key = toolkit_key(list(base.layers), packages)
+    key = toolkit_key(list(base.layers), packages, kit.pip, kit.npm, kit.build_only)
     name = f"fncall-{toolkit}:{key}"
     try:
         return store.get_image(name)
@@ -83,7 +199,14 @@ def build_toolkit_image(store: Any, base_image: str, toolkit: str) -> ImageInfo:
     (work / "ovl-work").mkdir()
     (work / "merged").mkdir()
     layer_files = [str(store.layer_path(d)) for d in base.layers]
-    spec = {"work": str(work), "layers": layer_files, "packages": list(packages)}
+    spec = {
+        "work": str(work),
+        "layers": layer_files,
+        "packages": list(packages),
+        "pip": list(kit.pip),
+        "npm": list(kit.npm),
+        "build_only": list(kit.build_only),
+    }
     log.info("building toolkit %s (%s) over %s", toolkit, " ".join(packages), base_image)
     try:
         proc = subprocess.run(
@@ -115,6 +238,7 @@ def build_toolkit_image(store: Any, base_image: str, toolkit: str) -> ImageInfo:
             "var/cache/debconf",
             "tmp",
             "root",
+            "var/cache/pip",
         ):
             p = upper / junk
             if p.is_dir() and not p.is_symlink():
@@ -128,7 +252,13 @@ def build_toolkit_image(store: Any, base_image: str, toolkit: str) -> ImageInfo:
             upper,
             "toolkit",
             name=f"toolkit-{toolkit}",
-            meta={"packages": list(packages), "base": base_image, "key": key},
+            meta={
+                "packages": list(packages),
+                "pip": list(kit.pip),
+                "npm": list(kit.npm),
+                "base": base_image,
+                "key": key,
+            },
         )
         return store.put_image(
             name,
@@ -170,12 +300,36 @@ def _build_in_namespace(spec: dict[str, Any]) -> None:
         "HOME": "/root",
     }
     apt = ["apt-get", "-o", "Acquire::Retries=3", "-o", "APT::Sandbox::User=root"]
+    build_only = list(spec.get("build_only") or [])
     for cmd in (
         [*apt, "update"],
-        [*apt, "install", "-y", "--no-install-recommends", *spec["packages"]],
+        [*apt, "install", "-y", "--no-install-recommends", *spec["packages"], *build_only],
         [*apt, "clean"],
     ):
         subprocess.run(["chroot", str(merged), *cmd], env=env, check=True)
+    if spec.get("pip") or spec.get("npm"):
+        # the node's CA bundle, lent like resolv.conf: it may trust a proxy the image does not
+        host_ca = Path("/etc/ssl/certs/ca-certificates.crt")
+        if host_ca.is_file():
+            shutil.copyfile(host_ca, merged / "tmp" / "dsec-build-ca.crt")
+            ca = "/tmp/dsec-build-ca.crt"
+            env |= {"PIP_CERT": ca, "SSL_CERT_FILE": ca, "NODE_EXTRA_CA_CERTS": ca}
+            env["npm_config_cafile"] = ca
+    if spec.get("pip"):
+        pip = ["/usr/bin/python3", "-m", "pip", "install", "--no-cache-dir"]
+        # Debian marks its python "externally managed"; this is an image build, not a host
+        pip += ["--break-system-packages", "--no-warn-script-location", "--only-binary=:all:"]
+        subprocess.run(["chroot", str(merged), *pip, *spec["pip"]], env=env, check=True)
+    if spec.get("npm"):
+        npm = ["npm", "install", "--no-audit", "--no-fund", "--omit=dev", "--no-save"]
+        npm += ["--prefix", NODE_MODULES_PREFIX, "--cache", "/tmp/npm-cache"]
+        subprocess.run(
+            ["chroot", str(merged), "mkdir", "-p", NODE_MODULES_PREFIX], env=env, check=True
+        )
+        subprocess.run(["chroot", str(merged), *npm, *spec["npm"]], env=env, check=True)
+    if build_only:
+        purge = [*apt, "purge", "-y", "--autoremove", *build_only]
+        subprocess.run(["chroot", str(merged), *purge], env=env, check=True)
 
 
 if __name__ == "__main__":

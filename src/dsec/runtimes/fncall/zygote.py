@@ -69,6 +69,14 @@ PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
+_SINGLE_THREAD_ENV = (
+    "OPENBLAS_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+"""Variables that keep numerical libraries from starting thread pools at import."""
 FRAME = struct.Struct("<II")
 MAX_FRAME = 512 << 20
 
@@ -153,9 +161,14 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-def open_beneath(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
-    """openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS): ``..`` and symlinks cannot leave dir_fd."""
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+def open_beneath(
+    dir_fd: int, path: str, flags: int, mode: int = 0, resolve: int = RESOLVE_BENEATH
+) -> int:
+    """openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS): ``..`` and symlinks cannot leave dir_fd.
+
+    ``resolve=RESOLVE_IN_ROOT`` instead treats dir_fd as the root (absolute symlinks resolve
+    inside it), which with ``/`` is the worker's own view of its file system."""
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve | RESOLVE_NO_MAGICLINKS)
     fd = int(
         _libc.syscall(SYS_OPENAT2, dir_fd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
     )
@@ -217,11 +230,24 @@ class Zygote:
         self.children: dict[int, tuple[int, int]] = {}  # pidfd -> (wid, pid)
 
     def serve(self) -> None:
+        # every worker is a clone() of this process, which must stay single-threaded: a
+        # thread pool started by a preloaded module (OpenBLAS under numpy starts one per
+        # core at import) would be missing in the child, holding locks it needs
+        for var in _SINGLE_THREAD_ENV:
+            os.environ[var] = "1"
         for name in self.cfg.get("preload", []):
             try:
                 __import__(name)
             except Exception as e:
                 print(f"zygote: preload {name}: {e}", file=sys.stderr)
+        try:
+            threads = len(os.listdir("/proc/self/task"))
+        except OSError:
+            threads = 1  # no /proc mounted here
+        if threads > 1:
+            print(
+                f"zygote: {threads} threads after the preloads; workers may hang", file=sys.stderr
+            )
         gc.collect()
         gc.freeze()  # keep the imported heap shared copy-on-write in every worker
         if self.cfg.get("collapse_heap", True):
@@ -488,6 +514,10 @@ class Agent:
         _mount(
             "tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_mb']}m,mode=1777"
         )
+        if os.path.isdir("/mnt"):  # scratch that SandboxFusion's programs write (and fetch)
+            _mount(
+                "tmpfs", "/mnt", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_mb']}m,mode=1777"
+            )
         _mark("mounts")
         host = cfg.get("hostname", "sandbox").encode()
         if _libc.sethostname(host, len(host)) != 0:
@@ -502,7 +532,8 @@ class Agent:
             # per worker: a rule on a mount point does not cover what is mounted on it later
             _landlock.confine(
                 read_only=["/"],
-                writable=["/work", "/tmp", "/dev/shm", "/proc"],
+                writable=["/work", "/tmp", "/dev/shm", "/proc"]
+                + (["/mnt"] if os.path.isdir("/mnt") else []),
                 devices=["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"],
                 abi=self.z.landlock_abi,
             )
@@ -886,18 +917,34 @@ class Agent:
         return offset
 
     def _fetch(self, paths: list[str], max_bytes: int) -> tuple[list[dict[str, Any]], bytes]:
+        """Read the files asked for: relative paths beneath ``/work``, absolute ones (as
+        SandboxFusion allows) anywhere in the worker's own root, as the unprivileged user,
+        except on ``/proc`` (there ``self`` would be this agent, not the program)."""
         work = os.open("/work", os.O_PATH | os.O_DIRECTORY)
+        root = os.open("/", os.O_PATH | os.O_DIRECTORY)
+        proc_dev = os.stat("/proc").st_dev
         out: list[dict[str, Any]] = []
         blob = bytearray()
         try:
             for path in paths:
                 try:
-                    fd = open_beneath(work, path, os.O_RDONLY | os.O_NONBLOCK)
+                    if path.startswith("/"):
+                        fd = open_beneath(
+                            root,
+                            path.lstrip("/"),
+                            os.O_RDONLY | os.O_NONBLOCK,
+                            resolve=RESOLVE_IN_ROOT,
+                        )
+                    else:
+                        fd = open_beneath(work, path, os.O_RDONLY | os.O_NONBLOCK)
                 except OSError as e:
                     out.append({"path": path, "error": e.strerror or str(e)})
                     continue
                 try:
                     st = os.fstat(fd)
+                    if st.st_dev == proc_dev:
+                        out.append({"path": path, "error": "files of /proc are not fetched"})
+                        continue
                     if not stat.S_ISREG(st.st_mode):
                         out.append({"path": path, "error": "not a regular file"})
                         continue
@@ -923,6 +970,7 @@ class Agent:
                     os.close(fd)
         finally:
             os.close(work)
+            os.close(root)
         return out, bytes(blob)
 
     def run(self, req: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
