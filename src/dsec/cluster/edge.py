@@ -722,9 +722,12 @@ class ClusterEdge:
         }
 
 
-_NODE_SIDE_VERBS = frozenset({"export_sandbox", "export_memory", "start_process"})
+_NODE_SIDE_VERBS = frozenset(
+    {"export_sandbox", "export_memory", "start_process", "watch_directory"}
+)
 """Sandbox verbs a cluster does not relay: migrations call the edge actors' own steps, and an
-interactive process is a live object of its node (E2B falls back to exec streams)."""
+interactive process or a directory watcher is a live object of its node (E2B falls back to
+exec streams and to polling)."""
 _CREATE_TIMEOUT_VERBS = frozenset({"snapshot_sandbox"})
 """Relayed verbs that may take as long as a creation (a snapshot packs a whole layer)."""
 

@@ -40,6 +40,7 @@ import signal
 import stat
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ from dsec.runtimes.container.execd import ExecServer, InteractiveExecution, Term
 from dsec.runtimes.container.files import RootedFiles
 from dsec.runtimes.container.native import build_native
 from dsec.runtimes.container.users import ResolvedUser, resolve_user
+from dsec.runtimes.container.watch import WatchHub
 
 __all__ = ["ContainerRuntime"]
 
@@ -89,6 +91,41 @@ class _Live:
 
     server: ExecServer | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+_BOOT_ID_FILE = "boot_id"
+
+
+def _new_boot_id(sandbox_dir: Path) -> Path:
+    """Write a new random boot id (a UUID, as the kernel's) into ``sandbox_dir``'s file that
+    is bound over the sandbox's ``/proc/sys/kernel/random/boot_id``; in place, so the bind
+    mount shows it at once."""
+    path = sandbox_dir / _BOOT_ID_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o444)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{uuid.uuid4()}\n".encode(), 0)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _kill_all_but(cg: CgroupV1, keep: int | None, timeout_s: float = 5.0) -> None:
+    """SIGKILL every process of ``cg`` but ``keep`` (host pid), frozen while it is done (no
+    process forks past it), and wait until they are gone."""
+    cg.freeze()
+    try:
+        for pid in cg.procs():
+            if pid != keep:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    finally:
+        cg.thaw()
+    deadline = time.monotonic() + timeout_s
+    while any(pid != keep for pid in cg.procs()):
+        if time.monotonic() > deadline:
+            raise SandboxError("processes of the sandbox did not die in time")
+        time.sleep(0.01)
 
 
 def _proc_start_time(pid: int) -> int | None:
@@ -178,6 +215,8 @@ class ContainerRuntime:
         self._cgroup_mounts: CgroupMounts | None = None
         self._state_base_cached: Path | None = None
         self._policy_file: Path | None = None
+        self._watch_hub = WatchHub()
+        """The node's one inotify instance, shared by every directory watch (``watch.py``)."""
         self._acquired: dict[str, list[str]] = {}  # sandbox id -> layer digests we hold
 
     # ------------------------------------------------------------------ node
@@ -249,6 +288,7 @@ class ContainerRuntime:
 
     async def close(self) -> None:
         """Stop talking to the sandboxes (they keep running; :meth:`recover` finds them)."""
+        self._watch_hub.close()
         for live in list(self._live.values()):
             if live.server is not None:
                 with contextlib.suppress(Exception):
@@ -368,6 +408,7 @@ class ContainerRuntime:
             "env": dict(spec.env),
             "user": spec.user,
             "workdir": spec.workdir,
+            "allow_setuid": spec.allow_setuid,
         }
         self._write_state(sandbox_dir, state)  # destroy_orphan needs it from here on
         rootfs = assemble_rootfs(sandbox_dir, lowers, spec.disk_mb)
@@ -400,6 +441,7 @@ class ContainerRuntime:
             pids=spec.pids,
             env=spec.env,
             memsw=(CGROUP_ROOT / "memory" / "memory.memsw.limit_in_bytes").exists(),
+            boot_id_file=_new_boot_id(sandbox_dir),
         )
         if netns is not None:
             for ns in config["linux"]["namespaces"]:
@@ -408,7 +450,7 @@ class ContainerRuntime:
         (sandbox_dir / "config.json").write_text(json.dumps(config))
         # the exec server starts (and compiles its policy) while the OCI runtime works
         assert self._policy_file is not None
-        live.server = ExecServer.spawn(execd_bin, self._policy_file)
+        live.server = ExecServer.spawn(execd_bin, self._policy_file, allow_setuid=spec.allow_setuid)
         pid_file = sandbox_dir / "init.pid"
         proc = await asyncio.to_thread(
             self._run_oci,
@@ -443,7 +485,9 @@ class ContainerRuntime:
         self._write_state(sandbox_dir, state)
         return Handle(spec.id, state)
 
-    async def _start_server(self, sandbox_id: str, init_pid: int) -> ExecServer:
+    async def _start_server(
+        self, sandbox_id: str, init_pid: int, *, allow_setuid: bool = False
+    ) -> ExecServer:
         _, _, execd_bin = self._require_available()
         assert self._policy_file is not None
         return await ExecServer.start(
@@ -451,6 +495,7 @@ class ContainerRuntime:
             init_pid,
             self._policy_file,
             cgroup_procs_files(init_pid, self._cgroup_mounts),
+            allow_setuid=allow_setuid,
         )
 
     # ------------------------------------------------------------------ exec
@@ -586,7 +631,9 @@ class ContainerRuntime:
         if not sandbox_dir.exists():
             raise SandboxNotFound(f"sandbox {handle.id} has no root filesystem on this node")
         return RootedFiles(
-            rootfs_path(sandbox_dir), (int(state.get("uid", 0)), int(state.get("gid", 0)))
+            rootfs_path(sandbox_dir),
+            (int(state.get("uid", 0)), int(state.get("gid", 0))),
+            watch_hub=self._watch_hub,
         )
 
     # ------------------------------------------------------------------ liveness
@@ -625,7 +672,11 @@ class ContainerRuntime:
                 if live.server is not None:
                     await live.server.close()
                 try:
-                    live.server = await self._start_server(handle.id, int(state["init_pid"]))
+                    live.server = await self._start_server(
+                        handle.id,
+                        int(state["init_pid"]),
+                        allow_setuid=bool(state.get("allow_setuid")),
+                    )
                 except SandboxError as e:
                     log.warning("recover %s: %s", handle.id, e)
                     return False
@@ -729,6 +780,29 @@ class ContainerRuntime:
 
     async def resume(self, handle: Handle) -> None:
         await pausing.resume(self._cgroup(handle), prefetch=True)
+
+    async def pause_filesystem(self, handle: Handle) -> dict[str, Any]:
+        """Filesystem-only pause (E2B's ``keep_memory=False``): every process of the sandbox
+        but its init is killed (the exec server with the commands it runs, then whatever
+        else is left in its cgroup), the sandbox gets a new boot id, and it is paused as by
+        :meth:`pause`. Its files stay; the next command runs in what looks like a freshly
+        booted system. Also on a paused sandbox (it is thawed for the kill)."""
+        state = self._load_state(handle)
+        cg = self._cgroup(handle)
+        if cg.freezer_state() != "THAWED":  # paused: its processes must run to die
+            await asyncio.to_thread(cg.thaw)
+        live = self._live.get(handle.id)
+        if live is not None and live.server is not None:
+            await live.server.close()  # kills its commands' process groups and reaps them
+            live.server = None
+        init_pid = state.get("init_pid")
+        await asyncio.to_thread(_kill_all_but, cg, init_pid if isinstance(init_pid, int) else None)
+        sandbox_dir = self._sandbox_dir(handle.id)
+        if (sandbox_dir / _BOOT_ID_FILE).exists():
+            _new_boot_id(sandbox_dir)
+        report = await self.pause(handle)
+        report["method"] = f"filesystem+{report['method']}"
+        return report
 
     async def snapshot(
         self, handle: Handle, store: Any, req: SnapshotRequest, meta: dict[str, Any]
