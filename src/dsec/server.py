@@ -38,7 +38,13 @@ def build_app(edge: Any, keys: Any) -> Any:
     except ImportError as e:  # the e2b package is a dependency; say so if it is missing
         log.warning("E2B-compatible API disabled: %s", e)
     else:
-        e2b_app = make_e2b_app(edge, keys.verify)
+        # E2B's default network is open; DSEC_E2B_NETWORK_DEFAULT=closed keeps dsec's (none)
+        raw = os.environ.get("DSEC_E2B_NETWORK_DEFAULT", "open")
+        if raw not in ("open", "closed"):
+            raise SystemExit("DSEC_E2B_NETWORK_DEFAULT must be 'open' or 'closed'")
+        e2b_app = make_e2b_app(
+            edge, keys.verify, default_network="closed" if raw == "closed" else "open"
+        )
         app.mount("/e2b", e2b_app)
         # the E2B SDK builds signed file URLs (upload_url/download_url) on the server's root,
         # without the /e2b/envd prefix: serve /files there too (signature-checked, no key)

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Mount
 
 from dsec.e2b.access import DEFAULT_TEMPLATE_ALIASES, AccessTokens, TemplateMap
-from dsec.e2b.control import ENVD_VERSION, ControlPlane, VerifyKey
+from dsec.e2b.control import ENVD_VERSION, ControlPlane, NetworkDefault, VerifyKey
 from dsec.e2b.envd import DEFAULT_MAX_UPLOAD_BYTES, EnvdApp
 from dsec.e2b.errors import e2b_http_exception_handlers
 from dsec.e2b.interactive import (
@@ -58,6 +58,7 @@ __all__ = [
     "ExecStreamProcess",
     "InteractiveExec",
     "InteractiveProcess",
+    "NetworkDefault",
     "OutputChunk",
     "PtySize",
     "TemplateMap",
@@ -89,6 +90,7 @@ def make_e2b_app(
     templates: TemplateMap | None = None,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
     watch_poll_interval_s: float = 0.25,
+    default_network: NetworkDefault = "open",
 ) -> Starlette:
     """Build the E2B-compatible ASGI app.
 
@@ -103,6 +105,10 @@ def make_e2b_app(
         templates: E2B template -> dsec tier/image map (default: ``base`` -> ``debian``).
         max_upload_bytes: largest file upload, bytes.
         watch_poll_interval_s: seconds between two listings of a watched directory.
+        default_network: what a sandbox created without network settings gets: ``open``
+            (E2B's default: every public IPv4 address, where the tier has networking) or
+            ``closed`` (dsec's default: no network). ``dsec serve`` reads
+            ``DSEC_E2B_NETWORK_DEFAULT``.
 
     Returns:
         A Starlette app; ``app.state.e2b`` is the :class:`E2BCompat` (call
@@ -117,8 +123,16 @@ def make_e2b_app(
         max_upload_bytes=max_upload_bytes,
         watch_poll_interval_s=watch_poll_interval_s,
     )
+    if default_network not in ("open", "closed"):
+        raise ValueError(f"default_network must be 'open' or 'closed', not {default_network!r}")
     control = ControlPlane(
-        edge, verify_key, tokens, templates or TemplateMap(), registry, envd.filesystem
+        edge,
+        verify_key,
+        tokens,
+        templates or TemplateMap(),
+        registry,
+        envd.filesystem,
+        default_network=default_network,
     )
     routes: list[BaseRoute] = []
     if envd_path is not None:
