@@ -32,6 +32,7 @@ import sys
 
 from dsec.errors import (
     AuthenticationError,
+    BadGateway,
     BlobDigestMismatch,
     BuildFailed,
     CapabilityNotSupported,
@@ -50,6 +51,7 @@ from dsec.errors import (
     PathOutsideSandbox,
     PayloadTooLarge,
     PermissionDenied,
+    PortNotListening,
     QuotaExceeded,
     RegistryUnauthorized,
     RegistryUnavailable,
@@ -61,7 +63,9 @@ from dsec.errors import (
     SequenceConflict,
     SequenceGap,
     ServiceUnavailable,
+    StartFailed,
     TierUnavailable,
+    TooManyConnections,
     Unsupported,
 )
 from dsec.models import (
@@ -73,6 +77,7 @@ from dsec.models import (
     FileInfo,
     ImageInfo,
     LayerInfo,
+    LogLine,
     NodeInfo,
     SandboxInfo,
 )
@@ -95,6 +100,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "AuthenticationError",
+    "BadGateway",
     "BlobDigestMismatch",
     "BuildFailed",
     "Capabilities",
@@ -118,6 +124,7 @@ __all__ = [
     "InvalidRequest",
     "LayerInfo",
     "LayerNotFound",
+    "LogLine",
     "NetworkPolicy",
     "NodeInfo",
     "NodeLost",
@@ -126,6 +133,7 @@ __all__ = [
     "PathOutsideSandbox",
     "PayloadTooLarge",
     "PermissionDenied",
+    "PortNotListening",
     "QuotaExceeded",
     "RegistryUnauthorized",
     "RegistryUnavailable",
@@ -139,7 +147,9 @@ __all__ = [
     "SequenceConflict",
     "SequenceGap",
     "ServiceUnavailable",
+    "StartFailed",
     "TierUnavailable",
+    "TooManyConnections",
     "Unsupported",
     "__version__",
 ]

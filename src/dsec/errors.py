@@ -26,10 +26,14 @@ TimeoutError`` or ``except LookupError`` work as expected::
     │   └── OutcomeUnknown                       409 outcome_unknown
     ├── PayloadTooLarge                          413 payload_too_large
     ├── BuildFailed                              422 build_failed
+    ├── StartFailed                              422 start_failed
     ├── Unsupported                              422 unsupported
     │   ├── TierUnavailable                      422 tier_unavailable
     │   └── CapabilityNotSupported               422 capability_not_supported
     ├── QuotaExceeded                            429 quota_exceeded
+    │   └── TooManyConnections                   429 too_many_connections
+    ├── BadGateway                               502 bad_gateway
+    │   └── PortNotListening (ConnectionRefusedError) 502 port_not_listening
     ├── SandboxError                             500 sandbox_error
     │   │ (the runtime failed to do what was asked, e.g. the OCI runtime crashed)
     │   └── BlobDigestMismatch                   502 blob_digest_mismatch
@@ -58,6 +62,7 @@ from dsec.serverpaths import scrub_server_paths
 
 __all__ = [
     "AuthenticationError",
+    "BadGateway",
     "BlobDigestMismatch",
     "BuildFailed",
     "CapabilityNotSupported",
@@ -76,6 +81,7 @@ __all__ = [
     "PathOutsideSandbox",
     "PayloadTooLarge",
     "PermissionDenied",
+    "PortNotListening",
     "QuotaExceeded",
     "RegistryUnauthorized",
     "RegistryUnavailable",
@@ -87,7 +93,9 @@ __all__ = [
     "SequenceConflict",
     "SequenceGap",
     "ServiceUnavailable",
+    "StartFailed",
     "TierUnavailable",
+    "TooManyConnections",
     "Unsupported",
     "error_from_wire",
 ]
@@ -260,6 +268,15 @@ class BuildFailed(DsecError):
     http_status = 422
 
 
+class StartFailed(DsecError):
+    """A sandbox's image start command failed: it exited non-zero before its readiness
+    check passed, or the check did not pass in time. The sandbox was killed. ``details``:
+    ``sandbox_id``, ``exit_code`` (when it exited), ``logs_tail`` (the end of its output)."""
+
+    code = "start_failed"
+    http_status = 422
+
+
 class Unsupported(DsecError):
     """The tier or the node cannot do this at all (see the tier's capability table)."""
 
@@ -284,6 +301,29 @@ class QuotaExceeded(DsecError):
 
     code = "quota_exceeded"
     http_status = 429
+
+
+class TooManyConnections(QuotaExceeded):
+    """A sandbox already has as many proxied connections to its ports open as its node
+    allows (``DSEC_MAX_PORT_CONNECTIONS``); retry when some are closed."""
+
+    code = "too_many_connections"
+
+
+class BadGateway(DsecError):
+    """A server inside a sandbox, reached through the port proxy, did not answer as the
+    protocol requires (it closed without answering, or sent something that is not HTTP)."""
+
+    code = "bad_gateway"
+    http_status = 502
+
+
+class PortNotListening(BadGateway, ConnectionRefusedError):
+    """Nothing inside the sandbox accepts TCP connections on the port asked for (the
+    connection was refused or reset before it was established). The proxy answers 502."""
+
+    code = "port_not_listening"
+    http_status = 502
 
 
 class SandboxError(DsecError):

@@ -29,6 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from dsec.errors import InvalidRequest
+from dsec.images.reference import parse_ref
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
 from dsec.wire import WireModel
@@ -50,6 +52,19 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
 _IMAGE_REF = re.compile(r"^(k[0-9a-f]{16}/)?[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
 """An image as a key names it: its own or a system image (``name[:tag]``), or another key's
 shared image (``<owner id>/name[:tag]``)."""
+
+
+def _image_ref_ok(v: str) -> bool:
+    """A local or shared image name, or an image reference a registry could serve."""
+    if _IMAGE_REF.match(v):
+        return True
+    try:
+        parse_ref(v)
+    except InvalidRequest:
+        return False
+    return True
+
+
 _USER = re.compile(r"^([a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})(:[0-9]{1,10})?$")
 
 MAX_ENV_BYTES = 256 * 1024
@@ -93,14 +108,24 @@ class CreateSandboxRequest(_Model):
     memory_mb: int = Field(512, ge=16, le=1024 * 1024, description="memory limit, MiB")
     disk_mb: int = Field(1024, ge=1, le=1024 * 1024, description="writable layer size, MiB")
     pids: int = Field(1024, ge=8, le=1_000_000, description="max processes/threads")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(
+        default_factory=dict, description="environment of every command, over the image's Env"
+    )
     ttl_s: float | None = Field(
         3600, gt=0, le=30 * 24 * 3600, description="idle seconds before the sandbox is killed"
     )
-    user: str | None = Field(None, description="default user for exec: name, uid or uid:gid")
+    user: str | None = Field(
+        None,
+        description="default user for exec: name, uid or uid:gid (default: the image's User, "
+        "else root)",
+    )
     labels: dict[str, str] = Field(default_factory=dict)
     job: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-    workdir: str = Field("/", max_length=4096)
+    workdir: str | None = Field(
+        None,
+        max_length=4096,
+        description="default cwd of commands (default: the image's WorkingDir, else /)",
+    )
     on_timeout: OnTimeout = Field(
         "kill", description="what happens when ttl_s passes without activity: kill or pause"
     )
@@ -118,6 +143,16 @@ class CreateSandboxRequest(_Model):
     )
     network: NetworkPolicy | None = Field(
         None, description="None (default): no network at all; else the allowlist policy"
+    )
+    start: bool = Field(
+        True,
+        description="run the image's start command, if it has one (a server, a desktop); "
+        "its output is the sandbox's logs",
+    )
+    public_ports: bool = Field(
+        False,
+        description="the sandbox's ports answer through the port proxy without any "
+        "credential (its id then carries 96 random bits: anyone with a URL reaches them)",
     )
     full_guest: bool = Field(
         False,
@@ -151,15 +186,19 @@ class CreateSandboxRequest(_Model):
             if not re.fullmatch(r"sha256:[0-9a-f]{64}", v):
                 raise ValueError("digest must be sha256:<64 hex>")
             return v
-        if not _IMAGE_REF.match(v):
-            raise ValueError(f"invalid image name {v!r}")
+        if not _image_ref_ok(v):
+            raise ValueError(
+                f"invalid image {v!r}: a name (debian, task:1), another key's shared image "
+                "(<owner id>/name) or a registry reference (host:port/repo:tag, "
+                "repo@sha256:<hex>, python:3.12-slim)"
+            )
         return v
 
     @field_validator("layers")
     @classmethod
     def _layers(cls, v: list[str]) -> list[str]:
         for name in v:
-            if not (re.fullmatch(r"sha256:[0-9a-f]{64}", name) or _IMAGE_REF.match(name)):
+            if not (re.fullmatch(r"sha256:[0-9a-f]{64}", name) or _image_ref_ok(name)):
                 raise ValueError(f"invalid layer reference {name!r}")
         return v
 
@@ -189,8 +228,8 @@ class CreateSandboxRequest(_Model):
 
     @field_validator("workdir")
     @classmethod
-    def _workdir(cls, v: str) -> str:
-        if not v.startswith("/") or "\0" in v:
+    def _workdir(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("/") or "\0" in v):
             raise ValueError("workdir must be an absolute path")
         return v
 
@@ -224,6 +263,7 @@ class SandboxInfo(_Model):
     next_seq: int = Field(1, description="the trajectory sequence number the edge expects next")
     network: NetworkPolicy | None = None
     forked_from: str | None = Field(None, description="the sandbox this one was forked from")
+    public_ports: bool = Field(False, description="its ports need no credential")
 
     @field_serializer("stopped_reason")
     def _public_reason(self, reason: str | None) -> str | None:
@@ -244,7 +284,8 @@ class PauseReport(_Model):
 class SnapshotRequest(_Model):
     """Capture the sandbox's writable layer as a new content-addressed workspace layer
     (``pack_diff``). ``scrub`` paths (globs, absolute) are left out on top of the defaults
-    (shell histories, package caches, /tmp); ``secret_values`` are the builder's secrets:
+    (shell histories, package caches, /tmp; ``default_scrub=False``: none); ``secret_values``
+    are the builder's secrets:
     a file containing any of them refuses the snapshot (nothing is stored)."""
 
     name: str | None = Field(None, description="also tag an image of this name (base + snapshot)")
@@ -255,6 +296,12 @@ class SnapshotRequest(_Model):
         "~30 ms per MB here; snapshots are uncompressed by default (fast pack_diff)",
     )
     secret_values: list[str] = Field(default_factory=list, max_length=64)
+    default_scrub: bool = Field(
+        True,
+        description="also leave out the default build leftovers (shell histories, package "
+        "caches, /tmp, /var/tmp); false keeps them (image builds: a RUN step's files as "
+        "Docker keeps them)",
+    )
 
     @field_validator("name")
     @classmethod
@@ -428,6 +475,17 @@ class ExecEvent(_Model):
     error: dict[str, Any] | None = None
 
 
+class LogLine(_Model):
+    """A piece of a sandbox's logs (NDJSON on ``GET /v1/sandboxes/{id}/logs``): output of
+    its image's start command, as it came (a chunk may hold several lines, or part of one)."""
+
+    ts: float = Field(description="when the edge read it, Unix seconds")
+    stream: str = Field(
+        description="stdout | stderr | dsec (the edge's own note: how the command ended)"
+    )
+    data: str
+
+
 FileType = Literal["file", "dir", "symlink", "other"]
 
 
@@ -478,7 +536,8 @@ class ImageInfo(_Model):
     status: str = Field(
         "ready",
         description="`ready`, or for a built-in image not built yet: `building`, `queued` "
-        "or `failed` (`progress` says more; `layers` is empty until it is ready)",
+        "or `failed`, or for a registry reference being pulled: `pulling` (`progress` says "
+        "more; `layers` is empty until it is ready)",
     )
     progress: str | None = Field(None, description="what a build is doing, or why it failed")
 
@@ -566,6 +625,9 @@ class Capabilities(_Model):
         description="pause mode=filesystem: processes dropped, files kept, a new boot on resume",
     )
     memory_fork: bool = Field(False, description="fork with memory=True (running processes)")
+    ports: bool = Field(
+        False, description="TCP ports inside the sandbox reachable through the port proxy"
+    )
     max_cpu: float | None = None
     max_memory_mb: int | None = None
 
@@ -573,6 +635,23 @@ class Capabilities(_Model):
     def _public_reason(self, reason: str | None) -> str | None:
         """Why a tier is unavailable can name server paths: shown as ``$DSEC_HOME/...``."""
         return scrub_server_paths(reason)
+
+
+class PortAccess(_Model):
+    """How to reach a sandbox's ports through the port proxy (``GET
+    /v1/sandboxes/{id}/ports``). URLs: ``{api}/v1/sandboxes/{sandbox_id}/ports/{port}/...``
+    (path route) and, when the server has a ports domain,
+    ``{scheme}://{port}-{sandbox_id}.{domain}/...`` (host route). Either takes ``token``
+    (header ``X-Dsec-Port-Token``, cookie, ``?dsec_token=`` or a ``/_dsec_token/<token>``
+    first path segment) instead of the API key."""
+
+    sandbox_id: str
+    token: str = Field(description="the sandbox's access token (all its ports, its whole life)")
+    public: bool = Field(False, description="created with public_ports: no credential needed")
+    domain: str | None = Field(
+        None, description="host routes: '{port}-{sandbox_id}.' + this ('name[:port]')"
+    )
+    scheme: str = Field("https", description="the scheme of host routes (https or http)")
 
 
 class NodeInfo(_Model):

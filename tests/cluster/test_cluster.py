@@ -137,6 +137,54 @@ def test_pause_modes_reach_the_node(cluster_server: ClusterServer) -> None:
         assert sb.kill().state == "stopped"  # a paused container dies promptly
 
 
+def test_a_build_is_usable_on_every_node_and_its_logs_stream_through(
+    cluster_server: ClusterServer,
+) -> None:
+    """``POST /v1/builds`` runs on one node, its layers are copied to the others before
+    ``done``; a start command's logs are streamed from the sandbox's node (the derived
+    stream relay), followed until it ends."""
+    from dsec import Client, Image
+
+    image = Image.from_image("busybox").start_cmd(
+        "echo started on $(hostname); sleep 1; echo finished", ready_cmd="true"
+    )
+    with Client(cluster_server.url, cluster_server.api_key) as client:
+        info = image.build("logs:1", client=client)
+    assert info.meta["start"]["cmd"].startswith("echo started")
+    made = [_create(cluster_server, image="logs:1", labels={PREFER: n}) for n in ("w1", "w2")]
+    try:
+        assert {sb.info.node for sb in made} == {"w1", "w2"}  # the image is on both
+        for sb in made:
+            lines = list(sb.logs(follow=True, timeout=60))
+            text = "".join(x.data for x in lines if x.stream == "stdout")
+            assert text.startswith("started on ") and text.endswith("finished\n")
+            assert lines[-1].stream == "dsec" and "exited with code 0" in lines[-1].data
+    finally:
+        _kill_all(made)
+
+
+def test_ports_are_reached_through_the_owning_node(cluster_server: ClusterServer) -> None:
+    """The apiserver replica relays to the node's port gateway: HTTP (a paused sandbox
+    resumed by it), a raw TCP forward, and the node's errors typed (502, 404)."""
+    sb = _create(cluster_server, labels={PREFER: "w1"})
+    try:
+        assert sb.info.node == "w1"
+        sb.commands.run("mkdir -p /w && echo w1 > /w/n && httpd -p 8000 -h /w")
+        sb.pause()
+        url = sb.get_url(8000, "/n")
+        assert httpx.get(url, timeout=60).text == "w1\n"
+        assert sb.refresh().state == "running"
+        with sb.port_forward(8000) as fwd:
+            r = httpx.get(f"http://127.0.0.1:{fwd.local_port}/n", timeout=60)
+            assert r.text == "w1\n"
+        r = httpx.get(sb.get_url(8001, "/"), timeout=60)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "port_not_listening"
+        gone = sb.get_url(8000, "/").replace(sb.id, sb.id[:-4] + "0000")
+        assert httpx.get(gone, timeout=60).status_code in (401, 404)
+    finally:
+        sb.kill()
+
+
 def test_migration_moves_files_between_nodes(cluster_server: ClusterServer) -> None:
     sb = _create(cluster_server, labels={PREFER: "w1"})
     try:

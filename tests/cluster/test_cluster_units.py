@@ -61,12 +61,13 @@ async def test_migrate_on_a_single_node_server_is_refused() -> None:
 
 
 def test_the_cluster_edge_relays_the_whole_contract() -> None:
-    from dsec.cluster.actor import _CALLABLE, NodeConfig
+    from dsec.cluster.actor import _CALLABLE, _STREAMING, NodeConfig
     from dsec.cluster.edge import _NODE_SIDE_VERBS, ClusterEdge, ClusterOptions
     from dsec.edge.interface import (
         SANDBOX_VERBS,
         DisplayEdge,
         EdgeAPI,
+        ImageBuilds,
         ImagePublisher,
         InteractiveExec,
         PauseModes,
@@ -74,10 +75,12 @@ def test_the_cluster_edge_relays_the_whole_contract() -> None:
     )
 
     edge = ClusterEdge(None, NodeConfig(), ClusterOptions())
-    for ability in (EdgeAPI, PauseModes, DisplayEdge, ImagePublisher):
+    for ability in (EdgeAPI, PauseModes, DisplayEdge, ImageBuilds, ImagePublisher):
         assert isinstance(edge, ability), ability
     # an interactive process is a live object of its node: E2B falls back to exec streams
     assert not isinstance(edge, InteractiveExec)
     relayed = SANDBOX_VERBS - _NODE_SIDE_VERBS
     assert all(callable(getattr(edge, verb, None)) for verb in relayed)
-    assert _CALLABLE == edge_verbs()  # an edge actor accepts exactly the contract's verbs
+    # an edge actor accepts exactly the contract's verbs: streams through its stream method
+    assert _CALLABLE | _STREAMING == edge_verbs() and not _CALLABLE & _STREAMING
+    assert {"exec_stream", "sandbox_logs", "build"} <= _STREAMING

@@ -6,13 +6,13 @@ Covers: a cold build then a fully cached one (no sandbox made), a changed middle
 left), a caller that stops reading (its sandbox is killed), a Dockerfile with COPY/ADD/ENV/
 WORKDIR/USER/CMD whose image has the files, env and user, copies that must not break the
 image's symlinks or directory modes, per-key caches, apt and pip through their presets, and
-the SDK's ``Image.build`` through a small ASGI app serving ``POST /v1/builds``.
+the SDK's ``Image.build`` through the real apiserver's ``POST /v1/builds``, and a start
+command with a readiness check whose output is the sandbox's logs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import secrets
 import tarfile
@@ -24,11 +24,11 @@ from typing import Any
 import httpx
 import pytest
 
-from dsec import AsyncClient, BuildFailed, Image
-from dsec.builds import BuildRequest, ImageConfig, decode_build_upload, ndjson_lines
+from dsec import AsyncClient, AsyncSandbox, BuildFailed, Image
+from dsec.builds import BuildRequest, ImageConfig
 from dsec.builds.engine import ImageBuilder
 from dsec.builds.wire import BuildDone, BuildError
-from dsec.errors import DsecError, ImageNotFound, InvalidRequest
+from dsec.errors import ImageNotFound, InvalidRequest, StartFailed
 from dsec.models import CreateSandboxRequest, ExecRequest
 from dsec.privileged.mount import mount_points
 from dsec.server import embedded_edge
@@ -83,11 +83,7 @@ async def node(tmp_path: Path, shared_layers: Path) -> AsyncIterator[Node]:
     (home / "layers").symlink_to(shared_layers, target_is_directory=True)
     options = {"subnet": SUBNET, "upstream_dns": _host_resolvers()}
     async with embedded_edge(home, tiers=["container"], network_options=options) as edge:
-        builder = ImageBuilder(edge, edge.layers, cache_db=home / "build-cache.db")
-        try:
-            yield Node(edge, builder, home)
-        finally:
-            builder.close()
+        yield Node(edge, edge.image_builder(), home)  # the edge's own: POST /v1/builds uses it
     assert mount_points(home / "sandboxes") == []
 
 
@@ -316,11 +312,6 @@ async def test_dockerfile_image_has_the_files_env_user_and_config(node: Node) ->
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap for the lead: the edge does not apply an image's config (Env, WorkingDir, "
-    "User) when it creates a sandbox; ImageConfig.sandbox_defaults() is what it should apply",
-)
 async def test_a_sandbox_of_a_built_image_gets_its_config_by_itself(node: Node) -> None:
     owner = owner_id()
     req = {
@@ -421,37 +412,26 @@ async def test_pip_install_through_the_pypi_preset(node: Node) -> None:
     assert await node.sh(owner, "pip:1", "cat /six") == "1.16.0\n"
 
 
-# --- the SDK through POST /v1/builds (a test-only ASGI app over the engine) -----------------
+# --- the SDK through POST /v1/builds (the real apiserver app over the node) --------------
 
 
-def build_app(builder: ImageBuilder) -> Any:
-    """What the lead's route does: body -> (request, context) -> events; refusals before the
-    first event are plain JSON errors."""
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
-    from starlette.routing import Route
+def api(node: Node) -> tuple[httpx.AsyncBaseTransport, str, str]:
+    """(transport, key, owner id) of the real apiserver in front of ``node``'s edge."""
+    from dsec.apiserver.app import create_app
+    from dsec.apiserver.auth import StaticKeys
 
-    async def builds(request: Request) -> Response:
-        key = request.headers.get("authorization", "").removeprefix("Bearer ")
-        owner = "k" + hashlib.sha256(key.encode()).hexdigest()[:16]
-        try:
-            req, ctx = decode_build_upload(await request.body())
-            events = builder.build(owner, req, ctx)
-            first = await anext(events)
-        except DsecError as e:
-            return JSONResponse(e.to_wire(), status_code=e.http_status)
-        return StreamingResponse(ndjson_lines(first, events), media_type="application/x-ndjson")
-
-    return Starlette(routes=[Route("/v1/builds", builds, methods=["POST"])])
+    key = "dsec_test_" + secrets.token_hex(8)
+    keys = StaticKeys([key])
+    app = create_app(node.edge, keys)
+    owner = keys.verify(key)
+    assert owner is not None
+    return httpx.ASGITransport(app=app), key, owner
 
 
 async def test_sdk_image_build_through_the_wire(node: Node, tmp_path: Path) -> None:
-    key = "dsec_test_" + secrets.token_hex(8)
-    owner = "k" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    transport, key, owner = api(node)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "main.py").write_text("print('from the sdk')\n")
-    transport = httpx.ASGITransport(app=build_app(node.builder))
     seen: list[str] = []
     async with AsyncClient("http://dsec.test", key, transport=transport) as client:
         image = (
@@ -492,3 +472,64 @@ async def test_concurrent_builds_of_one_key_share_each_step(node: Node) -> None:
     built = sorted(done(r).built_steps for r in results)
     assert built == [0, 3]  # the second waited for each step and hit the cache
     assert done(results[0]).image.layers == done(results[1]).image.layers
+
+
+async def test_a_start_command_runs_with_the_sandbox_and_its_output_is_the_logs(
+    node: Node,
+) -> None:
+    """A built image's start command (a loop that says it is up, then prints on SIGUSR1)
+    and readiness check: the creation returns once the check passes; its output is the
+    sandbox's logs through the API; a command that fails fails the creation."""
+    transport, key, owner = api(node)
+    async with AsyncClient("http://dsec.test", key, transport=transport) as client:
+        image = (
+            Image.from_image("busybox")
+            .workdir("/srv")
+            .env(GREETING="hello")
+            .start_cmd(
+                'echo "$GREETING from $(pwd)"; echo warming >&2; sleep 0.5; '
+                "echo $$ > /tmp/pid; mv /tmp/pid /tmp/up; "
+                "trap 'echo ping' USR1; while :; do sleep 0.1; done",
+                ready_cmd="test -f /tmp/up",
+                ready_timeout=20,
+            )
+        )
+        info = await image.build_async("srv:1", client=client)
+        assert info.meta["start"]["ready_cmd"] == "test -f /tmp/up"
+        sb = await AsyncSandbox.create(client=client, image="srv:1")
+        try:
+            assert (await sb.commands.run("test -f /tmp/up")).exit_code == 0  # ready already
+            assert (await sb.commands.run("kill -USR1 $(cat /tmp/up)")).exit_code == 0
+            await asyncio.sleep(0.5)
+            text = "".join(x.data for x in [x async for x in sb.logs()] if x.stream == "stdout")
+            assert text.startswith("hello from /srv\n") and "ping" in text
+            errs = [x.data async for x in sb.logs() if x.stream == "stderr"]
+            assert "".join(errs) == "warming\n"
+        finally:
+            await sb.kill()
+        bad = (
+            await Image.from_image("busybox")
+            .start_cmd("echo cannot start >&2; exit 9", ready_cmd="false", ready_timeout=20)
+            .build_async("srv:bad", client=client)
+        )
+        assert bad.meta["start"]["cmd"] == "echo cannot start >&2; exit 9"
+        with pytest.raises(StartFailed) as failed:
+            await AsyncSandbox.create(client=client, image="srv:bad")
+        assert failed.value.details["exit_code"] == 9
+        assert "cannot start" in failed.value.details["logs_tail"]
+    assert await node.live(owner) == []
+
+
+async def test_a_run_step_keeps_what_it_wrote_in_tmp_as_docker_does(node: Node) -> None:
+    """Build layers are snapshots without the default scrub: ``/tmp`` and ``/var/tmp``
+    files of a RUN stay (a user's snapshot still leaves them out)."""
+    owner = owner_id()
+    req = {
+        "name": "tmpkeep",
+        "steps": [
+            {"op": "from_image", "image": "busybox"},
+            {"op": "run", "cmd": "echo t > /tmp/t && mkdir -p /var/tmp/d && echo v > /var/tmp/d/v"},
+        ],
+    }
+    done(await node.build(owner, req))
+    assert await node.sh(owner, "tmpkeep", "cat /tmp/t /var/tmp/d/v") == "t\nv\n"

@@ -17,6 +17,7 @@ import tarfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -231,3 +232,30 @@ def test_a_failed_builtin_says_why(store: LayerStore, monkeypatch: pytest.Monkey
     thread.join(30)
     status = store.builtin_status("brokenimg")
     assert status is not None and status[0] == "failed" and "mirror unreachable" in status[1]
+
+
+def test_a_builtin_built_from_an_older_recipe_is_rebuilt(
+    store: LayerStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Upgrading dsec changes a recipe (the code interpreter's server code, a package list):
+    the stored image of the old recipe is rebuilt on its next use, not served stale."""
+    builds: list[str] = []
+
+    def rootfs(version: str) -> Any:
+        def build(dest: Path) -> None:
+            builds.append(version)
+            (dest / "etc").mkdir()
+            (dest / "etc/version").write_text(version)
+
+        return build
+
+    old = BuiltinImage(name="recipe", build_rootfs=rootfs("1"), meta={"recipe": "1"})
+    monkeypatch.setitem(BUILTIN_IMAGES, "recipe", old)
+    first = asyncio.run(store.ensure_image("recipe", A))
+    assert asyncio.run(store.ensure_image("recipe", A)).layers == first.layers and builds == ["1"]
+    new = BuiltinImage(name="recipe", build_rootfs=rootfs("2"), meta={"recipe": "2"})
+    monkeypatch.setitem(BUILTIN_IMAGES, "recipe", new)
+    second = asyncio.run(store.ensure_image("recipe", A))
+    assert builds == ["1", "2"] and second.layers != first.layers
+    assert second.meta["recipe"] == "2"
+    assert asyncio.run(store.ensure_image("recipe", B)).layers == second.layers  # once

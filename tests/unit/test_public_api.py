@@ -16,7 +16,7 @@ EXPECTED = {
     "AsyncClient", "AsyncSandbox", "Client", "CommandResult", "Image", "Sandbox",
     # models
     "Capabilities", "CreateSandboxRequest", "ExecEvent", "ExecRequest", "ExecResult",
-    "FileInfo", "ImageInfo", "LayerInfo", "NodeInfo", "SandboxInfo",
+    "FileInfo", "ImageInfo", "LayerInfo", "LogLine", "NodeInfo", "SandboxInfo",
     # network
     "NetworkPolicy",
 }  # fmt: skip

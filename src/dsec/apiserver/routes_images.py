@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi.responses import StreamingResponse
 
 from dsec.apiserver.auth import KeyVerifier
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
@@ -15,8 +18,15 @@ from dsec.apiserver.schemas import (
     ImageList,
     LayerList,
 )
-from dsec.edge.interface import ImagePublisher
-from dsec.errors import InvalidRequest, PermissionDenied, Unsupported
+from dsec.edge.interface import ImageBuilds, ImagePublisher
+from dsec.errors import (
+    CapabilityNotSupported,
+    DsecError,
+    InternalError,
+    InvalidRequest,
+    PermissionDenied,
+    Unsupported,
+)
 from dsec.models import (
     SYSTEM_OWNER,
     BuildImageRequest,
@@ -34,7 +44,11 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1", dependencies=[Depends(current_owner)], responses=ERROR_RESPONSES)
 
 ImageName = Annotated[
-    str, Path(pattern=IMAGE_REF_PATTERN, description="name[:tag] or sha256:<hex>")
+    str,
+    Path(
+        pattern=IMAGE_REF_PATTERN,
+        description="name[:tag], sha256:<hex>, or a pulled reference (host:port/repo:tag)",
+    ),
 ]
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 _TAR_TYPES = (
@@ -66,14 +80,14 @@ async def list_images(edge: Edge, owner: Owner) -> ImageList:
 
 
 @router.get(
-    "/images/{name}", response_model=ImageInfo, tags=["images"], summary="Describe an image"
+    "/images/{name:path}", response_model=ImageInfo, tags=["images"], summary="Describe an image"
 )
 async def get_image(name: ImageName, edge: Edge, owner: Owner) -> ImageInfo:
     return await edge.get_image(name, owner)
 
 
 @router.delete(
-    "/images/{name}",
+    "/images/{name:path}",
     status_code=204,
     response_class=Response,
     tags=["images"],
@@ -91,7 +105,7 @@ async def delete_image(
 
 
 @router.patch(
-    "/images/{name}",
+    "/images/{name:path}",
     response_model=ImageInfo,
     tags=["images"],
     summary="Share one of this key's images with every key (as <owner>/<name>), or stop",
@@ -155,6 +169,61 @@ async def build_image(
 
 
 @router.post(
+    "/builds",
+    tags=["images"],
+    summary="Build an image from steps or a Dockerfile, streaming its progress",
+    response_class=StreamingResponse,
+    dependencies=[Depends(_context_is_a_tar)],
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "description": "a tar archive: first member `request.json` (the build request: "
+            "a name and steps or a Dockerfile), then the build context's files",
+            "content": {"application/x-tar": _BINARY},
+        }
+    },
+    responses={
+        200: {
+            "description": "NDJSON: build events (start, step, cached, output, step_done, "
+            "then one done or error)",
+            "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+        }
+    },
+)
+async def build(request: Request, edge: Edge, owner: Owner) -> StreamingResponse:
+    """Refusals known before anything runs (a malformed Dockerfile line, a missing copy
+    source, an unknown base, a system image's name, a context over the limit) are plain
+    HTTP errors; after that, a failing step is the stream's ``error`` event (its step and
+    output tail) and no image is made. The image belongs to this key. Closing the
+    connection stops the build (its sandboxes are killed)."""
+    if not isinstance(edge, ImageBuilds):
+        raise CapabilityNotSupported("this server does not build images")
+    from dsec.builds.wire import BuildError, decode_build_upload
+
+    req, context = decode_build_upload(await request.body())
+    events = edge.build(owner, req, context)
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        raise InternalError("the build ended before it started") from None
+
+    async def body() -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(events):
+            yield first.model_dump_json().encode() + b"\n"
+            try:
+                async for event in events:
+                    yield event.model_dump_json().encode() + b"\n"
+            except DsecError as e:  # e.g. the building node was lost
+                wire = e.to_wire()["error"]
+                err = BuildError(code=e.code, message=wire["message"], details=wire["details"])
+                yield err.model_dump_json().encode() + b"\n"
+
+    return StreamingResponse(
+        body(), media_type="application/x-ndjson", headers={"cache-control": "no-store"}
+    )
+
+
+@router.post(
     "/images/pull",
     response_model=ImageInfo,
     status_code=201,
@@ -173,7 +242,7 @@ async def pull_image(
 
 
 @router.post(
-    "/images/{name}/push",
+    "/images/{name:path}/push",
     response_model=PushImageResult,
     tags=["images"],
     summary="Publish an image's EROFS layers to an OCI registry",

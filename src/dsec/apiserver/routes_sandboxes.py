@@ -60,6 +60,7 @@ from dsec.models import (
     ForkRequest,
     ForkResult,
     LayerInfo,
+    LogLine,
     MigrateRequest,
     MigrateResult,
     PauseRequest,
@@ -497,6 +498,49 @@ async def migrate_sandbox(
     sandbox_id: SandboxIdParam, req: MigrateRequest, edge: Edge, owner: Owner
 ) -> MigrateResult:
     return await edge.migrate_sandbox(sandbox_id, owner, req.node)
+
+
+@router.get(
+    "/{sandbox_id}/logs",
+    response_class=StreamingResponse,
+    summary="The output of the sandbox's start command",
+    responses={
+        200: {
+            "description": "NDJSON: LogLine objects (ts, stream, data) in order; with "
+            "follow=true the response stays open until the start command ends",
+            "content": {
+                "application/x-ndjson": {
+                    "schema": LogLine.model_json_schema(ref_template="#/components/schemas/{model}")
+                }
+            },
+        }
+    },
+)
+async def sandbox_logs(
+    sandbox_id: SandboxIdParam,
+    edge: Edge,
+    owner: Owner,
+    follow: Annotated[bool, Query(description="keep streaming new output")] = False,
+) -> StreamingResponse:
+    """What the image's start command wrote (stdout and stderr as they came, the oldest
+    dropped past the node's limit), and one ``dsec`` line once it ended. Empty for a
+    sandbox whose image has no start command. A stopped sandbox: 409 ``sandbox_stopped``."""
+    info = await edge.get_sandbox(sandbox_id, owner)
+    if info.state == "stopped":
+        raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
+    lines = edge.sandbox_logs(sandbox_id, owner, follow=follow)
+
+    async def body() -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(lines):
+            try:
+                async for line in lines:
+                    yield line.model_dump_json().encode() + b"\n"
+            except DsecError:  # the sandbox went away while the logs were followed
+                return
+
+    return StreamingResponse(
+        body(), media_type="application/x-ndjson", headers={"cache-control": "no-store"}
+    )
 
 
 @router.get(

@@ -11,7 +11,7 @@ Modules (each one thing):
 * :mod:`dsec.builds.copy_layer`: ``copy`` layers built straight from the context files;
 * :mod:`dsec.builds.engine`: :class:`ImageBuilder`, which runs builds through an edge;
 * :mod:`dsec.builds.wire`: the request, the streamed events and ``POST /v1/builds`` framing;
-* :mod:`dsec.builds.image_config`: the OCI-shaped image config builds record.
+* :mod:`dsec.images.config`: the OCI-shaped image config builds record.
 
 The SDK side is :class:`dsec.Image` (``dsec.sdk.image``). Design: ``docs/design/builds.md``.
 Importing this package does not import the engine (nor the layer store): the SDK uses the
@@ -21,7 +21,6 @@ step and wire models without the server's modules.
 from typing import TYPE_CHECKING, Any
 
 from dsec.builds.dockerfile import Dockerfile, parse_dockerfile
-from dsec.builds.image_config import ImageConfig
 from dsec.builds.steps import (
     AptInstall,
     Arg,
@@ -36,6 +35,7 @@ from dsec.builds.steps import (
     Label,
     PipInstall,
     Run,
+    StartCmd,
     Step,
     User,
     Workdir,
@@ -55,6 +55,7 @@ from dsec.builds.wire import (
     ndjson_lines,
     parse_event,
 )
+from dsec.images.config import ImageConfig, StartCommand
 
 if TYPE_CHECKING:
     from dsec.builds.cache import BuildCache
@@ -84,6 +85,8 @@ __all__ = [
     "Label",
     "PipInstall",
     "Run",
+    "StartCmd",
+    "StartCommand",
     "Step",
     "StepCached",
     "StepDone",

@@ -24,9 +24,9 @@ How a build runs:
    needs (``apt_install``: the ``debian`` preset; ``pip_install``: ``pypi``; ``run``: its own
    or the build's ``run_network``); the working directory is created, the command runs
    (its output streams as ``output`` events), and the sandbox's writable layer becomes the
-   step's layer (``snapshot_sandbox``: pack_diff, so the snapshot's default scrub applies:
-   ``/tmp``, ``/var/tmp``, apt lists and caches, pip caches, shell histories are not kept;
-   the sandbox's ``/etc/resolv.conf`` is never kept). A ``copy`` builds its layer straight
+   step's layer (``snapshot_sandbox``: pack_diff without the snapshot's default scrub, so a
+   step keeps what it wrote, ``/tmp`` included, as Docker does; the sandbox's
+   ``/etc/resolv.conf`` is never kept). A ``copy`` builds its layer straight
    from the context files (:mod:`dsec.builds.copy_layer`); its sandbox only answers
    ``stat`` and ``/etc/passwd`` questions about the image. Every sandbox is killed when its
    step ends, whatever happens (also when the caller stops reading).
@@ -72,7 +72,6 @@ from dsec.builds.copy_layer import (
     tree_entries,
 )
 from dsec.builds.dockerfile import parse_dockerfile
-from dsec.builds.image_config import ImageConfig
 from dsec.builds.plan import BuildPlan, PlannedStep, plan_steps
 from dsec.builds.steps import (
     AptInstall,
@@ -105,6 +104,7 @@ from dsec.errors import (
     Unsupported,
     error_from_wire,
 )
+from dsec.images.config import ImageConfig, StartCommand
 from dsec.layers.store import LayerStore
 from dsec.models import (
     CreateSandboxRequest,
@@ -331,6 +331,7 @@ class ImageBuilder:
             context=ctx,
             run_network=run_network,
             max_layers=lim.max_layers,
+            base_start=StartCommand.from_meta(base.meta),
         )
         notes.extend(plan.notes)
         for ps in plan.steps:
@@ -446,12 +447,14 @@ class ImageBuilder:
                 }
             )
             yield StepDone(step=ps.index, layer=layer, cached=from_cache, duration_ms=_ms(t0))
-        meta = {
+        meta: dict[str, Any] = {
             "config": b.plan.config.to_meta(),
             "source": "build",
             "base": b.base_name,
             "build": {"id": b.id, "steps": history, "cached_steps": cached, "built_steps": built},
         }
+        if b.plan.start is not None:
+            meta["start"] = b.plan.start.to_meta()
         try:
             image = await asyncio.to_thread(
                 self.store.put_image, b.req.name, stack, meta=meta, owner=b.owner
@@ -554,7 +557,9 @@ class ImageBuilder:
     async def _snapshot(self, sid: str, b: _Build, network: NetworkPolicy | None) -> str | None:
         scrub = ["/etc/resolv.conf"] if network is not None else []
         layer = await self.edge.snapshot_sandbox(
-            sid, b.owner, SnapshotRequest(scrub=scrub, compress=b.req.compress)
+            sid,
+            b.owner,
+            SnapshotRequest(scrub=scrub, compress=b.req.compress, default_scrub=False),
         )
         stats = layer.meta.get("pack_diff") or {}
         changed = sum(

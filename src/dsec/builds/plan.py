@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.builds.context import BuildContext
-from dsec.builds.image_config import ImageConfig
 from dsec.builds.steps import (
     AptInstall,
     Arg,
@@ -36,12 +35,14 @@ from dsec.builds.steps import (
     Label,
     PipInstall,
     Run,
+    StartCmd,
     Step,
     User,
     Workdir,
     describe,
 )
 from dsec.errors import InvalidRequest
+from dsec.images.config import ImageConfig, StartCommand
 from dsec.network.policy import NetworkPolicy
 
 __all__ = ["APT_NETWORK", "PIP_NETWORK", "BuildPlan", "PlannedStep", "plan_steps", "shell_argv"]
@@ -91,6 +92,9 @@ class BuildPlan:
     steps: list[PlannedStep]
     config: ImageConfig
     notes: list[str] = field(default_factory=list)
+    start: StartCommand | None = None
+    """The image's start command: a ``start_cmd`` step of the build, else its own
+    ``cmd``/``entrypoint`` (entrypoint + cmd), else the base image's."""
 
     @property
     def fs_steps(self) -> int:
@@ -106,6 +110,9 @@ class _State:
     cmd: list[str] | None
     entrypoint: list[str] | None
     cmd_set: bool = False
+    start: StartCommand | None = None
+    start_step: bool = False  # a start_cmd step set ``start``
+    start_from_config: bool = False  # this build set cmd or entrypoint
     labels: dict[str, str] = field(default_factory=dict)
     exposed: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -144,6 +151,7 @@ def plan_steps(
     context: BuildContext,
     run_network: NetworkPolicy | None,
     max_layers: int = 65,
+    base_start: StartCommand | None = None,
 ) -> BuildPlan:
     """Plan ``steps`` (``steps[0]`` the ``from_image``/``from_registry`` already resolved
     to ``base_layers`` and ``base_config``). Raises ``InvalidRequest`` naming the step."""
@@ -158,6 +166,7 @@ def plan_steps(
         entrypoint=list(base_config.Entrypoint) if base_config.Entrypoint is not None else None,
         labels=dict(base_config.Labels or {}),
         exposed=dict(base_config.ExposedPorts or {}),
+        start=base_start,
     )
     planned: list[PlannedStep] = []
     declared_args: set[str] = set()
@@ -259,18 +268,26 @@ def plan_steps(
             st.user = step.user
         elif isinstance(step, Cmd):
             st.cmd = shell_argv(step.cmd) if step.cmd else None
-            st.cmd_set = True
+            st.cmd_set = st.start_from_config = True
         elif isinstance(step, Entrypoint):
             st.entrypoint = shell_argv(step.entrypoint) if step.entrypoint else None
+            st.start_from_config = True
             if not st.cmd_set:
                 st.cmd = None  # Docker: ENTRYPOINT clears a CMD inherited from the base
+        elif isinstance(step, StartCmd):
+            st.start = StartCommand(
+                cmd=step.cmd, ready_cmd=step.ready_cmd, ready_timeout_s=step.ready_timeout_s
+            )
+            st.start_step = True
         elif isinstance(step, Label):
             st.labels.update(step.labels)
         elif isinstance(step, Expose):
             for p in step.ports:
                 st.exposed[p if "/" in p else p + "/tcp"] = {}
         ps.canonical = canonical
-    plan = BuildPlan(list(base_layers), planned, _config(st, bool(base_config.WorkingDir)))
+    plan = BuildPlan(
+        list(base_layers), planned, _config(st, bool(base_config.WorkingDir)), start=_start(st)
+    )
     if len(base_layers) + plan.fs_steps > max_layers:
         raise InvalidRequest(
             f"the build would stack {len(base_layers)} base layers and {plan.fs_steps} of its "
@@ -291,6 +308,13 @@ def _followed_by_run(steps: list[Step], i: int) -> bool:
         if isinstance(later, _RUN_LIKE):
             return True
     return False
+
+
+def _start(st: _State) -> StartCommand | None:
+    if st.start_step or not st.start_from_config:
+        return st.start
+    argv = [*(st.entrypoint or []), *(st.cmd or [])]
+    return StartCommand(cmd=argv) if argv else None
 
 
 def _config(st: _State, base_had_workdir: bool) -> ImageConfig:

@@ -59,6 +59,7 @@ __all__ = [
     "Label",
     "PipInstall",
     "Run",
+    "StartCmd",
     "Step",
     "User",
     "Workdir",
@@ -339,6 +340,32 @@ class Entrypoint(_Step):
         return _check_command(v, "entrypoint")
 
 
+class StartCmd(_Step):
+    """The image's start command (:class:`~dsec.images.config.StartCommand`): runs
+    when a sandbox of the image starts, its output the sandbox's logs. ``ready_cmd``, a shell
+    command, tells when it is up: the creation waits until it exits 0 (at most
+    ``ready_timeout_s`` seconds). Wins over a ``cmd``/``entrypoint`` of the same build."""
+
+    op: Literal["start_cmd"] = "start_cmd"
+    cmd: str | list[str]
+    ready_cmd: str | None = None
+    ready_timeout_s: float = Field(60.0, gt=0, le=3600)
+
+    @field_validator("cmd")
+    @classmethod
+    def _cmd(cls, v: str | list[str]) -> str | list[str]:
+        return _check_command(v, "start_cmd")
+
+    @field_validator("ready_cmd")
+    @classmethod
+    def _ready(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        checked = _check_command(v, "ready_cmd")
+        assert isinstance(checked, str)
+        return checked
+
+
 class Label(_Step):
     """Labels recorded in the image config (``Labels``)."""
 
@@ -375,6 +402,7 @@ Step = Annotated[
     | User
     | Cmd
     | Entrypoint
+    | StartCmd
     | Label
     | Expose,
     Field(discriminator="op"),
@@ -424,6 +452,9 @@ def describe(step: _Step) -> str:
         return f"CMD {_words(step.cmd)}"
     if isinstance(step, Entrypoint):
         return f"ENTRYPOINT {_words(step.entrypoint)}"
+    if isinstance(step, StartCmd):
+        ready = f" READY {step.ready_cmd}" if step.ready_cmd else ""
+        return f"START_CMD {_words(step.cmd)}{ready}"
     if isinstance(step, Label):
         return "LABEL " + " ".join(f"{k}={v}" for k, v in step.labels.items())
     if isinstance(step, Expose):

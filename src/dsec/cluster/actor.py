@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.edge.interface import edge_verbs
+from dsec.edge.interface import STREAM_VERBS, edge_verbs
 from dsec.errors import DsecError, InternalError, InvalidRequest
 from dsec.models import SYSTEM_OWNER
 
@@ -54,8 +54,10 @@ ACTOR_PREFIX = "dsec-edge-"
 NODE_LABEL = "dsec.io/node"
 BURST_LABEL = "dsec.io/burst"
 
-# EdgeAgent methods an apiserver may call through ``EdgeActor.call``: the edge contract's
-_CALLABLE = edge_verbs()
+# EdgeAgent methods an apiserver may call through ``EdgeActor.call`` (the edge contract's
+# verbs) and through ``EdgeActor.stream`` (those that answer with a stream)
+_CALLABLE = edge_verbs() - STREAM_VERBS
+_STREAMING = STREAM_VERBS
 
 
 @dataclass(frozen=True)
@@ -154,9 +156,38 @@ class EdgeActor:
             node=self.node,
         )
         await agent.start()  # reconciles with what still runs on this node
+        await self._start_port_gateway(agent)
         self._started_at = time.time()
         log.info("edge %s started in %s (pid %d)", self.node, self.home, os.getpid())
         return agent
+
+    async def _start_port_gateway(self, agent: Any) -> None:
+        """The node's port gateway (:class:`dsec.edge.ports.PortGateway`): where the
+        cluster's apiservers pick up the sandbox connections this edge opens. It listens on
+        the node's Ray address (``DSEC_PORTS_GATEWAY_HOST`` to choose another one) on
+        ``DSEC_PORTS_GATEWAY_PORT`` (default: any free port; tickets carry it)."""
+        from dsec.edge.ports import PortGateway
+
+        host = os.environ.get("DSEC_PORTS_GATEWAY_HOST", "").strip()
+        if not host:
+            try:
+                import ray
+
+                host = ray.util.get_node_ip_address()
+            except Exception:
+                host = "127.0.0.1"
+        try:
+            port = int(os.environ.get("DSEC_PORTS_GATEWAY_PORT", "0") or 0)
+        except ValueError:
+            port = 0
+        gateway = PortGateway(host, port)
+        try:
+            await gateway.start()
+        except OSError as e:
+            log.error("edge %s: no port gateway on %s:%d (%s)", self.node, host, port, e)
+            return
+        agent.port_gateway = gateway
+        log.info("edge %s: port gateway on %s:%d", self.node, host, gateway.port)
 
     # --- health and reports -----------------------------------------------------------
     async def ping(self) -> dict[str, Any]:
@@ -241,6 +272,26 @@ class EdgeActor:
                 raise
             return _err(e)
 
+    async def stream(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> AsyncIterator[Any]:
+        """Run the streaming verb ``EdgeAgent.<method>(*args, **kwargs)`` (Ray streaming
+        generator): each item ``("ok", item)``; an error ends the stream as one
+        ``("error", wire error)`` item."""
+        if method not in _STREAMING:
+            yield _err(InvalidRequest(f"edge method {method!r} does not stream"))
+            return
+        try:
+            agent = await self._agent()
+            gen = getattr(agent, method)(*args, **kwargs)
+            async with contextlib.aclosing(gen):
+                async for item in gen:
+                    yield _ok(item)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError | GeneratorExit):
+                raise
+            yield _err(e)
+
     async def exec_stream(
         self, sandbox_id: str, owner: str, req: Any, seq: int | None, idem_key: str | None
     ) -> AsyncIterator[Any]:
@@ -310,6 +361,17 @@ class EdgeActor:
                     f"layer moved as {info.digest} arrived as {layer.digest}", digest=info.digest
                 )
             return _ok(layer)
+        except BaseException as e:
+            return _err(e)
+
+    async def put_image(self, owner: str, image: Any) -> Any:
+        """Register ``image`` (an ``ImageInfo`` of another node, whose layers were moved
+        here first) as ``owner``'s: a build's image on every node."""
+        try:
+            agent = await self._agent()
+            return _ok(
+                agent.layers.put_image(image.name, list(image.layers), meta=image.meta, owner=owner)
+            )
         except BaseException as e:
             return _err(e)
 
@@ -477,6 +539,8 @@ class EdgeActor:
     async def shutdown(self, kill_sandboxes: bool = False) -> None:
         """Close the edge (sandboxes keep running unless ``kill_sandboxes``)."""
         if self.agent is not None:
+            if self.agent.port_gateway is not None:
+                await self.agent.port_gateway.close()
             await self.agent.close(kill_sandboxes=kill_sandboxes)
             self.agent = None
 

@@ -28,10 +28,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from dsec.cluster.actor import BURST_LABEL, NodeConfig, ensure_edge_actor, node_name_of
+from dsec.cluster.migrate import move_layers
 from dsec.cluster.relay import (
     BURSTABLE_LABEL,
     ClusterOptions,
@@ -41,7 +42,8 @@ from dsec.cluster.relay import (
     _ray_await,
     node_of_sandbox,
 )
-from dsec.edge.interface import SANDBOX_VERBS
+from dsec.edge.interface import SANDBOX_VERBS, STREAM_VERBS, PortStream, PortTicket
+from dsec.edge.ports import redeem_ticket
 from dsec.errors import (
     DsecError,
     InvalidRequest,
@@ -73,6 +75,9 @@ from dsec.models import (
 )
 from dsec.placement import Placer
 from dsec.version import __version__
+
+if TYPE_CHECKING:
+    from dsec.builds.wire import BuildRequest
 
 __all__ = [
     "BURSTABLE_LABEL",
@@ -504,6 +509,15 @@ class ClusterEdge:
             if ev.type in ("exit", "error"):
                 return
 
+    # ------------------------------------------------------------------ ports
+    async def open_port(self, sandbox_id: str, owner: str, port: int) -> PortStream:
+        """:class:`~dsec.edge.interface.PortForwarding` across the cluster: the sandbox's
+        node opens the connection (every check and error as on one node, typed through
+        Ray) and parks it on its port gateway; this replica picks it up over the node
+        network with the one-use ticket (docs/design/ports.md)."""
+        ticket: PortTicket = await self.relay.on_sandbox(sandbox_id, "port_ticket", owner, port)
+        return await redeem_ticket(ticket)
+
     # ------------------------------------------------------------------ files
     # ------------------------------------------------------------------ lifecycle verbs
     async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult:
@@ -633,6 +647,49 @@ class ClusterEdge:
         out: ImageInfo = await self._on_every_node("build_image", owner, req, context)
         return out
 
+    async def build(
+        self, owner: str, req: BuildRequest, context: bytes = b""
+    ) -> AsyncGenerator[Any, None]:
+        """Built on one node (the least busy that can), its layers then copied node to
+        node to every other live node and the image registered there too, before the
+        ``done`` event: a sandbox of the image may be placed anywhere."""
+        from dsec.builds.wire import BuildDone
+
+        node = self._build_node()
+        async with contextlib.aclosing(
+            self.relay.stream(node, "build", owner, req, context)
+        ) as events:
+            async for event in events:
+                if isinstance(event, BuildDone):
+                    await self._replicate_image(node, owner, event.image)
+                yield event
+
+    def _build_node(self) -> str:
+        """The live node with the most free sandbox slots that runs containers."""
+        reports = [(h.name, h.report) for h in self._alive() if h.report is not None]
+        able = [(n, r) for n, r in reports if "container" in r.get("tiers", ())] or reports
+        if not able:
+            return self._any_node()
+        name, _ = max(able, key=lambda nr: int(nr[1]["max_sandboxes"]) - int(nr[1]["sandboxes"]))
+        return name
+
+    async def _replicate_image(self, source: str, owner: str, image: ImageInfo) -> None:
+        """Copy ``image``'s layers from ``source`` to every other live node and register it
+        there as ``owner``'s (a node that fails is logged and skipped: it builds the image
+        itself if asked)."""
+
+        async def one(target: str) -> None:
+            await move_layers(self.relay, source, target, list(image.layers))
+            await self.relay.actor_call(
+                target, "put_image", owner, image, timeout=self.options.create_timeout_s
+            )
+
+        targets = [h.name for h in self._alive() if h.name != source]
+        results = await asyncio.gather(*(one(t) for t in targets), return_exceptions=True)
+        for target, r in zip(targets, results, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("image %s not copied to node %s: %s", image.name, target, r)
+
     async def push_image(self, name: str, target: str, owner: str) -> Any:
         """Pushed from one node's layer store (any node holding the image)."""
         return await self.relay.call(
@@ -723,13 +780,29 @@ class ClusterEdge:
 
 
 _NODE_SIDE_VERBS = frozenset(
-    {"export_sandbox", "export_memory", "start_process", "watch_directory"}
+    {"export_sandbox", "export_memory", "start_process", "open_port", "watch_directory"}
 )
-"""Sandbox verbs a cluster does not relay: migrations call the edge actors' own steps, and an
+"""Sandbox verbs a cluster does not relay: migrations call the edge actors' own steps; an
 interactive process or a directory watcher is a live object of its node (E2B falls back to
-exec streams and to polling)."""
+exec streams and to polling); a port connection too (:meth:`ClusterEdge.open_port` relays
+``port_ticket`` instead)."""
 _CREATE_TIMEOUT_VERBS = frozenset({"snapshot_sandbox"})
 """Relayed verbs that may take as long as a creation (a snapshot packs a whole layer)."""
+
+
+def _stream_forwarder(name: str) -> Callable[..., AsyncGenerator[Any, None]]:
+    async def forward(
+        self: ClusterEdge, sandbox_id: str, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        node = node_of_sandbox(sandbox_id)
+        stream = self.relay.stream(node, name, sandbox_id, *args, sandbox_id=sandbox_id, **kwargs)
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                yield item
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"``{name}`` streamed from the node the sandbox id names (``EdgeAPI``)."
+    return forward
 
 
 def _forwarder(name: str) -> Callable[..., Awaitable[Any]]:
@@ -745,4 +818,7 @@ def _forwarder(name: str) -> Callable[..., Awaitable[Any]]:
 # Every sandbox verb of the contract that ClusterEdge does not implement itself is relayed
 # to the sandbox's node: adding a verb to dsec.edge.interface adds it here.
 for _name in sorted(SANDBOX_VERBS - _NODE_SIDE_VERBS - set(vars(ClusterEdge))):
-    setattr(ClusterEdge, _name, _forwarder(_name))
+    if _name in STREAM_VERBS:
+        setattr(ClusterEdge, _name, _stream_forwarder(_name))
+    else:
+        setattr(ClusterEdge, _name, _forwarder(_name))

@@ -275,7 +275,7 @@ async def _move(
     digests = [*export["image_layers"], diff.digest]
 
     async def attempt(node: str) -> tuple[SandboxInfo, int]:
-        moved = await _move_layers(relay, source, node, digests)
+        moved = await move_layers(relay, source, node, digests)
         new: SandboxInfo = await relay.call(
             node,
             "import_sandbox",
@@ -298,7 +298,7 @@ async def _move(
     )
 
 
-async def _move_layers(relay: NodeRelay, source: str, target: str, digests: list[str]) -> int:
+async def move_layers(relay: NodeRelay, source: str, target: str, digests: list[str]) -> int:
     """Copy the layers ``target`` lacks from ``source``, node to node; returns bytes moved."""
     timeout = relay.options.create_timeout_s
     missing: list[str] = await relay.actor_call(target, "missing_layers", digests, timeout=timeout)
@@ -334,7 +334,7 @@ async def _move_memory(
     async def attempt(node: str) -> tuple[SandboxInfo, tuple[int, int]]:
         import_id: str = await relay.actor_call(node, "prepare_import", export)
         try:
-            layer_bytes = await _move_layers(relay, source, node, list(export["image_layers"]))
+            layer_bytes = await move_layers(relay, source, node, list(export["image_layers"]))
             t_moved = time.perf_counter()
             state_bytes = await _move_files(
                 relay, source, node, export["export_id"], import_id, export["files"]

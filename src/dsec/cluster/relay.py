@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -42,6 +42,7 @@ from dsec.placement import Node, NodeUsage, Overcommit, PlacementRequest, Placer
 
 __all__ = [
     "BURSTABLE_LABEL",
+    "STREAM_ITEM_TIMEOUT_S",
     "ClusterOptions",
     "ClusterPlacement",
     "NodeHandle",
@@ -52,6 +53,10 @@ __all__ = [
 log = logging.getLogger("dsec.cluster")
 
 _T = TypeVar("_T")
+
+STREAM_ITEM_TIMEOUT_S = 24 * 3600.0
+"""Default wait for the next item of a relayed stream (a followed log may be quiet for
+long); a lost node ends it at once, whatever this says."""
 
 BURSTABLE_LABEL = "dsec.io/burstable"
 """Sandbox label ``"true"``: the sandbox may run on the burst pool (see docs/design/cluster.md)."""
@@ -236,6 +241,43 @@ class NodeRelay:
         ``("error", ...)`` answer is raised as the typed error."""
         h = self.handle(node, sandbox_id)
         return await self.answer(h, h.actor.call.remote(method, args, kwargs), timeout, method)
+
+    async def stream(
+        self,
+        node: str,
+        method: str,
+        *args: Any,
+        item_timeout: float | None = None,
+        sandbox_id: str | None = None,
+        **kwargs: Any,
+    ) -> AsyncGenerator[Any, None]:
+        """Relay the streaming verb ``EdgeAgent.<method>(*args, **kwargs)`` to ``node``:
+        its items as they come (each within ``item_timeout`` seconds, default
+        :data:`STREAM_ITEM_TIMEOUT_S`), an error raised as the typed error (the first item's
+        refusals included), a lost node as ``NodeLost``. Closing this generator cancels
+        the remote one."""
+        h = self.handle(node, sandbox_id)
+        gen = h.actor.stream.remote(method, args, kwargs)
+        step = item_timeout or STREAM_ITEM_TIMEOUT_S
+        finished = False
+        try:
+            while True:
+                try:
+                    ref = await self.await_ref(h, gen.__anext__(), step, method)
+                except StopAsyncIteration:
+                    finished = True
+                    return
+                status, value = await self.await_ref(h, ref, step, method)
+                if status == "error":
+                    finished = True
+                    raise error_from_wire(0, value)
+                yield value
+        finally:
+            if not finished:
+                with contextlib.suppress(Exception):
+                    import ray
+
+                    ray.cancel(gen)
 
     async def answer(self, h: NodeHandle, ref: Any, timeout: float | None, what: str) -> Any:
         """Await ``ref`` (an actor method's ``("ok"|"error", value)``) as the value or the

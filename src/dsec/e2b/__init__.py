@@ -37,7 +37,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Mount
 
 from dsec.e2b.access import DEFAULT_TEMPLATE_ALIASES, AccessTokens, TemplateMap
-from dsec.e2b.control import ENVD_VERSION, ControlPlane, NetworkDefault, VerifyKey
+from dsec.e2b.control import (
+    ENVD_VERSION,
+    ControlPlane,
+    NetworkDefault,
+    TrafficTokens,
+    VerifyKey,
+)
 from dsec.e2b.envd import DEFAULT_MAX_UPLOAD_BYTES, EnvdApp
 from dsec.e2b.errors import e2b_http_exception_handlers
 from dsec.e2b.interactive import (
@@ -91,6 +97,8 @@ def make_e2b_app(
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
     watch_poll_interval_s: float = 0.25,
     default_network: NetworkDefault = "open",
+    sandbox_domain: str | None = None,
+    traffic_tokens: TrafficTokens | None = None,
 ) -> Starlette:
     """Build the E2B-compatible ASGI app.
 
@@ -109,6 +117,9 @@ def make_e2b_app(
             (E2B's default: every public IPv4 address, where the tier has networking) or
             ``closed`` (dsec's default: no network). ``dsec serve`` reads
             ``DSEC_E2B_NETWORK_DEFAULT``.
+        sandbox_domain: the ``domain`` answered to the SDK (the port proxy's
+            ``DSEC_PORTS_DOMAIN``; None: ``dsec.invalid``, a name that never resolves).
+        traffic_tokens: issues the ``trafficAccessToken`` (the port proxy's tokens).
 
     Returns:
         A Starlette app; ``app.state.e2b`` is the :class:`E2BCompat` (call
@@ -133,6 +144,8 @@ def make_e2b_app(
         registry,
         envd.filesystem,
         default_network=default_network,
+        sandbox_domain=sandbox_domain,
+        traffic_tokens=traffic_tokens,
     )
     routes: list[BaseRoute] = []
     if envd_path is not None:

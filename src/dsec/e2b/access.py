@@ -41,8 +41,8 @@ __all__ = ["DEFAULT_TEMPLATE_ALIASES", "AccessTokens", "TemplateMap", "TemplateT
 
 DEFAULT_TEMPLATE_ALIASES: dict[str, str] = {
     "base": "e2b-base",
-    "code-interpreter-v1": "debian",
-    "code-interpreter": "debian",
+    "code-interpreter-v1": "code-interpreter",
+    "code-interpreter": "code-interpreter",
 }
 """E2B's public template names mapped to dsec images (``e2b-base``: E2B's base template, with
 the user ``user`` in ``/home/user``). Any other name is looked up as an image."""

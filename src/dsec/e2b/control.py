@@ -37,7 +37,7 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from e2b.api.client.models import (
     ListedSandbox,
@@ -88,10 +88,11 @@ INTERNAL_LABELS = frozenset({TEMPLATE_LABEL, AUTO_RESUME_LABEL})
 """Labels the E2B API keeps for itself (never shown as ``metadata``)."""
 DEFAULT_TIMEOUT_S = 300
 SANDBOX_DOMAIN = "dsec.invalid"
-"""``domain`` in create/connect/info answers: ``sbx.get_host(port)`` gives
-``<port>-<sandbox id>.dsec.invalid``, a name that never resolves (RFC 2606), so no
-request meant for a dsec sandbox can reach E2B's real ``e2b.app`` (dsec has no
-inbound port forwarding; see docs/e2b.md)."""
+"""``domain`` in create/connect/info answers when the server has no ports domain
+(``DSEC_PORTS_DOMAIN``): ``sbx.get_host(port)`` gives ``<port>-<sandbox id>.dsec.invalid``,
+a name that never resolves (RFC 2606), so no request meant for a dsec sandbox can reach
+E2B's real ``e2b.app``. With a ports domain, that domain: ``get_host`` is then a host the
+port proxy serves (see docs/e2b.md, docs/network.md)."""
 MAX_TIMEOUT_S = 30 * 24 * 3600
 """Longest sandbox timeout (create, set_timeout, refresh, connect, resume, fork), seconds:
 the bound dsec's ``CreateSandboxRequest.ttl_s`` has."""
@@ -104,6 +105,15 @@ VerifyKey = Callable[[str], "str | None"]
 NetworkDefault = Literal["open", "closed"]
 """What a sandbox created through the E2B API without any network setting gets: ``open``
 (E2B's default: every public IPv4 address) or ``closed`` (dsec's own default: none)."""
+
+
+class TrafficTokens(Protocol):
+    """Issues the ``trafficAccessToken`` of a sandbox: the port proxy's access token
+    (:class:`dsec.apiserver.ports.PortTokens`), which e2b-code-interpreter sends as
+    ``E2B-Traffic-Access-Token``."""
+
+    def issue(self, sandbox_id: str, owner: str) -> str: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +239,12 @@ class ControlPlane:
         filesystem: FilesystemService,
         *,
         default_network: NetworkDefault = "open",
+        sandbox_domain: str | None = None,
+        traffic_tokens: TrafficTokens | None = None,
     ) -> None:
         self.edge = edge
+        self.sandbox_domain = sandbox_domain or SANDBOX_DOMAIN
+        self.traffic_tokens = traffic_tokens
         self.verify_key = verify_key
         self.tokens = tokens
         self.templates = templates
@@ -350,8 +364,16 @@ class ControlPlane:
             envd_version=ENVD_VERSION,
             alias=self._template(info),
             envd_access_token=self.tokens.issue(info.id, owner),
-            domain=SANDBOX_DOMAIN,
+            traffic_access_token=self._traffic(info, owner),
+            domain=self.sandbox_domain,
         ).to_dict()
+
+    def _traffic(self, info: SandboxInfo, owner: str) -> Any:
+        """The port proxy's token for the sandbox (E2B's ``trafficAccessToken``; a public
+        sandbox needs none, as in E2B)."""
+        if self.traffic_tokens is None or info.public_ports:
+            return UNSET
+        return self.traffic_tokens.issue(info.id, owner)
 
     def _listed(self, info: SandboxInfo) -> dict[str, Any]:
         return ListedSandbox(
@@ -386,7 +408,7 @@ class ControlPlane:
             envd_access_token=self.tokens.issue(info.id, owner),
             allow_internet_access=internet,
             network=SandboxNetworkConfig.from_dict(network) if network is not None else UNSET,
-            domain=SANDBOX_DOMAIN,
+            domain=self.sandbox_domain,
             metadata=self._metadata(info),
             lifecycle=SandboxLifecycle(
                 auto_resume=info.labels.get(AUTO_RESUME_LABEL) != "off",
@@ -426,6 +448,7 @@ class ControlPlane:
         if internet is not None and not isinstance(internet, bool):
             raise E2BError(400, "allow_internet_access must be a boolean")
         wire_network = _unset(new.network)
+        public = wire_network is not None and _unset(wire_network.allow_public_traffic) is True
         target = self.templates.resolve(new.template_id)
         if internet is None and wire_network is None and self.default_network == "open":
             # E2B's default: the internet is open. Only where the tier can give a network
@@ -455,6 +478,7 @@ class ControlPlane:
                 # lifecycle keep_memory=False: the timeout pause keeps only the files
                 timeout_pause="filesystem" if _unset(new.auto_pause_memory) is False else "auto",
                 network=policy,
+                public_ports=public,
                 # E2B's user has passwordless sudo: setuid programs work (container tier)
                 allow_setuid=target.tier == "container",
             )

@@ -19,21 +19,26 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec.config import Paths, host_memory_mb
-from dsec.edge.interface import DirectoryWatcher, NodeUsage
+from dsec.edge.interface import DirectoryWatcher, NodeUsage, PortStream, PortTicket
 from dsec.edge.jobs import create_batch, for_each_sandbox
+from dsec.edge.logs import SandboxLogs, log_bytes_from_env
 from dsec.edge.metrics import EdgeMetrics
+from dsec.edge.ports import PortGateway, TrackedStream, check_port
+from dsec.edge.references import ImageReferences, short_name_registry_from_env
 from dsec.edge.registry import Registry, SandboxRow
+from dsec.edge.start import StartProcess, start_command_of, with_image_defaults
 from dsec.edge.trajectory import TrajectoryLog
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
+    ImageNotFound,
     InternalError,
     InvalidRequest,
     PathOutsideSandbox,
@@ -44,7 +49,9 @@ from dsec.errors import (
     SandboxStopped,
     SequenceGap,
     TierUnavailable,
+    TooManyConnections,
 )
+from dsec.images.config import StartCommand
 from dsec.layers.source import LayerSource, LazyLayers, RegistryLayers
 from dsec.layers.workspace import check_stack
 from dsec.models import (
@@ -65,6 +72,7 @@ from dsec.models import (
     JobActionResult,
     JobOutcome,
     LayerInfo,
+    LogLine,
     MigrateResult,
     NodeInfo,
     PauseReport,
@@ -80,6 +88,7 @@ from dsec.runtimes.base import (
     MemoryStateful,
     Networked,
     Pausable,
+    PortConnectable,
     Runtime,
     SandboxFiles,
     SandboxSpec,
@@ -89,6 +98,10 @@ from dsec.runtimes.base import (
     capabilities_of,
 )
 from dsec.version import __version__
+
+if TYPE_CHECKING:
+    from dsec.builds.engine import ImageBuilder
+    from dsec.builds.wire import BuildEvent, BuildRequest
 
 log = logging.getLogger("dsec.edge")
 
@@ -113,13 +126,17 @@ class EdgeLimits:
     max_build_context_bytes: int = 256 << 20  # an uploaded build context, bytes
     max_build_bytes: int = 4 << 30  # what a build context may unpack to, bytes
     max_build_entries: int = 500_000  # files, directories and links in a build context
+    log_bytes: int = 1 << 20  # start-command output kept per sandbox (its logs), bytes
+    max_port_connections: int = 256  # open proxied connections per sandbox (429 beyond)
 
     @classmethod
     def from_env(cls) -> EdgeLimits:
         """Defaults, overridden by ``DSEC_MAX_SANDBOXES``, ``DSEC_CPU_OVERCOMMIT``,
         ``DSEC_MEMORY_OVERCOMMIT``, ``DSEC_IMAGE_WAIT_S`` (seconds a create waits for a
-        built-in image being built), ``DSEC_MAX_BUILD_CONTEXT_BYTES`` and
-        ``DSEC_MAX_BUILD_BYTES`` (operator settings of ``dsec serve``)."""
+        built-in image being built), ``DSEC_MAX_BUILD_CONTEXT_BYTES``,
+        ``DSEC_MAX_BUILD_BYTES``, ``DSEC_MAX_PORT_CONNECTIONS`` (open proxied connections
+        per sandbox) and ``DSEC_LOG_BYTES`` (start-command output kept per sandbox): the
+        operator settings of ``dsec serve``."""
         lim = cls()
         env = os.environ
         try:
@@ -135,6 +152,9 @@ class EdgeLimits:
                 lim.max_build_context_bytes = int(env["DSEC_MAX_BUILD_CONTEXT_BYTES"])
             if "DSEC_MAX_BUILD_BYTES" in env:
                 lim.max_build_bytes = int(env["DSEC_MAX_BUILD_BYTES"])
+            lim.log_bytes = log_bytes_from_env()
+            if "DSEC_MAX_PORT_CONNECTIONS" in env:
+                lim.max_port_connections = int(env["DSEC_MAX_PORT_CONNECTIONS"])
         except ValueError as e:
             raise SystemExit(f"invalid edge limit in the environment: {e}") from e
         return lim
@@ -147,6 +167,10 @@ class _Live:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     inflight: int = 0
     last_pause: PauseReport | None = None
+    logs: SandboxLogs | None = None  # the start command's output, if the image has one
+    start: StartProcess | None = None
+    ports: set[TrackedStream] = field(default_factory=set)  # open proxied connections
+    ports_opening: int = 0
 
 
 def node_name() -> str:
@@ -192,24 +216,6 @@ def _check_xattrs(values: dict[str, str], clear_prefix: str | None) -> None:
             )
 
 
-def _with_image_defaults(req: CreateSandboxRequest, image: ImageInfo) -> CreateSandboxRequest:
-    """``req`` with what its image's config (``meta["config"]``: ``User``, ``WorkingDir``,
-    ``Env``) sets and the request leaves out: the default user and working directory, and the
-    image's environment under the request's (a request key wins)."""
-    from dsec.builds.image_config import ImageConfig
-
-    defaults = ImageConfig.from_meta(image.meta).sandbox_defaults()
-    given = req.model_fields_set
-    update: dict[str, Any] = {}
-    if "user" in defaults and "user" not in given:
-        update["user"] = defaults["user"]
-    if "workdir" in defaults and "workdir" not in given:
-        update["workdir"] = defaults["workdir"]
-    if defaults.get("env"):
-        update["env"] = {**defaults["env"], **req.env}
-    return req.model_copy(update=update) if update else req
-
-
 class EdgeAgent:
     """Embedded edge. Construct, ``await start()``, use, ``await close()``.
 
@@ -253,6 +259,10 @@ class EdgeAgent:
         if isinstance(layer_store, LazyLayers):  # on-demand layer loading counters
             self.metrics.add_lazy_layers(layer_store.lazy_stats)
         self._live: dict[str, _Live] = {}
+        self._builder: ImageBuilder | None = None
+        self.references = ImageReferences(layer_store, short_names=short_name_registry_from_env())
+        self.port_gateway: PortGateway | None = None
+        """Where :meth:`port_ticket` parks connections (cluster nodes; None: embedded)."""
         self._reaper: asyncio.Task[None] | None = None
         self._closing = False
         self._closed = False
@@ -296,6 +306,8 @@ class EdgeAgent:
         if self.network is not None:
             with contextlib.suppress(Exception):
                 await self.network.close()
+        if self._builder is not None:
+            self._builder.close()
         self.registry.close()
         self.trajectory.close()
         self._closed = True
@@ -451,6 +463,7 @@ class EdgeAgent:
             next_seq=self.trajectory.next_seq(row.id) if next_seq is None else next_seq,
             network=req.get("network"),
             forked_from=row.forked_from,
+            public_ports=bool(req.get("public_ports", False)),
         )
 
     def _lookup_row(self, sandbox_id: str, owner: str) -> SandboxRow:
@@ -552,6 +565,8 @@ class EdgeAgent:
             )
 
     async def _destroy(self, lv: _Live, reason: str) -> None:
+        if lv.start is not None:
+            await lv.start.stop()
         async with lv.lock:
             if lv.row.state == "stopped":
                 return
@@ -563,6 +578,9 @@ class EdgeAgent:
                     log.error("destroy of %s failed: %s", lv.row.id, e)
             lv.row.state = "stopped"
             lv.row.stopped_reason = reason
+            for stream in list(lv.ports):  # the sandbox's proxied connections end with it
+                with contextlib.suppress(Exception):
+                    await stream.close()
             self.registry.set_state(lv.row.id, "stopped", reason=reason)
             self._live.pop(lv.row.id, None)
             self.metrics.kills.labels(lv.row.tier, reason.split()[0]).inc()
@@ -596,10 +614,8 @@ class EdgeAgent:
                     tier=tier,
                 )
             self._check_admission(req, caps)
-            image = await self.layers.ensure_image(
-                req.image, owner, wait_s=self.limits.image_wait_s
-            )
-            req = _with_image_defaults(req, image)
+            image = await self._image(req.image, owner, self.limits.image_wait_s)
+            req = with_image_defaults(req, image)
             extra: list[LayerInfo] = (
                 self.layers.resolve_layers(req.layers, owner) if req.layers else []
             )
@@ -615,7 +631,8 @@ class EdgeAgent:
             self.metrics.creations.labels(tier, "rejected").inc()
             self.metrics.errors.labels(e.code).inc()
             raise
-        sid = f"sb-{self.node}-{secrets.token_hex(6)}"
+        # a sandbox with public ports: its id is the secret of its URLs (96 random bits)
+        sid = f"sb-{self.node}-{secrets.token_hex(12 if req.public_ports else 6)}"
         now = time.time()
         row = SandboxRow(
             id=sid,
@@ -652,7 +669,7 @@ class EdgeAgent:
             pids=req.pids,
             env=dict(req.env),
             user=req.user,
-            workdir=req.workdir,
+            workdir=req.workdir or "/",
             labels=dict(req.labels),
             network=req.network,
             full_guest=req.full_guest,
@@ -680,9 +697,57 @@ class EdgeAgent:
                 raise
             log.exception("create %s failed", sid)
             raise SandboxError(f"could not create sandbox: {e}", sandbox_id=sid) from e
+        start = start_command_of(image) if maker is None and req.start else None
+        if start is not None:
+            try:
+                await self._start(lv, rt, start, rt.facts().sink_sees_all_output)
+            except BaseException as e:
+                await self._destroy(lv, "start command failed")
+                self.metrics.creations.labels(tier, "failed").inc()
+                if isinstance(e, DsecError):
+                    self.metrics.errors.labels(e.code).inc()
+                raise
         self.metrics.creations.labels(tier, "ok").inc()
         self.metrics.create_seconds.labels(tier).observe(time.perf_counter() - t0)
         return self._info(row)
+
+    async def _image(self, name: str, owner: str, wait_s: float | None) -> ImageInfo:
+        """The image ``owner`` means by ``name``: its own, a system one (a built-in is built
+        on first use), or a registry reference pulled on first use
+        (:mod:`dsec.edge.references`)."""
+        try:
+            return await self.layers.ensure_image(name, owner, wait_s=wait_s)
+        except ImageNotFound as missing:
+            try:
+                wanted = self.references.wanted(name)
+            except DsecError:
+                raise missing from None
+            if wanted is None:
+                raise
+        return await self.references.resolve(name, owner, wait_s=wait_s)
+
+    async def image_by_reference(self, owner: str, ref: str) -> ImageInfo:
+        """``owner``'s image of the registry reference ``ref``, pulled if this node has no
+        copy (for builds ``FROM`` a registry image: they wait for the pull)."""
+        return await self.references.resolve(ref, owner, wait_s=None)
+
+    async def _start(
+        self, lv: _Live, rt: Runtime, start: StartCommand, sink_sees_all: bool
+    ) -> None:
+        """Launch the image's start command in a new sandbox; wait for its readiness check."""
+        lv.logs = SandboxLogs(self.limits.log_bytes)
+        lv.start = StartProcess(
+            rt,
+            lv.handle,
+            start,
+            lv.row.request.get("workdir") or "/",
+            lv.logs,
+            sink_sees_all=sink_sees_all,
+        )
+        lv.start.launch()
+        waited = await lv.start.wait_ready()
+        if start.ready_cmd is not None:
+            log.info("%s: start command ready after %.2f s", lv.row.id, waited)
 
     async def create_sandboxes(
         self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
@@ -1629,10 +1694,111 @@ class EdgeAgent:
 
         return await self._use(sandbox_id, owner, run)
 
+    # ------------------------------------------------------------------ ports
+    async def open_port(self, sandbox_id: str, owner: str, port: int) -> PortStream:
+        """:class:`dsec.edge.interface.PortForwarding`: a TCP connection to ``port`` inside
+        the sandbox, made from inside it (``PortConnectable`` runtimes). Counted against
+        ``limits.max_port_connections`` until closed; traffic counts as TTL activity; the
+        connection is closed when the sandbox is killed."""
+        port = check_port(port)
+
+        async def run(lv: _Live) -> PortStream:
+            rt = self.runtimes.get(lv.row.tier)
+            if not isinstance(rt, PortConnectable):
+                raise CapabilityNotSupported(
+                    f"tier {lv.row.tier} has no ports to connect to (use container, microvm or vm)",
+                    tier=lv.row.tier,
+                )
+            limit = self.limits.max_port_connections
+            if len(lv.ports) + lv.ports_opening >= limit:
+                raise TooManyConnections(
+                    f"sandbox {sandbox_id} already has {limit} open port connections (the "
+                    "node's limit, DSEC_MAX_PORT_CONNECTIONS); close some and retry",
+                    sandbox_id=sandbox_id,
+                    limit=limit,
+                    retry_after_s=1,
+                )
+            lv.ports_opening += 1
+            try:
+                inner = await rt.connect_port(lv.handle, port)
+            finally:
+                lv.ports_opening -= 1
+            if lv.row.state == "stopped":  # killed while connecting
+                await inner.close()
+                raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
+            stream = TrackedStream(
+                inner, on_activity=lambda: self._touch(lv), on_close=lv.ports.discard
+            )
+            lv.ports.add(stream)
+            self.metrics.port_connections.labels(lv.row.tier).inc()
+            return stream
+
+        return await self._use(sandbox_id, owner, run)
+
+    async def port_ticket(self, sandbox_id: str, owner: str, port: int) -> PortTicket:
+        """:class:`dsec.edge.interface.PortForwarding`: :meth:`open_port`, parked on this
+        node's port gateway for a cluster apiserver to pick up."""
+        if self.port_gateway is None:
+            raise CapabilityNotSupported(
+                "this edge has no port gateway (port tickets are for cluster nodes)"
+            )
+        return await self.port_gateway.park(self.open_port(sandbox_id, owner, port))
+
+    async def public_port_owner(self, sandbox_id: str) -> str:
+        """:class:`dsec.edge.interface.PortForwarding`: the owner of a live sandbox created
+        with ``public_ports``; ``SandboxNotFound`` for any other."""
+        lv = self._live.get(sandbox_id)
+        if lv is None or not lv.row.request.get("public_ports"):
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id)
+        return lv.row.owner
+
     async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
         row = self._lookup_row(sandbox_id, owner)
         header = {"node": self.node, "create": row.request, "image_layers": row.image_layers}
         return "".join(self.trajectory.export_jsonl(sandbox_id, header=header))
+
+    async def sandbox_logs(
+        self, sandbox_id: str, owner: str, *, follow: bool = False
+    ) -> AsyncGenerator[LogLine, None]:
+        """The output of the sandbox's start command (:mod:`dsec.edge.logs`): what is kept,
+        then with ``follow`` what comes until the command ends. Empty for a sandbox whose
+        image has none. The sandbox must be live (``SandboxStopped`` otherwise)."""
+        lv = self._live_for(sandbox_id, owner)
+        if lv.logs is None:
+            return
+        async for line in lv.logs.read(follow=follow):
+            yield line
+
+    # ------------------------------------------------------------------ builds
+    def image_builder(self) -> ImageBuilder:
+        """The node's build engine, made on first use (its cache index opens then)."""
+        if self._builder is None:
+            from dsec.builds.engine import BuildLimits, ImageBuilder
+            from dsec.layers.store import LayerStore
+
+            if not isinstance(self.layers, LayerStore):
+                raise CapabilityNotSupported(
+                    "this node's layer store cannot build images (it makes no layer files)"
+                )
+            self._builder = ImageBuilder(
+                self,
+                self.layers,
+                cache_db=self.paths.home / "build-cache.db",
+                limits=BuildLimits.from_env(),
+                resolve_registry=self.image_by_reference,
+            )
+        return self._builder
+
+    async def build(
+        self, owner: str, req: BuildRequest, context: bytes = b""
+    ) -> AsyncGenerator[BuildEvent, None]:
+        """Build ``req`` as ``owner``'s image (:class:`dsec.builds.engine.ImageBuilder`):
+        refusals raise from the first ``__anext__``, then events until ``done`` or
+        ``error``. ``context``: the build context, a tar archive (may be compressed)."""
+        builder = self.image_builder()
+        async with contextlib.aclosing(builder.build(owner, req, context)) as events:
+            async for event in events:
+                yield event
 
     # ------------------------------------------------------------------ images
     def _layer_cache_info(self, layer: LayerInfo) -> LayerInfo:
@@ -1689,8 +1855,10 @@ class EdgeAgent:
         """The images ``owner`` can use: its own and the system's (built-in images not built
         yet included, with their build status)."""
         images = [self._image_cache_info(im) for im in self.layers.list_images(owner)]
-        pending = self._pending_builtins(owner, {im.name for im in images})
-        return sorted([*images, *pending], key=lambda im: im.name)
+        known = {im.name for im in images}
+        pending = self._pending_builtins(owner, known)
+        pulling = [im for im in self.references.pending(owner) if im.name not in known]
+        return sorted([*images, *pending, *pulling], key=lambda im: im.name)
 
     async def get_image(self, name: str, owner: str) -> ImageInfo:
         return self._image_cache_info(self.layers.get_image(name, owner))
@@ -1708,7 +1876,12 @@ class EdgeAgent:
         """Pull ``ref`` (``oci://HOST/REPO:TAG`` or ``[registry/]repo[:tag]``) as ``owner``'s
         image: an image pushed with ``dsec image push`` gets its EROFS layers downloaded;
         any other image is converted from its tar layers. Credentials from
-        ``DSEC_REGISTRY_AUTH`` (JSON ``{"host:port": ["user", "password"]}``)."""
+        ``DSEC_REGISTRY_AUTH`` (JSON ``{"host:port": ["user", "password"]}``). Without
+        ``name`` the image is named by the reference (``127.0.0.1:5000/debian:12``) and the
+        node's copy of that reference is shared with other keys that ask for it
+        (:mod:`dsec.edge.references`); with ``name``, it is pulled as that image."""
+        if name is None:
+            return await self.references.resolve(ref, owner, wait_s=None)
         return await self.attach_image(ref, name, False, owner)
 
     async def attach_image(

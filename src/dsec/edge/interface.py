@@ -21,19 +21,20 @@ Paused sandboxes: any call that needs the sandbox running resumes it transparent
 
 Optional abilities, each a protocol of its own (an edge has them or not; the apiserver checks
 with ``isinstance`` and answers ``unsupported`` / ``capability_not_supported`` otherwise):
-:class:`PauseModes`, :class:`ImagePublisher`, :class:`InteractiveExec`, :class:`DisplayEdge`,
-:class:`SandboxMigration`, :class:`MemoryMigration`, :class:`FileXattrs`, :class:`DirectoryWatch`
-and :class:`NodeReports`. Every verb is
-declared here once; :func:`edge_verbs` and :data:`SANDBOX_VERBS` derive from these classes
-what a remote edge (a cluster node) may be asked and which calls route by sandbox id.
+:class:`PauseModes`, :class:`ImageBuilds`, :class:`ImagePublisher`, :class:`InteractiveExec`,
+:class:`DisplayEdge`, :class:`SandboxMigration`, :class:`MemoryMigration`,
+:class:`PortForwarding`, :class:`FileXattrs`, :class:`DirectoryWatch` and
+:class:`NodeReports`. Every verb is declared here once; :func:`edge_verbs`,
+:data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive from these classes what a remote edge
+(a cluster node) may be asked, which calls route by sandbox id and which answer with a stream.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from dsec.models import (
     BatchCreateResult,
@@ -50,6 +51,7 @@ from dsec.models import (
     JobAction,
     JobActionResult,
     LayerInfo,
+    LogLine,
     MigrateResult,
     NodeInfo,
     PushImageResult,
@@ -57,8 +59,12 @@ from dsec.models import (
     SnapshotRequest,
 )
 
+if TYPE_CHECKING:
+    from dsec.builds.wire import BuildRequest
+
 __all__ = [
     "SANDBOX_VERBS",
+    "STREAM_VERBS",
     "DirectoryWatch",
     "DirectoryWatcher",
     "DisplayEdge",
@@ -66,6 +72,7 @@ __all__ = [
     "FileEvent",
     "FileEventKind",
     "FileXattrs",
+    "ImageBuilds",
     "ImagePublisher",
     "InteractiveExec",
     "InteractiveProcess",
@@ -74,6 +81,9 @@ __all__ = [
     "NodeUsage",
     "OutputChunk",
     "PauseModes",
+    "PortForwarding",
+    "PortStream",
+    "PortTicket",
     "PtySize",
     "SandboxMigration",
     "StreamName",
@@ -207,6 +217,13 @@ class EdgeAPI(Protocol):
         """The sandbox's trajectory log as JSONL text (a header line, then one entry per line)."""
         ...
 
+    def sandbox_logs(
+        self, sandbox_id: str, owner: str, *, follow: bool = False
+    ) -> AsyncGenerator[LogLine, None]:
+        """The output of the sandbox's image start command (empty without one); with
+        ``follow``, new output until the command ends."""
+        ...
+
     # --- network (policy is a dsec.network.NetworkPolicy) ---------------------
     async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo: ...
     async def network_stats(self, sandbox_id: str, owner: str) -> dict[str, Any]: ...
@@ -248,6 +265,20 @@ class PauseModes(Protocol):
     async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
         """Pause with ``mode``: ``freeze`` the tier's pause, ``suspend`` memory to a file,
         ``filesystem`` keep only the files (the sandbox resumes as a fresh boot)."""
+        ...
+
+
+@runtime_checkable
+class ImageBuilds(Protocol):
+    """Optional ability of an edge: image builds (``POST /v1/builds``; the engine is
+    :mod:`dsec.builds`). The apiserver answers ``capability_not_supported`` without it."""
+
+    def build(
+        self, owner: str, req: BuildRequest, context: bytes = b""
+    ) -> AsyncGenerator[Any, None]:
+        """Build ``req`` as ``owner``'s image from ``context`` (a tar archive): refusals
+        raise from the first ``__anext__``, then :data:`dsec.builds.wire.BuildEvent` s
+        until ``done`` or ``error``."""
         ...
 
 
@@ -471,6 +502,68 @@ class MemoryMigration(Protocol):
     ) -> SandboxInfo: ...
 
 
+@runtime_checkable
+class PortStream(Protocol):
+    """One TCP connection to a port inside a sandbox, opened by
+    :meth:`PortForwarding.open_port`: bytes in both directions, like a socket.
+
+    ``read`` returns ``b""`` once the sandbox side has closed its half (EOF); ``write``
+    waits while the connection's buffers are full (backpressure); ``write_eof`` closes
+    this side's half (the server reads EOF); ``close`` ends the connection and releases
+    everything it holds (idempotent; also when the sandbox is killed meanwhile)."""
+
+    async def read(self, max_bytes: int = 65536) -> bytes: ...
+    async def write(self, data: bytes) -> None: ...
+    async def write_eof(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PortTicket:
+    """A connection opened on a node and waiting to be picked up over the node network
+    (cluster mode; see :mod:`dsec.edge.ports`): connect to ``host:port``, send
+    ``DSEC-PORT1 <ticket>\\n``, read one line (``OK`` or a JSON error), then the bytes of
+    the sandbox connection follow. A ticket is good for one pick-up within
+    ``expires_in_s`` seconds."""
+
+    host: str
+    port: int
+    ticket: str
+    expires_in_s: float
+
+
+@runtime_checkable
+class PortForwarding(Protocol):
+    """Optional edge ability: TCP connections to ports inside sandboxes (what the
+    apiserver's port proxy, :mod:`dsec.apiserver.ports`, relays HTTP, WebSocket and raw TCP
+    over). The connection is made from inside the sandbox (its network namespace, or the
+    guest agent of a VM), to ``127.0.0.1:<port>`` there, so it works for a sandbox without
+    any network policy and needs no address reachable from the node.
+
+    Both calls check ``owner`` (another owner's sandbox: ``SandboxNotFound``), resume a
+    paused sandbox, count as activity for its TTL and raise: ``InvalidRequest`` for a port
+    outside 1..65535, ``CapabilityNotSupported`` for a tier without ports (``fncall``),
+    ``PortNotListening`` (502) when nothing accepts on the port, ``TooManyConnections``
+    (429) past the node's per-sandbox bound (``DSEC_MAX_PORT_CONNECTIONS``)."""
+
+    async def open_port(self, sandbox_id: str, owner: str, port: int) -> PortStream:
+        """A new connection to ``port`` in the sandbox (a live object of this process)."""
+        ...
+
+    async def port_ticket(self, sandbox_id: str, owner: str, port: int) -> PortTicket:
+        """The same connection, opened here and handed over through this node's port
+        gateway (:class:`dsec.edge.ports.PortGateway`): what a cluster's apiserver asks
+        for, since a live connection cannot cross Ray. ``CapabilityNotSupported`` on an
+        edge without a gateway (embedded mode, where :meth:`open_port` is used)."""
+        ...
+
+    async def public_port_owner(self, sandbox_id: str) -> str:
+        """The owner of ``sandbox_id`` when it was created with ``public_ports=True`` (its
+        ports need no credential); ``SandboxNotFound`` otherwise, exactly as for a sandbox
+        that does not exist."""
+        ...
+
+
 @dataclass(frozen=True)
 class NodeUsage:
     """What a node's edge admits against and holds, for a placer (``dsec.placement``).
@@ -503,11 +596,13 @@ class NodeReports(Protocol):
 _ABILITIES: tuple[type, ...] = (
     EdgeAPI,
     PauseModes,
+    ImageBuilds,
     ImagePublisher,
     InteractiveExec,
     DisplayEdge,
     SandboxMigration,
     MemoryMigration,
+    PortForwarding,
     FileXattrs,
     DirectoryWatch,
 )
@@ -529,6 +624,18 @@ def _routes_by_sandbox(fn: Any) -> bool:
     params = list(inspect.signature(fn).parameters)
     return len(params) > 1 and params[1] == "sandbox_id"
 
+
+def _streams(fn: Any) -> bool:
+    return str(inspect.signature(fn).return_annotation).startswith(
+        ("AsyncIterator", "AsyncGenerator")
+    )
+
+
+STREAM_VERBS: frozenset[str] = frozenset(
+    name for proto in _ABILITIES for name, fn in _methods(proto).items() if _streams(fn)
+)
+"""The verbs that return an async iterator (a stream of events or lines): a cluster relays
+them as streams (refusals raise from the first item)."""
 
 SANDBOX_VERBS: frozenset[str] = frozenset(
     name for proto in _ABILITIES for name, fn in _methods(proto).items() if _routes_by_sandbox(fn)

@@ -9,6 +9,9 @@ so nothing else is kept.
   minimal ``/etc``. ~2 MB, built in well under a second.
 * ``debian``: ``debootstrap --variant=minbase --include=python3 bookworm`` from the mirror
   apt already uses. ~200 MB unpacked, 30-60 s.
+* ``code-interpreter``: ``debian`` plus Jupyter kernels and E2B's code-interpreter server
+  on port 49999 (:mod:`dsec.layers.code_interpreter`; its metadata names the start
+  command, ``start_cmd``). ~700 MB unpacked, a few minutes.
 * ``e2b-base``: what E2B's ``base`` template looks like to code written for it (the E2B API's
   ``base`` template): the same Debian with ``python3`` (also as ``python``), ``pip``,
   ``venv``, ``curl``, ``git``, ``sudo``, ``procps`` and CA certificates, and the user
@@ -56,7 +59,9 @@ __all__ = [
     "SANDBOX_GID",
     "SANDBOX_UID",
     "BuiltinImage",
+    "apt_install_into",
     "build_busybox_rootfs",
+    "build_code_interpreter_rootfs",
     "build_debian_rootfs",
     "build_e2b_base_rootfs",
     "debian_mirror",
@@ -438,8 +443,11 @@ def _debootstrap(dest: Path, include: tuple[str, ...]) -> None:
         raise SandboxError("debootstrap produced no /tmp directory")
 
 
-def build_debian_rootfs(dest: Path) -> None:
+def build_debian_rootfs(dest: Path, include: tuple[str, ...] = ("python3",)) -> None:
     """Fill ``dest`` with ``debootstrap --variant=minbase --include=python3 bookworm``.
+
+    ``include`` names the packages debootstrap adds (with their dependencies); it must
+    contain ``python3``.
 
     Uses the mirror from :func:`debian_mirror`. Adds the ``sandbox`` user (uid/gid 1000, home
     ``/home/sandbox``, shell bash), empties apt lists, apt caches, ``/dev``, ``/run`` and
@@ -449,7 +457,7 @@ def build_debian_rootfs(dest: Path) -> None:
     Raises:
         SandboxError: debootstrap is missing or failed (the tail of its log is in the message).
     """
-    _debootstrap(dest, ("python3",))
+    _debootstrap(dest, include)
     _add_sandbox_user(dest)
 
 
@@ -486,6 +494,130 @@ def build_e2b_base_rootfs(dest: Path) -> None:
     os.chmod(code, 0o1777)
 
 
+_APT_TIMEOUT_S = 1800.0
+
+
+def _run_in_chroot(root: Path, argv: list[str], what: str) -> None:
+    env = {
+        "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+        "LC_ALL": "C",
+        "DEBIAN_FRONTEND": "noninteractive",
+        "HOME": "/root",
+    }
+    try:
+        proc = subprocess.run(
+            ["chroot", os.fspath(root), *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=_APT_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise SandboxError(f"{what} timed out after {_APT_TIMEOUT_S:.0f} s") from e
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.decode(errors="replace").strip().splitlines()[-20:])
+        raise SandboxError(
+            f"{what} failed (exit {proc.returncode}):\n{tail}", exit_code=proc.returncode
+        )
+
+
+_BUILD_DEVICES = {"null": (1, 3), "zero": (1, 5), "random": (1, 8), "urandom": (1, 9)}
+
+
+def _make_build_devices(dev: Path) -> None:
+    """Character devices a package install needs (removed again by :func:`_strip_debian`:
+    device nodes do not belong in a layer)."""
+    dev.mkdir(exist_ok=True)
+    for name, (major, minor) in _BUILD_DEVICES.items():
+        node = dev / name
+        if not os.path.lexists(node):
+            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+            os.chmod(node, 0o666)
+
+
+def apt_install_into(root: Path, packages: tuple[str, ...]) -> None:
+    """``apt-get install --no-install-recommends PACKAGES`` inside the Debian tree ``root``
+    (chroot; the host's resolver for the download), then the caches are emptied again.
+
+    apt, not ``debootstrap --include``: debootstrap's resolver picks arbitrary providers of
+    virtual packages (compilers, ``-dev`` packages) and fails on some dependency orders.
+    """
+    if os.geteuid() != 0:
+        raise SandboxError("installing packages into an image needs root (chroot)")
+    resolv = root / "etc/resolv.conf"
+    host_resolv = Path("/etc/resolv.conf")
+    policy = root / "usr/sbin/policy-rc.d"
+    try:
+        if resolv.is_symlink() or resolv.exists():
+            resolv.unlink()
+        resolv.write_text(host_resolv.read_text() if host_resolv.is_file() else "")
+        _write(policy, "#!/bin/sh\nexit 101\n", 0o755)  # no service starts in a build
+        _make_build_devices(root / "dev")  # apt and maintainer scripts need /dev/null
+        _run_in_chroot(
+            root,
+            ["apt-get", "-o", "Acquire::Retries=3", "update", "-qq"],
+            "apt-get update in the image",
+        )
+        _run_in_chroot(
+            root,
+            [
+                "apt-get",
+                "-o",
+                "Acquire::Retries=3",
+                "install",
+                "-y",
+                "-qq",
+                "--no-install-recommends",
+                *packages,
+            ],
+            "apt-get install " + " ".join(packages),
+        )
+        _run_in_chroot(root, ["apt-get", "clean"], "apt-get clean in the image")
+    finally:
+        policy.unlink(missing_ok=True)
+        _unmount_under(root)
+    _strip_debian(root)
+
+
+def build_code_interpreter_rootfs(dest: Path) -> None:
+    """Fill ``dest`` with the ``code-interpreter`` image (:mod:`dsec.layers.code_interpreter`):
+    the ``debian`` tree, its Debian packages (:func:`apt_install_into`), then its steps (the
+    server package, ``/home/user``).
+
+    A few minutes on this machine (network-bound); see the module for the size.
+
+    Raises:
+        SandboxError: debootstrap or apt failed, or the tree lacks a part the server needs.
+    """
+    from dsec.layers import code_interpreter as ci
+
+    # apt in the tree checks the archive's signature: minbase lacks gpgv
+    build_debian_rootfs(dest, include=("python3", "gpgv", "debian-archive-keyring"))
+    apt_install_into(dest, ci.APT_PACKAGES)
+    ci.apply_steps(dest)
+    # the start command's imports, checked in the tree (a package off sys.path fails here)
+    _run_in_chroot(
+        dest,
+        [
+            "/usr/bin/python3",
+            "-c",
+            "import dsec_codeinterp.server, dsec_codeinterp.contexts, "
+            "matplotlib_inline.backend_inline, pexpect",
+        ],
+        "the code-interpreter server's imports in the image",
+    )
+    if not (dest / "usr/bin/node").exists():
+        raise SandboxError("the code-interpreter image lacks /usr/bin/node")
+
+
+def _code_interpreter_meta() -> dict[str, Any]:
+    from dsec.layers import code_interpreter as ci
+
+    return {"builtin": ci.IMAGE_NAME, **ci.image_meta()}
+
+
 BUILTIN_IMAGES: dict[str, BuiltinImage] = {
     "busybox": BuiltinImage(
         name="busybox",
@@ -519,6 +651,16 @@ BUILTIN_IMAGES: dict[str, BuiltinImage] = {
         },
         description=f"E2B's base template: Debian {DEBIAN_SUITE} with python3, pip, curl, git, "
         "sudo and the user `user` (~330 MB)",
+    ),
+    "code-interpreter": BuiltinImage(
+        name="code-interpreter",
+        build_rootfs=build_code_interpreter_rootfs,
+        kind="base",
+        meta=_code_interpreter_meta(),
+        description=(
+            f"Debian {DEBIAN_SUITE} with Jupyter kernels (Python, bash, JavaScript) and "
+            "E2B's code-interpreter API on port 49999 (~700 MB)"
+        ),
     ),
 }
 """Recipes :meth:`LayerStore.ensure_image` knows, by image name. Add entries to teach it more

@@ -77,6 +77,7 @@ from dsec.errors import (
     LayerNotFound,
     SandboxError,
 )
+from dsec.images.reference import is_reference_name
 from dsec.layers.blobstore import open_blob_store
 from dsec.layers.erofs import is_erofs_file, mkfs_erofs
 from dsec.layers.lazy import (
@@ -767,10 +768,12 @@ class LayerStore:
 
     @staticmethod
     def _check_image_name(name: str) -> None:
+        """A local name (``[a-z0-9][a-z0-9._-]*`` with an optional ``:tag``) or, for images
+        pulled by reference, the reference's familiar form (``host:port/repo:tag``)."""
         if (
             not isinstance(name, str)
-            or not _IMAGE_NAME_RE.match(name)
             or name.startswith("sha256:")
+            or not (_IMAGE_NAME_RE.match(name) or is_reference_name(name))
         ):
             raise InvalidRequest(
                 f"invalid image name {name!r}: [a-z0-9][a-z0-9._-]* with an optional :tag",
@@ -944,7 +947,9 @@ class LayerStore:
 
     def _build_builtin(self, name: str) -> ImageInfo:
         with contextlib.suppress(ImageNotFound):
-            return self.get_image(name)  # another process or thread finished it meanwhile
+            done = self.get_image(name)  # another process or thread finished it meanwhile
+            if not self._outdated(done):
+                return done
         recipe = builtin.BUILTIN_IMAGES[name]
         started = time.monotonic()
         with self._build_slot() as build_id:
@@ -1048,11 +1053,23 @@ class LayerStore:
                 self._progress.pop(name, None)
             fut.set_result(image)
 
+    @staticmethod
+    def _outdated(image: ImageInfo) -> bool:
+        """A system image of a built-in recipe that has changed since it was built (its
+        ``meta["recipe"]`` fingerprint; recipes without one count as ``"1"``)."""
+        recipe = builtin.BUILTIN_IMAGES.get(image.name)
+        if recipe is None or image.owner != "system" or image.meta.get("builtin") != image.name:
+            return False
+        return str(image.meta.get("recipe", "1")) != str(recipe.meta.get("recipe", "1"))
+
     def _lookup_or_claim(
         self, name: str, owner: str
     ) -> tuple[ImageInfo | None, concurrent.futures.Future[ImageInfo] | None, bool]:
         try:
-            return self.get_image(name, owner), None, False
+            found = self.get_image(name, owner)
+            if not self._outdated(found):
+                return found, None, False
+            log.info("built-in image %s was built from another recipe: rebuilding it", name)
         except ImageNotFound:
             if name not in builtin.BUILTIN_IMAGES:
                 known = self._known_names(owner)

@@ -17,8 +17,9 @@ Optional abilities are separate protocols: ``Pausable`` (freeze and give memory 
 ``FilesystemPause`` (a pause that keeps only the files), ``Networked`` (a policy that
 changes while it runs), ``Snapshottable`` (``pack_diff`` of the
 writable layer), ``MemoryStateful`` (RAM and device state to a file: suspend, memory forks,
-migration with processes), ``Interactive`` (processes whose stdin stays open, terminals) and
-``Display`` (screen, pointer, keyboard). The edge checks them with ``isinstance`` and raises
+migration with processes), ``Interactive`` (processes whose stdin stays open, terminals),
+``Display`` (screen, pointer, keyboard) and ``PortConnectable`` (TCP connections to ports
+inside the sandbox, for the port proxy). The edge checks them with ``isinstance`` and raises
 ``CapabilityNotSupported`` for a tier without one; the capability table a node publishes is
 derived from them by :func:`capabilities_of`, so it cannot disagree with what the code can
 do. A runtime itself reports only what changes at run time (:class:`RuntimeFacts`: whether it
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from dsec.models import Capabilities, ExecRequest, ExecResult, FileInfo, LayerInfo, SnapshotRequest
 
 if TYPE_CHECKING:
-    from dsec.edge.interface import DirectoryWatcher, InteractiveProcess, PtySize
+    from dsec.edge.interface import DirectoryWatcher, InteractiveProcess, PortStream, PtySize
 
 # Called with ("stdout"|"stderr", chunk) while a command runs.
 OutputSink = Callable[[str, bytes], Awaitable[None]]
@@ -121,6 +122,9 @@ class RuntimeFacts:
         max_memory_mb: most memory one sandbox may ask for, MiB.
         persistent: a sandbox outlives one call (``fncall``: no, each call is a new worker).
         network_ready: for a ``Networked`` runtime, its node's networking is up.
+        sink_sees_all_output: an exec's ``sink`` gets all of its output, whatever its
+            ``max_output_bytes`` (which then bounds only the result); else the cap bounds
+            both (the VM tiers' guest agents cap in the guest).
     """
 
     available: bool
@@ -129,6 +133,7 @@ class RuntimeFacts:
     max_memory_mb: int | None = None
     persistent: bool = True
     network_ready: bool = False
+    sink_sees_all_output: bool = False
 
 
 @runtime_checkable
@@ -244,6 +249,16 @@ class Display(Protocol):
     async def key(self, handle: Handle, name: str) -> None: ...
 
 
+@runtime_checkable
+class PortConnectable(Protocol):
+    """TCP connections to ``127.0.0.1:<port>`` inside a sandbox, made from inside it (the
+    container's network namespace, a VM's guest agent), so they need neither a network
+    policy nor an address the node can reach. Raises ``PortNotListening`` when the
+    connection is refused."""
+
+    async def connect_port(self, handle: Handle, port: int) -> PortStream: ...
+
+
 def capabilities_of(rt: Runtime) -> Capabilities:
     """The capability table row of ``rt``'s tier: its abilities are the protocols it
     implements, the rest comes from its :meth:`Runtime.facts`."""
@@ -267,6 +282,7 @@ def capabilities_of(rt: Runtime) -> Capabilities:
         persistent=f.persistent,
         suspend=memory,
         memory_fork=memory,
+        ports=isinstance(rt, PortConnectable),
         max_cpu=f.max_cpu,
         max_memory_mb=f.max_memory_mb,
     )

@@ -13,7 +13,6 @@ method returns a new :class:`Image`), ending in :meth:`Image.build`::
         .env({"PYTHONUNBUFFERED": "1"})
         .workdir("/work/repo")
         .run("pip install -e .")
-        .cmd(["pytest", "-q"])
     )
     info = image.build("task-42:1")           # blocks; prints nothing (pass on_event=print)
     with Sandbox.create(image="task-42:1") as sb:
@@ -59,6 +58,7 @@ from dsec.builds.steps import (
     Label,
     PipInstall,
     Run,
+    StartCmd,
     Step,
     User,
     Workdir,
@@ -225,12 +225,28 @@ class Image:
         return self._add(_step(User, user=name))
 
     def cmd(self, command: str | list[str]) -> Image:
-        """The image's default command (a list, or a string run by ``/bin/sh -c``)."""
+        """The image's default command (a list, or a string run by ``/bin/sh -c``). As in
+        Docker, entrypoint + cmd run when a sandbox of the image starts (its output is the
+        sandbox's logs); see :meth:`start_cmd` for a readiness check."""
         return self._add(_step(Cmd, cmd=command))
 
     def entrypoint(self, command: str | list[str]) -> Image:
         """The image's entrypoint (a list, or a string run by ``/bin/sh -c``)."""
         return self._add(_step(Entrypoint, entrypoint=command))
+
+    def start_cmd(
+        self,
+        command: str | list[str],
+        ready_cmd: str | None = None,
+        *,
+        ready_timeout: float = 60.0,
+    ) -> Image:
+        """What runs when a sandbox of the image starts (a server, a desktop), and a shell
+        command that exits 0 once it is up: ``Sandbox.create`` returns then (or fails after
+        ``ready_timeout`` seconds). Wins over :meth:`cmd`/:meth:`entrypoint`."""
+        return self._add(
+            _step(StartCmd, cmd=command, ready_cmd=ready_cmd, ready_timeout_s=ready_timeout)
+        )
 
     def label(self, labels: dict[str, str] | None = None, **more: str) -> Image:
         """Labels of the image config."""

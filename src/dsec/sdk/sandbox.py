@@ -89,10 +89,12 @@ from dsec.models import (
     ForkRequest,
     ForkResult,
     LayerInfo,
+    LogLine,
     MigrateRequest,
     MigrateResult,
     OnTimeout,
     PauseRequest,
+    PortAccess,
     SandboxInfo,
     SnapshotRequest,
 )
@@ -104,6 +106,7 @@ from dsec.wire import ANSWER
 
 if TYPE_CHECKING:
     from dsec.sdk.display import AsyncDisplay
+    from dsec.sdk.ports import AsyncPortForward
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
@@ -142,6 +145,9 @@ CREATE_TIMEOUT_S = 120.0
 
 EXEC_GRACE_S = 30.0
 """Extra seconds the client waits beyond a command's own timeout before giving up."""
+
+FOLLOW_TIMEOUT_S = 24 * 3600.0
+"""How long ``logs(follow=True)`` may run by default, seconds."""
 
 TRANSFER_TIMEOUT_S = 600.0
 """Default wait for a file or tar transfer, seconds."""
@@ -513,6 +519,7 @@ class AsyncSandbox:
         self._free_seqs: builtins.list[int] = []  # heap of numbers handed back, reused first
         self._replay_pending = False
         self._replay_log: dict[int, dict[str, Any]] | None = None
+        self._port_access: PortAccess | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, tier={self._info.tier!r}, state={self._info.state!r})"
@@ -545,11 +552,12 @@ class AsyncSandbox:
         labels: dict[str, str] | None = None,
         user: str | None = None,
         job: str | None = None,
-        workdir: str = "/",
+        workdir: str | None = None,
         on_timeout: OnTimeout = "kill",
         paused_ttl_s: float | None = 24 * 3600.0,
         network: NetworkPolicyLike | None = None,
         full_guest: bool = False,
+        start: bool = True,
         url: str | None = None,
         api_key: str | None = None,
         timeout: float = CREATE_TIMEOUT_S,
@@ -565,9 +573,11 @@ class AsyncSandbox:
             cpu: CPU cores. memory_mb: memory limit, MiB. disk_mb: writable layer, MiB.
             pids: max processes. env: environment of every command.
             ttl_s: idle seconds before ``on_timeout`` applies (None: no idle limit).
-            labels: free-form key/values to filter on. user: default exec user.
+            labels: free-form key/values to filter on. user: default exec user (default:
+                the image's ``User``, else root).
             job: training-job id: groups sandboxes for :mod:`dsec.jobs` (pause, resume or
-                kill the whole job at once). workdir: default cwd.
+                kill the whole job at once). workdir: default cwd (default: the image's
+                ``WorkingDir``, else ``/``). The image's ``Env`` is under ``env``.
             on_timeout: ``"kill"`` or ``"pause"`` (free its memory, keep its state) when
                 ``ttl_s`` passes without activity; any request resumes a paused sandbox.
             paused_ttl_s: seconds a paused sandbox lives before it is killed (None: no limit).
@@ -580,6 +590,9 @@ class AsyncSandbox:
                 the whole guest (every capability, device, ``/proc`` file and syscall: kernel
                 work, penetration testing) instead of the container tier's protections. The
                 guest agent still lives outside the commands' PID namespace.
+            start: run the image's start command (a server, a desktop: see
+                :meth:`dsec.Image.start_cmd`); its output is :meth:`logs`. When the image
+                has a readiness check, the creation returns once it passes.
             url, api_key, transport: connection (ignored when ``client`` is given).
             timeout: how long to wait for creation, seconds.
             client: a shared :class:`AsyncClient` (its connection pool is reused).
@@ -602,6 +615,7 @@ class AsyncSandbox:
             paused_ttl_s=paused_ttl_s,
             network=network,
             full_guest=full_guest,
+            start=start,
         )
         conn, owned = cls._client_for(client, url, api_key, transport)
         body = req.model_dump(mode="json")  # keep an explicit ttl_s=None
@@ -750,6 +764,69 @@ class AsyncSandbox:
         from dsec.sdk.display import AsyncDisplay
 
         return AsyncDisplay(self)
+
+    # --- ports (the server's port proxy; dsec.sdk.ports) ----------------------
+    async def port_access(self) -> PortAccess:
+        """The sandbox's access token and the server's host-route domain (asked once,
+        then remembered): what :meth:`get_url` and :meth:`get_host` build on."""
+        if self._port_access is None:
+            r = await self._client._http.request("GET", self._path("/ports"))
+            self._port_access = PortAccess.model_validate(r.json(), context=ANSWER)
+        return self._port_access
+
+    async def get_url(
+        self, port: int, path: str = "/", *, signed: bool = True, host: bool = False
+    ) -> str:
+        """The URL of ``path`` on TCP ``port`` inside the sandbox, through the server's port
+        proxy (HTTP, server-sent events and WebSockets: use ``ws://``/``wss://`` for the
+        latter). Works for a sandbox without any network.
+
+        Args:
+            port: the port a server listens on inside the sandbox (1..65535).
+            path: the path (and query) on that server.
+            signed: put the sandbox's access token in the URL, so it works with no header
+                (any HTTP client, a browser, a harness that appends paths to a base URL);
+                False: the caller sends ``Authorization: Bearer <key>`` or
+                ``X-Dsec-Port-Token`` itself. A sandbox with ``public_ports`` needs none.
+            host: the host route ``https://{port}-{id}.<domain>/...`` (web apps with
+                absolute links; needs DNS for the server's ports domain) instead of the
+                path route on the API's own address.
+
+        Example::
+
+            sb.commands.run("python3 -m http.server 8000 >/dev/null 2>&1 &")
+            httpx.get(sb.get_url(8000, "/index.html")).text
+        """
+        from dsec.sdk.ports import port_url
+
+        return port_url(
+            self._client.url, await self.port_access(), port, path, signed=signed, host=host
+        )
+
+    async def get_host(self, port: int) -> str:
+        """``{port}-{id}.<domain>``: the host of ``port``'s host route (E2B's
+        ``get_host``); ``CapabilityNotSupported`` when the server has no ports domain.
+        Requests to it need a credential (see :meth:`get_url`) unless the sandbox was
+        created with ``public_ports``."""
+        from dsec.sdk.ports import port_url
+
+        url = port_url(self._client.url, await self.port_access(), port, signed=False, host=True)
+        return url.split("://", 1)[1].split("/", 1)[0]
+
+    async def port_forward(
+        self, port: int, local_port: int = 0, *, local_host: str = "127.0.0.1"
+    ) -> AsyncPortForward:
+        """Listen on ``local_host:local_port`` (0: any free port, see ``.local_port``) and
+        carry each connection to TCP ``port`` inside the sandbox (raw bytes: any protocol).
+        Use as ``async with await sb.port_forward(5432) as fwd:`` (sync: ``with
+        sb.port_forward(5432) as fwd:``) or call ``close()``. Needs ``websockets``."""
+        from dsec.sdk.ports import AsyncPortForward
+
+        http = self._client._http
+        ws_url = http.url.replace("http", "ws", 1).rstrip("/") + self._path(f"/tcp/{int(port)}")
+        fwd = AsyncPortForward(ws_url, {"authorization": f"Bearer {http.api_key}"}, int(port))
+        await fwd.start(local_port, local_host)
+        return fwd
 
     @property
     def next_seq(self) -> int:
@@ -966,6 +1043,23 @@ class AsyncSandbox:
         and :func:`dsec.replay.replay_lines` read it."""
         r = await self._client._http.request("GET", self._path("/trajectory"))
         return r.text
+
+    async def logs(
+        self, *, follow: bool = False, timeout: float | None = None
+    ) -> AsyncIterator[LogLine]:
+        """The output of the image's start command (:meth:`dsec.Image.start_cmd`), as
+        :class:`~dsec.models.LogLine` chunks (``stream`` ``stdout``/``stderr``, then one
+        ``dsec`` line once the command ended). ``follow``: keep yielding new output until
+        the command ends. ``timeout``: seconds for the whole call (default: the client's;
+        following, a day). Empty for an image without a start command."""
+        async with self._client._http.stream(
+            "GET",
+            self._path("/logs?follow=true" if follow else "/logs"),
+            timeout=timeout if timeout is not None else (FOLLOW_TIMEOUT_S if follow else None),
+        ) as response:
+            async for line in response.aiter_lines():
+                if line.strip():
+                    yield LogLine.model_validate_json(line, context=ANSWER)
 
     async def kill(self) -> SandboxInfo:
         """Kill the sandbox (idempotent) and release this object's connections."""

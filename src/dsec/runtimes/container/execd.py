@@ -366,7 +366,8 @@ class ExecServer:
         """Run one command; return when it has exited and its output is drained.
 
         The whole process group is SIGKILLed at ``timeout_s`` (then ``timed_out``).
-        Output beyond ``max_output_bytes`` per stream is read and dropped.
+        ``sink`` gets all of the output as it comes; the outcome keeps ``max_output_bytes``
+        per stream (the rest is read and dropped there).
         """
         t0 = time.monotonic()
         deadline = t0 + timeout_s
@@ -565,6 +566,8 @@ class ExecServer:
                 self._loop.remove_reader(s.fd)
                 s.done.set()
                 return
+            if sink_queue is not None:  # a sink sees everything; the result keeps the cap
+                sink_queue.put_nowait((s.kind, chunk))
             room = s.cap - len(s.data)
             if room <= 0:
                 s.truncated = True
@@ -573,8 +576,6 @@ class ExecServer:
                 s.truncated = True
                 chunk = chunk[:room]
             s.data += chunk
-            if sink_queue is not None:
-                sink_queue.put_nowait((s.kind, chunk))
 
     async def _write_stdin(self, fd: int, data: bytes | None) -> None:
         try:

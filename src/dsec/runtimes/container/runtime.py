@@ -43,9 +43,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsec.config import Paths, host_memory_mb
+from dsec.edge.ports import connect_socket
 from dsec.errors import (
     CapabilityNotSupported,
     Conflict,
@@ -61,9 +62,13 @@ from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import assemble_rootfs, rootfs_path, teardown_rootfs, upper_dir
 from dsec.models import ExecRequest, ExecResult, LayerInfo, SnapshotRequest
 from dsec.privileged.cgroups import CGROUP_ROOT, CgroupV1
+from dsec.privileged.netns import NetnsSockets
 from dsec.privileged.nodesetup import NodeReport, prepare_node
 from dsec.privileged.reaper import REAPER, reap_pid
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
+
+if TYPE_CHECKING:
+    from dsec.edge.interface import PortStream
 from dsec.runtimes.container import pause as pausing
 from dsec.runtimes.container.bundle import (
     DEFAULT_PATH,
@@ -218,6 +223,7 @@ class ContainerRuntime:
         self._watch_hub = WatchHub()
         """The node's one inotify instance, shared by every directory watch (``watch.py``)."""
         self._acquired: dict[str, list[str]] = {}  # sandbox id -> layer digests we hold
+        self._netns_sockets: NetnsSockets | None = None  # made on the first port connection
 
     # ------------------------------------------------------------------ node
     @property
@@ -252,6 +258,7 @@ class ContainerRuntime:
             max_cpu=float(os.cpu_count() or 1),
             max_memory_mb=host_memory_mb(),
             network_ready=self.network is not None and bool(self.network.started),
+            sink_sees_all_output=True,
         )
 
     async def start(self) -> None:
@@ -289,6 +296,9 @@ class ContainerRuntime:
     async def close(self) -> None:
         """Stop talking to the sandboxes (they keep running; :meth:`recover` finds them)."""
         self._watch_hub.close()
+        if self._netns_sockets is not None:
+            self._netns_sockets.close()
+            self._netns_sockets = None
         for live in list(self._live.values()):
             if live.server is not None:
                 with contextlib.suppress(Exception):
@@ -636,6 +646,31 @@ class ContainerRuntime:
             watch_hub=self._watch_hub,
         )
 
+    # ------------------------------------------------------------------ ports
+    async def connect_port(self, handle: Handle, port: int) -> PortStream:
+        """``PortConnectable``: a TCP connection to ``127.0.0.1:port`` inside the container,
+        from a socket made in its network namespace (the init's ``/proc/<pid>/ns/net``):
+        works with or without a network policy, and needs no route from the node."""
+        state = self._load_state(handle)
+        pid, start = state.get("init_pid"), state.get("init_start")
+        if not isinstance(pid, int) or not isinstance(start, int):
+            raise SandboxStopped(f"sandbox {handle.id} is not running", sandbox_id=handle.id)
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            raise SandboxStopped(
+                f"sandbox {handle.id} is not running", sandbox_id=handle.id
+            ) from None
+        try:
+            if _proc_start_time(pid) != start:  # the pid was reused: not our namespace
+                raise SandboxStopped(f"sandbox {handle.id} is not running", sandbox_id=handle.id)
+            if self._netns_sockets is None:
+                self._netns_sockets = NetnsSockets()
+            sock = await self._netns_sockets.socket(fd)
+        finally:
+            os.close(fd)
+        return await connect_socket(sock, port)
+
     # ------------------------------------------------------------------ liveness
     async def alive(self, handle: Handle) -> bool:
         """True while the container's init runs (the very process, not a reused pid)."""
@@ -821,6 +856,7 @@ class ContainerRuntime:
                 upper,
                 store,
                 scrub=req.scrub,
+                default_scrub=req.default_scrub,
                 meta=meta,
                 secret_values=req.secret_values,
                 compress="lz4" if req.compress else None,

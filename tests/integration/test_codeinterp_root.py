@@ -1,0 +1,114 @@
+"""The ``code-interpreter`` image built as a built-in, its server started by the image's
+start command when a real container sandbox is created (the creation returns once
+``/health`` answers), and driven from inside the sandbox over its loopback (E2B's wire
+format, as the port proxy relays it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec import Sandbox
+from dsec.layers import code_interpreter as ci
+from dsec.server import BackgroundServer
+
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.debian]
+
+# Runs inside the sandbox under the image's python3: waits for /health, then speaks the
+# wire format e2b-code-interpreter speaks (POST /execute, NDJSON lines; /contexts).
+CLIENT = r"""
+import json, sys, time, urllib.request, urllib.error
+BASE = "http://127.0.0.1:PORT"
+def call(method, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(BASE + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json",
+                                          "E2b-Sandbox-Port": "PORT"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.read().decode()
+def execute(**body):
+    return [json.loads(line) for line in call("POST", "/execute", body).splitlines() if line]
+deadline = time.time() + 90
+while True:
+    try:
+        if call("GET", "/health") == '"OK"':
+            break
+    except (urllib.error.URLError, ConnectionError):
+        pass
+    if time.time() > deadline:
+        sys.exit("the server did not get ready")
+    time.sleep(0.2)
+out = {}
+execute(code="x = 41")
+out["state"] = execute(code="x + 1")
+out["chart"] = execute(code="import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()")
+out["error"] = execute(code="1 / 0")
+out["env"] = execute(code="import os\nos.environ['CI_VAR']", env_vars={"CI_VAR": "in-sandbox"})
+out["cwd"] = execute(code="import os\nos.getcwd()")
+out["bash"] = execute(code="echo $((6 * 7))", language="bash")
+out["js"] = execute(code="[1, 2, 3].map(v => v * 2)", language="javascript")
+ctx = json.loads(call("POST", "/contexts", {"language": "python", "cwd": "/tmp"}))
+out["context"] = ctx
+out["in_context"] = execute(code="import os\nos.getcwd()", context_id=ctx["id"])
+out["contexts"] = json.loads(call("GET", "/contexts"))
+call("DELETE", "/contexts/" + ctx["id"])
+out["after_remove"] = json.loads(call("GET", "/contexts"))
+print(json.dumps(out))
+""".replace("PORT", str(ci.PORT))
+
+
+def _of(lines: list[dict[str, object]], kind: str) -> list[dict[str, object]]:
+    return [line for line in lines if line["type"] == kind]
+
+
+@pytest.fixture(scope="module")
+def node(
+    tmp_path_factory: pytest.TempPathFactory, shared_layers: Path
+) -> Iterator[BackgroundServer]:
+    home = tmp_path_factory.mktemp("codeinterp-root") / "home"
+    home.mkdir()
+    (home / "layers").symlink_to(shared_layers, target_is_directory=True)
+    with BackgroundServer(home, tiers=["container"]) as srv:
+        assert srv.edge is not None and srv.loop is not None
+        image = asyncio.run_coroutine_threadsafe(
+            srv.edge.layers.ensure_image(ci.IMAGE_NAME), srv.loop
+        ).result(3600)
+        assert image.meta["start"]["cmd"] == list(ci.START_CMD)
+        yield srv
+
+
+def test_code_interpreter_image_serves_e2b_api_in_a_sandbox(node: BackgroundServer) -> None:
+    with Sandbox.create(
+        tier="container",
+        image=ci.IMAGE_NAME,
+        memory_mb=1024,
+        ttl_s=600,
+        url=node.url,
+        api_key=node.api_key,
+    ) as sb:
+        assert sb.info.workdir == ci.WORKDIR  # the image's config
+        r = sb.commands.run(["python3", "-c", CLIENT], timeout=180)
+        log = "".join(line.data for line in sb.logs())  # the start command's output
+        assert r.ok, f"{r.stdout}\n{r.stderr}\nserver log:\n{log}"
+        out = json.loads(r.stdout)
+
+    assert _of(out["state"], "result")[0]["text"] == "42"
+    assert _of(out["state"], "number_of_executions")[0]["execution_count"] == 2
+    assert out["state"][-1] == {"type": "end_of_execution"}
+    pngs = [x for x in _of(out["chart"], "result") if "png" in x]
+    assert pngs and pngs[0]["chart"]["type"] == "line"
+    err = _of(out["error"], "error")[0]
+    assert err["name"] == "ZeroDivisionError" and "1 / 0" in str(err["traceback"])
+    assert _of(out["env"], "result")[0]["text"] == "in-sandbox"
+    assert _of(out["cwd"], "result")[0]["text"] == ci.WORKDIR
+    assert _of(out["bash"], "stdout")[0]["text"] == "42\n"
+    assert _of(out["js"], "result")[0]["text"] == "[ 2, 4, 6 ]"
+    assert out["context"]["cwd"] == "/tmp"
+    assert _of(out["in_context"], "result")[0]["text"] == "/tmp"
+    languages = {c["language"] for c in out["contexts"]}
+    assert {"python", "bash", "javascript"} <= languages
+    assert out["context"]["id"] not in [c["id"] for c in out["after_remove"]]
