@@ -26,7 +26,7 @@ from e2b import CommandExitException, FilesystemEventType, Sandbox, SandboxState
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-SUBNET = "10.231.0.0/16"
+SUBNET = "10.246.0.0/16"
 """This module's sandbox subnet (distinct from other root tests' servers)."""
 
 
@@ -152,6 +152,13 @@ def test_watch_dir_sees_the_sandboxs_own_changes_from_inotify(sbx: Sandbox) -> N
         ("a", FilesystemEventType.RENAME),
         ("b", FilesystemEventType.CREATE),
         ("b", FilesystemEventType.REMOVE),
+    ]
+    # a file written through the SDK: envd's three events (created, written, given to the user)
+    sbx.files.write("w/sdk.txt", "x")
+    assert [(e.name, e.type) for e in handle.get_new_events()] == [
+        ("sdk.txt", FilesystemEventType.CREATE),
+        ("sdk.txt", FilesystemEventType.WRITE),
+        ("sdk.txt", FilesystemEventType.CHMOD),
     ]
     handle.stop()
 

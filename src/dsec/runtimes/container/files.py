@@ -436,8 +436,12 @@ class RootedFiles:
         )
 
     def _chown(self, fd: int) -> None:
+        """Give the file at ``fd`` to :attr:`owner` (only if it is not already theirs: each
+        change is an attribute event a directory watcher sees)."""
         if self.owner != (0, 0):
-            os.fchown(fd, *self.owner)
+            st = os.fstat(fd)
+            if (st.st_uid, st.st_gid) != self.owner:
+                os.fchown(fd, *self.owner)
 
     # -- sync implementations -----------------------------------------------
 
@@ -530,8 +534,11 @@ class RootedFiles:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fchmod(fd, mode & 0o7777)
+            # owner first (a chown clears set-id bits), then the mode if it is not yet
+            # right: a new file shows a watcher create, write, chmod, as envd's does
             self._chown(fd)
+            if stat.S_IMODE(os.fstat(fd).st_mode) != mode & 0o7777:
+                os.fchmod(fd, mode & 0o7777)
             return self._info(path, os.fstat(fd))
         finally:
             os.close(fd)
