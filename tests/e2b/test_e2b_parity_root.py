@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 SUBNET = "10.246.0.0/16"
 """This module's sandbox subnet (distinct from other root tests' servers)."""
+OPEN_NAME, OPEN_ADDR = "any-name.e2b-parity.test", "198.51.100.7"
+"""A name the node's resolver knows (a static record): an open sandbox resolves any name."""
 
 
 class Real:
@@ -44,7 +46,11 @@ def real(dsec_home_root: Path, shared_layers: Path) -> Iterator[Real]:
 
     home = dsec_home_root / "e2b-parity"
     _seed_layers(home, shared_layers)
-    with BackgroundServer(home, tiers=["container"], network_options={"subnet": SUBNET}) as bg:
+    with BackgroundServer(
+        home,
+        tiers=["container"],
+        network_options={"subnet": SUBNET, "static_records": {OPEN_NAME: [OPEN_ADDR]}},
+    ) as bg:
         assert bg.edge is not None
         if "container" not in bg.edge.runtimes:
             pytest.skip("the container tier is not available on this node")
@@ -112,6 +118,8 @@ def test_network_default_is_open_on_the_e2b_api(real: Real, sbx: Sandbox) -> Non
     owner = real.bg.keys.verify(real.bg.api_key)
     edge_info = real.bg.call(real.bg.edge.get_sandbox(sbx.sandbox_id, owner))
     assert edge_info.network is not None
+    # open as E2B's: names resolve without being listed (dsec's resolver, static record)
+    assert sbx.commands.run(f"getent hosts {OPEN_NAME}").stdout.split()[0] == OPEN_ADDR
     closed = Sandbox.create("base", allow_internet_access=False)
     try:
         assert closed.get_info().allow_internet_access is False
