@@ -58,32 +58,58 @@ class Cause:
 
 
 CAUSES: list[Cause] = [
-    Cause("template build and alias API (not this branch)", (r"/template_(a)?sync/",)),
+    # not about dsec: the tests (E2B's repository snapshot) and the SDK (the pinned e2b) are
+    # of different versions, or the runner's environment differs from E2B's cloud
     Cause(
-        "get_host / public URLs (ports helper)",
-        (r"test_host\.py", r"test_network\.py::.*(public|host|traffic|mask)"),
-    ),
-    Cause("get_metrics (dashboard helper)", (r"test_metrics\.py",)),
-    Cause("volumes and secrets (cloud-only)", (r"/volume_(a)?sync/", r"/secret_(a)?sync/")),
-    Cause(
-        "E2B home/user layout",
+        "test and SDK versions differ / runner environment",
         (
-            r"files/test_(write|read|info|exists|rename|make_dir|files_list|remove)\.py.*relative",
-            r"test_(cwd|user|pwd|home)",
-            r"commands/test_run\.py::test_run_with_(special_characters|broken_utf8|multiline)",
+            r"/sandbox/test_lifecycle_request::",  # mocks an SDK function 2.63 no longer calls
+            r"/test_connect::test_connect_normalizes_unset_tokens",  # the same
+            r"/test_config_propagation::test_connect_sets_stable_host_routing_headers",  # expects
+            # the default E2B_DOMAIN, the runner sets E2B_SANDBOX_URL
+            r"/files/test_info::test_file_symlink",  # SDK 2.63 reports SYMLINK, the test FILE
+            r"/template/utils/test_get_all_files_in_path\b",  # SDK-only, fails offline too
         ),
     ),
     Cause(
-        "snapshots list / delete",
-        (r"test_snapshot_api\.py", r"test_sbx_snapshot\.py", r"test_snapshot\.py"),
+        "needs the internet (the runner's namespace has none)",
+        (r"/test_internet_access::test_internet_access_(default|enabled)", r"/test_network::"),
     ),
-    Cause("file metadata (user.e2b.* xattrs)", (r"files/test_metadata\.py",)),
-    Cause("curl / git / sudo in base", (r"/shared/git/", r"test_internet_access\.py", r"sudo")),
-    Cause("network open by default", (r"test_internet_access\.py::test_internet_access_default",)),
-    Cause("pause keep_memory=False", (r"keep_memory|filesystem_only",)),
-    Cause("list() newest first, pagination", (r"test_sbx_list\.py",)),
-    Cause("files.remove missing path", (r"files/test_remove\.py",)),
-    Cause("watch_dir events", (r"files/test_watch\.py",)),
+    Cause("template build and alias API (the environments issue)", (r"/template_(a)?sync/",)),
+    Cause(
+        "get_host / public URLs (needs a wildcard DNS name and TLS on 443)",
+        (r"/test_host::", r"::test_auto_resume_wakes_on_http_request"),
+    ),
+    Cause("get_metrics (dashboard merge)", (r"/test_metrics::",)),
+    Cause(
+        "cloud-only: volumes, secrets, egress proxy",
+        (
+            r"/volume_(a)?sync/",
+            r"/secret_(a)?sync/",
+            r"/sandbox/test_(egress_proxy|network_transform)::",
+        ),
+    ),
+    Cause(
+        "E2B home/user layout",
+        (
+            r"/files/test_(write|read|info|exists|rename|make_dir|files_list|content_encoding)::",
+            r"/commands/test_(run|env_vars)::",
+        ),
+    ),
+    Cause(
+        "pause keep_memory=False",
+        (r"/test_snapshot_filesystem_only::", r"keep_memory|filesystem_only"),
+    ),
+    Cause(
+        "snapshots list / delete",
+        (r"/test_snapshot_api::", r"/test_sbx_snapshot::", r"/test_snapshot::"),
+    ),
+    Cause("file metadata (user.e2b.* xattrs)", (r"/files/test_metadata::",)),
+    Cause("curl / git / sudo in base", (r"/shared/git/",)),
+    Cause("network open by default", (r"/test_internet_access::",)),
+    Cause("list() newest first, pagination", (r"/test_sbx_list::",)),
+    Cause("files.remove missing path", (r"/files/test_remove::",)),
+    Cause("watch_dir events", (r"/files/test_watch::",)),
     Cause("lifecycle / auto_resume", (r"lifecycle|auto_resume",)),
     Cause("MCP gateway", (r"mcp",)),
 ]
