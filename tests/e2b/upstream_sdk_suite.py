@@ -12,7 +12,12 @@ What it does:
    the suite needs first (outside it: the Debian mirror), points the SDK at it with
    ``E2B_API_URL`` / ``E2B_SANDBOX_URL`` / ``E2B_API_KEY`` and runs every suite with
    pytest (``--junitxml``). Sandboxes with an open network can therefore reach nothing
-   beyond the namespace: tests that need the internet fail here whatever dsec does;
+   beyond the namespace: tests that need the internet fail here whatever dsec does.
+   The namespace has its own ``/etc/resolv.conf`` (a private mount namespace) naming a
+   wildcard DNS responder on 127.0.0.1 for the ports domain :data:`PORTS_DOMAIN`
+   (``*.<domain>`` -> 127.0.0.1, anything else NXDOMAIN), and the server's TLS listener is
+   on 443 with ``SSL_CERT_FILE`` pointing the tests at its ``ca.pem``, so
+   ``sbx.get_host(port)`` URLs work as with E2B's cloud;
 4. prints pass counts per suite and per cause (:data:`CAUSES`: which failing tests a row
    of the parity table is about) and writes every test's outcome to ``--out``.
 
@@ -32,9 +37,11 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -44,6 +51,8 @@ from typing import Any
 SUITES = ["sync", "async", "shared"]
 """Directories under ``tests/`` run one pytest each (``shared`` holds the git helpers)."""
 OFFLINE_KEY = "e2b_" + "0" * 40
+PORTS_DOMAIN = "e2b-upstream.test"
+"""The server's ports domain in the runner's namespace (``.test``: RFC 2606, never real)."""
 
 
 @dataclass(frozen=True)
@@ -72,14 +81,18 @@ CAUSES: list[Cause] = [
         ),
     ),
     Cause(
+        "get_host: ports private by default (E2B: public), 401 where E2B answers 403",
+        (
+            r"/test_host::",
+            r"::test_auto_resume_wakes_on_http_request",
+            r"/test_network::test_allow_public_traffic",
+        ),
+    ),
+    Cause(
         "needs the internet (the runner's namespace has none)",
         (r"/test_internet_access::test_internet_access_(default|enabled)", r"/test_network::"),
     ),
     Cause("template build and alias API (the environments issue)", (r"/template_(a)?sync/",)),
-    Cause(
-        "get_host / public URLs (needs a wildcard DNS name and TLS on 443)",
-        (r"/test_host::", r"::test_auto_resume_wakes_on_http_request"),
-    ),
     Cause("get_metrics (dashboard merge)", (r"/test_metrics::",)),
     Cause(
         "cloud-only: volumes, secrets, egress proxy",
@@ -245,12 +258,47 @@ def _prebuild(cache: Path, images: list[str]) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _wildcard_dns(domain: str) -> socket.socket:
+    """A UDP DNS responder on 127.0.0.1:53 (a daemon thread): ``A`` of ``domain`` and of
+    every name below it is 127.0.0.1, every other name NXDOMAIN."""
+    from dsec.network import dns
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 53))
+
+    def serve() -> None:
+        while True:
+            data, addr = sock.recvfrom(4096)
+            try:
+                msg = dns.parse_message(data)
+            except dns.DnsFormatError:
+                continue
+            if msg.is_response or len(msg.questions) != 1:
+                continue
+            q = msg.questions[0]
+            if q.name != domain and not q.name.endswith("." + domain):
+                sock.sendto(dns.build_response(msg, dns.RCODE_NXDOMAIN), addr)
+                continue
+            records = (
+                [dns.Record(q.name, dns.TYPE_A, 60, "127.0.0.1")] if q.qtype == dns.TYPE_A else []
+            )
+            sock.sendto(dns.build_response(msg, dns.RCODE_NOERROR, records), addr)
+
+    threading.Thread(target=serve, name="wildcard-dns", daemon=True).start()
+    return sock
+
+
 def inner(args: argparse.Namespace) -> None:
-    """In the private network namespace: start dsec serve, run the suites."""
+    """In the private network and mount namespaces: a resolver for the ports domain,
+    ``dsec serve``, the suites."""
     from dsec.server import ServeProcess
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     home = Path(tempfile.mkdtemp(prefix="dsec-e2b-upstream-", dir="/tmp"))
+    resolv = home.parent / f"{home.name}.resolv.conf"
+    resolv.write_text("nameserver 127.0.0.1\n")
+    subprocess.run(["mount", "--bind", str(resolv), "/etc/resolv.conf"], check=True)
+    _wildcard_dns(PORTS_DOMAIN)
     results: dict[str, Any] = json.loads(Path(args.out).read_text())
     env = {
         "DSEC_TIERS": "container",
@@ -258,6 +306,8 @@ def inner(args: argparse.Namespace) -> None:
         "DSEC_NET_SUBNET": args.subnet,
         "DSEC_CPU_OVERCOMMIT": "50",
         "DSEC_MEMORY_OVERCOMMIT": "8",
+        "DSEC_PORTS_DOMAIN": PORTS_DOMAIN,
+        "DSEC_PORTS_TLS_PORT": "443",
     }
     try:
         with ServeProcess(home, env=env, layer_cache=Path(args.layer_cache)) as srv:
@@ -265,6 +315,7 @@ def inner(args: argparse.Namespace) -> None:
                 "E2B_API_URL": f"{srv.url}/e2b",
                 "E2B_SANDBOX_URL": f"{srv.url}/e2b/envd",
                 "E2B_API_KEY": srv.api_key,
+                "SSL_CERT_FILE": str(home / "ports-tls" / "ca.pem"),
             }
             for suite in args.suites:
                 t0 = time.monotonic()
@@ -274,6 +325,7 @@ def inner(args: argparse.Namespace) -> None:
                 print(f"suite {suite}: {time.monotonic() - t0:.0f} s", flush=True)
     finally:
         shutil.rmtree(home, ignore_errors=True)
+        resolv.unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -332,7 +384,10 @@ def main() -> None:
     argv = [sys.executable, os.path.abspath(__file__), "--inner", "--out", str(args.out)]
     argv += ["--workdir", str(args.workdir), "--subnet", args.subnet, "--suites", *args.suites]
     argv += ["--layer-cache", str(args.layer_cache)]
-    subprocess.run(["unshare", "--net", "--", *argv], check=True)
+    # a network namespace with only loopback, and a mount namespace for its resolv.conf
+    subprocess.run(
+        ["unshare", "--net", "--mount", "--propagation", "private", "--", *argv], check=True
+    )
     print(summarise(json.loads(args.out.read_text())))
 
 
