@@ -260,6 +260,23 @@ def test_metadata_of_another_keys_sandbox_is_not_found(e2b_server: E2BServer, sb
         e2b_server.call(e2b_server.edge.watch_directory(sbx.sandbox_id, "bob", "/home/user"))
 
 
+# --- pause keep_memory=False where the tier has no filesystem-only pause -------------------
+def test_keep_memory_false_is_refused_by_a_tier_without_it(e2b_server: E2BServer) -> None:
+    s = Sandbox.create("base")  # the fake tier has no filesystem pause: a typed 422, nothing paused
+    try:
+        with pytest.raises(SandboxException) as exc:
+            s.pause(keep_memory=False)
+        assert "422" in str(exc.value) and "filesystem-only pause" in str(exc.value)
+        assert s.get_info().state == SandboxState.RUNNING
+        with pytest.raises(SandboxException) as exc:
+            Sandbox.create(
+                "base", lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}}
+            )
+        assert "filesystem" in str(exc.value)
+    finally:
+        s.kill()
+
+
 # --- lifecycle auto_resume=False ------------------------------------------------------------
 def test_auto_resume_false_keeps_a_paused_sandbox_asleep_until_connect(
     e2b_server: E2BServer,

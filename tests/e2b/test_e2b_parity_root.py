@@ -206,3 +206,23 @@ def test_snapshots_are_listed_and_deleted_per_key(real: Real, sbx: Sandbox) -> N
         assert Sandbox.delete_snapshot(snap.snapshot_id) is True
     assert Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items() == []
     assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+
+
+def test_timeout_pause_filesystem_mode_keeps_only_the_files(real: Real) -> None:
+    s = Sandbox.create(
+        "base", timeout=2, lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}}
+    )
+    try:
+        s.files.write("kept.txt", "after the timeout")
+        boot = s.files.read("/proc/sys/kernel/random/boot_id")
+        s.commands.run("sleep 600", background=True)
+        deadline = time.monotonic() + 20
+        while s.get_info().state != SandboxState.PAUSED:
+            assert time.monotonic() < deadline, "the timeout did not pause the sandbox"
+            time.sleep(0.3)
+        s.connect()
+        assert s.files.read("kept.txt") == "after the timeout"
+        assert s.files.read("/proc/sys/kernel/random/boot_id") != boot
+        assert s.commands.run("pgrep -x sleep || echo none").stdout.strip() == "none"
+    finally:
+        s.kill()
