@@ -75,10 +75,11 @@ def test_root_and_relative_cwd_resolve_against_that_users_home(sbx: Sandbox) -> 
 
 
 def test_a_template_without_the_e2b_user_keeps_its_own_default(e2b_server: E2BServer) -> None:
-    s = Sandbox.create("debian")  # a dsec image with no config: root, relative to /root
+    s = Sandbox.create("debian")  # a dsec image with no config: the tier's user, its workdir
     try:
-        assert s.commands.run("whoami; pwd").stdout == "root\n/root\n"
-        assert s.files.write("x.txt", "1").path == "/root/x.txt"
+        assert s.commands.run("whoami; pwd").stdout == "root\n/\n"
+        assert s.files.write("x.txt", "1").path == "/x.txt"
+        assert s.commands.run("pwd", user="root").stdout == "/root\n"  # a named user: its home
     finally:
         s.kill()
 

@@ -117,8 +117,10 @@ class SandboxUsers:
         return db
 
     async def home(self, sandbox_id: str, owner: str, user: str | None) -> str:
-        """The home directory of ``user`` (``None``: the sandbox's default user, else root)
-        in the sandbox; the sandbox's working directory when its passwd does not say.
+        """The home directory of ``user`` (``None``: the sandbox's default user) in the
+        sandbox; the sandbox's working directory when its passwd does not say, or when
+        neither the request nor the sandbox names a user (who runs its commands is then
+        the tier's choice: root on the container tier, ``sandbox`` on fncall).
 
         Raises:
             InvalidRequest: ``user`` is a name the sandbox's passwd does not have.
@@ -126,7 +128,9 @@ class SandboxUsers:
         """
         info = await self._edge.get_sandbox(sandbox_id, owner)
         spec = user if user is not None else info.user
-        name = (spec or "0").partition(":")[0]
+        if not spec:
+            return info.workdir or "/"
+        name = spec.partition(":")[0]
         db = await self._db(sandbox_id, owner)
         found = self._lookup(db, name)
         if found is None and db.readable:
