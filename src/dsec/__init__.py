@@ -80,6 +80,7 @@ from dsec.models import (
     LogLine,
     NodeInfo,
     SandboxInfo,
+    SandboxMetrics,
 )
 from dsec.network.policy import NetworkPolicy
 from dsec.sdk import (
@@ -140,6 +141,7 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "SandboxInfo",
+    "SandboxMetrics",
     "SandboxNotFound",
     "SandboxStopped",
     "SandboxTimeout",

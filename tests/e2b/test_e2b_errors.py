@@ -50,9 +50,9 @@ def test_refused_features_say_so(e2b_server: E2BServer) -> None:
         assert exc.value.status_code == 422 and "not supported by dsec" in str(exc.value)
     sbx = Sandbox.create("base")
     try:
-        with pytest.raises(SandboxException) as exc:
+        with pytest.raises(SandboxException) as exc:  # this fake tier cannot measure
             sbx.get_metrics()
-        assert exc.value.status_code == 422 and "not supported by dsec" in str(exc.value)
+        assert exc.value.status_code == 422 and "cannot measure" in str(exc.value)
         with pytest.raises(SandboxException) as exc:
             sbx.create_snapshot(mode="full")
         assert exc.value.status_code == 422 and "filesystem-only" in str(exc.value)
