@@ -93,7 +93,7 @@ CAUSES: list[Cause] = [
         (r"/test_internet_access::test_internet_access_(default|enabled)", r"/test_network::"),
     ),
     Cause("template build and alias API (the environments issue)", (r"/template_(a)?sync/",)),
-    Cause("get_metrics (dashboard merge)", (r"/test_metrics::",)),
+    Cause("get_metrics", (r"/test_metrics::",)),
     Cause(
         "cloud-only: volumes, secrets, egress proxy",
         (
