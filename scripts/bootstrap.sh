@@ -56,3 +56,33 @@ fi
 if [[ ! -f $ui_out ]] || [[ -n $(find ui/src ui/build.mjs ui/package-lock.json -newer "$ui_out" -print -quit) ]]; then
   (cd ui && node build.mjs)
 fi
+
+# Harbor (the Terminal-Bench harness: tests/integrations/test_harbor_root.py) needs Python
+# >= 3.12: a venv of its own, .venv-harbor, from the first such Python found (Debian 13's
+# python3 is 3.13; Debian 12 has 3.11 only, and neither Debian nor PyPI ships a standalone
+# CPython, so there the Harbor tests skip saying so unless pyenv or DSEC_HARBOR_BASE_PYTHON
+# provides one).
+harbor_python() {
+  local c
+  for c in "${DSEC_HARBOR_BASE_PYTHON:-}" python3 python3.13 python3.12 \
+      "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python /root/.pyenv/versions/3.1[2-9]*/bin/python; do
+    [[ -n $c ]] || continue
+    command -v "$c" >/dev/null 2>&1 || [[ -x $c ]] || continue
+    if "$c" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      echo "$c"
+      return 0
+    fi
+  done
+  return 1
+}
+hstamp=.venv-harbor/.dsec-installed
+if [[ ! -f $hstamp || pyproject.toml -nt $hstamp ]]; then
+  if hpy=$(harbor_python); then
+    [[ -x .venv-harbor/bin/python ]] || "$hpy" -m venv .venv-harbor
+    .venv-harbor/bin/pip install -q --upgrade pip
+    .venv-harbor/bin/pip install -q -e '.[harbor]'
+    touch "$hstamp"
+  else
+    echo "bootstrap: no Python >= 3.12 here: the Harbor tests will be skipped"
+  fi
+fi

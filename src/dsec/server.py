@@ -96,12 +96,14 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
         raw = os.environ.get("DSEC_E2B_NETWORK_DEFAULT", "open")
         if raw not in ("open", "closed"):
             raise SystemExit("DSEC_E2B_NETWORK_DEFAULT must be 'open' or 'closed'")
+        home = getattr(getattr(edge, "paths", None), "home", None)
         e2b_app = make_e2b_app(
             edge,
             keys.verify,
             default_network="closed" if raw == "closed" else "open",
             sandbox_domain=ports.domain,
             traffic_tokens=tokens,
+            template_files_dir=Path(home) / "e2b-template-files" if home is not None else None,
         )
         app.mount("/e2b", e2b_app)
         # E2B-routed port requests (E2b-Sandbox-Port) may carry the envdAccessToken

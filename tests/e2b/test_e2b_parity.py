@@ -178,10 +178,11 @@ def test_snapshot_routes_refuse_bad_input_with_json_4xx(e2b_server: E2BServer) -
         assert r.status_code == 400 and r.json()["code"] == 400, (params, r.text)
     r = httpx.get(base + "/snapshots", headers={"X-API-Key": "nope"})
     assert r.status_code == 401 and r.json()["code"] == 401
-    for name in ("debian", "e2b-base", "busybox"):  # system images: not a key's to delete
+    for name in ("debian", "e2b-base", "busybox"):  # system images: no key's template
         r = httpx.delete(base + f"/templates/{name}", headers=ALICE)
-        assert r.status_code == 403 and r.json()["code"] == 403
-    for name in ("no-such-snapshot", "a/b/c", "x" * 300, "%00"):
+        assert r.status_code == 404 and r.json()["code"] == 404
+        assert e2b_server.call(e2b_server.edge.get_image(name, "alice")).name == name  # kept
+    for name in ("no-such-snapshot", "x" * 300, "%00"):
         r = httpx.delete(base + f"/templates/{name}", headers=ALICE)
         assert r.status_code == 404 and r.json()["code"] == 404, (name, r.text)
 

@@ -15,7 +15,9 @@ Mapping:
 * pause / resume / connect-resumes -> ``pause_sandbox`` / ``resume_sandbox``;
   ``lifecycle.on_timeout`` -> ``on_timeout``; snapshots -> ``snapshot_sandbox``
   tagged as an image (the snapshot id is that image name, so it works as a
-  template); fork -> ``fork_sandbox``.
+  template, and ``delete_snapshot`` deletes it like a template); fork -> ``fork_sandbox``.
+* templates (``Template.build``, aliases, tags, list, delete) -> :mod:`dsec.e2b.templates`
+  over the edge's image builds; a template is the key's images named after it.
 * ``allow_internet_access`` and ``network`` (``allow_out``/``deny_out``/
   ``dns_servers``) -> a dsec ``NetworkPolicy`` (:mod:`dsec.e2b.network`);
   ``update_network`` -> ``update_network``; ``get_info`` shows the policy back.
@@ -29,7 +31,7 @@ Mapping:
   own note ``warn``; ``start``/``cursor`` in milliseconds, ``limit``, ``direction``,
   ``level`` (the lowest shown) and ``search`` (a substring) as E2B has them.
 * features dsec does not have (listing/deleting snapshots,
-  egress proxies and request transforms, MCP, volumes, template builds) answer
+  egress proxies and request transforms, MCP, volumes) answer
   422 (or 501 for routes not implemented at all) with a message that says so;
   the SDK raises ``SandboxException("<status>: <message>")``.
 """
@@ -73,6 +75,7 @@ from dsec.e2b.errors import E2BError, control_status, stream_ended_error
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
 from dsec.e2b.process import ProcessRegistry, paused_error
+from dsec.e2b.templates import TemplateAPI
 from dsec.edge.interface import EdgeAPI, MetricsEdge, PauseModes
 from dsec.errors import (
     CapabilityNotSupported,
@@ -262,12 +265,14 @@ class ControlPlane:
         templates: TemplateMap,
         registry: ProcessRegistry,
         filesystem: FilesystemService,
+        template_api: TemplateAPI | None = None,
         *,
         default_network: NetworkDefault = "open",
         sandbox_domain: str | None = None,
         traffic_tokens: TrafficTokens | None = None,
     ) -> None:
         self.edge = edge
+        self.template_api = template_api
         self.sandbox_domain = sandbox_domain or SANDBOX_DOMAIN
         self.traffic_tokens = traffic_tokens
         self.verify_key = verify_key
@@ -311,7 +316,19 @@ class ControlPlane:
             Route("/sandboxes/{sandbox_id}/logs", g(self.logs_v1), methods=["GET"]),
             Route("/v2/sandboxes/{sandbox_id}/logs", g(self.logs_v2), methods=["GET"]),
             Route("/snapshots", g(self.list_snapshots), methods=["GET"]),
-            Route("/templates/{template_id:path}", g(self.delete_snapshot), methods=["DELETE"]),
+            # DELETE /templates/{id} (Sandbox.delete_snapshot too): the template API's, which
+            # deletes any of the key's templates; without it, snapshots only
+            *(
+                self.template_api.routes(g)
+                if self.template_api is not None
+                else [
+                    Route(
+                        "/templates/{template_id:path}",
+                        g(self.delete_snapshot),
+                        methods=["DELETE"],
+                    )
+                ]
+            ),
         ]
 
     def _guard(
@@ -475,6 +492,9 @@ class ControlPlane:
         wire_network = _unset(new.network)
         public = wire_network is not None and _unset(wire_network.allow_public_traffic) is True
         target = self.templates.resolve(new.template_id)
+        sizes: dict[str, Any] = {}
+        if self.template_api is not None:  # a template id, name:default; its cpu and memory
+            target, sizes = await self.template_api.sandbox_target(owner, new.template_id, target)
         if internet is None and wire_network is None and self.default_network == "open":
             # E2B's default: the internet is open. Only where the tier can give a network
             # (a node without networking creates sandboxes without one, as before)
@@ -483,6 +503,7 @@ class ControlPlane:
             internet,
             E2BEgress.from_wire(wire_network) if wire_network is not None else None,
         )
+
         metadata = _unset(new.metadata) or {}
         envs = _unset(new.env_vars) or {}
         if not isinstance(metadata, dict) or not isinstance(envs, dict):
@@ -492,6 +513,7 @@ class ControlPlane:
             req = CreateSandboxRequest(
                 tier=target.tier,
                 image=target.image,
+                **sizes,
                 env={str(k): str(v) for k, v in envs.items()},
                 labels={
                     **{str(k): str(v) for k, v in metadata.items()},
@@ -916,9 +938,9 @@ class ControlPlane:
         return JSONResponse(body, headers=headers)
 
     async def delete_snapshot(self, request: Request, owner: str) -> Response:
-        """``Sandbox.delete_snapshot``: forget ``owner``'s snapshot image (its layers stay
-        while sandboxes use them). Another key's, or no such snapshot: 404; a system image
-        or an image that is not a snapshot: 403 (templates are deleted by the template API)."""
+        """``Sandbox.delete_snapshot`` on an app without the template API: forget ``owner``'s
+        snapshot image (its layers stay while sandboxes use them). Another key's, or no such
+        snapshot: 404; a system image or an image that is not a snapshot: 403."""
         name = request.path_params["template_id"]
         try:
             image = await self.edge.get_image(name, owner)
