@@ -98,6 +98,15 @@ def test_a_symlink_shows_what_it_leads_to(sbx: Sandbox) -> None:
     assert listed["t.txt"] is None and listed["l2"] == "/home/user/ln/t.txt"
 
 
+def test_public_template_aliases_exist_for_every_key(e2b_server: E2BServer) -> None:
+    from e2b import Template
+
+    for alias in ("base", "code-interpreter-v1"):  # E2B's public templates, as in its cloud
+        assert Template.exists(alias) is True
+        assert Template.exists(alias, api_key="key-bob") is True
+    assert Template.exists("no-such-template-here") is False
+
+
 # --- files.remove of a missing path ------------------------------------------------------
 def test_remove_of_a_missing_path_is_a_no_op(sbx: Sandbox) -> None:
     sbx.files.remove("non_existing_file.txt")
