@@ -64,7 +64,9 @@ def test_commands_and_files_default_to_user_in_home(e2b_server: E2BServer, sbx: 
 
 
 def test_root_and_relative_cwd_resolve_against_that_users_home(sbx: Sandbox) -> None:
-    assert sbx.commands.run("pwd; whoami", user="root").stdout == "/root\nroot\n"
+    # a command starts in the template's workdir whoever runs it (envd's default workdir)
+    assert sbx.commands.run("pwd; whoami", user="root").stdout == "/home/user\nroot\n"
+    assert sbx.commands.run("pwd", user="root", cwd="x/..").stdout == "/root\n"
     assert sbx.files.write("as-root.txt", "r", user="root").path == "/root/as-root.txt"
     assert sbx.files.read("/root/as-root.txt") == "r"
     sbx.files.make_dir("/home/user/proj/src")

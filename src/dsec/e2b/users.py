@@ -143,11 +143,15 @@ class SandboxUsers:
         return info.workdir or "/"
 
     async def cwd(self, sandbox_id: str, owner: str, user: str | None, cwd: str | None) -> str:
-        """Where a command of ``user`` starts: ``cwd`` (a relative one against the user's
-        home), else the user's home when it exists, else the sandbox's working directory."""
+        """Where a command of ``user`` starts, as envd: ``cwd`` (a relative one against the
+        user's home), else the template's working directory (the sandbox's, when its image
+        set one: not ``/``), else the user's home when it exists, else ``/``."""
         home = await self.home(sandbox_id, owner, user)
         if cwd:
             return resolve_path(cwd, home)
+        workdir = (await self._edge.get_sandbox(sandbox_id, owner)).workdir
+        if workdir and workdir != "/":
+            return workdir
         db = await self._db(sandbox_id, owner)
         if home in db.existing_dirs:
             return home
