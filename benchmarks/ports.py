@@ -17,7 +17,13 @@ ratio; WebSocket echo round trip p50 (one connection, 32-byte messages); bulk th
 (one connection, ``--bulk-mb`` MiB). Targets: <= 1.5 ms added at p50 for HTTP,
 <= 2 ms WebSocket round trip at p50, >= 1 GB/s bulk through the proxy on loopback.
 
+Then a warm ``code-interpreter`` sandbox: the unmodified e2b-code-interpreter client's
+``run_code("1+1")`` through the node's E2B API and the port proxy (target <= 10 ms p50),
+interleaved with SandboxFusion's ``POST /run_code`` of ``print(1+1)`` (python, the fncall
+tier) on the same server: its peer.
+
 Usage (root): .venv/bin/python benchmarks/ports.py [-n 300] [--bulk-mb 1024] [--home DIR]
+    [--layers DIR]
 Writes benchmarks/results/ports.json.
 """
 
@@ -149,12 +155,48 @@ async def ws_rtts(connect_kw: dict[str, Any], url: str, n: int) -> list[float]:
     return out
 
 
+def code_interpreter_round_trips(url: str, api_key: str, n: int) -> tuple[list[float], list[float]]:
+    """``run_code("1+1")`` on a warm code-interpreter sandbox (unmodified client, E2B API,
+    port proxy) and SandboxFusion's ``/run_code`` of the same snippet, interleaved."""
+    import httpx
+    from e2b_code_interpreter import Sandbox as CodeInterpreter
+
+    sbx = CodeInterpreter.create(
+        api_key=api_key, api_url=f"{url}/e2b", sandbox_url=f"{url}/e2b/envd", timeout=1800
+    )
+    fusion = httpx.Client(base_url=url, headers={"authorization": f"Bearer {api_key}"}, timeout=120)
+    body = {"code": "print(1+1)", "language": "python"}
+    try:
+        for _ in range(20):  # warm up: the kernel, the proxy's connections, the fncall pool
+            assert sbx.run_code("1+1").text == "2"
+            r = fusion.post("/run_code", json=body)
+            assert r.json()["run_result"]["stdout"] == "2\n", r.text
+        client, sf = [], []
+        for _ in range(n):
+            t = time.perf_counter()
+            sbx.run_code("1+1")
+            client.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            fusion.post("/run_code", json=body).raise_for_status()
+            sf.append(time.perf_counter() - t)
+        return client, sf
+    finally:
+        fusion.close()
+        sbx.kill()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-n", type=int, default=300, help="HTTP requests and WS round trips per way")
     ap.add_argument("--bulk-mb", type=int, default=1024, help="MiB per bulk transfer")
     ap.add_argument("--bulk-runs", type=int, default=3)
     ap.add_argument("--home", type=Path, default=None)
+    ap.add_argument(
+        "--layers",
+        type=Path,
+        default=None,
+        help="an existing layer store to use (e.g. /var/cache/dsec-test-layers): no image builds",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root (dsec serve)")
@@ -163,7 +205,10 @@ def main() -> None:
     from dsec.privileged.netns import setns
 
     home = args.home or Path(tempfile.mkdtemp(prefix="dsec-bench-ports-")) / "home"
-    env = {"DSEC_TIERS": "container", "DSEC_NETWORK": "off", "DSEC_ACCESS_LOG": "off"}
+    if args.layers is not None and not (home / "layers").exists():
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "layers").symlink_to(args.layers.resolve(), target_is_directory=True)
+    env = {"DSEC_TIERS": "container,fncall", "DSEC_NETWORK": "off", "DSEC_ACCESS_LOG": "off"}
     with ServeProcess(home, env=env) as srv:
         auth = {"authorization": f"Bearer {srv.api_key}"}
         api = httpx.Client(base_url=srv.url, headers=auth, timeout=600)
@@ -241,6 +286,7 @@ def main() -> None:
                 b_proxied.append(bulk_once(proxied, bvia, size))
             os.close(netns_fd)
             os.close(host_fd)
+            ci_client, ci_fusion = code_interpreter_round_trips(srv.url, srv.api_key, args.n)
         finally:
             api.delete(f"/v1/sandboxes/{sid}")
             api.close()
@@ -268,7 +314,18 @@ def main() -> None:
         "proxied_median_gbps": statistics.median(b_proxied) / 1e9,
     }
     bulk["ratio"] = bulk["proxied_median_gbps"] / bulk["direct_median_gbps"]
+    code = {
+        "e2b_code_interpreter_run_code_p50_ms": pct(ci_client, 50) * ms,
+        "e2b_code_interpreter_run_code_p90_ms": pct(ci_client, 90) * ms,
+        "sandboxfusion_run_code_p50_ms": pct(ci_fusion, 50) * ms,
+        "sandboxfusion_run_code_p90_ms": pct(ci_fusion, 90) * ms,
+    }
+    code["ratio_p50"] = (
+        code["e2b_code_interpreter_run_code_p50_ms"] / code["sandboxfusion_run_code_p50_ms"]
+    )
     targets = {
+        "code_interpreter_run_code_p50_le_10_ms": code["e2b_code_interpreter_run_code_p50_ms"]
+        <= 10.0,
         "http_added_p50_le_1_5_ms": http["added_p50_ms"] <= 1.5,
         "ws_rtt_p50_le_2_ms": ws["proxied_p50_ms"] <= 2.0,
         "bulk_ge_1_gbps": bulk["proxied_median_gbps"] >= 1.0,
@@ -287,6 +344,13 @@ def main() -> None:
     print(
         f"{'bulk download, median (GB/s)':<34} {bulk['direct_median_gbps']:>10.2f} {bulk['proxied_median_gbps']:>10.2f} {bulk['ratio']:>7.2f}"
     )
+    print(f"{'':<34} {'SF run_code':>10} {'e2b-ci':>10}")
+    print(
+        f"{'run_code 1+1 p50 (ms)':<34} {code['sandboxfusion_run_code_p50_ms']:>10.3f} {code['e2b_code_interpreter_run_code_p50_ms']:>10.3f} {code['ratio_p50']:>7.2f}"
+    )
+    print(
+        f"{'run_code 1+1 p90 (ms)':<34} {code['sandboxfusion_run_code_p90_ms']:>10.3f} {code['e2b_code_interpreter_run_code_p90_ms']:>10.3f}"
+    )
     print("targets:", ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in targets.items()))
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {
@@ -295,6 +359,7 @@ def main() -> None:
         "http": http,
         "websocket": ws,
         "bulk": bulk,
+        "code_interpreter": code,
         "targets": targets,
         "cpus": os.cpu_count(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),

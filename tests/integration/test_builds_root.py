@@ -421,11 +421,14 @@ def api(node: Node) -> tuple[httpx.AsyncBaseTransport, str, str]:
     from dsec.apiserver.auth import StaticKeys
 
     key = "dsec_test_" + secrets.token_hex(8)
-    keys = StaticKeys([key])
+    keys = StaticKeys([key, OTHER_KEY])
     app = create_app(node.edge, keys)
     owner = keys.verify(key)
     assert owner is not None
     return httpx.ASGITransport(app=app), key, owner
+
+
+OTHER_KEY = "dsec_test_other_" + secrets.token_hex(8)
 
 
 async def test_sdk_image_build_through_the_wire(node: Node, tmp_path: Path) -> None:
@@ -459,6 +462,23 @@ async def test_sdk_image_build_through_the_wire(node: Node, tmp_path: Path) -> N
         with pytest.raises(InvalidRequest) as refused:
             await Image.from_dockerfile(tmp_path / "Dockerfile").build_async("df", client=client)
         assert refused.value.details["line"] == 2
+    # the key's builds are listed, newest first: the failed one, the cached rebuild, the first
+    # (a refusal before the start is no build); another key sees none of them
+    async with httpx.AsyncClient(transport=transport, base_url="http://dsec.test") as http:
+        listed = (await http.get("/v1/builds", headers={"authorization": f"Bearer {key}"})).json()
+        states = [(b["name"], b["state"]) for b in listed["builds"]]
+        assert states == [("sdk:bad", "failed"), ("sdk:1", "done"), ("sdk:1", "done")]
+        bad, cached, first = listed["builds"]
+        assert bad["error"]["code"] == "build_failed" and bad["step"] == 2 and bad["log"] is None
+        assert cached["built_steps"] == 0 and cached["cached_steps"] == first["built_steps"] == 2
+        one = await http.get(
+            f"/v1/builds/{bad['build_id']}", headers={"authorization": f"Bearer {key}"}
+        )
+        assert one.status_code == 200 and "nope\n" in one.json()["log"]
+        other = {"authorization": f"Bearer {OTHER_KEY}"}
+        assert (await http.get("/v1/builds", headers=other)).json() == {"builds": []}
+        r = await http.get(f"/v1/builds/{bad['build_id']}", headers=other)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert await node.sh(owner, "sdk:1", "cat /work/listing") == "listing\nmain.py\ntest\n"
     assert await node.live(owner) == []
 

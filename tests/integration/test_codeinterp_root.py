@@ -1,7 +1,8 @@
 """The ``code-interpreter`` image built as a built-in, its server started by the image's
 start command when a real container sandbox is created (the creation returns once
 ``/health`` answers), and driven from inside the sandbox over its loopback (E2B's wire
-format, as the port proxy relays it)."""
+format, as the port proxy relays it), then from outside by the unmodified
+e2b-code-interpreter and smolagents clients through the node's E2B API and port proxy."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from dsec import Sandbox
 from dsec.layers import code_interpreter as ci
 from dsec.server import BackgroundServer
 
-pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.debian]
+# the first run builds the image (apt from the node's Debian mirror: minutes on a busy node)
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.debian, pytest.mark.timeout(1800)]
 
 # Runs inside the sandbox under the image's python3: waits for /health, then speaks the
 # wire format e2b-code-interpreter speaks (POST /execute, NDJSON lines; /contexts).
@@ -112,3 +114,78 @@ def test_code_interpreter_image_serves_e2b_api_in_a_sandbox(node: BackgroundServ
     languages = {c["language"] for c in out["contexts"]}
     assert {"python", "bash", "javascript"} <= languages
     assert out["context"]["id"] not in [c["id"] for c in out["after_remove"]]
+
+
+@pytest.fixture
+def e2b_env(node: BackgroundServer) -> Iterator[None]:
+    """E2B_* pointing the unmodified SDKs at the node's E2B API, as a user would."""
+    import os
+
+    env = {
+        "E2B_API_URL": f"{node.url}/e2b",
+        "E2B_SANDBOX_URL": f"{node.url}/e2b/envd",
+        "E2B_API_KEY": node.api_key,
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_e2b_code_interpreter_through_the_port_proxy(e2b_env: None, node: BackgroundServer) -> None:
+    """The unmodified e2b-code-interpreter client: its requests to port 49999 carry
+    ``E2b-Sandbox-Port`` and reach the kernel server in a real sandbox through the port
+    proxy (state, a chart, an exception, a timeout that interrupts the kernel)."""
+    from e2b.exceptions import TimeoutException
+    from e2b_code_interpreter import Sandbox as CodeInterpreter
+
+    with CodeInterpreter.create(timeout=600) as sbx:
+        assert sbx.run_code("x = 41").error is None
+        assert sbx.run_code("x + 1").text == "42"
+        chart = sbx.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()")
+        assert chart.results and chart.results[0].png, chart
+        assert chart.results[0].chart is not None
+        err = sbx.run_code("1 / 0").error
+        assert err is not None and err.name == "ZeroDivisionError"
+        with pytest.raises(TimeoutException):
+            sbx.run_code("import time\ntime.sleep(60)", timeout=3)
+        assert sbx.run_code("x").text == "41"  # the kernel was interrupted, not lost
+        # the sandbox is a dsec sandbox of this key, made from the code-interpreter image
+        info = node.call(node.edge.get_sandbox(sbx.sandbox_id, _owner(node)))  # type: ignore[union-attr]
+        assert info.image == ci.IMAGE_NAME
+
+
+def test_smolagents_e2b_executor_on_a_dsec_sandbox(e2b_env: None) -> None:
+    """smolagents' E2BExecutor (unmodified) runs an agent's code on a dsec sandbox."""
+    from smolagents.default_tools import FinalAnswerTool
+    from smolagents.monitoring import AgentLogger, LogLevel
+    from smolagents.remote_executors import E2BExecutor
+    from smolagents.utils import AgentError
+
+    executor = E2BExecutor(additional_imports=[], logger=AgentLogger(level=LogLevel.OFF))
+    try:
+        out = executor("x_smol = 20\nprint('working')\nx_smol + 22")
+        assert out.output == "42" and "working" in out.logs
+        with pytest.raises(AgentError, match="ZeroDivisionError"):
+            executor("1 / 0")
+        image = executor(
+            "import matplotlib.pyplot as plt\nfig = plt.figure()\nplt.plot([1, 2])\nfig"
+        )
+        assert image.output is not None and image.output.format == "PNG"
+        executor.send_tools({"final_answer": FinalAnswerTool()})
+        final = executor("final_answer({'answer': x_smol * 2})")
+        assert final.is_final_answer and final.output == {"answer": 40}
+    finally:
+        executor.cleanup()
+
+
+def _owner(node: BackgroundServer) -> str:
+    from dsec.apiserver.auth import owner_id
+
+    return owner_id(node.api_key)

@@ -427,12 +427,9 @@ def test_tar_xattrs_restored(tmp_path: Path) -> None:
 # --- built-in images -------------------------------------------------------------------
 
 
-def test_busybox_rootfs_is_fast_complete_and_deterministic(tmp_path: Path) -> None:
-    t0 = time.perf_counter()
+def test_busybox_rootfs_is_complete_and_deterministic(tmp_path: Path) -> None:
     build_busybox_rootfs(tmp_path / "bb")
-    elapsed = time.perf_counter() - t0
     root = tmp_path / "bb"
-    assert elapsed < 0.5, f"busybox rootfs took {elapsed:.3f} s"
     assert os.readlink(root / "bin/sh") == "/bin/busybox"
     assert (root / "usr/bin/awk").is_symlink()
     passwd = (root / "etc/passwd").read_text()

@@ -91,6 +91,37 @@ async def test_run_parameters_reach_the_edge(edge: FakeEdge, conn: dict[str, Any
     await sb.kill()
 
 
+async def test_callbacks_get_what_only_the_result_carries() -> None:
+    """A tier that answers without streaming (a command that could not start: the message
+    is in the result only) still reaches ``on_stderr`` and the result."""
+    from dsec.models import ExecRequest, ExecResult
+    from dsec.runtimes.base import Handle, OutputSink
+    from dsec.testing import MemoryLayers, MemoryPortRuntime
+
+    class Unstreamed(MemoryPortRuntime):
+        async def exec(
+            self, handle: Handle, req: ExecRequest, sink: OutputSink | None = None
+        ) -> ExecResult:
+            return await super().exec(handle, req, None)
+
+    layers = MemoryLayers()
+    edges: list[FakeEdge] = []
+
+    async def answer(sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await edges[0]._answer(sandbox_id, req)
+
+    edge = FakeEdge(layers=layers, runtime_factory=lambda tier: Unstreamed(tier, layers, answer))
+    edges.append(edge)
+    edge.program("nope", stderr="exec: nope: not found\n", exit_code=127)
+    transport, key = app_transport(edge)
+    sb = await AsyncSandbox.create(transport=transport, api_key=key)
+    err: list[str] = []
+    result = await sb.commands.run("nope", on_stderr=err.append)
+    assert err == ["exec: nope: not found\n"] and result.stderr == err[0]
+    assert result.exit_code == 127
+    await sb.kill()
+
+
 async def test_callbacks_and_stream(edge: FakeEdge, conn: dict[str, Any]) -> None:
     edge.program("build", stdout="one\ntwo\n", stderr="warn\n", exit_code=3)
     sb = await AsyncSandbox.create(**conn)

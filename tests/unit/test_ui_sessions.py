@@ -259,7 +259,7 @@ async def test_features_follow_the_routes(app: object) -> None:
         assert me["features"] == {
             "logs": True,
             "port_proxy": False,
-            "builds": False,
+            "builds": True,
             "metrics": True,
         }
         extra = APIRouter()

@@ -18,6 +18,7 @@ from dsec.apiserver.schemas import (
     ImageList,
     LayerList,
 )
+from dsec.builds.records import BuildList, BuildRecord
 from dsec.edge.interface import ImageBuilds, ImagePublisher
 from dsec.errors import (
     CapabilityNotSupported,
@@ -186,7 +187,7 @@ async def build_image(
         200: {
             "description": "NDJSON: build events (start, step, cached, output, step_done, "
             "then one done or error)",
-            "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+            "content": {"application/x-ndjson": {}},
         }
     },
 )
@@ -221,6 +222,37 @@ async def build(request: Request, edge: Edge, owner: Owner) -> StreamingResponse
     return StreamingResponse(
         body(), media_type="application/x-ndjson", headers={"cache-control": "no-store"}
     )
+
+
+BuildIdParam = Annotated[
+    str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+]
+
+
+@router.get(
+    "/builds",
+    response_model=BuildList,
+    tags=["images"],
+    summary="This key's image builds, newest first (running ones included)",
+)
+async def list_builds(edge: Edge, owner: Owner) -> BuildList:
+    """State, step, cache hits and the image made or the error, of this key's recent
+    builds (``dsec.builds.records``: bounded per key, kept by the server process)."""
+    if not isinstance(edge, ImageBuilds):
+        raise CapabilityNotSupported("this server does not build images")
+    return edge.list_builds(owner)
+
+
+@router.get(
+    "/builds/{build_id}",
+    response_model=BuildRecord,
+    tags=["images"],
+    summary="One build of this key, with its log",
+)
+async def get_build(build_id: BuildIdParam, edge: Edge, owner: Owner) -> BuildRecord:
+    if not isinstance(edge, ImageBuilds):
+        raise CapabilityNotSupported("this server does not build images")
+    return edge.get_build(build_id, owner)
 
 
 @router.post(

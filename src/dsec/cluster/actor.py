@@ -306,7 +306,12 @@ class EdgeActor:
             yield ExecEvent(type="error", error=e.to_wire()["error"])
         except Exception as e:
             log.exception("exec stream on %s failed", sandbox_id)
-            yield ExecEvent(type="error", error=InternalError(str(e)).to_wire()["error"])
+            yield ExecEvent(
+                type="error",
+                error=InternalError(
+                    f"exec failed on the node ({type(e).__name__}); the node logged it"
+                ).to_wire()["error"],
+            )
 
     async def read_layer(self, digest: str) -> Any:
         """The EROFS file of a layer as bytes, with its metadata: ``("ok", (bytes, info))``."""

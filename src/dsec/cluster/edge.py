@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.cluster.actor import BURST_LABEL, NodeConfig, ensure_edge_actor, node_name_of
 from dsec.cluster.migrate import move_layers
 from dsec.cluster.relay import (
@@ -115,6 +116,7 @@ class ClusterEdge:
         self.config = config
         self.options = options or ClusterOptions.from_env()
         self.relay = NodeRelay(state, self.options)
+        self.build_records = BuildRecords()  # builds relayed by this replica
         self.placement = ClusterPlacement(self.options)
         self.rejections_retried = 0
         self._monitor: asyncio.Task[None] | None = None
@@ -653,16 +655,36 @@ class ClusterEdge:
         """Built on one node (the least busy that can), its layers then copied node to
         node to every other live node and the image registered there too, before the
         ``done`` event: a sandbox of the image may be placed anywhere."""
-        from dsec.builds.wire import BuildDone
 
         node = self._build_node()
         async with contextlib.aclosing(
-            self.relay.stream(node, "build", owner, req, context)
+            self.build_records.record(
+                owner,
+                self._replicated(
+                    node, owner, self.relay.stream(node, "build", owner, req, context)
+                ),
+            )
         ) as events:
             async for event in events:
+                yield event
+
+    async def _replicated(
+        self, node: str, owner: str, events: AsyncIterator[Any]
+    ) -> AsyncGenerator[Any, None]:
+        from dsec.builds.wire import BuildDone
+
+        async with contextlib.aclosing(events) as stream:  # type: ignore[type-var]
+            async for event in stream:
                 if isinstance(event, BuildDone):
                     await self._replicate_image(node, owner, event.image)
                 yield event
+
+    def list_builds(self, owner: str) -> BuildList:
+        """The builds this replica relayed (each apiserver replica keeps its own)."""
+        return self.build_records.list(owner)
+
+    def get_build(self, build_id: str, owner: str) -> BuildRecord:
+        return self.build_records.get(build_id, owner)
 
     def _build_node(self) -> str:
         """The live node with the most free sandbox slots that runs containers."""

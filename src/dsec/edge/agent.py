@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.config import Paths, host_memory_mb
 from dsec.edge.interface import DirectoryWatcher, NodeUsage, PortStream, PortTicket
 from dsec.edge.jobs import create_batch, for_each_sandbox
@@ -268,6 +269,7 @@ class EdgeAgent:
             self.metrics.add_lazy_layers(layer_store.lazy_stats)
         self._live: dict[str, _Live] = {}
         self._builder: ImageBuilder | None = None
+        self.build_records = BuildRecords()
         self.references = ImageReferences(layer_store, short_names=short_name_registry_from_env())
         self.port_gateway: PortGateway | None = None
         """Where :meth:`port_ticket` parks connections (cluster nodes; None: embedded)."""
@@ -1002,7 +1004,12 @@ class EdgeAgent:
             except Exception as e:  # pragma: no cover - reported to the client, logged here
                 log.exception("exec stream failed")
                 await queue.put(
-                    ExecEvent(type="error", error=InternalError(str(e)).to_wire()["error"])
+                    ExecEvent(
+                        type="error",
+                        error=InternalError(
+                            f"exec failed on the node ({type(e).__name__}); the node logged it"
+                        ).to_wire()["error"],
+                    )
                 )
             finally:
                 await queue.put(None)
@@ -1877,9 +1884,16 @@ class EdgeAgent:
         refusals raise from the first ``__anext__``, then events until ``done`` or
         ``error``. ``context``: the build context, a tar archive (may be compressed)."""
         builder = self.image_builder()
-        async with contextlib.aclosing(builder.build(owner, req, context)) as events:
+        recorded = self.build_records.record(owner, builder.build(owner, req, context))
+        async with contextlib.aclosing(recorded) as events:
             async for event in events:
                 yield event
+
+    def list_builds(self, owner: str) -> BuildList:
+        return self.build_records.list(owner)
+
+    def get_build(self, build_id: str, owner: str) -> BuildRecord:
+        return self.build_records.get(build_id, owner)
 
     # ------------------------------------------------------------------ images
     def _layer_cache_info(self, layer: LayerInfo) -> LayerInfo:

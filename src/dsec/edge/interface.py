@@ -62,6 +62,7 @@ from dsec.models import (
 )
 
 if TYPE_CHECKING:
+    from dsec.builds.records import BuildList, BuildRecord
     from dsec.builds.wire import BuildRequest
 
 __all__ = [
@@ -282,6 +283,14 @@ class ImageBuilds(Protocol):
         """Build ``req`` as ``owner``'s image from ``context`` (a tar archive): refusals
         raise from the first ``__anext__``, then :data:`dsec.builds.wire.BuildEvent` s
         until ``done`` or ``error``."""
+        ...
+
+    def list_builds(self, owner: str) -> BuildList:
+        """``owner``'s build records, newest first (:mod:`dsec.builds.records`)."""
+        ...
+
+    def get_build(self, build_id: str, owner: str) -> BuildRecord:
+        """``owner``'s build ``build_id`` with its log; another owner's is ``NotFound``."""
         ...
 
 

@@ -259,6 +259,14 @@ class AsyncCommands:
             elif event.type == "exit":
                 result = event.result
         assert result is not None  # _events guarantees an exit event or raises
+        # what the result carries but never came as a chunk (a command that could not
+        # start: the edge's message is in the result only) goes to the callbacks too
+        if not stdout and result.stdout:
+            stdout.append(result.stdout)
+            await _call(on_stdout, result.stdout)
+        if not stderr and result.stderr:
+            stderr.append(result.stderr)
+            await _call(on_stderr, result.stderr)
         return CommandResult.model_validate(
             {**result.model_dump(), "stdout": "".join(stdout), "stderr": "".join(stderr)}
         )

@@ -1,6 +1,7 @@
 // Images and layers: sizes, kinds, how much of each lazy layer is on this node, and the
 // build status of images being built.
 import { html } from "htm/preact";
+import { useState } from "preact/hooks";
 import { get } from "../api.js";
 import { age, bytes, pct } from "../format.js";
 import { usePoll } from "../poll.js";
@@ -58,9 +59,46 @@ export function Images({ session }) {
       options=${{ pagination: true, paginationSize: 25 }} />
     <h2>Builds</h2>
     ${session.features.builds
-      ? html`<p>see <code>GET /v1/builds</code></p>`
+      ? html`<${Builds} />`
       : html`<p class="muted" data-testid="builds-unavailable">This server does not list image builds
           (images being built show their status above; <code>dsec image build</code> streams a
           build's log).</p>`}
   </section>`;
+}
+
+// This key's recent builds (GET /v1/builds); a click shows one build's log.
+function Builds() {
+  const [builds] = usePoll(() => get("/v1/builds"), 3000);
+  const [open, setOpen] = useState(null);
+  const [detail] = usePoll(() => (open ? get(`/v1/builds/${encodeURIComponent(open)}`) : Promise.resolve(null)), 3000, [open]);
+  const rows = (builds ? builds.builds : []).map((b) => ({
+    id: b.build_id,
+    name: b.name,
+    state: b.state,
+    step: b.steps ? `${b.step}/${b.steps}` : "",
+    cached: `${b.cached_steps} cached, ${b.built_steps} built`,
+    seconds: b.duration_ms === null || b.duration_ms === undefined ? "" : (b.duration_ms / 1000).toFixed(1),
+    error: b.error ? b.error.message : "",
+    started_at: new Date(b.started_at * 1000).toISOString(),
+  }));
+  const onReady = (t) => t.on("rowClick", (_e, row) => setOpen(row.getData().id));
+  return html`<div data-testid="builds">
+    <${Table} testid="build-table" data=${rows} onReady=${onReady}
+      columns=${[
+        { title: "image", field: "name", headerFilter: "input" },
+        { title: "state", field: "state", width: 100, headerFilter: "list", headerFilterParams: { values: ["building", "done", "failed", "cancelled"], clearable: true } },
+        { title: "step", field: "step", width: 80 },
+        { title: "layers", field: "cached", width: 150 },
+        { title: "s", field: "seconds", width: 70, hozAlign: "right" },
+        { title: "error", field: "error" },
+        { title: "age", field: "started_at", width: 80, formatter: (c) => age(c.getValue()) },
+      ]}
+      options=${{ pagination: true, paginationSize: 25, placeholder: "no builds yet" }} />
+    ${detail && detail.build_id === open
+      ? html`<div class="entry" data-testid="build-log">
+          <h4>${detail.name} · ${detail.state}${detail.log_dropped_bytes ? ` · first ${bytes(detail.log_dropped_bytes)} dropped` : ""}</h4>
+          <pre>${(detail.log || []).join("")}</pre>
+        </div>`
+      : null}
+  </div>`;
 }
