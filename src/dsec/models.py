@@ -45,6 +45,7 @@ _TIER_RE = r"^[a-z][a-z0-9-]{0,31}$"
 SandboxState = Literal["creating", "running", "paused", "stopped"]
 LayerKind = Literal["base", "workspace", "toolkit"]
 OnTimeout = Literal["kill", "pause"]
+TimeoutPause = Literal["auto", "filesystem"]
 JobAction = Literal["pause", "resume", "kill"]
 
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
@@ -132,6 +133,12 @@ class CreateSandboxRequest(_Model):
     on_timeout: OnTimeout = Field(
         "kill", description="what happens when ttl_s passes without activity: kill or pause"
     )
+    timeout_pause: TimeoutPause = Field(
+        "auto",
+        description="how on_timeout='pause' pauses: auto (freeze; VM tiers suspend to a file) "
+        "or filesystem (processes dropped, files kept: the sandbox boots afresh on resume; "
+        "tiers whose capabilities say pause_filesystem)",
+    )
     paused_ttl_s: float | None = Field(
         24 * 3600,
         gt=0,
@@ -158,10 +165,22 @@ class CreateSandboxRequest(_Model):
         "of the container tier's protections",
     )
 
+    allow_setuid: bool = Field(
+        False,
+        description="container tier only: commands run without no_new_privs, so setuid "
+        "programs (sudo, su) raise privileges, up to the capabilities a command run as root "
+        "has (e.g. E2B's passwordless sudo; the E2B API sets it)",
+    )
+
     @model_validator(mode="after")
     def _full_guest(self) -> CreateSandboxRequest:
         if self.full_guest and self.tier not in ("microvm", "vm"):
             raise ValueError(f"full_guest is for the microvm and vm tiers, not {self.tier}")
+        if self.allow_setuid and self.tier != "container":
+            raise ValueError(
+                f"allow_setuid is for the container tier, not {self.tier} (the microvm and "
+                "vm tiers have full_guest)"
+            )
         return self
 
     @field_validator("image")
@@ -615,6 +634,10 @@ class Capabilities(_Model):
     display: bool = False
     persistent: bool = True
     suspend: bool = Field(False, description="pause mode=suspend: memory to a file, process exits")
+    pause_filesystem: bool = Field(
+        False,
+        description="pause mode=filesystem: processes dropped, files kept, a new boot on resume",
+    )
     memory_fork: bool = Field(False, description="fork with memory=True (running processes)")
     ports: bool = Field(
         False, description="TCP ports inside the sandbox reachable through the port proxy"
@@ -728,9 +751,11 @@ class PauseRequest(_Model):
     ``auto``: the tier's default pause (containers: freezer + reclaim; VMs: vCPUs stopped).
     ``freeze``: the same, spelled out. ``suspend`` (tiers whose capabilities say
     ``suspend``): RAM and device state are written to a file in the sandbox directory and
-    the VM process exits, so the host memory is freed; any later request restores it."""
+    the VM process exits, so the host memory is freed; any later request restores it.
+    ``filesystem`` (tiers whose capabilities say ``pause_filesystem``): every process is
+    dropped and only the files are kept; the sandbox resumes as a fresh boot (new boot id)."""
 
-    mode: Literal["auto", "freeze", "suspend"] = "auto"
+    mode: Literal["auto", "freeze", "suspend", "filesystem"] = "auto"
 
 
 # --- cluster migration (issue 8: POST /v1/sandboxes/{id}/migrate) --------------------

@@ -92,10 +92,15 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
     except ImportError as e:  # the e2b package is a dependency; say so if it is missing
         log.warning("E2B-compatible API disabled: %s", e)
     else:
+        # E2B's default network is open; DSEC_E2B_NETWORK_DEFAULT=closed keeps dsec's (none)
+        raw = os.environ.get("DSEC_E2B_NETWORK_DEFAULT", "open")
+        if raw not in ("open", "closed"):
+            raise SystemExit("DSEC_E2B_NETWORK_DEFAULT must be 'open' or 'closed'")
         home = getattr(getattr(edge, "paths", None), "home", None)
         e2b_app = make_e2b_app(
             edge,
             keys.verify,
+            default_network="closed" if raw == "closed" else "open",
             sandbox_domain=ports.domain,
             traffic_tokens=tokens,
             template_files_dir=Path(home) / "e2b-template-files" if home is not None else None,

@@ -45,6 +45,8 @@ from dsec.errors import (
 )
 from dsec.models import ExecRequest, ExecResult, FileInfo, LayerInfo, SnapshotRequest
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxSpec
+from dsec.runtimes.container.files import RootedFiles
+from dsec.runtimes.container.watch import DirWatcher, WatchHub
 from dsec.testing import FakeEdge, MemoryLayers
 
 __all__ = ["BwrapRuntime", "make_fake_edge"]
@@ -60,8 +62,14 @@ _HOST_DIRS = ("usr", "proc", "dev")
 
 def make_fake_edge(base: Path) -> FakeEdge:
     """The real edge over :class:`BwrapRuntime` sandboxes under ``base`` (one ``container``
-    tier; system images ``debian`` and ``busybox`` are empty: everything comes from /usr)."""
+    tier; system images ``debian``, ``busybox`` and ``e2b-base`` are empty: everything comes
+    from /usr; ``e2b-base`` has the real image's config: user ``user`` in ``/home/user``)."""
     layers = MemoryLayers(system_images=("busybox", "debian"))
+    layers.put_image(
+        "e2b-base",
+        layers.get_image("debian").layers,
+        meta={"builtin": "e2b-base", "config": {"User": "user", "WorkingDir": "/home/user"}},
+    )
     edge = FakeEdge(
         available_tiers=("container",),
         layers=layers,
@@ -190,8 +198,14 @@ class _Sandbox:
 class HostDirFiles:
     """:class:`~dsec.runtimes.base.SandboxFiles` over a sandbox's directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, hub: WatchHub, owner: tuple[int, int] = (0, 0)) -> None:
         self.root = root
+        self.hub = hub
+        self.owner = owner
+        """The sandbox's default user. Its commands run in a user namespace that maps it to
+        the host user running the tests (bwrap ``--uid``), so files that user owns on the
+        host are the default user's inside: they are reported as such, as the container
+        tier reports the files it creates for the default user."""
 
     @staticmethod
     def _rel(path: str) -> str:
@@ -203,8 +217,7 @@ class HostDirFiles:
             raise InvalidRequest(f"{path} is outside the fake sandbox's writable tree")
         return self.root / rel if rel not in ("", ".") else self.root
 
-    @staticmethod
-    def _info(host: Path, sandbox_path: str) -> FileInfo:
+    def _info(self, host: Path, sandbox_path: str) -> FileInfo:
         try:
             st = host.lstat()
         except FileNotFoundError:
@@ -224,8 +237,8 @@ class HostDirFiles:
             size=st.st_size,
             mode=stat_mod.S_IMODE(st.st_mode),
             mtime=st.st_mtime,
-            uid=st.st_uid,
-            gid=st.st_gid,
+            uid=self.owner[0] if st.st_uid == os.geteuid() else st.st_uid,
+            gid=self.owner[1] if st.st_gid == os.getegid() else st.st_gid,
             target=target,
         )
 
@@ -300,6 +313,37 @@ class HostDirFiles:
             tf.extractall(host, filter="data")
         return len(members)
 
+    async def watch(self, path: str, recursive: bool) -> DirWatcher:
+        """inotify, as the container tier (the sandbox's tree is a plain directory here)."""
+        self._host(path)  # the host's own directories are not the sandbox's
+        return await RootedFiles(self.root, watch_hub=self.hub).watch(path, recursive)
+
+    async def get_xattrs(self, paths: list[str], prefix: str) -> list[dict[str, str]]:
+        out: list[dict[str, str]] = []
+        for path in paths:
+            host = self._host(path)
+            if not host.exists() or host.is_symlink():
+                out.append({})
+                continue
+            out.append(
+                {
+                    n: os.getxattr(host, n).decode(errors="replace")
+                    for n in os.listxattr(host)
+                    if n.startswith(prefix)
+                }
+            )
+        return out
+
+    async def set_xattrs(self, path: str, values: dict[str, str], clear_prefix: str | None) -> None:
+        host = self._host(path)
+        self._info(host, path)
+        if clear_prefix is not None:
+            for n in os.listxattr(host):
+                if n.startswith(clear_prefix) and n not in values:
+                    os.removexattr(host, n)
+        for n, v in values.items():
+            os.setxattr(host, n, v.encode())
+
     async def download_tar(self, path: str, max_bytes: int) -> bytes:
         host = self._host(path)
         buf = io.BytesIO()
@@ -318,6 +362,7 @@ class BwrapRuntime:
         self.base = base
         self.layers = layers
         self.sandboxes: dict[str, _Sandbox] = {}
+        self.hub = WatchHub()
 
     def facts(self) -> RuntimeFacts:
         return RuntimeFacts(available=shutil.which("bwrap") is not None, reason="bubblewrap")
@@ -326,6 +371,7 @@ class BwrapRuntime:
         self.base.mkdir(parents=True, exist_ok=True)
 
     async def close(self) -> None:
+        self.hub.close()
         for sid in list(self.sandboxes):
             await self.destroy(Handle(sid))
 
@@ -374,7 +420,9 @@ class BwrapRuntime:
         await self.destroy(Handle(sandbox_id))
 
     def files(self, handle: Handle) -> HostDirFiles:
-        return HostDirFiles(self._get(handle).root)
+        sb = self._get(handle)
+        uid, gid, _home = self._uid_gid(sb, sb.user)
+        return HostDirFiles(sb.root, self.hub, (uid, gid))
 
     # --- commands
     def _uid_gid(self, sb: _Sandbox, user: str | None) -> tuple[int, int, str]:

@@ -51,7 +51,7 @@ class LoggingEdge(FakeEdge):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[dict[str, Any]]:
-    edge = LoggingEdge(layers=MemoryLayers(system_images=("busybox", "debian")))
+    edge = LoggingEdge(layers=MemoryLayers(system_images=("busybox", "debian", "e2b-base")))
     with serve_e2b(edge) as (root, _app, _loop):
         yield {"api_url": root, "sandbox_url": f"{root}/envd"}
 

@@ -19,7 +19,7 @@ from e2b import AsyncSandbox, Sandbox, SandboxException, SandboxNotFoundExceptio
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[dict[str, Any]]:
-    edge = FakeEdge(layers=MemoryLayers(system_images=("busybox", "debian")))
+    edge = FakeEdge(layers=MemoryLayers(system_images=("busybox", "debian", "e2b-base")))
     with serve_e2b(edge) as (root, _app, loop):
         yield {"api_url": root, "sandbox_url": f"{root}/envd", "edge": edge, "loop": loop}
 

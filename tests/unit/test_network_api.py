@@ -14,7 +14,7 @@ import ipaddress
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -505,14 +505,16 @@ async def test_e2b_raw_bad_updates(
 
 
 @contextlib.contextmanager
-def _serve_e2b(edge: FakeEdge) -> Iterator[str]:
+def _serve_e2b(
+    edge: FakeEdge, default_network: Literal["open", "closed"] = "open"
+) -> Iterator[str]:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.routing import Mount
 
     from dsec.e2b import make_e2b_app
 
-    app = make_e2b_app(edge, {"e2b-key": "alice"}.get)
+    app = make_e2b_app(edge, {"e2b-key": "alice"}.get, default_network=default_network)
     server = uvicorn.Server(
         uvicorn.Config(
             Starlette(routes=[Mount("/e2b", app=app)]),
@@ -569,14 +571,48 @@ def test_e2b_sdk_network(edge: FakeEdge, monkeypatch: pytest.MonkeyPatch) -> Non
             e2b.Sandbox.update_network(sbx.sandbox_id, {"allow_out": ["pypi.org"]})
 
         opened = e2b.Sandbox.create("busybox", allow_internet_access=True)
-        plain = e2b.Sandbox.create("busybox")
+        plain = e2b.Sandbox.create("busybox")  # E2B's default: open, as asked explicitly
         try:
             assert opened.get_info().allow_internet_access is True
-            assert edge.calls_to("create_sandbox")[-1]["req"].network is None
+            assert plain.get_info().allow_internet_access is True
+            sent = edge.calls_to("create_sandbox")[-1]["req"].network
+            assert sent == NetworkPolicy(allow_cidrs=["0.0.0.0/0"], protocols=ALL_PROTOCOLS)
+            plain.update_network({"allow_out": ["pypi.org"], "deny_out": [e2b.ALL_TRAFFIC]})
             assert plain.get_info().allow_internet_access is False
-            with pytest.raises(e2b.SandboxException) as exc:  # created without a network
-                plain.update_network({"allow_out": ["pypi.org"]})
-            assert exc.value.status_code == 422
+            closed = e2b.Sandbox.create("busybox", allow_internet_access=False)
+            try:  # asked closed: no network at all, as before
+                assert edge.calls_to("create_sandbox")[-1]["req"].network is None
+                with pytest.raises(e2b.SandboxException) as exc:  # created without a network
+                    closed.update_network({"allow_out": ["pypi.org"]})
+                assert exc.value.status_code == 422
+            finally:
+                closed.kill()
         finally:
             opened.kill()
             plain.kill()
+
+
+def test_e2b_network_default_can_be_closed_by_the_operator(
+    edge: FakeEdge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e2b = pytest.importorskip("e2b")
+    with _serve_e2b(edge, default_network="closed") as root:
+        monkeypatch.setenv("E2B_API_URL", root)
+        monkeypatch.setenv("E2B_SANDBOX_URL", f"{root}/envd")
+        monkeypatch.setenv("E2B_API_KEY", "e2b-key")
+        plain = e2b.Sandbox.create("busybox")
+        try:  # dsec's own default: no network
+            assert edge.calls_to("create_sandbox")[-1]["req"].network is None
+            assert plain.get_info().allow_internet_access is False
+        finally:
+            plain.kill()
+    from dsec.e2b import make_e2b_app
+
+    with pytest.raises(ValueError):
+        make_e2b_app(edge, {}.get, default_network="half-open")  # type: ignore[arg-type]
+
+
+def test_dsec_api_default_stays_no_network(edge: FakeEdge) -> None:
+    from dsec.models import CreateSandboxRequest
+
+    assert CreateSandboxRequest().network is None  # the dsec API: default deny

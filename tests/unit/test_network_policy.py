@@ -100,6 +100,18 @@ def test_matching_wildcards_and_denies() -> None:
     assert r.address_denied("198.18.0.9") and not r.address_denied("198.18.0.8")
 
 
+def test_every_address_resolves_every_name_not_denied() -> None:
+    # E2B's open network: every public address, so every name (denied names still refused)
+    r = NetworkPolicy(allow_cidrs=["0.0.0.0/0"], deny_domains=["*.evil.test"]).resolve()
+    assert r.every_address and r.allows_name("pypi.org") and r.allows_name("a.b.c.example")
+    assert not r.allows_name("x.evil.test")
+    # all addresses allowed but also all denied (E2B's closed "nothing allowed"): no names
+    blocked = NetworkPolicy(allow_cidrs=["0.0.0.0/0"], deny_cidrs=["0.0.0.0/0"]).resolve()
+    assert not blocked.every_address and not blocked.allows_name("pypi.org")
+    some = NetworkPolicy(allow_cidrs=["198.18.0.0/24"], allow_domains=["pypi.org"]).resolve()
+    assert not some.every_address and not some.allows_name("github.com")
+
+
 def test_presets_expand_and_operator_overrides() -> None:
     r = NetworkPolicy(presets=["pypi", "github"]).resolve()
     assert r.allows_name("files.pythonhosted.org") and r.allows_name("codeload.github.com")

@@ -432,9 +432,11 @@ async def download_tar(
     summary="Pause: freeze the sandbox and reclaim its memory",
     description="Idempotent. ``last_pause`` in the answer reports memory before and after. "
     "Any later request to the sandbox resumes it transparently. Optional body "
-    '``{"mode": "auto"|"freeze"|"suspend"}``: ``suspend`` (tiers whose capabilities say '
-    "``suspend``) writes memory and device state to a file and frees the host memory; "
-    "elsewhere it is a 422 ``capability_not_supported``.",
+    '``{"mode": "auto"|"freeze"|"suspend"|"filesystem"}``: ``suspend`` (tiers whose '
+    "capabilities say ``suspend``) writes memory and device state to a file and frees the "
+    "host memory; ``filesystem`` (capability ``pause_filesystem``) drops every process and "
+    "keeps the files: the sandbox resumes as a fresh boot. Elsewhere they are a 422 "
+    "``capability_not_supported``.",
 )
 async def pause_sandbox(
     sandbox_id: SandboxIdParam, edge: Edge, owner: Owner, req: PauseRequest | None = None

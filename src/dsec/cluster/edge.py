@@ -801,10 +801,13 @@ class ClusterEdge:
         }
 
 
-_NODE_SIDE_VERBS = frozenset({"export_sandbox", "export_memory", "start_process", "open_port"})
+_NODE_SIDE_VERBS = frozenset(
+    {"export_sandbox", "export_memory", "start_process", "open_port", "watch_directory"}
+)
 """Sandbox verbs a cluster does not relay: migrations call the edge actors' own steps; an
-interactive process is a live object of its node (E2B falls back to exec streams); a port
-connection too (:meth:`ClusterEdge.open_port` relays ``port_ticket`` instead)."""
+interactive process or a directory watcher is a live object of its node (E2B falls back to
+exec streams and to polling); a port connection too (:meth:`ClusterEdge.open_port` relays
+``port_ticket`` instead)."""
 _CREATE_TIMEOUT_VERBS = frozenset({"snapshot_sandbox"})
 """Relayed verbs that may take as long as a creation (a snapshot packs a whole layer)."""
 

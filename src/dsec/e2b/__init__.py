@@ -40,7 +40,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Mount
 
 from dsec.e2b.access import DEFAULT_TEMPLATE_ALIASES, AccessTokens, TemplateMap
-from dsec.e2b.control import ENVD_VERSION, ControlPlane, TrafficTokens, VerifyKey
+from dsec.e2b.control import (
+    ENVD_VERSION,
+    ControlPlane,
+    NetworkDefault,
+    TrafficTokens,
+    VerifyKey,
+)
 from dsec.e2b.envd import DEFAULT_MAX_UPLOAD_BYTES, EnvdApp
 from dsec.e2b.errors import e2b_http_exception_handlers
 from dsec.e2b.interactive import (
@@ -62,6 +68,7 @@ __all__ = [
     "ExecStreamProcess",
     "InteractiveExec",
     "InteractiveProcess",
+    "NetworkDefault",
     "OutputChunk",
     "PtySize",
     "TemplateAPI",
@@ -100,6 +107,7 @@ def make_e2b_app(
     templates: TemplateMap | None = None,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
     watch_poll_interval_s: float = 0.25,
+    default_network: NetworkDefault = "open",
     template_files_dir: Path | None = None,
     max_build_context_bytes: int | None = None,
     sandbox_domain: str | None = None,
@@ -118,6 +126,10 @@ def make_e2b_app(
         templates: E2B template -> dsec tier/image map (default: ``base`` -> ``debian``).
         max_upload_bytes: largest file upload, bytes.
         watch_poll_interval_s: seconds between two listings of a watched directory.
+        default_network: what a sandbox created without network settings gets: ``open``
+            (E2B's default: every public IPv4 address, where the tier has networking) or
+            ``closed`` (dsec's default: no network). ``dsec serve`` reads
+            ``DSEC_E2B_NETWORK_DEFAULT``.
         template_files_dir: where the files of templates' COPY steps are kept per key
             (``None``: a temporary directory removed at ``aclose()``; ``dsec serve`` uses
             ``$DSEC_HOME/e2b-template-files``).
@@ -140,6 +152,8 @@ def make_e2b_app(
         max_upload_bytes=max_upload_bytes,
         watch_poll_interval_s=watch_poll_interval_s,
     )
+    if default_network not in ("open", "closed"):
+        raise ValueError(f"default_network must be 'open' or 'closed', not {default_network!r}")
     template_map = templates or TemplateMap()
     scratch: list[Path] = []
     if template_files_dir is None:
@@ -164,6 +178,7 @@ def make_e2b_app(
         registry,
         envd.filesystem,
         template_api,
+        default_network=default_network,
         sandbox_domain=sandbox_domain,
         traffic_tokens=traffic_tokens,
     )

@@ -20,7 +20,7 @@ signed file URLs
 
 templates
     ``template_id`` is resolved by :class:`TemplateMap`: an explicit alias table
-    (``base`` -> ``debian`` by default), otherwise the template is taken as a
+    (``base`` -> ``e2b-base`` by default), otherwise the template is taken as a
     dsec image name. ``<tier>/<image>`` (e.g. ``microvm/debian``) picks a tier;
     without it the default tier is used.
 """
@@ -32,7 +32,6 @@ import binascii
 import hashlib
 import hmac
 import secrets
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -41,11 +40,12 @@ from dsec.models import TIERS
 __all__ = ["DEFAULT_TEMPLATE_ALIASES", "AccessTokens", "TemplateMap", "TemplateTarget"]
 
 DEFAULT_TEMPLATE_ALIASES: dict[str, str] = {
-    "base": "debian",
+    "base": "e2b-base",
     "code-interpreter-v1": "code-interpreter",
     "code-interpreter": "code-interpreter",
 }
-"""E2B's public template names mapped to dsec images. Any other name is looked up as an image."""
+"""E2B's public template names mapped to dsec images (``e2b-base``: E2B's base template, with
+the user ``user`` in ``/home/user``). Any other name is looked up as an image."""
 MAX_REMEMBERED_SANDBOXES = 10_000
 """Sandboxes whose signed file URLs :meth:`AccessTokens.find_signed` can resolve."""
 
@@ -95,9 +95,9 @@ class AccessTokens:
         """``(sandbox_id, owner)`` whose token made ``signature`` (E2B's v1 file-URL
         signature of ``path``, ``operation`` ``read``/``write``, ``user`` (``""``: default)
         and ``expiration`` (Unix seconds, ``None``: never)); ``None`` if no remembered
-        sandbox (only ``sandbox_id`` when given) matches or the URL expired."""
-        if expiration is not None and expiration < time.time():
-            return None
+        sandbox (only ``sandbox_id`` when given) matches. Whether the URL expired is the
+        caller's check, made after this one (as envd: a forger never learns the expiry was
+        the problem)."""
         # "v1_" + unpadded base64 of a SHA-256: anything else matches no token
         if not signature.startswith("v1_") or len(signature) != 46:
             return None

@@ -45,10 +45,11 @@ import json
 import logging
 import math
 import secrets
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from e2b.api.client.models import (
     ListedSandbox,
@@ -70,12 +71,12 @@ from starlette.routing import Route
 
 from dsec.apiserver.departed import unless_departed
 from dsec.e2b.access import AccessTokens, TemplateMap
-from dsec.e2b.errors import E2BError, control_status
+from dsec.e2b.errors import E2BError, control_status, stream_ended_error
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
 from dsec.e2b.process import ProcessRegistry, paused_error
 from dsec.e2b.templates import TemplateAPI
-from dsec.edge.interface import EdgeAPI, MetricsEdge
+from dsec.edge.interface import EdgeAPI, MetricsEdge, PauseModes
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
@@ -86,13 +87,25 @@ from dsec.errors import (
 )
 from dsec.models import CreateSandboxRequest, ForkRequest, SandboxInfo, SnapshotRequest
 
-__all__ = ["ENVD_VERSION", "SANDBOX_DOMAIN", "TEMPLATE_LABEL", "ControlPlane"]
+__all__ = [
+    "AUTO_RESUME_LABEL",
+    "ENVD_VERSION",
+    "SANDBOX_DOMAIN",
+    "TEMPLATE_LABEL",
+    "ControlPlane",
+    "NetworkDefault",
+]
 
-ENVD_VERSION = "0.6.3"
+ENVD_VERSION = "0.6.4"
 """The envd version dsec reports. It gates SDK features: stdin, close_stdin,
-octet-stream uploads and watch entries are on; file metadata is refused by dsec
-(501), watching network mounts (0.6.4) is refused by the SDK itself."""
+octet-stream uploads, file metadata, watch entries and ``allow_network_mounts`` (dsec
+sandboxes have no network mounts: there is nothing it could hide) are on."""
 TEMPLATE_LABEL = "e2b.template"
+AUTO_RESUME_LABEL = "e2b.auto_resume"
+"""``off`` on a sandbox created with ``lifecycle auto_resume=False``: while it is paused,
+in-sandbox requests are refused instead of resuming it (``connect()`` resumes it)."""
+INTERNAL_LABELS = frozenset({TEMPLATE_LABEL, AUTO_RESUME_LABEL})
+"""Labels the E2B API keeps for itself (never shown as ``metadata``)."""
 DEFAULT_TIMEOUT_S = 300
 SANDBOX_DOMAIN = "dsec.invalid"
 """``domain`` in create/connect/info answers when the server has no ports domain
@@ -104,9 +117,14 @@ MAX_TIMEOUT_S = 30 * 24 * 3600
 """Longest sandbox timeout (create, set_timeout, refresh, connect, resume, fork), seconds:
 the bound dsec's ``CreateSandboxRequest.ttl_s`` has."""
 LIST_PAGE_MAX = 100
+EXPIRE_NOW_TTL_S = 0.001
+"""The TTL ``set_timeout(0)`` sets: the sandbox's time is up at once."""
 CLIENT_ID = "dsec"
 
 VerifyKey = Callable[[str], "str | None"]
+NetworkDefault = Literal["open", "closed"]
+"""What a sandbox created through the E2B API without any network setting gets: ``open``
+(E2B's default: every public IPv4 address) or ``closed`` (dsec's own default: none)."""
 
 
 class TrafficTokens(Protocol):
@@ -207,6 +225,22 @@ def _check_network_body(network: dict[str, Any], prefix: str = "") -> None:
         raise E2BError(400, f"{prefix}httpsPorts must be a list of integers")
 
 
+def _encode_token(when: datetime, key: str) -> str:
+    """A keyset page token: the last item's time and id."""
+    return base64.urlsafe_b64encode(f"{_aware(when).isoformat()}|{key}".encode()).decode()
+
+
+def _decode_token(token: str) -> tuple[datetime, str]:
+    """The ``(time, id)`` of :func:`_encode_token`; 400 for anything else."""
+    try:
+        when_s, sep, key = base64.urlsafe_b64decode(token.encode()).decode().partition("|")
+        if not sep:
+            raise ValueError(token)
+        return _aware(datetime.fromisoformat(when_s)), key
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise E2BError(400, "invalid nextToken") from None
+
+
 _LOG_LEVELS = ("debug", "info", "warn", "error")
 _LOG_LEVEL_OF = {"stdout": "info", "stderr": "error", "dsec": "warn"}
 
@@ -233,6 +267,7 @@ class ControlPlane:
         filesystem: FilesystemService,
         template_api: TemplateAPI | None = None,
         *,
+        default_network: NetworkDefault = "open",
         sandbox_domain: str | None = None,
         traffic_tokens: TrafficTokens | None = None,
     ) -> None:
@@ -245,6 +280,16 @@ class ControlPlane:
         self.templates = templates
         self.registry = registry
         self.filesystem = filesystem
+        self.default_network = default_network
+        self._network_tiers: tuple[float, frozenset[str]] | None = None
+
+    async def _tier_has_network(self, tier: str) -> bool:
+        """Whether ``tier`` can give sandboxes a network on this edge (cached 10 s)."""
+        now = time.monotonic()
+        if self._network_tiers is None or now - self._network_tiers[0] > 10.0:
+            caps = await self.edge.capabilities()
+            self._network_tiers = (now, frozenset(c.tier for c in caps if c.network))
+        return tier in self._network_tiers[1]
 
     # --- plumbing -----------------------------------------------------------
     def routes(self) -> list[Route]:
@@ -270,8 +315,20 @@ class ControlPlane:
             Route("/sandboxes/{sandbox_id}/metrics", g(self.metrics), methods=["GET"]),
             Route("/sandboxes/{sandbox_id}/logs", g(self.logs_v1), methods=["GET"]),
             Route("/v2/sandboxes/{sandbox_id}/logs", g(self.logs_v2), methods=["GET"]),
-            Route("/snapshots", g(self.refuse_snapshots), methods=["GET"]),
-            *(self.template_api.routes(g) if self.template_api is not None else []),
+            Route("/snapshots", g(self.list_snapshots), methods=["GET"]),
+            # DELETE /templates/{id} (Sandbox.delete_snapshot too): the template API's, which
+            # deletes any of the key's templates; without it, snapshots only
+            *(
+                self.template_api.routes(g)
+                if self.template_api is not None
+                else [
+                    Route(
+                        "/templates/{template_id:path}",
+                        g(self.delete_snapshot),
+                        methods=["DELETE"],
+                    )
+                ]
+            ),
         ]
 
     def _guard(
@@ -336,7 +393,7 @@ class ControlPlane:
 
     @staticmethod
     def _metadata(info: SandboxInfo) -> dict[str, str]:
-        return {k: v for k, v in info.labels.items() if k != TEMPLATE_LABEL}
+        return {k: v for k, v in info.labels.items() if k not in INTERNAL_LABELS}
 
     def _template(self, info: SandboxInfo) -> str:
         return info.labels.get(TEMPLATE_LABEL, info.image)
@@ -396,8 +453,7 @@ class ControlPlane:
             domain=self.sandbox_domain,
             metadata=self._metadata(info),
             lifecycle=SandboxLifecycle(
-                # a paused dsec sandbox resumes on any request (create refuses auto_resume=False)
-                auto_resume=True,
+                auto_resume=info.labels.get(AUTO_RESUME_LABEL) != "off",
                 on_timeout=(
                     SandboxOnTimeout.PAUSE if info.on_timeout == "pause" else SandboxOnTimeout.KILL
                 ),
@@ -421,12 +477,9 @@ class ControlPlane:
             raise E2BError(400, f"invalid sandbox request: {e}") from None
         refused = []
         auto_resume = _unset(new.auto_resume)
-        if auto_resume is not None and getattr(auto_resume, "enabled", True) is False:
-            refused.append(
-                "lifecycle auto_resume=False (a paused dsec sandbox resumes on any request)"
-            )
-        if _unset(new.mcp) is not None:
-            refused.append("mcp")
+        no_auto_resume = auto_resume is not None and getattr(auto_resume, "enabled", True) is False
+        # mcp: the SDK itself starts `mcp-gateway` in the sandbox after the create (dsec's
+        # images have none, so it fails as E2B's does for a template without one)
         if _unset(new.volume_mounts):
             refused.append("volume_mounts")
         if _unset(new.iam) is not None:
@@ -438,14 +491,19 @@ class ControlPlane:
             raise E2BError(400, "allow_internet_access must be a boolean")
         wire_network = _unset(new.network)
         public = wire_network is not None and _unset(wire_network.allow_public_traffic) is True
-        policy = policy_from_e2b(
-            internet,
-            E2BEgress.from_wire(wire_network) if wire_network is not None else None,
-        )
         target = self.templates.resolve(new.template_id)
         sizes: dict[str, Any] = {}
         if self.template_api is not None:  # a template id, name:default; its cpu and memory
             target, sizes = await self.template_api.sandbox_target(owner, new.template_id, target)
+        if internet is None and wire_network is None and self.default_network == "open":
+            # E2B's default: the internet is open. Only where the tier can give a network
+            # (a node without networking creates sandboxes without one, as before)
+            internet = True if await self._tier_has_network(target.tier) else None
+        policy = policy_from_e2b(
+            internet,
+            E2BEgress.from_wire(wire_network) if wire_network is not None else None,
+        )
+
         metadata = _unset(new.metadata) or {}
         envs = _unset(new.env_vars) or {}
         if not isinstance(metadata, dict) or not isinstance(envs, dict):
@@ -460,11 +518,16 @@ class ControlPlane:
                 labels={
                     **{str(k): str(v) for k, v in metadata.items()},
                     TEMPLATE_LABEL: new.template_id,
+                    **({AUTO_RESUME_LABEL: "off"} if no_auto_resume else {}),
                 },
                 ttl_s=float(timeout if timeout is not None else DEFAULT_TIMEOUT_S),
                 on_timeout="pause" if new.auto_pause is True else "kill",
+                # lifecycle keep_memory=False: the timeout pause keeps only the files
+                timeout_pause="filesystem" if _unset(new.auto_pause_memory) is False else "auto",
                 network=policy,
                 public_ports=public,
+                # E2B's user has passwordless sudo: setuid programs work (container tier)
+                allow_setuid=target.tier == "container",
             )
         except ValidationError as e:
             msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
@@ -505,13 +568,15 @@ class ControlPlane:
 
     async def list_v1(self, request: Request, owner: str) -> Response:
         infos = sorted(
-            await self._filtered(request, owner), key=lambda i: (_aware(i.created_at), i.id)
+            await self._filtered(request, owner),
+            key=lambda i: (_aware(i.created_at), i.id),
+            reverse=True,  # newest first, as E2B
         )
         return JSONResponse([self._listed(i) for i in infos])
 
     async def list_v2(self, request: Request, owner: str) -> Response:
         q = request.query_params
-        order = q.get("order", "asc")
+        order = q.get("order", "desc")  # E2B's default: newest first
         if order not in ("asc", "desc"):
             raise E2BError(400, "order must be 'asc' or 'desc'")
         try:
@@ -528,13 +593,7 @@ class ControlPlane:
         )
         token = q.get("nextToken")
         if token:
-            try:
-                when_s, _, last_id = (
-                    base64.urlsafe_b64decode(token.encode()).decode().partition("|")
-                )
-                last = (_aware(datetime.fromisoformat(when_s)), last_id)
-            except (binascii.Error, UnicodeDecodeError, ValueError):
-                raise E2BError(400, "invalid nextToken") from None
+            last = _decode_token(token)
             infos = [
                 i
                 for i in infos
@@ -547,10 +606,7 @@ class ControlPlane:
         page = infos[:limit]
         headers = {}
         if len(infos) > limit:
-            tail = page[-1]
-            headers["X-Next-Token"] = base64.urlsafe_b64encode(
-                f"{_aware(tail.created_at).isoformat()}|{tail.id}".encode()
-            ).decode()
+            headers["X-Next-Token"] = _encode_token(page[-1].created_at, page[-1].id)
         return JSONResponse([self._listed(i) for i in page], headers=headers)
 
     async def get(self, request: Request, owner: str) -> Response:
@@ -561,6 +617,8 @@ class ControlPlane:
         sandbox_id = request.path_params["sandbox_id"]
         await self._live(sandbox_id, owner)
         await self.edge.kill_sandbox(sandbox_id, owner)
+        # open process streams end as envd's do when their sandbox dies mid-stream
+        self.registry.end_streams(sandbox_id, stream_ended_error(sandbox_id))
         await self.registry.drop_sandbox(sandbox_id)
         self.filesystem.drop_sandbox(sandbox_id)
         return Response(status_code=204)
@@ -571,8 +629,13 @@ class ControlPlane:
         return _seconds_value(body.get(name), name)
 
     async def set_timeout(self, request: Request, owner: str) -> Response:
+        """``set_timeout(seconds)``; 0 (as E2B) ends the sandbox's time now: its lifecycle
+        (kill, or pause) happens at the edge's next TTL check (about a second)."""
         sandbox_id = request.path_params["sandbox_id"]
-        seconds = self._seconds(await self._json(request), "timeout")
+        body = await self._json(request)
+        value = body.get("timeout")
+        now = isinstance(value, int | float) and not isinstance(value, bool) and value == 0
+        seconds = EXPIRE_NOW_TTL_S if now else self._seconds(body, "timeout")
         await self._live(sandbox_id, owner)
         await self.edge.set_ttl(sandbox_id, owner, seconds)
         return Response(status_code=204)
@@ -600,8 +663,8 @@ class ControlPlane:
         info = await self._live(sandbox_id, owner)
         status = 200
         if info.state == "paused":
-            if body.get("memory") is False:
-                raise E2BError(422, "on_resume='reboot' is not supported by dsec")
+            if body.get("memory") is False:  # on_resume="reboot": boot afresh from its files
+                await self._pause_filesystem(sandbox_id, owner)
             info = await self.edge.resume_sandbox(sandbox_id, owner)
             status = 201
         if body.get("timeout") is not None:
@@ -611,12 +674,25 @@ class ControlPlane:
                 info = await self.edge.set_ttl(sandbox_id, owner, seconds)
         return JSONResponse(self._created(info, owner), status_code=status)
 
+    async def _pause_filesystem(self, sandbox_id: str, owner: str) -> None:
+        """E2B's filesystem-only pause (``keep_memory=False``): processes dropped, files
+        kept, a fresh boot on resume (edges whose tier has ``pause_filesystem``)."""
+        if not isinstance(self.edge, PauseModes):
+            raise E2BError(422, "this server has no filesystem-only pause (keep_memory=False)")
+        await self.edge.pause_sandbox_mode(sandbox_id, owner, "filesystem")
+
     async def pause(self, request: Request, owner: str) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
+        body = await self._json(request)
+        _optional_bool(body, "memory")
+        _optional_bool(body, "requireHealthyGuest")
         info = await self._live(sandbox_id, owner)
         if info.state == "paused":
             return _error(409, f"sandbox {sandbox_id} is already paused")
-        await self.edge.pause_sandbox(sandbox_id, owner)
+        if body.get("memory") is False:
+            await self._pause_filesystem(sandbox_id, owner)
+        else:
+            await self.edge.pause_sandbox(sandbox_id, owner)
         # as E2B: pausing cuts the sandbox's open process streams (the SDK raises instead of
         # waiting forever); the processes resume with the sandbox and can be re-attached
         self.registry.end_streams(sandbox_id, paused_error(sandbox_id))
@@ -644,7 +720,7 @@ class ControlPlane:
         _optional_bool(body, "memory")
         if body.get("name") is not None and not isinstance(body["name"], str):
             raise E2BError(400, "name must be a string")
-        info = await self._live(sandbox_id, owner)
+        await self._live(sandbox_id, owner)
         if body.get("memory") is True:
             raise E2BError(
                 422, "dsec snapshots are filesystem-only: use mode='filesystem' (or leave it unset)"
@@ -657,7 +733,7 @@ class ControlPlane:
         except ValidationError as e:
             raise E2BError(400, f"invalid snapshot name {name!r}: {e.errors()[0]['msg']}") from None
         await self.edge.snapshot_sandbox(sandbox_id, owner, req)
-        snap = SnapshotInfo(snapshot_id=name, names=[name, self._template(info)])
+        snap = SnapshotInfo(snapshot_id=name, names=[name])
         return JSONResponse(snap.to_dict(), status_code=201)
 
     async def fork(self, request: Request, owner: str) -> Response:
@@ -829,9 +905,53 @@ class ControlPlane:
             chosen = [e for e in reversed(entries) if e["ms"] <= cursor][:limit]
         return JSONResponse({"logs": [_wire_entry(e) for e in chosen]})
 
-    async def refuse_snapshots(self, request: Request, owner: str) -> Response:
-        return _error(
-            422,
-            "listing snapshots is not supported by dsec's E2B API yet (snapshots are dsec "
-            "images: see `dsec image ls`; delete_snapshot works)",
-        )
+    async def list_snapshots(self, request: Request, owner: str) -> Response:
+        """``owner``'s snapshots (its images made by a snapshot, E2B's or dsec's), newest
+        first, filtered by ``sandboxID`` and ``name``; keyset pages of ``limit`` (1..100)
+        with ``X-Next-Token``."""
+        q = request.query_params
+        try:
+            limit = int(q.get("limit", LIST_PAGE_MAX))
+        except ValueError:
+            raise E2BError(400, "limit must be an integer") from None
+        if not 1 <= limit <= LIST_PAGE_MAX:
+            raise E2BError(400, f"limit must be between 1 and {LIST_PAGE_MAX}")
+        images = [
+            i
+            for i in await self.edge.list_images(owner)
+            if i.owner == owner and i.meta.get("snapshot_of") and i.status == "ready"
+        ]
+        if q.get("sandboxID"):
+            images = [i for i in images if i.meta.get("snapshot_of") == q["sandboxID"]]
+        if q.get("name"):
+            images = [i for i in images if i.name == q["name"]]
+        images.sort(key=lambda i: (_aware(i.created_at), i.name), reverse=True)
+        token = q.get("nextToken")
+        if token:
+            last = _decode_token(token)
+            images = [i for i in images if (_aware(i.created_at), i.name) < last]
+        page = images[:limit]
+        headers = {}
+        if len(images) > limit:
+            headers["X-Next-Token"] = _encode_token(page[-1].created_at, page[-1].name)
+        body = [SnapshotInfo(snapshot_id=i.name, names=[i.name]).to_dict() for i in page]
+        return JSONResponse(body, headers=headers)
+
+    async def delete_snapshot(self, request: Request, owner: str) -> Response:
+        """``Sandbox.delete_snapshot`` on an app without the template API: forget ``owner``'s
+        snapshot image (its layers stay while sandboxes use them). Another key's, or no such
+        snapshot: 404; a system image or an image that is not a snapshot: 403."""
+        name = request.path_params["template_id"]
+        try:
+            image = await self.edge.get_image(name, owner)
+        except ImageNotFound:
+            return _error(404, f"snapshot {name!r} not found")
+        if image.owner != owner:
+            return _error(403, f"template {name!r} is not yours to delete")
+        if not image.meta.get("snapshot_of"):
+            return _error(403, f"{name!r} is not a snapshot (dsec's E2B API deletes snapshots)")
+        try:
+            await self.edge.delete_image(name, owner)
+        except ImageNotFound:
+            return _error(404, f"snapshot {name!r} not found")
+        return Response(status_code=204)

@@ -22,10 +22,14 @@ Routes (relative to where the app is mounted, e.g. ``/e2b/envd``):
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import posixpath
 import re
+import time
 import zlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -43,6 +47,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsec.apiserver.middleware import ROUTE_SCOPE_KEY
 from dsec.e2b.access import AccessTokens
+from dsec.e2b.control import AUTO_RESUME_LABEL
 from dsec.e2b.errors import (
     E2BError,
     e2b_http_exception_handlers,
@@ -50,10 +55,11 @@ from dsec.e2b.errors import (
     sandbox_gone_message,
     to_connect_error,
 )
-from dsec.e2b.filesystem import FilesystemService
+from dsec.e2b.filesystem import METADATA_XATTR_PREFIX, FilesystemService
 from dsec.e2b.process import ProcessRegistry, ProcessService
-from dsec.edge.interface import EdgeAPI
-from dsec.errors import DsecError, PayloadTooLarge
+from dsec.edge.interface import EdgeAPI, FileXattrs
+from dsec.errors import CapabilityNotSupported, DsecError, FileNotFound, PayloadTooLarge
+from dsec.models import ExecRequest
 
 __all__ = ["DEFAULT_MAX_UPLOAD_BYTES", "EnvdApp", "route_path"]
 
@@ -195,6 +201,34 @@ def _split_multipart(body: bytes, content_type: str) -> list[tuple[str | None, b
     return out
 
 
+KERNEL_MOUNTS = frozenset({"proc", "sys", "dev"})
+"""Top-level directories that are kernel mounts in a sandbox: downloads from them are read
+by a command inside the sandbox (:meth:`EnvdApp._read_in_sandbox`)."""
+KERNEL_READ_MAX_BYTES = 8 << 20
+_METADATA_HEADER = "x-metadata-"
+_METADATA_KEY = re.compile(r"[a-z0-9!#$%&'*+\-.^_`|~]{1,200}")
+_METADATA_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
+MAX_METADATA_KEYS = 32
+
+
+def _upload_metadata(request: Request) -> dict[str, str]:
+    """The ``X-Metadata-<key>: <value>`` headers of an upload, keys lowercased (as envd);
+    400 for a key or value envd would refuse."""
+    out: dict[str, str] = {}
+    for name, value in request.headers.items():
+        if not name.lower().startswith(_METADATA_HEADER):
+            continue
+        key = name[len(_METADATA_HEADER) :].lower()
+        if not _METADATA_KEY.fullmatch(key):
+            raise E2BError(400, f"invalid metadata key {key!r}")
+        if not _METADATA_VALUE.fullmatch(value):
+            raise E2BError(400, f"invalid metadata value for key {key!r}")
+        out[key] = value
+    if len(out) > MAX_METADATA_KEYS:
+        raise E2BError(400, f"at most {MAX_METADATA_KEYS} metadata keys per file")
+    return out
+
+
 class EnvdApp:
     """ASGI app serving envd for every sandbox (see the module docstring).
 
@@ -219,8 +253,13 @@ class EnvdApp:
         self.tokens = tokens
         self.registry = registry
         self.max_upload_bytes = max_upload_bytes
+        self._no_auto_resume: OrderedDict[str, bool] = OrderedDict()
+        """sandbox id -> created with auto_resume=False (read once from its labels)"""
         self.filesystem = FilesystemService(
-            edge, self._authorize_rpc, poll_interval_s=watch_poll_interval_s
+            edge,
+            self._authorize_rpc,
+            users=registry.users,
+            poll_interval_s=watch_poll_interval_s,
         )
         self.process = ProcessService(registry, self._authorize_rpc)
         shield = [_Shield()]
@@ -276,17 +315,43 @@ class EnvdApp:
                 400, "missing E2b-Sandbox-Id header: set E2B_SANDBOX_URL to dsec's envd URL"
             )
         if not token:
-            raise E2BError(401, "missing X-Access-Token (signed URLs are not supported by dsec)")
+            raise E2BError(401, "missing access token or file signature")  # envd's words
         owner = self.tokens.verify(sandbox_id, token)
         if owner is None:
             # A token for another sandbox (or another owner): the sandbox does not exist for it.
             raise E2BError(502, sandbox_gone_message(sandbox_id))
         return sandbox_id, owner
 
+    async def _check_awake(self, sandbox_id: str, owner: str) -> None:
+        """Refuse (502) a request to a paused sandbox created with ``auto_resume=False``
+        (E2B: only ``connect()`` wakes it); any other sandbox resumes on the request."""
+        off = self._no_auto_resume.get(sandbox_id)
+        if off is False:
+            return
+        try:
+            info = await self.edge.get_sandbox(sandbox_id, owner)
+        except DsecError:
+            return  # the request itself reports what is wrong
+        if off is None:
+            off = info.labels.get(AUTO_RESUME_LABEL) == "off"
+            self._no_auto_resume[sandbox_id] = off
+            while len(self._no_auto_resume) > 100_000:
+                self._no_auto_resume.popitem(last=False)
+        if off and info.state == "paused":
+            raise E2BError(
+                502,
+                f"sandbox {sandbox_id} is paused and its auto_resume is off: "
+                "Sandbox.connect() resumes it",
+            )
+
     async def _authorize_rpc(self, ctx: RequestContext) -> tuple[str, str]:
         headers = ctx.request_headers
         try:
-            return self._check(headers.get("e2b-sandbox-id"), headers.get("x-access-token"))
+            sandbox_id, owner = self._check(
+                headers.get("e2b-sandbox-id"), headers.get("x-access-token")
+            )
+            await self._check_awake(sandbox_id, owner)
+            return sandbox_id, owner
         except E2BError as e:
             code = {400: Code.INVALID_ARGUMENT, 401: Code.UNAUTHENTICATED}.get(
                 e.status, Code.UNAVAILABLE
@@ -302,10 +367,13 @@ class EnvdApp:
         signature = request.query_params.get("signature")
         if signature and not request.headers.get("x-access-token"):
             # may try every remembered token (milliseconds): off the event loop
-            return await asyncio.to_thread(self._check_signed, request, signature)
-        return self._check(
-            request.headers.get("e2b-sandbox-id"), request.headers.get("x-access-token")
-        )
+            found = await asyncio.to_thread(self._check_signed, request, signature)
+        else:
+            found = self._check(
+                request.headers.get("e2b-sandbox-id"), request.headers.get("x-access-token")
+            )
+        await self._check_awake(*found)
+        return found
 
     def _check_signed(self, request: Request, signature: str) -> tuple[str, str]:
         """``(sandbox_id, owner)`` of a signed ``/files`` URL (``download_url``/``upload_url``)."""
@@ -323,7 +391,9 @@ class EnvdApp:
             sandbox_id=request.headers.get("e2b-sandbox-id") or None,
         )
         if found is None:
-            raise E2BError(401, "invalid or expired file URL signature")
+            raise E2BError(401, "invalid signature")  # envd's words
+        if expiration is not None and expiration < time.time():
+            raise E2BError(401, "signature is already expired")
         return found
 
     def files_routes(self) -> list[Route]:
@@ -335,13 +405,13 @@ class EnvdApp:
             Route("/files", self._upload, methods=["POST"]),
         ]
 
-    async def _abs_path(self, sandbox_id: str, owner: str, path: str) -> str:
+    async def _abs_path(self, sandbox_id: str, owner: str, path: str, request: Request) -> str:
+        """``path`` made absolute: a relative one against the home of the ``username`` the
+        request names (else the sandbox's default user), as envd does."""
         if not path or "\0" in path:
             raise E2BError(400, "a non-empty path is required")
-        if path.startswith("/"):
-            return posixpath.normpath(path) if path != "/" else "/"
-        info = await self.edge.get_sandbox(sandbox_id, owner)
-        return posixpath.normpath(posixpath.join(info.workdir or "/", path))
+        user = request.query_params.get("username") or None
+        return await self.registry.users.resolve(sandbox_id, owner, path, user)
 
     async def _guard(
         self, request: Request, handler: Callable[[str, str], Awaitable[Response]]
@@ -371,8 +441,14 @@ class EnvdApp:
 
     async def _download(self, request: Request) -> Response:
         async def handler(sandbox_id: str, owner: str) -> Response:
-            path = await self._abs_path(sandbox_id, owner, request.query_params.get("path", ""))
-            data = await self.edge.read_file(sandbox_id, owner, path)
+            path = await self._abs_path(
+                sandbox_id, owner, request.query_params.get("path", ""), request
+            )
+            if path.split("/", 2)[1] in KERNEL_MOUNTS:
+                user = request.query_params.get("username") or None
+                data = await self._read_in_sandbox(sandbox_id, owner, path, user)
+            else:
+                data = await self.edge.read_file(sandbox_id, owner, path)
             name = posixpath.basename(path).replace('"', "")
             return Response(
                 data,
@@ -381,6 +457,47 @@ class EnvdApp:
             )
 
         return await self._guard(request, handler)
+
+    async def _read_in_sandbox(
+        self, sandbox_id: str, owner: str, path: str, user: str | None
+    ) -> bytes:
+        """A file under ``/proc``, ``/sys`` or ``/dev`` (kernel mounts the files API does not
+        reach), read as envd reads it: from inside the sandbox, by a command run as the
+        request's user (its output as base64, so any bytes survive)."""
+        req = ExecRequest(
+            cmd=["/bin/sh", "-c", 'exec base64 < "$1"', "sh", path],
+            user=user,
+            timeout_s=30.0,
+            max_output_bytes=KERNEL_READ_MAX_BYTES * 4 // 3 + 4096,
+        )
+        res = await self.edge.exec(sandbox_id, owner, req)
+        if res.exit_code != 0 or res.stdout_truncated:
+            err = res.stderr.strip().splitlines()[-1:] or [f"exit {res.exit_code}"]
+            if "No such file" in err[0] or "not found" in err[0]:
+                raise FileNotFound(f"no such file or directory: {path}", path=path)
+            if res.stdout_truncated:
+                raise PayloadTooLarge(f"{path} is larger than {KERNEL_READ_MAX_BYTES} bytes")
+            raise E2BError(400, f"cannot read {path}: {err[0]}")
+        try:
+            return base64.b64decode(res.stdout)
+        except (binascii.Error, ValueError):
+            raise E2BError(400, f"cannot read {path}: the sandbox has no working base64") from None
+
+    async def _set_metadata(
+        self, sandbox_id: str, owner: str, path: str, metadata: dict[str, str]
+    ) -> None:
+        """Make ``metadata`` the file's whole metadata (envd: an upload without metadata
+        clears what an earlier one stored)."""
+        if not isinstance(self.edge, FileXattrs):
+            return
+        values = {METADATA_XATTR_PREFIX + k: v for k, v in metadata.items()}
+        try:
+            await self.edge.set_xattrs(
+                sandbox_id, owner, path, values, clear_prefix=METADATA_XATTR_PREFIX
+            )
+        except CapabilityNotSupported:
+            if metadata:
+                raise
 
     async def _read_body(self, request: Request) -> bytes:
         chunks: list[bytes] = []
@@ -410,8 +527,7 @@ class EnvdApp:
             # read the body before any refusal: answering mid-upload makes the client see a
             # reset connection instead of the error
             body = await self._read_body(request)
-            if any(k.lower().startswith("x-metadata-") for k in request.headers):
-                raise E2BError(501, "file metadata (user.e2b.* xattrs) is not supported by dsec")
+            metadata = _upload_metadata(request)
             query_path = request.query_params.get("path")
             content_type = request.headers.get("content-type", "")
             files: list[tuple[str, bytes]] = []
@@ -430,11 +546,21 @@ class EnvdApp:
                 files.append((query_path, body))
             if any(len(data) > self.max_upload_bytes for _, data in files):
                 raise PayloadTooLarge(f"a file is larger than {self.max_upload_bytes} bytes")
-            written: list[dict[str, str]] = []
+            if metadata and not isinstance(self.edge, FileXattrs):
+                raise E2BError(422, "this server's edge keeps no file metadata")
+            written: list[dict[str, Any]] = []
             for target, data in files:
-                path = await self._abs_path(sandbox_id, owner, target)
+                path = await self._abs_path(sandbox_id, owner, target, request)
                 await self.edge.write_file(sandbox_id, owner, path, data)
-                written.append({"name": posixpath.basename(path), "type": "file", "path": path})
+                await self._set_metadata(sandbox_id, owner, path, metadata)
+                entry: dict[str, Any] = {
+                    "name": posixpath.basename(path),
+                    "type": "file",
+                    "path": path,
+                }
+                if metadata:
+                    entry["metadata"] = metadata
+                written.append(entry)
             return JSONResponse(written)
 
         return await self._guard(request, handler)

@@ -55,6 +55,7 @@ __all__ = [
     "e2b_http_exception_handlers",
     "envd_http_status",
     "sandbox_gone_message",
+    "stream_ended_error",
     "to_connect_error",
 ]
 
@@ -71,6 +72,17 @@ class E2BError(Exception):
 def sandbox_gone_message(sandbox_id: str) -> str:
     """The message E2B's proxy uses for a missing sandbox; the SDK matches "was not found"."""
     return f"The sandbox {sandbox_id} was not found"
+
+
+def stream_ended_error(sandbox_id: str) -> ConnectError:
+    """What envd ends an open stream with when its sandbox goes away mid-stream (killed,
+    timed out): an ``UNAVAILABLE`` that does not say why, so the SDK probes ``/health``
+    (502 "... was not found") and raises ``SandboxNotRunningException`` "... killed or
+    reached its end of life while the request was in flight"."""
+    return ConnectError(
+        Code.UNAVAILABLE,
+        f"the connection to sandbox {sandbox_id} ended before the stream completed",
+    )
 
 
 def control_status(err: DsecError) -> int:

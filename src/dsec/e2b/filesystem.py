@@ -1,9 +1,18 @@
 """envd's ``filesystem.Filesystem`` Connect service over ``EdgeAPI`` file calls.
 
-Paths: absolute sandbox paths; a relative path is taken relative to the
-sandbox's workdir (E2B resolves it against the user's home).
+Paths: absolute sandbox paths; a relative path is taken relative to the home of the
+user the request runs as (the ``Authorization: Basic`` user, else the sandbox's default
+user), as envd does (:mod:`dsec.e2b.users`). Entries are owned by user and group names
+from the sandbox's own passwd and group files, and carry the file's metadata: its
+``user.e2b.<key>`` extended attributes (:class:`~dsec.edge.interface.FileXattrs`; a tier
+without them shows none). Removing a path that does not exist succeeds (envd's
+``os.RemoveAll``).
 
-Watching (``watch_dir`` in both SDK flavours) is done by polling: each poll
+Watching (``watch_dir`` in both SDK flavours) uses the edge's kernel watch when it has one
+(:class:`~dsec.edge.interface.DirectoryWatch`: inotify on the container tier): every
+change arrives as it happens, as its own event (envd's kinds, renames included), and
+nothing polls the sandbox. Other tiers (and a cluster's apiserver) fall back to polling:
+each poll
 lists the watched tree (``depth`` 1, or up to :data:`RECURSIVE_WATCH_DEPTH`
 levels when recursive) and diffs it with the previous listing. A new path is
 ``CREATE``, a vanished one ``REMOVE``, a changed size or mtime ``WRITE``, a
@@ -40,16 +49,30 @@ from protobuf import Oneof
 from protobuf.wkt import Timestamp
 
 from dsec.e2b.errors import to_connect_error
-from dsec.edge.interface import EdgeAPI
-from dsec.errors import DsecError, FileNotFound, InvalidRequest
+from dsec.e2b.users import SandboxUsers, user_from_headers
+from dsec.edge.interface import (
+    DirectoryWatch,
+    DirectoryWatcher,
+    EdgeAPI,
+    FileEventKind,
+    FileXattrs,
+)
+from dsec.errors import CapabilityNotSupported, DsecError, FileNotFound, InvalidRequest
 from dsec.models import FileInfo
 
-__all__ = ["RECURSIVE_WATCH_DEPTH", "FilesystemService", "entry_info"]
+__all__ = ["METADATA_XATTR_PREFIX", "RECURSIVE_WATCH_DEPTH", "FilesystemService", "entry_info"]
+
+METADATA_XATTR_PREFIX = "user.e2b."
+"""envd keeps a file's metadata as extended attributes ``user.e2b.<key>`` (keys lowercased)."""
 
 RECURSIVE_WATCH_DEPTH = 16
 """Levels below the watched directory a recursive watch sees."""
 WATCH_POLL_INTERVAL_S = 0.25
 """How often a watch re-lists its tree, seconds."""
+MAX_SYMLINK_HOPS = 40
+"""Symlinks followed to find what a symlink leads to (Linux's own limit)."""
+MAX_LIST_DEPTH = 32
+"""Deepest ``list(depth=)`` (the edge's limit)."""
 MAX_WATCHERS_PER_SANDBOX = 64
 WATCHER_IDLE_EXPIRY_S = 600.0
 """A ``CreateWatcher`` watcher nobody polled for this long is dropped, seconds."""
@@ -62,6 +85,13 @@ _TYPES = {
     "symlink": fs_pb.FileType.SYMLINK,
 }
 _MODE_BITS = {"file": stat_mod.S_IFREG, "dir": stat_mod.S_IFDIR, "symlink": stat_mod.S_IFLNK}
+_EVENT_TYPES: dict[FileEventKind, fs_pb.EventType] = {
+    "create": fs_pb.EventType.CREATE,
+    "write": fs_pb.EventType.WRITE,
+    "remove": fs_pb.EventType.REMOVE,
+    "rename": fs_pb.EventType.RENAME,
+    "chmod": fs_pb.EventType.CHMOD,
+}
 
 
 def _watch_start() -> fs_pb.WatchDirResponse:
@@ -87,9 +117,15 @@ def _user_name(uid: int) -> str:
     return "root" if uid == 0 else str(uid)
 
 
-def entry_info(info: FileInfo) -> fs_pb.EntryInfo:
-    """envd's ``EntryInfo`` for a dsec :class:`FileInfo` (owner/group: ``root`` or the numeric id)."""
+def entry_info(
+    info: FileInfo,
+    names: tuple[str, str] | None = None,
+    metadata: dict[str, str] | None = None,
+) -> fs_pb.EntryInfo:
+    """envd's ``EntryInfo`` for a dsec :class:`FileInfo`: ``names`` are the owner and group
+    names (default: ``root`` or the numeric id), ``metadata`` the file's metadata."""
     mode = info.mode & 0o7777
+    owner, group = names if names is not None else (_user_name(info.uid), _user_name(info.gid))
     return fs_pb.EntryInfo(
         name=info.name,
         type=_TYPES.get(info.type, fs_pb.FileType.UNSPECIFIED),
@@ -97,11 +133,12 @@ def entry_info(info: FileInfo) -> fs_pb.EntryInfo:
         size=info.size,
         mode=mode,
         permissions=stat_mod.filemode(_MODE_BITS.get(info.type, 0) | mode),
-        owner=_user_name(info.uid),
-        group=_user_name(info.gid),
+        owner=owner,
+        group=group,
         modified_time=Timestamp.from_nanos(int(info.mtime * 1e9)),
-        symlink_target=info.target if info.type == "symlink" else None,
-        is_symlink=info.type == "symlink",
+        symlink_target=info.target,
+        is_symlink=info.target is not None,
+        metadata=metadata or {},
     )
 
 
@@ -126,10 +163,15 @@ class _Watcher:
     recorder: asyncio.Task[None] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises polls (background and ``GetWatcherEvents``) so the diff base stays consistent."""
+    kernel: DirectoryWatcher | None = None
+    """The edge's kernel watch (inotify), when it has one; else the tree is polled."""
 
     def stop(self) -> None:
         if self.recorder is not None:
             self.recorder.cancel()
+        if self.kernel is not None:
+            asyncio.ensure_future(self.kernel.close())
+            self.kernel = None
 
 
 Authorize = Callable[[RequestContext], Awaitable[tuple[str, str]]]
@@ -143,26 +185,77 @@ class FilesystemService(filesystem_connect.Filesystem):
         edge: EdgeAPI,
         authorize: Authorize,
         *,
+        users: SandboxUsers | None = None,
         poll_interval_s: float = WATCH_POLL_INTERVAL_S,
     ) -> None:
         self._edge = edge
         self._authorize = authorize
+        self.users = users if users is not None else SandboxUsers(edge)
         self._poll_interval_s = poll_interval_s
         self._watchers: dict[str, _Watcher] = {}
 
     # --- helpers ------------------------------------------------------------
-    async def _abs(self, sandbox_id: str, owner: str, path: str) -> str:
+    async def _abs(
+        self, sandbox_id: str, owner: str, path: str, ctx: RequestContext | None = None
+    ) -> str:
+        """``path`` made absolute (a relative one against the request's user's home)."""
         if not path:
             raise ConnectError(Code.INVALID_ARGUMENT, "path is empty")
-        if "\0" in path:
-            raise ConnectError(Code.INVALID_ARGUMENT, "path contains a NUL byte")
-        if path.startswith("/"):
-            return posixpath.normpath(path) if path != "/" else "/"
+        user = user_from_headers(ctx.request_headers) if ctx is not None else None
         try:
-            info = await self._edge.get_sandbox(sandbox_id, owner)
+            return await self.users.resolve(sandbox_id, owner, path, user)
         except DsecError as e:
             raise to_connect_error(e, sandbox_id) from None
-        return posixpath.normpath(posixpath.join(info.workdir or "/", path))
+
+    async def entries(
+        self, sandbox_id: str, owner: str, infos: list[FileInfo]
+    ) -> list[fs_pb.EntryInfo]:
+        """envd entries of ``infos``: owner and group names, each file's metadata, and for a
+        symlink (as envd) the type and size of what it leads to and that path, absolute."""
+        try:
+            infos = [
+                await self._through_link(sandbox_id, owner, i) if i.type == "symlink" else i
+                for i in infos
+            ]
+            names = [await self.users.names(sandbox_id, owner, i.uid, i.gid) for i in infos]
+            metadata = await self.metadata(sandbox_id, owner, [i.path for i in infos])
+        except DsecError as e:
+            raise to_connect_error(e, sandbox_id) from None
+        return [entry_info(i, n, m) for i, n, m in zip(infos, names, metadata, strict=True)]
+
+    async def _through_link(self, sandbox_id: str, owner: str, link: FileInfo) -> FileInfo:
+        """``link`` as envd shows a symlink: the final target's type and size, and the
+        target's absolute path (a dangling link stays a symlink, its target made absolute)."""
+        target = link.target or ""
+        seen = 0
+        current = link
+        while current.type == "symlink" and seen < MAX_SYMLINK_HOPS:
+            seen += 1
+            base = posixpath.dirname(current.path) or "/"
+            target = posixpath.normpath(posixpath.join(base, current.target or ""))
+            try:
+                current = await self._edge.stat_file(sandbox_id, owner, target)
+            except (FileNotFound, InvalidRequest):
+                return link.model_copy(update={"target": target})
+        if current.type == "symlink":  # a loop
+            return link.model_copy(update={"target": target})
+        return link.model_copy(
+            update={"type": current.type, "size": current.size, "target": target}
+        )
+
+    async def metadata(
+        self, sandbox_id: str, owner: str, paths: list[str]
+    ) -> list[dict[str, str] | None]:
+        """The metadata (``user.e2b.*`` attributes, prefix stripped) of each path; ``None``
+        where there is none, or on an edge or tier that keeps no extended attributes."""
+        if not paths or not isinstance(self._edge, FileXattrs):
+            return [None] * len(paths)
+        try:
+            found = await self._edge.get_xattrs(sandbox_id, owner, paths, METADATA_XATTR_PREFIX)
+        except CapabilityNotSupported:
+            return [None] * len(paths)
+        n = len(METADATA_XATTR_PREFIX)
+        return [{k[n:]: v for k, v in attrs.items()} or None for attrs in found]
 
     async def _call(self, sandbox_id: str, coro: Awaitable[object]) -> object:
         try:
@@ -199,18 +292,56 @@ class FilesystemService(filesystem_connect.Filesystem):
         return events
 
     async def _new_watcher(
-        self, sandbox_id: str, owner: str, path: str, recursive: bool, include_entry: bool
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        recursive: bool,
+        include_entry: bool,
+        ctx: RequestContext | None = None,
     ) -> _Watcher:
-        path = await self._abs(sandbox_id, owner, path)
+        path = await self._abs(sandbox_id, owner, path, ctx)
         try:
             info = await self._edge.stat_file(sandbox_id, owner, path)
             if info.type != "dir":
                 raise InvalidRequest(f"path {path} is not a directory")
             w = _Watcher(sandbox_id, owner, path, recursive, include_entry, {})
-            w.snapshot = await self._listing(w)
+            if isinstance(self._edge, DirectoryWatch):
+                with contextlib.suppress(CapabilityNotSupported):  # then: polling
+                    w.kernel = await self._edge.watch_directory(
+                        sandbox_id, owner, path, recursive=recursive
+                    )
+            if w.kernel is None:
+                w.snapshot = await self._listing(w)
         except DsecError as e:
             raise to_connect_error(e, sandbox_id) from None
         return w
+
+    async def _kernel_events(self, w: _Watcher, timeout_s: float) -> list[fs_pb.FilesystemEvent]:
+        """The kernel watch's events (waiting up to ``timeout_s``) as envd's events; the
+        watch's end (directory removed, sandbox gone) as the Connect error."""
+        assert w.kernel is not None
+        try:
+            found = await w.kernel.events(timeout_s)
+        except FileNotFound:
+            raise ConnectError(Code.NOT_FOUND, f"watched directory {w.path} was removed") from None
+        except DsecError as e:
+            raise to_connect_error(e, w.sandbox_id) from None
+        out: list[fs_pb.FilesystemEvent] = []
+        for ev in found:
+            entry = None
+            if w.include_entry and ev.kind != "remove":
+                try:  # best effort, as envd: the entry of a path that still exists
+                    info = await self._edge.stat_file(w.sandbox_id, w.owner, ev.path)
+                    entry = (await self.entries(w.sandbox_id, w.owner, [info]))[0]
+                except (DsecError, ConnectError):
+                    entry = None
+            out.append(
+                fs_pb.FilesystemEvent(
+                    name=posixpath.relpath(ev.path, w.path), type=_EVENT_TYPES[ev.kind], entry=entry
+                )
+            )
+        return out
 
     def _expire_watchers(self) -> None:
         now = time.monotonic()
@@ -234,6 +365,12 @@ class FilesystemService(filesystem_connect.Filesystem):
         """One poll of ``w``: new events go to ``w.recorded``; errors to ``w.failure``."""
         async with w.lock:
             if w.failure is not None:
+                return
+            if w.kernel is not None:
+                try:
+                    w.recorded.extend(await self._kernel_events(w, 0.0))
+                except ConnectError as e:
+                    w.failure = e
                 return
             try:
                 w.recorded.extend(self._diff(w, await self._listing(w)))
@@ -264,16 +401,16 @@ class FilesystemService(filesystem_connect.Filesystem):
     # --- RPCs -------------------------------------------------------------
     async def stat(self, request: fs_pb.StatRequest, ctx: RequestContext) -> fs_pb.StatResponse:
         sandbox_id, owner = await self._authorize(ctx)
-        path = await self._abs(sandbox_id, owner, request.path)
+        path = await self._abs(sandbox_id, owner, request.path, ctx)
         info = await self._call(sandbox_id, self._edge.stat_file(sandbox_id, owner, path))
         assert isinstance(info, FileInfo)
-        return fs_pb.StatResponse(entry=entry_info(info))
+        return fs_pb.StatResponse(entry=(await self.entries(sandbox_id, owner, [info]))[0])
 
     async def make_dir(
         self, request: fs_pb.MakeDirRequest, ctx: RequestContext
     ) -> fs_pb.MakeDirResponse:
         sandbox_id, owner = await self._authorize(ctx)
-        path = await self._abs(sandbox_id, owner, request.path)
+        path = await self._abs(sandbox_id, owner, request.path, ctx)
         try:
             existing = await self._edge.stat_file(sandbox_id, owner, path)
         except FileNotFound:
@@ -288,38 +425,43 @@ class FilesystemService(filesystem_connect.Filesystem):
             raise ConnectError(Code.ALREADY_EXISTS, f"directory {path} already exists")
         info = await self._call(sandbox_id, self._edge.make_dir(sandbox_id, owner, path))
         assert isinstance(info, FileInfo)
-        return fs_pb.MakeDirResponse(entry=entry_info(info))
+        return fs_pb.MakeDirResponse(entry=(await self.entries(sandbox_id, owner, [info]))[0])
 
     async def move(self, request: fs_pb.MoveRequest, ctx: RequestContext) -> fs_pb.MoveResponse:
         sandbox_id, owner = await self._authorize(ctx)
-        src = await self._abs(sandbox_id, owner, request.source)
-        dst = await self._abs(sandbox_id, owner, request.destination)
+        src = await self._abs(sandbox_id, owner, request.source, ctx)
+        dst = await self._abs(sandbox_id, owner, request.destination, ctx)
         info = await self._call(sandbox_id, self._edge.rename_file(sandbox_id, owner, src, dst))
         assert isinstance(info, FileInfo)
-        return fs_pb.MoveResponse(entry=entry_info(info))
+        return fs_pb.MoveResponse(entry=(await self.entries(sandbox_id, owner, [info]))[0])
 
     async def list_dir(
         self, request: fs_pb.ListDirRequest, ctx: RequestContext
     ) -> fs_pb.ListDirResponse:
         sandbox_id, owner = await self._authorize(ctx)
-        path = await self._abs(sandbox_id, owner, request.path)
+        path = await self._abs(sandbox_id, owner, request.path, ctx)
         depth = request.depth or 1
-        if depth > 64:
-            raise ConnectError(Code.INVALID_ARGUMENT, "depth is at most 64")
+        if depth > MAX_LIST_DEPTH:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"depth is at most {MAX_LIST_DEPTH}")
         infos = await self._call(sandbox_id, self._edge.list_files(sandbox_id, owner, path, depth))
         assert isinstance(infos, list)
-        return fs_pb.ListDirResponse(entries=[entry_info(i) for i in infos if i.path != path])
+        return fs_pb.ListDirResponse(
+            entries=await self.entries(sandbox_id, owner, [i for i in infos if i.path != path])
+        )
 
     async def remove(
         self, request: fs_pb.RemoveRequest, ctx: RequestContext
     ) -> fs_pb.RemoveResponse:
         sandbox_id, owner = await self._authorize(ctx)
-        path = await self._abs(sandbox_id, owner, request.path)
+        path = await self._abs(sandbox_id, owner, request.path, ctx)
         if path == "/":
             raise ConnectError(Code.INVALID_ARGUMENT, "refusing to remove /")
-        await self._call(
-            sandbox_id, self._edge.remove_file(sandbox_id, owner, path, recursive=True)
-        )
+        try:
+            await self._edge.remove_file(sandbox_id, owner, path, recursive=True)
+        except FileNotFound:
+            pass  # as envd (os.RemoveAll): removing what is not there succeeds
+        except DsecError as e:
+            raise to_connect_error(e, sandbox_id) from None
         return fs_pb.RemoveResponse()
 
     async def watch_dir(
@@ -327,7 +469,7 @@ class FilesystemService(filesystem_connect.Filesystem):
     ) -> AsyncIterator[fs_pb.WatchDirResponse]:
         sandbox_id, owner = await self._authorize(ctx)
         w = await self._new_watcher(
-            sandbox_id, owner, request.path, request.recursive, request.include_entry
+            sandbox_id, owner, request.path, request.recursive, request.include_entry, ctx
         )
         yield _watch_start()
         raw = ctx.request_headers.get("keepalive-ping-interval")
@@ -336,25 +478,34 @@ class FilesystemService(filesystem_connect.Filesystem):
             keepalive = min(max(float(raw or 50), 1.0), 300.0)
         loop = asyncio.get_running_loop()
         last_sent = loop.time()
-        while True:
-            remaining = ctx.timeout_ms
-            if remaining is not None and remaining <= 0:
-                raise ConnectError(Code.DEADLINE_EXCEEDED, "watch timeout reached")
-            await asyncio.sleep(self._poll_interval_s)
-            try:
-                events = self._diff(w, await self._listing(w))
-            except FileNotFound:
-                raise ConnectError(
-                    Code.NOT_FOUND, f"watched directory {w.path} was removed"
-                ) from None
-            except DsecError as e:
-                raise to_connect_error(e, sandbox_id) from None
-            for ev in events:
-                yield _watch_event(ev)
-                last_sent = loop.time()
-            if loop.time() - last_sent >= keepalive:
-                yield _watch_keepalive()
-                last_sent = loop.time()
+        try:
+            while True:
+                remaining = ctx.timeout_ms
+                if remaining is not None and remaining <= 0:
+                    raise ConnectError(Code.DEADLINE_EXCEEDED, "watch timeout reached")
+                if w.kernel is not None:  # pushed by the kernel: wait for them
+                    wait = keepalive - (loop.time() - last_sent)
+                    if remaining is not None:
+                        wait = min(wait, remaining / 1000.0)
+                    events = await self._kernel_events(w, max(wait, 0.01))
+                else:
+                    await asyncio.sleep(self._poll_interval_s)
+                    try:
+                        events = self._diff(w, await self._listing(w))
+                    except FileNotFound:
+                        raise ConnectError(
+                            Code.NOT_FOUND, f"watched directory {w.path} was removed"
+                        ) from None
+                    except DsecError as e:
+                        raise to_connect_error(e, sandbox_id) from None
+                for ev in events:
+                    yield _watch_event(ev)
+                    last_sent = loop.time()
+                if loop.time() - last_sent >= keepalive:
+                    yield _watch_keepalive()
+                    last_sent = loop.time()
+        finally:
+            w.stop()
 
     async def create_watcher(
         self, request: fs_pb.CreateWatcherRequest, ctx: RequestContext
@@ -369,11 +520,12 @@ class FilesystemService(filesystem_connect.Filesystem):
                 Code.RESOURCE_EXHAUSTED, f"at most {MAX_WATCHERS_PER_SANDBOX} watchers per sandbox"
             )
         w = await self._new_watcher(
-            sandbox_id, owner, request.path, request.recursive, request.include_entry
+            sandbox_id, owner, request.path, request.recursive, request.include_entry, ctx
         )
         watcher_id = "w-" + secrets.token_hex(8)
         self._watchers[watcher_id] = w
-        w.recorder = asyncio.create_task(self._record(watcher_id, w))
+        if w.kernel is None:  # a kernel watch records by itself
+            w.recorder = asyncio.create_task(self._record(watcher_id, w))
         return fs_pb.CreateWatcherResponse(watcher_id=watcher_id)
 
     def _get_watcher(self, watcher_id: str, sandbox_id: str, owner: str) -> _Watcher:

@@ -25,7 +25,6 @@ processes live on; ``commands.connect`` re-attaches after a resume).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import itertools
 import logging
@@ -41,10 +40,11 @@ from e2b.envd.process import process_connect, process_pb
 from protobuf import Oneof
 from pydantic import ValidationError
 
-from dsec.e2b.errors import sandbox_gone_message, to_connect_error
+from dsec.e2b.errors import sandbox_gone_message, stream_ended_error, to_connect_error
 from dsec.e2b.interactive import InteractiveProcess, PtySize, start_interactive
+from dsec.e2b.users import SandboxUsers, user_from_headers
 from dsec.edge.interface import EdgeAPI
-from dsec.errors import DsecError
+from dsec.errors import DsecError, SandboxNotFound, SandboxStopped
 from dsec.models import ExecRequest, ExecResult
 
 __all__ = [
@@ -110,20 +110,6 @@ def paused_error(sandbox_id: str) -> ConnectError:
         f"sandbox {sandbox_id} was paused; the process keeps its state and continues "
         "after a resume (commands.connect re-attaches)",
     )
-
-
-def user_from_headers(headers: object) -> str | None:
-    """The user envd would run as: ``Authorization: Basic base64("<user>:")``, else ``None``."""
-    get = getattr(headers, "get", None)
-    value = get("authorization") if get is not None else None
-    if not value or not value.lower().startswith("basic "):
-        return None
-    try:
-        decoded = base64.b64decode(value[6:].strip(), validate=True).decode()
-    except ValueError:
-        raise ConnectError(Code.INVALID_ARGUMENT, "malformed Authorization header") from None
-    user = decoded.split(":", 1)[0]
-    return user or None
 
 
 def _exit_status(result: ExecResult) -> str:
@@ -229,8 +215,10 @@ class ManagedProcess:
 class ProcessRegistry:
     """Running processes per sandbox (see the module docstring)."""
 
-    def __init__(self, edge: EdgeAPI) -> None:
+    def __init__(self, edge: EdgeAPI, users: SandboxUsers | None = None) -> None:
         self._edge = edge
+        self.users = users if users is not None else SandboxUsers(edge)
+        """The sandboxes' users and homes (shared with the filesystem service)."""
         self._pids = itertools.count(1000)
         self._procs: dict[str, dict[int, ManagedProcess]] = {}
 
@@ -256,7 +244,12 @@ class ProcessRegistry:
                 Code.RESOURCE_EXHAUSTED,
                 f"at most {MAX_PROCESSES_PER_SANDBOX} running processes per sandbox",
             )
-        cwd = config.cwd if config.has_field("cwd") and config.cwd else None
+        try:  # as envd: a relative cwd, or none, is taken in the user's home
+            cwd = await self.users.cwd(
+                sandbox_id, owner, user, config.cwd if config.has_field("cwd") else None
+            )
+        except DsecError as e:
+            raise to_connect_error(e, sandbox_id) from None
         try:
             exec_req = ExecRequest(
                 cmd=argv,
@@ -385,11 +378,25 @@ class ProcessRegistry:
         if info.state == "stopped":
             raise ConnectError(Code.UNAVAILABLE, sandbox_gone_message(sandbox_id))
 
+    async def wait_gone(self, sandbox_id: str, owner: str, timeout_s: float = 10.0) -> None:
+        """Wait (at most ``timeout_s`` seconds) until the edge reports the sandbox stopped or
+        unknown: a sandbox being destroyed still shows as running for a moment."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            try:
+                if (await self._edge.get_sandbox(sandbox_id, owner)).state == "stopped":
+                    return
+            except DsecError:
+                return
+            await asyncio.sleep(0.05)
+
     def list(self, sandbox_id: str, owner: str) -> list[ManagedProcess]:
         return [p for p in self._procs.get(sandbox_id, {}).values() if p.owner == owner]
 
     async def drop_sandbox(self, sandbox_id: str) -> None:
         """Stop tracking (and kill) every process of a sandbox that is being killed."""
+        self.users.drop_sandbox(sandbox_id)
         procs = list(self._procs.get(sandbox_id, {}).values())
         for p in procs:
             if p.pump is not None:
@@ -470,6 +477,11 @@ class ProcessService(process_connect.Process):
                     continue
                 if queue.error is not None:
                     raise queue.error
+                if isinstance(managed.error, SandboxNotFound | SandboxStopped):
+                    # the sandbox went away under the process (killed, timed out): as envd.
+                    # The SDK then asks /health: answer once the edge says it is gone
+                    await self._registry.wait_gone(managed.sandbox_id, managed.owner)
+                    raise stream_ended_error(managed.sandbox_id)
                 if managed.error is not None:
                     raise to_connect_error(managed.error, managed.sandbox_id)
                 result = managed.result or ExecResult(exit_code=None, signal=signal_mod.SIGKILL)

@@ -941,6 +941,9 @@ class TemplateAPI:
     async def get_alias(self, request: Request, owner: str) -> Response:
         alias = request.path_params["alias"]
         t = await self._find(owner, alias)
+        if (t is None or t.alias != alias.partition(":")[0]) and alias in self.templates.aliases:
+            # E2B's public templates (``base``, ``code-interpreter-v1`` ...): every key's
+            return JSONResponse(TemplateAliasResponse(template_id=alias, public=True).to_dict())
         if t is None or t.alias != alias.partition(":")[0]:
             raise E2BError(404, f"template '{alias}' not found")
         return JSONResponse(

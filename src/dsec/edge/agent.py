@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.config import Paths, host_memory_mb
-from dsec.edge.interface import NodeUsage, PortStream, PortTicket
+from dsec.edge.interface import DirectoryWatcher, NodeUsage, PortStream, PortTicket
 from dsec.edge.jobs import create_batch, for_each_sandbox
 from dsec.edge.live import LiveTable
 from dsec.edge.logs import SandboxLogs, log_bytes_from_env
@@ -89,6 +89,7 @@ from dsec.models import (
 )
 from dsec.runtimes.base import (
     Display,
+    FilesystemPause,
     Handle,
     Interactive,
     Measurable,
@@ -100,6 +101,8 @@ from dsec.runtimes.base import (
     SandboxFiles,
     SandboxSpec,
     Snapshottable,
+    WatchableFiles,
+    XattrFiles,
     capabilities_of,
 )
 from dsec.version import __version__
@@ -196,6 +199,31 @@ def _now_dt(ts: float) -> datetime:
     except (OverflowError, ValueError, OSError):
         far = datetime.min if ts < 0 else datetime.max  # NaN compares False: max
         return far.replace(tzinfo=UTC)
+
+
+MAX_XATTR_PATHS = 100_000
+MAX_XATTRS = 64
+MAX_XATTR_NAME_BYTES = 255
+MAX_XATTR_VALUE_BYTES = 4096
+
+
+def _check_xattrs(values: dict[str, str], clear_prefix: str | None) -> None:
+    """Refuse anything but a few small ``user.*`` attributes (InvalidRequest)."""
+    if len(values) > MAX_XATTRS:
+        raise InvalidRequest(f"at most {MAX_XATTRS} extended attributes per file")
+    if clear_prefix is not None and not clear_prefix.startswith("user."):
+        raise InvalidRequest("only user.* extended attributes can be cleared")
+    for name, value in values.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise InvalidRequest("extended attribute names and values are strings")
+        if not name.startswith("user.") or len(name) <= 5 or "\0" in name:
+            raise InvalidRequest(f"invalid extended attribute name {name!r} (user.<name>)")
+        if len(name.encode()) > MAX_XATTR_NAME_BYTES:
+            raise InvalidRequest(f"extended attribute name {name[:40]!r}... is too long")
+        if len(value.encode()) > MAX_XATTR_VALUE_BYTES:
+            raise InvalidRequest(
+                f"extended attribute {name!r} is over {MAX_XATTR_VALUE_BYTES} bytes"
+            )
 
 
 class EdgeAgent:
@@ -378,9 +406,13 @@ class EdgeAgent:
                     rt = self.runtimes.get(row.tier)
                     if row.request.get("on_timeout") == "pause" and isinstance(rt, Pausable):
                         try:
-                            # VM tiers: suspend to a file (host memory freed), others: freeze
-                            idle_suspend = isinstance(rt, MemoryStateful)
-                            await self._pause(lv, "suspend" if idle_suspend else "auto")
+                            # VM tiers: suspend to a file (host memory freed), others: freeze;
+                            # timeout_pause=filesystem: only the files are kept
+                            if row.request.get("timeout_pause") == "filesystem":
+                                mode = "filesystem"
+                            else:
+                                mode = "suspend" if isinstance(rt, MemoryStateful) else "auto"
+                            await self._pause(lv, mode)
                         except Exception as e:
                             log.warning("ttl pause of %s failed (%s); killing it", row.id, e)
                             await self._destroy(lv, "ttl expired")
@@ -588,6 +620,12 @@ class EdgeAgent:
         try:
             rt = self._runtime(tier)
             caps = capabilities_of(rt)
+            if req.timeout_pause == "filesystem" and not caps.pause_filesystem:
+                raise CapabilityNotSupported(
+                    f"the {tier} tier on node {self.node} has no filesystem-only pause "
+                    "(timeout_pause='filesystem')",
+                    tier=tier,
+                )
             if req.network is not None and not caps.network:
                 raise CapabilityNotSupported(
                     f"the {tier} tier on node {self.node} cannot give sandboxes a network "
@@ -654,6 +692,7 @@ class EdgeAgent:
             labels=dict(req.labels),
             network=req.network,
             full_guest=req.full_guest,
+            allow_setuid=req.allow_setuid,
         )
         try:
             async with lv.lock:
@@ -1055,6 +1094,76 @@ class EdgeAgent:
             FileInfo.model_validate,
         )
 
+    def _xattr_files(self, lv: _Live) -> XattrFiles:
+        files = self._files(lv)
+        if not isinstance(files, XattrFiles):
+            raise CapabilityNotSupported(
+                f"the {lv.row.tier} tier cannot keep extended attributes on files",
+                tier=lv.row.tier,
+            )
+        return files
+
+    async def get_xattrs(
+        self, sandbox_id: str, owner: str, paths: list[str], prefix: str = "user."
+    ) -> list[dict[str, str]]:
+        """See :class:`dsec.edge.interface.FileXattrs`."""
+        if not prefix.startswith("user."):
+            raise InvalidRequest("only user.* extended attributes are readable")
+        if len(paths) > MAX_XATTR_PATHS:
+            raise InvalidRequest(f"at most {MAX_XATTR_PATHS} paths per call")
+        for path in paths:
+            check_path(path)
+        self.metrics.file_ops.labels("get_xattrs").inc()
+        return await self._use(
+            sandbox_id, owner, lambda lv: self._xattr_files(lv).get_xattrs(paths, prefix)
+        )
+
+    async def set_xattrs(
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        values: dict[str, str],
+        *,
+        clear_prefix: str | None = None,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> None:
+        """See :class:`dsec.edge.interface.FileXattrs`."""
+        check_path(path)
+        _check_xattrs(values, clear_prefix)
+
+        async def run(lv: _Live) -> None:
+            files = self._xattr_files(lv)
+            await self._logged(
+                lv,
+                "set_xattrs",
+                {"path": path, "values": values, "clear_prefix": clear_prefix},
+                seq,
+                idem_key,
+                lambda: files.set_xattrs(path, values, clear_prefix),
+                lambda _r: {},
+                lambda _d: None,
+            )
+
+        self.metrics.file_ops.labels("set_xattrs").inc()
+        await self._use(sandbox_id, owner, run)
+
+    async def watch_directory(
+        self, sandbox_id: str, owner: str, path: str, *, recursive: bool = False
+    ) -> DirectoryWatcher:
+        """See :class:`dsec.edge.interface.DirectoryWatch`: the tier's kernel watch, opened
+        without resuming the sandbox or counting as its activity."""
+        check_path(path)
+        lv = self._live_for(sandbox_id, owner)
+        files = self._files(lv)
+        if not isinstance(files, WatchableFiles):
+            raise CapabilityNotSupported(
+                f"the {lv.row.tier} tier cannot watch directories", tier=lv.row.tier
+            )
+        self.metrics.file_ops.labels("watch").inc()
+        return await files.watch(path, recursive)
+
     async def list_files(
         self, sandbox_id: str, owner: str, path: str, depth: int = 1
     ) -> list[FileInfo]:
@@ -1184,15 +1293,25 @@ class EdgeAgent:
 
     async def _pause(self, lv: _Live, mode: str = "auto") -> None:
         """Pause ``lv``: ``auto``/``freeze`` the tier's pause, ``suspend`` memory to a file
-        (VM tiers; a frozen sandbox can be suspended too)."""
+        (VM tiers; a frozen sandbox can be suspended too), ``filesystem`` drop every process
+        and keep the files (a paused sandbox can be paused so too: it then boots afresh)."""
         rt = self._pausable(lv)
         if mode == "suspend" and not isinstance(rt, MemoryStateful):
             raise CapabilityNotSupported(
                 f"tier {lv.row.tier} cannot suspend sandboxes to a file (use mode=freeze)",
                 tier=lv.row.tier,
             )
+        if mode == "filesystem" and not isinstance(rt, FilesystemPause):
+            raise CapabilityNotSupported(
+                f"tier {lv.row.tier} has no filesystem-only pause (use mode=freeze)",
+                tier=lv.row.tier,
+            )
         async with lv.lock:
-            if mode == "suspend" and isinstance(rt, MemoryStateful):
+            if mode == "filesystem" and isinstance(rt, FilesystemPause):
+                if lv.row.state not in ("running", "paused"):
+                    return
+                report = _pause_report(await rt.pause_filesystem(lv.handle))
+            elif mode == "suspend" and isinstance(rt, MemoryStateful):
                 if lv.row.state not in ("running", "paused") or rt.is_suspended(lv.handle):
                     return
                 report = _pause_report(await rt.suspend(lv.handle))
@@ -1225,7 +1344,8 @@ class EdgeAgent:
         return self._info(lv.row)
 
     async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
-        """:class:`dsec.edge.interface.PauseModes`: pause with ``auto``/``freeze``/``suspend``."""
+        """:class:`dsec.edge.interface.PauseModes`: pause with ``auto``/``freeze``/``suspend``/
+        ``filesystem``."""
         return await self.pause_sandbox(sandbox_id, owner, mode)
 
     async def resume_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
@@ -1248,11 +1368,20 @@ class EdgeAgent:
             layer = await rt.snapshot(lv.handle, self.layers, req, meta)
         self.layers.grant_layers(lv.row.owner, [layer.digest])
         if req.name:
+            # a sandbox made from the snapshot starts as this one's user, in its directory
+            config = {
+                k: v
+                for k, v in (
+                    ("User", lv.row.request.get("user")),
+                    ("WorkingDir", lv.row.request.get("workdir")),
+                )
+                if v and v != "/"
+            }
             await asyncio.to_thread(
                 self.layers.put_image,
                 req.name,
                 [*lv.row.image_layers, layer.digest],
-                meta={"snapshot_of": lv.row.id},
+                meta={"snapshot_of": lv.row.id, **({"config": config} if config else {})},
                 owner=lv.row.owner,
             )
         return layer

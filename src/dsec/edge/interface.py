@@ -23,10 +23,11 @@ Optional abilities, each a protocol of its own (an edge has them or not; the api
 with ``isinstance`` and answers ``unsupported`` / ``capability_not_supported`` otherwise):
 :class:`PauseModes`, :class:`ImageBuilds`, :class:`ImagePublisher`, :class:`InteractiveExec`,
 :class:`DisplayEdge`, :class:`MetricsEdge`, :class:`SandboxMigration`,
-:class:`MemoryMigration`, :class:`PortForwarding` and :class:`NodeReports`. Every verb is
-declared here once; :func:`edge_verbs`, :data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive
-from these classes what a remote edge (a cluster node) may be asked, which calls route by
-sandbox id and which answer with a stream.
+:class:`MemoryMigration`, :class:`PortForwarding`, :class:`FileXattrs`,
+:class:`DirectoryWatch` and :class:`NodeReports`. Every verb is declared here once;
+:func:`edge_verbs`, :data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive from these classes
+what a remote edge (a cluster node) may be asked, which calls route by sandbox id and which
+answer with a stream.
 """
 
 from __future__ import annotations
@@ -67,8 +68,13 @@ if TYPE_CHECKING:
 __all__ = [
     "SANDBOX_VERBS",
     "STREAM_VERBS",
+    "DirectoryWatch",
+    "DirectoryWatcher",
     "DisplayEdge",
     "EdgeAPI",
+    "FileEvent",
+    "FileEventKind",
+    "FileXattrs",
     "ImageBuilds",
     "ImagePublisher",
     "InteractiveExec",
@@ -257,11 +263,12 @@ class EdgeAPI(Protocol):
 @runtime_checkable
 class PauseModes(Protocol):
     """Optional ability of an edge: ``POST /v1/sandboxes/{id}/pause`` with a body
-    ``{"mode": "freeze"|"suspend"}`` (``auto``, the default, is ``pause_sandbox``). The
+    ``{"mode": "freeze"|"suspend"|"filesystem"}`` (``auto``, the default, is ``pause_sandbox``). The
     apiserver answers ``capability_not_supported`` for an edge without it."""
 
     async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
-        """Pause with ``mode``: ``freeze`` the tier's pause, ``suspend`` memory to a file."""
+        """Pause with ``mode``: ``freeze`` the tier's pause, ``suspend`` memory to a file,
+        ``filesystem`` keep only the files (the sandbox resumes as a fresh boot)."""
         ...
 
 
@@ -398,6 +405,82 @@ class DisplayEdge(Protocol):
 
     async def display_key(self, sandbox_id: str, owner: str, name: str) -> None:
         """Press a key or a chord such as ``ctrl-c``."""
+        ...
+
+
+FileEventKind = Literal["create", "write", "remove", "rename", "chmod"]
+
+
+@dataclass(frozen=True)
+class FileEvent:
+    """One change below a watched directory: ``path`` (absolute, in the sandbox) and what
+    happened to it (the kinds of E2B's ``watch_dir``)."""
+
+    path: str
+    kind: FileEventKind
+
+
+@runtime_checkable
+class DirectoryWatcher(Protocol):
+    """The changes below one directory, as they happen (:meth:`DirectoryWatch.watch_directory`)."""
+
+    async def events(self, timeout_s: float) -> list[FileEvent]:
+        """Events since the last call, waiting up to ``timeout_s`` seconds for the first
+        (``[]`` if none came). Once the watch has ended (the directory was removed:
+        ``FileNotFound``; the sandbox stopped: ``SandboxStopped``) and its last events
+        were returned, it raises that."""
+        ...
+
+    async def close(self) -> None:
+        """Stop watching. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class DirectoryWatch(Protocol):
+    """Optional edge ability: watch a directory of a sandbox for changes, pushed by the
+    kernel (inotify on the container tier) rather than found by listing it again and
+    again. A tier that cannot raises ``CapabilityNotSupported`` (callers then poll). The
+    watcher is a live object of the sandbox's node (not relayed by a cluster) and does not
+    count as activity: it neither resumes a paused sandbox nor keeps one alive."""
+
+    async def watch_directory(
+        self, sandbox_id: str, owner: str, path: str, *, recursive: bool = False
+    ) -> DirectoryWatcher:
+        """Watch ``path`` (and everything below it when ``recursive``). Raises
+        ``FileNotFound``, ``InvalidRequest`` (not a directory), ``QuotaExceeded`` (too many
+        directories below it)."""
+        ...
+
+
+@runtime_checkable
+class FileXattrs(Protocol):
+    """Optional edge ability: user extended attributes of files in a sandbox (``user.*``
+    xattrs; E2B keeps file metadata as ``user.e2b.<key>``). Names are full names
+    (``user.e2b.author``), values text. A tier whose files cannot carry them raises
+    ``CapabilityNotSupported``; ownership is checked as for every file call."""
+
+    async def get_xattrs(
+        self, sandbox_id: str, owner: str, paths: list[str], prefix: str = "user."
+    ) -> list[dict[str, str]]:
+        """For each of ``paths`` (at most 100 000), its attributes whose names start with
+        ``prefix`` (which starts with ``user.``); ``{}`` for a missing path or a symlink."""
+        ...
+
+    async def set_xattrs(
+        self,
+        sandbox_id: str,
+        owner: str,
+        path: str,
+        values: dict[str, str],
+        *,
+        clear_prefix: str | None = None,
+        seq: int | None = None,
+        idem_key: str | None = None,
+    ) -> None:
+        """Set ``values`` on the file or directory ``path``, after removing its attributes
+        whose names start with ``clear_prefix`` (None: none removed). Names start with
+        ``user.``; at most 64 of them, 255 bytes per name and 4 KiB per value."""
         ...
 
 
@@ -547,6 +630,8 @@ _ABILITIES: tuple[type, ...] = (
     SandboxMigration,
     MemoryMigration,
     PortForwarding,
+    FileXattrs,
+    DirectoryWatch,
 )
 
 

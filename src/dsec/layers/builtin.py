@@ -12,9 +12,15 @@ so nothing else is kept.
 * ``code-interpreter``: ``debian`` plus Jupyter kernels and E2B's code-interpreter server
   on port 49999 (:mod:`dsec.layers.code_interpreter`; its metadata names the start
   command, ``start_cmd``). ~700 MB unpacked, a few minutes.
+* ``e2b-base``: what E2B's ``base`` template looks like to code written for it (the E2B API's
+  ``base`` template): the same Debian with ``python3`` (also as ``python``), ``pip``,
+  ``venv``, ``curl``, ``git``, ``sudo``, ``procps`` and CA certificates, and the user
+  ``user`` (1000, home ``/home/user``, shell bash, passwordless ``sudo``) as the image's
+  default user and working directory (``meta["config"]``: ``User``, ``WorkingDir``).
+  ~330 MB unpacked, 60-120 s.
 
-Both have the users ``root`` (0), ``sandbox`` (1000, home ``/home/sandbox``) and ``nobody``
-(65534).
+``busybox`` and ``debian`` have the users ``root`` (0), ``sandbox`` (1000, home
+``/home/sandbox``) and ``nobody`` (65534); ``e2b-base`` has ``user`` instead of ``sandbox``.
 
 Adding a recipe (tests use this hook to count builds)::
 
@@ -47,6 +53,9 @@ __all__ = [
     "BUILTIN_EPOCH",
     "BUILTIN_IMAGES",
     "DEBIAN_SUITE",
+    "E2B_BASE_PACKAGES",
+    "E2B_HOME",
+    "E2B_USER",
     "SANDBOX_GID",
     "SANDBOX_UID",
     "BuiltinImage",
@@ -54,6 +63,7 @@ __all__ = [
     "build_busybox_rootfs",
     "build_code_interpreter_rootfs",
     "build_debian_rootfs",
+    "build_e2b_base_rootfs",
     "debian_mirror",
 ]
 
@@ -66,6 +76,23 @@ BUILTIN_EPOCH = 1_704_067_200
 the same busybox binary yields the same layer digest on every node."""
 
 DEBIAN_SUITE = "bookworm"
+E2B_USER = "user"
+"""The default user of E2B sandboxes (uid :data:`SANDBOX_UID`), as in E2B's templates."""
+E2B_HOME = "/home/user"
+E2B_BASE_PACKAGES = (
+    "python3",
+    "python3-pip",
+    "python3-venv",
+    "python-is-python3",
+    "curl",
+    "ca-certificates",
+    "git",
+    "sudo",
+    "procps",
+)
+"""Debian packages of the ``e2b-base`` image (E2B's base template: python, pip, curl, git,
+sudo; its compilers and Node.js are left out: install them with apt in a sandbox that has
+the ``debian`` network preset, or build an image)."""
 DEBIAN_FALLBACK_MIRROR = "http://deb.debian.org/debian"
 _DEBOOTSTRAP_TIMEOUT_S = 1800.0
 
@@ -268,21 +295,25 @@ def _append_line(path: Path, line: str, key: str) -> None:
     path.write_text(text + line + "\n")
 
 
-def _add_sandbox_user(root: Path) -> None:
+def _add_user(root: Path, name: str, home_dir: str, groups: tuple[str, ...] = ()) -> None:
+    """Add ``name`` (uid/gid :data:`SANDBOX_UID`, shell bash, home ``home_dir`` from
+    ``/etc/skel``, owned by it) to the rootfs at ``root``, and to the existing ``groups``."""
     etc = root / "etc"
     _append_line(
         etc / "passwd",
-        f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:/home/sandbox:/bin/bash",
-        "sandbox",
+        f"{name}:x:{SANDBOX_UID}:{SANDBOX_GID}:{name}:{home_dir}:/bin/bash",
+        name,
     )
-    _append_line(etc / "group", f"sandbox:x:{SANDBOX_GID}:", "sandbox")
+    _append_line(etc / "group", f"{name}:x:{SANDBOX_GID}:", name)
     if (etc / "shadow").exists():
-        _append_line(etc / "shadow", "sandbox:*:19700:0:99999:7:::", "sandbox")
+        _append_line(etc / "shadow", f"{name}:*:19700:0:99999:7:::", name)
         os.chmod(etc / "shadow", 0o640)
     if (etc / "gshadow").exists():
-        _append_line(etc / "gshadow", "sandbox:*::", "sandbox")
+        _append_line(etc / "gshadow", f"{name}:*::", name)
         os.chmod(etc / "gshadow", 0o640)
-    home = root / "home/sandbox"
+    for group in groups:
+        _add_group_member(etc / "group", group, name)
+    home = root / home_dir.lstrip("/")
     if not home.exists():
         skel = root / "etc/skel"
         if skel.is_dir():
@@ -291,9 +322,28 @@ def _add_sandbox_user(root: Path) -> None:
             home.mkdir(parents=True)
     os.chmod(home, 0o755)
     for dirpath, dirnames, filenames in os.walk(home):
-        for name in [*dirnames, *filenames]:
-            os.chown(os.path.join(dirpath, name), SANDBOX_UID, SANDBOX_GID, follow_symlinks=False)
+        for entry in [*dirnames, *filenames]:
+            os.chown(os.path.join(dirpath, entry), SANDBOX_UID, SANDBOX_GID, follow_symlinks=False)
     os.chown(home, SANDBOX_UID, SANDBOX_GID)
+
+
+def _add_group_member(group_file: Path, group: str, member: str) -> None:
+    """Add ``member`` to the member list of ``group`` in ``/etc/group`` (must exist)."""
+    lines = group_file.read_text().splitlines()
+    for i, line in enumerate(lines):
+        fields = line.split(":")
+        if len(fields) == 4 and fields[0] == group:
+            members = [m for m in fields[3].split(",") if m]
+            if member not in members:
+                fields[3] = ",".join([*members, member])
+            lines[i] = ":".join(fields)
+            group_file.write_text("\n".join(lines) + "\n")
+            return
+    raise SandboxError(f"group {group!r} is missing from the image's /etc/group")
+
+
+def _add_sandbox_user(root: Path) -> None:
+    _add_user(root, "sandbox", "/home/sandbox")
 
 
 def _empty_dir(path: Path) -> None:
@@ -335,31 +385,20 @@ def _strip_debian(root: Path) -> None:
     os.chmod(root / "tmp", 0o1777)
 
 
-def build_debian_rootfs(dest: Path, include: tuple[str, ...] = ("python3",)) -> None:
-    """Fill ``dest`` with ``debootstrap --variant=minbase --include=python3 bookworm``.
-
-    ``include`` names the packages debootstrap adds (with their dependencies); it must
-    contain ``python3``.
-
-    Uses the mirror from :func:`debian_mirror`. Adds the ``sandbox`` user (uid/gid 1000, home
-    ``/home/sandbox``, shell bash), empties apt lists, apt caches, ``/dev``, ``/run`` and
-    ``/tmp``, writes ``/etc/hostname``, ``/etc/hosts`` and an empty ``/etc/resolv.conf``.
-    Takes 30-60 s on this machine (network-bound) and ~200 MB of disk.
-
-    Raises:
-        SandboxError: debootstrap is missing or failed (the tail of its log is in the message).
-    """
+def _debootstrap(dest: Path, include: tuple[str, ...]) -> None:
+    """``debootstrap --variant=minbase --include=<include> bookworm`` into ``dest``, then
+    emptied of apt lists and caches, ``/dev``, ``/run`` and ``/tmp`` (:func:`_strip_debian`)."""
     debootstrap = shutil.which("debootstrap")
     if debootstrap is None:
         raise SandboxError("debootstrap not found: install the debootstrap package")
     if os.geteuid() != 0:
-        raise SandboxError("building the debian image needs root (debootstrap)")
+        raise SandboxError("building a debian image needs root (debootstrap)")
     dest.mkdir(parents=True, exist_ok=True)
     mirror = debian_mirror()
     argv = [
         debootstrap,
         "--variant=minbase",
-        "--include=" + ",".join(include),
+        f"--include={','.join(include)}",
         "--merged-usr",
         DEBIAN_SUITE,
         os.fspath(dest),
@@ -370,7 +409,7 @@ def build_debian_rootfs(dest: Path, include: tuple[str, ...] = ("python3",)) -> 
         "LC_ALL": "C",
         "DEBIAN_FRONTEND": "noninteractive",
     }
-    log.info("debootstrap %s from %s into %s", DEBIAN_SUITE, mirror, dest)
+    log.info("debootstrap %s (+%s) from %s into %s", DEBIAN_SUITE, ",".join(include), mirror, dest)
     try:
         proc = subprocess.run(
             argv,
@@ -397,12 +436,62 @@ def build_debian_rootfs(dest: Path, include: tuple[str, ...] = ("python3",)) -> 
             exit_code=proc.returncode,
         )
     _strip_debian(dest)
-    _add_sandbox_user(dest)
     if not (dest / "usr/bin/python3").exists():
         raise SandboxError("debootstrap finished but /usr/bin/python3 is missing")
     st = os.lstat(dest / "tmp")
     if not stat.S_ISDIR(st.st_mode):
         raise SandboxError("debootstrap produced no /tmp directory")
+
+
+def build_debian_rootfs(dest: Path, include: tuple[str, ...] = ("python3",)) -> None:
+    """Fill ``dest`` with ``debootstrap --variant=minbase --include=python3 bookworm``.
+
+    ``include`` names the packages debootstrap adds (with their dependencies); it must
+    contain ``python3``.
+
+    Uses the mirror from :func:`debian_mirror`. Adds the ``sandbox`` user (uid/gid 1000, home
+    ``/home/sandbox``, shell bash), empties apt lists, apt caches, ``/dev``, ``/run`` and
+    ``/tmp``, writes ``/etc/hostname``, ``/etc/hosts`` and an empty ``/etc/resolv.conf``.
+    Takes 30-60 s on this machine (network-bound) and ~200 MB of disk.
+
+    Raises:
+        SandboxError: debootstrap is missing or failed (the tail of its log is in the message).
+    """
+    _debootstrap(dest, include)
+    _add_sandbox_user(dest)
+
+
+def build_e2b_base_rootfs(dest: Path) -> None:
+    """Fill ``dest`` with E2B's ``base`` template as Debian packages: the ``debian`` image's
+    debootstrap plus :data:`E2B_BASE_PACKAGES`, and E2B's user set-up: ``user`` (uid/gid
+    1000, home ``/home/user`` from ``/etc/skel``, shell bash) in the ``sudo`` group with
+    passwordless ``sudo`` (``/etc/sudoers.d/e2b-user``, 0440), ``/usr/local`` writable by
+    everyone and an empty ``/code`` (mode 1777), as E2B's template finalisation does; the
+    hostname ``sandbox`` is in ``/etc/hosts`` (sudo resolves it).
+    Passwordless sudo needs sandboxes created with ``setuid=True`` (the E2B API does so).
+    60-120 s on this machine, ~330 MB.
+
+    Raises:
+        SandboxError: debootstrap is missing or failed.
+    """
+    _debootstrap(dest, E2B_BASE_PACKAGES)
+    if not (dest / "usr/bin/sudo").exists():
+        raise SandboxError("debootstrap finished but /usr/bin/sudo is missing")
+    # sudo looks its host up: the sandbox's hostname (``sandbox``) resolves locally
+    (dest / "etc/hosts").write_text(_HOSTS + "127.0.1.1\tsandbox\n")
+    _add_user(dest, E2B_USER, E2B_HOME, groups=("sudo",))
+    sudoers = dest / "etc/sudoers.d/e2b-user"
+    sudoers.write_text(f"{E2B_USER} ALL=(ALL:ALL) NOPASSWD: ALL\n")
+    os.chmod(sudoers, 0o440)
+    for dirpath, dirnames, filenames in os.walk(dest / "usr/local"):
+        for entry in [*dirnames, *filenames]:
+            path = os.path.join(dirpath, entry)
+            if not os.path.islink(path):
+                os.chmod(path, 0o777)
+    os.chmod(dest / "usr/local", 0o777)
+    code = dest / "code"
+    code.mkdir(exist_ok=True)
+    os.chmod(code, 0o1777)
 
 
 _APT_TIMEOUT_S = 1800.0
@@ -548,6 +637,20 @@ BUILTIN_IMAGES: dict[str, BuiltinImage] = {
             "include": ["python3"],
         },
         description=f"Debian {DEBIAN_SUITE} minbase with python3 (~200 MB)",
+    ),
+    "e2b-base": BuiltinImage(
+        name="e2b-base",
+        build_rootfs=build_e2b_base_rootfs,
+        kind="base",
+        meta={
+            "builtin": "e2b-base",
+            "suite": DEBIAN_SUITE,
+            "variant": "minbase",
+            "include": list(E2B_BASE_PACKAGES),
+            "config": {"User": E2B_USER, "WorkingDir": E2B_HOME},
+        },
+        description=f"E2B's base template: Debian {DEBIAN_SUITE} with python3, pip, curl, git, "
+        "sudo and the user `user` (~330 MB)",
     ),
     "code-interpreter": BuiltinImage(
         name="code-interpreter",

@@ -12,7 +12,13 @@
  * dsec.runtimes.container.seccomp into the policy file), chdir()s and execs.
  * stdin/stdout/stderr are pipes the edge made and passed with SCM_RIGHTS.
  *
- * Usage: dsec_execd SOCK_FD POLICY_FILE
+ * Usage: dsec_execd SOCK_FD POLICY_FILE [setuid]
+ *
+ * With "setuid" (a sandbox created with allow_setuid) commands run without
+ * no_new_privs, so setuid programs such as sudo work: the seccomp filter is then
+ * installed while the child is still privileged (the kernel requires either
+ * no_new_privs or CAP_SYS_ADMIN for that), before it drops to the command's user.
+ * Such a program gains at most the capability set kept here (the bounding set).
  *
  * Wire protocol (host byte order, one request or reply per datagram):
  *   request  = u32 type, u32 reserved, u64 id, body
@@ -109,6 +115,7 @@ static int sock_fd = -1;
 static int init_pidfd = -1;         /* pidfd of the container's init */
 static struct sock_fprog filter;
 static uint64_t keep_caps;          /* bit N set: keep capability N */
+static int allow_setuid;            /* argv[3] "setuid": no no_new_privs (sudo works) */
 static int cap_last = 40;
 static struct { int res; struct rlimit lim; } rlimits[MAX_RLIMITS];
 static int n_rlimits;
@@ -260,6 +267,10 @@ static void run_child(int errfd, const int fds[3], uint32_t flags, uid_t uid, gi
     for (int c = 0; c <= cap_last; c++)
         if (!(keep_caps & (1ull << c)) && prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL)
             child_fail(errfd, STAGE_BOUNDING);
+    /* without no_new_privs only a privileged process may install the filter: do it now,
+     * while the child is still root with its effective capabilities */
+    if (allow_setuid && filter.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter, 0, 0) < 0)
+        child_fail(errfd, STAGE_SECCOMP);
     if (setgroups(ngroups, groups) < 0) child_fail(errfd, STAGE_GROUPS);
     if (setresgid(gid, gid, gid) < 0) child_fail(errfd, STAGE_GID);
     if (setresuid(uid, uid, uid) < 0) child_fail(errfd, STAGE_UID);
@@ -271,10 +282,10 @@ static void run_child(int errfd, const int fds[3], uint32_t flags, uid_t uid, gi
     }
     if (syscall(SYS_capset, &h, d) < 0) child_fail(errfd, STAGE_CAPSET);
     prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) child_fail(errfd, STAGE_NNP);
+    if (!allow_setuid && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) child_fail(errfd, STAGE_NNP);
     if (chdir(cwd) < 0) child_fail(errfd, STAGE_CHDIR);
     environ = envp; /* execvp searches the PATH of the command's own environment */
-    if (filter.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter, 0, 0) < 0)
+    if (!allow_setuid && filter.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter, 0, 0) < 0)
         child_fail(errfd, STAGE_SECCOMP);
     execvp(argv[0], argv);
     child_fail(errfd, STAGE_EXEC);
@@ -557,10 +568,11 @@ static void attach(void) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s SOCK_FD POLICY_FILE\n", argv[0]);
+    if (argc != 3 && !(argc == 4 && strcmp(argv[3], "setuid") == 0)) {
+        fprintf(stderr, "usage: %s SOCK_FD POLICY_FILE [setuid]\n", argv[0]);
         return 2;
     }
+    allow_setuid = argc == 4;
     sock_fd = atoi(argv[1]);
     prctl(PR_SET_NAME, "dsec-execd", 0, 0, 0);
     msgbuf = malloc(MAX_MSG);

@@ -454,10 +454,19 @@ class ResolvedPolicy:
         """True if a deny rule matches the (lower-case, dotless-end) name."""
         return name in self.deny_exact or any(name.endswith(s) for s in self.deny_wildcards)
 
+    @property
+    def every_address(self) -> bool:
+        """The policy reaches every public address (``0.0.0.0/0`` allowed and not denied)."""
+        return "0.0.0.0/0" in self.cidrs and "0.0.0.0/0" not in self.deny_cidrs
+
     def allows_name(self, name: str) -> bool:
-        """True if the resolver may answer this name: an allow matches and no deny does."""
+        """True if the resolver may answer this name: no deny matches, and an allow does or
+        the policy reaches :attr:`every_address` (a name filter behind an open address
+        filter keeps nothing out, it only breaks clients: E2B's default network)."""
         if self.denies_name(name):
             return False
+        if self.every_address:
+            return True
         return name in self.exact or any(name.endswith(s) for s in self.wildcards)
 
     def address_denied(self, address: str) -> bool:

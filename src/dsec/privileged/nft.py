@@ -52,8 +52,16 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+_LIB_LOCK = threading.Lock()
+"""Serialises every libnftables call of the process: the library keeps state outside its
+contexts (its parser and netlink cache are not safe across threads), so two contexts used
+from two threads at once (two edges in one process, e.g. a test process or a cluster node
+with an embedded edge) can abort the whole process inside the library."""
+
+
 class Nftables:
-    """One libnftables context. Thread-safe (calls are serialised by a lock).
+    """One libnftables context. Thread-safe (calls, of every context of the process, are
+    serialised by one lock).
 
     Example::
 
@@ -66,19 +74,20 @@ class Nftables:
 
     def __init__(self) -> None:
         self._lib = _load()
-        self._lock = threading.Lock()
+        self._lock = _LIB_LOCK
         self._ctx = self._new_ctx(0)
         self._json_ctx = self._new_ctx(_NFT_CTX_OUTPUT_JSON)
 
     def _new_ctx(self, flags: int) -> int:
-        ctx = self._lib.nft_ctx_new(_NFT_CTX_DEFAULT)
-        if not ctx:
-            raise NftError("nft_ctx_new failed")
-        self._lib.nft_ctx_buffer_output(ctx)
-        self._lib.nft_ctx_buffer_error(ctx)
-        if flags:
-            self._lib.nft_ctx_output_set_flags(ctx, flags)
-        return int(ctx)
+        with _LIB_LOCK:
+            ctx = self._lib.nft_ctx_new(_NFT_CTX_DEFAULT)
+            if not ctx:
+                raise NftError("nft_ctx_new failed")
+            self._lib.nft_ctx_buffer_output(ctx)
+            self._lib.nft_ctx_buffer_error(ctx)
+            if flags:
+                self._lib.nft_ctx_output_set_flags(ctx, flags)
+            return int(ctx)
 
     def _run(self, ctx: int, script: str) -> str:
         with self._lock:

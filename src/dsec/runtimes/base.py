@@ -14,7 +14,8 @@ State machine seen by a runtime (the edge never calls out of order)::
 alive; it returns False if the sandbox is gone so the edge can clean up.
 
 Optional abilities are separate protocols: ``Pausable`` (freeze and give memory back),
-``Networked`` (a policy that changes while it runs), ``Snapshottable`` (``pack_diff`` of the
+``FilesystemPause`` (a pause that keeps only the files), ``Networked`` (a policy that
+changes while it runs), ``Snapshottable`` (``pack_diff`` of the
 writable layer), ``MemoryStateful`` (RAM and device state to a file: suspend, memory forks,
 migration with processes), ``Interactive`` (processes whose stdin stays open, terminals),
 ``Display`` (screen, pointer, keyboard), ``PortConnectable`` (TCP connections to ports
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from dsec.models import Capabilities, ExecRequest, ExecResult, FileInfo, LayerInfo, SnapshotRequest
 
 if TYPE_CHECKING:
-    from dsec.edge.interface import InteractiveProcess, PortStream, PtySize
+    from dsec.edge.interface import DirectoryWatcher, InteractiveProcess, PortStream, PtySize
     from dsec.runtimes.usage import SandboxUsage
 
 # Called with ("stdout"|"stderr", chunk) while a command runs.
@@ -62,6 +63,8 @@ class SandboxSpec:
     network: Any = None  # a dsec.network.NetworkPolicy, or None: loopback only
     # VM tiers: commands get the whole guest instead of the container tier's protections
     full_guest: bool = False
+    # container tier: commands run without no_new_privs (setuid programs such as sudo work)
+    allow_setuid: bool = False
 
 
 @dataclass
@@ -89,6 +92,25 @@ class SandboxFiles(Protocol):
     async def rename(self, src: str, dst: str) -> FileInfo: ...
     async def upload_tar(self, path: str, data: bytes) -> int: ...
     async def download_tar(self, path: str, max_bytes: int) -> bytes: ...
+
+
+@runtime_checkable
+class WatchableFiles(Protocol):
+    """Optional ability of a tier's :class:`SandboxFiles`: directory watches pushed by the
+    kernel (see :class:`dsec.edge.interface.DirectoryWatch`)."""
+
+    async def watch(self, path: str, recursive: bool) -> DirectoryWatcher: ...
+
+
+@runtime_checkable
+class XattrFiles(Protocol):
+    """Optional ability of a tier's :class:`SandboxFiles`: ``user.*`` extended attributes
+    (see :class:`dsec.edge.interface.FileXattrs` for the semantics)."""
+
+    async def get_xattrs(self, paths: list[str], prefix: str) -> list[dict[str, str]]: ...
+    async def set_xattrs(
+        self, path: str, values: dict[str, str], clear_prefix: str | None
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -144,6 +166,15 @@ class Pausable(Protocol):
 
     async def pause(self, handle: Handle) -> dict[str, Any]: ...
     async def resume(self, handle: Handle) -> None: ...
+
+
+@runtime_checkable
+class FilesystemPause(Protocol):
+    """Optional ability of a ``Pausable`` tier: a filesystem-only pause (E2B's
+    ``keep_memory=False``): every process is dropped and the sandbox gets a new boot id;
+    only its files are kept, and the next request finds a freshly booted sandbox."""
+
+    async def pause_filesystem(self, handle: Handle) -> dict[str, Any]: ...
 
 
 @runtime_checkable
@@ -255,6 +286,7 @@ def capabilities_of(rt: Runtime) -> Capabilities:
         files=True,
         streaming=True,
         pause=isinstance(rt, Pausable),
+        pause_filesystem=isinstance(rt, Pausable) and isinstance(rt, FilesystemPause),
         snapshot=snapshots,
         fork=snapshots,
         network=isinstance(rt, Networked) and f.network_ready,

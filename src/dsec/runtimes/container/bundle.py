@@ -34,6 +34,7 @@ from typing import Any
 from dsec.runtimes.container.seccomp import execd_policy_lines, oci_seccomp
 
 __all__ = [
+    "BOOT_ID_PATH",
     "CAPABILITIES",
     "DEFAULT_PATH",
     "INIT_PATH_IN_CONTAINER",
@@ -44,6 +45,9 @@ __all__ = [
     "execd_policy_text",
     "oci_config",
 ]
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+"""Where Linux shows its boot id; a sandbox sees its own there (see :func:`oci_config`)."""
 
 # name -> number (linux/capability.h)
 CAPABILITIES: dict[str, int] = {
@@ -135,6 +139,7 @@ def oci_config(
     env: dict[str, str],
     memsw: bool,
     cpu_shares: int | None = None,
+    boot_id_file: Path | None = None,
 ) -> dict[str, Any]:
     """The OCI runtime config (``config.json``) of one sandbox.
 
@@ -149,6 +154,9 @@ def oci_config(
         env: extra environment of the init process (exec'd commands get their own).
         memsw: whether the memory cgroup has ``memory.memsw.*`` (swap accounting).
         cpu_shares: the cgroup's ``cpu.shares`` (None: the kernel's default, 1024).
+        boot_id_file: a host file bound read-only over ``/proc/sys/kernel/random/boot_id``:
+            the sandbox's own boot id (not the node's), renewed when it is rebooted by a
+            filesystem-only pause.
     """
     caps = sorted(CAPABILITIES)
     memory_bytes = memory_mb * 1024 * 1024
@@ -222,6 +230,18 @@ def oci_config(
                 "source": str(init_binary),
                 "options": ["bind", "ro", "nosuid", "nodev"],
             },
+            *(
+                [
+                    {
+                        "destination": BOOT_ID_PATH,
+                        "type": "bind",
+                        "source": str(boot_id_file),
+                        "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
+                    }
+                ]
+                if boot_id_file is not None
+                else []
+            ),
         ],
         "linux": {
             "namespaces": [

@@ -151,11 +151,12 @@ class ExecServer:
     # -- lifecycle -----------------------------------------------------------
 
     @classmethod
-    def spawn(cls, binary: Path, policy_file: Path) -> ExecServer:
+    def spawn(cls, binary: Path, policy_file: Path, *, allow_setuid: bool = False) -> ExecServer:
         """Start the server process; it waits for :meth:`attach`. Takes ~0.5 ms.
 
-        Its stderr is the edge's (it only writes there when it dies, and then also sends
-        the reason over the socket)."""
+        ``allow_setuid``: its commands run without no_new_privs (setuid programs such as
+        sudo work; see ``dsec_execd.c``). Its stderr is the edge's (it only writes there
+        when it dies, and then also sends the reason over the socket)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             try:
@@ -163,7 +164,12 @@ class ExecServer:
             except OSError:
                 ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF_BYTES)
             proc = subprocess.Popen(
-                [str(binary), str(theirs.fileno()), str(policy_file)],
+                [
+                    str(binary),
+                    str(theirs.fileno()),
+                    str(policy_file),
+                    *(["setuid"] if allow_setuid else []),
+                ],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -218,9 +224,11 @@ class ExecServer:
         init_pid: int,
         policy_file: Path,
         cgroup_procs: list[Path],
+        *,
+        allow_setuid: bool = False,
     ) -> ExecServer:
         """Spawn and attach in one go (e.g. for a recovered sandbox)."""
-        server = cls.spawn(binary, policy_file)
+        server = cls.spawn(binary, policy_file, allow_setuid=allow_setuid)
         await server.attach(init_pid, cgroup_procs)
         return server
 

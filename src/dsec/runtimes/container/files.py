@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import IO, NamedTuple, TypeVar
 
 from dsec.errors import (
+    CapabilityNotSupported,
     Conflict,
     DsecError,
     FileExists_,
@@ -59,6 +60,7 @@ from dsec.errors import (
     SandboxError,
 )
 from dsec.models import FileInfo, FileType
+from dsec.runtimes.container.watch import DirWatcher, WatchHub
 
 __all__ = ["RootedFiles", "openat2"]
 
@@ -277,17 +279,23 @@ class RootedFiles:
     Args:
         root: the sandbox's rootfs on the host (the overlay mount point).
         owner: ``(uid, gid)`` given to files and directories this class creates.
+        watch_hub: the node's inotify instance, for :meth:`watch` (None: no watches).
         max_upload_bytes: a cap on one ``upload_tar``'s unpacked size, bytes, on top of
             the sandbox's free disk space (``statvfs`` of the root: the tmpfs upper);
             None: the free space only.
     """
 
     def __init__(
-        self, root: Path, owner: tuple[int, int] = (0, 0), max_upload_bytes: int | None = None
+        self,
+        root: Path,
+        owner: tuple[int, int] = (0, 0),
+        max_upload_bytes: int | None = None,
+        watch_hub: WatchHub | None = None,
     ) -> None:
         self.root = root
         self.owner = owner
         self.max_upload_bytes = max_upload_bytes
+        self.watch_hub = watch_hub
         self._root_real: str | None = None
 
     # -- plumbing ------------------------------------------------------------
@@ -363,6 +371,22 @@ class RootedFiles:
         finally:
             os.close(fd)
 
+    @contextlib.contextmanager
+    def open_dir(self, path: str) -> Iterator[int]:
+        """An ``O_PATH`` descriptor of the directory ``path``, resolved in the root as every
+        call is (errors mapped as they are: ``FileNotFound``, ``InvalidRequest``...)."""
+        opened = self._open(path, os.O_PATH | os.O_DIRECTORY)
+        try:
+            fd = opened.__enter__()
+        except DsecError:
+            raise
+        except OSError as e:
+            raise _map_oserror(e, path) from e
+        try:
+            yield fd
+        finally:
+            opened.__exit__(None, None, None)
+
     def _check_existing_prefix(self, root: int, parts: list[str], path: str) -> None:
         """Apply :meth:`_check_resolved` to the longest prefix of ``parts`` that resolves
         (found by bisection: if a prefix resolves, every shorter one does)."""
@@ -412,8 +436,12 @@ class RootedFiles:
         )
 
     def _chown(self, fd: int) -> None:
+        """Give the file at ``fd`` to :attr:`owner` (only if it is not already theirs: each
+        change is an attribute event a directory watcher sees)."""
         if self.owner != (0, 0):
-            os.fchown(fd, *self.owner)
+            st = os.fstat(fd)
+            if (st.st_uid, st.st_gid) != self.owner:
+                os.fchown(fd, *self.owner)
 
     # -- sync implementations -----------------------------------------------
 
@@ -506,8 +534,11 @@ class RootedFiles:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fchmod(fd, mode & 0o7777)
+            # owner first (a chown clears set-id bits), then the mode if it is not yet
+            # right: a new file shows a watcher create, write, chmod, as envd's does
             self._chown(fd)
+            if stat.S_IMODE(os.fstat(fd).st_mode) != mode & 0o7777:
+                os.fchmod(fd, mode & 0o7777)
             return self._info(path, os.fstat(fd))
         finally:
             os.close(fd)
@@ -785,7 +816,71 @@ class RootedFiles:
                 elif step.kind == "entry":
                     self._tar_entry(tar, step.dir_fd, step.name, step.rel, budget)
 
+    def _get_xattrs_sync(self, paths: list[str], prefix: str) -> list[dict[str, str]]:
+        out: list[dict[str, str]] = []
+        for path in paths:
+            try:
+                with self._open(path, os.O_PATH | os.O_NOFOLLOW) as fd:
+                    if stat.S_ISLNK(os.fstat(fd).st_mode):
+                        out.append({})
+                        continue
+                    where = f"/proc/self/fd/{fd}"  # the very inode (O_PATH has no fgetxattr)
+                    found: dict[str, str] = {}
+                    for name in os.listxattr(where):
+                        if name.startswith(prefix):
+                            with contextlib.suppress(OSError):
+                                found[name] = os.getxattr(where, name).decode(errors="replace")
+                    out.append(found)
+            except (FileNotFoundError, NotADirectoryError, FileNotFound):
+                out.append({})
+            except OSError as e:
+                if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                    out.append({})
+                    continue
+                raise
+        return out
+
+    def _set_xattrs_sync(self, path: str, values: dict[str, str], clear_prefix: str | None) -> None:
+        with self._open(path, os.O_PATH | os.O_NOFOLLOW) as fd:
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise InvalidRequest(
+                    f"extended attributes are kept on files and directories only: {path}",
+                    path=path,
+                )
+            where = f"/proc/self/fd/{fd}"
+            try:
+                if clear_prefix is not None:
+                    for name in os.listxattr(where):
+                        if name.startswith(clear_prefix) and name not in values:
+                            os.removexattr(where, name)
+                for name, value in values.items():
+                    os.setxattr(where, name, value.encode())
+            except OSError as e:
+                if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise CapabilityNotSupported(
+                        "this sandbox's filesystem keeps no extended attributes"
+                    ) from None
+                if e.errno == errno.ENOSPC:
+                    raise QuotaExceeded(f"no room for the extended attributes of {path}") from None
+                raise
+
     # -- SandboxFiles ---------------------------------------------------------
+
+    async def watch(self, path: str, recursive: bool) -> DirWatcher:
+        """An inotify watcher of the directory ``path`` (see ``watch.py``)."""
+        if self.watch_hub is None:
+            raise CapabilityNotSupported("no directory watches on these files")
+        return await DirWatcher(self.watch_hub, self, path, recursive).start()
+
+    async def get_xattrs(self, paths: list[str], prefix: str) -> list[dict[str, str]]:
+        """The ``prefix`` attributes of each path (``{}``: missing, a symlink, or a
+        filesystem without extended attributes)."""
+        return await self._run(self._get_xattrs_sync, list(paths), prefix)
+
+    async def set_xattrs(self, path: str, values: dict[str, str], clear_prefix: str | None) -> None:
+        """Set attributes on a file or directory (after clearing ``clear_prefix`` ones)."""
+        await self._run(self._set_xattrs_sync, path, dict(values), clear_prefix)
 
     async def read(self, path: str, max_bytes: int) -> bytes:
         """The whole file; ``PayloadTooLarge`` if it is larger than ``max_bytes`` bytes."""

@@ -44,6 +44,7 @@ import signal
 import stat
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -84,6 +85,7 @@ from dsec.runtimes.container.files import RootedFiles
 from dsec.runtimes.container.native import build_native
 from dsec.runtimes.container.pool import PoolConfig, WarmPool
 from dsec.runtimes.container.users import ResolvedUser, resolve_user
+from dsec.runtimes.container.watch import WatchHub
 from dsec.runtimes.usage import (
     NetCounters,
     SandboxUsage,
@@ -119,10 +121,46 @@ class _Warm:
     live: _Live
 
 
-# (layer digests, layer files, writable layer MiB, hostname): what a running container keeps
-_PoolKey = tuple[tuple[str, ...], tuple[str, ...], int, str]
+# (layer digests, layer files, writable layer MiB, hostname, setuid allowed): what a running
+# container keeps
+_PoolKey = tuple[tuple[str, ...], tuple[str, ...], int, str, bool]
 _WARM_PREFIX = "wp-"
 _WARM_NICE = 10  # niceness of the OCI runtime making a warm container (its init: until claimed)
+
+
+_BOOT_ID_FILE = "boot_id"
+
+
+def _new_boot_id(sandbox_dir: Path) -> Path:
+    """Write a new random boot id (a UUID, as the kernel's) into ``sandbox_dir``'s file that
+    is bound over the sandbox's ``/proc/sys/kernel/random/boot_id``; in place, so the bind
+    mount shows it at once."""
+    path = sandbox_dir / _BOOT_ID_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o444)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{uuid.uuid4()}\n".encode(), 0)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _kill_all_but(cg: CgroupV1, keep: int | None, timeout_s: float = 5.0) -> None:
+    """SIGKILL every process of ``cg`` but ``keep`` (host pid), frozen while it is done (no
+    process forks past it), and wait until they are gone."""
+    cg.freeze()
+    try:
+        for pid in cg.procs():
+            if pid != keep:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    finally:
+        cg.thaw()
+    deadline = time.monotonic() + timeout_s
+    while any(pid != keep for pid in cg.procs()):
+        if time.monotonic() > deadline:
+            raise SandboxError("processes of the sandbox did not die in time")
+        time.sleep(0.01)
 
 
 def _proc_start_time(pid: int) -> int | None:
@@ -220,6 +258,8 @@ class ContainerRuntime:
         self._cgroup_mounts: CgroupMounts | None = None
         self._state_base_cached: Path | None = None
         self._policy_file: Path | None = None
+        self._watch_hub = WatchHub()
+        """The node's one inotify instance, shared by every directory watch (``watch.py``)."""
         self._acquired: dict[str, list[str]] = {}  # sandbox id -> layer digests we hold
         self._netns_sockets: NetnsSockets | None = None  # made on the first port connection
         self.pool: WarmPool[_PoolKey, SandboxSpec, _Warm] = WarmPool(
@@ -302,6 +342,7 @@ class ContainerRuntime:
         """Stop talking to the sandboxes (they keep running; :meth:`recover` finds them).
         Warm containers of the pool are destroyed."""
         await self.pool.close()
+        self._watch_hub.close()
         if self._netns_sockets is not None:
             self._netns_sockets.close()
             self._netns_sockets = None
@@ -458,6 +499,7 @@ class ContainerRuntime:
             "user": spec.user,
             "workdir": spec.workdir,
             "limits": {"cpu": spec.cpu, "memory_mb": spec.memory_mb, "pids": spec.pids},
+            "allow_setuid": spec.allow_setuid,
         }
         self._write_state(spec.id, state)  # destroy_orphan needs it from here on
         rootfs = assemble_rootfs(sandbox_dir, lowers, spec.disk_mb)
@@ -491,6 +533,7 @@ class ContainerRuntime:
             env=spec.env,
             memsw=(CGROUP_ROOT / "memory" / "memory.memsw.limit_in_bytes").exists(),
             cpu_shares=self.idle_cpu_shares or None,  # no command runs yet
+            boot_id_file=_new_boot_id(sandbox_dir),
         )
         if netns is not None:
             for ns in config["linux"]["namespaces"]:
@@ -499,7 +542,7 @@ class ContainerRuntime:
         (sandbox_dir / "config.json").write_text(json.dumps(config))
         # the exec server starts (and compiles its policy) while the OCI runtime works
         assert self._policy_file is not None
-        live.server = ExecServer.spawn(execd_bin, self._policy_file)
+        live.server = ExecServer.spawn(execd_bin, self._policy_file, allow_setuid=spec.allow_setuid)
         pid_file = sandbox_dir / "init.pid"
         proc = await asyncio.get_running_loop().run_in_executor(
             _blocking_executor(),  # not asyncio's default executor (6 threads here)
@@ -619,7 +662,9 @@ class ContainerRuntime:
                 raise SandboxError(f"creating sandbox {spec.id} failed: {e}") from e
         return Handle(spec.id, state)
 
-    async def _start_server(self, sandbox_id: str, init_pid: int) -> ExecServer:
+    async def _start_server(
+        self, sandbox_id: str, init_pid: int, *, allow_setuid: bool = False
+    ) -> ExecServer:
         _, _, execd_bin = self._require_available()
         assert self._policy_file is not None
         return await ExecServer.start(
@@ -627,6 +672,7 @@ class ContainerRuntime:
             init_pid,
             self._policy_file,
             cgroup_procs_files(init_pid, self._cgroup_mounts),
+            allow_setuid=allow_setuid,
         )
 
     # ------------------------------------------------------------------ exec
@@ -800,7 +846,9 @@ class ContainerRuntime:
         if not sandbox_dir.exists():
             raise SandboxNotFound(f"sandbox {handle.id} has no root filesystem on this node")
         return RootedFiles(
-            rootfs_path(sandbox_dir), (int(state.get("uid", 0)), int(state.get("gid", 0)))
+            rootfs_path(sandbox_dir),
+            (int(state.get("uid", 0)), int(state.get("gid", 0))),
+            watch_hub=self._watch_hub,
         )
 
     # ------------------------------------------------------------------ ports
@@ -864,7 +912,11 @@ class ContainerRuntime:
                 if live.server is not None:
                     await live.server.close()
                 try:
-                    live.server = await self._start_server(handle.id, int(state["init_pid"]))
+                    live.server = await self._start_server(
+                        handle.id,
+                        int(state["init_pid"]),
+                        allow_setuid=bool(state.get("allow_setuid")),
+                    )
                 except SandboxError as e:
                     log.warning("recover %s: %s", handle.id, e)
                     return False
@@ -993,6 +1045,29 @@ class ContainerRuntime:
         await pausing.resume(self._cgroup(handle), prefetch=True)
         live = self._live.get(handle.id)
         self._weigh(handle, active=live is not None and live.active > 0)
+
+    async def pause_filesystem(self, handle: Handle) -> dict[str, Any]:
+        """Filesystem-only pause (E2B's ``keep_memory=False``): every process of the sandbox
+        but its init is killed (the exec server with the commands it runs, then whatever
+        else is left in its cgroup), the sandbox gets a new boot id, and it is paused as by
+        :meth:`pause`. Its files stay; the next command runs in what looks like a freshly
+        booted system. Also on a paused sandbox (it is thawed for the kill)."""
+        state = self._load_state(handle)
+        cg = self._cgroup(handle)
+        if cg.freezer_state() != "THAWED":  # paused: its processes must run to die
+            await asyncio.to_thread(cg.thaw)
+        live = self._live.get(handle.id)
+        if live is not None and live.server is not None:
+            await live.server.close()  # kills its commands' process groups and reaps them
+            live.server = None
+        init_pid = state.get("init_pid")
+        await asyncio.to_thread(_kill_all_but, cg, init_pid if isinstance(init_pid, int) else None)
+        sandbox_dir = self._sandbox_dir(handle.id)
+        if (sandbox_dir / _BOOT_ID_FILE).exists():
+            _new_boot_id(sandbox_dir)
+        report = await self.pause(handle)
+        report["method"] = f"filesystem+{report['method']}"
+        return report
 
     async def snapshot(
         self, handle: Handle, store: Any, req: SnapshotRequest, meta: dict[str, Any]
@@ -1225,7 +1300,14 @@ def _idle_shares_from_env() -> int:
 
 
 def _pool_key(spec: SandboxSpec) -> _PoolKey:
-    return (tuple(spec.layer_digests), tuple(spec.layer_paths), spec.disk_mb, spec.hostname)
+    # allow_setuid is fixed when the exec server starts: a warm container has the template's
+    return (
+        tuple(spec.layer_digests),
+        tuple(spec.layer_paths),
+        spec.disk_mb,
+        spec.hostname,
+        spec.allow_setuid,
+    )
 
 
 @functools.cache
