@@ -32,6 +32,7 @@ import sys
 
 from dsec.errors import (
     AuthenticationError,
+    BadGateway,
     BlobDigestMismatch,
     BuildFailed,
     CapabilityNotSupported,
@@ -51,6 +52,7 @@ from dsec.errors import (
     PathOutsideSandbox,
     PayloadTooLarge,
     PermissionDenied,
+    PortNotListening,
     QuotaExceeded,
     RegistryUnauthorized,
     RegistryUnavailable,
@@ -64,6 +66,7 @@ from dsec.errors import (
     ServiceUnavailable,
     StartFailed,
     TierUnavailable,
+    TooManyConnections,
     Unsupported,
 )
 from dsec.models import (
@@ -98,6 +101,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "AuthenticationError",
+    "BadGateway",
     "BlobDigestMismatch",
     "BuildFailed",
     "Capabilities",
@@ -131,6 +135,7 @@ __all__ = [
     "PathOutsideSandbox",
     "PayloadTooLarge",
     "PermissionDenied",
+    "PortNotListening",
     "QuotaExceeded",
     "RegistryUnauthorized",
     "RegistryUnavailable",
@@ -146,6 +151,7 @@ __all__ = [
     "ServiceUnavailable",
     "StartFailed",
     "TierUnavailable",
+    "TooManyConnections",
     "Unsupported",
     "__version__",
 ]

@@ -32,6 +32,9 @@ TimeoutError`` or ``except LookupError`` work as expected::
     │   ├── TierUnavailable                      422 tier_unavailable
     │   └── CapabilityNotSupported               422 capability_not_supported
     ├── QuotaExceeded                            429 quota_exceeded
+    │   └── TooManyConnections                   429 too_many_connections
+    ├── BadGateway                               502 bad_gateway
+    │   └── PortNotListening (ConnectionRefusedError) 502 port_not_listening
     ├── SandboxError                             500 sandbox_error
     │   │ (the runtime failed to do what was asked, e.g. the OCI runtime crashed)
     │   └── BlobDigestMismatch                   502 blob_digest_mismatch
@@ -60,6 +63,7 @@ from dsec.serverpaths import scrub_server_paths
 
 __all__ = [
     "AuthenticationError",
+    "BadGateway",
     "BlobDigestMismatch",
     "BuildFailed",
     "CapabilityNotSupported",
@@ -79,6 +83,7 @@ __all__ = [
     "PathOutsideSandbox",
     "PayloadTooLarge",
     "PermissionDenied",
+    "PortNotListening",
     "QuotaExceeded",
     "RegistryUnauthorized",
     "RegistryUnavailable",
@@ -92,6 +97,7 @@ __all__ = [
     "ServiceUnavailable",
     "StartFailed",
     "TierUnavailable",
+    "TooManyConnections",
     "Unsupported",
     "error_from_wire",
 ]
@@ -305,6 +311,29 @@ class QuotaExceeded(DsecError):
 
     code = "quota_exceeded"
     http_status = 429
+
+
+class TooManyConnections(QuotaExceeded):
+    """A sandbox already has as many proxied connections to its ports open as its node
+    allows (``DSEC_MAX_PORT_CONNECTIONS``); retry when some are closed."""
+
+    code = "too_many_connections"
+
+
+class BadGateway(DsecError):
+    """A server inside a sandbox, reached through the port proxy, did not answer as the
+    protocol requires (it closed without answering, or sent something that is not HTTP)."""
+
+    code = "bad_gateway"
+    http_status = 502
+
+
+class PortNotListening(BadGateway, ConnectionRefusedError):
+    """Nothing inside the sandbox accepts TCP connections on the port asked for (the
+    connection was refused or reset before it was established). The proxy answers 502."""
+
+    code = "port_not_listening"
+    http_status = 502
 
 
 class SandboxError(DsecError):

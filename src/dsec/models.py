@@ -29,6 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from dsec.errors import InvalidRequest
+from dsec.images.reference import parse_ref
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
 from dsec.wire import WireModel
@@ -49,6 +51,19 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
 _IMAGE_REF = re.compile(r"^(k[0-9a-f]{16}/)?[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
 """An image as a key names it: its own or a system image (``name[:tag]``), or another key's
 shared image (``<owner id>/name[:tag]``)."""
+
+
+def _image_ref_ok(v: str) -> bool:
+    """A local or shared image name, or an image reference a registry could serve."""
+    if _IMAGE_REF.match(v):
+        return True
+    try:
+        parse_ref(v)
+    except InvalidRequest:
+        return False
+    return True
+
+
 _USER = re.compile(r"^([a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})(:[0-9]{1,10})?$")
 
 MAX_ENV_BYTES = 256 * 1024
@@ -127,6 +142,11 @@ class CreateSandboxRequest(_Model):
         description="run the image's start command, if it has one (a server, a desktop); "
         "its output is the sandbox's logs",
     )
+    public_ports: bool = Field(
+        False,
+        description="the sandbox's ports answer through the port proxy without any "
+        "credential (its id then carries 96 random bits: anyone with a URL reaches them)",
+    )
     full_guest: bool = Field(
         False,
         description="microvm and vm tiers only: give commands the whole guest (every "
@@ -147,15 +167,19 @@ class CreateSandboxRequest(_Model):
             if not re.fullmatch(r"sha256:[0-9a-f]{64}", v):
                 raise ValueError("digest must be sha256:<64 hex>")
             return v
-        if not _IMAGE_REF.match(v):
-            raise ValueError(f"invalid image name {v!r}")
+        if not _image_ref_ok(v):
+            raise ValueError(
+                f"invalid image {v!r}: a name (debian, task:1), another key's shared image "
+                "(<owner id>/name) or a registry reference (host:port/repo:tag, "
+                "repo@sha256:<hex>, python:3.12-slim)"
+            )
         return v
 
     @field_validator("layers")
     @classmethod
     def _layers(cls, v: list[str]) -> list[str]:
         for name in v:
-            if not (re.fullmatch(r"sha256:[0-9a-f]{64}", name) or _IMAGE_REF.match(name)):
+            if not (re.fullmatch(r"sha256:[0-9a-f]{64}", name) or _image_ref_ok(name)):
                 raise ValueError(f"invalid layer reference {name!r}")
         return v
 
@@ -220,6 +244,7 @@ class SandboxInfo(_Model):
     next_seq: int = Field(1, description="the trajectory sequence number the edge expects next")
     network: NetworkPolicy | None = None
     forked_from: str | None = Field(None, description="the sandbox this one was forked from")
+    public_ports: bool = Field(False, description="its ports need no credential")
 
     @field_serializer("stopped_reason")
     def _public_reason(self, reason: str | None) -> str | None:
@@ -492,7 +517,8 @@ class ImageInfo(_Model):
     status: str = Field(
         "ready",
         description="`ready`, or for a built-in image not built yet: `building`, `queued` "
-        "or `failed` (`progress` says more; `layers` is empty until it is ready)",
+        "or `failed`, or for a registry reference being pulled: `pulling` (`progress` says "
+        "more; `layers` is empty until it is ready)",
     )
     progress: str | None = Field(None, description="what a build is doing, or why it failed")
 
@@ -576,6 +602,9 @@ class Capabilities(_Model):
     persistent: bool = True
     suspend: bool = Field(False, description="pause mode=suspend: memory to a file, process exits")
     memory_fork: bool = Field(False, description="fork with memory=True (running processes)")
+    ports: bool = Field(
+        False, description="TCP ports inside the sandbox reachable through the port proxy"
+    )
     max_cpu: float | None = None
     max_memory_mb: int | None = None
 
@@ -583,6 +612,23 @@ class Capabilities(_Model):
     def _public_reason(self, reason: str | None) -> str | None:
         """Why a tier is unavailable can name server paths: shown as ``$DSEC_HOME/...``."""
         return scrub_server_paths(reason)
+
+
+class PortAccess(_Model):
+    """How to reach a sandbox's ports through the port proxy (``GET
+    /v1/sandboxes/{id}/ports``). URLs: ``{api}/v1/sandboxes/{sandbox_id}/ports/{port}/...``
+    (path route) and, when the server has a ports domain,
+    ``{scheme}://{port}-{sandbox_id}.{domain}/...`` (host route). Either takes ``token``
+    (header ``X-Dsec-Port-Token``, cookie, ``?dsec_token=`` or a ``/_dsec_token/<token>``
+    first path segment) instead of the API key."""
+
+    sandbox_id: str
+    token: str = Field(description="the sandbox's access token (all its ports, its whole life)")
+    public: bool = Field(False, description="created with public_ports: no credential needed")
+    domain: str | None = Field(
+        None, description="host routes: '{port}-{sandbox_id}.' + this ('name[:port]')"
+    )
+    scheme: str = Field("https", description="the scheme of host routes (https or http)")
 
 
 class NodeInfo(_Model):

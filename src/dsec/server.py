@@ -14,32 +14,87 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from dsec.config import Paths
 from dsec.edge.agent import EdgeAgent, EdgeLimits
 from dsec.node import _list_env, embedded_edge, tiers_from_env
 from dsec.privileged.reaper import become_subreaper
 
+if TYPE_CHECKING:
+    from dsec.apiserver.tls import TlsFiles
+
 log = logging.getLogger("dsec.server")
 
 
-def build_app(edge: Any, keys: Any) -> Any:
-    """The full HTTP surface of one server: the dsec API, the E2B-compatible API under
-    ``/e2b`` (control plane) and ``/e2b/envd`` (in-sandbox API), and SandboxFusion's
-    ``/run_code`` when the fncall tier is present."""
-    from dsec.apiserver.app import create_app
+@dataclass
+class PortsSettings:
+    """How the port proxy is reached (``docs/network.md``, "Ports").
 
-    app = create_app(edge, keys)
+    Attributes:
+        domain: host routes ``{port}-{sandbox_id}.<domain>`` (``DSEC_PORTS_DOMAIN``, e.g.
+            ``ports.example.com``, or ``ports.test:8443`` when clients must name the TLS
+            port); None: path routes only.
+        tls_port: a second listener, with TLS, for host routes and everything else
+            (``DSEC_PORTS_TLS_PORT``); None: none.
+        tls: its certificate (the operator's, ``DSEC_PORTS_TLS_CERT``/``_KEY``, or the
+            node's own from :func:`dsec.apiserver.tls.node_certificate`).
+        home: where the port token secret lives (``$DSEC_HOME/ports_secret``).
+    """
+
+    domain: str | None = None
+    tls_port: int | None = None
+    tls: TlsFiles | None = None
+    home: Path | None = None
+
+    @classmethod
+    def from_env(cls, home: Path) -> PortsSettings:
+        """From ``DSEC_PORTS_DOMAIN``, ``DSEC_PORTS_TLS_PORT``, ``DSEC_PORTS_TLS_CERT`` and
+        ``DSEC_PORTS_TLS_KEY``."""
+        from dsec.apiserver.ports import ports_domain_from_env
+        from dsec.apiserver.tls import tls_files_from_env
+
+        domain = ports_domain_from_env()
+        raw = os.environ.get("DSEC_PORTS_TLS_PORT", "").strip()
+        try:
+            tls_port = int(raw) if raw else None
+        except ValueError:
+            raise SystemExit(f"DSEC_PORTS_TLS_PORT must be a port number, not {raw!r}") from None
+        tls = tls_files_from_env(home, domain or "localhost") if tls_port else None
+        return cls(domain=domain, tls_port=tls_port, tls=tls, home=home)
+
+
+def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
+    """The full HTTP surface of one server: the dsec API, the E2B-compatible API under
+    ``/e2b`` (control plane) and ``/e2b/envd`` (in-sandbox API), SandboxFusion's
+    ``/run_code`` when the fncall tier is present, and the port proxy
+    (:mod:`dsec.apiserver.ports`) configured by ``ports``."""
+    from dsec.apiserver.app import create_app
+    from dsec.apiserver.ports import PortTokens
+
+    ports = ports or PortsSettings()
+    tokens = PortTokens.from_home(ports.home)
+    app = create_app(
+        edge,
+        keys,
+        port_tokens=tokens,
+        ports_domain=ports.domain,
+        ports_scheme="https" if ports.tls_port else "http",
+    )
     app.state.closers = []
     try:
         from dsec.e2b import make_e2b_app
     except ImportError as e:  # the e2b package is a dependency; say so if it is missing
         log.warning("E2B-compatible API disabled: %s", e)
     else:
-        e2b_app = make_e2b_app(edge, keys.verify)
+        e2b_app = make_e2b_app(
+            edge, keys.verify, sandbox_domain=ports.domain, traffic_tokens=tokens
+        )
         app.mount("/e2b", e2b_app)
+        # E2B-routed port requests (E2b-Sandbox-Port) may carry the envdAccessToken
+        app.state.ports.envd_verify = e2b_app.state.e2b.control.tokens.verify
         # the E2B SDK builds signed file URLs (upload_url/download_url) on the server's root,
         # without the /e2b/envd prefix: serve /files there too (signature-checked, no key)
         app.router.routes.extend(e2b_app.state.e2b.envd.files_routes())
@@ -129,11 +184,12 @@ def serve(
         async with embedded_edge(paths.home, tiers=tiers) as edge:
             prebuild_images(edge.layers)
             keys = KeyStore(paths.home)
-            app = build_app(edge, keys)
+            settings = PortsSettings.from_env(paths.home)
+            app = build_app(edge, keys, settings)
             log.info(
                 "dsec serve on http://%s:%d (home %s, node %s)", host, port, paths.home, edge.node
             )
-            await _serve_http(app, host, port, log_level)
+            await _serve_http(app, host, port, log_level, settings)
 
     try:  # uvloop cuts the event loop's share of every request
         import uvloop
@@ -163,28 +219,74 @@ def prebuild_images(store: Any) -> None:
         log.info("building the built-in images %s in the background", ", ".join(names))
 
 
-async def _serve_http(app: Any, host: str, port: int, log_level: str) -> None:
-    """Serve ``app`` with uvicorn until SIGINT/SIGTERM, then release what the app holds."""
+def uvicorn_config(
+    app: Any,
+    host: str,
+    port: int,
+    log_level: str,
+    *,
+    tls: TlsFiles | None = None,
+    lifespan: Literal["on", "off"] = "on",
+) -> Any:
+    """The uvicorn settings of every dsec listener (plain, or TLS with ``tls``)."""
     import uvicorn
 
-    config = uvicorn.Config(
+    return uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        lifespan="on",
+        lifespan=lifespan,
         timeout_keep_alive=75,
         access_log=False,  # uvicorn's would show raw paths (ids, /k/<key>/): dsec.access
+        ws_per_message_deflate=False,  # the proxy relays WebSocket payloads as they are
+        ws_max_size=64 << 20,
+        ssl_certfile=str(tls.cert) if tls else None,
+        ssl_keyfile=str(tls.key) if tls else None,
     )
-    server = uvicorn.Server(config)
+
+
+async def _serve_http(
+    app: Any, host: str, port: int, log_level: str, ports: PortsSettings | None = None
+) -> None:
+    """Serve ``app`` with uvicorn until SIGINT/SIGTERM (on ``port``, and with TLS on
+    ``ports.tls_port`` when set), then release what the app holds."""
+    import uvicorn
+
+    servers = [uvicorn.Server(uvicorn_config(app, host, port, log_level))]
+    if ports is not None and ports.tls_port and ports.tls is not None:
+        servers.append(
+            uvicorn.Server(
+                uvicorn_config(app, host, ports.tls_port, log_level, tls=ports.tls, lifespan="off")
+            )
+        )
+        log.info(
+            "port proxy: TLS on %s:%d for %s (certificate %s%s)",
+            host,
+            ports.tls_port,
+            ports.domain or "path routes",
+            ports.tls.cert,
+            f", authority {ports.tls.ca}" if ports.tls.ca else "",
+        )
+
+    def stop() -> None:
+        for server in servers:
+            server.should_exit = True
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    # our handlers, not uvicorn's: it would re-raise the signal after shutdown and kill the
-    # process before the edge closes its registry
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+        loop.add_signal_handler(sig, stop)
+    for server in servers:
+        # our handlers, not uvicorn's: it would re-raise the signal after shutdown and kill
+        # the process before the edge closes its registry
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     try:
-        await server.serve()
+        tasks = [asyncio.create_task(server.serve()) for server in servers]
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        stop()  # one listener stopped (a signal, or it could not bind): stop the others
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t in done:
+            t.result()
     finally:
         await close_app(app)
 
@@ -298,7 +400,8 @@ def serve_cluster(
             keys: Any = PgKeyStore(state, paths.home)
         else:
             keys = KeyStore(paths.home)
-        app = build_app(edge, keys)
+        settings = PortsSettings.from_env(paths.home)
+        app = build_app(edge, keys, settings)
         log.info(
             "dsec serve on http://%s:%d: cluster %s, nodes %s",
             host,
@@ -307,7 +410,7 @@ def serve_cluster(
             ", ".join(sorted(edge.nodes)),
         )
         try:
-            await _serve_http(app, host, port, log_level)
+            await _serve_http(app, host, port, log_level, settings)
         finally:
             await edge.close()
             if state is not None:
@@ -326,6 +429,9 @@ class BackgroundServer:
 
     ``network_options`` configure the node's network manager (see :func:`build_network`),
     e.g. ``{"subnet": "10.210.0.0/16", "static_records": {"mirror.test": ["198.19.0.2"]}}``.
+    ``ports_domain`` turns on host routes of the port proxy; ``tls=True`` adds a TLS
+    listener (:attr:`tls_port`) with the node's own certificate (its authority:
+    :attr:`ca`).
     """
 
     def __init__(
@@ -336,9 +442,14 @@ class BackgroundServer:
         tiers: list[str] | None = None,
         limits: EdgeLimits | None = None,
         network_options: dict[str, Any] | None = None,
+        ports_domain: str | None = None,
+        tls: bool = False,
     ) -> None:
         self.home = home
         self.port = port or _free_port()
+        self.tls_port = _free_port() if tls else None
+        self.ports = PortsSettings(domain=ports_domain, tls_port=self.tls_port, home=home)
+        self.ca: Path | None = None
         self.tiers = tiers
         self.limits = limits
         self.network_options = network_options
@@ -348,6 +459,7 @@ class BackgroundServer:
         self.keys: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: Any = None
+        self._servers: list[Any] = []
         self._thread: Any = None
         self._error: BaseException | None = None
 
@@ -378,28 +490,39 @@ class BackgroundServer:
             ) as edge:
                 self.edge = edge
                 self.keys = KeyStore(self.home)
-                app = build_app(edge, self.keys)
-                server = uvicorn.Server(
-                    uvicorn.Config(
-                        app,
-                        host="127.0.0.1",
-                        port=self.port,
-                        log_level="warning",
-                        lifespan="on",
-                        timeout_keep_alive=75,
-                        access_log=False,  # uvicorn's shows raw paths; dsec.access does not
+                if self.tls_port:
+                    from dsec.apiserver.tls import node_certificate
+
+                    self.ports.tls = node_certificate(self.home, self.ports.domain or "localhost")
+                    self.ca = self.ports.tls.ca
+                app = build_app(edge, self.keys, self.ports)
+                server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", self.port, "warning"))
+                servers = [server]
+                if self.tls_port:
+                    servers.append(
+                        uvicorn.Server(
+                            uvicorn_config(
+                                app,
+                                "127.0.0.1",
+                                self.tls_port,
+                                "warning",
+                                tls=self.ports.tls,
+                                lifespan="off",
+                            )
+                        )
                     )
-                )
                 self._server = server
+                self._servers = servers
                 self.loop = asyncio.get_running_loop()
-                task = asyncio.create_task(server.serve())
-                while not server.started:
-                    if task.done():
-                        task.result()
+                tasks = [asyncio.create_task(s.serve()) for s in servers]
+                while not all(s.started for s in servers):
+                    for task in tasks:
+                        if task.done():
+                            task.result()
                     await asyncio.sleep(0.01)
                 ready.set()
                 try:
-                    await task
+                    await asyncio.gather(*tasks)
                 finally:
                     await close_app(app)
                 await edge.close(kill_sandboxes=True)
@@ -423,8 +546,9 @@ class BackgroundServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
+        for server in self._servers:
+            if server is not None:
+                server.should_exit = True
         if self._thread is not None:
             self._thread.join(300)
 

@@ -38,7 +38,9 @@ that really ran in a sandbox (a fast-forwarded repeat does not). Pauses report
 ``method="fake"`` (nothing is frozen); a snapshot copies the sandbox's files (minus the
 ``scrub`` globs) into a layer whose content a new sandbox starts from; a file holding one of
 ``secret_values`` refuses it (``SecretInSnapshot``). Network policies are recorded, not
-enforced (fake sandboxes send no traffic).
+enforced (fake sandboxes send no traffic). Ports (every tier but ``fncall``): a fake
+sandbox's port is whatever TCP address :meth:`FakeEdge.serve_port` maps it to (a server
+the test runs on loopback); unmapped ports are refused (``PortNotListening``).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -78,9 +80,11 @@ from dsec.errors import (
     InvalidRequest,
     LayerNotFound,
     PayloadTooLarge,
+    PortNotListening,
     SandboxStopped,
     SecretInSnapshot,
 )
+from dsec.images.reference import familiar_name, is_reference_name, parse_ref
 from dsec.models import (
     SYSTEM_OWNER,
     ExecRequest,
@@ -104,7 +108,14 @@ from dsec.runtimes.base import (
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["ExecHandler", "FakeEdge", "MemoryLayers", "MemoryRuntime", "app_transport"]
+__all__ = [
+    "ExecHandler",
+    "FakeEdge",
+    "MemoryLayers",
+    "MemoryPortRuntime",
+    "MemoryRuntime",
+    "app_transport",
+]
 
 ExecHandler = Callable[[SandboxInfo, ExecRequest], "ExecResult | Awaitable[ExecResult]"]
 """A function that answers one exec request for a fake sandbox."""
@@ -306,12 +317,24 @@ class MemoryLayers:
     ``<owner>/<name>``, and layers usable by digest only where granted. A layer's content is
     the bytes it was imported with (for :class:`MemoryRuntime`: a snapshot's files)."""
 
-    def __init__(self, system_images: Iterable[str] = ("busybox",)) -> None:
+    def __init__(
+        self,
+        system_images: Iterable[str] = ("busybox",),
+        *,
+        registry: Mapping[str, dict[str, Any]] | None = None,
+    ) -> None:
         self._lock = threading.RLock()
         self._layers: dict[str, LayerInfo] = {}
         self._content: dict[str, bytes] = {}
         self._images: dict[tuple[str, str], ImageInfo] = {}  # (owner, name) -> image
         self._grants: set[tuple[str, str]] = set()  # (owner, digest)
+        self.registry: dict[str, dict[str, Any]] = {}
+        """The registry in memory: reference (as :func:`~dsec.images.reference.parse_ref`
+        spells it, ``registry-1.docker.io/library/python:3.12``) -> image meta (``config``,
+        ``start``). ``pulls`` counts the pulls each one got."""
+        self.pulls: dict[str, int] = {}
+        for ref, meta in (registry or {}).items():
+            self.registry[str(parse_ref(ref))] = dict(meta)
         self._tmp = tempfile.TemporaryDirectory(prefix="dsec-fake-layers-")
         self.scratch = Path(self._tmp.name)
         busybox = LayerInfo(
@@ -451,7 +474,12 @@ class MemoryLayers:
         return (SYSTEM_OWNER, name) in self._images
 
     def check_name_free(self, name: str, owner: str) -> None:
-        if not isinstance(name, str) or not name or "/" in name or name.startswith("sha256:"):
+        local = isinstance(name, str) and bool(name) and "/" not in name
+        if (
+            not isinstance(name, str)
+            or name.startswith("sha256:")
+            or not (local or is_reference_name(name))
+        ):
             raise InvalidRequest(f"invalid image name {name!r}", name=name)
         if owner != SYSTEM_OWNER and self._system_name(name):
             raise Conflict(f"{name!r} is a system image: keys cannot replace it", name=name)
@@ -484,19 +512,22 @@ class MemoryLayers:
         return image
 
     def attach(self, ref: str, name: str | None, lazy: bool, owner: str) -> ImageInfo:
-        """A registry in memory: every reference is an image of one empty layer (named as
-        the real store names it, ``team-app:1`` for ``localhost:5000/team/app:1``)."""
-        from dsec.layers.registry import default_image_name, parse_ref
-
-        parsed = parse_ref(ref.removeprefix("oci://"))
-        digest = "sha256:" + hashlib.sha256(str(parsed).encode()).hexdigest()
+        """Pull ``ref`` from :attr:`registry` (an image of one empty layer with the meta it
+        was given); a reference it lacks is ``ImageNotFound``, as a real registry's 404.
+        Named ``name``, else by the reference (``127.0.0.1:5000/team/app:1``)."""
+        parsed = parse_ref(ref)
+        key = str(parsed)
         with self._lock:
+            if key not in self.registry:
+                raise ImageNotFound(f"manifest unknown: {key}", image=ref)
+            self.pulls[key] = self.pulls.get(key, 0) + 1
+            digest = "sha256:" + hashlib.sha256(key.encode()).hexdigest()
             self._layers.setdefault(
                 digest,
-                LayerInfo(digest=digest, kind="base", name=ref, size=4096, created_at=_now()),
+                LayerInfo(digest=digest, kind="base", name=key, size=4096, created_at=_now()),
             )
-        meta = {"source": "registry", "ref": ref, "lazy": lazy}
-        return self.put_image(name or default_image_name(parsed), [digest], meta=meta, owner=owner)
+            meta = {**self.registry[key], "source": "registry", "ref": key, "lazy": lazy}
+        return self.put_image(name or familiar_name(parsed), [digest], meta=meta, owner=owner)
 
     def get_image(self, ref: str, owner: str = SYSTEM_OWNER) -> ImageInfo:
         if ref.startswith("sha256:"):
@@ -741,6 +772,29 @@ class MemoryRuntime:
         }
 
 
+class MemoryPortRuntime(MemoryRuntime):
+    """:class:`MemoryRuntime` with ports (``PortConnectable``): port ``p`` of sandbox ``s``
+    is the TCP address ``ports[(s, p)]`` (a test server on loopback)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ports: dict[tuple[str, int], tuple[str, int]] = {}
+
+    async def connect_port(self, handle: Handle, port: int) -> Any:
+        import socket
+
+        from dsec.edge.ports import connect_socket
+
+        self._get(handle)
+        host, real = self.ports.get((handle.id, port), ("127.0.0.1", 0))
+        if real == 0:
+            raise PortNotListening(
+                f"nothing in the sandbox accepts connections on port {port}", port=port
+            )
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        return await connect_socket(sock, real, host=host)
+
+
 # --- the edge --------------------------------------------------------------------------------
 
 _DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("dsec_fake_edge_depth", default=0)
@@ -792,7 +846,7 @@ class FakeEdge(EdgeAgent):
         self.memory_layers = layers if layers is not None else MemoryLayers()
 
         def memory_runtime(tier: str) -> Runtime:
-            return MemoryRuntime(
+            return (MemoryRuntime if tier == "fncall" else MemoryPortRuntime)(
                 tier,
                 self.memory_layers,
                 self._answer,
@@ -852,6 +906,15 @@ class FakeEdge(EdgeAgent):
             row.id: self._info(self._live[row.id].row if row.id in self._live else row)
             for row in self.registry.select()
         }
+
+    def serve_port(self, sandbox_id: str, port: int, address: tuple[str, int]) -> None:
+        """Make ``port`` of a fake sandbox the TCP server at ``address`` (e.g. a test's
+        loopback server): what the port proxy reaches for that sandbox and port."""
+        lv = self._live[sandbox_id]
+        rt = self.runtimes[lv.row.tier]
+        if not isinstance(rt, MemoryPortRuntime):
+            raise CapabilityNotSupported(f"tier {lv.row.tier} has no ports")
+        rt.ports[(sandbox_id, port)] = address
 
     def forget(self, sandbox_id: str) -> None:
         """Make the node forget a sandbox altogether, as once a stopped sandbox's record is
@@ -1002,3 +1065,6 @@ if TYPE_CHECKING:  # mypy checks that the fakes satisfy the contracts they stand
     _pausable: Pausable = MemoryRuntime("container", MemoryLayers(), _no_answer)
     _snapshots: Snapshottable = MemoryRuntime("container", MemoryLayers(), _no_answer)
     _networked: Networked = MemoryRuntime("container", MemoryLayers(), _no_answer)
+    from dsec.runtimes.base import PortConnectable
+
+    _ports: PortConnectable = MemoryPortRuntime("container", MemoryLayers(), _no_answer)

@@ -163,6 +163,28 @@ def test_a_build_is_usable_on_every_node_and_its_logs_stream_through(
         _kill_all(made)
 
 
+def test_ports_are_reached_through_the_owning_node(cluster_server: ClusterServer) -> None:
+    """The apiserver replica relays to the node's port gateway: HTTP (a paused sandbox
+    resumed by it), a raw TCP forward, and the node's errors typed (502, 404)."""
+    sb = _create(cluster_server, labels={PREFER: "w1"})
+    try:
+        assert sb.info.node == "w1"
+        sb.commands.run("mkdir -p /w && echo w1 > /w/n && httpd -p 8000 -h /w")
+        sb.pause()
+        url = sb.get_url(8000, "/n")
+        assert httpx.get(url, timeout=60).text == "w1\n"
+        assert sb.refresh().state == "running"
+        with sb.port_forward(8000) as fwd:
+            r = httpx.get(f"http://127.0.0.1:{fwd.local_port}/n", timeout=60)
+            assert r.text == "w1\n"
+        r = httpx.get(sb.get_url(8001, "/"), timeout=60)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "port_not_listening"
+        gone = sb.get_url(8000, "/").replace(sb.id, sb.id[:-4] + "0000")
+        assert httpx.get(gone, timeout=60).status_code in (401, 404)
+    finally:
+        sb.kill()
+
+
 def test_migration_moves_files_between_nodes(cluster_server: ClusterServer) -> None:
     sb = _create(cluster_server, labels={PREFER: "w1"})
     try:

@@ -7,9 +7,10 @@
    seed ``DSEC_FUZZ_SEED`` (default fixed, so CI is reproducible), 100 stateful scenarios
    (``DSEC_FUZZ_STATEFUL_EXAMPLES``).
 2. A hand-written fuzz of what the OpenAPI document does not describe: the E2B control
-   plane (``/e2b/...``), envd (``/e2b/envd/...``: Connect-RPC and ``/files``) and the
-   SandboxFusion bodies of ``/run_code``: malformed JSON, wrong types, wrong framings and
-   encodings. Nothing may answer a 5xx that the protocol does not define (E2B's 501 "not
+   plane (``/e2b/...``), envd (``/e2b/envd/...``: Connect-RPC and ``/files``), the
+   SandboxFusion bodies of ``/run_code``, and the port proxy's routes (path, host, E2B
+   header; random ports, ids, credentials, methods and paths): malformed JSON, wrong types,
+   wrong framings and encodings. Nothing may answer a 5xx that the protocol does not define (E2B's 501 "not
    implemented" and envd's 502 "sandbox ... was not found" are protocol answers).
 3. After both: the server's log holds no traceback (no bug was hit, even one answered
    politely), every access-log line parses as JSON and names no key.
@@ -71,7 +72,12 @@ def server() -> Iterator[Any]:
     shutil.rmtree(home, ignore_errors=True)
     srv = ServeProcess(
         home,
-        env={"DSEC_TIERS": "container,fncall", "DSEC_NETWORK": "off", "DSEC_ACCESS_LOG": "json"},
+        env={
+            "DSEC_TIERS": "container,fncall",
+            "DSEC_NETWORK": "off",
+            "DSEC_ACCESS_LOG": "json",
+            "DSEC_PORTS_DOMAIN": "ports.fuzz",  # host routes of the port proxy are fuzzed too
+        },
     )
     with srv:
         try:
@@ -395,6 +401,87 @@ def test_hand_fuzz_of_e2b_envd_and_run_code(server: Any) -> None:
         assert not bad, "\n".join(bad[:30])
         # not only refusals: some of each kind of request got through to real work
         assert answered >= {"control", "rpc", "files", "run_code"}, answered
+
+
+def test_hand_fuzz_of_the_port_proxy(server: Any) -> None:
+    """The port proxy's routes (path, host, E2B header, raw TCP) with random ports, ids,
+    credentials, methods, paths and bodies, against a sandbox whose port 8000 serves (busybox
+    httpd): dsec's own answers are JSON errors, never a 500 (only 502 nothing listens / bad
+    answer, 503 unreachable); the server logs no traceback (checked by the next test)."""
+    rng = random.Random(int(os.environ.get("DSEC_FUZZ_SEED", "20261201")) + 22)
+    key = server.api_key
+    _kill_everything(server)
+    with _client(server) as c:
+        r = c.post("/v1/sandboxes", json={"image": "busybox", "memory_mb": 64})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        r = c.post(
+            f"/v1/sandboxes/{sid}/exec",
+            json={"cmd": "mkdir -p /w && echo ok > /w/x && httpd -p 8000 -h /w"},
+        )
+        assert r.json()["exit_code"] == 0, r.text
+        token = c.get(f"/v1/sandboxes/{sid}/ports").json()["token"]
+    ids = [sid, sid, "sb-vm-000000000000", "sb-x", "..", "%2e%2e", "sb-" + "a" * 70]
+    ports = ["8000", "8000", "8001", "0", "65536", "-1", "abc", "8000.5", "99999999999", ""]
+    creds: list[dict[str, str]] = [
+        {"authorization": f"Bearer {key}"},
+        {"x-dsec-port-token": token},
+        {"e2b-traffic-access-token": token},
+        {"cookie": f"dsec_port_token={token}; other=1"},
+        {"authorization": "Bearer " + token[:-1] + "0"},
+        {"authorization": "Basic Zm9vOmJhcg=="},
+        {"cookie": 'dsec_port_token="broken'},
+        {},
+    ]
+    paths = ["/", "/x", "/x?a=1", f"/_dsec_token/{token}/x", "/_dsec_token/junk/x",
+             f"/x?dsec_token={token}", "/x?dsec_token=%zz", "/%2e%2e/etc/passwd", "/" + "a" * 3000]  # fmt: skip
+    bad: list[str] = []
+    sent = 0
+    reached = 0
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        for _ in range(int(os.environ.get("DSEC_FUZZ_PORT_REQUESTS", "600"))):
+            body, headers = _body(rng)
+            headers.update(rng.choice(creds))
+            method = rng.choice(["GET", "GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"])
+            kind = rng.randrange(3)
+            sub = rng.choice(paths)
+            if kind == 0:
+                path = f"/v1/sandboxes/{rng.choice(ids)}/ports/{rng.choice(ports)}{sub}"
+            elif kind == 1:
+                path = sub
+                headers["host"] = f"{rng.choice(ports)}-{rng.choice(ids)}.ports.fuzz"
+            else:
+                path = "/e2b/envd" + sub
+                headers["e2b-sandbox-id"] = rng.choice(ids)
+                headers["e2b-sandbox-port"] = rng.choice(ports)
+            headers = {k: v for k, v in headers.items() if v}
+            try:
+                r = c.request(
+                    method, path, content=body if method != "HEAD" else b"", headers=headers
+                )
+            except httpx.TimeoutException:
+                continue
+            except httpx.RemoteProtocolError as e:
+                bad.append(f"{method} {path[:80]} -> connection broken: {e}")
+                continue
+            sent += 1
+            try:
+                err = r.json().get("error") if r.content else None
+            except (ValueError, AttributeError):
+                err = None
+            dsec_answer = isinstance(err, dict) and "code" in err
+            if not dsec_answer:
+                reached += 1  # the sandbox's httpd answered (its answers are its business)
+            elif r.status_code >= 500 and not (
+                r.status_code in (502, 503)
+                and err["code"] in ("port_not_listening", "bad_gateway", "unavailable")
+            ):
+                bad.append(f"{method} {path[:80]} -> {r.status_code}: {r.text[:300]}")
+            assert key not in r.text, f"{method} {path[:80]} echoed the API key"
+            # a token the client put in its own URL may come back in a "not found" message
+            assert token not in r.text or token in path, f"{method} {path[:80]} echoed the token"
+    assert sent > 100 and reached > 10, (sent, reached)
+    assert not bad, "\n".join(bad[:30])
 
 
 def _kind(path: str) -> str:

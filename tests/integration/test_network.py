@@ -348,6 +348,39 @@ async def test_host_other_sandboxes_and_metadata_never_reachable(
     assert any(b["destination"] == other.ip for b in stats["blocked"])
 
 
+async def test_the_node_itself_cannot_connect_to_a_sandbox(
+    manager: NetworkManager, testbed: Testbed
+) -> None:
+    """A process on the node (here: this test, in the node's namespace) cannot open a
+    connection to a sandbox's address, whatever the sandbox's policy: only the port proxy
+    reaches a sandbox's ports, from inside its namespace. DNS answers still flow."""
+    everything = NetworkPolicy(allow_cidrs=["0.0.0.0/0"], protocols=["tcp", "udp"])
+    net = await manager.setup("sb-served", everything)
+    await testbed.tcp_listener_in(net.netns_path, "0.0.0.0", 18002)
+    assert await tcp_probe(net.netns_path, "127.0.0.1", 18002) == "127.0.0.1:18002"
+
+    def connect_from_node() -> str | None:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            try:
+                s.connect((net.ip, 18002))
+            except OSError as e:
+                return None if isinstance(e, TimeoutError | ConnectionRefusedError) else repr(e)
+            return "connected"
+
+    for _ in range(3):
+        assert await asyncio.to_thread(connect_from_node) is None
+    # the sandbox still resolves names through the resolver on the node (its answers are
+    # replies, not new connections)
+    reply = await resolve(
+        await manager.setup(
+            "sb-dns", NetworkPolicy(allow_domains=["allowed.example.test"], protocols=["tcp"])
+        ),
+        "allowed.example.test",
+    )
+    assert addresses(reply) == ["198.18.0.2"]
+
+
 async def test_resolver_rate_limit_is_per_sandbox(make_manager: Factory, testbed: Testbed) -> None:
     mgr = await make_manager(limits=ResolverLimits(queries_per_s=50, burst=50))
     policy = NetworkPolicy(allow_domains=["allowed.example.test"])

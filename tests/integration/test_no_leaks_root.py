@@ -4,7 +4,8 @@
 Each cycle creates a container sandbox, runs a command and kills it; some cycles add a
 network policy (own namespace, veth, filter), a pause/resume, a background process left
 running, commands still in flight at the kill, a command killed at its timeout, a
-streamed command; a few cycles go through the unmodified E2B SDK (interactive processes).
+streamed command, connections through the port proxy (HTTP and a port forward); a few
+cycles go through the unmodified E2B SDK (interactive processes).
 Afterwards (``dsec.footprint``): no zombie child of the server (every cycle used to leave
 one, crun's monitor, and every kill with a command in flight a stuck container init),
 its process, thread and fd counts back to the baseline, and no mount, cgroup, network
@@ -33,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from dsec import AsyncClient, AsyncSandbox
@@ -97,6 +99,19 @@ async def cycle(client: AsyncClient, i: int) -> None:
         elif kind == 6 and i % 25 == 6:
             events = [e async for e in sb.commands.stream("echo a; echo b >&2")]
             assert events
+        elif kind == 7:  # connections through the port proxy (one left open at the kill)
+            await sb.commands.run("mkdir -p /w && echo up > /w/u && httpd -p 8000 -h /w")
+            url = await sb.get_url(8000, "/u")
+            async with httpx.AsyncClient(timeout=30) as http:
+                for _ in range(3):
+                    assert (await http.get(url)).text == "up\n"
+            held = await sb.port_forward(8000)
+            reader, writer = await asyncio.open_connection("127.0.0.1", held.local_port)
+            writer.write(b"GET /u HTTP/1.0\r\n\r\n")
+            await writer.drain()
+            assert b"up" in await reader.read()
+            writer.close()
+            await held.close()
     finally:
         if not killed:
             await sb.kill()

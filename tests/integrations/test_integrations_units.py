@@ -23,7 +23,7 @@ from dsec.cli import docker as docker_cli
 from dsec.integrations._session import ShellSession
 from dsec.models import ExecResult
 from dsec.network.policy import NetworkPolicy
-from dsec.testing import FakeEdge, app_transport
+from dsec.testing import FakeEdge, MemoryLayers, app_transport
 
 # -- the session engine on the local bash ------------------------------------------------
 
@@ -339,9 +339,9 @@ def test_swerex_clean_matches_swerex() -> None:
 
 
 def test_docker_pull_from_a_registry_goes_to_the_server() -> None:
-    edge = FakeEdge()
+    edge = FakeEdge(layers=MemoryLayers(registry={"localhost:5000/team/app:1": {}}))
     code, out, _ = _run_cli(["pull", "-q", "localhost:5000/team/app:1"], edge)
-    assert (code, out) == (0, "team-app:1\n")
+    assert (code, out) == (0, "localhost:5000/team/app:1\n")  # the reference names it
     assert edge.calls_to("pull_image")[0]["ref"] == "localhost:5000/team/app:1"
     code, _, err = _run_cli(["pull", "python:3.11"], edge)  # Docker Hub: not reachable here
     assert code == 1 and "pull access denied for python:3.11" in err

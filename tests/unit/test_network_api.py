@@ -418,7 +418,6 @@ E2B_BAD_CREATES: list[tuple[dict[str, Any], int]] = [
                   "allowOut": [f"{i}.1.2.3" for i in range(1, 200)]}}, 400),
     ({"allow_internet_access": "yes"}, 400),
     ({"network": {"egressProxy": {"address": "p:1080"}}}, 422),
-    ({"network": {"allowPublicTraffic": True}}, 422),
     ({"network": {"httpsPorts": [443]}}, 422),
     ({"network": {"maskRequestHost": "x.example.com"}}, 422),
 ]  # fmt: skip
@@ -455,6 +454,38 @@ async def test_e2b_raw_bad_creates(
     assert r.status_code == status, r.text
     assert r.json()["message"]
     assert edge.calls_to("create_sandbox") == []
+
+
+async def test_e2b_allow_public_traffic_makes_public_ports(edge: FakeEdge) -> None:
+    """``allowPublicTraffic`` is about the sandbox's ports, not its egress: the sandbox is
+    created with ``public_ports`` (it was refused with 422 before the port proxy). A private
+    sandbox gets the port proxy's token as ``trafficAccessToken``, a public one none (as in
+    E2B); ``domain`` is the ports domain."""
+    from dsec.apiserver.ports import PortTokens
+    from dsec.e2b import make_e2b_app
+
+    tokens = PortTokens(b"s" * 32)
+    app = make_e2b_app(
+        edge, {"e2b-key": "alice"}.get, sandbox_domain="ports.test", traffic_tokens=tokens
+    )
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://e2b",
+        headers={"x-api-key": "e2b-key"},
+    ) as c:
+        for public in (True, False):
+            r = await c.post(
+                "/sandboxes",
+                json={"templateID": "busybox", "network": {"allowPublicTraffic": public}},
+            )
+            assert r.status_code == 201, r.text
+            body = r.json()
+            assert edge.calls_to("create_sandbox")[-1]["req"].public_ports is public
+            assert body["domain"] == "ports.test"
+            if public:
+                assert "trafficAccessToken" not in body
+            else:
+                assert body["trafficAccessToken"] == tokens.issue(body["sandboxID"], "alice")
 
 
 @pytest.mark.parametrize(("body", "status"), E2B_BAD_UPDATES)

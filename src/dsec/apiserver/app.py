@@ -14,6 +14,7 @@ Open routes: ``GET /healthz``; ``GET /metrics`` from loopback (anyone else needs
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, cast
 
 from fastapi import FastAPI, Request, Response
@@ -22,9 +23,11 @@ from dsec.apiserver.auth import KeyVerifier
 from dsec.apiserver.errors import install_error_handlers
 from dsec.apiserver.metrics import ApiMetrics
 from dsec.apiserver.middleware import ApiMiddleware, access_log_mode
+from dsec.apiserver.ports import PortProxy, PortsDispatch, PortTokens
 from dsec.apiserver.routes_display import router as display_router
 from dsec.apiserver.routes_images import router as images_router
 from dsec.apiserver.routes_jobs import router as jobs_router
+from dsec.apiserver.routes_ports import router as ports_router
 from dsec.apiserver.routes_sandboxes import UPLOAD_ROUTES
 from dsec.apiserver.routes_sandboxes import router as sandboxes_router
 from dsec.apiserver.schemas import Health
@@ -55,6 +58,9 @@ def create_app(
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
     access_log: str | None = None,
+    port_tokens: PortTokens | None = None,
+    ports_domain: str | None = None,
+    ports_scheme: str = "https",
 ) -> FastAPI:
     """Build the apiserver app in front of ``edge``.
 
@@ -67,6 +73,14 @@ def create_app(
         access_log: ``text``, ``json`` or ``off``: one line per request on the
             ``dsec.access`` logger (default ``$DSEC_ACCESS_LOG``, else ``text``; see
             :mod:`dsec.apiserver.middleware`).
+        port_tokens: the sandboxes' port access tokens (default: a random secret for
+            this app; see :class:`~dsec.apiserver.ports.PortTokens`).
+        ports_domain: the domain of host-routed ports (``DSEC_PORTS_DOMAIN``; None: path
+            routes only).
+        ports_scheme: the scheme clients use for host routes (``https`` when the TLS
+            listener serves them).
+
+    ``app.state.ports`` is the :class:`~dsec.apiserver.ports.PortProxy`.
     """
     access_mode = access_log_mode(access_log)
     app = FastAPI(
@@ -84,6 +98,15 @@ def create_app(
     app.include_router(images_router)
     app.include_router(jobs_router)
     app.include_router(display_router)
+    app.include_router(ports_router)
+    proxy = PortProxy(
+        edge,
+        keys,
+        port_tokens or PortTokens(os.urandom(32)),
+        domain=ports_domain,
+        host_scheme=ports_scheme,
+    )
+    app.state.ports = proxy
 
     @app.get("/healthz", response_model=Health, tags=["node"], summary="Liveness (no auth)")
     async def healthz() -> Health:
@@ -100,8 +123,10 @@ def create_app(
         body = metrics.render() + request.app.state.edge.metrics_text()
         return Response(content=body, media_type=PROMETHEUS_CONTENT_TYPE)
 
+    app.add_middleware(PortsDispatch, proxy=proxy)  # inside ApiMiddleware (added next)
     app.add_middleware(
         ApiMiddleware,
+        passthrough=proxy.route_of,
         keys=keys,
         metrics=metrics,
         routes=_route_templates(app),
@@ -120,6 +145,7 @@ def _route_templates(app: FastAPI) -> list[tuple[str, set[str]]]:
         *images_router.routes,
         *jobs_router.routes,
         *display_router.routes,
+        *ports_router.routes,
         *app.router.routes,
     ]
     out = []

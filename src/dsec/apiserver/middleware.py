@@ -152,6 +152,9 @@ class ApiMiddleware:
         max_upload_bytes: body limit of upload routes, bytes.
         max_json_bytes: body limit of every other route, bytes.
         access_log: ``text``, ``json`` or ``off`` (see the module docstring).
+        passthrough: the route template of a request relayed to a sandbox port
+            (:meth:`dsec.apiserver.ports.PortProxy.route_of`), None for any other: such a
+            request checks its own credentials and has no body limit.
     """
 
     def __init__(
@@ -165,8 +168,10 @@ class ApiMiddleware:
         max_upload_bytes: int,
         max_json_bytes: int,
         access_log: AccessLogMode = "text",
+        passthrough: Callable[[Scope], str | None] | None = None,
     ) -> None:
         self.app = app
+        self.passthrough = passthrough
         self.access_mode = access_log
         self.keys = keys
         self.metrics = metrics
@@ -194,13 +199,16 @@ class ApiMiddleware:
         request_id = secrets.token_hex(8)
         state: MutableMapping[str, Any] = scope.setdefault("state", {})
         state["request_id"] = request_id
-        route = self._template(scope)
+        relayed = self.passthrough(scope) if self.passthrough is not None else None
+        route = relayed or self._template(scope)
         entry_root = str(scope.get("root_path", ""))
         method = scope.get("method", "GET")
         status_box = [0]
         response_started = [False]
         rid_header = (b"x-request-id", request_id.encode())
         limit = self.max_upload_bytes if route in self.upload_routes else self.max_json_bytes
+        if relayed is not None:
+            limit = 1 << 62  # a sandbox's own server decides what it accepts
         overflow = [False]  # the body went over ``limit`` while the app was reading it
         received = [0]
 
@@ -235,7 +243,7 @@ class ApiMiddleware:
             return message
 
         try:
-            early = self._precheck(scope, limit)
+            early = self._precheck(scope, limit) if relayed is None else None
             if early is not None:
                 state["error_code"] = early.code
                 status_box[0] = early.http_status
@@ -263,7 +271,7 @@ class ApiMiddleware:
             code = state.get("error_code")
             if code:
                 self.metrics.error(str(code))
-            served = _served_route(scope, entry_root) or route
+            served = relayed or _served_route(scope, entry_root) or route
             self.metrics.observe(method, served, status, elapsed)
             if self.access_mode != "off" and access_log.isEnabledFor(logging.INFO):
                 owner = state.get("owner")

@@ -44,7 +44,11 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1", dependencies=[Depends(current_owner)], responses=ERROR_RESPONSES)
 
 ImageName = Annotated[
-    str, Path(pattern=IMAGE_REF_PATTERN, description="name[:tag] or sha256:<hex>")
+    str,
+    Path(
+        pattern=IMAGE_REF_PATTERN,
+        description="name[:tag], sha256:<hex>, or a pulled reference (host:port/repo:tag)",
+    ),
 ]
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 _TAR_TYPES = (
@@ -76,14 +80,14 @@ async def list_images(edge: Edge, owner: Owner) -> ImageList:
 
 
 @router.get(
-    "/images/{name}", response_model=ImageInfo, tags=["images"], summary="Describe an image"
+    "/images/{name:path}", response_model=ImageInfo, tags=["images"], summary="Describe an image"
 )
 async def get_image(name: ImageName, edge: Edge, owner: Owner) -> ImageInfo:
     return await edge.get_image(name, owner)
 
 
 @router.delete(
-    "/images/{name}",
+    "/images/{name:path}",
     status_code=204,
     response_class=Response,
     tags=["images"],
@@ -101,7 +105,7 @@ async def delete_image(
 
 
 @router.patch(
-    "/images/{name}",
+    "/images/{name:path}",
     response_model=ImageInfo,
     tags=["images"],
     summary="Share one of this key's images with every key (as <owner>/<name>), or stop",
@@ -238,7 +242,7 @@ async def pull_image(
 
 
 @router.post(
-    "/images/{name}/push",
+    "/images/{name:path}/push",
     response_model=PushImageResult,
     tags=["images"],
     summary="Publish an image's EROFS layers to an OCI registry",

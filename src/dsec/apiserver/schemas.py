@@ -39,8 +39,12 @@ SANDBOX_ID_PATTERN = r"^sb-[a-z0-9-]{1,64}$"
 SANDBOX_PATH_PATTERN = r"^/[^\x00]{0,4095}$"
 """Paths inside a sandbox: absolute, no NUL byte, at most 4096 characters."""
 
-IMAGE_REF_PATTERN = r"^(sha256:[0-9a-f]{64}|[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?)$"
-"""Image references: ``name[:tag]`` or ``sha256:<64 hex>``."""
+IMAGE_REF_PATTERN = (
+    r"^(sha256:[0-9a-f]{64}|[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?"
+    r"|[A-Za-z0-9][A-Za-z0-9._/:-]{0,511}(@sha256:[0-9a-f]{64})?)$"
+)
+"""Images: ``name[:tag]``, ``sha256:<64 hex>``, or a registry reference's familiar form
+(``127.0.0.1:5000/team/app:1``; the edge checks it in full)."""
 
 IMAGE_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$"
 """Names an image can be given: ``name[:tag]``."""

@@ -11,7 +11,7 @@ Modules (each one thing):
 * :mod:`dsec.builds.copy_layer`: ``copy`` layers built straight from the context files;
 * :mod:`dsec.builds.engine`: :class:`ImageBuilder`, which runs builds through an edge;
 * :mod:`dsec.builds.wire`: the request, the streamed events and ``POST /v1/builds`` framing;
-* :mod:`dsec.image_config`: the OCI-shaped image config builds record.
+* :mod:`dsec.images.config`: the OCI-shaped image config builds record.
 
 The SDK side is :class:`dsec.Image` (``dsec.sdk.image``). Design: ``docs/design/builds.md``.
 Importing this package does not import the engine (nor the layer store): the SDK uses the
@@ -55,7 +55,7 @@ from dsec.builds.wire import (
     ndjson_lines,
     parse_event,
 )
-from dsec.image_config import ImageConfig, StartCommand
+from dsec.images.config import ImageConfig, StartCommand
 
 if TYPE_CHECKING:
     from dsec.builds.cache import BuildCache

@@ -104,7 +104,7 @@ from dsec.errors import (
     Unsupported,
     error_from_wire,
 )
-from dsec.image_config import ImageConfig, StartCommand
+from dsec.images.config import ImageConfig, StartCommand
 from dsec.layers.store import LayerStore
 from dsec.models import (
     CreateSandboxRequest,

@@ -42,7 +42,7 @@ from dsec.builds.steps import (
     describe,
 )
 from dsec.errors import InvalidRequest
-from dsec.image_config import ImageConfig, StartCommand
+from dsec.images.config import ImageConfig, StartCommand
 from dsec.network.policy import NetworkPolicy
 
 __all__ = ["APT_NETWORK", "PIP_NETWORK", "BuildPlan", "PlannedStep", "plan_steps", "shell_argv"]

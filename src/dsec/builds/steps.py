@@ -341,7 +341,7 @@ class Entrypoint(_Step):
 
 
 class StartCmd(_Step):
-    """The image's start command (:class:`~dsec.image_config.StartCommand`): runs
+    """The image's start command (:class:`~dsec.images.config.StartCommand`): runs
     when a sandbox of the image starts, its output the sandbox's logs. ``ready_cmd``, a shell
     command, tells when it is up: the creation waits until it exits 0 (at most
     ``ready_timeout_s`` seconds). Wins over a ``cmd``/``entrypoint`` of the same build."""

@@ -26,6 +26,7 @@ Commands::
     dsec image rm NAME | dsec image share NAME [--stop]
     dsec image push NAME oci://HOST[:PORT]/REPO[:TAG]
     dsec image pull [--lazy] REF
+    dsec port-forward ID [LOCAL:]PORT... [--address A]   (local ports to ports in a sandbox)
     dsec info
     dsec docker run|exec|ps|stop|rm|pull|cp ...   (a docker CLI subset: dsec/cli/docker.py)
     dsec key create|ls|revoke        (local key store in $DSEC_HOME, no server needed)
@@ -49,9 +50,11 @@ environment variable for this.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -557,6 +560,53 @@ def ps(
         stdout.print("no sandboxes")
         return
     stdout.print(_sandbox_table(sandboxes))
+
+
+@app.command("port-forward")
+@handle_errors
+def port_forward(
+    sandbox_id: Annotated[str, typer.Argument(help="sandbox id", show_default=False)],
+    ports: Annotated[
+        list[str],
+        typer.Argument(
+            help="[LOCAL:]PORT pairs: listen on LOCAL (0 or omitted: the same number as "
+            "PORT; 0: any free port) and carry each connection to PORT in the sandbox",
+            show_default=False,
+        ),
+    ],
+    address: Annotated[str, typer.Option(help="local address to listen on")] = "127.0.0.1",
+) -> None:
+    """Forward local TCP ports to ports inside a sandbox (like kubectl port-forward), until
+    Ctrl-C. Works for a sandbox without any network: the connection is made inside it."""
+    pairs: list[tuple[int, int]] = []
+    for spec in ports:
+        local_s, sep, remote_s = spec.rpartition(":")
+        try:
+            remote = int(remote_s)
+            local = int(local_s) if sep else remote
+        except ValueError:
+            raise _fail(f"bad port spec {spec!r}: use PORT or LOCAL:PORT") from None
+        if not 1 <= remote <= 65535 or not 0 <= local <= 65535:
+            raise _fail(f"bad port spec {spec!r}: ports are 1..65535 (LOCAL 0: any free port)")
+        pairs.append((local, remote))
+    client = make_client()
+    forwards: list[Any] = []
+    try:
+        sb = Sandbox.connect(sandbox_id, client=client)
+        for local, remote in pairs:
+            fwd = sb.port_forward(remote, local, local_host=address)
+            forwards.append(fwd)
+            stdout.print(
+                f"Forwarding from {fwd.local_host}:{fwd.local_port} -> {sandbox_id}:{remote}"
+            )
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
+    finally:
+        for fwd in forwards:
+            with contextlib.suppress(Exception):
+                fwd.close()
+        client.close()
 
 
 @app.command()

@@ -156,9 +156,38 @@ class EdgeActor:
             node=self.node,
         )
         await agent.start()  # reconciles with what still runs on this node
+        await self._start_port_gateway(agent)
         self._started_at = time.time()
         log.info("edge %s started in %s (pid %d)", self.node, self.home, os.getpid())
         return agent
+
+    async def _start_port_gateway(self, agent: Any) -> None:
+        """The node's port gateway (:class:`dsec.edge.ports.PortGateway`): where the
+        cluster's apiservers pick up the sandbox connections this edge opens. It listens on
+        the node's Ray address (``DSEC_PORTS_GATEWAY_HOST`` to choose another one) on
+        ``DSEC_PORTS_GATEWAY_PORT`` (default: any free port; tickets carry it)."""
+        from dsec.edge.ports import PortGateway
+
+        host = os.environ.get("DSEC_PORTS_GATEWAY_HOST", "").strip()
+        if not host:
+            try:
+                import ray
+
+                host = ray.util.get_node_ip_address()
+            except Exception:
+                host = "127.0.0.1"
+        try:
+            port = int(os.environ.get("DSEC_PORTS_GATEWAY_PORT", "0") or 0)
+        except ValueError:
+            port = 0
+        gateway = PortGateway(host, port)
+        try:
+            await gateway.start()
+        except OSError as e:
+            log.error("edge %s: no port gateway on %s:%d (%s)", self.node, host, port, e)
+            return
+        agent.port_gateway = gateway
+        log.info("edge %s: port gateway on %s:%d", self.node, host, gateway.port)
 
     # --- health and reports -----------------------------------------------------------
     async def ping(self) -> dict[str, Any]:
@@ -510,6 +539,8 @@ class EdgeActor:
     async def shutdown(self, kill_sandboxes: bool = False) -> None:
         """Close the edge (sandboxes keep running unless ``kill_sandboxes``)."""
         if self.agent is not None:
+            if self.agent.port_gateway is not None:
+                await self.agent.port_gateway.close()
             await self.agent.close(kill_sandboxes=kill_sandboxes)
             self.agent = None
 

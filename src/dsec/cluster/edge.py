@@ -42,7 +42,8 @@ from dsec.cluster.relay import (
     _ray_await,
     node_of_sandbox,
 )
-from dsec.edge.interface import SANDBOX_VERBS, STREAM_VERBS
+from dsec.edge.interface import SANDBOX_VERBS, STREAM_VERBS, PortStream, PortTicket
+from dsec.edge.ports import redeem_ticket
 from dsec.errors import (
     DsecError,
     InvalidRequest,
@@ -508,6 +509,15 @@ class ClusterEdge:
             if ev.type in ("exit", "error"):
                 return
 
+    # ------------------------------------------------------------------ ports
+    async def open_port(self, sandbox_id: str, owner: str, port: int) -> PortStream:
+        """:class:`~dsec.edge.interface.PortForwarding` across the cluster: the sandbox's
+        node opens the connection (every check and error as on one node, typed through
+        Ray) and parks it on its port gateway; this replica picks it up over the node
+        network with the one-use ticket (docs/design/ports.md)."""
+        ticket: PortTicket = await self.relay.on_sandbox(sandbox_id, "port_ticket", owner, port)
+        return await redeem_ticket(ticket)
+
     # ------------------------------------------------------------------ files
     # ------------------------------------------------------------------ lifecycle verbs
     async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult:
@@ -769,9 +779,10 @@ class ClusterEdge:
         }
 
 
-_NODE_SIDE_VERBS = frozenset({"export_sandbox", "export_memory", "start_process"})
-"""Sandbox verbs a cluster does not relay: migrations call the edge actors' own steps, and an
-interactive process is a live object of its node (E2B falls back to exec streams)."""
+_NODE_SIDE_VERBS = frozenset({"export_sandbox", "export_memory", "start_process", "open_port"})
+"""Sandbox verbs a cluster does not relay: migrations call the edge actors' own steps; an
+interactive process is a live object of its node (E2B falls back to exec streams); a port
+connection too (:meth:`ClusterEdge.open_port` relays ``port_ticket`` instead)."""
 _CREATE_TIMEOUT_VERBS = frozenset({"snapshot_sandbox"})
 """Relayed verbs that may take as long as a creation (a snapshot packs a whole layer)."""
 

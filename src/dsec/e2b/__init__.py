@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Mount
 
 from dsec.e2b.access import DEFAULT_TEMPLATE_ALIASES, AccessTokens, TemplateMap
-from dsec.e2b.control import ENVD_VERSION, ControlPlane, VerifyKey
+from dsec.e2b.control import ENVD_VERSION, ControlPlane, TrafficTokens, VerifyKey
 from dsec.e2b.envd import DEFAULT_MAX_UPLOAD_BYTES, EnvdApp
 from dsec.e2b.errors import e2b_http_exception_handlers
 from dsec.e2b.interactive import (
@@ -89,6 +89,8 @@ def make_e2b_app(
     templates: TemplateMap | None = None,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
     watch_poll_interval_s: float = 0.25,
+    sandbox_domain: str | None = None,
+    traffic_tokens: TrafficTokens | None = None,
 ) -> Starlette:
     """Build the E2B-compatible ASGI app.
 
@@ -103,6 +105,9 @@ def make_e2b_app(
         templates: E2B template -> dsec tier/image map (default: ``base`` -> ``debian``).
         max_upload_bytes: largest file upload, bytes.
         watch_poll_interval_s: seconds between two listings of a watched directory.
+        sandbox_domain: the ``domain`` answered to the SDK (the port proxy's
+            ``DSEC_PORTS_DOMAIN``; None: ``dsec.invalid``, a name that never resolves).
+        traffic_tokens: issues the ``trafficAccessToken`` (the port proxy's tokens).
 
     Returns:
         A Starlette app; ``app.state.e2b`` is the :class:`E2BCompat` (call
@@ -118,7 +123,14 @@ def make_e2b_app(
         watch_poll_interval_s=watch_poll_interval_s,
     )
     control = ControlPlane(
-        edge, verify_key, tokens, templates or TemplateMap(), registry, envd.filesystem
+        edge,
+        verify_key,
+        tokens,
+        templates or TemplateMap(),
+        registry,
+        envd.filesystem,
+        sandbox_domain=sandbox_domain,
+        traffic_tokens=traffic_tokens,
     )
     routes: list[BaseRoute] = []
     if envd_path is not None:

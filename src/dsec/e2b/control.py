@@ -36,7 +36,7 @@ import secrets
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from e2b.api.client.models import (
     ListedSandbox,
@@ -75,10 +75,11 @@ octet-stream uploads and watch entries are on; file metadata is refused by dsec
 TEMPLATE_LABEL = "e2b.template"
 DEFAULT_TIMEOUT_S = 300
 SANDBOX_DOMAIN = "dsec.invalid"
-"""``domain`` in create/connect/info answers: ``sbx.get_host(port)`` gives
-``<port>-<sandbox id>.dsec.invalid``, a name that never resolves (RFC 2606), so no
-request meant for a dsec sandbox can reach E2B's real ``e2b.app`` (dsec has no
-inbound port forwarding; see docs/e2b.md)."""
+"""``domain`` in create/connect/info answers when the server has no ports domain
+(``DSEC_PORTS_DOMAIN``): ``sbx.get_host(port)`` gives ``<port>-<sandbox id>.dsec.invalid``,
+a name that never resolves (RFC 2606), so no request meant for a dsec sandbox can reach
+E2B's real ``e2b.app``. With a ports domain, that domain: ``get_host`` is then a host the
+port proxy serves (see docs/e2b.md, docs/network.md)."""
 MAX_TIMEOUT_S = 30 * 24 * 3600
 """Longest sandbox timeout (create, set_timeout, refresh, connect, resume, fork), seconds:
 the bound dsec's ``CreateSandboxRequest.ttl_s`` has."""
@@ -86,6 +87,15 @@ LIST_PAGE_MAX = 100
 CLIENT_ID = "dsec"
 
 VerifyKey = Callable[[str], "str | None"]
+
+
+class TrafficTokens(Protocol):
+    """Issues the ``trafficAccessToken`` of a sandbox: the port proxy's access token
+    (:class:`dsec.apiserver.ports.PortTokens`), which e2b-code-interpreter sends as
+    ``E2B-Traffic-Access-Token``."""
+
+    def issue(self, sandbox_id: str, owner: str) -> str: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +203,13 @@ class ControlPlane:
         templates: TemplateMap,
         registry: ProcessRegistry,
         filesystem: FilesystemService,
+        *,
+        sandbox_domain: str | None = None,
+        traffic_tokens: TrafficTokens | None = None,
     ) -> None:
         self.edge = edge
+        self.sandbox_domain = sandbox_domain or SANDBOX_DOMAIN
+        self.traffic_tokens = traffic_tokens
         self.verify_key = verify_key
         self.tokens = tokens
         self.templates = templates
@@ -304,8 +319,16 @@ class ControlPlane:
             envd_version=ENVD_VERSION,
             alias=self._template(info),
             envd_access_token=self.tokens.issue(info.id, owner),
-            domain=SANDBOX_DOMAIN,
+            traffic_access_token=self._traffic(info, owner),
+            domain=self.sandbox_domain,
         ).to_dict()
+
+    def _traffic(self, info: SandboxInfo, owner: str) -> Any:
+        """The port proxy's token for the sandbox (E2B's ``trafficAccessToken``; a public
+        sandbox needs none, as in E2B)."""
+        if self.traffic_tokens is None or info.public_ports:
+            return UNSET
+        return self.traffic_tokens.issue(info.id, owner)
 
     def _listed(self, info: SandboxInfo) -> dict[str, Any]:
         return ListedSandbox(
@@ -340,7 +363,7 @@ class ControlPlane:
             envd_access_token=self.tokens.issue(info.id, owner),
             allow_internet_access=internet,
             network=SandboxNetworkConfig.from_dict(network) if network is not None else UNSET,
-            domain=SANDBOX_DOMAIN,
+            domain=self.sandbox_domain,
             metadata=self._metadata(info),
             lifecycle=SandboxLifecycle(
                 # a paused dsec sandbox resumes on any request (create refuses auto_resume=False)
@@ -384,6 +407,7 @@ class ControlPlane:
         if internet is not None and not isinstance(internet, bool):
             raise E2BError(400, "allow_internet_access must be a boolean")
         wire_network = _unset(new.network)
+        public = wire_network is not None and _unset(wire_network.allow_public_traffic) is True
         policy = policy_from_e2b(
             internet,
             E2BEgress.from_wire(wire_network) if wire_network is not None else None,
@@ -406,6 +430,7 @@ class ControlPlane:
                 ttl_s=float(timeout if timeout is not None else DEFAULT_TIMEOUT_S),
                 on_timeout="pause" if new.auto_pause is True else "kill",
                 network=policy,
+                public_ports=public,
             )
         except ValidationError as e:
             msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())

@@ -32,8 +32,9 @@ its ``allow_out``. Never reachable whatever E2B asks: the node, other sandboxes,
 link-local/metadata and the operator's protected networks.
 
 Refused (``E2BError`` 422): ``egress_proxy``, ``rules`` (request transforms),
-``mask_request_host``, ``https_ports`` and ``allow_public_traffic=True`` (dsec has no
-egress proxy and no public sandbox URLs). Malformed lists: 400.
+``mask_request_host`` and ``https_ports`` (dsec has no egress proxy). Malformed lists:
+400. ``allow_public_traffic=True`` is not egress: the control plane makes the sandbox's
+ports public (``public_ports``).
 """
 
 from __future__ import annotations
@@ -150,11 +151,9 @@ class E2BEgress:
         if rules is not None and rules.to_dict():
             unsupported.append("rules (request transforms)")
         if get("mask_request_host") is not None:
-            unsupported.append("mask_request_host (no public sandbox URLs)")
+            unsupported.append("mask_request_host (the port proxy keeps the Host header)")
         if get("https_ports"):
-            unsupported.append("https_ports (no public sandbox URLs)")
-        if get("allow_public_traffic") is True:
-            unsupported.append("allow_public_traffic=True (no public sandbox URLs)")
+            unsupported.append("https_ports (the port proxy speaks plain HTTP to the sandbox)")
         return cls(get("allow_out"), get("deny_out"), get("dns_servers"), unsupported)
 
 

@@ -36,16 +36,19 @@ from dsec.edge.desktop import (
     desktop_spec,
 )
 from dsec.edge.desktop import Screen as DisplayScreen
-from dsec.edge.interface import NodeUsage
+from dsec.edge.interface import NodeUsage, PortStream, PortTicket
 from dsec.edge.jobs import create_batch, for_each_sandbox
 from dsec.edge.logs import SandboxLogs, log_bytes_from_env
 from dsec.edge.metrics import EdgeMetrics
+from dsec.edge.ports import PortGateway, TrackedStream, check_port
+from dsec.edge.references import ImageReferences, short_name_registry_from_env
 from dsec.edge.registry import Registry, SandboxRow
 from dsec.edge.start import StartProcess, start_command_of, with_image_defaults
 from dsec.edge.trajectory import TrajectoryLog
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
+    ImageNotFound,
     InternalError,
     InvalidRequest,
     PathOutsideSandbox,
@@ -56,8 +59,9 @@ from dsec.errors import (
     SandboxStopped,
     SequenceGap,
     TierUnavailable,
+    TooManyConnections,
 )
-from dsec.image_config import StartCommand
+from dsec.images.config import StartCommand
 from dsec.layers.desktop import DISPLAY_LABEL
 from dsec.layers.source import LayerSource, LazyLayers, RegistryLayers
 from dsec.layers.workspace import check_stack
@@ -94,6 +98,7 @@ from dsec.runtimes.base import (
     MemoryStateful,
     Networked,
     Pausable,
+    PortConnectable,
     Runtime,
     SandboxFiles,
     SandboxSpec,
@@ -130,14 +135,16 @@ class EdgeLimits:
     max_build_bytes: int = 4 << 30  # what a build context may unpack to, bytes
     max_build_entries: int = 500_000  # files, directories and links in a build context
     log_bytes: int = 1 << 20  # start-command output kept per sandbox (its logs), bytes
+    max_port_connections: int = 256  # open proxied connections per sandbox (429 beyond)
 
     @classmethod
     def from_env(cls) -> EdgeLimits:
         """Defaults, overridden by ``DSEC_MAX_SANDBOXES``, ``DSEC_CPU_OVERCOMMIT``,
         ``DSEC_MEMORY_OVERCOMMIT``, ``DSEC_IMAGE_WAIT_S`` (seconds a create waits for a
-        built-in image being built), ``DSEC_MAX_BUILD_CONTEXT_BYTES`` and
-        ``DSEC_MAX_BUILD_BYTES`` (operator settings of ``dsec serve``) and ``DSEC_LOG_BYTES``
-        (start-command output kept per sandbox)."""
+        built-in image being built), ``DSEC_MAX_BUILD_CONTEXT_BYTES``,
+        ``DSEC_MAX_BUILD_BYTES``, ``DSEC_MAX_PORT_CONNECTIONS`` (open proxied connections
+        per sandbox) and ``DSEC_LOG_BYTES`` (start-command output kept per sandbox): the
+        operator settings of ``dsec serve``."""
         lim = cls()
         env = os.environ
         try:
@@ -154,6 +161,8 @@ class EdgeLimits:
             if "DSEC_MAX_BUILD_BYTES" in env:
                 lim.max_build_bytes = int(env["DSEC_MAX_BUILD_BYTES"])
             lim.log_bytes = log_bytes_from_env()
+            if "DSEC_MAX_PORT_CONNECTIONS" in env:
+                lim.max_port_connections = int(env["DSEC_MAX_PORT_CONNECTIONS"])
         except ValueError as e:
             raise SystemExit(f"invalid edge limit in the environment: {e}") from e
         return lim
@@ -170,6 +179,8 @@ class _Live:
     start: StartProcess | None = None
     desktop: DesktopSpec | None = None  # the image's desktop (see _desktop_of)
     desktop_known: bool = False
+    ports: set[TrackedStream] = field(default_factory=set)  # open proxied connections
+    ports_opening: int = 0
 
 
 def node_name() -> str:
@@ -234,6 +245,9 @@ class EdgeAgent:
             self.metrics.add_lazy_layers(layer_store.lazy_stats)
         self._live: dict[str, _Live] = {}
         self._builder: ImageBuilder | None = None
+        self.references = ImageReferences(layer_store, short_names=short_name_registry_from_env())
+        self.port_gateway: PortGateway | None = None
+        """Where :meth:`port_ticket` parks connections (cluster nodes; None: embedded)."""
         self._reaper: asyncio.Task[None] | None = None
         self._closing = False
         self._closed = False
@@ -430,6 +444,7 @@ class EdgeAgent:
             next_seq=self.trajectory.next_seq(row.id) if next_seq is None else next_seq,
             network=req.get("network"),
             forked_from=row.forked_from,
+            public_ports=bool(req.get("public_ports", False)),
         )
 
     def _lookup_row(self, sandbox_id: str, owner: str) -> SandboxRow:
@@ -544,6 +559,9 @@ class EdgeAgent:
                     log.error("destroy of %s failed: %s", lv.row.id, e)
             lv.row.state = "stopped"
             lv.row.stopped_reason = reason
+            for stream in list(lv.ports):  # the sandbox's proxied connections end with it
+                with contextlib.suppress(Exception):
+                    await stream.close()
             self.registry.set_state(lv.row.id, "stopped", reason=reason)
             self._live.pop(lv.row.id, None)
             self.metrics.kills.labels(lv.row.tier, reason.split()[0]).inc()
@@ -571,9 +589,7 @@ class EdgeAgent:
                     tier=tier,
                 )
             self._check_admission(req, caps)
-            image = await self.layers.ensure_image(
-                req.image, owner, wait_s=self.limits.image_wait_s
-            )
+            image = await self._image(req.image, owner, self.limits.image_wait_s)
             req = with_image_defaults(req, image)
             extra: list[LayerInfo] = (
                 self.layers.resolve_layers(req.layers, owner) if req.layers else []
@@ -590,7 +606,8 @@ class EdgeAgent:
             self.metrics.creations.labels(tier, "rejected").inc()
             self.metrics.errors.labels(e.code).inc()
             raise
-        sid = f"sb-{self.node}-{secrets.token_hex(6)}"
+        # a sandbox with public ports: its id is the secret of its URLs (96 random bits)
+        sid = f"sb-{self.node}-{secrets.token_hex(12 if req.public_ports else 6)}"
         now = time.time()
         row = SandboxRow(
             id=sid,
@@ -667,6 +684,26 @@ class EdgeAgent:
         self.metrics.creations.labels(tier, "ok").inc()
         self.metrics.create_seconds.labels(tier).observe(time.perf_counter() - t0)
         return self._info(row)
+
+    async def _image(self, name: str, owner: str, wait_s: float | None) -> ImageInfo:
+        """The image ``owner`` means by ``name``: its own, a system one (a built-in is built
+        on first use), or a registry reference pulled on first use
+        (:mod:`dsec.edge.references`)."""
+        try:
+            return await self.layers.ensure_image(name, owner, wait_s=wait_s)
+        except ImageNotFound as missing:
+            try:
+                wanted = self.references.wanted(name)
+            except DsecError:
+                raise missing from None
+            if wanted is None:
+                raise
+        return await self.references.resolve(name, owner, wait_s=wait_s)
+
+    async def image_by_reference(self, owner: str, ref: str) -> ImageInfo:
+        """``owner``'s image of the registry reference ``ref``, pulled if this node has no
+        copy (for builds ``FROM`` a registry image: they wait for the pull)."""
+        return await self.references.resolve(ref, owner, wait_s=None)
 
     async def _start(
         self, lv: _Live, rt: Runtime, start: StartCommand, sink_sees_all: bool
@@ -1629,6 +1666,64 @@ class EdgeAgent:
 
         return await self._use(sandbox_id, owner, run)
 
+    # ------------------------------------------------------------------ ports
+    async def open_port(self, sandbox_id: str, owner: str, port: int) -> PortStream:
+        """:class:`dsec.edge.interface.PortForwarding`: a TCP connection to ``port`` inside
+        the sandbox, made from inside it (``PortConnectable`` runtimes). Counted against
+        ``limits.max_port_connections`` until closed; traffic counts as TTL activity; the
+        connection is closed when the sandbox is killed."""
+        port = check_port(port)
+
+        async def run(lv: _Live) -> PortStream:
+            rt = self.runtimes.get(lv.row.tier)
+            if not isinstance(rt, PortConnectable):
+                raise CapabilityNotSupported(
+                    f"tier {lv.row.tier} has no ports to connect to (use container, microvm or vm)",
+                    tier=lv.row.tier,
+                )
+            limit = self.limits.max_port_connections
+            if len(lv.ports) + lv.ports_opening >= limit:
+                raise TooManyConnections(
+                    f"sandbox {sandbox_id} already has {limit} open port connections (the "
+                    "node's limit, DSEC_MAX_PORT_CONNECTIONS); close some and retry",
+                    sandbox_id=sandbox_id,
+                    limit=limit,
+                    retry_after_s=1,
+                )
+            lv.ports_opening += 1
+            try:
+                inner = await rt.connect_port(lv.handle, port)
+            finally:
+                lv.ports_opening -= 1
+            if lv.row.state == "stopped":  # killed while connecting
+                await inner.close()
+                raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
+            stream = TrackedStream(
+                inner, on_activity=lambda: self._touch(lv), on_close=lv.ports.discard
+            )
+            lv.ports.add(stream)
+            self.metrics.port_connections.labels(lv.row.tier).inc()
+            return stream
+
+        return await self._use(sandbox_id, owner, run)
+
+    async def port_ticket(self, sandbox_id: str, owner: str, port: int) -> PortTicket:
+        """:class:`dsec.edge.interface.PortForwarding`: :meth:`open_port`, parked on this
+        node's port gateway for a cluster apiserver to pick up."""
+        if self.port_gateway is None:
+            raise CapabilityNotSupported(
+                "this edge has no port gateway (port tickets are for cluster nodes)"
+            )
+        return await self.port_gateway.park(self.open_port(sandbox_id, owner, port))
+
+    async def public_port_owner(self, sandbox_id: str) -> str:
+        """:class:`dsec.edge.interface.PortForwarding`: the owner of a live sandbox created
+        with ``public_ports``; ``SandboxNotFound`` for any other."""
+        lv = self._live.get(sandbox_id)
+        if lv is None or not lv.row.request.get("public_ports"):
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id)
+        return lv.row.owner
+
     async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
         row = self._lookup_row(sandbox_id, owner)
         header = {"node": self.node, "create": row.request, "image_layers": row.image_layers}
@@ -1662,7 +1757,7 @@ class EdgeAgent:
                 self.layers,
                 cache_db=self.paths.home / "build-cache.db",
                 limits=BuildLimits.from_env(),
-                resolve_registry=None,
+                resolve_registry=self.image_by_reference,
             )
         return self._builder
 
@@ -1732,8 +1827,10 @@ class EdgeAgent:
         """The images ``owner`` can use: its own and the system's (built-in images not built
         yet included, with their build status)."""
         images = [self._image_cache_info(im) for im in self.layers.list_images(owner)]
-        pending = self._pending_builtins(owner, {im.name for im in images})
-        return sorted([*images, *pending], key=lambda im: im.name)
+        known = {im.name for im in images}
+        pending = self._pending_builtins(owner, known)
+        pulling = [im for im in self.references.pending(owner) if im.name not in known]
+        return sorted([*images, *pending, *pulling], key=lambda im: im.name)
 
     async def get_image(self, name: str, owner: str) -> ImageInfo:
         return self._image_cache_info(self.layers.get_image(name, owner))
@@ -1751,7 +1848,12 @@ class EdgeAgent:
         """Pull ``ref`` (``oci://HOST/REPO:TAG`` or ``[registry/]repo[:tag]``) as ``owner``'s
         image: an image pushed with ``dsec image push`` gets its EROFS layers downloaded;
         any other image is converted from its tar layers. Credentials from
-        ``DSEC_REGISTRY_AUTH`` (JSON ``{"host:port": ["user", "password"]}``)."""
+        ``DSEC_REGISTRY_AUTH`` (JSON ``{"host:port": ["user", "password"]}``). Without
+        ``name`` the image is named by the reference (``127.0.0.1:5000/debian:12``) and the
+        node's copy of that reference is shared with other keys that ask for it
+        (:mod:`dsec.edge.references`); with ``name``, it is pulled as that image."""
+        if name is None:
+            return await self.references.resolve(ref, owner, wait_s=None)
         return await self.attach_image(ref, name, False, owner)
 
     async def attach_image(

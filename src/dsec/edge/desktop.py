@@ -53,7 +53,7 @@ from dsec.errors import (
     SandboxError,
     SandboxTimeout,
 )
-from dsec.image_config import StartCommand
+from dsec.images.config import StartCommand
 from dsec.layers.desktop import DISPLAY_LABEL
 from dsec.models import ExecRequest, ExecResult, ImageInfo
 from dsec.runtimes.base import Display, Handle, Runtime

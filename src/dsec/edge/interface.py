@@ -22,10 +22,11 @@ Paused sandboxes: any call that needs the sandbox running resumes it transparent
 Optional abilities, each a protocol of its own (an edge has them or not; the apiserver checks
 with ``isinstance`` and answers ``unsupported`` / ``capability_not_supported`` otherwise):
 :class:`PauseModes`, :class:`ImageBuilds`, :class:`ImagePublisher`, :class:`InteractiveExec`,
-:class:`DisplayEdge`, :class:`SandboxMigration`, :class:`MemoryMigration` and
-:class:`NodeReports`. Every verb is declared here once; :func:`edge_verbs`,
-:data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive from these classes what a remote edge (a
-cluster node) may be asked, which calls route by sandbox id and which answer with a stream.
+:class:`DisplayEdge`, :class:`SandboxMigration`, :class:`MemoryMigration`,
+:class:`PortForwarding` and :class:`NodeReports`. Every verb is declared here once;
+:func:`edge_verbs`, :data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive from these classes
+what a remote edge (a cluster node) may be asked, which calls route by sandbox id and which
+answer with a stream.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ __all__ = [
     "NodeUsage",
     "OutputChunk",
     "PauseModes",
+    "PortForwarding",
+    "PortStream",
+    "PortTicket",
     "PtySize",
     "SandboxMigration",
     "StreamName",
@@ -432,6 +436,68 @@ class MemoryMigration(Protocol):
     ) -> SandboxInfo: ...
 
 
+@runtime_checkable
+class PortStream(Protocol):
+    """One TCP connection to a port inside a sandbox, opened by
+    :meth:`PortForwarding.open_port`: bytes in both directions, like a socket.
+
+    ``read`` returns ``b""`` once the sandbox side has closed its half (EOF); ``write``
+    waits while the connection's buffers are full (backpressure); ``write_eof`` closes
+    this side's half (the server reads EOF); ``close`` ends the connection and releases
+    everything it holds (idempotent; also when the sandbox is killed meanwhile)."""
+
+    async def read(self, max_bytes: int = 65536) -> bytes: ...
+    async def write(self, data: bytes) -> None: ...
+    async def write_eof(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PortTicket:
+    """A connection opened on a node and waiting to be picked up over the node network
+    (cluster mode; see :mod:`dsec.edge.ports`): connect to ``host:port``, send
+    ``DSEC-PORT1 <ticket>\\n``, read one line (``OK`` or a JSON error), then the bytes of
+    the sandbox connection follow. A ticket is good for one pick-up within
+    ``expires_in_s`` seconds."""
+
+    host: str
+    port: int
+    ticket: str
+    expires_in_s: float
+
+
+@runtime_checkable
+class PortForwarding(Protocol):
+    """Optional edge ability: TCP connections to ports inside sandboxes (what the
+    apiserver's port proxy, :mod:`dsec.apiserver.ports`, relays HTTP, WebSocket and raw TCP
+    over). The connection is made from inside the sandbox (its network namespace, or the
+    guest agent of a VM), to ``127.0.0.1:<port>`` there, so it works for a sandbox without
+    any network policy and needs no address reachable from the node.
+
+    Both calls check ``owner`` (another owner's sandbox: ``SandboxNotFound``), resume a
+    paused sandbox, count as activity for its TTL and raise: ``InvalidRequest`` for a port
+    outside 1..65535, ``CapabilityNotSupported`` for a tier without ports (``fncall``),
+    ``PortNotListening`` (502) when nothing accepts on the port, ``TooManyConnections``
+    (429) past the node's per-sandbox bound (``DSEC_MAX_PORT_CONNECTIONS``)."""
+
+    async def open_port(self, sandbox_id: str, owner: str, port: int) -> PortStream:
+        """A new connection to ``port`` in the sandbox (a live object of this process)."""
+        ...
+
+    async def port_ticket(self, sandbox_id: str, owner: str, port: int) -> PortTicket:
+        """The same connection, opened here and handed over through this node's port
+        gateway (:class:`dsec.edge.ports.PortGateway`): what a cluster's apiserver asks
+        for, since a live connection cannot cross Ray. ``CapabilityNotSupported`` on an
+        edge without a gateway (embedded mode, where :meth:`open_port` is used)."""
+        ...
+
+    async def public_port_owner(self, sandbox_id: str) -> str:
+        """The owner of ``sandbox_id`` when it was created with ``public_ports=True`` (its
+        ports need no credential); ``SandboxNotFound`` otherwise, exactly as for a sandbox
+        that does not exist."""
+        ...
+
+
 @dataclass(frozen=True)
 class NodeUsage:
     """What a node's edge admits against and holds, for a placer (``dsec.placement``).
@@ -470,6 +536,7 @@ _ABILITIES: tuple[type, ...] = (
     DisplayEdge,
     SandboxMigration,
     MemoryMigration,
+    PortForwarding,
 )
 
 

@@ -1,6 +1,6 @@
 """A sandbox's logs: what its image's start command writes, kept by the edge.
 
-The start command (:class:`~dsec.image_config.StartCommand`) runs once per sandbox,
+The start command (:class:`~dsec.images.config.StartCommand`) runs once per sandbox,
 from its creation, with stdin ``/dev/null``. Its stdout and stderr go to a
 :class:`SandboxLogs`: a bounded buffer of :class:`~dsec.models.LogLine` chunks in arrival
 order (the oldest dropped first once ``max_bytes`` is passed), which readers page through

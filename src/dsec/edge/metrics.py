@@ -106,6 +106,12 @@ class EdgeMetrics:
         self.file_ops = Counter(
             "dsec_file_ops", "File operations by kind", ["op"], registry=self.registry
         )
+        self.port_connections = Counter(
+            "dsec_port_connections",
+            "Connections opened to ports inside sandboxes (the port proxy)",
+            ["tier"],
+            registry=self.registry,
+        )
 
     def add_lazy_layers(self, stats: Callable[[], dict[str, Any]]) -> None:
         """Export on-demand layer loading counters (``LayerStore.lazy_stats``)."""

@@ -6,7 +6,7 @@
   image's ``WorkingDir`` / ``User``. A config value a sandbox cannot take (an env name or a
   user spec the API refuses) is skipped with a log line, never an error the caller did not
   cause.
-* :class:`StartProcess`: the image's :class:`~dsec.image_config.StartCommand`
+* :class:`StartProcess`: the image's :class:`~dsec.images.config.StartCommand`
   running in one sandbox, through the runtime's ``exec`` with a sink into the sandbox's
   :class:`~dsec.edge.logs.SandboxLogs`, and :meth:`StartProcess.wait_ready`, the readiness
   loop a creation waits on. The command is not in the trajectory log: it is part of the
@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from dsec.edge.logs import SandboxLogs
 from dsec.errors import DsecError, StartFailed
-from dsec.image_config import ImageConfig, StartCommand
+from dsec.images.config import ImageConfig, StartCommand
 from dsec.models import CreateSandboxRequest, ExecRequest, ExecResult, ImageInfo
 from dsec.runtimes.base import Handle, Runtime
 

@@ -29,6 +29,18 @@
  * Requests (host -> guest) and replies (guest -> host) carry the same request_id. An exec
  * request is answered by any number of OUT frames and one EXIT frame (or one ERR frame).
  *
+ * TCP streams (the port proxy, dsec.edge.ports): TCP_OPEN "port" "window" connects a socket
+ * to 127.0.0.1:port in the guest (the guest's own loopback: nothing needs a network) and
+ * answers OK (the request id is then the stream id) or ERR (errno, e.g. ECONNREFUSED). Both
+ * ways are flow-controlled by windows: the guest sends TCP_DATA frames of what it read while
+ * fewer than "window" bytes are unacknowledged, and reads on when the host sends TCP_ACK
+ * "n" for what it consumed; the host sends TCP_DATA frames while fewer than the guest's
+ * window (GUEST_WINDOW) are unacknowledged, and the guest acknowledges (TCP_ACK) what it
+ * wrote to the socket. TCP_EOF: the socket's read side ended (or failed). TCP_SHUT: the host
+ * is done sending (shutdown(SHUT_WR) once the buffered bytes are written). TCP_CLOSE from
+ * the host ends the stream (it is always sent, so slots never leak); bytes still buffered
+ * are written first, as close(2) would, for at most CLOSE_LINGER_MS.
+ *
  * Host mode: `agent --launch <cgroup.procs file>... -- <program> <args>` writes its own pid to
  * each file, enables KSM merging for itself (prctl PR_SET_MEMORY_MERGE, inherited across exec;
  * not if the environment has DSEC_KSM=0)
@@ -55,7 +67,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/mount.h>
+#include <sys/socket.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -84,6 +100,12 @@ enum {
     OP_REMOVE = 14,
     OP_MKDIR = 15,
     OP_RENAME = 16,
+    OP_TCP_OPEN = 20,
+    OP_TCP_DATA = 21,
+    OP_TCP_SHUT = 22,
+    OP_TCP_CLOSE = 23,
+    OP_TCP_ACK = 24,
+    OP_TCP_EOF = 25,
     OP_OK = 100,
     OP_ERR = 101,
     OP_OUT = 102,
@@ -131,6 +153,27 @@ static struct {
 } free_leaves[MAX_FREE_LEAVES]; /* empty leaves of finished commands, for the next ones */
 static int n_free_leaves;
 static struct exec_state execs[MAX_EXECS];
+
+/* TCP streams to the guest's loopback (the port proxy). */
+#define MAX_STREAMS 256
+#define STREAM_CHUNK 65536
+#define GUEST_WINDOW (1u << 20) /* bytes the host may have in flight to one stream */
+#define CLOSE_LINGER_MS 10000
+struct tcp_stream {
+    int used;
+    uint32_t id;
+    int fd;
+    int connecting;         /* connect() in progress: OK/ERR not sent yet */
+    int eof_sent;           /* the socket's read side ended (TCP_EOF sent) */
+    int shut_wanted;        /* TCP_SHUT received: shutdown(SHUT_WR) once wbuf is empty */
+    int64_t closing_ms;     /* TCP_CLOSE received with bytes still to write: freed once they
+                               are written (as close(2) does) or at this deadline */
+    uint64_t window;        /* host's window for guest -> host bytes */
+    uint64_t unacked;       /* guest -> host bytes the host has not acknowledged */
+    char *wbuf;             /* host -> guest bytes not written to the socket yet */
+    size_t wlen, wcap;
+};
+static struct tcp_stream streams[MAX_STREAMS];
 
 /* The guard (see the top of this file and "the guard" below). */
 #define GUARD_POLICY "/dsec/guard.policy"
@@ -1835,6 +1878,205 @@ static void reap(void) {
     }
 }
 
+/* ------------------------------------------------------------------ TCP streams */
+
+static struct tcp_stream *stream_by_id(uint32_t id) {
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (streams[i].used && streams[i].id == id) return &streams[i];
+    return NULL;
+}
+
+static void stream_free(struct tcp_stream *t) {
+    if (t->fd >= 0) close(t->fd);
+    free(t->wbuf);
+    memset(t, 0, sizeof *t);
+    t->fd = -1;
+}
+
+static void send_ack(uint32_t id, uint64_t n) {
+    char num[24];
+    snprintf(num, sizeof num, "%llu", (unsigned long long)n);
+    struct arg a = str_arg(num);
+    send_frame(id, OP_TCP_ACK, 1, &a);
+}
+
+static void tcp_open(uint32_t id, int nargs, struct arg *a) {
+    if (nargs < 2) {
+        send_err(id, EINVAL, "tcp open needs port, window");
+        return;
+    }
+    unsigned long long port = arg_num(&a[0], 0), window = arg_num(&a[1], 0);
+    if (port < 1 || port > 65535 || window < 1) {
+        send_err(id, EINVAL, "tcp open: bad port or window");
+        return;
+    }
+    struct tcp_stream *t = NULL;
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (!streams[i].used) {
+            t = &streams[i];
+            break;
+        }
+    if (!t || stream_by_id(id)) {
+        send_err(id, EAGAIN, "too many open tcp streams");
+        return;
+    }
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        send_err(id, errno, "socket");
+        return;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int r = connect(fd, (struct sockaddr *)&sa, sizeof sa);
+    if (r < 0 && errno != EINPROGRESS) {
+        int e = errno;
+        close(fd);
+        send_err(id, e, "connect");
+        return;
+    }
+    memset(t, 0, sizeof *t);
+    t->used = 1;
+    t->id = id;
+    t->fd = fd;
+    t->window = window;
+    t->connecting = r < 0;
+    if (!t->connecting) send_ok(id);
+}
+
+/* The socket became writable while connecting: the outcome of connect(). */
+static void tcp_connected(struct tcp_stream *t) {
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (getsockopt(t->fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0) err = errno;
+    if (err == EINPROGRESS || err == EALREADY) return;
+    t->connecting = 0;
+    if (err) {
+        send_err(t->id, err, "connect");
+        stream_free(t);
+        return;
+    }
+    send_ok(t->id);
+}
+
+static void tcp_flush(struct tcp_stream *t) {
+    size_t off = 0;
+    while (off < t->wlen) {
+        ssize_t w = send(t->fd, t->wbuf + off, t->wlen - off, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN) break;
+            t->wlen = 0; /* the peer is gone: drop what is left; reading reports the end */
+            t->shut_wanted = 0;
+            if (t->closing_ms) stream_free(t);
+            return;
+        }
+        off += (size_t)w;
+    }
+    if (off > 0) {
+        memmove(t->wbuf, t->wbuf + off, t->wlen - off);
+        t->wlen -= off;
+        if (!t->closing_ms) send_ack(t->id, off);
+    }
+    if (t->wlen == 0 && t->shut_wanted) {
+        shutdown(t->fd, SHUT_WR);
+        t->shut_wanted = 0;
+    }
+    if (t->wlen == 0 && t->closing_ms) stream_free(t);
+}
+
+static void tcp_data(uint32_t id, int nargs, struct arg *a) {
+    struct tcp_stream *t = stream_by_id(id);
+    if (!t || nargs < 1 || t->connecting || t->closing_ms) return; /* closed meanwhile: drop */
+    if (t->wlen + a[0].n > t->wcap) {
+        size_t ncap = t->wcap ? t->wcap : 65536;
+        while (ncap < t->wlen + a[0].n) ncap *= 2;
+        if (ncap > 2 * GUEST_WINDOW + STREAM_CHUNK) { /* the host broke the window: end it */
+            send_frame(id, OP_TCP_EOF, 0, NULL);
+            stream_free(t);
+            return;
+        }
+        char *nb = realloc(t->wbuf, ncap);
+        if (!nb) return;
+        t->wbuf = nb;
+        t->wcap = ncap;
+    }
+    memcpy(t->wbuf + t->wlen, a[0].p, a[0].n);
+    t->wlen += a[0].n;
+    tcp_flush(t);
+}
+
+/* Forward what the socket holds, within the host's window. */
+static void tcp_read(struct tcp_stream *t) {
+    static char buf[STREAM_CHUNK];
+    while (!t->closing_ms && !t->eof_sent && t->unacked < t->window) {
+        size_t want = sizeof buf;
+        if (t->window - t->unacked < want) want = (size_t)(t->window - t->unacked);
+        ssize_t r = recv(t->fd, buf, want, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && errno == EAGAIN) return;
+        if (r <= 0) {
+            send_frame(t->id, OP_TCP_EOF, 0, NULL);
+            t->eof_sent = 1;
+            return;
+        }
+        struct arg d = {buf, (uint32_t)r};
+        send_frame(t->id, OP_TCP_DATA, 1, &d);
+        t->unacked += (uint64_t)r;
+    }
+}
+
+static void tcp_op(uint32_t id, uint16_t op, int nargs, struct arg *a) {
+    struct tcp_stream *t;
+    switch (op) {
+    case OP_TCP_OPEN:
+        tcp_open(id, nargs, a);
+        break;
+    case OP_TCP_DATA:
+        tcp_data(id, nargs, a);
+        break;
+    case OP_TCP_SHUT:
+        if ((t = stream_by_id(id)) != NULL) {
+            t->shut_wanted = 1;
+            if (!t->connecting) tcp_flush(t);
+        }
+        break;
+    case OP_TCP_ACK:
+        if ((t = stream_by_id(id)) != NULL && nargs >= 1) {
+            unsigned long long n = arg_num(&a[0], 0);
+            t->unacked = n >= t->unacked ? 0 : t->unacked - n;
+            if (!t->connecting) tcp_read(t);
+        }
+        break;
+    case OP_TCP_CLOSE:
+        if ((t = stream_by_id(id)) != NULL && !t->closing_ms) {
+            if (t->wlen > 0 && !t->connecting) {
+                t->closing_ms = now_ms() + CLOSE_LINGER_MS; /* write what is left first */
+                t->id = 0;                                /* its id may be reused now */
+            } else {
+                stream_free(t);
+            }
+        }
+        break;
+    }
+}
+
+/* The guest's loopback is down after boot (nothing else configures it): bring it up, so the
+ * sandbox's servers can listen on 127.0.0.1 and the port proxy can reach them. */
+static void loopback_up(void) {
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return;
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "lo");
+    if (ioctl(fd, SIOCGIFFLAGS, &ifr) == 0 && !(ifr.ifr_flags & IFF_UP)) {
+        ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+        if (ioctl(fd, SIOCSIFFLAGS, &ifr) < 0) fprintf(stderr, "dsec-agent: lo up: %s\n", strerror(errno));
+    }
+    close(fd);
+}
+
 /* ------------------------------------------------------------------ request dispatch */
 
 static void dispatch(uint32_t id, uint16_t op, int nargs, struct arg *a) {
@@ -1870,6 +2112,13 @@ static void dispatch(uint32_t id, uint16_t op, int nargs, struct arg *a) {
         send_ok(id);
         break;
     }
+    case OP_TCP_OPEN:
+    case OP_TCP_DATA:
+    case OP_TCP_SHUT:
+    case OP_TCP_ACK:
+    case OP_TCP_CLOSE:
+        tcp_op(id, op, nargs, a);
+        break;
     default:
         do_file_op(id, op, nargs, a);
     }
@@ -2065,6 +2314,8 @@ int main(int argc, char **argv) {
         }
     }
     load_guard();
+    loopback_up();
+    for (int i = 0; i < MAX_STREAMS; i++) streams[i].fd = -1;
     guest_proc_fd = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
     root_mnt_fd = open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
     root_pid_fd = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
@@ -2085,9 +2336,10 @@ int main(int argc, char **argv) {
     }
     spawn_tty();
 
-    struct pollfd pfds[2 + 3 * MAX_EXECS];
-    struct exec_state *owner[2 + 3 * MAX_EXECS];
-    int which[2 + 3 * MAX_EXECS];
+    struct pollfd pfds[2 + 3 * MAX_EXECS + MAX_STREAMS];
+    struct exec_state *owner[2 + 3 * MAX_EXECS + MAX_STREAMS];
+    struct tcp_stream *stream_of[2 + 3 * MAX_EXECS + MAX_STREAMS];
+    int which[2 + 3 * MAX_EXECS + MAX_STREAMS];
     int port_idle = 0;
     for (;;) {
         int n = 0;
@@ -2122,6 +2374,23 @@ int main(int argc, char **argv) {
             int64_t t = e->exited ? e->exit_ms + DRAIN_GRACE_MS : e->deadline_ms;
             if (t > 0 && (wake < 0 || t < wake)) wake = t;
         }
+        int first_stream = n;
+        for (int i = 0; i < MAX_STREAMS; i++) {
+            struct tcp_stream *t = &streams[i];
+            if (!t->used) continue;
+            if (t->closing_ms && now >= t->closing_ms) {
+                stream_free(t);
+                continue;
+            }
+            if (t->closing_ms && (wake < 0 || t->closing_ms < wake)) wake = t->closing_ms;
+            short ev = 0;
+            if (t->connecting || t->wlen > 0) ev |= POLLOUT;
+            if (!t->connecting && !t->closing_ms && !t->eof_sent && t->unacked < t->window) ev |= POLLIN;
+            if (!ev) continue;
+            pfds[n] = (struct pollfd){t->fd, ev, 0};
+            owner[n] = NULL;
+            stream_of[n++] = t;
+        }
         if (tty_wanted && tty_pid == 0 && (wake < 0 || tty_respawn_ms < wake)) wake = tty_respawn_ms;
         int timeout = wake < 0 ? -1 : (int)(wake > now ? wake - now : 0);
         out_flush();
@@ -2141,6 +2410,15 @@ int main(int argc, char **argv) {
                 } else {
                     port_idle = 1; /* POLLHUP: host not connected; poll again in 20 ms */
                 }
+            } else if (i >= first_stream) {
+                struct tcp_stream *t = stream_of[i];
+                if (!t->used || t->fd != pfds[i].fd) continue; /* freed by a request above */
+                if (t->connecting) {
+                    tcp_connected(t);
+                    continue;
+                }
+                if (pfds[i].revents & POLLOUT) tcp_flush(t);
+                if (pfds[i].revents & (POLLIN | POLLHUP | POLLERR)) tcp_read(t);
             } else {
                 struct exec_state *e = owner[i];
                 if (!e->used) continue;

@@ -180,7 +180,7 @@ def image_meta() -> dict[str, object]:
     the server's code: an image built from another is rebuilt)."""
     import hashlib
 
-    from dsec.image_config import ImageConfig, StartCommand
+    from dsec.images.config import ImageConfig, StartCommand
 
     recipe = json.dumps(
         [list(APT_PACKAGES), [repr(s) for s in STEPS], list(START_CMD), ENV, WORKDIR],

@@ -515,7 +515,7 @@ def recipe_fingerprint() -> str:
 def image_meta() -> dict[str, object]:
     """Metadata recorded on the image: its config (env, user, working directory, ports, the
     display label), its start command with the readiness check, and the recipe fingerprint."""
-    from dsec.image_config import ImageConfig, StartCommand
+    from dsec.images.config import ImageConfig, StartCommand
 
     config = ImageConfig(
         Env=[f"{k}={v}" for k, v in ENV.items()],

@@ -75,6 +75,7 @@ from dsec.errors import (
     SandboxError,
     Unsupported,
 )
+from dsec.images.reference import is_reference_name
 from dsec.layers.registry import (
     _CHUNK_BYTES,
     _DIGEST_RE,
@@ -448,7 +449,7 @@ def pull_image(
     """
     parsed = parse_ref(ref)
     image_name = name or default_image_name(parsed)
-    if not _IMAGE_NAME_RE.match(image_name):
+    if not (_IMAGE_NAME_RE.match(image_name) or is_reference_name(image_name)):
         raise InvalidRequest(f"invalid image name {image_name!r}", name=image_name)
     if merge_threshold_bytes < 0:
         raise InvalidRequest("merge_threshold_bytes must be >= 0")

@@ -439,9 +439,10 @@ def attach_image(
             "lazy": lazy,
             "published": published_meta,
         }
-        published_config = published_meta.get("config")
-        if isinstance(published_config, dict):
-            image_meta["config"] = published_config  # Env/Cmd/... of an image pulled before
+        for key in ("config", "start"):  # Env/WorkingDir/...; the start command
+            value = published_meta.get(key)
+            if isinstance(value, dict):
+                image_meta[key] = value
         info: ImageInfo = store.put_image(image_name, digests, meta=image_meta, owner=owner)
     finally:
         if owned:

@@ -30,7 +30,6 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from dsec.errors import (
     RegistryUnavailable,
     Unsupported,
 )
+from dsec.images.reference import DOCKER_HUB, ImageRef, default_image_name, parse_ref
 
 __all__ = [
     "DOCKER_HUB",
@@ -67,85 +67,10 @@ _INDEX_TYPES = (MT_OCI_INDEX, MT_DOCKER_LIST)
 _MANIFEST_TYPES = (MT_OCI_MANIFEST, MT_DOCKER_MANIFEST)
 _ACCEPT = ", ".join((*_INDEX_TYPES, *_MANIFEST_TYPES))
 
-DOCKER_HUB = "registry-1.docker.io"
-_DOCKER_HUB_ALIASES = ("docker.io", "index.docker.io", DOCKER_HUB)
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-_REPO_RE = re.compile(
-    r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$"
-)
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _CHALLENGE_PARAM_RE = re.compile(r'([A-Za-z_]+)\s*=\s*(?:"([^"]*)"|([^\s,]+))')
 _MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 _CHUNK_BYTES = 1 << 20
-
-
-# --- references ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """A parsed image reference. ``reference`` is the digest if given, else the tag."""
-
-    registry: str
-    repository: str
-    tag: str | None
-    digest: str | None
-
-    @property
-    def reference(self) -> str:
-        """What goes in ``/v2/<repo>/manifests/<reference>``."""
-        return self.digest or self.tag or "latest"
-
-    def __str__(self) -> str:
-        out = f"{self.registry}/{self.repository}"
-        if self.tag:
-            out += f":{self.tag}"
-        if self.digest:
-            out += f"@{self.digest}"
-        return out
-
-
-def parse_ref(ref: str) -> ImageRef:
-    """Parse ``[registry[:port]/]repo[:tag][@sha256:hex]`` (Docker rules; default tag
-    ``latest``; a first component with ``.`` or ``:``, or ``localhost``, is a registry).
-
-    Raises:
-        InvalidRequest: malformed reference.
-    """
-    rest = ref.strip()
-    digest = None
-    if "@" in rest:
-        rest, digest = rest.split("@", 1)
-        if not _DIGEST_RE.match(digest):
-            raise InvalidRequest(f"invalid digest in image reference {ref!r}", ref=ref)
-    registry = DOCKER_HUB
-    first, sep, remainder = rest.partition("/")
-    if sep and ("." in first or ":" in first or first == "localhost"):
-        registry, rest = first, remainder
-    if registry in _DOCKER_HUB_ALIASES:
-        registry = DOCKER_HUB
-    tag = None
-    last_slash = rest.rfind("/")
-    colon = rest.rfind(":")
-    if colon > last_slash:
-        rest, tag = rest[:colon], rest[colon + 1 :]
-        if not _TAG_RE.match(tag):
-            raise InvalidRequest(f"invalid tag in image reference {ref!r}", ref=ref)
-    if registry == DOCKER_HUB and "/" not in rest:
-        rest = f"library/{rest}"
-    if not rest or not _REPO_RE.match(rest):
-        raise InvalidRequest(f"invalid repository in image reference {ref!r}", ref=ref)
-    if tag is None and digest is None:
-        tag = "latest"
-    return ImageRef(registry=registry, repository=rest, tag=tag, digest=digest)
-
-
-def default_image_name(ref: ImageRef) -> str:
-    """The store name for a pulled image: the repository (``library/`` dropped, ``/`` -> ``-``)
-    and the tag, or ``sha256-<12 hex>`` when pulled by digest only."""
-    repo = ref.repository.removeprefix("library/").replace("/", "-").replace("__", "_")
-    tag = ref.tag if ref.tag else f"sha256-{(ref.digest or '')[7:19]}"
-    return f"{repo[:128]}:{tag}"
 
 
 def parse_challenge(header: str) -> tuple[str, dict[str, str]]:

@@ -77,6 +77,7 @@ from dsec.errors import (
     LayerNotFound,
     SandboxError,
 )
+from dsec.images.reference import is_reference_name
 from dsec.layers.blobstore import open_blob_store
 from dsec.layers.erofs import is_erofs_file, mkfs_erofs
 from dsec.layers.lazy import (
@@ -768,10 +769,12 @@ class LayerStore:
 
     @staticmethod
     def _check_image_name(name: str) -> None:
+        """A local name (``[a-z0-9][a-z0-9._-]*`` with an optional ``:tag``) or, for images
+        pulled by reference, the reference's familiar form (``host:port/repo:tag``)."""
         if (
             not isinstance(name, str)
-            or not _IMAGE_NAME_RE.match(name)
             or name.startswith("sha256:")
+            or not (_IMAGE_NAME_RE.match(name) or is_reference_name(name))
         ):
             raise InvalidRequest(
                 f"invalid image name {name!r}: [a-z0-9][a-z0-9._-]* with an optional :tag",

@@ -13,6 +13,11 @@ The table (``inet dsec_<tag>``)::
                                to a sandbox veth: only established/related, else drop
     input hook (prio -10):     from a sandbox veth -> chain to_host:
                                only UDP to <gateway>:53 (rate-limited per source), else drop
+    output hook (prio -10):    from the node itself to a sandbox veth: only
+                               established/related (the resolver's answers), else drop:
+                               no process of the node opens a connection to a sandbox's
+                               address (the port proxy connects from inside the sandbox's
+                               own namespace instead, see dsec.edge.ports)
     postrouting (srcnat):      sandbox subnet leaving by a non-sandbox link -> masquerade
 
     from_sandbox:  IPv6 -> drop; (iifname, saddr) not registered -> drop (anti-spoofing)
@@ -212,6 +217,11 @@ table {t} {{
   chain sb_input {{
     type filter hook input priority -10; policy accept;
     iifname {pfx} jump to_host
+  }}
+  chain sb_output {{
+    type filter hook output priority -10; policy accept;
+    oifname {pfx} ct state established,related accept
+    oifname {pfx} counter drop
   }}
   chain sb_postrouting {{
     type nat hook postrouting priority srcnat; policy accept;

@@ -16,8 +16,9 @@ alive; it returns False if the sandbox is gone so the edge can clean up.
 Optional abilities are separate protocols: ``Pausable`` (freeze and give memory back),
 ``Networked`` (a policy that changes while it runs), ``Snapshottable`` (``pack_diff`` of the
 writable layer), ``MemoryStateful`` (RAM and device state to a file: suspend, memory forks,
-migration with processes), ``Interactive`` (processes whose stdin stays open, terminals) and
-``Display`` (screen, pointer, keyboard). The edge checks them with ``isinstance`` and raises
+migration with processes), ``Interactive`` (processes whose stdin stays open, terminals),
+``Display`` (screen, pointer, keyboard) and ``PortConnectable`` (TCP connections to ports
+inside the sandbox, for the port proxy). The edge checks them with ``isinstance`` and raises
 ``CapabilityNotSupported`` for a tier without one; the capability table a node publishes is
 derived from them by :func:`capabilities_of`, so it cannot disagree with what the code can
 do. A runtime itself reports only what changes at run time (:class:`RuntimeFacts`: whether it
@@ -34,7 +35,7 @@ from dsec.models import Capabilities, ExecRequest, ExecResult, FileInfo, LayerIn
 
 if TYPE_CHECKING:
     from dsec.display import DisplayAction
-    from dsec.edge.interface import InteractiveProcess, PtySize
+    from dsec.edge.interface import InteractiveProcess, PortStream, PtySize
 
 # Called with ("stdout"|"stderr", chunk) while a command runs.
 OutputSink = Callable[[str, bytes], Awaitable[None]]
@@ -231,6 +232,16 @@ class Display(Protocol):
         ...
 
 
+@runtime_checkable
+class PortConnectable(Protocol):
+    """TCP connections to ``127.0.0.1:<port>`` inside a sandbox, made from inside it (the
+    container's network namespace, a VM's guest agent), so they need neither a network
+    policy nor an address the node can reach. Raises ``PortNotListening`` when the
+    connection is refused."""
+
+    async def connect_port(self, handle: Handle, port: int) -> PortStream: ...
+
+
 def capabilities_of(rt: Runtime) -> Capabilities:
     """The capability table row of ``rt``'s tier: its abilities are the protocols it
     implements, the rest comes from its :meth:`Runtime.facts`."""
@@ -253,6 +264,7 @@ def capabilities_of(rt: Runtime) -> Capabilities:
         persistent=f.persistent,
         suspend=memory,
         memory_fork=memory,
+        ports=isinstance(rt, PortConnectable),
         max_cpu=f.max_cpu,
         max_memory_mb=f.max_memory_mb,
     )

@@ -94,6 +94,7 @@ from dsec.models import (
     MigrateResult,
     OnTimeout,
     PauseRequest,
+    PortAccess,
     SandboxInfo,
     SnapshotRequest,
 )
@@ -105,6 +106,7 @@ from dsec.wire import ANSWER
 
 if TYPE_CHECKING:
     from dsec.sdk.display import AsyncDisplay
+    from dsec.sdk.ports import AsyncPortForward
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
@@ -517,6 +519,7 @@ class AsyncSandbox:
         self._free_seqs: builtins.list[int] = []  # heap of numbers handed back, reused first
         self._replay_pending = False
         self._replay_log: dict[int, dict[str, Any]] | None = None
+        self._port_access: PortAccess | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, tier={self._info.tier!r}, state={self._info.state!r})"
@@ -761,6 +764,69 @@ class AsyncSandbox:
         from dsec.sdk.display import AsyncDisplay
 
         return AsyncDisplay(self)
+
+    # --- ports (the server's port proxy; dsec.sdk.ports) ----------------------
+    async def port_access(self) -> PortAccess:
+        """The sandbox's access token and the server's host-route domain (asked once,
+        then remembered): what :meth:`get_url` and :meth:`get_host` build on."""
+        if self._port_access is None:
+            r = await self._client._http.request("GET", self._path("/ports"))
+            self._port_access = PortAccess.model_validate(r.json(), context=ANSWER)
+        return self._port_access
+
+    async def get_url(
+        self, port: int, path: str = "/", *, signed: bool = True, host: bool = False
+    ) -> str:
+        """The URL of ``path`` on TCP ``port`` inside the sandbox, through the server's port
+        proxy (HTTP, server-sent events and WebSockets: use ``ws://``/``wss://`` for the
+        latter). Works for a sandbox without any network.
+
+        Args:
+            port: the port a server listens on inside the sandbox (1..65535).
+            path: the path (and query) on that server.
+            signed: put the sandbox's access token in the URL, so it works with no header
+                (any HTTP client, a browser, a harness that appends paths to a base URL);
+                False: the caller sends ``Authorization: Bearer <key>`` or
+                ``X-Dsec-Port-Token`` itself. A sandbox with ``public_ports`` needs none.
+            host: the host route ``https://{port}-{id}.<domain>/...`` (web apps with
+                absolute links; needs DNS for the server's ports domain) instead of the
+                path route on the API's own address.
+
+        Example::
+
+            sb.commands.run("python3 -m http.server 8000 >/dev/null 2>&1 &")
+            httpx.get(sb.get_url(8000, "/index.html")).text
+        """
+        from dsec.sdk.ports import port_url
+
+        return port_url(
+            self._client.url, await self.port_access(), port, path, signed=signed, host=host
+        )
+
+    async def get_host(self, port: int) -> str:
+        """``{port}-{id}.<domain>``: the host of ``port``'s host route (E2B's
+        ``get_host``); ``CapabilityNotSupported`` when the server has no ports domain.
+        Requests to it need a credential (see :meth:`get_url`) unless the sandbox was
+        created with ``public_ports``."""
+        from dsec.sdk.ports import port_url
+
+        url = port_url(self._client.url, await self.port_access(), port, signed=False, host=True)
+        return url.split("://", 1)[1].split("/", 1)[0]
+
+    async def port_forward(
+        self, port: int, local_port: int = 0, *, local_host: str = "127.0.0.1"
+    ) -> AsyncPortForward:
+        """Listen on ``local_host:local_port`` (0: any free port, see ``.local_port``) and
+        carry each connection to TCP ``port`` inside the sandbox (raw bytes: any protocol).
+        Use as ``async with await sb.port_forward(5432) as fwd:`` (sync: ``with
+        sb.port_forward(5432) as fwd:``) or call ``close()``. Needs ``websockets``."""
+        from dsec.sdk.ports import AsyncPortForward
+
+        http = self._client._http
+        ws_url = http.url.replace("http", "ws", 1).rstrip("/") + self._path(f"/tcp/{int(port)}")
+        fwd = AsyncPortForward(ws_url, {"authorization": f"Bearer {http.api_key}"}, int(port))
+        await fwd.start(local_port, local_host)
+        return fwd
 
     @property
     def next_seq(self) -> int:

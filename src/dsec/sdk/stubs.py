@@ -39,6 +39,7 @@ _LOOKUP_ORDER = (
     "dsec.sdk.client",
     "dsec.sdk.jobs",
     "dsec.sdk.display",
+    "dsec.sdk.ports",
 )
 """Where a name used in an annotation is imported from: the first of these modules that
 lists it in ``__all__``, else the first that has it."""

@@ -19,6 +19,7 @@ from dsec.sdk._http import DEFAULT_TIMEOUT_S
 from dsec.sdk.client import AsyncClient
 from dsec.sdk.display import AsyncDisplay
 from dsec.sdk.jobs import JOB_TIMEOUT_S, AsyncJobs
+from dsec.sdk.ports import AsyncPortForward
 from dsec.sdk.sandbox import (
     AsyncCommands,
     AsyncFiles,
@@ -28,7 +29,17 @@ from dsec.sdk.sandbox import (
 )
 from dsec.sdk.sync import SyncWrapper, synchronize
 
-__all__ = ["Client", "Commands", "Display", "Files", "Jobs", "Network", "Sandbox", "SandboxBatch"]
+__all__ = [
+    "Client",
+    "Commands",
+    "Display",
+    "Files",
+    "Jobs",
+    "Network",
+    "PortForward",
+    "Sandbox",
+    "SandboxBatch",
+]
 
 
 @synchronize(AsyncClient)
@@ -108,3 +119,9 @@ class Jobs(SyncWrapper):
 @synchronize(AsyncDisplay)
 class Display(SyncWrapper):
     """The display of one sandbox (sync): ``screenshot``, ``click``, ``type``, ``key``."""
+
+
+@synchronize(AsyncPortForward)
+class PortForward(SyncWrapper):
+    """A local port carried to a port inside a sandbox (sync), from
+    :meth:`Sandbox.port_forward`: ``local_port``, ``close()``; ``with`` closes it."""

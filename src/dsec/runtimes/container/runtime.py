@@ -42,9 +42,10 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsec.config import Paths, host_memory_mb
+from dsec.edge.ports import connect_socket
 from dsec.errors import (
     CapabilityNotSupported,
     Conflict,
@@ -60,9 +61,13 @@ from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import assemble_rootfs, rootfs_path, teardown_rootfs, upper_dir
 from dsec.models import ExecRequest, ExecResult, LayerInfo, SnapshotRequest
 from dsec.privileged.cgroups import CGROUP_ROOT, CgroupV1
+from dsec.privileged.netns import NetnsSockets
 from dsec.privileged.nodesetup import NodeReport, prepare_node
 from dsec.privileged.reaper import REAPER, reap_pid
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
+
+if TYPE_CHECKING:
+    from dsec.edge.interface import PortStream
 from dsec.runtimes.container import pause as pausing
 from dsec.runtimes.container.bundle import (
     DEFAULT_PATH,
@@ -179,6 +184,7 @@ class ContainerRuntime:
         self._state_base_cached: Path | None = None
         self._policy_file: Path | None = None
         self._acquired: dict[str, list[str]] = {}  # sandbox id -> layer digests we hold
+        self._netns_sockets: NetnsSockets | None = None  # made on the first port connection
 
     # ------------------------------------------------------------------ node
     @property
@@ -250,6 +256,9 @@ class ContainerRuntime:
 
     async def close(self) -> None:
         """Stop talking to the sandboxes (they keep running; :meth:`recover` finds them)."""
+        if self._netns_sockets is not None:
+            self._netns_sockets.close()
+            self._netns_sockets = None
         for live in list(self._live.values()):
             if live.server is not None:
                 with contextlib.suppress(Exception):
@@ -589,6 +598,31 @@ class ContainerRuntime:
         return RootedFiles(
             rootfs_path(sandbox_dir), (int(state.get("uid", 0)), int(state.get("gid", 0)))
         )
+
+    # ------------------------------------------------------------------ ports
+    async def connect_port(self, handle: Handle, port: int) -> PortStream:
+        """``PortConnectable``: a TCP connection to ``127.0.0.1:port`` inside the container,
+        from a socket made in its network namespace (the init's ``/proc/<pid>/ns/net``):
+        works with or without a network policy, and needs no route from the node."""
+        state = self._load_state(handle)
+        pid, start = state.get("init_pid"), state.get("init_start")
+        if not isinstance(pid, int) or not isinstance(start, int):
+            raise SandboxStopped(f"sandbox {handle.id} is not running", sandbox_id=handle.id)
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            raise SandboxStopped(
+                f"sandbox {handle.id} is not running", sandbox_id=handle.id
+            ) from None
+        try:
+            if _proc_start_time(pid) != start:  # the pid was reused: not our namespace
+                raise SandboxStopped(f"sandbox {handle.id} is not running", sandbox_id=handle.id)
+            if self._netns_sockets is None:
+                self._netns_sockets = NetnsSockets()
+            sock = await self._netns_sockets.socket(fd)
+        finally:
+            os.close(fd)
+        return await connect_socket(sock, port)
 
     # ------------------------------------------------------------------ liveness
     async def alive(self, handle: Handle) -> bool:

@@ -8,11 +8,15 @@ Frames, both directions, little endian::
 One :class:`AgentClient` owns the host end of one VM's agent socket (QEMU's chardev, a unix
 socket). Requests are multiplexed by request id; an exec gets any number of ``OUT`` frames
 then one ``EXIT``. :class:`VMFiles` implements :class:`dsec.runtimes.base.SandboxFiles` on it.
+:meth:`AgentClient.open_tcp` opens a TCP connection to the guest's loopback, multiplexed on
+the same channel with a window each way (:class:`AgentStream`, a
+:class:`~dsec.edge.interface.PortStream`; the frames are described in agent.c).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno as errno_mod
 import io
@@ -25,12 +29,14 @@ from collections.abc import Callable
 from typing import Any
 
 from dsec.errors import (
+    CapabilityNotSupported,
     DsecError,
     FileExists_,
     FileNotFound,
     InvalidRequest,
     PathOutsideSandbox,
     PayloadTooLarge,
+    PortNotListening,
     QuotaExceeded,
     SandboxError,
     SandboxTimeout,
@@ -38,7 +44,13 @@ from dsec.errors import (
 from dsec.models import ExecResult, FileInfo
 from dsec.runtimes.base import OutputSink
 
-__all__ = ["AgentClient", "AgentOp", "VMFiles"]
+__all__ = ["AgentClient", "AgentOp", "AgentStream", "VMFiles"]
+
+STREAM_WINDOW = 1 << 20
+"""Bytes the guest may send on one TCP stream before the host acknowledges them."""
+GUEST_WINDOW = 1 << 20
+"""Bytes the host may have in flight to one TCP stream (agent.c's ``GUEST_WINDOW``)."""
+_STREAM_CHUNK = 65536
 
 MAGIC = 0x31415344
 _HDR = struct.Struct("<IIIHH")
@@ -60,6 +72,12 @@ class AgentOp:
     REMOVE = 14
     MKDIR = 15
     RENAME = 16
+    TCP_OPEN = 20
+    TCP_DATA = 21
+    TCP_SHUT = 22
+    TCP_CLOSE = 23
+    TCP_ACK = 24
+    TCP_EOF = 25
     OK = 100
     ERR = 101
     OUT = 102
@@ -76,6 +94,99 @@ class _Pending:
         self.queue: asyncio.Queue[tuple[int, list[bytes]] | None] = asyncio.Queue()
 
 
+class AgentStream:
+    """One TCP connection to ``127.0.0.1:<port>`` in the guest, over the agent channel
+    (:meth:`AgentClient.open_tcp`). A :class:`~dsec.edge.interface.PortStream`: reads
+    return what the guest sent (``b""`` at its EOF or when the VM went away), writes wait
+    while the guest's window is full."""
+
+    def __init__(self, client: AgentClient, stream_id: int) -> None:
+        self._client = client
+        self.id = stream_id
+        self._opened: asyncio.Future[list[bytes] | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._eof = False
+        self._readable = asyncio.Event()
+        self._credit = GUEST_WINDOW  # what we may still send before the guest acknowledges
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._consumed = 0  # read by our caller, not yet acknowledged to the guest
+        self._closed = False
+        self._error: list[bytes] | None = None  # the guest's ERR answer to the open
+
+    # called from the client's read loop (no await)
+    def _frame(self, op: int, args: list[bytes]) -> None:
+        if not self._opened.done():
+            self._opened.set_result(args if op == AgentOp.OK else None)
+            if op == AgentOp.ERR:
+                self._error = args
+            return
+        if op == AgentOp.TCP_DATA and args:
+            self._chunks.append(args[0])
+            self._readable.set()
+        elif op == AgentOp.TCP_ACK and args:
+            with contextlib.suppress(ValueError):
+                self._credit += int(args[0])
+            self._writable.set()
+        elif op in (AgentOp.TCP_EOF, AgentOp.ERR):
+            self._eof = True
+            self._readable.set()
+
+    def _lost(self) -> None:
+        if not self._opened.done():
+            self._opened.set_result(None)
+        self._eof = True
+        self._closed = True
+        self._readable.set()
+        self._writable.set()
+
+    async def read(self, max_bytes: int = 65536) -> bytes:
+        while not self._chunks:
+            if self._eof:
+                return b""
+            self._readable.clear()
+            await self._readable.wait()
+        data = self._chunks.popleft()
+        if len(data) > max_bytes:
+            self._chunks.appendleft(data[max_bytes:])
+            data = data[:max_bytes]
+        self._consumed += len(data)
+        if self._consumed >= STREAM_WINDOW // 4 and not self._closed:
+            n, self._consumed = self._consumed, 0
+            with contextlib.suppress(DsecError):
+                await self._client._post(self.id, AgentOp.TCP_ACK, [str(n).encode()])
+        return data
+
+    async def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            if self._closed:
+                raise ConnectionResetError("the connection to the guest is closed")
+            if self._credit <= 0:
+                self._writable.clear()
+                await self._writable.wait()
+                continue
+            n = min(len(view), self._credit, _STREAM_CHUNK)
+            self._credit -= n
+            await self._client._post(self.id, AgentOp.TCP_DATA, [bytes(view[:n])])
+            view = view[n:]
+
+    async def write_eof(self) -> None:
+        if not self._closed:
+            with contextlib.suppress(DsecError):
+                await self._client._post(self.id, AgentOp.TCP_SHUT, [])
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._lost()
+        self._client._streams.pop(self.id, None)
+        with contextlib.suppress(DsecError, OSError):
+            await self._client._post(self.id, AgentOp.TCP_CLOSE, [])
+
+
 class AgentClient:
     """One connection to a guest agent. Create with :meth:`connect`; close with :meth:`close`.
 
@@ -86,6 +197,7 @@ class AgentClient:
         self._reader = reader
         self._writer = writer
         self._pending: dict[int, _Pending] = {}
+        self._streams: dict[int, AgentStream] = {}
         self._next_id = 1
         self._closed = False
         self._task = asyncio.create_task(self._read_loop())
@@ -128,6 +240,9 @@ class AgentClient:
     def _fail_all(self) -> None:
         for p in self._pending.values():
             p.queue.put_nowait(None)
+        for stream in list(self._streams.values()):
+            stream._lost()
+        self._streams.clear()
 
     async def _read_loop(self) -> None:
         try:
@@ -143,6 +258,10 @@ class AgentClient:
                     (n,) = struct.unpack_from("<I", body, off)
                     args.append(body[off + 4 : off + 4 + n])
                     off += 4 + n
+                stream = self._streams.get(req_id)
+                if stream is not None:
+                    stream._frame(op, args)
+                    continue
                 pending = self._pending.get(req_id)
                 if pending is not None:
                     pending.queue.put_nowait((op, args))
@@ -156,14 +275,66 @@ class AgentClient:
     async def _send(self, op: int, args: list[bytes]) -> tuple[int, _Pending]:
         if self._closed:
             raise SandboxError("the guest agent connection is closed")
-        req_id = self._next_id
-        self._next_id = (self._next_id % 0xFFFFFFF0) + 1
+        req_id = self._take_id()
         pending = _Pending()
         self._pending[req_id] = pending
         async with self._write_lock:
             self._writer.write(encode_frame(req_id, op, args))
             await self._writer.drain()
         return req_id, pending
+
+    def _take_id(self) -> int:
+        req_id = self._next_id
+        self._next_id = (self._next_id % 0xFFFFFFF0) + 1
+        return req_id
+
+    async def _post(self, req_id: int, op: int, args: list[bytes]) -> None:
+        """Send one frame that expects no reply of its own (TCP stream traffic)."""
+        if self._closed:
+            raise SandboxError("the guest agent connection is closed")
+        async with self._write_lock:
+            self._writer.write(encode_frame(req_id, op, args))
+            await self._writer.drain()
+
+    async def open_tcp(self, port: int, timeout_s: float = 10.0) -> AgentStream:
+        """A TCP connection to ``127.0.0.1:port`` inside the guest. ``PortNotListening`` when
+        refused (or when the agent predates TCP streams), ``SandboxTimeout`` when the
+        guest does not answer within ``timeout_s`` seconds."""
+        req_id = self._take_id()
+        stream = AgentStream(self, req_id)
+        self._streams[req_id] = stream
+        try:
+            await self._post(
+                req_id, AgentOp.TCP_OPEN, [str(port).encode(), str(STREAM_WINDOW).encode()]
+            )
+            async with asyncio.timeout(timeout_s):
+                ok = await asyncio.shield(stream._opened)
+        except TimeoutError:
+            await stream.close()
+            raise SandboxTimeout(
+                f"the guest did not connect to port {port} within {timeout_s:.0f} s", port=port
+            ) from None
+        except BaseException:
+            await stream.close()
+            raise
+        if ok is None:
+            err = stream._error
+            self._streams.pop(req_id, None)
+            stream._lost()
+            if err is None:
+                raise SandboxError("the guest agent connection was lost (the VM stopped?)")
+            code = int(err[0]) if err and err[0].isdigit() else 0
+            if code in (errno_mod.ECONNREFUSED, errno_mod.ECONNRESET):
+                raise PortNotListening(
+                    f"nothing in the sandbox accepts connections on port {port}", port=port
+                )
+            if code in (errno_mod.EINVAL, errno_mod.ENOSYS):
+                raise CapabilityNotSupported(
+                    "this sandbox's guest agent has no TCP streams (it was started by an "
+                    "older dsec; a new sandbox has them)"
+                )
+            raise _map_error(err)
+        return stream
 
     async def request(self, op: int, args: list[bytes], timeout_s: float = 30.0) -> list[bytes]:
         """Send one request and return the OK reply's args. Raises the mapped error on ERR."""

@@ -72,7 +72,7 @@ from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS, CgroupV1
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.microvm.ksm import ksmd_acquire, ksmd_release
-from dsec.runtimes.microvm.protocol import AgentClient, AgentOp, VMFiles
+from dsec.runtimes.microvm.protocol import AgentClient, AgentOp, AgentStream, VMFiles
 from dsec.runtimes.microvm.qemu import (
     QemuProcess,
     QMPClient,
@@ -1002,6 +1002,13 @@ class MicroVMRuntime:
             return vm.agent
 
         return VMFiles(client)
+
+    async def connect_port(self, handle: Handle, port: int) -> AgentStream:
+        """``PortConnectable``: a TCP connection to ``127.0.0.1:port`` in the guest, carried
+        by the guest agent over its virtio-serial channel (no network device at all)."""
+        vm = await self._vm(handle)
+        assert vm.agent is not None
+        return await vm.agent.open_tcp(port)
 
     # ------------------------------------------------------------------ pause
 
