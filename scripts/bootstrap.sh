@@ -13,6 +13,8 @@ APT_PACKAGES=(
   # the code-interpreter server's stack (tests run it under /usr/bin/python3, as the image does)
   python3-ipykernel python3-jupyter-client python3-tornado python3-matplotlib python3-numpy
   python3-pandas python3-pil python3-pexpect nodejs
+  # the headless browser tests drive (Playwright with executable_path=/usr/bin/chromium)
+  chromium
 )
 if [[ -n "${DSEC_EXTRA_APT:-}" ]]; then
   # shellcheck disable=SC2206
