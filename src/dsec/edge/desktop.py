@@ -138,6 +138,12 @@ def x_key_chord(name: str) -> str:
 HELPER = r"""set -u
 verb=$1
 shift
+# a tier that starts commands with HOME=/root for every user: the user's own home (the
+# applications this starts keep their profiles there)
+if [ "$(id -u)" != 0 ] && [ ! -w "${HOME:-/nonexistent}" ]; then
+    HOME=$(getent passwd "$(id -u)" | cut -d: -f6)
+    export HOME
+fi
 x_dead() {
     case "$1" in
         *"pen display"*|*"pen X display"*|*"nable to open display"*|*"annot connect to X"*)

@@ -154,6 +154,11 @@ _SUPERVISOR = r"""#!/bin/bash
 # image's Xvfb wrapper writes <state>/request "GEOMETRY DPI" and stops it); if it dies on
 # its own this exits 1.
 set -u
+# a tier that starts commands with HOME=/root for every user: the user's own home
+if [ "$(id -u)" != 0 ] && [ ! -w "${HOME:-/nonexistent}" ]; then
+    HOME=$(getent passwd "$(id -u)" | cut -d: -f6)
+    export HOME
+fi
 display=${DISPLAY:-:0}
 export DISPLAY=$display
 n=${display#:}
@@ -393,8 +398,10 @@ SYMLINKS: dict[str, str] = {"/opt/noVNC": "/usr/share/novnc"}
 START_CMD: tuple[str, ...] = ("/usr/local/bin/dsec-desktop",)
 READY_CMD = "xdpyinfo >/dev/null 2>&1 && wmctrl -m >/dev/null 2>&1"
 """Ready: the X server answers on ``$DISPLAY`` and a window manager manages its windows."""
-READY_TIMEOUT_S = 120.0
-"""Longest wait for the desktop at creation (the vm tier under TCG is the slow one), s."""
+READY_TIMEOUT_S = 600.0
+"""Longest wait for the desktop at creation, s. The container tier is ready in about a
+second; the vm tier under TCG on a busy 2-core machine needs minutes for Xfce's window
+manager. A desktop whose start command fails ends the wait at once, whatever this is."""
 
 
 @dataclass(frozen=True)
@@ -503,6 +510,7 @@ def recipe_fingerprint() -> str:
             [repr(s) for s in STEPS],
             list(START_CMD),
             READY_CMD,
+            READY_TIMEOUT_S,
             ENV,
             USER,
             HOME,
