@@ -180,3 +180,20 @@ def _wait_drawn(page: object) -> bytes:
         return png if many and _has(png) else None
 
     return wait_for(drawn, "the desktop drawn in the noVNC canvas", 60)
+
+
+def test_e2b_desktop_resolution_restarts_the_desktop(e2b_env: BackgroundServer) -> None:
+    """``create(resolution=...)``: e2b-desktop's own ``Xvfb`` call asks for another screen;
+    the image restarts its desktop at that size, which dsec's display API then reports."""
+    from dsec import InvalidRequest, Sandbox
+
+    sbx = e2b_desktop.Sandbox.create(resolution=(1280, 720), timeout=600)
+    try:
+        assert sbx.get_screen_size() == (1280, 720)
+        sb = Sandbox.connect(sbx.sandbox_id, url=e2b_env.url, api_key=e2b_env.api_key)
+        assert sb.display.screen_size() == (1280, 720)
+        with pytest.raises(InvalidRequest) as off:
+            sb.display.click(1280, 0)
+        assert off.value.details == {"width": 1280, "height": 720}
+    finally:
+        sbx.kill()
