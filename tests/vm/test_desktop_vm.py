@@ -14,7 +14,7 @@ import pytest
 from dsec import CapabilityNotSupported, InvalidRequest, Sandbox
 from dsec.server import BackgroundServer
 
-pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]
+pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 PAGE = """<!doctype html><html><head><title>vm page 0</title></head>
 <body style="margin:0;background:#fff">
