@@ -9,12 +9,10 @@ APT_PACKAGES=(
   crun runc erofs-utils busybox-static debootstrap bubblewrap
   iproute2 nftables fuse3 libfuse3-dev pkg-config curl ca-certificates util-linux
   qemu-system-x86 qemu-utils lz4 e2fsprogs cpio docker-registry openssl
-  libfuse3-3 git postgresql
+  libfuse3-3 git postgresql chromium
   # the code-interpreter server's stack (tests run it under /usr/bin/python3, as the image does)
   python3-ipykernel python3-jupyter-client python3-tornado python3-matplotlib python3-numpy
   python3-pandas python3-pil python3-pexpect nodejs
-  # the headless browser tests drive (Playwright with executable_path=/usr/bin/chromium)
-  chromium
 )
 if [[ -n "${DSEC_EXTRA_APT:-}" ]]; then
   # shellcheck disable=SC2206
@@ -25,6 +23,8 @@ missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# the dashboard's front end is built with npm (Debian's nodejs + npm unless node is there)
+command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
 if ((${#missing[@]})); then
   if [[ $(id -u) -ne 0 ]]; then
     echo "bootstrap: need root to apt-get install: ${missing[*]}" >&2
@@ -45,4 +45,44 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp || constraints.txt -nt $stamp ]];
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -c constraints.txt -e '.[dev,server,cluster,integrations]'
   touch "$stamp"
+fi
+
+# The dashboard's front end (ui/): pinned npm packages (package-lock.json), built into the
+# Python package (src/dsec/ui/static/), again only when a source is newer than the bundle.
+ui_out=src/dsec/ui/static/app.js
+if [[ ! -d ui/node_modules || ui/package-lock.json -nt ui/node_modules/.package-lock.json ]]; then
+  (cd ui && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error)
+fi
+if [[ ! -f $ui_out ]] || [[ -n $(find ui/src ui/build.mjs ui/package-lock.json -newer "$ui_out" -print -quit) ]]; then
+  (cd ui && node build.mjs)
+fi
+
+# Harbor (the Terminal-Bench harness: tests/integrations/test_harbor_root.py) needs Python
+# >= 3.12: a venv of its own, .venv-harbor, from the first such Python found (Debian 13's
+# python3 is 3.13; Debian 12 has 3.11 only, and neither Debian nor PyPI ships a standalone
+# CPython, so there the Harbor tests skip saying so unless pyenv or DSEC_HARBOR_BASE_PYTHON
+# provides one).
+harbor_python() {
+  local c
+  for c in "${DSEC_HARBOR_BASE_PYTHON:-}" python3 python3.13 python3.12 \
+      "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python /root/.pyenv/versions/3.1[2-9]*/bin/python; do
+    [[ -n $c ]] || continue
+    command -v "$c" >/dev/null 2>&1 || [[ -x $c ]] || continue
+    if "$c" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      echo "$c"
+      return 0
+    fi
+  done
+  return 1
+}
+hstamp=.venv-harbor/.dsec-installed
+if [[ ! -f $hstamp || pyproject.toml -nt $hstamp ]]; then
+  if hpy=$(harbor_python); then
+    [[ -x .venv-harbor/bin/python ]] || "$hpy" -m venv .venv-harbor
+    .venv-harbor/bin/pip install -q --upgrade pip
+    .venv-harbor/bin/pip install -q -e '.[harbor]'
+    touch "$hstamp"
+  else
+    echo "bootstrap: no Python >= 3.12 here: the Harbor tests will be skipped"
+  fi
 fi

@@ -81,6 +81,7 @@ from dsec.models import (
     LogLine,
     NodeInfo,
     SandboxInfo,
+    SandboxMetrics,
 )
 from dsec.network.policy import NetworkPolicy
 from dsec.sdk import (
@@ -142,6 +143,7 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "SandboxInfo",
+    "SandboxMetrics",
     "SandboxNotFound",
     "SandboxStopped",
     "SandboxTimeout",

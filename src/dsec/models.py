@@ -15,6 +15,8 @@ States: ``creating -> running <-> paused -> stopped``. ``stopped`` is final.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from datetime import datetime
 from enum import StrEnum
@@ -103,7 +105,9 @@ class CreateSandboxRequest(_Model):
     layers: list[str] = Field(
         default_factory=list, max_length=64, description="extra layers stacked above the image"
     )
-    cpu: float = Field(1.0, gt=0, le=256, description="CPU cores (CFS quota)")
+    cpu: float = Field(
+        1.0, ge=0.01, le=256, description="CPU cores (CFS quota; 0.01, 1 ms per 100 ms, at least)"
+    )
     memory_mb: int = Field(512, ge=16, le=1024 * 1024, description="memory limit, MiB")
     disk_mb: int = Field(1024, ge=1, le=1024 * 1024, description="writable layer size, MiB")
     pids: int = Field(1024, ge=8, le=1_000_000, description="max processes/threads")
@@ -380,6 +384,16 @@ class ExecRequest(_Model):
         1 << 20, ge=0, le=64 << 20, description="cap per stream; the rest is dropped"
     )
 
+    @field_validator("stdin_b64")
+    @classmethod
+    def _stdin_b64(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                base64.b64decode(v, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise ValueError(f"stdin_b64 is not valid base64: {e}") from None
+        return v
+
     @field_validator("cmd")
     @classmethod
     def _cmd(cls, v: str | list[str]) -> str | list[str]:
@@ -605,6 +619,7 @@ class Capabilities(_Model):
     ports: bool = Field(
         False, description="TCP ports inside the sandbox reachable through the port proxy"
     )
+    metrics: bool = Field(False, description="GET /v1/sandboxes/{id}/metrics: resource usage")
     max_cpu: float | None = None
     max_memory_mb: int | None = None
 
@@ -638,6 +653,64 @@ class NodeInfo(_Model):
     sandboxes: int
     cpus: int
     memory_mb: int
+
+
+class CpuMetrics(_Model):
+    """CPU of one sandbox. ``usage_s`` is cumulative; the rates cover ``interval_s`` of the
+    :class:`SandboxMetrics` they belong to."""
+
+    usage_s: float = Field(description="CPU time consumed since the sandbox started, seconds")
+    used_cores: float = Field(description="cores busy on average over the interval")
+    used_pct: float = Field(description="used_cores as a percentage of limit_cores")
+    limit_cores: float = Field(description="the cores the sandbox asked for (its quota)")
+
+
+class MemoryMetrics(_Model):
+    """Memory of one sandbox, bytes. ``used`` is the working set (charged memory minus
+    inactive file cache); ``cache`` the page cache charged to it (its tmpfs files too)."""
+
+    used_bytes: int
+    cache_bytes: int = 0
+    limit_bytes: int | None = Field(None, description="its memory limit (None: none known)")
+    peak_bytes: int | None = Field(None, description="highest charge seen, where kept")
+    host_bytes: int | None = Field(None, description="VM tiers: what QEMU holds on the host")
+
+
+class DiskMetrics(_Model):
+    """The sandbox's writable layer, bytes (``used_bytes`` None: not measurable on this tier)."""
+
+    used_bytes: int | None = None
+    total_bytes: int | None = None
+
+
+class NetworkMetrics(_Model):
+    """Traffic as the sandbox sees it (``rx``: arrived, ``tx``: sent), cumulative."""
+
+    rx_bytes: int = 0
+    tx_bytes: int = 0
+    rx_packets: int = 0
+    tx_packets: int = 0
+
+
+class SandboxMetrics(_Model):
+    """``GET /v1/sandboxes/{id}/metrics``: one sample of a sandbox's resource usage.
+
+    Reading it neither resumes a paused sandbox nor counts as activity (its TTL is not
+    extended). Rates (``cpu.used_cores``) cover ``interval_s``: the time since the previous
+    sample anyone took of this sandbox, or since it was created for the first one.
+    """
+
+    sandbox_id: str
+    tier: str
+    state: str
+    timestamp: datetime
+    interval_s: float = Field(description="seconds the rates average over")
+    cpu: CpuMetrics
+    memory: MemoryMetrics
+    disk: DiskMetrics = Field(default_factory=DiskMetrics)
+    network: NetworkMetrics | None = Field(None, description="None: the sandbox has no network")
+    pids: int | None = Field(None, description="processes (threads) in the sandbox now")
+    source: str = Field("", description="where the numbers come from, e.g. 'cgroup v1'")
 
 
 class RemoveRequest(_Model):

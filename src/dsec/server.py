@@ -69,10 +69,12 @@ class PortsSettings:
 def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
     """The full HTTP surface of one server: the dsec API, the E2B-compatible API under
     ``/e2b`` (control plane) and ``/e2b/envd`` (in-sandbox API), SandboxFusion's
-    ``/run_code`` when the fncall tier is present, and the port proxy
-    (:mod:`dsec.apiserver.ports`) configured by ``ports``."""
+    ``/run_code`` when the fncall tier is present, the port proxy
+    (:mod:`dsec.apiserver.ports`) configured by ``ports``, and the dashboard under ``/ui``
+    (sessions signed with ``ports.home/ui_secret``)."""
     from dsec.apiserver.app import create_app
     from dsec.apiserver.ports import PortTokens
+    from dsec.ui.session import load_secret
 
     ports = ports or PortsSettings()
     tokens = PortTokens.from_home(ports.home)
@@ -82,6 +84,7 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
         port_tokens=tokens,
         ports_domain=ports.domain,
         ports_scheme="https" if ports.tls_port else "http",
+        ui_secret=load_secret(ports.home),
     )
     app.state.closers = []
     try:
@@ -89,8 +92,13 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
     except ImportError as e:  # the e2b package is a dependency; say so if it is missing
         log.warning("E2B-compatible API disabled: %s", e)
     else:
+        home = getattr(getattr(edge, "paths", None), "home", None)
         e2b_app = make_e2b_app(
-            edge, keys.verify, sandbox_domain=ports.domain, traffic_tokens=tokens
+            edge,
+            keys.verify,
+            sandbox_domain=ports.domain,
+            traffic_tokens=tokens,
+            template_files_dir=Path(home) / "e2b-template-files" if home is not None else None,
         )
         app.mount("/e2b", e2b_app)
         # E2B-routed port requests (E2b-Sandbox-Port) may carry the envdAccessToken

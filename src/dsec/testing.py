@@ -104,6 +104,7 @@ from dsec.runtimes.base import (
     SandboxFiles,
     SandboxSpec,
 )
+from dsec.runtimes.usage import NetCounters, SandboxUsage
 
 if TYPE_CHECKING:
     import httpx
@@ -119,6 +120,12 @@ __all__ = [
 
 ExecHandler = Callable[[SandboxInfo, ExecRequest], "ExecResult | Awaitable[ExecResult]"]
 """A function that answers one exec request for a fake sandbox."""
+
+FAKE_CPU_NS_PER_EXEC = 5_000_000
+"""CPU time a fake sandbox is charged per command, nanoseconds (see :meth:`MemoryRuntime.usage`)."""
+
+FAKE_BASE_MEMORY = 8 << 20
+"""Memory a fake sandbox holds besides its files, bytes."""
 
 FAKE_BUSYBOX = "sha256:" + "0" * 64
 """The digest of the one-layer ``busybox`` system image every :class:`MemoryLayers` has."""
@@ -613,12 +620,15 @@ class _Sandbox:
     spec: SandboxSpec
     files: MemoryFiles
     network: Any = None
+    execs: int = 0
 
 
 class MemoryRuntime:
     """A tier whose sandboxes are file trees in memory and whose commands are answered by
-    programs (see the module docstring). Pausable, snapshottable and networked (policies are
-    recorded, nothing is enforced).
+    programs (see the module docstring). Pausable, snapshottable, networked (policies are
+    recorded, nothing is enforced) and measurable: :meth:`usage` counts
+    :data:`FAKE_CPU_NS_PER_EXEC` of CPU per command, its files' bytes as disk and cache, and
+    :data:`FAKE_BASE_MEMORY` more as memory.
 
     Args:
         tier: the tier it stands in for.
@@ -671,7 +681,7 @@ class MemoryRuntime:
     async def exec(
         self, handle: Handle, req: ExecRequest, sink: OutputSink | None = None
     ) -> ExecResult:
-        self._get(handle)
+        self._get(handle).execs += 1
         full = await self._answer(handle.id, req)
         self.executed["exec"] = self.executed.get("exec", 0) + 1
         if sink is not None:  # a sink sees all of it (the result keeps the cap)
@@ -699,6 +709,22 @@ class MemoryRuntime:
 
     async def destroy_orphan(self, sandbox_id: str) -> None:
         self.sandboxes.pop(sandbox_id, None)
+
+    # Measurable
+    async def usage(self, handle: Handle) -> SandboxUsage:
+        sb = self._get(handle)
+        held = sum(len(n.data) for n in sb.files.fs.values())
+        return SandboxUsage(
+            cpu_usage_ns=sb.execs * FAKE_CPU_NS_PER_EXEC,
+            memory_used_bytes=FAKE_BASE_MEMORY + held,
+            memory_cache_bytes=held,
+            memory_limit_bytes=sb.spec.memory_mb << 20,
+            disk_used_bytes=held,
+            disk_total_bytes=sb.spec.disk_mb << 20,
+            net=NetCounters() if sb.network is not None else None,
+            pids=1,
+            source="fake",
+        )
 
     # Pausable
     async def pause(self, handle: Handle) -> dict[str, Any]:
@@ -1056,7 +1082,7 @@ def app_transport(
 
 if TYPE_CHECKING:  # mypy checks that the fakes satisfy the contracts they stand below
     from dsec.layers.source import LayerSource
-    from dsec.runtimes.base import Networked, Pausable, Snapshottable
+    from dsec.runtimes.base import Measurable, Networked, Pausable, Snapshottable
 
     async def _no_answer(sandbox_id: str, req: ExecRequest) -> ExecResult: ...
 
@@ -1068,3 +1094,4 @@ if TYPE_CHECKING:  # mypy checks that the fakes satisfy the contracts they stand
     from dsec.runtimes.base import PortConnectable
 
     _ports: PortConnectable = MemoryPortRuntime("container", MemoryLayers(), _no_answer)
+    _measurable: Measurable = MemoryRuntime("container", MemoryLayers(), _no_answer)

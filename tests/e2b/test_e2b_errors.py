@@ -51,9 +51,9 @@ def test_refused_features_say_so(e2b_server: E2BServer) -> None:
         assert exc.value.status_code == 422 and "not supported by dsec" in str(exc.value)
     sbx = Sandbox.create("base")
     try:
-        with pytest.raises(SandboxException) as exc:
+        with pytest.raises(SandboxException) as exc:  # this fake tier cannot measure
             sbx.get_metrics()
-        assert exc.value.status_code == 422 and "not supported by dsec" in str(exc.value)
+        assert exc.value.status_code == 422 and "cannot measure" in str(exc.value)
         with pytest.raises(SandboxException) as exc:
             sbx.create_snapshot(mode="full")
         assert exc.value.status_code == 422 and "filesystem-only" in str(exc.value)
@@ -208,10 +208,24 @@ def test_malformed_connect_requests_never_500(e2b_server: E2BServer) -> None:
 
 
 def test_unknown_control_routes_are_501(e2b_server: E2BServer) -> None:
+    r = httpx.post(f"{e2b_server.api_url}/volumes", headers={"X-API-Key": "key-alice"}, json={})
+    assert r.status_code == 501 and "not implemented" in r.json()["message"]
+    # the fake edge cannot build images: the template build route says so (no 500)
     r = httpx.post(
         f"{e2b_server.api_url}/v3/templates", headers={"X-API-Key": "key-alice"}, json={}
     )
-    assert r.status_code == 501 and "not implemented" in r.json()["message"]
+    assert r.status_code == 400  # no name
+    r = httpx.post(
+        f"{e2b_server.api_url}/v3/templates",
+        headers={"X-API-Key": "key-alice"},
+        json={"name": "t1"},
+    ).json()
+    r = httpx.post(
+        f"{e2b_server.api_url}/v2/templates/{r['templateID']}/builds/{r['buildID']}",
+        headers={"X-API-Key": "key-alice"},
+        json={"fromImage": "busybox"},
+    )
+    assert r.status_code == 422 and "build images" in r.json()["message"]
     r = httpx.post(
         f"{e2b_server.api_url}/v2/sandboxes", headers={"X-API-Key": "key-alice"}, content=b"{oops"
     )

@@ -148,6 +148,7 @@ def describe(pid: int) -> list[str]:
 
 def settle(srv: ServeProcess, baseline: ServerFootprint, timeout_s: float = 20.0) -> dict[str, Any]:
     """The growth over ``baseline``, once teardown (reaping, namespace removal) settled."""
+    assert not baseline.zombies, f"the served baseline has zombies: {baseline.zombies}"
     deadline = time.monotonic() + timeout_s
     while True:
         grew = server_footprint(srv.proc.pid, srv.home).growth(

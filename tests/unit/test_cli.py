@@ -7,6 +7,7 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -241,3 +242,149 @@ def test_trajectory_and_replay(runner: CliRunner, edge: FakeEdge, tmp_path: Path
 def fresh_id(edge: FakeEdge) -> str:
     """The id of the last sandbox the fake created."""
     return max(edge.sandboxes.values(), key=lambda info: info.created_at).id
+
+
+# --- tables at 80 columns, and --output json ---------------------------------------------
+@pytest.fixture
+def narrow(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[CliRunner, FakeEdge]]:
+    edge = FakeEdge(node="nodename0012")  # the longest node name: 28-character ids
+    transport, key = app_transport(edge)
+    monkeypatch.setattr(cli, "transport_factory", lambda: transport)
+    monkeypatch.setenv("COLUMNS", "80")
+    yield (
+        CliRunner(env={"DSEC_API_KEY": key, "DSEC_URL": "http://dsec.invalid", "COLUMNS": "80"}),
+        edge,
+    )
+
+
+def _fits(output: str, width: int = 80) -> None:
+    for line in output.splitlines():
+        assert len(line) <= width, f"{len(line)} columns: {line!r}"
+    assert "…" not in output, output
+
+
+def test_tables_fit_80_columns_and_never_cut_ids(narrow: tuple[CliRunner, FakeEdge]) -> None:
+    import json
+
+    runner, edge = narrow
+    for _ in range(3):
+        r = runner.invoke(
+            cli.app,
+            ["run", "--keep", "--tier", "container", "--image", "busybox", "--", "true"],
+        )
+        assert r.exit_code == 0, r.output
+    ids = sorted(edge.sandboxes)
+    assert all(len(i) == 28 for i in ids)
+    # a job, labels and a pause make every column non-empty
+    info = edge.sandboxes[ids[0]]
+    import asyncio
+
+    from dsec.models import CreateSandboxRequest
+
+    req = CreateSandboxRequest(
+        job="rollout-0042-long-job-name", labels={"task": "swe-bench-lite-17", "split": "train"}
+    )
+    made = asyncio.run(edge.create_sandbox(req, edge.calls_to("create_sandbox")[0]["owner"]))
+    ids.append(made.id)
+    runner.invoke(cli.app, ["pause", ids[1]])
+
+    ps = runner.invoke(cli.app, ["ps"])
+    assert ps.exit_code == 0, ps.output
+    _fits(ps.stdout)
+    for sandbox_id in ids:
+        assert sandbox_id in ps.stdout  # whole, on one line
+    header = ps.stdout.splitlines()[0].split()
+    assert header[:3] == ["ID", "TIER", "STATE"]
+    assert "container" in ps.stdout and "paused" in ps.stdout and "running" in ps.stdout
+
+    wide = runner.invoke(cli.app, ["ps", "-o", "wide"])
+    assert "LABELS" in wide.stdout and "split=train" in wide.stdout
+    data = json.loads(runner.invoke(cli.app, ["ps", "--output", "json"]).stdout)
+    assert sorted(d["id"] for d in data) == sorted(ids) and info.tier == "container"
+
+    for args in (
+        ["job", "ls", "rollout-0042-long-job-name"],
+        ["job", "pause", "rollout-0042-long-job-name"],
+        ["image", "ls"],
+        ["info"],
+        ["metrics", ids[2]],
+    ):
+        out = runner.invoke(cli.app, args)
+        assert out.exit_code == 0, (args, out.output)
+        _fits(out.stdout)
+        as_json = runner.invoke(cli.app, [*args, "-o", "json"])
+        assert as_json.exit_code == 0, (args, as_json.output)
+        json.loads(as_json.stdout)
+    assert made.id in runner.invoke(cli.app, ["job", "ls", "rollout-0042-long-job-name"]).stdout
+    m = json.loads(runner.invoke(cli.app, ["metrics", ids[2], "-o", "json"]).stdout)
+    assert m["sandbox_id"] == ids[2] and "cpu" in m
+
+
+def test_key_ls_fits_and_has_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    monkeypatch.setenv("COLUMNS", "80")
+    runner = CliRunner(env={"COLUMNS": "80"})
+    home = str(tmp_path / "home")
+    runner.invoke(cli.app, ["key", "create", "--home", home, "--name", "a" * 70])
+    out = runner.invoke(cli.app, ["key", "ls", "--home", home])
+    assert out.exit_code == 0, out.output
+    _fits(out.stdout)
+    records = json.loads(runner.invoke(cli.app, ["key", "ls", "--home", home, "-o", "json"]).stdout)
+    assert len(records) == 2 and all("sha256" not in r for r in records)
+    assert all(r["owner"] in out.stdout for r in records)
+
+
+# --- dsec logs ------------------------------------------------------------------------------
+LOG_LINES = [
+    {"ts": 1.0, "stream": "stdout", "data": "server starting\n"},
+    {"ts": 1.5, "stream": "stderr", "data": "warning: no config\n"},
+    {"ts": 2.0, "stream": "stdout", "data": "listening on :8000\n"},
+    {"ts": 3.0, "stream": "dsec", "data": "start command exited with code 0\n"},
+]
+
+
+@pytest.fixture
+def logs_wire(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[httpx.Request]]:
+    """The documented route shape (``GET /v1/sandboxes/{id}/logs``, NDJSON ``ts``/``stream``/
+    ``data`` lines, ``?follow=true``), served by a mock transport that records requests."""
+    import json
+
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path != "/v1/sandboxes/sb-node-000000000001/logs":
+            body = {"error": {"code": "sandbox_not_found", "message": "sandbox not found"}}
+            return httpx.Response(404, json=body)
+        text = "".join(json.dumps(x) + "\n" for x in LOG_LINES) + "not json\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "application/x-ndjson"})
+
+    monkeypatch.setattr(cli, "transport_factory", lambda: httpx.MockTransport(handler))
+    yield seen
+
+
+def test_logs_prints_each_stream_where_it_belongs(logs_wire: list[httpx.Request]) -> None:
+    runner = CliRunner(env={"DSEC_API_KEY": "dsec_k", "DSEC_URL": "http://dsec.invalid"})
+    r = runner.invoke(cli.app, ["logs", "sb-node-000000000001"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "server starting\nlistening on :8000\n"
+    assert "warning: no config\n" in r.stderr and "exited with code 0" in r.stderr
+    assert logs_wire[-1].url.params.get("follow") is None
+    assert logs_wire[-1].headers["authorization"] == "Bearer dsec_k"
+    r = runner.invoke(cli.app, ["logs", "-f", "sb-node-000000000001", "-o", "json"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    assert [json.loads(x) for x in r.stdout.splitlines()] == LOG_LINES
+    assert logs_wire[-1].url.params["follow"] == "true"
+    r = runner.invoke(cli.app, ["logs", "sb-node-000000000002"])
+    assert r.exit_code == 1 and "sandbox_not_found" in r.stderr
+
+
+def test_logs_against_the_edge_when_it_keeps_them(runner: CliRunner, edge: FakeEdge) -> None:
+    r = runner.invoke(cli.app, ["run", "--keep", "--", "true"])
+    sandbox_id = edge.calls_to("exec_stream")[0]["sandbox_id"]
+    r = runner.invoke(cli.app, ["logs", sandbox_id])
+    assert r.exit_code == 0, r.output
+    assert edge.calls_to("sandbox_logs")[0]["sandbox_id"] == sandbox_id

@@ -44,6 +44,7 @@ def test_openapi_describes_routes_security_and_errors() -> None:
         "/v1/sandboxes/{sandbox_id}/trajectory": {"get"},
         "/v1/sandboxes/{sandbox_id}/logs": {"get"},
         "/v1/sandboxes/{sandbox_id}/network": {"get", "post"},
+        "/v1/sandboxes/{sandbox_id}/metrics": {"get"},
         "/v1/jobs/{job}": {"get"},
         "/v1/jobs/{job}/{action}": {"post"},
         "/v1/images": {"get"},

@@ -16,7 +16,7 @@ EXPECTED = {
     "AsyncClient", "AsyncSandbox", "Client", "CommandResult", "Image", "Sandbox",
     # models
     "Capabilities", "CreateSandboxRequest", "ExecEvent", "ExecRequest", "ExecResult",
-    "FileInfo", "ImageInfo", "LayerInfo", "LogLine", "NodeInfo", "SandboxInfo",
+    "FileInfo", "ImageInfo", "LayerInfo", "LogLine", "NodeInfo", "SandboxInfo", "SandboxMetrics",
     # network
     "NetworkPolicy",
 }  # fmt: skip

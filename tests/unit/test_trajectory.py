@@ -390,3 +390,26 @@ def test_next_seqs_matches_next_seq_for_many(log: TrajectoryLog) -> None:
     got = log.next_seqs(ids)
     assert got == {sid: log.next_seq(sid) for sid in ids}
     assert got[ids[3]] == 5 and got[ids[1000]] == 1 and log.next_seqs([]) == {}
+
+
+def test_replays_are_counted_and_exported(tmp_path: Path) -> None:
+    # a log written before replays were counted gets the column on open
+    old = tmp_path / "old.db"
+    db = sqlite3.connect(old)
+    db.executescript(
+        "CREATE TABLE trajectory (gidx INTEGER PRIMARY KEY AUTOINCREMENT, sandbox_id TEXT NOT "
+        "NULL, seq INTEGER NOT NULL, idem_key TEXT, op TEXT NOT NULL, request TEXT NOT NULL, "
+        "request_digest TEXT NOT NULL, status TEXT NOT NULL, result TEXT, timings TEXT, "
+        "begun_at REAL NOT NULL, committed_at REAL, UNIQUE (sandbox_id, seq));"
+    )
+    db.close()
+    log = TrajectoryLog(old)
+    req = {"cmd": "echo hi"}
+    b = log.begin("sb-a", 1, None, "exec", req)
+    log.commit("sb-a", b.seq, {"exit_code": 0, "stdout": "hi\n"})
+    assert next(log.entries("sb-a"))["replays"] == 0
+    assert log.begin("sb-a", 1, None, "exec", req).kind == "replay"
+    assert log.begin("sb-a", 1, None, "exec", req).kind == "replay"
+    lines = [json.loads(x) for x in log.export_jsonl("sb-a")]
+    assert lines[1]["replays"] == 2 and lines[1]["exit_code"] == 0
+    log.close()

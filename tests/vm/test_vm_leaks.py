@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.ti
 
 
 def _settle(srv: ServeProcess, baseline: ServerFootprint, timeout_s: float = 60.0) -> dict:  # type: ignore[type-arg]
+    assert not baseline.zombies, f"the served baseline has zombies: {baseline.zombies}"
     deadline = time.monotonic() + timeout_s
     while True:
         grew = server_footprint(srv.proc.pid, srv.home).growth(baseline, threads=8, fds=16)

@@ -8,7 +8,8 @@ error mapping in :mod:`dsec.apiserver.errors`.
 Every request gets one access-log line (``DSEC_ACCESS_LOG=text|json|off``).
 
 Open routes: ``GET /healthz``; ``GET /metrics`` from loopback (anyone else needs a key);
-``/docs`` and ``/openapi.json``. Everything under ``/v1`` needs ``Authorization: Bearer``.
+``/docs`` and ``/openapi.json``. Everything under ``/v1`` needs ``Authorization: Bearer``
+(or the dashboard's session cookie: ``/ui``, :mod:`dsec.ui`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def create_app(
     port_tokens: PortTokens | None = None,
     ports_domain: str | None = None,
     ports_scheme: str = "https",
+    ui: bool = True,
+    ui_secret: bytes | None = None,
 ) -> FastAPI:
     """Build the apiserver app in front of ``edge``.
 
@@ -81,6 +84,9 @@ def create_app(
             listener serves them).
 
     ``app.state.ports`` is the :class:`~dsec.apiserver.ports.PortProxy`.
+        ui: serve the dashboard under ``/ui`` (:mod:`dsec.ui`).
+        ui_secret: the dashboard's session signing secret (default: random per process;
+            ``dsec serve`` keeps one in ``$DSEC_HOME/ui_secret``).
     """
     access_mode = access_log_mode(access_log)
     app = FastAPI(
@@ -107,6 +113,13 @@ def create_app(
         host_scheme=ports_scheme,
     )
     app.state.ports = proxy
+    dashboard = None
+    if ui:
+        from dsec.ui import Dashboard, install_ui
+
+        dashboard = Dashboard(edge, keys, ui_secret)
+        install_ui(app, dashboard)
+    app.state.dashboard = dashboard
 
     @app.get("/healthz", response_model=Health, tags=["node"], summary="Liveness (no auth)")
     async def healthz() -> Health:
@@ -134,6 +147,8 @@ def create_app(
         max_upload_bytes=max_upload_bytes,
         max_json_bytes=min(max_json_bytes, max_upload_bytes),
         access_log=access_mode,
+        sessions=dashboard.sessions if dashboard is not None else None,
+        activity=dashboard.activity if dashboard is not None else None,
     )
     return app
 
@@ -176,7 +191,7 @@ def openapi_document() -> dict[str, Any]:
     routes ``dsec serve`` adds on a node with the fncall tier."""
     from dsec.apiserver.routes_runcode import make_runcode_router
 
-    app = create_app(cast(EdgeAPI, _SchemaOnlyEdge()), _NoKeys(), access_log="off")
+    app = create_app(cast(EdgeAPI, _SchemaOnlyEdge()), _NoKeys(), access_log="off", ui=False)
 
     def no_service() -> Any:
         raise RuntimeError("the schema-only app runs no code")

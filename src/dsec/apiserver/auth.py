@@ -30,9 +30,17 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-__all__ = ["KeyRecord", "KeyStore", "KeyVerifier", "StaticKeys", "generate_key", "owner_id"]
+__all__ = [
+    "KeyDirectory",
+    "KeyRecord",
+    "KeyStore",
+    "KeyVerifier",
+    "StaticKeys",
+    "generate_key",
+    "owner_id",
+]
 
 KEY_PREFIX = "dsec_"
 
@@ -57,6 +65,14 @@ class KeyVerifier(Protocol):
 
     def verify(self, key: str) -> str | None: ...
     def is_operator(self, owner: str) -> bool: ...
+
+
+@runtime_checkable
+class KeyDirectory(Protocol):
+    """Optional ability of a key verifier: whether an owner still has a valid key. A
+    dashboard session (which holds an owner id, never the key) ends when it is revoked."""
+
+    def has_owner(self, owner: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,9 @@ class StaticKeys:
 
     def is_operator(self, owner: str) -> bool:
         return owner in self._operators
+
+    def has_owner(self, owner: str) -> bool:
+        return any(r.owner == owner for r in self._records)
 
 
 class KeyStore:
@@ -198,6 +217,12 @@ class KeyStore:
         with self._lock:
             self._reload()
             return any(r.owner == owner and r.role == "operator" for r in self._records)
+
+    def has_owner(self, owner: str) -> bool:
+        """:class:`KeyDirectory`: whether ``owner`` has an unrevoked key."""
+        with self._lock:
+            self._reload()
+            return any(r.owner == owner for r in self._records)
 
     def create_key(self, name: str = "", *, operator: bool = False) -> str:
         """Generate, register and return a new key (``operator``: with the operator's

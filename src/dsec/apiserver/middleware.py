@@ -4,16 +4,19 @@ Written as plain ASGI (not ``BaseHTTPMiddleware``) so streaming responses pass t
 untouched. For each HTTP request, in order:
 
 1. assigns a request id (returned in ``X-Request-ID``);
-2. authenticates: every ``/v1`` path needs ``Authorization: Bearer <key>``; ``/metrics``
-   needs it unless the client address is loopback (a local Prometheus agent may scrape
-   without a key; a remote one must send the key, e.g. Prometheus ``authorization``);
-   ``/healthz`` and the docs are open. Failing requests get 401 before any parsing;
+2. authenticates: every ``/v1`` and ``/ui/api`` path needs ``Authorization: Bearer <key>``
+   or, from the dashboard, its session cookie (``dsec.ui.session``: a state-changing request
+   must then carry the CSRF header); ``/metrics`` needs it unless the client address is
+   loopback (a local Prometheus agent may scrape without a key; a remote one must send the
+   key, e.g. Prometheus ``authorization``); ``/healthz`` and the docs are open. Failing
+   requests get 401 (a cookie request without its CSRF token 403) before any parsing;
 3. enforces the body limit (``Content-Length`` checked up front, streamed bodies
    counted): raw file uploads may carry ``max_upload_bytes``, everything else
    ``max_json_bytes``; over it the answer is 413 ``payload_too_large``;
 4. turns any exception that escaped the handlers (a bug) into a 500 ``internal``
    response with the request id, logged with its traceback;
-5. records ``dsec_api_*`` metrics by route template;
+5. records ``dsec_api_*`` metrics by route template, and each request in the dashboard's
+   activity series (``dsec.ui.series.ActivityRecorder``) when one is given;
 6. writes one access-log line (logger ``dsec.access``, level INFO) when the response is
    done: method, route *template* (``/v1/sandboxes/{sandbox_id}/exec``, ``/e2b/...``,
    ``/k/{api_key}/run_code``; never the raw path, so no id or key is logged), status,
@@ -155,6 +158,8 @@ class ApiMiddleware:
         passthrough: the route template of a request relayed to a sandbox port
             (:meth:`dsec.apiserver.ports.PortProxy.route_of`), None for any other: such a
             request checks its own credentials and has no body limit.
+        sessions: dashboard sessions (``dsec.ui.session.SessionAuthority``), or None.
+        activity: the dashboard's per-owner request series, or None.
     """
 
     def __init__(
@@ -169,9 +174,13 @@ class ApiMiddleware:
         max_json_bytes: int,
         access_log: AccessLogMode = "text",
         passthrough: Callable[[Scope], str | None] | None = None,
+        sessions: Any = None,
+        activity: Any = None,
     ) -> None:
         self.app = app
         self.passthrough = passthrough
+        self.sessions = sessions
+        self.activity = activity
         self.access_mode = access_log
         self.keys = keys
         self.metrics = metrics
@@ -273,6 +282,8 @@ class ApiMiddleware:
                 self.metrics.error(str(code))
             served = relayed or _served_route(scope, entry_root) or route
             self.metrics.observe(method, served, status, elapsed)
+            if self.activity is not None:
+                self.activity.record(state.get("owner"), method, served, status, elapsed)
             if self.access_mode != "off" and access_log.isEnabledFor(logging.INFO):
                 owner = state.get("owner")
                 access_log.info(
@@ -310,22 +321,39 @@ class ApiMiddleware:
             f"owner={who or '-'} request_id={request_id}"
         )
 
+    def _authenticate(self, scope: Scope) -> DsecError | None:
+        """Set ``state["owner"]`` from the bearer key, else from a dashboard session; the
+        error to answer otherwise."""
+        key = _bearer(scope)
+        if key is None and self.sessions is not None:
+            try:
+                session = self.sessions.authenticate(scope)
+            except DsecError as e:
+                return e
+            if session is not None:
+                scope["state"]["owner"] = session.owner
+                scope["state"]["session"] = session
+                return None
+        if key is None:
+            return AuthenticationError(
+                "missing API key: send 'Authorization: Bearer <key>' (the server's key is "
+                "in $DSEC_HOME/api_key; the SDK reads DSEC_API_KEY or that file)"
+            )
+        owner = self.keys.verify(key)
+        if owner is None:
+            return AuthenticationError("invalid or revoked API key")
+        scope["state"]["owner"] = owner
+        return None
+
     def _precheck(self, scope: Scope, limit: int) -> DsecError | None:
         path: str = scope.get("path", "")
-        needs_key = path == "/v1" or path.startswith("/v1/")
+        needs_key = path == "/v1" or path.startswith(("/v1/", "/ui/api/"))
         if path == "/metrics" and not _is_loopback(scope):
             needs_key = True
         if needs_key:
-            key = _bearer(scope)
-            if key is None:
-                return AuthenticationError(
-                    "missing API key: send 'Authorization: Bearer <key>' (the server's key is "
-                    "in $DSEC_HOME/api_key; the SDK reads DSEC_API_KEY or that file)"
-                )
-            owner = self.keys.verify(key)
-            if owner is None:
-                return AuthenticationError("invalid or revoked API key")
-            scope["state"]["owner"] = owner
+            denied = self._authenticate(scope)
+            if denied is not None:
+                return denied
         length = _content_length(scope)
         if length is not None and length > limit:
             return PayloadTooLarge(

@@ -41,7 +41,7 @@ from dsec.apiserver.schemas import (
     SandboxList,
     TarUploadResult,
 )
-from dsec.edge.interface import PauseModes
+from dsec.edge.interface import MetricsEdge, PauseModes
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
@@ -65,6 +65,7 @@ from dsec.models import (
     MigrateResult,
     PauseRequest,
     SandboxInfo,
+    SandboxMetrics,
     SetTTLRequest,
     SnapshotRequest,
 )
@@ -241,6 +242,15 @@ async def exec_command(
     return _mark_replayed(response, result)
 
 
+def ndjson_of(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI media entry of an NDJSON body: no ``schema`` (the whole body, possibly
+    empty or many lines, is not one JSON value); each line is one ``model``, whose schema is
+    under ``x-line-schema``."""
+    return {
+        "x-line-schema": model.model_json_schema(ref_template="#/components/schemas/{model}"),
+    }
+
+
 def _event_line(event: ExecEvent) -> bytes:
     return event.model_dump_json(exclude_none=True).encode() + b"\n"
 
@@ -253,11 +263,7 @@ def _event_line(event: ExecEvent) -> bytes:
         200: {
             "description": "NDJSON: ExecEvent lines (stdout/stderr chunks, then one exit or error)",
             "content": {
-                "application/x-ndjson": {
-                    "schema": ExecEvent.model_json_schema(
-                        ref_template="#/components/schemas/{model}"
-                    )
-                }
+                "application/x-ndjson": ndjson_of(ExecEvent),
             },
         }
     },
@@ -507,9 +513,7 @@ async def migrate_sandbox(
             "description": "NDJSON: LogLine objects (ts, stream, data) in order; with "
             "follow=true the response stays open until the start command ends",
             "content": {
-                "application/x-ndjson": {
-                    "schema": LogLine.model_json_schema(ref_template="#/components/schemas/{model}")
-                }
+                "application/x-ndjson": ndjson_of(LogLine),
             },
         }
     },
@@ -560,6 +564,22 @@ async def export_trajectory(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner
         media_type="application/x-ndjson",
         headers={"cache-control": "no-store"},
     )
+
+
+@router.get(
+    "/{sandbox_id}/metrics",
+    response_model=SandboxMetrics,
+    summary="Resource usage: CPU, memory, disk, network, processes",
+    description="One sample, read without resuming a paused sandbox or extending its TTL. "
+    "``cpu.used_cores`` averages over ``interval_s`` (since the previous sample of this "
+    "sandbox, or since its creation). A stopped sandbox is a 409 ``sandbox_stopped``; a "
+    "tier whose capabilities lack ``metrics`` a 422 ``capability_not_supported``.",
+)
+async def sandbox_metrics(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxMetrics:
+    if not isinstance(edge, MetricsEdge):
+        await edge.get_sandbox(sandbox_id, owner)  # another key's: not found, as everywhere
+        raise CapabilityNotSupported("this server's edge cannot measure sandboxes")
+    return await edge.sandbox_metrics(sandbox_id, owner)
 
 
 # --- network policy ------------------------------------------------------------

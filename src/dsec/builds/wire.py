@@ -104,7 +104,7 @@ class BuildRequest(BaseModel):
     run_network: NetworkPolicy | None = None
     no_cache: bool = False
     compress: bool = True
-    cpu: float = Field(1.0, gt=0, le=64, description="CPU cores per build sandbox")
+    cpu: float = Field(1.0, ge=0.01, le=64, description="CPU cores per build sandbox")
     memory_mb: int = Field(4096, ge=64, le=1024 * 1024, description="MiB per build sandbox")
     disk_mb: int = Field(4096, ge=16, le=1024 * 1024, description="writable layer, MiB")
     step_timeout_s: float = Field(1800.0, gt=0, le=24 * 3600, description="per step, seconds")

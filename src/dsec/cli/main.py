@@ -11,13 +11,15 @@ Commands::
     dsec network ID update [--allow-domain D]... [--allow-cidr C]... [--deny-domain D]...
                            [--deny-cidr C]... [--port P]... [--protocol tcp|udp|icmp]...
                            [--preset NAME]... | --file POLICY.json
-    dsec ps [--all]
+    dsec ps [--all] [-o table|wide|json]
     dsec kill ID...
     dsec pause ID... | dsec resume ID...
     dsec snapshot ID [--name N] [--scrub PATH]...
     dsec fork ID -n N [--label K=V]...
     dsec job pause|resume|kill|ls JOB
     dsec trajectory ID [-o FILE]
+    dsec logs ID [-f] [-o json]
+    dsec metrics ID [-o json]
     dsec replay LOG.jsonl [--image I] [--keep]
     dsec image ls
     dsec image build PATH --name N [--kind K] [--base B] [--system]
@@ -67,8 +69,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from dsec.cli.tables import Column, OutputFormat, fit_table, print_json, print_table
 from dsec.errors import DsecError, InvalidRequest
-from dsec.models import ExecResult, JobActionResult, PauseReport, SandboxInfo
+from dsec.models import ExecResult, JobActionResult, PauseReport, SandboxInfo, SandboxMetrics
 from dsec.network.policy import NetworkPolicy
 from dsec.sdk import AsyncSandbox, Client, Jobs, Sandbox
 from dsec.sdk.sync import runner
@@ -119,6 +122,11 @@ _connection: dict[str, str | None] = {"url": None, "api_key": None}
 F = TypeVar("F", bound=Callable[..., Any])
 
 _CMD_SETTINGS = {"allow_interspersed_args": False, "ignore_unknown_options": True}
+
+OutputOption = Annotated[
+    OutputFormat,
+    typer.Option("--output", "-o", help="table (fits the terminal), wide (every column) or json"),
+]
 
 
 def make_client() -> Client:
@@ -433,29 +441,44 @@ class NetworkAction(StrEnum):
     update = "update"
 
 
-def _network_tables(stats: dict[str, Any]) -> list[Table]:
-    allowed = Table(box=None, header_style="bold", title="allowed (new connections)")
-    for name in ("DESTINATION", "PROTO", "PORT", "CONNECTIONS", "NAMES"):
-        allowed.add_column(name)
-    for row in stats.get("allowed", []):
-        allowed.add_row(
-            str(row.get("destination", "")),
-            str(row.get("protocol", "")),
-            "" if row.get("port") is None else str(row["port"]),
-            str(row.get("connections", 0)),
-            ",".join(row.get("names", [])),
-        )
-    blocked = Table(box=None, header_style="bold", title="blocked (dropped packets)")
-    for name in ("DESTINATION", "PROTO", "PORT", "PACKETS"):
-        blocked.add_column(name)
-    for row in stats.get("blocked", []):
-        blocked.add_row(
-            str(row.get("destination", "")),
-            str(row.get("protocol", "")),
-            "" if row.get("port") is None else str(row["port"]),
-            str(row.get("packets", 0)),
-        )
-    return [allowed, blocked]
+def _network_tables(stats: dict[str, Any], wide: bool = False) -> list[Table]:
+    def port(row: dict[str, Any]) -> str:
+        return "" if row.get("port") is None else str(row["port"])
+
+    allowed = [
+        [
+            str(r.get("destination", "")),
+            str(r.get("protocol", "")),
+            port(r),
+            str(r.get("connections", 0)),
+            escape(",".join(r.get("names", []))),
+        ]
+        for r in stats.get("allowed", [])
+    ]
+    blocked = [
+        [
+            str(r.get("destination", "")),
+            str(r.get("protocol", "")),
+            port(r),
+            str(r.get("packets", 0)),
+        ]
+        for r in stats.get("blocked", [])
+    ]
+    head = (Column("DESTINATION", is_id=True), Column("PROTO"), Column("PORT", justify="right"))
+    return [
+        fit_table(
+            (*head, Column("CONNECTIONS", justify="right"), Column("NAMES", 1, folds_to=16)),
+            allowed,
+            wide=wide,
+            title="allowed (new connections)",
+        ),
+        fit_table(
+            (*head, Column("PACKETS", justify="right")),
+            blocked,
+            wide=wide,
+            title="blocked (dropped packets)",
+        ),
+    ]
 
 
 @app.command()
@@ -475,6 +498,7 @@ def network(
         typer.Option("--file", "-f", help="update: the policy as a JSON file ('-': stdin)"),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="show: print the raw JSON")] = False,
+    output: OutputOption = OutputFormat.table,
 ) -> None:
     """Show a sandbox's network policy and counters, or replace its policy (update).
 
@@ -484,16 +508,16 @@ def network(
         sb = Sandbox.connect(sandbox_id, client=client)
         if action is NetworkAction.show:
             stats = sb.network.stats()
-            if as_json:
-                sys.stdout.write(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+            if as_json or output is OutputFormat.json:
+                print_json(stats)
                 return
             if not stats.get("enabled"):
                 stdout.print(f"{sandbox_id}: no network (created with network=None)")
                 return
             stdout.print(escape(f"{sandbox_id}: address {stats.get('ip', '?')}"))
             stdout.print(escape(f"policy: {_describe_policy(stats.get('policy'))}"))
-            for table in _network_tables(stats):
-                stdout.print(table)
+            for table in _network_tables(stats, output is OutputFormat.wide):
+                print_table(stdout, table, wide=output is OutputFormat.wide)
             dns = stats.get("dns", {})
             counters = " ".join(
                 f"{k}={dns.get(k, 0)}" for k in ("queries", "answered", "refused", "rate_limited")
@@ -523,32 +547,62 @@ def network(
     stdout.print(escape(f"{info.id}: policy {_describe_policy(info.network)}"))
 
 
-def _sandbox_table(sandboxes: list[SandboxInfo]) -> Table:
-    table = Table(box=None, header_style="bold")
-    table.add_column("ID", no_wrap=True)
-    for name in ("TIER", "IMAGE", "STATE", "PAUSED", "AGE", "CPU", "MEM", "JOB", "LABELS"):
-        table.add_column(name)
+_SANDBOX_COLUMNS = (
+    Column("ID", is_id=True),
+    Column("TIER", 1),
+    Column("STATE"),
+    Column("AGE", 2, justify="right"),
+    Column("IMAGE", 3),
+    Column("JOB", 4),
+    Column("CPU", 5, justify="right"),
+    Column("MEM", 5, justify="right"),
+    Column("PAUSED", 6, justify="right"),
+    Column("LABELS", 7, folds_to=16),
+)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 1024:g}G" if n >= 1024 and n % 1024 == 0 else f"{n}M"
+
+
+def _sandbox_rows(sandboxes: list[SandboxInfo]) -> list[list[str]]:
+    rows = []
     for s in sandboxes:
         state_style = {"running": "green", "paused": "yellow", "stopped": "dim"}.get(s.state, "")
-        table.add_row(
-            s.id,
-            s.tier,
-            s.image,
-            f"[{state_style}]{s.state}[/]" if state_style else s.state,
-            f"{_age(s.paused_at)} ago" if s.paused_at is not None else "",
-            _age(s.created_at),
-            f"{s.cpu:g}",
-            f"{s.memory_mb} MiB",
-            s.job or "",
-            ",".join(f"{k}={v}" for k, v in s.labels.items()),
+        rows.append(
+            [
+                s.id,
+                s.tier,
+                f"[{state_style}]{s.state}[/]" if state_style else s.state,
+                _age(s.created_at),
+                escape(s.image),
+                escape(s.job or ""),
+                f"{s.cpu:g}",
+                _mib(s.memory_mb),
+                f"{_age(s.paused_at)} ago" if s.paused_at is not None else "",
+                escape(",".join(f"{k}={v}" for k, v in s.labels.items())),
+            ]
         )
-    return table
+    return rows
+
+
+def _print_sandboxes(sandboxes: list[SandboxInfo], output: OutputFormat, empty: str) -> None:
+    if output is OutputFormat.json:
+        print_json(sandboxes)
+        return
+    if not sandboxes:
+        stdout.print(empty)
+        return
+    wide = output is OutputFormat.wide
+    table = fit_table(_SANDBOX_COLUMNS, _sandbox_rows(sandboxes), wide=wide)
+    print_table(stdout, table, wide=wide)
 
 
 @app.command()
 @handle_errors
 def ps(
     all_: Annotated[bool, typer.Option("--all", "-a", help="include stopped sandboxes")] = False,
+    output: OutputOption = OutputFormat.table,
 ) -> None:
     """List your sandboxes."""
     client = make_client()
@@ -556,10 +610,120 @@ def ps(
         sandboxes = client.list_sandboxes(include_stopped=all_)
     finally:
         client.close()
-    if not sandboxes:
-        stdout.print("no sandboxes")
+    _print_sandboxes(sandboxes, output, "no sandboxes")
+
+
+def _metrics_rows(m: SandboxMetrics) -> list[list[str]]:
+    mem = m.memory
+    limit = f" / {_size(mem.limit_bytes)}" if mem.limit_bytes else ""
+    rows = [
+        ["state", m.state],
+        [
+            "cpu",
+            f"{m.cpu.used_cores:.2f} of {m.cpu.limit_cores:g} cores ({m.cpu.used_pct:.0f}%), "
+            f"{m.cpu.usage_s:.2f} s in all",
+        ],
+        ["memory", f"{_size(mem.used_bytes)}{limit}, cache {_size(mem.cache_bytes)}"],
+    ]
+    if mem.host_bytes is not None:
+        rows.append(["host memory", _size(mem.host_bytes)])
+    d = m.disk
+    if d.total_bytes is not None or d.used_bytes is not None:
+        used = "?" if d.used_bytes is None else _size(d.used_bytes)
+        total = "?" if d.total_bytes is None else _size(d.total_bytes)
+        rows.append(["disk", f"{used} / {total}"])
+    n = m.network
+    rows.append(
+        [
+            "network",
+            "none"
+            if n is None
+            else f"rx {_size(n.rx_bytes)} ({n.rx_packets} packets), "
+            f"tx {_size(n.tx_bytes)} ({n.tx_packets} packets)",
+        ]
+    )
+    if m.pids is not None:
+        rows.append(["processes", str(m.pids)])
+    rows.append(["source", f"{m.source} (rates over {m.interval_s:g} s)"])
+    return rows
+
+
+@app.command()
+@handle_errors
+def metrics(
+    sandbox_id: Annotated[str, typer.Argument(help="sandbox id", show_default=False)],
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Show a sandbox's CPU, memory, disk, network and processes (a paused one stays paused)."""
+    client = make_client()
+    try:
+        m = Sandbox.connect(sandbox_id, client=client).metrics()
+    finally:
+        client.close()
+    if output is OutputFormat.json:
+        print_json(m)
         return
-    stdout.print(_sandbox_table(sandboxes))
+    table = fit_table(
+        (Column(m.sandbox_id, is_id=True), Column(m.tier)), _metrics_rows(m), wide=True
+    )
+    print_table(stdout, table, wide=output is OutputFormat.wide)
+
+
+FOLLOW_TIMEOUT_S = 24 * 3600.0
+"""How long ``dsec logs -f`` follows at most, seconds."""
+
+
+async def _log_lines(client: Client, sandbox_id: str, follow: bool) -> Any:
+    """The NDJSON lines of ``GET /v1/sandboxes/{id}/logs`` as dicts (``ts``, ``stream``,
+    ``data``); lines this version cannot parse are skipped."""
+    from urllib.parse import quote
+
+    path = f"/v1/sandboxes/{quote(sandbox_id, safe='')}/logs" + ("?follow=true" if follow else "")
+    http = client.async_client._http
+    async with http.stream("GET", path, timeout=FOLLOW_TIMEOUT_S if follow else None) as r:
+        async for line in r.aiter_lines():
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(item, dict) and isinstance(item.get("data"), str):
+                yield item
+
+
+@app.command()
+@handle_errors
+def logs(
+    sandbox_id: Annotated[str, typer.Argument(help="sandbox id", show_default=False)],
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="keep printing new output until it ends")
+    ] = False,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Print what the sandbox's start command wrote (stdout to stdout, stderr to stderr);
+    -o json: the NDJSON lines as they come (ts, stream, data)."""
+    client = make_client()
+
+    async def go() -> None:
+        async for item in _log_lines(client, sandbox_id, follow):
+            stream = item.get("stream")
+            if output is OutputFormat.json:
+                sys.stdout.write(json.dumps(item, sort_keys=True) + "\n")
+                sys.stdout.flush()
+            elif stream == "stderr":
+                sys.stderr.write(item["data"])
+                sys.stderr.flush()
+            elif stream == "stdout":
+                sys.stdout.write(item["data"])
+                sys.stdout.flush()
+            else:  # the edge's own note (how the command ended)
+                stderr.print(f"[dim]{escape(item['data'].rstrip())}[/]", soft_wrap=True)
+
+    try:
+        _run(go())
+    finally:
+        client.close()
 
 
 @app.command("port-forward")
@@ -802,36 +966,46 @@ def _run(coro: Coroutine[Any, Any, Any]) -> Any:
     return runner.run(coro)
 
 
-def _job_table(result: JobActionResult) -> Table:
-    table = Table(box=None, header_style="bold")
-    table.add_column("SANDBOX", no_wrap=True)
-    table.add_column("OK")
-    table.add_column("STATE")
-    table.add_column("ERROR")
+_JOB_COLUMNS = (
+    Column("SANDBOX", is_id=True),
+    Column("OK"),
+    Column("STATE", 1),
+    Column("ERROR", 2, folds_to=20),
+)
+
+
+def _job_rows(result: JobActionResult) -> list[list[str]]:
+    rows = []
     for sandbox_id, outcome in result.outcomes.items():
         err = outcome.error or {}
-        table.add_row(
-            sandbox_id,
-            "[green]yes[/]" if outcome.ok else "[red]no[/]",
-            outcome.state or "",
-            escape(f"{err.get('message', '')} [{err.get('code', '')}]") if err else "",
+        rows.append(
+            [
+                sandbox_id,
+                "[green]yes[/]" if outcome.ok else "[red]no[/]",
+                outcome.state or "",
+                escape(f"{err.get('message', '')} [{err.get('code', '')}]") if err else "",
+            ]
         )
-    return table
+    return rows
 
 
-def _job_action(job: str, action: str) -> None:
+def _job_action(job: str, action: str, output: OutputFormat) -> None:
     client = make_client()
     try:
         api = Jobs(client)
         result = getattr(api, action)(job)
     finally:
         client.close()
-    if not result.outcomes:
+    failed = sum(1 for o in result.outcomes.values() if not o.ok)
+    if output is OutputFormat.json:
+        print_json(result)
+    elif not result.outcomes:
         stdout.print(f"job {job}: no sandboxes")
         return
-    stdout.print(_job_table(result))
-    failed = sum(1 for o in result.outcomes.values() if not o.ok)
-    stderr.print(f"{action}: {len(result.outcomes) - failed} ok, {failed} failed")
+    else:
+        wide = output is OutputFormat.wide
+        print_table(stdout, fit_table(_JOB_COLUMNS, _job_rows(result), wide=wide), wide=wide)
+        stderr.print(f"{action}: {len(result.outcomes) - failed} ok, {failed} failed")
     if failed:
         raise typer.Exit(1)
 
@@ -841,23 +1015,23 @@ JobArgument = Annotated[str, typer.Argument(help="job id (given at creation)", s
 
 @job_app.command("pause")
 @handle_errors
-def job_pause(job: JobArgument) -> None:
+def job_pause(job: JobArgument, output: OutputOption = OutputFormat.table) -> None:
     """Pause every sandbox of JOB (e.g. when the trainer is preempted)."""
-    _job_action(job, "pause")
+    _job_action(job, "pause", output)
 
 
 @job_app.command("resume")
 @handle_errors
-def job_resume(job: JobArgument) -> None:
+def job_resume(job: JobArgument, output: OutputOption = OutputFormat.table) -> None:
     """Resume every sandbox of JOB."""
-    _job_action(job, "resume")
+    _job_action(job, "resume", output)
 
 
 @job_app.command("kill")
 @handle_errors
-def job_kill(job: JobArgument) -> None:
+def job_kill(job: JobArgument, output: OutputOption = OutputFormat.table) -> None:
     """Kill every sandbox of JOB."""
-    _job_action(job, "kill")
+    _job_action(job, "kill", output)
 
 
 @job_app.command("ls")
@@ -865,6 +1039,7 @@ def job_kill(job: JobArgument) -> None:
 def job_ls(
     job: JobArgument,
     all_: Annotated[bool, typer.Option("--all", "-a", help="include stopped sandboxes")] = False,
+    output: OutputOption = OutputFormat.table,
 ) -> None:
     """List the sandboxes of JOB."""
     client = make_client()
@@ -872,38 +1047,45 @@ def job_ls(
         sandboxes = Jobs(client).list(job, include_stopped=all_)
     finally:
         client.close()
-    if not sandboxes:
-        stdout.print(f"job {job}: no sandboxes")
-        return
-    stdout.print(_sandbox_table(sandboxes))
+    _print_sandboxes(sandboxes, output, f"job {job}: no sandboxes")
+
+
+_IMAGE_COLUMNS = (
+    Column("NAME", is_id=True),
+    Column("OWNER", 3),
+    Column("LAYERS", 2, justify="right"),
+    Column("SIZE", 1, justify="right"),
+    Column("CACHED", 2, justify="right"),
+    Column("AGE"),
+)
 
 
 @image_app.command("ls")
 @handle_errors
-def image_ls() -> None:
+def image_ls(output: OutputOption = OutputFormat.table) -> None:
     """List this key's images and the system's (built-in images show their build status)."""
     client = make_client()
     try:
         images = client.list_images()
     finally:
         client.close()
-    table = Table(box=None, header_style="bold")
-    table.add_column("NAME", no_wrap=True)
-    table.add_column("OWNER", no_wrap=True)
-    table.add_column("LAYERS")
-    table.add_column("SIZE")
-    table.add_column("CACHED")
-    table.add_column("AGE")
+    if output is OutputFormat.json:
+        print_json(images)
+        return
+    rows = []
     for im in images:
+        owner = (im.owner or "system") + (" (shared)" if im.shared else "")
         if im.status != "ready":
-            table.add_row(im.name, im.owner, "-", "-", "-", f"{im.status}: {im.progress or ''}")
+            rows.append(
+                [im.name, owner, "-", "-", "-", escape(f"{im.status}: {im.progress or ''}")]
+            )
             continue
         cached = "-" if im.cached_fraction is None else f"{im.cached_fraction:.0%}"
-        owner = f"{im.owner} (shared)" if im.shared else im.owner
-        table.add_row(
-            im.name, owner, str(len(im.layers)), _size(im.size), cached, _age(im.created_at)
+        rows.append(
+            [im.name, owner, str(len(im.layers)), _size(im.size), cached, _age(im.created_at)]
         )
-    stdout.print(table)
+    wide = output is OutputFormat.wide
+    print_table(stdout, fit_table(_IMAGE_COLUMNS, rows, wide=wide), wide=wide)
 
 
 @image_app.command("rm")
@@ -1079,38 +1261,47 @@ def _print_build_event(event: Any) -> None:
         stderr.print(f"  [dim]{event.layer[:19]} ({event.duration_ms / 1000:.1f} s)[/]")
 
 
+_ABILITIES = (
+    "exec", "files", "streaming", "pause", "snapshot", "fork", "network", "tty", "display",
+    "suspend", "memory_fork", "metrics",
+)  # fmt: skip
+
+
 @app.command()
 @handle_errors
-def info() -> None:
+def info(output: OutputOption = OutputFormat.table) -> None:
     """Show the node and what each tier can do."""
     client = make_client()
     try:
         node = client.node_info()
     finally:
         client.close()
+    if output is OutputFormat.json:
+        print_json(node)
+        return
     stdout.print(
-        f"[bold]node[/] {node.node}  [bold]version[/] {node.version}  "
+        f"[bold]node[/] {escape(node.node)}  [bold]version[/] {node.version}  "
         f"[bold]sandboxes[/] {node.sandboxes}  [bold]cpus[/] {node.cpus}  "
-        f"[bold]memory[/] {node.memory_mb} MiB"
+        f"[bold]memory[/] {_mib(node.memory_mb)}",
+        soft_wrap=True,
     )
-    table = Table(box=None, header_style="bold")
-    table.add_column("TIER", no_wrap=True)
-    table.add_column("AVAILABLE")
-    for flag in ("exec", "files", "streaming", "pause", "snapshot", "fork", "network", "tty"):
-        table.add_column(flag.upper())
-    table.add_column("NOTE")
-    for cap in node.tiers:
-        flags = [
-            "yes" if getattr(cap, f) else "-"
-            for f in ("exec", "files", "streaming", "pause", "snapshot", "fork", "network", "tty")
-        ]
-        table.add_row(
+    rows = [
+        [
             cap.tier,
             "[green]yes[/]" if cap.available else "[red]no[/]",
-            *flags,
-            cap.reason or "",
-        )
-    stdout.print(table)
+            " ".join(f for f in _ABILITIES if getattr(cap, f, False)) or "-",
+            escape(cap.reason or ""),
+        ]
+        for cap in node.tiers
+    ]
+    columns = (
+        Column("TIER", is_id=True),
+        Column("AVAILABLE"),
+        Column("CAN", folds_to=24),
+        Column("NOTE", 1, folds_to=16),
+    )
+    wide = output is OutputFormat.wide
+    print_table(stdout, fit_table(columns, rows, wide=wide), wide=wide)
 
 
 # --- keys (local, offline) -------------------------------------------------------
@@ -1139,17 +1330,34 @@ def key_create(
 
 @key_app.command("ls")
 @handle_errors
-def key_ls(home: HomeOption = None) -> None:
+def key_ls(home: HomeOption = None, output: OutputOption = OutputFormat.table) -> None:
     """List key owner ids (never the keys)."""
-    table = Table(box=None, header_style="bold")
-    table.add_column("OWNER", no_wrap=True)
-    table.add_column("NAME")
-    table.add_column("ROLE")
-    table.add_column("CREATED")
-    for rec in _key_store(home).list():
-        created = datetime.fromtimestamp(rec.created_at, UTC).strftime("%Y-%m-%d %H:%M:%S")
-        table.add_row(rec.owner, rec.name, rec.role, created)
-    stdout.print(table)
+    records = _key_store(home).list()
+    if output is OutputFormat.json:
+        print_json(
+            [
+                {"owner": r.owner, "name": r.name, "role": r.role, "created_at": r.created_at}
+                for r in records
+            ]
+        )
+        return
+    rows = [
+        [
+            r.owner,
+            r.role,
+            datetime.fromtimestamp(r.created_at, UTC).strftime("%Y-%m-%d %H:%M"),
+            escape(r.name),
+        ]
+        for r in records
+    ]
+    columns = (
+        Column("OWNER", is_id=True),
+        Column("ROLE"),
+        Column("CREATED", 1),
+        Column("NAME", 2, folds_to=12),
+    )
+    wide = output is OutputFormat.wide
+    print_table(stdout, fit_table(columns, rows, wide=wide), wide=wide)
 
 
 @key_app.command("revoke")

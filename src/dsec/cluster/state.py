@@ -421,6 +421,13 @@ class PgKeyStore:
             found = self._find(digest, max_age_s=0.2)
         return found
 
+    def has_owner(self, owner: str) -> bool:
+        """:class:`~dsec.apiserver.auth.KeyDirectory`: whether ``owner`` has a key (from the
+        cache, refreshed as :meth:`verify` refreshes it)."""
+        self._find("", max_age_s=self.refresh_s)
+        with self._lock:
+            return any(o == owner for _, o in self._cache)
+
     def _find(self, digest: str, *, max_age_s: float) -> str | None:
         import hmac
 

@@ -29,7 +29,10 @@ Example (a client)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -48,6 +51,7 @@ from dsec.e2b.interactive import (
     PtySize,
 )
 from dsec.e2b.process import ProcessRegistry
+from dsec.e2b.templates import TemplateAPI, TemplateFiles
 from dsec.edge.interface import EdgeAPI
 
 __all__ = [
@@ -60,6 +64,7 @@ __all__ = [
     "InteractiveProcess",
     "OutputChunk",
     "PtySize",
+    "TemplateAPI",
     "TemplateMap",
     "make_e2b_app",
 ]
@@ -72,12 +77,18 @@ class E2BCompat:
     control: ControlPlane
     envd: EnvdApp
     registry: ProcessRegistry
+    templates: TemplateAPI
+    scratch: list[Path] = field(default_factory=list)
 
     async def aclose(self) -> None:
-        """Kill every process started through the E2B API and stop every directory
-        watcher's background poll (server shutdown)."""
+        """Kill every process started through the E2B API, stop every directory
+        watcher's background poll and every template build still running (server
+        shutdown)."""
         self.envd.filesystem.aclose()
+        await self.templates.aclose()
         await self.registry.aclose()
+        for p in self.scratch:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def make_e2b_app(
@@ -89,6 +100,8 @@ def make_e2b_app(
     templates: TemplateMap | None = None,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
     watch_poll_interval_s: float = 0.25,
+    template_files_dir: Path | None = None,
+    max_build_context_bytes: int | None = None,
     sandbox_domain: str | None = None,
     traffic_tokens: TrafficTokens | None = None,
 ) -> Starlette:
@@ -105,6 +118,11 @@ def make_e2b_app(
         templates: E2B template -> dsec tier/image map (default: ``base`` -> ``debian``).
         max_upload_bytes: largest file upload, bytes.
         watch_poll_interval_s: seconds between two listings of a watched directory.
+        template_files_dir: where the files of templates' COPY steps are kept per key
+            (``None``: a temporary directory removed at ``aclose()``; ``dsec serve`` uses
+            ``$DSEC_HOME/e2b-template-files``).
+        max_build_context_bytes: largest upload and largest set of files of one template
+            build, bytes (default: ``DSEC_MAX_BUILD_CONTEXT_BYTES`` or 256 MiB).
         sandbox_domain: the ``domain`` answered to the SDK (the port proxy's
             ``DSEC_PORTS_DOMAIN``; None: ``dsec.invalid``, a name that never resolves).
         traffic_tokens: issues the ``trafficAccessToken`` (the port proxy's tokens).
@@ -122,13 +140,30 @@ def make_e2b_app(
         max_upload_bytes=max_upload_bytes,
         watch_poll_interval_s=watch_poll_interval_s,
     )
+    template_map = templates or TemplateMap()
+    scratch: list[Path] = []
+    if template_files_dir is None:
+        template_files_dir = Path(tempfile.mkdtemp(prefix="dsec-e2b-files-"))
+        scratch.append(template_files_dir)
+    if max_build_context_bytes is None:
+        from dsec.builds.engine import BuildLimits
+
+        max_build_context_bytes = BuildLimits.from_env().max_context_bytes
+    template_api = TemplateAPI(
+        edge,
+        template_map,
+        TemplateFiles(template_files_dir, max_file_bytes=max_build_context_bytes),
+        secret=token_secret,
+        max_context_bytes=max_build_context_bytes,
+    )
     control = ControlPlane(
         edge,
         verify_key,
         tokens,
-        templates or TemplateMap(),
+        template_map,
         registry,
         envd.filesystem,
+        template_api,
         sandbox_domain=sandbox_domain,
         traffic_tokens=traffic_tokens,
     )
@@ -148,7 +183,9 @@ def make_e2b_app(
 
     routes.append(Mount("/", app=_fallback(not_implemented)))
     app = Starlette(routes=routes, exception_handlers=e2b_http_exception_handlers())
-    app.state.e2b = E2BCompat(control=control, envd=envd, registry=registry)
+    app.state.e2b = E2BCompat(
+        control=control, envd=envd, registry=registry, templates=template_api, scratch=scratch
+    )
     return app
 
 

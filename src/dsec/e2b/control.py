@@ -15,12 +15,23 @@ Mapping:
 * pause / resume / connect-resumes -> ``pause_sandbox`` / ``resume_sandbox``;
   ``lifecycle.on_timeout`` -> ``on_timeout``; snapshots -> ``snapshot_sandbox``
   tagged as an image (the snapshot id is that image name, so it works as a
-  template); fork -> ``fork_sandbox``.
+  template, and ``delete_snapshot`` deletes it like a template); fork -> ``fork_sandbox``.
+* templates (``Template.build``, aliases, tags, list, delete) -> :mod:`dsec.e2b.templates`
+  over the edge's image builds; a template is the key's images named after it.
 * ``allow_internet_access`` and ``network`` (``allow_out``/``deny_out``/
   ``dns_servers``) -> a dsec ``NetworkPolicy`` (:mod:`dsec.e2b.network`);
   ``update_network`` -> ``update_network``; ``get_info`` shows the policy back.
-* features dsec does not have (listing/deleting snapshots, metrics, logs,
-  egress proxies and request transforms, MCP, volumes, template builds) answer
+* metrics (``GET /sandboxes/{id}/metrics``, ``GET /sandboxes/metrics?sandbox_ids=``) ->
+  ``sandbox_metrics``: one sample, taken now (dsec samples on request and keeps no history),
+  returned when ``now`` is inside the asked ``[start, end]``; CPU percent of the sandbox's
+  cores, memory and disk in bytes (``get_metrics``).
+* logs (``GET /sandboxes/{id}/logs``, ``GET /v2/sandboxes/{id}/logs``) -> the edge's
+  ``sandbox_logs`` (what ``GET /v1/sandboxes/{id}/logs`` serves: the image start command's
+  output): one entry per line, ``stdout`` at level ``info``, ``stderr`` ``error``, the edge's
+  own note ``warn``; ``start``/``cursor`` in milliseconds, ``limit``, ``direction``,
+  ``level`` (the lowest shown) and ``search`` (a substring) as E2B has them.
+* features dsec does not have (listing/deleting snapshots,
+  egress proxies and request transforms, MCP, volumes) answer
   422 (or 501 for routes not implemented at all) with a message that says so;
   the SDK raises ``SandboxException("<status>: <message>")``.
 """
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import logging
 import math
@@ -62,8 +74,16 @@ from dsec.e2b.errors import E2BError, control_status
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
 from dsec.e2b.process import ProcessRegistry, paused_error
-from dsec.edge.interface import EdgeAPI
-from dsec.errors import DsecError, ImageNotFound, ServiceUnavailable
+from dsec.e2b.templates import TemplateAPI
+from dsec.edge.interface import EdgeAPI, MetricsEdge
+from dsec.errors import (
+    CapabilityNotSupported,
+    DsecError,
+    ImageNotFound,
+    SandboxNotFound,
+    SandboxStopped,
+    ServiceUnavailable,
+)
 from dsec.models import CreateSandboxRequest, ForkRequest, SandboxInfo, SnapshotRequest
 
 __all__ = ["ENVD_VERSION", "SANDBOX_DOMAIN", "TEMPLATE_LABEL", "ControlPlane"]
@@ -187,6 +207,14 @@ def _check_network_body(network: dict[str, Any], prefix: str = "") -> None:
         raise E2BError(400, f"{prefix}httpsPorts must be a list of integers")
 
 
+_LOG_LEVELS = ("debug", "info", "warn", "error")
+_LOG_LEVEL_OF = {"stdout": "info", "stderr": "error", "dsec": "warn"}
+
+
+def _wire_entry(e: dict[str, Any]) -> dict[str, Any]:
+    return {k: e[k] for k in ("timestamp", "message", "level", "fields")}
+
+
 def _error(status: int, message: str, *, retry: bool | None = None) -> JSONResponse:
     headers = {"Should-Retry": "true" if retry else "false"} if retry is not None else None
     return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
@@ -203,11 +231,13 @@ class ControlPlane:
         templates: TemplateMap,
         registry: ProcessRegistry,
         filesystem: FilesystemService,
+        template_api: TemplateAPI | None = None,
         *,
         sandbox_domain: str | None = None,
         traffic_tokens: TrafficTokens | None = None,
     ) -> None:
         self.edge = edge
+        self.template_api = template_api
         self.sandbox_domain = sandbox_domain or SANDBOX_DOMAIN
         self.traffic_tokens = traffic_tokens
         self.verify_key = verify_key
@@ -225,7 +255,7 @@ class ControlPlane:
             Route("/v2/sandboxes", g(self.create), methods=["POST"]),
             Route("/sandboxes", g(self.list_v1), methods=["GET"]),
             Route("/v2/sandboxes", g(self.list_v2), methods=["GET"]),
-            Route("/sandboxes/metrics", g(self.refuse_metrics), methods=["GET"]),
+            Route("/sandboxes/metrics", g(self.metrics_many), methods=["GET"]),
             Route("/sandboxes/{sandbox_id}", g(self.get), methods=["GET"]),
             Route("/sandboxes/{sandbox_id}", g(self.kill), methods=["DELETE"]),
             Route("/sandboxes/{sandbox_id}/timeout", g(self.set_timeout), methods=["POST"]),
@@ -237,11 +267,11 @@ class ControlPlane:
             Route("/sandboxes/{sandbox_id}/snapshots", g(self.snapshot), methods=["POST"]),
             Route("/sandboxes/{sandbox_id}/fork", g(self.fork), methods=["POST"]),
             Route("/sandboxes/{sandbox_id}/network", g(self.update_network), methods=["PUT"]),
-            Route("/sandboxes/{sandbox_id}/metrics", g(self.refuse_on_sandbox), methods=["GET"]),
-            Route("/sandboxes/{sandbox_id}/logs", g(self.refuse_on_sandbox), methods=["GET"]),
-            Route("/v2/sandboxes/{sandbox_id}/logs", g(self.refuse_on_sandbox), methods=["GET"]),
+            Route("/sandboxes/{sandbox_id}/metrics", g(self.metrics), methods=["GET"]),
+            Route("/sandboxes/{sandbox_id}/logs", g(self.logs_v1), methods=["GET"]),
+            Route("/v2/sandboxes/{sandbox_id}/logs", g(self.logs_v2), methods=["GET"]),
             Route("/snapshots", g(self.refuse_snapshots), methods=["GET"]),
-            Route("/templates/{template_id:path}", g(self.refuse_snapshots), methods=["DELETE"]),
+            *(self.template_api.routes(g) if self.template_api is not None else []),
         ]
 
     def _guard(
@@ -413,6 +443,9 @@ class ControlPlane:
             E2BEgress.from_wire(wire_network) if wire_network is not None else None,
         )
         target = self.templates.resolve(new.template_id)
+        sizes: dict[str, Any] = {}
+        if self.template_api is not None:  # a template id, name:default; its cpu and memory
+            target, sizes = await self.template_api.sandbox_target(owner, new.template_id, target)
         metadata = _unset(new.metadata) or {}
         envs = _unset(new.env_vars) or {}
         if not isinstance(metadata, dict) or not isinstance(envs, dict):
@@ -422,6 +455,7 @@ class ControlPlane:
             req = CreateSandboxRequest(
                 tier=target.tier,
                 image=target.image,
+                **sizes,
                 env={str(k): str(v) for k, v in envs.items()},
                 labels={
                     **{str(k): str(v) for k, v in metadata.items()},
@@ -663,21 +697,141 @@ class ControlPlane:
         await self.edge.update_network(sandbox_id, owner, policy)
         return Response(status_code=204)
 
-    async def refuse_on_sandbox(self, request: Request, owner: str) -> Response:
-        await self._live(request.path_params["sandbox_id"], owner)
-        what = request.url.path.rstrip("/").rsplit("/", 1)[-1]
-        return _error(
-            422,
-            f"'{what}' is not supported by dsec yet (per-sandbox metrics and logs arrive in "
-            "later releases)",
+    async def _metric(self, sandbox_id: str, owner: str) -> dict[str, Any]:
+        """One E2B ``SandboxMetric`` of the sandbox, now."""
+        if not isinstance(self.edge, MetricsEdge):
+            await self._live(sandbox_id, owner)
+            raise E2BError(422, "this dsec server cannot measure sandboxes")
+        try:
+            m = await self.edge.sandbox_metrics(sandbox_id, owner)
+        except SandboxStopped:
+            raise E2BError(404, f"sandbox {sandbox_id} not found") from None
+        return {
+            "timestamp": m.timestamp.isoformat().replace("+00:00", "Z"),
+            "timestampUnix": int(m.timestamp.timestamp()),
+            "cpuCount": max(1, math.ceil(m.cpu.limit_cores)),
+            "cpuUsedPct": m.cpu.used_pct,
+            "memUsed": m.memory.used_bytes,
+            "memTotal": m.memory.limit_bytes or 0,
+            "memCache": m.memory.cache_bytes,
+            "diskUsed": m.disk.used_bytes or 0,
+            "diskTotal": m.disk.total_bytes or 0,
+        }
+
+    @staticmethod
+    def _time_window(request: Request) -> tuple[float, float]:
+        """``start``/``end`` query parameters (Unix seconds; defaults: ever, now)."""
+        q = request.query_params
+        try:
+            start = float(q["start"]) if q.get("start") else -math.inf
+            end = float(q["end"]) if q.get("end") else math.inf
+        except ValueError:
+            raise E2BError(400, "start and end are Unix timestamps in seconds") from None
+        return start, end
+
+    async def metrics(self, request: Request, owner: str) -> Response:
+        """E2B ``get_metrics``: the metric taken now, if now is inside ``[start, end]``."""
+        sandbox_id = request.path_params["sandbox_id"]
+        start, end = self._time_window(request)
+        metric = await self._metric(sandbox_id, owner)
+        inside = start - 1 <= metric["timestampUnix"] <= end + 1
+        return JSONResponse([metric] if inside else [])
+
+    async def metrics_many(self, request: Request, owner: str) -> Response:
+        """E2B ``GET /sandboxes/metrics?sandbox_ids=a,b``: the latest metric of each of this
+        key's running sandboxes among them (others, and unknown ids, are left out)."""
+        raw = request.query_params.get("sandbox_ids", "")
+        ids = [x for x in (p.strip() for p in raw.split(",")) if x][:100]
+        out: dict[str, Any] = {}
+        for sandbox_id in ids:
+            try:
+                out[sandbox_id] = await self._metric(sandbox_id, owner)
+            except (E2BError, SandboxNotFound, SandboxStopped, CapabilityNotSupported):
+                continue
+        return JSONResponse({"sandboxes": out})
+
+    async def _log_entries(self, sandbox_id: str, owner: str) -> list[dict[str, Any]]:
+        """The sandbox's logs as E2B log entries (oldest first), one per line of output."""
+        await self._live(sandbox_id, owner)
+        out: list[dict[str, Any]] = []
+        lines = self.edge.sandbox_logs(sandbox_id, owner, follow=False)
+        async with contextlib.aclosing(lines):
+            async for chunk in lines:
+                level = _LOG_LEVEL_OF.get(str(chunk.stream), "info")
+                when = datetime.fromtimestamp(float(chunk.ts), UTC)
+                stamp = when.isoformat().replace("+00:00", "Z")
+                for text in str(chunk.data).splitlines():
+                    out.append(
+                        {
+                            "timestamp": stamp,
+                            "ms": int(float(chunk.ts) * 1000),
+                            "message": text,
+                            "level": level,
+                            "fields": {"stream": str(chunk.stream)},
+                        }
+                    )
+        return out
+
+    @staticmethod
+    def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+        raw = request.query_params.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise E2BError(400, f"{name} must be an integer") from None
+        if not lo <= value <= hi:
+            raise E2BError(400, f"{name} must be between {lo} and {hi}")
+        return value
+
+    async def logs_v1(self, request: Request, owner: str) -> Response:
+        """E2B ``GET /sandboxes/{id}/logs?start=<ms>&limit=<n>`` (oldest first)."""
+        start = self._int_param(request, "start", 0, 0, 1 << 62)
+        limit = self._int_param(request, "limit", 1000, 0, 10_000)
+        entries = [
+            e
+            for e in await self._log_entries(request.path_params["sandbox_id"], owner)
+            if e["ms"] >= start
+        ][:limit]
+        return JSONResponse(
+            {
+                "logs": [{"timestamp": e["timestamp"], "line": e["message"]} for e in entries],
+                "logEntries": [_wire_entry(e) for e in entries],
+            }
         )
 
-    async def refuse_metrics(self, request: Request, owner: str) -> Response:
-        return _error(422, "sandbox metrics are not supported by dsec yet")
+    async def logs_v2(self, request: Request, owner: str) -> Response:
+        """E2B ``GET /v2/sandboxes/{id}/logs``: ``cursor`` (ms), ``limit``, ``direction``
+        (``forward``: from the cursor on, oldest first; ``backward``: up to it, newest first),
+        ``level`` (the lowest level shown) and ``search`` (a substring of the message)."""
+        q = request.query_params
+        limit = self._int_param(request, "limit", 1000, 0, 10_000)
+        direction = q.get("direction") or "forward"
+        if direction not in ("forward", "backward"):
+            raise E2BError(400, "direction must be forward or backward")
+        level = q.get("level") or "debug"
+        if level not in _LOG_LEVELS:
+            raise E2BError(400, f"level must be one of {', '.join(_LOG_LEVELS)}")
+        search = q.get("search") or ""
+        entries = await self._log_entries(request.path_params["sandbox_id"], owner)
+        floor = _LOG_LEVELS.index(level)
+        entries = [
+            e
+            for e in entries
+            if _LOG_LEVELS.index(e["level"]) >= floor and (not search or search in e["message"])
+        ]
+        if direction == "forward":
+            cursor = self._int_param(request, "cursor", 0, 0, 1 << 62)
+            chosen = [e for e in entries if e["ms"] >= cursor][:limit]
+        else:
+            cursor = self._int_param(request, "cursor", 1 << 62, 0, 1 << 62)
+            chosen = [e for e in reversed(entries) if e["ms"] <= cursor][:limit]
+        return JSONResponse({"logs": [_wire_entry(e) for e in chosen]})
 
     async def refuse_snapshots(self, request: Request, owner: str) -> Response:
         return _error(
             422,
-            "listing and deleting snapshots is not supported by dsec's E2B API yet "
-            "(snapshots are dsec images: see `dsec images`)",
+            "listing snapshots is not supported by dsec's E2B API yet (snapshots are dsec "
+            "images: see `dsec image ls`; delete_snapshot works)",
         )

@@ -71,7 +71,9 @@ from dsec.models import (
     BatchCreateResult,
     BuildImageRequest,
     Capabilities,
+    CpuMetrics,
     CreateSandboxRequest,
+    DiskMetrics,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -84,17 +86,21 @@ from dsec.models import (
     JobOutcome,
     LayerInfo,
     LogLine,
+    MemoryMetrics,
     MigrateResult,
+    NetworkMetrics,
     NodeInfo,
     PauseReport,
     PushImageResult,
     SandboxInfo,
+    SandboxMetrics,
     SnapshotRequest,
 )
 from dsec.runtimes.base import (
     Display,
     Handle,
     Interactive,
+    Measurable,
     MemoryStateful,
     Networked,
     Pausable,
@@ -181,6 +187,8 @@ class _Live:
     desktop_known: bool = False
     ports: set[TrackedStream] = field(default_factory=set)  # open proxied connections
     ports_opening: int = 0
+    # the previous usage sample (monotonic seconds, cumulative CPU ns): rates between samples
+    last_usage: tuple[float, int] | None = None
 
 
 def node_name() -> str:
@@ -1723,6 +1731,79 @@ class EdgeAgent:
         if lv is None or not lv.row.request.get("public_ports"):
             raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id)
         return lv.row.owner
+
+    # ------------------------------------------------------------------ metrics
+    async def sandbox_metrics(self, sandbox_id: str, owner: str) -> SandboxMetrics:
+        """:class:`dsec.edge.interface.MetricsEdge`: one usage sample of a live sandbox, read
+        without resuming it or touching its TTL (see :class:`dsec.runtimes.base.Measurable`)."""
+        row = self._lookup_row(sandbox_id, owner)
+        lv = self._live.get(sandbox_id)
+        if lv is None or lv.row.state not in ("running", "paused"):
+            state = lv.row.state if lv is not None else row.state
+            raise SandboxStopped(
+                f"sandbox {sandbox_id} is {state}"
+                + (f" ({row.stopped_reason})" if state == "stopped" and row.stopped_reason else ""),
+                sandbox_id=sandbox_id,
+            )
+        rt = self.runtimes.get(lv.row.tier)
+        if not isinstance(rt, Measurable):
+            raise CapabilityNotSupported(
+                f"the {lv.row.tier} tier cannot measure its sandboxes", tier=lv.row.tier
+            )
+        try:
+            u = await rt.usage(lv.handle)
+        except DsecError as e:
+            self.metrics.errors.labels(e.code).inc()
+            raise
+        now_mono, now = time.monotonic(), time.time()
+        if (
+            lv.last_usage is not None
+            and now_mono > lv.last_usage[0]
+            and u.cpu_usage_ns >= lv.last_usage[1]
+        ):
+            interval = now_mono - lv.last_usage[0]
+            busy_ns = u.cpu_usage_ns - lv.last_usage[1]
+        else:  # the first sample: the average since the sandbox was created
+            interval = max(1e-3, now - lv.row.created_at)
+            busy_ns = u.cpu_usage_ns
+        lv.last_usage = (now_mono, u.cpu_usage_ns)
+        # the CFS quota is at least 0.01 cores (1 ms per 100 ms), whatever was asked
+        limit = max(0.01, float(lv.row.request.get("cpu", 1.0)))
+        cores = busy_ns / 1e9 / interval
+        net = u.net
+        return SandboxMetrics(
+            sandbox_id=sandbox_id,
+            tier=lv.row.tier,
+            state=lv.row.state,
+            timestamp=_now_dt(now),
+            interval_s=round(interval, 6),
+            cpu=CpuMetrics(
+                usage_s=u.cpu_usage_ns / 1e9,
+                used_cores=round(cores, 4),
+                used_pct=round(100.0 * cores / limit, 2),
+                limit_cores=limit,
+            ),
+            memory=MemoryMetrics(
+                used_bytes=u.memory_used_bytes,
+                cache_bytes=u.memory_cache_bytes,
+                limit_bytes=u.memory_limit_bytes,
+                peak_bytes=u.memory_peak_bytes,
+                host_bytes=u.host_memory_bytes,
+            ),
+            disk=DiskMetrics(used_bytes=u.disk_used_bytes, total_bytes=u.disk_total_bytes),
+            network=(
+                NetworkMetrics(
+                    rx_bytes=net.rx_bytes,
+                    tx_bytes=net.tx_bytes,
+                    rx_packets=net.rx_packets,
+                    tx_packets=net.tx_packets,
+                )
+                if net is not None
+                else None
+            ),
+            pids=u.pids,
+            source=u.source,
+        )
 
     async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
         row = self._lookup_row(sandbox_id, owner)

@@ -22,11 +22,11 @@ Paused sandboxes: any call that needs the sandbox running resumes it transparent
 Optional abilities, each a protocol of its own (an edge has them or not; the apiserver checks
 with ``isinstance`` and answers ``unsupported`` / ``capability_not_supported`` otherwise):
 :class:`PauseModes`, :class:`ImageBuilds`, :class:`ImagePublisher`, :class:`InteractiveExec`,
-:class:`DisplayEdge`, :class:`SandboxMigration`, :class:`MemoryMigration`,
-:class:`PortForwarding` and :class:`NodeReports`. Every verb is declared here once;
-:func:`edge_verbs`, :data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive from these classes
-what a remote edge (a cluster node) may be asked, which calls route by sandbox id and which
-answer with a stream.
+:class:`DisplayEdge`, :class:`MetricsEdge`, :class:`SandboxMigration`,
+:class:`MemoryMigration`, :class:`PortForwarding` and :class:`NodeReports`. Every verb is
+declared here once; :func:`edge_verbs`, :data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive
+from these classes what a remote edge (a cluster node) may be asked, which calls route by
+sandbox id and which answer with a stream.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from dsec.models import (
     NodeInfo,
     PushImageResult,
     SandboxInfo,
+    SandboxMetrics,
     SnapshotRequest,
 )
 
@@ -73,6 +74,7 @@ __all__ = [
     "InteractiveExec",
     "InteractiveProcess",
     "MemoryMigration",
+    "MetricsEdge",
     "NodeReports",
     "NodeUsage",
     "OutputChunk",
@@ -407,6 +409,20 @@ class DisplayEdge(Protocol):
 
 
 @runtime_checkable
+class MetricsEdge(Protocol):
+    """Optional edge ability: a sandbox's resource usage (``GET /v1/sandboxes/{id}/metrics``,
+    ``sb.metrics()``, E2B's ``get_metrics``). Checks that ``owner`` owns the sandbox
+    (``SandboxNotFound`` otherwise); never resumes a paused sandbox nor extends its TTL;
+    ``SandboxStopped`` for a stopped one, ``CapabilityNotSupported`` for a tier that cannot
+    measure (``Capabilities.metrics``)."""
+
+    async def sandbox_metrics(self, sandbox_id: str, owner: str) -> SandboxMetrics:
+        """One sample: CPU (cumulative seconds and the rate since the previous sample),
+        memory, disk, network and process counts."""
+        ...
+
+
+@runtime_checkable
 class SandboxMigration(Protocol):
     """Optional edge ability: move a sandbox's files to another node (``pack_diff``). Its
     processes are not kept; see :class:`MemoryMigration` for VM tiers."""
@@ -534,6 +550,7 @@ _ABILITIES: tuple[type, ...] = (
     ImagePublisher,
     InteractiveExec,
     DisplayEdge,
+    MetricsEdge,
     SandboxMigration,
     MemoryMigration,
     PortForwarding,

@@ -226,6 +226,9 @@ class TrajectoryLog:
         self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.execute("PRAGMA busy_timeout=10000")
         self._db.executescript(_SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(trajectory)")}
+        if "replays" not in columns:  # a log written before replays were counted
+            self._db.execute("ALTER TABLE trajectory ADD COLUMN replays INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         """Close the database (idempotent)."""
@@ -347,6 +350,7 @@ class TrajectoryLog:
         if status == "pending":
             return Begin("unknown", sandbox_id, rseq, gidx, rop, status, begun_at=begun_at)
         payload = json.loads(result) if result else {}
+        self._db.execute("UPDATE trajectory SET replays = replays + 1 WHERE gidx=?", (gidx,))
         if status == "error":
             err = error_from_wire(409, payload)
             return Begin("replay", sandbox_id, rseq, gidx, rop, status, None, err, begun_at, tim)
@@ -461,7 +465,8 @@ class TrajectoryLog:
         with self._lock:
             rows = self._db.execute(
                 "SELECT gidx, seq, idem_key, op, request, request_digest, status, result, "
-                "timings, begun_at, committed_at FROM trajectory WHERE sandbox_id=? ORDER BY seq",
+                "timings, begun_at, committed_at, replays FROM trajectory WHERE sandbox_id=? "
+                "ORDER BY seq",
                 (sandbox_id,),
             ).fetchall()
         for r in rows:
@@ -477,6 +482,7 @@ class TrajectoryLog:
                 "timings": json.loads(r[8]) if r[8] else {},
                 "begun_at": r[9],
                 "committed_at": r[10],
+                "replays": r[11],
             }
 
     def export_jsonl(
@@ -493,7 +499,8 @@ class TrajectoryLog:
         can make a fresh one). Then one ``{"type": "entry", ...}`` line per entry in ``seq``
         order with ``gidx``, ``seq``, ``idem_key``, ``op``, ``request``, ``request_digest``,
         ``status`` (``ok`` | ``error`` | ``unknown``), ``result``, ``timings``,
-        ``exit_code`` (exec only), ``begun_at``, ``committed_at``; values longer than
+        ``exit_code`` (exec only), ``begun_at``, ``committed_at``, ``replays`` (how many
+        repeats were answered from the log instead of running); values longer than
         ``inline_bytes`` are replaced by ``{"$sha256", "size"}``; exec results also carry
         ``stdout_sha256``/``stderr_sha256`` so digests can always be compared.
         """

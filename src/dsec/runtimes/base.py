@@ -17,8 +17,9 @@ Optional abilities are separate protocols: ``Pausable`` (freeze and give memory 
 ``Networked`` (a policy that changes while it runs), ``Snapshottable`` (``pack_diff`` of the
 writable layer), ``MemoryStateful`` (RAM and device state to a file: suspend, memory forks,
 migration with processes), ``Interactive`` (processes whose stdin stays open, terminals),
-``Display`` (screen, pointer, keyboard) and ``PortConnectable`` (TCP connections to ports
-inside the sandbox, for the port proxy). The edge checks them with ``isinstance`` and raises
+``Display`` (screen, pointer, keyboard), ``PortConnectable`` (TCP connections to ports
+inside the sandbox, for the port proxy) and ``Measurable`` (resource usage counters). The
+edge checks them with ``isinstance`` and raises
 ``CapabilityNotSupported`` for a tier without one; the capability table a node publishes is
 derived from them by :func:`capabilities_of`, so it cannot disagree with what the code can
 do. A runtime itself reports only what changes at run time (:class:`RuntimeFacts`: whether it
@@ -36,6 +37,7 @@ from dsec.models import Capabilities, ExecRequest, ExecResult, FileInfo, LayerIn
 if TYPE_CHECKING:
     from dsec.display import DisplayAction
     from dsec.edge.interface import InteractiveProcess, PortStream, PtySize
+    from dsec.runtimes.usage import SandboxUsage
 
 # Called with ("stdout"|"stderr", chunk) while a command runs.
 OutputSink = Callable[[str, bytes], Awaitable[None]]
@@ -242,6 +244,17 @@ class PortConnectable(Protocol):
     async def connect_port(self, handle: Handle, port: int) -> PortStream: ...
 
 
+@runtime_checkable
+class Measurable(Protocol):
+    """Resource usage of a sandbox (:class:`dsec.runtimes.usage.SandboxUsage`: cumulative CPU
+    time, memory, disk, network, processes), read from the kernel or the guest. Reading it
+    must not resume a paused sandbox nor count as activity: a dashboard that polls every
+    second would otherwise keep every sandbox awake. A paused or suspended sandbox reports
+    what can be read without running it."""
+
+    async def usage(self, handle: Handle) -> SandboxUsage: ...
+
+
 def capabilities_of(rt: Runtime) -> Capabilities:
     """The capability table row of ``rt``'s tier: its abilities are the protocols it
     implements, the rest comes from its :meth:`Runtime.facts`."""
@@ -261,6 +274,7 @@ def capabilities_of(rt: Runtime) -> Capabilities:
         network=isinstance(rt, Networked) and f.network_ready,
         tty=isinstance(rt, Interactive),
         display=isinstance(rt, Display),
+        metrics=isinstance(rt, Measurable),
         persistent=f.persistent,
         suspend=memory,
         memory_fork=memory,

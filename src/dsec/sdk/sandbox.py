@@ -96,6 +96,7 @@ from dsec.models import (
     PauseRequest,
     PortAccess,
     SandboxInfo,
+    SandboxMetrics,
     SnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
@@ -1061,6 +1062,15 @@ class AsyncSandbox:
             async for line in response.aiter_lines():
                 if line.strip():
                     yield LogLine.model_validate_json(line, context=ANSWER)
+
+    async def metrics(self) -> SandboxMetrics:
+        """One sample of the sandbox's resource usage: CPU (``usage_s`` cumulative seconds,
+        ``used_cores`` / ``used_pct`` since the previous sample), memory (working set, cache
+        and limit, bytes), disk (its writable layer, bytes), network (bytes and packets; None
+        without a network) and processes. Reading it neither resumes a paused sandbox nor
+        extends its TTL. ``CapabilityNotSupported`` on a tier that cannot measure."""
+        r = await self._client._http.request("GET", self._path("/metrics"))
+        return SandboxMetrics.model_validate(r.json(), context=ANSWER)
 
     async def kill(self) -> SandboxInfo:
         """Kill the sandbox (idempotent) and release this object's connections."""

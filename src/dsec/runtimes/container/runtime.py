@@ -79,6 +79,14 @@ from dsec.runtimes.container.execd import ExecServer, InteractiveExecution, Term
 from dsec.runtimes.container.files import RootedFiles
 from dsec.runtimes.container.native import build_native
 from dsec.runtimes.container.users import ResolvedUser, resolve_user
+from dsec.runtimes.usage import (
+    NetCounters,
+    SandboxUsage,
+    disk_usage,
+    processes_cpu_ns,
+    read_cgroup,
+    read_veth_counters,
+)
 
 __all__ = ["ContainerRuntime"]
 
@@ -803,6 +811,52 @@ class ContainerRuntime:
         if self.network is None or not self._load_state(handle).get("network"):
             return {"enabled": False}
         return {"enabled": True, **await self.network.stats(handle.id)}
+
+    # ------------------------------------------------------------------ usage
+    async def usage(self, handle: Handle) -> SandboxUsage:
+        """:class:`dsec.runtimes.base.Measurable`: the sandbox's cgroup (v1 or v2), the fill of
+        its writable tmpfs and, with a network, the counters of its veth (a frozen sandbox
+        is read as it is)."""
+        state = self._load_state(handle)
+        rel = state.get("cgroup") or self._cgroup_rel(handle.id)
+        ifname: str | None = None
+        if state.get("network") and self.network is not None:
+            with contextlib.suppress(DsecError):
+                ifname = self.network.network(handle.id).host_ifname
+        upper = upper_dir(self._sandbox_dir(handle.id)).parent
+
+        def read() -> SandboxUsage:
+            try:
+                cg = read_cgroup(rel)
+            except FileNotFoundError:
+                raise SandboxStopped(f"sandbox {handle.id} has no cgroup on this node") from None
+            try:
+                used, total = disk_usage([upper])
+            except OSError:
+                used, total = 0, 0
+            net: NetCounters | None = None
+            if state.get("network"):
+                try:
+                    net = read_veth_counters(ifname) if ifname else NetCounters()
+                except (OSError, ValueError):
+                    net = NetCounters()
+            cpu_ns = cg.cpu_usage_ns
+            if cpu_ns is None:  # a node without cpuacct: the processes' own counters
+                cpu_ns = processes_cpu_ns(CgroupV1(rel).procs())
+            return SandboxUsage(
+                cpu_usage_ns=cpu_ns,
+                memory_used_bytes=cg.memory_used_bytes,
+                memory_cache_bytes=cg.memory_cache_bytes,
+                memory_limit_bytes=cg.memory_limit_bytes,
+                memory_peak_bytes=cg.memory_peak_bytes,
+                disk_used_bytes=used,
+                disk_total_bytes=total,
+                net=net,
+                pids=cg.pids,
+                source=f"cgroup v{cg.version}",
+            )
+
+        return await asyncio.to_thread(read)
 
     # ------------------------------------------------------------------ orphans
     async def list_orphans(self, known: set[str]) -> list[str]:

@@ -445,7 +445,16 @@ class WorkerPool:
         self._cg_fds = []
         assert self._proc.stdin is not None
         proc_stdin = self._proc.stdin
-        await asyncio.to_thread(lambda: (proc_stdin.write(bundle), proc_stdin.close()))
+
+        def send_bundle() -> None:
+            # a launcher that could not start the interpreter (the image has none) is gone
+            # before it reads: its exit status, seen below, says why
+            with contextlib.suppress(BrokenPipeError):
+                proc_stdin.write(bundle)
+            with contextlib.suppress(BrokenPipeError):
+                proc_stdin.close()
+
+        await asyncio.to_thread(send_bundle)
         self._ctl = server_end
         server_end.setblocking(False)
         self._zygote_ready = self._loop.create_future()

@@ -38,6 +38,7 @@ from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, S
 from dsec.runtimes.fncall.files import WorkerFiles
 from dsec.runtimes.fncall.languages import LanguageSpec
 from dsec.runtimes.fncall.pool import PoolConfig, Worker, WorkerPool
+from dsec.runtimes.usage import SandboxUsage, disk_usage, processes_cpu_ns, read_cgroup
 
 log = logging.getLogger("dsec.fncall")
 
@@ -309,6 +310,41 @@ class FncallRuntime:
         if reply.get("op") != "exit":
             raise SandboxError(f"fncall worker: {reply.get('message', reply)}")
         return result_from_agent(reply["result"], blob, oom=w.oom_kills() > 0)
+
+    async def usage(self, handle: Handle) -> SandboxUsage:
+        """:class:`dsec.runtimes.base.Measurable`: the worker's memory and pids cgroup, CPU
+        time of its processes (workers are in no ``cpuacct`` hierarchy: attaching one costs
+        every claim), and the fill of its private ``/work`` and ``/tmp`` tmpfs mounts (no
+        network on this tier)."""
+        w = self._worker(handle)
+        rel, pid = w.cgroup_rel, w.pid
+
+        def read() -> SandboxUsage:
+            try:
+                cg = read_cgroup(rel)
+            except FileNotFoundError:
+                raise SandboxStopped(f"fncall sandbox {handle.id} has stopped") from None
+            cpu_ns = cg.cpu_usage_ns
+            if cpu_ns is None:
+                cpu_ns = processes_cpu_ns(CgroupV1(rel).procs() or [pid])
+            try:  # the worker's mounts, seen through its root
+                used, total = disk_usage([f"/proc/{pid}/root/work", f"/proc/{pid}/root/tmp"])
+            except OSError:
+                used, total = 0, 0
+            return SandboxUsage(
+                cpu_usage_ns=cpu_ns,
+                memory_used_bytes=cg.memory_used_bytes,
+                memory_cache_bytes=cg.memory_cache_bytes,
+                memory_limit_bytes=cg.memory_limit_bytes,
+                memory_peak_bytes=cg.memory_peak_bytes,
+                disk_used_bytes=used,
+                disk_total_bytes=total,
+                pids=cg.pids,
+                source=f"cgroup v{cg.version}"
+                + (" + /proc/<pid>/stat" if cg.cpu_usage_ns is None else ""),
+            )
+
+        return await asyncio.to_thread(read)
 
     def files(self, handle: Handle) -> SandboxFiles:
         w = self._worker(handle)

@@ -83,6 +83,7 @@ from dsec.runtimes.microvm.qemu import (
     wait_exit,
 )
 from dsec.runtimes.microvm.stream import StreamFormatError, diff_against_template
+from dsec.runtimes.usage import CgroupUsage, SandboxUsage, parse_meminfo, read_cgroup
 
 __all__ = ["SUSPEND_DIR", "MemorySnapshot", "MicroVMConfig", "MicroVMRuntime"]
 
@@ -1009,6 +1010,58 @@ class MicroVMRuntime:
         vm = await self._vm(handle)
         assert vm.agent is not None
         return await vm.agent.open_tcp(port)
+
+    # ------------------------------------------------------------------ usage
+
+    def _disk_usage(self, handle: Handle) -> tuple[int | None, int | None]:
+        """``(used, total)`` bytes of the writable layer as the host sees it. The microvm's is
+        a tmpfs in guest RAM (its pages count as guest memory): only its size is known."""
+        return None, int(handle.state.get("disk_mb") or 0) << 20
+
+    async def usage(self, handle: Handle) -> SandboxUsage:
+        """:class:`dsec.runtimes.base.Measurable`: CPU and host memory from the QEMU process's
+        cgroup (under TCG the guest's CPU is the host CPU QEMU burns), the guest's memory from
+        its ``/proc/meminfo`` while it runs (a paused guest cannot answer: then what QEMU
+        holds), and the writable layer. A suspended sandbox has no process: zeros."""
+        rel = f"{self.cgroup_prefix}/{handle.id}"
+        vm = self._live.get(handle.id)
+
+        def host() -> CgroupUsage | None:
+            try:
+                return read_cgroup(rel)
+            except FileNotFoundError:
+                return None
+
+        cg = await asyncio.to_thread(host)
+        if cg is None and not self.is_suspended(handle):
+            raise SandboxStopped(f"sandbox {handle.id} has no QEMU cgroup on this node")
+        guest: dict[str, int] = {}
+        agent = vm.agent if vm is not None and not vm.dead and not vm.paused else None
+        if agent is not None and not agent.closed:
+            with contextlib.suppress(DsecError):
+                raw = await VMFiles(lambda: agent, op_timeout_s=2.0).read("/proc/meminfo", 1 << 16)
+                guest = parse_meminfo(raw.decode("utf-8", "replace"))
+        used, total = await asyncio.to_thread(self._disk_usage, handle)
+        host_mem = cg.memory_used_bytes if cg is not None else 0
+        limit = int(handle.state.get("memory_mb") or 0) << 20 or None
+        source = f"qemu cgroup v{cg.version}" if cg is not None else "suspended"
+        if "MemTotal" in guest and "MemAvailable" in guest:
+            mem_used = max(0, guest["MemTotal"] - guest["MemAvailable"])
+            cache = guest.get("Cached", 0) + guest.get("Buffers", 0)
+            source += " + guest /proc/meminfo"
+        else:
+            mem_used, cache = host_mem, cg.memory_cache_bytes if cg is not None else 0
+        return SandboxUsage(
+            cpu_usage_ns=(cg.cpu_usage_ns or 0) if cg is not None else 0,
+            memory_used_bytes=mem_used,
+            memory_cache_bytes=cache,
+            memory_limit_bytes=limit,
+            disk_used_bytes=used,
+            disk_total_bytes=total,
+            pids=None,
+            source=source,
+            host_memory_bytes=host_mem,
+        )
 
     # ------------------------------------------------------------------ pause
 

@@ -194,6 +194,16 @@ class VMRuntime(MicroVMRuntime):
         """The sandbox's writable disk (a qcow2 overlay)."""
         return self.root / "disks" / f"{handle.state.get('qemu_name') or handle.id}.qcow2"
 
+    def _disk_usage(self, handle: Handle) -> tuple[int | None, int | None]:
+        """The writable disk: bytes its qcow2 overlay has allocated on the host (what the
+        guest wrote, plus qcow2 metadata) out of ``disk_mb``."""
+        total = int(handle.state.get("disk_mb") or 0) << 20
+        try:
+            used = self.disk_of(handle).stat().st_blocks * 512
+        except OSError:
+            return None, total
+        return min(used, total) if total else used, total
+
     def _discard_files(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             (self.root / "disks" / f"{name}.qcow2").unlink()
