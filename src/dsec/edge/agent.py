@@ -32,10 +32,10 @@ from dsec.edge.desktop import (
     ConsoleScreen,
     DesktopSpec,
     ExecDesktop,
+    ScreenDriver,
     Windowed,
     desktop_spec,
 )
-from dsec.edge.desktop import Screen as DisplayScreen
 from dsec.edge.interface import NodeUsage, PortStream, PortTicket
 from dsec.edge.jobs import create_batch, for_each_sandbox
 from dsec.edge.logs import SandboxLogs, log_bytes_from_env
@@ -1552,7 +1552,7 @@ class EdgeAgent:
         tail = lv.logs.tail(600).strip()
         return f"{lv.logs.end_note}" + (f"; its output ends with: {tail}" if tail else "")
 
-    def _screen(self, lv: _Live, screen: Screen) -> DisplayScreen:
+    def _screen(self, lv: _Live, screen: Screen) -> ScreenDriver:
         """The screen ``screen`` names for this sandbox (see :mod:`dsec.display`)."""
         rt = self.runtimes[lv.row.tier]
         spec = self._desktop_of(lv) if screen != "console" else None

@@ -1,6 +1,6 @@
 """The screens of a sandbox, as the edge drives them (vocabulary: :mod:`dsec.display`).
 
-Two implementations of :class:`Screen`:
+Two implementations of :class:`ScreenDriver`:
 
 * :class:`ExecDesktop`: the X desktop of a desktop image, driven from inside the sandbox
   through the tier's ``exec`` (so the same code serves the container and vm tiers). Each
@@ -16,8 +16,8 @@ Two implementations of :class:`Screen`:
 * :class:`ConsoleScreen`: a tier's own screen (:class:`dsec.runtimes.base.Display`, the vm
   tier's VGA console through QMP).
 
-Both answer :meth:`Screen.screenshot`, :meth:`Screen.act` and :meth:`Screen.state`; only the
-desktop also has windows (:class:`Windowed`).
+Both answer :meth:`ScreenDriver.screenshot`, :meth:`ScreenDriver.act` and
+:meth:`ScreenDriver.state`; only the desktop also has windows (:class:`Windowed`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ __all__ = [
     "ConsoleScreen",
     "DesktopSpec",
     "ExecDesktop",
-    "Screen",
+    "ScreenDriver",
     "Windowed",
     "desktop_spec",
     "parse_wmctrl",
@@ -74,7 +74,7 @@ __all__ = [
 
 
 @runtime_checkable
-class Screen(Protocol):
+class ScreenDriver(Protocol):
     """One screen of one sandbox."""
 
     kind: ScreenKind
