@@ -171,6 +171,7 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cpus": os.cpu_count(),
         "kvm": os.path.exists("/dev/kvm"),
+        "loadavg_1_5_15": os.getloadavg(),
         "n": args.n,
         "tiers": results,
     }
