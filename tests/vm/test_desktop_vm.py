@@ -14,7 +14,7 @@ import pytest
 from dsec import CapabilityNotSupported, InvalidRequest, Sandbox
 from dsec.server import BackgroundServer
 
-pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(2700)]
 
 PAGE = """<!doctype html><html><head><title>vm page 0</title></head>
 <body style="margin:0;background:#fff">
@@ -66,16 +66,32 @@ def test_desktop_on_the_vm_tier(tmp_path: Path, shared_layers: Path) -> None:
             with pytest.raises(CapabilityNotSupported):
                 console.open("/etc/hostname")
 
-            # a page in Chromium in the guest, clicked through the desktop
-            sb.files.write("/home/user/vm.html", PAGE)
-            sb.display.open("/home/user/vm.html")
-
-            def title(prefix: str) -> bool:
+            def titled(prefix: str) -> bool:
                 return any(w.title.startswith(prefix) for w in sb.display.windows())
 
-            _wait(lambda: title("vm page 0"), "Chromium in the guest", 300)
-            time.sleep(3)  # TCG: let it paint
+            # an application, typed into through the desktop's keyboard
+            sb.display.launch("xfce4-terminal")
+            _wait(
+                lambda: any(w.wm_class == "Xfce4-terminal" for w in sb.display.windows()),
+                "the terminal in the guest",
+                600,
+            )
+            time.sleep(5)  # TCG: let the shell in it start
+            sb.display.type("echo typed-in-the-vm > /tmp/typed")
+            sb.display.key("Return")
+            _wait(
+                lambda: (
+                    sb.commands.run("cat /tmp/typed 2>/dev/null").stdout.strip()
+                    == "typed-in-the-vm"
+                ),
+                "the typed command to run",
+                300,
+            )
+
+            # a page in Chromium in the guest (minutes under TCG), clicked through the desktop
+            sb.files.write("/home/user/vm.html", PAGE)
+            sb.display.open("/home/user/vm.html")
+            _wait(lambda: titled("vm page 0"), "Chromium in the guest", 1200)
+            time.sleep(10)  # TCG: let it paint
             sb.display.click(512, 400)
-            _wait(lambda: title("vm page 1"), "the click in the guest's Chromium", 120)
-            sb.display.key("ctrl+w")
-            _wait(lambda: not title("vm page"), "ctrl+w to close the tab", 120)
+            _wait(lambda: titled("vm page 1"), "the click in the guest's Chromium", 300)
