@@ -6,6 +6,7 @@ sandbox without a desktop, a desktop whose X server died) and ``restart``."""
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Callable
 
 import httpx
@@ -90,9 +91,20 @@ def test_display_api_drives_chromium(server: BackgroundServer) -> None:
         sb.display.button("left", down=False)
 
         sb.display.launch("xfce4-terminal")
-        wait_for(
-            lambda: any(w.wm_class == "Xfce4-terminal" for w in sb.display.windows()),
+        term = wait_for(
+            lambda: next((w for w in sb.display.windows() if w.wm_class == "Xfce4-terminal"), None),
             "the terminal window",
+        )
+        time.sleep(1)  # its shell starts
+        sb.display.click(term.x + term.width // 2, term.y + term.height // 2)  # focus it
+        sb.display.type("echo typed-in-the-terminal > /tmp/typed\n")
+        wait_for(
+            lambda: (
+                sb.commands.run("cat /tmp/typed 2>/dev/null").stdout.strip()
+                == "typed-in-the-terminal"
+            ),
+            "the command typed into the terminal",
+            30,
         )
         assert sum(w.active for w in sb.display.windows()) <= 1
 

@@ -76,7 +76,9 @@ def test_desktop_on_the_vm_tier(tmp_path: Path, shared_layers: Path) -> None:
                 "the terminal in the guest",
                 600,
             )
-            time.sleep(5)  # TCG: let the shell in it start
+            time.sleep(20)  # TCG: let the shell in it start
+            term = next(w for w in sb.display.windows() if w.wm_class == "Xfce4-terminal")
+            sb.display.click(term.x + term.width // 2, term.y + term.height // 2)  # focus
             sb.display.type("echo typed-in-the-vm > /tmp/typed")
             sb.display.key("Return")
             _wait(
