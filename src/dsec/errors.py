@@ -23,7 +23,8 @@ TimeoutError`` or ``except LookupError`` work as expected::
     │   ├── FileExists_ (FileExistsError)        409 file_exists
     │   ├── SequenceGap                          409 sequence_gap
     │   ├── SequenceConflict                     409 sequence_conflict
-    │   └── OutcomeUnknown                       409 outcome_unknown
+    │   ├── OutcomeUnknown                       409 outcome_unknown
+    │   └── DisplayNotRunning                    409 display_not_running
     ├── PayloadTooLarge                          413 payload_too_large
     ├── BuildFailed                              422 build_failed
     ├── StartFailed                              422 start_failed
@@ -67,6 +68,7 @@ __all__ = [
     "BuildFailed",
     "CapabilityNotSupported",
     "Conflict",
+    "DisplayNotRunning",
     "DsecError",
     "FileExists_",
     "FileNotFound",
@@ -249,6 +251,14 @@ class OutcomeUnknown(Conflict):
     ran). It is not re-run: the caller must inspect the sandbox."""
 
     code = "outcome_unknown"
+
+
+class DisplayNotRunning(Conflict):
+    """The sandbox runs but its desktop does not: no X server answers on the display (it
+    died, or its start command ended). ``sb.display.restart()`` starts it again.
+    ``details``: ``sandbox_id``, ``display``."""
+
+    code = "display_not_running"
 
 
 class PayloadTooLarge(DsecError):

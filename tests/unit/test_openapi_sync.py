@@ -54,10 +54,14 @@ def test_openapi_describes_routes_security_and_errors() -> None:
         "/v1/builds/{build_id}": {"get"},
         "/v1/images/pull": {"post"},
         "/v1/images/{name}/push": {"post"},
-        "/v1/sandboxes/{sandbox_id}/display/click": {"post"},
-        "/v1/sandboxes/{sandbox_id}/display/key": {"post"},
+        "/v1/sandboxes/{sandbox_id}/display": {"get"},
         "/v1/sandboxes/{sandbox_id}/display/screenshot": {"get"},
-        "/v1/sandboxes/{sandbox_id}/display/type": {"post"},
+        "/v1/sandboxes/{sandbox_id}/display/windows": {"get"},
+        "/v1/sandboxes/{sandbox_id}/display/restart": {"post"},
+        **{
+            f"/v1/sandboxes/{{sandbox_id}}/display/{a}": {"post"}
+            for a in ("move", "click", "drag", "scroll", "button", "type", "key", "open", "launch")
+        },
         "/v1/sandboxes/{sandbox_id}/ports": {"get"},
         "/v1/layers": {"get"},
         "/v1/node": {"get"},

@@ -17,6 +17,8 @@ from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
 from dsec.apiserver.routes_display import DisplayEdge
 from dsec.config import Paths
+from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
+from dsec.edge.desktop import ConsoleScreen
 from dsec.errors import (
     CapabilityNotSupported,
     FileNotFound,
@@ -55,17 +57,29 @@ class RuntimeDisplayEdge:
             raise SandboxNotFound(f"no sandbox {sandbox_id}")
         return self.handles[sandbox_id]
 
-    async def display_screenshot(self, sandbox_id: str, owner: str) -> bytes:
-        return await self.rt.screenshot(self._handle(sandbox_id, owner))
+    def _console(self, sandbox_id: str, owner: str) -> ConsoleScreen:
+        return ConsoleScreen(self.rt, self._handle(sandbox_id, owner))
 
-    async def display_click(self, sandbox_id: str, owner: str, x: int, y: int, button: str) -> None:
-        await self.rt.click(self._handle(sandbox_id, owner), x, y, button)
+    async def display_screenshot(
+        self, sandbox_id: str, owner: str, screen: Screen = "auto", pointer: bool = False
+    ) -> bytes:
+        return await self._console(sandbox_id, owner).screenshot(pointer=pointer)
 
-    async def display_type(self, sandbox_id: str, owner: str, text: str) -> None:
-        await self.rt.type(self._handle(sandbox_id, owner), text)
+    async def display_act(
+        self, sandbox_id: str, owner: str, action: DisplayAction, screen: Screen = "auto"
+    ) -> None:
+        await self._console(sandbox_id, owner).act(action)
 
-    async def display_key(self, sandbox_id: str, owner: str, name: str) -> None:
-        await self.rt.key(self._handle(sandbox_id, owner), name)
+    async def display_state(
+        self, sandbox_id: str, owner: str, screen: Screen = "auto"
+    ) -> DisplayState:
+        return await self._console(sandbox_id, owner).state()
+
+    async def display_windows(self, sandbox_id: str, owner: str) -> list[WindowInfo]:
+        raise CapabilityNotSupported("the console has no windows")
+
+    async def display_restart(self, sandbox_id: str, owner: str) -> DisplayState:
+        raise CapabilityNotSupported("the console has no desktop to restart")
 
 
 def _display(edge: object, sandbox_id: str) -> tuple[AsyncDisplay, AsyncClient]:
@@ -172,9 +186,17 @@ async def test_vm_templates_disk_and_display(
 
         await display.key("ctrl-c")
         await display.click(100, 200)
-        await display.click(719, 399, button="right")
-        with pytest.raises(InvalidRequest):
+        assert await display.cursor_position() == (100, 200)
+        await display.click(719, 399, button="right", double=True)
+        await display.drag(10, 10, 300, 200)
+        await display.scroll("down", 2, 30, 40)
+        assert await display.cursor_position() == (30, 40)
+        assert await display.screen_size() == (720, 400)
+        with pytest.raises(InvalidRequest) as off:
             await display.click(5000, 5000)  # off the 720x400 screen
+        assert (off.value.details["width"], off.value.details["height"]) == (720, 400)
+        with pytest.raises(CapabilityNotSupported):
+            await display.open("/etc/hostname")  # a console has no applications
         with pytest.raises(InvalidRequest):
             await display.click(-1, 3)  # refused by the route's schema
         with pytest.raises(InvalidRequest):

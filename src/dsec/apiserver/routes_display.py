@@ -1,59 +1,54 @@
-"""``/v1/sandboxes/{sandbox_id}/display``: the screen and input devices of a sandbox that has
-a display (the ``vm`` tier; ``capabilities.display``), for computer-use agents.
+"""``/v1/sandboxes/{sandbox_id}/display``: the screens of a sandbox, for computer-use agents
+(vocabulary and semantics: :mod:`dsec.display`).
 
-* ``GET  .../display/screenshot`` -> ``image/png`` (the guest screen as QEMU renders it);
-* ``POST .../display/click`` ``{"x", "y", "button"}`` -> 204 (pixel coordinates of the
-  screenshot; the absolute pointer moves there and clicks);
-* ``POST .../display/type`` ``{"text"}`` -> 204 (US keyboard layout, ``\\n`` is Enter);
-* ``POST .../display/key`` ``{"name"}`` -> 204 (``enter``, ``esc``, ``ctrl-c``, ``alt-f4``...).
+Queries:
 
-Routes only parse; the edge acts through :class:`DisplayEdge`. A sandbox of a tier without a
-display answers 422 ``capability_not_supported``; a bad coordinate or key name 400.
+* ``GET  .../display`` -> :class:`~dsec.display.DisplayState` (screen size, pointer);
+* ``GET  .../display/screenshot`` -> ``image/png`` (``?pointer=true`` draws the pointer);
+* ``GET  .../display/windows`` -> ``[WindowInfo]`` (the desktop's windows).
+
+Actions (``POST``, a JSON body of the action's fields, 204): ``move`` ``{x, y}``, ``click``
+``{x?, y?, button, double}``, ``drag`` ``{from_x, from_y, to_x, to_y, button}``, ``scroll``
+``{direction, amount, x?, y?}``, ``button`` ``{button, down}``, ``type`` ``{text,
+delay_ms}``, ``key`` ``{name}`` (``enter``, ``ctrl+c``, ``alt-f4``), ``open`` ``{target}``,
+``launch`` ``{app, args}``.
+
+``POST .../display/restart`` starts a dead desktop again (answers its new state).
+
+Every route but ``windows`` and ``restart`` takes ``?screen=auto|desktop|console``. Routes only
+parse; the edge acts through :class:`DisplayEdge`. A sandbox without the screen asked for
+answers 422 ``capability_not_supported`` (naming its image and tier); a point off the screen
+400 with ``width``/``height`` in the details; a desktop whose X server is gone 409
+``display_not_running``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Owner, current_owner
 from dsec.apiserver.schemas import SANDBOX_ID_PATTERN
+from dsec.display import (
+    Button,
+    Click,
+    DisplayAction,
+    DisplayState,
+    Drag,
+    Key,
+    Launch,
+    Move,
+    Open,
+    Screen,
+    Scroll,
+    Type,
+    WindowInfo,
+)
 from dsec.edge.interface import DisplayEdge
 from dsec.errors import CapabilityNotSupported
 
-__all__ = ["ClickRequest", "DisplayEdge", "KeyRequest", "TypeRequest", "router"]
-
-MAX_TYPE_CHARS = 10_000
-"""Longest text one ``type`` call sends (characters)."""
-
-
-class ClickRequest(BaseModel):
-    """A click at pixel (x, y) of the screenshot; (0, 0) is the top left corner."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    x: int = Field(ge=0, le=16384, description="pixels from the left edge")
-    y: int = Field(ge=0, le=16384, description="pixels from the top edge")
-    button: Literal["left", "right", "middle"] = "left"
-
-
-class TypeRequest(BaseModel):
-    """Text to type on a US keyboard layout (``\\n`` presses Enter, ``\\t`` Tab)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    text: str = Field(min_length=1, max_length=MAX_TYPE_CHARS)
-
-
-class KeyRequest(BaseModel):
-    """A key or a chord joined by ``-``: ``enter``, ``esc``, ``f1``, ``ctrl-c``, ``ctrl-alt-delete``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_]+(-[A-Za-z0-9_]+)*$", max_length=64)
-
+__all__ = ["DisplayEdge", "router"]
 
 router = APIRouter(
     prefix="/v1/sandboxes/{sandbox_id}/display",
@@ -63,6 +58,10 @@ router = APIRouter(
 )
 
 SandboxIdParam = Annotated[str, Path(pattern=SANDBOX_ID_PATTERN, description="sb-<node>-<random>")]
+ScreenParam = Annotated[
+    Screen,
+    Query(description="desktop (a desktop image's), console (the tier's), auto: desktop first"),
+]
 
 
 async def display_edge(request: Request) -> DisplayEdge:
@@ -76,36 +75,143 @@ async def display_edge(request: Request) -> DisplayEdge:
 DisplayEdgeDep = Annotated[DisplayEdge, Depends(display_edge)]
 
 
+@router.get("", response_model=DisplayState, summary="The screen's size and the pointer")
+async def state(
+    sandbox_id: SandboxIdParam, edge: DisplayEdgeDep, owner: Owner, screen: ScreenParam = "auto"
+) -> DisplayState:
+    return await edge.display_state(sandbox_id, owner, screen)
+
+
 @router.get(
     "/screenshot",
     response_class=Response,
     summary="The sandbox's screen as a PNG image",
     responses={200: {"content": {"image/png": {"schema": {"type": "string", "format": "binary"}}}}},
 )
-async def screenshot(sandbox_id: SandboxIdParam, edge: DisplayEdgeDep, owner: Owner) -> Response:
-    data = await edge.display_screenshot(sandbox_id, owner)
+async def screenshot(
+    sandbox_id: SandboxIdParam,
+    edge: DisplayEdgeDep,
+    owner: Owner,
+    screen: ScreenParam = "auto",
+    pointer: Annotated[bool, Query(description="draw the mouse pointer (desktop)")] = False,
+) -> Response:
+    data = await edge.display_screenshot(sandbox_id, owner, screen, pointer)
     return Response(content=data, media_type="image/png", headers={"cache-control": "no-store"})
 
 
-@router.post("/click", status_code=204, summary="Click at a pixel of the screen")
-async def click(
-    sandbox_id: SandboxIdParam, req: ClickRequest, edge: DisplayEdgeDep, owner: Owner
+@router.get("/windows", response_model=list[WindowInfo], summary="The desktop's windows")
+async def windows(
+    sandbox_id: SandboxIdParam, edge: DisplayEdgeDep, owner: Owner
+) -> list[WindowInfo]:
+    return await edge.display_windows(sandbox_id, owner)
+
+
+@router.post("/restart", response_model=DisplayState, summary="Start the desktop again")
+async def restart(sandbox_id: SandboxIdParam, edge: DisplayEdgeDep, owner: Owner) -> DisplayState:
+    return await edge.display_restart(sandbox_id, owner)
+
+
+async def _act(
+    edge: DisplayEdge, sandbox_id: str, owner: str, action: DisplayAction, screen: Screen
 ) -> Response:
-    await edge.display_click(sandbox_id, owner, req.x, req.y, req.button)
+    await edge.display_act(sandbox_id, owner, action, screen)
     return Response(status_code=204)
+
+
+@router.post("/move", status_code=204, summary="Move the pointer")
+async def move(
+    sandbox_id: SandboxIdParam,
+    req: Move,
+    edge: DisplayEdgeDep,
+    owner: Owner,
+    screen: ScreenParam = "auto",
+) -> Response:
+    return await _act(edge, sandbox_id, owner, req, screen)
+
+
+@router.post("/click", status_code=204, summary="Click (at a pixel, or where the pointer is)")
+async def click(
+    sandbox_id: SandboxIdParam,
+    req: Click,
+    edge: DisplayEdgeDep,
+    owner: Owner,
+    screen: ScreenParam = "auto",
+) -> Response:
+    return await _act(edge, sandbox_id, owner, req, screen)
+
+
+@router.post("/drag", status_code=204, summary="Drag with a button held")
+async def drag(
+    sandbox_id: SandboxIdParam,
+    req: Drag,
+    edge: DisplayEdgeDep,
+    owner: Owner,
+    screen: ScreenParam = "auto",
+) -> Response:
+    return await _act(edge, sandbox_id, owner, req, screen)
+
+
+@router.post("/scroll", status_code=204, summary="Turn the mouse wheel")
+async def scroll(
+    sandbox_id: SandboxIdParam,
+    req: Scroll,
+    edge: DisplayEdgeDep,
+    owner: Owner,
+    screen: ScreenParam = "auto",
+) -> Response:
+    return await _act(edge, sandbox_id, owner, req, screen)
+
+
+@router.post("/button", status_code=204, summary="Press or release a mouse button")
+async def button(
+    sandbox_id: SandboxIdParam,
+    req: Button,
+    edge: DisplayEdgeDep,
+    owner: Owner,
+    screen: ScreenParam = "auto",
+) -> Response:
+    return await _act(edge, sandbox_id, owner, req, screen)
 
 
 @router.post("/type", status_code=204, summary="Type text on the keyboard")
 async def type_text(
-    sandbox_id: SandboxIdParam, req: TypeRequest, edge: DisplayEdgeDep, owner: Owner
+    sandbox_id: SandboxIdParam,
+    req: Type,
+    edge: DisplayEdgeDep,
+    owner: Owner,
+    screen: ScreenParam = "auto",
 ) -> Response:
-    await edge.display_type(sandbox_id, owner, req.text)
-    return Response(status_code=204)
+    return await _act(edge, sandbox_id, owner, req, screen)
 
 
-@router.post("/key", status_code=204, summary="Press a key or a chord (ctrl-c)")
+@router.post("/key", status_code=204, summary="Press a key or a chord (ctrl+c)")
 async def key(
-    sandbox_id: SandboxIdParam, req: KeyRequest, edge: DisplayEdgeDep, owner: Owner
+    sandbox_id: SandboxIdParam,
+    req: Key,
+    edge: DisplayEdgeDep,
+    owner: Owner,
+    screen: ScreenParam = "auto",
 ) -> Response:
-    await edge.display_key(sandbox_id, owner, req.name)
-    return Response(status_code=204)
+    return await _act(edge, sandbox_id, owner, req, screen)
+
+
+@router.post("/open", status_code=204, summary="Open a URL or a file with its application")
+async def open_target(
+    sandbox_id: SandboxIdParam,
+    req: Open,
+    edge: DisplayEdgeDep,
+    owner: Owner,
+    screen: ScreenParam = "auto",
+) -> Response:
+    return await _act(edge, sandbox_id, owner, req, screen)
+
+
+@router.post("/launch", status_code=204, summary="Start an application")
+async def launch(
+    sandbox_id: SandboxIdParam,
+    req: Launch,
+    edge: DisplayEdgeDep,
+    owner: Owner,
+    screen: ScreenParam = "auto",
+) -> Response:
+    return await _act(edge, sandbox_id, owner, req, screen)

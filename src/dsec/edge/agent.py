@@ -27,6 +27,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.config import Paths, host_memory_mb
+from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
+from dsec.edge.desktop import (
+    STOP_SCRIPT,
+    ConsoleScreen,
+    DesktopSpec,
+    ExecDesktop,
+    ScreenDriver,
+    Windowed,
+    desktop_spec,
+)
 from dsec.edge.interface import DirectoryWatcher, NodeUsage, PortStream, PortTicket
 from dsec.edge.jobs import create_batch, for_each_sandbox
 from dsec.edge.live import LiveTable
@@ -54,6 +64,7 @@ from dsec.errors import (
     TooManyConnections,
 )
 from dsec.images.config import StartCommand
+from dsec.layers.desktop import DISPLAY_LABEL
 from dsec.layers.source import LayerSource, LazyLayers, RegistryLayers
 from dsec.layers.workspace import check_stack
 from dsec.models import (
@@ -177,6 +188,8 @@ class _Live:
     last_pause: PauseReport | None = None
     logs: SandboxLogs | None = None  # the start command's output, if the image has one
     start: StartProcess | None = None
+    desktop: DesktopSpec | None = None  # the image's desktop (see _desktop_of)
+    desktop_known: bool = False
     ports: set[TrackedStream] = field(default_factory=set)  # open proxied connections
     ports_opening: int = 0
     # the previous usage sample (monotonic seconds, cumulative CPU ns): rates between samples
@@ -675,7 +688,7 @@ class EdgeAgent:
             self.metrics.errors.labels(e.code).inc()
             raise
         self.registry.insert(row)
-        lv = _Live(row, Handle(sid))
+        lv = _Live(row, Handle(sid), desktop=desktop_spec(image), desktop_known=True)
         self._add_live(lv)
         spec = SandboxSpec(
             id=sid,
@@ -755,8 +768,12 @@ class EdgeAgent:
     async def _start(
         self, lv: _Live, rt: Runtime, start: StartCommand, sink_sees_all: bool
     ) -> None:
-        """Launch the image's start command in a new sandbox; wait for its readiness check."""
-        lv.logs = SandboxLogs(self.limits.log_bytes)
+        """Launch the image's start command in a sandbox (a new one, or again: its logs
+        go on); wait for its readiness check."""
+        if lv.logs is None:
+            lv.logs = SandboxLogs(self.limits.log_bytes)
+        else:
+            lv.logs.reopen("start command started again")
         lv.start = StartProcess(
             rt,
             lv.handle,
@@ -1658,42 +1675,126 @@ class EdgeAgent:
             outcomes={sid: JobOutcome.model_validate(o) for sid, o in outcomes.items()},
         )
 
-    # ------------------------------------------------------------------ display (vm tier)
-    def _display_runtime(self, lv: _Live) -> Display:
-        rt = self.runtimes.get(lv.row.tier)
-        if not isinstance(rt, Display):
-            raise CapabilityNotSupported(
-                f"tier {lv.row.tier} has no display (use tier='vm')", tier=lv.row.tier
-            )
-        return rt
+    # ------------------------------------------------------------------ display
+    def _desktop_of(self, lv: _Live) -> DesktopSpec | None:
+        """The desktop the sandbox's image has (None: none). Known from creation; after an
+        edge restart looked up again (the image as its owner sees it, if it still has the
+        layers the sandbox was made from)."""
+        if not lv.desktop_known:
+            spec = None
+            name = str(lv.row.request.get("image") or "")
+            with contextlib.suppress(DsecError):
+                image = self.layers.get_image(name, lv.row.owner)
+                if list(image.layers) == lv.row.image_layers[: len(image.layers)]:
+                    spec = desktop_spec(image)
+            lv.desktop, lv.desktop_known = spec, True
+        return lv.desktop
 
-    async def display_screenshot(self, sandbox_id: str, owner: str) -> bytes:
+    def _desktop_not_running(self, lv: _Live) -> str:
+        """Why a desktop may not answer, from its start command's fate (for the error)."""
+        if lv.start is None or lv.logs is None:
+            return "the sandbox's start command is not running (edge restarted?)"
+        if lv.logs.end_note is None:
+            return "its start command still runs"
+        tail = lv.logs.tail(600).strip()
+        return f"{lv.logs.end_note}" + (f"; its output ends with: {tail}" if tail else "")
+
+    def _screen(self, lv: _Live, screen: Screen) -> ScreenDriver:
+        """The screen ``screen`` names for this sandbox (see :mod:`dsec.display`)."""
+        rt = self.runtimes[lv.row.tier]
+        spec = self._desktop_of(lv) if screen != "console" else None
+        image = str(lv.row.request.get("image") or "")
+        if spec is not None:
+            return ExecDesktop(
+                rt, lv.handle, spec.display, spec.image, lambda: self._desktop_not_running(lv)
+            )
+        if screen == "desktop":
+            raise CapabilityNotSupported(
+                f"image {image!r} of sandbox {lv.row.id} has no desktop (its config has no "
+                f"{DISPLAY_LABEL!r} label): create it with image='desktop'",
+                image=image,
+                tier=lv.row.tier,
+            )
+        if isinstance(rt, Display):
+            return ConsoleScreen(rt, lv.handle)
+        if screen == "console":
+            raise CapabilityNotSupported(
+                f"the {lv.row.tier} tier has no console screen (tier='vm' has one)",
+                image=image,
+                tier=lv.row.tier,
+            )
+        raise CapabilityNotSupported(
+            f"sandbox {lv.row.id} has no display: its image {image!r} has no desktop "
+            f"(create it with image='desktop') and the {lv.row.tier} tier has no console "
+            "screen",
+            image=image,
+            tier=lv.row.tier,
+        )
+
+    async def display_screenshot(
+        self, sandbox_id: str, owner: str, screen: Screen = "auto", pointer: bool = False
+    ) -> bytes:
         """The sandbox's screen as PNG bytes."""
 
         async def run(lv: _Live) -> bytes:
-            return await self._display_runtime(lv).screenshot(lv.handle)
+            return await self._screen(lv, screen).screenshot(pointer=pointer)
 
         return await self._use(sandbox_id, owner, run)
 
-    async def display_click(
-        self, sandbox_id: str, owner: str, x: int, y: int, button: str = "left"
+    async def display_act(
+        self, sandbox_id: str, owner: str, action: DisplayAction, screen: Screen = "auto"
     ) -> None:
         async def run(lv: _Live) -> None:
-            await self._display_runtime(lv).click(lv.handle, x, y, button)
+            await self._screen(lv, screen).act(action)
 
         await self._use(sandbox_id, owner, run)
 
-    async def display_type(self, sandbox_id: str, owner: str, text: str) -> None:
-        async def run(lv: _Live) -> None:
-            await self._display_runtime(lv).type(lv.handle, text)
+    async def display_state(
+        self, sandbox_id: str, owner: str, screen: Screen = "auto"
+    ) -> DisplayState:
+        async def run(lv: _Live) -> DisplayState:
+            return await self._screen(lv, screen).state()
 
-        await self._use(sandbox_id, owner, run)
+        return await self._use(sandbox_id, owner, run)
 
-    async def display_key(self, sandbox_id: str, owner: str, name: str) -> None:
-        async def run(lv: _Live) -> None:
-            await self._display_runtime(lv).key(lv.handle, name)
+    async def display_windows(self, sandbox_id: str, owner: str) -> list[WindowInfo]:
+        async def run(lv: _Live) -> list[WindowInfo]:
+            s = self._screen(lv, "desktop")
+            if not isinstance(s, Windowed):  # pragma: no cover - a desktop has windows
+                raise CapabilityNotSupported("this screen has no windows")
+            return await s.windows()
 
-        await self._use(sandbox_id, owner, run)
+        return await self._use(sandbox_id, owner, run)
+
+    async def display_restart(self, sandbox_id: str, owner: str) -> DisplayState:
+        """Stop the sandbox's desktop (whatever is left of it) and run its image's start
+        command again; returns once its readiness check passes."""
+
+        async def run(lv: _Live) -> DisplayState:
+            spec = self._desktop_of(lv)
+            image = str(lv.row.request.get("image") or "")
+            if spec is None:
+                raise CapabilityNotSupported(
+                    f"image {image!r} of sandbox {lv.row.id} has no desktop to restart",
+                    image=image,
+                )
+            if spec.start is None:
+                raise CapabilityNotSupported(
+                    f"image {image!r} has a desktop but no start command that runs it",
+                    image=image,
+                )
+            rt = self.runtimes[lv.row.tier]
+            if lv.start is not None:
+                await lv.start.stop()
+            stop = ExecRequest(
+                cmd=["/bin/sh", "-c", STOP_SCRIPT, "dsec-desktop-stop", spec.display],
+                timeout_s=30,
+            )
+            await rt.exec(lv.handle, stop)
+            await self._start(lv, rt, spec.start, rt.facts().sink_sees_all_output)
+            return await self._screen(lv, "desktop").state()
+
+        return await self._use(sandbox_id, owner, run)
 
     # ------------------------------------------------------------------ network
     async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo:

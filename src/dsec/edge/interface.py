@@ -64,6 +64,7 @@ from dsec.models import (
 if TYPE_CHECKING:
     from dsec.builds.records import BuildList, BuildRecord
     from dsec.builds.wire import BuildRequest
+    from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
 
 __all__ = [
     "SANDBOX_VERBS",
@@ -385,26 +386,41 @@ class InteractiveExec(Protocol):
 
 @runtime_checkable
 class DisplayEdge(Protocol):
-    """Optional edge ability: the screen and input devices of a sandbox with a display. Each
-    call checks that ``owner`` owns the sandbox (``SandboxNotFound`` otherwise), resumes it if
-    paused and raises ``CapabilityNotSupported`` for a tier without a display."""
+    """Optional edge ability: the screens of sandboxes (vocabulary and semantics:
+    :mod:`dsec.display`). ``screen`` picks the desktop of a desktop image, the tier's own
+    console, or (``auto``) the desktop if there is one, else the console. Each call checks
+    that ``owner`` owns the sandbox (``SandboxNotFound`` otherwise) and resumes it if
+    paused; a sandbox without the screen asked for raises ``CapabilityNotSupported`` naming
+    its image and tier; a desktop whose X server does not answer raises
+    ``DisplayNotRunning`` (``display_restart`` brings it back)."""
 
-    async def display_screenshot(self, sandbox_id: str, owner: str) -> bytes:
-        """The screen as PNG bytes."""
+    async def display_screenshot(
+        self, sandbox_id: str, owner: str, screen: Screen = "auto", pointer: bool = False
+    ) -> bytes:
+        """The screen as PNG bytes (``pointer``: the mouse pointer drawn, on a desktop)."""
         ...
 
-    async def display_click(
-        self, sandbox_id: str, owner: str, x: int, y: int, button: str = "left"
+    async def display_act(
+        self, sandbox_id: str, owner: str, action: DisplayAction, screen: Screen = "auto"
     ) -> None:
-        """Move the pointer to pixel (x, y) of the screenshot and click ``button``."""
+        """One input action (move, click, drag, scroll, button, type, key, open, launch);
+        a point off the screen is ``InvalidRequest`` with ``width``/``height``."""
         ...
 
-    async def display_type(self, sandbox_id: str, owner: str, text: str) -> None:
-        """Type ``text`` on the keyboard."""
+    async def display_state(
+        self, sandbox_id: str, owner: str, screen: Screen = "auto"
+    ) -> DisplayState:
+        """The screen's size and the pointer's position."""
         ...
 
-    async def display_key(self, sandbox_id: str, owner: str, name: str) -> None:
-        """Press a key or a chord such as ``ctrl-c``."""
+    async def display_windows(self, sandbox_id: str, owner: str) -> list[WindowInfo]:
+        """The desktop's top-level windows (id, title, class, pid, geometry, focus)."""
+        ...
+
+    async def display_restart(self, sandbox_id: str, owner: str) -> DisplayState:
+        """Kill what is left of the sandbox's desktop and run its image's start command
+        again; returns the new desktop's state once it is ready (``StartFailed`` if it
+        does not come up)."""
         ...
 
 

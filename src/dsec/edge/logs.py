@@ -51,6 +51,8 @@ class SandboxLogs:
         }
         self._changed = asyncio.Event()
         self.closed = False
+        self.end_note: str | None = None
+        """How the command ended (the ``dsec`` line of :meth:`close`), None while it runs."""
         self.dropped = 0
         """Lines dropped to stay under ``max_bytes``."""
 
@@ -72,6 +74,15 @@ class SandboxLogs:
                 self._add(LogLine(ts=time.time(), stream=stream, data=tail))
         self._add(LogLine(ts=time.time(), stream="dsec", data=note))
         self.closed = True
+        self.end_note = note
+        self._changed.set()
+
+    def reopen(self, note: str) -> None:
+        """The command runs again (a desktop restart): add ``note`` on the ``dsec`` stream
+        and take output again; earlier lines stay."""
+        self._add(LogLine(ts=time.time(), stream="dsec", data=note))
+        self.closed = False
+        self.end_note = None
         self._changed.set()
 
     def _add(self, line: LogLine) -> None:

@@ -18,9 +18,13 @@ so nothing else is kept.
   ``user`` (1000, home ``/home/user``, shell bash, passwordless ``sudo``) as the image's
   default user and working directory (``meta["config"]``: ``User``, ``WorkingDir``).
   ~330 MB unpacked, 60-120 s.
+* ``desktop``: two layers, ``debian``'s and a desktop toolkit layer on it (Xvfb, Xfce,
+  xdotool, scrot, x11vnc/noVNC, Chromium; :mod:`dsec.layers.desktop`), whose start command
+  runs the desktop. ~1.2 GB on top of ``debian``, a few minutes.
 
 ``busybox`` and ``debian`` have the users ``root`` (0), ``sandbox`` (1000, home
-``/home/sandbox``) and ``nobody`` (65534); ``e2b-base`` has ``user`` instead of ``sandbox``.
+``/home/sandbox``) and ``nobody`` (65534); ``e2b-base`` and ``desktop`` have E2B's ``user``
+(1000, home ``/home/user``) instead of ``sandbox``.
 
 Adding a recipe (tests use this hook to count builds)::
 
@@ -63,6 +67,7 @@ __all__ = [
     "build_busybox_rootfs",
     "build_code_interpreter_rootfs",
     "build_debian_rootfs",
+    "build_desktop_layer",
     "build_e2b_base_rootfs",
     "debian_mirror",
 ]
@@ -122,6 +127,11 @@ class BuiltinImage:
     kind: LayerKind = "base"
     meta: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    base: str | None = None
+    """A built-in image this one is layered on. Then ``build_rootfs`` gets the base's tree
+    (an overlay over its layers, :func:`dsec.layers.overlay_build.build_over`; it must be a
+    module-level function) and what it changes becomes one layer on top: the image is the
+    base's layers + that layer, and is rebuilt when the base's layers change."""
 
 
 def _is_static_elf(path: Path) -> bool:
@@ -276,10 +286,13 @@ def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
     return DEBIAN_FALLBACK_MIRROR
 
 
-def _unmount_under(path: Path) -> None:
-    """Unmount everything mounted at or below ``path``, deepest first (debootstrap leftovers)."""
+def _unmount_under(path: Path, *, include_self: bool = True) -> None:
+    """Unmount everything mounted at or below ``path`` (only below it, without
+    ``include_self``: ``path`` may itself be a build's overlay), deepest first (debootstrap
+    and maintainer-script leftovers)."""
+    top = Path(os.path.abspath(path))
     for _ in range(64):
-        mps = mount_points(path)
+        mps = [m for m in mount_points(path) if include_self or m != top]
         if not mps:
             return
         umount_quiet(max(mps, key=lambda p: len(p.parts)))
@@ -577,7 +590,7 @@ def apt_install_into(root: Path, packages: tuple[str, ...]) -> None:
         _run_in_chroot(root, ["apt-get", "clean"], "apt-get clean in the image")
     finally:
         policy.unlink(missing_ok=True)
-        _unmount_under(root)
+        _unmount_under(root, include_self=False)
     _strip_debian(root)
 
 
@@ -610,6 +623,49 @@ def build_code_interpreter_rootfs(dest: Path) -> None:
     )
     if not (dest / "usr/bin/node").exists():
         raise SandboxError("the code-interpreter image lacks /usr/bin/node")
+
+
+def build_desktop_layer(root: Path) -> None:
+    """Turn the ``debian`` tree at ``root`` (the merged view of a build over its layer) into
+    the ``desktop`` image (:mod:`dsec.layers.desktop`): its Debian packages
+    (:func:`apt_install_into`), then its files, symlinks and user. A few minutes on this
+    machine (network-bound); ~1.2 GB of changes.
+
+    Raises:
+        SandboxError: apt failed, or the tree lacks a program the desktop needs.
+    """
+    from dsec.layers import desktop
+
+    apt_install_into(root, desktop.APT_PACKAGES)
+    desktop.apply_steps(root)
+    for old in (root / "var/cache/debconf").glob("*-old"):  # debconf's backups
+        old.unlink()
+    missing = [
+        p
+        for p in (
+            "usr/bin/Xvfb",
+            "usr/bin/xdotool",
+            "usr/bin/scrot",
+            "usr/bin/wmctrl",
+            "usr/bin/xdg-open",
+            "usr/bin/gtk-launch",
+            "usr/bin/x11vnc",
+            "usr/bin/websockify",
+            "usr/bin/chromium",
+            "usr/bin/xfce4-session",
+            "usr/share/novnc/utils/novnc_proxy",
+            "usr/local/bin/dsec-desktop",
+        )
+        if not (root / p).exists()
+    ]
+    if missing:
+        raise SandboxError(f"the desktop image lacks {', '.join(missing)}", missing=missing)
+
+
+def _desktop_meta() -> dict[str, Any]:
+    from dsec.layers import desktop
+
+    return {"builtin": desktop.IMAGE_NAME, **desktop.image_meta()}
 
 
 def _code_interpreter_meta() -> dict[str, Any]:
@@ -660,6 +716,17 @@ BUILTIN_IMAGES: dict[str, BuiltinImage] = {
         description=(
             f"Debian {DEBIAN_SUITE} with Jupyter kernels (Python, bash, JavaScript) and "
             "E2B's code-interpreter API on port 49999 (~700 MB)"
+        ),
+    ),
+    "desktop": BuiltinImage(
+        name="desktop",
+        build_rootfs=build_desktop_layer,
+        kind="toolkit",
+        base="debian",
+        meta=_desktop_meta(),
+        description=(
+            "debian + an Xfce desktop on Xvfb (:0, 1024x768), xdotool, scrot, x11vnc/noVNC "
+            "and Chromium, started with the sandbox (~1.2 GB on top of debian)"
         ),
     ),
 }

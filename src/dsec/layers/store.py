@@ -86,6 +86,7 @@ from dsec.layers.lazy import (
     DEFAULT_READAHEAD_CHUNKS,
     LazyServer,
 )
+from dsec.layers.overlay_build import build_over
 from dsec.layers.tarball import extract_tarball
 from dsec.models import SYSTEM_OWNER, ImageInfo, LayerInfo, LayerKind
 from dsec.privileged.mount import mount_points, umount_quiet
@@ -952,12 +953,26 @@ class LayerStore:
                 return done
         recipe = builtin.BUILTIN_IMAGES[name]
         started = time.monotonic()
+        base_layers: list[str] = []
+        if recipe.base is not None:
+            self._set_progress(name, f"waiting for its base image {recipe.base}")
+            base_layers = list(self.ensure_image_sync(recipe.base).layers)
+        meta = {**recipe.meta, "builtin": name}
+        if recipe.base is not None:
+            meta["base_layers"] = base_layers
         with self._build_slot() as build_id:
-            tree = self.scratch / f"layer-{build_id}" / "rootfs"
-            tree.mkdir(parents=True)
-            self._set_progress(name, "building its root filesystem")
-            recipe.build_rootfs(tree)
-            meta = {**recipe.meta, "builtin": name}
+            if recipe.base is None:
+                tree = self.scratch / f"layer-{build_id}" / "rootfs"
+                tree.mkdir(parents=True)
+                self._set_progress(name, "building its root filesystem")
+                recipe.build_rootfs(tree)
+            else:
+                self._set_progress(name, f"building its layer on {recipe.base}")
+                tree = build_over(
+                    self.scratch / f"layer-{build_id}",
+                    [self.layer_path(d) for d in base_layers],
+                    recipe.build_rootfs,
+                )
             self._set_progress(name, "making the EROFS layer")
             layer = self.build_layer(tree, recipe.kind, name=name, meta=meta)
         log.info(
@@ -967,7 +982,8 @@ class LayerStore:
             layer.digest,
             layer.size,
         )
-        return self.put_image(name, [layer.digest], meta=meta)
+        layers = [d for d in base_layers if d != layer.digest] + [layer.digest]
+        return self.put_image(name, layers, meta=meta)
 
     def _set_progress(self, name: str, phase: str) -> None:
         with self._lock:
@@ -1053,14 +1069,24 @@ class LayerStore:
                 self._progress.pop(name, None)
             fut.set_result(image)
 
-    @staticmethod
-    def _outdated(image: ImageInfo) -> bool:
+    def _outdated(self, image: ImageInfo) -> bool:
         """A system image of a built-in recipe that has changed since it was built (its
-        ``meta["recipe"]`` fingerprint; recipes without one count as ``"1"``)."""
+        ``meta["recipe"]`` fingerprint; recipes without one count as ``"1"``), or whose
+        base built-in has been rebuilt since (its layers are not the ones it was built on)."""
         recipe = builtin.BUILTIN_IMAGES.get(image.name)
         if recipe is None or image.owner != "system" or image.meta.get("builtin") != image.name:
             return False
-        return str(image.meta.get("recipe", "1")) != str(recipe.meta.get("recipe", "1"))
+        if str(image.meta.get("recipe", "1")) != str(recipe.meta.get("recipe", "1")):
+            return True
+        if recipe.base is None:
+            return False
+        base = self._find_image(recipe.base, SYSTEM)
+        if base is None:
+            return False  # built on first use; the layers recorded stay valid
+        base_info = self._row_to_image(base)
+        if self._outdated(base_info):
+            return True
+        return list(image.meta.get("base_layers") or []) != list(base_info.layers)
 
     def _lookup_or_claim(
         self, name: str, owner: str

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from dsec.models import Capabilities, ExecRequest, ExecResult, FileInfo, LayerInfo, SnapshotRequest
 
 if TYPE_CHECKING:
+    from dsec.display import DisplayAction
     from dsec.edge.interface import DirectoryWatcher, InteractiveProcess, PortStream, PtySize
     from dsec.runtimes.usage import SandboxUsage
 
@@ -242,13 +243,26 @@ class Interactive(Protocol):
 
 @runtime_checkable
 class Display(Protocol):
-    """A screen and input devices: a PNG screenshot, a click at pixel coordinates of it,
-    typing text on a US layout, pressing a key or a chord (``ctrl-c``)."""
+    """The tier's own screen and input devices (the vm tier's VGA console), for the
+    ``console`` screen of :mod:`dsec.display`: a PNG screenshot, input actions
+    (:data:`dsec.display.DisplayAction`; pixel coordinates of the screenshot, text on a US
+    layout, keys and chords), the screen's size and the last pointer position it was sent
+    to. A desktop *image* is driven through ``exec`` instead (:mod:`dsec.edge.desktop`)."""
 
     async def screenshot(self, handle: Handle) -> bytes: ...
-    async def click(self, handle: Handle, x: int, y: int, button: str = "left") -> None: ...
-    async def type(self, handle: Handle, text: str) -> None: ...
-    async def key(self, handle: Handle, name: str) -> None: ...
+    async def screen_act(self, handle: Handle, action: DisplayAction) -> None:
+        """Carry out ``action``; ``InvalidRequest`` for a point off the screen or a key or
+        character the console cannot send; ``CapabilityNotSupported`` for what a console
+        has no notion of (applications)."""
+        ...
+
+    async def screen_size(self, handle: Handle) -> tuple[int, int]:
+        """(width, height) of the screen, pixels."""
+        ...
+
+    def pointer(self, handle: Handle) -> tuple[int, int] | None:
+        """Where the last pointer action left the pointer (None: none was sent yet)."""
+        ...
 
 
 @runtime_checkable

@@ -769,7 +769,8 @@ class AsyncSandbox:
 
     @property
     def display(self) -> AsyncDisplay:
-        """Screen, keyboard and pointer of a sandbox with a display (vm tier)."""
+        """Screen, keyboard and pointer: a desktop image's X desktop (any tier), the vm
+        tier's console (:mod:`dsec.sdk.display`)."""
         from dsec.sdk.display import AsyncDisplay
 
         return AsyncDisplay(self)

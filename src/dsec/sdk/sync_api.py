@@ -118,7 +118,8 @@ class Jobs(SyncWrapper):
 
 @synchronize(AsyncDisplay)
 class Display(SyncWrapper):
-    """The display of one sandbox (sync): ``screenshot``, ``click``, ``type``, ``key``."""
+    """The display of one sandbox (sync): ``screenshot``, ``click``, ``type``, ``key``,
+    ``windows``, ``open``, ``launch``... See :class:`dsec.sdk.display.AsyncDisplay`."""
 
 
 @synchronize(AsyncPortForward)

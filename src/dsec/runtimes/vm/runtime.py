@@ -15,8 +15,10 @@ init, same exec/files/pause/recover/orphans):
   over it. The template key includes ``disk_mb``. A cold boot (~6.5 s under TCG) happens once
   per (image, memory, vCPUs, disk size); clones restore in a fraction of a second.
 * display: ``-device VGA`` plus a USB tablet (absolute pointer) on ``qemu-xhci``; an
-  interactive shell on tty1 (``dsec.tty=1``). :meth:`screenshot` (QMP ``screendump`` PNG),
-  :meth:`click`, :meth:`type`, :meth:`key` (QMP ``input-send-event`` / ``send-key``).
+  interactive shell on tty1 (``dsec.tty=1``). The ``console`` screen of the display API:
+  :meth:`screenshot` (QMP ``screendump`` PNG), :meth:`screen_act` (QMP ``input-send-event``
+  / ``send-key``). A desktop image's X desktop runs in the guest and is driven through
+  ``exec`` like on the container tier (:mod:`dsec.edge.desktop`).
   A guest desktop needs its own input drivers (``usbhid``) to act on clicks; the text console
   receives keyboard input through the i8042 PS/2 keyboard that q35 always has.
 
@@ -25,7 +27,7 @@ Example::
     rt = VMRuntime(Paths.from_env())
     await rt.start()
     h = await rt.create(spec)
-    await rt.type(h, "echo hello\\n")
+    await rt.screen_act(h, Type(text="echo hello\\n"))
     png = await rt.screenshot(h)
 """
 
@@ -42,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from dsec.config import Paths
-from dsec.errors import InvalidRequest, SandboxError, TierUnavailable
+from dsec.display import Button, Click, DisplayAction, Drag, Key, Move, Scroll, Type, key_tokens
+from dsec.errors import CapabilityNotSupported, InvalidRequest, SandboxError, TierUnavailable
 from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.runtimes.microvm.runtime import MicroVMConfig, MicroVMRuntime, Template
 
@@ -64,7 +67,10 @@ _SHIFTED = {
 KEY_ALIASES = {
     "enter": "ret", "return": "ret", "escape": "esc", "backspace": "backspace", "space": "spc",
     "control": "ctrl", "super": "meta_l", "win": "meta_l", "pageup": "pgup", "pagedown": "pgdn",
-    "del": "delete",
+    "del": "delete", "tab": "tab", "pgup": "pgup", "pgdn": "pgdn",
+    "page_up": "pgup", "page_down": "pgdn", "ins": "insert", "meta": "meta_l", "cmd": "meta_l",
+    "windows": "meta_l", "alt_l": "alt", "alt_r": "alt_r", "ctrl_l": "ctrl", "ctrl_r": "ctrl_r",
+    "shift_l": "shift", "shift_r": "shift_r", "bksp": "backspace",
 }  # fmt: skip
 _BUTTONS = {"left": "left", "right": "right", "middle": "middle"}
 
@@ -98,6 +104,7 @@ class VMRuntime(MicroVMRuntime):
     def __init__(self, paths: Paths | None = None, config: MicroVMConfig | None = None) -> None:
         super().__init__(paths, config)
         self._screen: dict[str, tuple[int, int]] = {}
+        self._pointer: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ machine
 
@@ -247,15 +254,23 @@ class VMRuntime(MicroVMRuntime):
         self._screen[handle.id] = png_size(data)
         return data
 
-    async def click(self, handle: Handle, x: int, y: int, button: str = "left") -> None:
-        """Move the absolute pointer to pixel (x, y) and click ``button`` (left/right/middle)."""
-        if button not in _BUTTONS:
-            raise InvalidRequest(f"button must be one of {sorted(_BUTTONS)}")
+    async def screen_size(self, handle: Handle) -> tuple[int, int]:
+        """(width, height) of the console: the last screenshot's (taken now if none was)."""
         if handle.id not in self._screen:
             await self.screenshot(handle)
-        w, h = self._screen[handle.id]
+        return self._screen[handle.id]
+
+    def pointer(self, handle: Handle) -> tuple[int, int] | None:
+        return self._pointer.get(handle.id)
+
+    async def _check_point(self, handle: Handle, x: int, y: int) -> tuple[int, int]:
+        w, h = await self.screen_size(handle)
         if not (0 <= x < w and 0 <= y < h):
-            raise InvalidRequest(f"({x}, {y}) is outside the {w}x{h} screen")
+            raise InvalidRequest(f"({x}, {y}) is outside the {w}x{h} screen", width=w, height=h)
+        return w, h
+
+    async def _move(self, handle: Handle, x: int, y: int) -> None:
+        w, h = await self._check_point(handle, x, y)
         qmp = await self._qmp(handle)
         ax, ay = x * 0x7FFF // max(1, w - 1), y * 0x7FFF // max(1, h - 1)
         move = [
@@ -263,13 +278,54 @@ class VMRuntime(MicroVMRuntime):
             {"type": "abs", "data": {"axis": "y", "value": ay}},
         ]
         await qmp.execute("input-send-event", events=move)
-        for down in (True, False):
-            await qmp.execute(
-                "input-send-event",
-                events=[{"type": "btn", "data": {"down": down, "button": button}}],
+        self._pointer[handle.id] = (x, y)
+
+    async def _button(self, handle: Handle, button: str, down: bool) -> None:
+        qmp = await self._qmp(handle)
+        await qmp.execute(
+            "input-send-event", events=[{"type": "btn", "data": {"down": down, "button": button}}]
+        )
+
+    async def screen_act(self, handle: Handle, action: DisplayAction) -> None:
+        """One input action through QMP: the USB tablet's absolute pointer and buttons
+        (``input-send-event``), the keyboard (``send-key``)."""
+        if isinstance(action, Move):
+            await self._move(handle, action.x, action.y)
+        elif isinstance(action, Click):
+            if action.x is not None and action.y is not None:
+                await self._move(handle, action.x, action.y)
+            for _ in range(2 if action.double else 1):
+                await self._button(handle, _BUTTONS[action.button], True)
+                await self._button(handle, _BUTTONS[action.button], False)
+        elif isinstance(action, Drag):
+            await self._check_point(handle, action.to_x, action.to_y)
+            await self._move(handle, action.from_x, action.from_y)
+            await self._button(handle, _BUTTONS[action.button], True)
+            for i in (1, 2, 3):
+                await self._move(
+                    handle,
+                    action.from_x + (action.to_x - action.from_x) * i // 3,
+                    action.from_y + (action.to_y - action.from_y) * i // 3,
+                )
+            await self._button(handle, _BUTTONS[action.button], False)
+        elif isinstance(action, Scroll):
+            if action.x is not None and action.y is not None:
+                await self._move(handle, action.x, action.y)
+            for _ in range(action.amount):
+                await self._button(handle, f"wheel-{action.direction}", True)
+                await self._button(handle, f"wheel-{action.direction}", False)
+        elif isinstance(action, Button):
+            await self._button(handle, _BUTTONS[action.button], action.down)
+        elif isinstance(action, Type):
+            await self._type(handle, action.text)
+        elif isinstance(action, Key):
+            await self._key(handle, action.name)
+        else:
+            raise CapabilityNotSupported(
+                f"the vm console has no applications to {action.action}", screen="console"
             )
 
-    async def type(self, handle: Handle, text: str) -> None:
+    async def _type(self, handle: Handle, text: str) -> None:
         """Type ``text`` on the keyboard (US layout; ``\\n`` is Enter)."""
         if len(text) > 10_000:
             raise InvalidRequest("at most 10,000 characters per call")
@@ -280,15 +336,13 @@ class VMRuntime(MicroVMRuntime):
                 "send-key", keys=[{"type": "qcode", "data": k} for k in combo], **{"hold-time": 5}
             )
 
-    async def key(self, handle: Handle, name: str) -> None:
-        """Press a key or a chord: ``"enter"``, ``"esc"``, ``"ctrl-c"``, ``"alt-f4"``, ``"f1"``."""
-        parts = [
-            KEY_ALIASES.get(p.strip().lower(), p.strip().lower())
-            for p in name.split("-")
-            if p.strip()
-        ]
-        if not parts:
-            raise InvalidRequest("empty key name")
+    async def _key(self, handle: Handle, name: str) -> None:
+        """Press a key or a chord: ``"enter"``, ``"esc"``, ``"ctrl-c"``, ``"alt+f4"``, ``"f1"``."""
+        try:
+            tokens = key_tokens(name)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        parts = [KEY_ALIASES.get(p.strip().lower(), p.strip().lower()) for p in tokens]
         qmp = await self._qmp(handle)
         try:
             await qmp.execute(

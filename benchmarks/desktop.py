@@ -1,0 +1,184 @@
+"""Desktop benchmark (issue 18): the ``desktop`` image driven through dsec's display API,
+per tier, in one run.
+
+One ``dsec serve`` child process (the tiers asked for, no network), the image built and
+cached beforehand (``/var/cache/dsec-test-layers``). Per tier:
+
+* ``create -> first screenshot``: ``Sandbox.create(image="desktop")`` (which returns once
+  the desktop's readiness check passes: the X server answers and a window manager runs)
+  then ``sb.display.screenshot()``, end to end from the client; ``--creates`` runs, p50;
+* ``screenshot p50`` at 1024x768 (PNG from ``scrot`` inside the sandbox, through the API);
+* ``click`` and ``type`` round trips, p50: one ``sb.display.click(x, y)`` / one
+  ``sb.display.type("a")`` call, returned once xdotool has sent the events;
+* host memory per idle desktop with ``--idle`` of them running (MemAvailable before and
+  after, caches dropped first; each desktop is created, takes a screenshot and idles).
+
+Targets (container tier, cached image): create -> first screenshot <= 2 s, screenshot p50
+<= 50 ms, click/type p50 <= 20 ms, <= 150 MiB per idle desktop with 20 running. The vm
+tier runs under QEMU TCG on machines without KVM: its numbers there are not its numbers
+with KVM; keep ``--vm-idle`` small.
+
+Usage (root): .venv/bin/python benchmarks/desktop.py [--tiers container,vm] [-n 50]
+              [--creates 3] [--idle 20] [--vm-idle 2] [--home DIR]
+Writes benchmarks/results/desktop.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from dsec import Sandbox  # noqa: E402
+from dsec.server import ServeProcess  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def mem_available_mib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=False)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def p50(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def timed(fn: Any, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def bench_tier(tier: str, kw: dict[str, Any], n: int, creates: int, idle: int) -> dict[str, Any]:
+    mem = 1024 if tier == "container" else 2048
+    create_ms = []
+    for _ in range(creates):
+        t0 = time.perf_counter()
+        with Sandbox.create(image="desktop", tier=tier, memory_mb=mem, timeout=600, **kw) as sb:
+            png = sb.display.screenshot()
+            create_ms.append((time.perf_counter() - t0) * 1000)
+            assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    with Sandbox.create(image="desktop", tier=tier, memory_mb=mem, timeout=600, **kw) as sb:
+        w, h = sb.display.screen_size()
+        for _ in range(3):  # warm
+            sb.display.screenshot()
+            sb.display.click(w // 2, h // 2)
+        shot = timed(sb.display.screenshot, n)
+        size = len(sb.display.screenshot())
+        click = timed(lambda: sb.display.click(w // 2 + 7, h // 2 + 5), n)
+        typed = timed(lambda: sb.display.type("a"), n)
+        moved = timed(lambda: sb.display.move(10, 10), n)
+    out: dict[str, Any] = {
+        "screen": f"{w}x{h}",
+        "create_to_first_screenshot_ms": create_ms,
+        "create_to_first_screenshot_p50_ms": p50(create_ms),
+        "screenshot_p50_ms": p50(shot),
+        "screenshot_p90_ms": statistics.quantiles(shot, n=10)[-1] if len(shot) > 9 else None,
+        "screenshot_bytes": size,
+        "click_p50_ms": p50(click),
+        "type_p50_ms": p50(typed),
+        "move_p50_ms": p50(moved),
+    }
+    if idle > 0:
+        out["idle"] = bench_idle(tier, kw, idle, mem)
+    return out
+
+
+def bench_idle(tier: str, kw: dict[str, Any], m: int, mem: int) -> dict[str, float]:
+    drop_caches()
+    time.sleep(1)
+    before = mem_available_mib()
+    sbs = []
+    try:
+        for _ in range(m):
+            sb = Sandbox.create(image="desktop", tier=tier, memory_mb=mem, timeout=900, **kw)
+            sbs.append(sb)
+            sb.display.screenshot()
+        time.sleep(5)
+        after = mem_available_mib()
+        return {"desktops": m, "mib_per_desktop": (before - after) / m}
+    finally:
+        for sb in sbs:
+            try:
+                sb.kill()
+            except Exception as e:  # report, keep killing the rest
+                print(f"kill {sb.id}: {e}", file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiers", default="container", help="comma-separated: container,vm")
+    ap.add_argument("-n", type=int, default=50, help="calls per latency measurement")
+    ap.add_argument("--creates", type=int, default=3)
+    ap.add_argument("--idle", type=int, default=20, help="idle desktops (container tier)")
+    ap.add_argument("--vm-idle", type=int, default=0, help="idle desktops (vm tier)")
+    ap.add_argument("--home", type=Path, default=None)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("run as root (dsec serve)")
+    tiers = [t for t in args.tiers.split(",") if t]
+    home = args.home or Path(tempfile.mkdtemp(prefix="dsec-bench-desktop-")) / "home"
+    env = {"DSEC_TIERS": ",".join(tiers), "DSEC_NETWORK": "off", "DSEC_ACCESS_LOG": "off"}
+    results: dict[str, Any] = {}
+    with ServeProcess(home, env=env) as srv:
+        kw = {"url": srv.url, "api_key": srv.api_key}
+        for tier in tiers:
+            print(f"{tier} ...", flush=True)
+            idle = args.idle if tier == "container" else args.vm_idle
+            results[tier] = bench_tier(tier, kw, args.n, args.creates, idle)
+    rows = [
+        ("create -> first screenshot p50", "create_to_first_screenshot_p50_ms", "ms", 2000),
+        ("screenshot p50", "screenshot_p50_ms", "ms", 50),
+        ("click round trip p50", "click_p50_ms", "ms", 20),
+        ("type round trip p50", "type_p50_ms", "ms", 20),
+        ("move round trip p50", "move_p50_ms", "ms", None),
+    ]
+    print(f"\n{'measure':34s}" + "".join(f"{t:>14s}" for t in tiers) + "   target (container)")
+    for label, key, unit, target in rows:
+        cells = "".join(f"{results[t][key]:>11.1f} {unit}" for t in tiers)
+        print(f"{label:34s}{cells}   {'<= ' + str(target) + ' ' + unit if target else ''}")
+    cells = "".join(
+        f"{results[t]['idle']['mib_per_desktop']:>8.1f} MiB/{results[t]['idle']['desktops']}"
+        if "idle" in results[t]
+        else f"{'-':>14s}"
+        for t in tiers
+    )
+    print(f"{'host memory per idle desktop':34s}{cells}   <= 150 MiB (20 running)")
+    out = {
+        "benchmark": "desktop",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "kvm": os.path.exists("/dev/kvm"),
+        "loadavg_1_5_15": os.getloadavg(),
+        "n": args.n,
+        "tiers": results,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "desktop.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {RESULTS / 'desktop.json'}")
+
+
+if __name__ == "__main__":
+    main()

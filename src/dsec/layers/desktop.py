@@ -1,0 +1,543 @@
+"""The ``desktop`` image: an X desktop that computer-use agents drive, as a toolkit layer on
+top of the ``debian`` image.
+
+One definition (packages, files, start command, config), one consumer: the built-in recipe
+``BUILTIN_IMAGES["desktop"]`` (:func:`dsec.layers.builtin.build_desktop_layer`). The image is
+two layers, ``debian``'s own layer (shared with every ``debian`` sandbox on the node: one
+mount, one page cache) and the desktop toolkit layer: what ``apt-get install
+--no-install-recommends`` of :data:`APT_PACKAGES` and :func:`apply_steps` change on top of it,
+captured as an overlay upper directory (whiteouts and all, see :mod:`dsec.layers.overlay_build`).
+
+What it has, all from Debian bookworm:
+
+* the X server ``Xvfb`` (software, no GPU), ``xdpyinfo``/``xprop``/``xwininfo``, ``xrandr``;
+* an Xfce session (``xfce4-session``, ``xfwm4``, ``xfdesktop``, ``xfce4-panel``, Thunar,
+  ``xfce4-terminal``) on a session bus of its own;
+* the input and query tools the display API and e2b-desktop run: ``xdotool``, ``scrot``,
+  ``wmctrl``, ``xdg-open`` (``xdg-utils``), ``gtk-launch``, ``netstat``, ``pgrep``;
+* ``x11vnc`` and noVNC/websockify (``/opt/noVNC`` is Debian's ``/usr/share/novnc``, where
+  e2b-desktop's ``stream.start()`` looks) for a live view on port :data:`NOVNC_PORT`;
+* Chromium as the browser (``x-www-browser`` and the ``text/html``/``http``/``https``
+  handler of ``xdg-open``).
+
+The user is E2B's: ``user`` (uid 1000, home ``/home/user``), the image's default user and
+working directory (``debian``'s ``sandbox`` user is renamed).
+
+The start command (:data:`START_CMD`, ``/usr/local/bin/dsec-desktop``) runs the X server on
+:data:`DISPLAY` at :data:`GEOMETRY` (``DSEC_DESKTOP_GEOMETRY``, ``DSEC_DESKTOP_DPI`` change it;
+``DSEC_DESKTOP_VNC=1`` also starts x11vnc and noVNC), a session bus at a fixed address (the
+image's ``DBUS_SESSION_BUS_ADDRESS``, so commands run through exec reach the desktop's bus)
+and the Xfce session, and stays in the foreground while the X server lives. The creation
+returns once the X server answers and the window manager manages windows (:data:`READY_CMD`).
+If the X server dies, the start command ends (the sandbox's logs say why) and display calls
+raise ``DisplayNotRunning`` until ``sb.display.restart()``.
+
+e2b-desktop runs ``Xvfb :0 ...`` and ``startxfce4`` itself when it creates a sandbox; the
+image's ``/usr/local/bin/Xvfb`` and ``/usr/local/bin/startxfce4`` (first on ``PATH``) adopt
+the desktop already running on that display instead of starting a second one (a different
+resolution restarts the desktop at it) and hand over to Debian's programs on any other
+display.
+
+The image config's label :data:`DISPLAY_LABEL` tells the edge that sandboxes of the image
+(and of images built on it: labels are inherited) have a desktop on that display; dsec's
+display API then drives it through the sandbox's exec (:mod:`dsec.edge.desktop`), on every
+tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "APT_PACKAGES",
+    "BASE_IMAGE",
+    "DISPLAY",
+    "DISPLAY_LABEL",
+    "DPI",
+    "ENV",
+    "FILES",
+    "GEOMETRY",
+    "HOME",
+    "IMAGE_NAME",
+    "NOVNC_PORT",
+    "READY_CMD",
+    "START_CMD",
+    "STATE_DIR",
+    "USER",
+    "VNC_PORT",
+    "apply_steps",
+    "image_meta",
+    "recipe_fingerprint",
+]
+
+IMAGE_NAME = "desktop"
+BASE_IMAGE = "debian"
+"""The built-in image under the desktop layer."""
+DISPLAY = ":0"
+DISPLAY_LABEL = "dsec.display"
+"""Image config label naming the X display of the image's desktop (``:0``)."""
+GEOMETRY = "1024x768x24"
+"""Default screen: width x height x depth (``DSEC_DESKTOP_GEOMETRY`` overrides it)."""
+DPI = 96
+USER = "user"
+HOME = "/home/user"
+VNC_PORT = 5900
+NOVNC_PORT = 6080
+STATE_DIR = "/tmp/.dsec-desktop"
+"""The desktop's run-time state: ``<n>/`` per display (pids, geometry, the session bus)."""
+
+APT_PACKAGES: tuple[str, ...] = (
+    # X server and X utilities
+    "xvfb",
+    "x11-utils",
+    "x11-xserver-utils",
+    "x11-xkb-utils",
+    "xkb-data",
+    "xfonts-base",
+    "xauth",
+    # the Xfce session
+    "xfce4-session",
+    "xfwm4",
+    "xfdesktop4",
+    "xfce4-panel",
+    "xfce4-settings",
+    "xfconf",
+    "thunar",
+    "xfce4-terminal",
+    "dbus",
+    "dbus-x11",
+    "adwaita-icon-theme",
+    # what the display API and e2b-desktop run
+    "xdotool",
+    "scrot",
+    "wmctrl",
+    "xdg-utils",
+    "libgtk-3-bin",
+    "desktop-file-utils",
+    "shared-mime-info",
+    "file",
+    "net-tools",
+    "procps",
+    # the live view
+    "x11vnc",
+    "novnc",
+    "websockify",
+    "python3-websockify",
+    # the browser
+    "chromium",
+    "fonts-dejavu-core",
+    "ca-certificates",
+)
+"""Debian bookworm packages of the desktop layer (installed without recommends)."""
+
+ENV: dict[str, str] = {
+    "DISPLAY": DISPLAY,
+    "DBUS_SESSION_BUS_ADDRESS": f"unix:path={STATE_DIR}/0/bus",
+    "XDG_CURRENT_DESKTOP": "XFCE",
+    "DESKTOP_SESSION": "xfce",
+    "LANG": "C.UTF-8",
+}
+"""Environment of the image: every command finds the display and the desktop's bus."""
+
+_SUPERVISOR = r"""#!/bin/bash
+# dsec-desktop: the start command of dsec's desktop image (dsec.layers.desktop).
+#
+# Runs Xvfb on $DISPLAY (default :0) at $DSEC_DESKTOP_GEOMETRY (WxHxDEPTH, default
+# 1024x768x24) and $DSEC_DESKTOP_DPI, a session bus at unix:path=/tmp/.dsec-desktop/<n>/bus,
+# the Xfce session and, with DSEC_DESKTOP_VNC=1, x11vnc (5900) and noVNC (6080). Stays in
+# the foreground while the X server runs. The X server is restarted only when asked (the
+# image's Xvfb wrapper writes <state>/request "GEOMETRY DPI" and stops it); if it dies on
+# its own this exits 1.
+set -u
+# a tier that starts commands with HOME=/root for every user: the user's own home
+if [ "$(id -u)" != 0 ] && [ ! -w "${HOME:-/nonexistent}" ]; then
+    HOME=$(getent passwd "$(id -u)" | cut -d: -f6)
+    export HOME
+fi
+display=${DISPLAY:-:0}
+export DISPLAY=$display
+n=${display#:}
+n=${n%%.*}
+root=/tmp/.dsec-desktop
+state=$root/$n
+geometry=${DSEC_DESKTOP_GEOMETRY:-1024x768x24}
+dpi=${DSEC_DESKTOP_DPI:-96}
+mkdir -p /tmp/.X11-unix /tmp/.ICE-unix "$root" 2>/dev/null
+chmod 1777 /tmp/.X11-unix /tmp/.ICE-unix "$root" 2>/dev/null
+mkdir -p "$state" || { echo "dsec-desktop: cannot make $state" >&2; exit 1; }
+export DBUS_SESSION_BUS_ADDRESS="unix:path=$state/bus"
+echo $$ > "$state/supervisor.pid"
+pgid=$(ps -o pgid= -p $$ | tr -d ' ')
+
+# every process this script started except itself (they share its process group)
+sweep() {
+    local p
+    for p in $(pgrep -g "$pgid"); do [ "$p" != $$ ] && kill -"$1" "$p" 2>/dev/null; done
+}
+stop() {
+    sweep TERM
+    sleep 0.2
+    sweep KILL
+    rm -f "$state/supervisor.pid" "$state/xvfb.pid" "$state/bus"
+}
+trap 'stop; exit 143' TERM INT HUP
+
+while :; do
+    if [ -f "$state/request" ]; then
+        read -r geometry dpi < "$state/request"
+        rm -f "$state/request"
+    fi
+    rm -f "$state/bus" "$state/ready"
+    /usr/bin/Xvfb "$display" -screen 0 "$geometry" -dpi "$dpi" -ac -nolisten tcp -s 0 \
+        > "$state/xvfb.log" 2>&1 &
+    xpid=$!
+    echo $xpid > "$state/xvfb.pid"
+    up=0
+    for _ in $(seq 400); do
+        if xdpyinfo > /dev/null 2>&1; then up=1; break; fi
+        kill -0 $xpid 2>/dev/null || break
+        sleep 0.025
+    done
+    if [ $up = 0 ]; then
+        echo "dsec-desktop: Xvfb did not start on $display:" >&2
+        tail -n 20 "$state/xvfb.log" >&2
+        stop
+        exit 1
+    fi
+    echo "$geometry" > "$state/geometry"
+    echo "$dpi" > "$state/dpi"
+    dbus-daemon --session --nofork --nopidfile --address="$DBUS_SESSION_BUS_ADDRESS" \
+        > "$state/dbus.log" 2>&1 &
+    for _ in $(seq 100); do [ -S "$state/bus" ] && break; sleep 0.01; done
+    /usr/bin/startxfce4 > "$state/session.log" 2>&1 &
+    if [ "${DSEC_DESKTOP_VNC:-0}" = 1 ]; then
+        x11vnc -display "$display" -forever -shared -wait 50 -rfbport 5900 -nopw -quiet \
+            > "$state/x11vnc.log" 2>&1 &
+        (cd /opt/noVNC/utils && exec ./novnc_proxy --vnc localhost:5900 --listen 6080 \
+            --web /opt/noVNC > "$state/novnc.log" 2>&1) &
+    fi
+    echo "dsec-desktop: X server on $display (${geometry}, ${dpi} dpi), Xfce starting"
+    wait $xpid
+    status=$?
+    sweep TERM
+    sleep 0.1
+    sweep KILL
+    if [ -f "$state/request" ]; then
+        echo "dsec-desktop: restarting the desktop at $(cat "$state/request")"
+        continue
+    fi
+    echo "dsec-desktop: the X server on $display exited (status $status):" >&2
+    tail -n 20 "$state/xvfb.log" >&2
+    rm -f "$state/supervisor.pid" "$state/xvfb.pid" "$state/bus"
+    exit 1
+done
+"""
+
+_XVFB_WRAPPER = r"""#!/bin/sh
+# Xvfb of dsec's desktop image (dsec.layers.desktop). On the display the image's desktop
+# runs on (dsec-desktop, its start command) this adopts that desktop: asked for another
+# screen size or dpi it restarts the desktop at them and waits until it is up again, else
+# it does nothing; both exit 0. On any other display it is Debian's Xvfb.
+display=""
+geometry=""
+dpi=""
+prev=""
+for a in "$@"; do
+    case "$prev" in
+        -screen) prev=-screen-n; continue ;;
+        -screen-n) geometry=$a ;;
+        -dpi) dpi=$a ;;
+    esac
+    case "$a" in :[0-9]*) [ -z "$display" ] && display=$a ;; esac
+    prev=$a
+done
+n=${display#:}
+n=${n%%.*}
+state=/tmp/.dsec-desktop/$n
+if [ -n "$display" ] && [ -f "$state/supervisor.pid" ] \
+    && kill -0 "$(cat "$state/supervisor.pid")" 2>/dev/null; then
+    current=$(cat "$state/geometry" 2>/dev/null)
+    current_dpi=$(cat "$state/dpi" 2>/dev/null)
+    want=${geometry:-$current}
+    want_dpi=${dpi:-$current_dpi}
+    if [ "$want" = "$current" ] && [ "$want_dpi" = "$current_dpi" ]; then
+        echo "Xvfb: $display is the desktop of this sandbox ($current, $current_dpi dpi)" >&2
+        exit 0
+    fi
+    echo "$want $want_dpi" > "$state/request"
+    kill "$(cat "$state/xvfb.pid")" 2>/dev/null
+    i=0
+    while [ $i -lt 600 ]; do
+        if [ ! -f "$state/request" ] && [ "$(cat "$state/geometry" 2>/dev/null)" = "$want" ] \
+            && DISPLAY=$display xdpyinfo > /dev/null 2>&1; then
+            echo "Xvfb: restarted the desktop on $display at $want, $want_dpi dpi" >&2
+            exit 0
+        fi
+        i=$((i + 1))
+        sleep 0.05
+    done
+    echo "Xvfb: the desktop on $display did not come back at $want" >&2
+    exit 1
+fi
+exec /usr/bin/Xvfb "$@"
+"""
+
+_STARTXFCE4_WRAPPER = r"""#!/bin/sh
+# startxfce4 of dsec's desktop image (dsec.layers.desktop): on the display whose desktop the
+# image's start command runs, the Xfce session is already there (or starting): wait for it
+# and exit 0 instead of starting a second one. Elsewhere, Xfce's own startxfce4.
+display=${DISPLAY:-}
+n=${display#:}
+n=${n%%.*}
+state=/tmp/.dsec-desktop/$n
+if [ -n "$display" ] && [ -f "$state/supervisor.pid" ] \
+    && kill -0 "$(cat "$state/supervisor.pid")" 2>/dev/null; then
+    i=0
+    while [ $i -lt 600 ]; do
+        if pgrep -x xfce4-session > /dev/null && pgrep -x xfwm4 > /dev/null; then
+            echo "startxfce4: the desktop's Xfce session runs on $display" >&2
+            exit 0
+        fi
+        i=$((i + 1))
+        sleep 0.05
+    done
+    echo "startxfce4: no Xfce session appeared on $display" >&2
+    exit 1
+fi
+exec /usr/bin/startxfce4 "$@"
+"""
+
+_CHROMIUM_FLAGS = r"""# dsec desktop image (dsec.layers.desktop). Chromium's own sandbox needs user namespaces,
+# which a dsec sandbox refuses (the sandbox is the isolation boundary): without them, and
+# as root, it runs without its inner sandbox. No first-run dialogs, no keyring prompts, no
+# background traffic.
+if [ "$(id -u)" = 0 ] || ! unshare --user true 2>/dev/null; then
+    export CHROMIUM_FLAGS="$CHROMIUM_FLAGS --no-sandbox --test-type"
+fi
+export CHROMIUM_FLAGS="$CHROMIUM_FLAGS --no-first-run --password-store=basic --disable-background-networking --disable-component-update --disable-sync --disable-features=Translate,MediaRouter"
+"""
+
+_MIMEAPPS = """[Default Applications]
+text/html=chromium.desktop
+application/xhtml+xml=chromium.desktop
+x-scheme-handler/http=chromium.desktop
+x-scheme-handler/https=chromium.desktop
+x-scheme-handler/about=chromium.desktop
+application/pdf=chromium.desktop
+"""
+
+_XFWM4 = """<?xml version="1.0" encoding="UTF-8"?>
+<channel name="xfwm4" version="1.0">
+  <property name="general" type="empty">
+    <property name="use_compositing" type="bool" value="false"/>
+    <property name="workspace_count" type="int" value="1"/>
+    <property name="cycle_preview" type="bool" value="false"/>
+  </property>
+</channel>
+"""
+
+_XFCE4_SESSION = """<?xml version="1.0" encoding="UTF-8"?>
+<!-- dsec desktop image: Debian's failsafe session without the Thunar daemon (it costs
+     ~25 MB per desktop; Thunar still starts on demand), no session saving -->
+<channel name="xfce4-session" version="1.0">
+  <property name="general" type="empty">
+    <property name="FailsafeSessionName" type="string" value="Failsafe"/>
+    <property name="LockCommand" type="string" value=""/>
+    <property name="SaveOnExit" type="bool" value="false"/>
+    <property name="AutoSave" type="bool" value="false"/>
+    <property name="PromptOnLogout" type="bool" value="false"/>
+  </property>
+  <property name="sessions" type="empty">
+    <property name="Failsafe" type="empty">
+      <property name="IsFailsafe" type="bool" value="true"/>
+      <property name="Count" type="int" value="4"/>
+      <property name="Client0_Command" type="array">
+        <value type="string" value="xfwm4"/>
+      </property>
+      <property name="Client0_Priority" type="int" value="15"/>
+      <property name="Client0_PerScreen" type="bool" value="false"/>
+      <property name="Client1_Command" type="array">
+        <value type="string" value="xfsettingsd"/>
+      </property>
+      <property name="Client1_Priority" type="int" value="20"/>
+      <property name="Client1_PerScreen" type="bool" value="false"/>
+      <property name="Client2_Command" type="array">
+        <value type="string" value="xfce4-panel"/>
+      </property>
+      <property name="Client2_Priority" type="int" value="25"/>
+      <property name="Client2_PerScreen" type="bool" value="false"/>
+      <property name="Client3_Command" type="array">
+        <value type="string" value="xfdesktop"/>
+      </property>
+      <property name="Client3_Priority" type="int" value="35"/>
+      <property name="Client3_PerScreen" type="bool" value="false"/>
+    </property>
+  </property>
+</channel>
+"""
+
+FILES: dict[str, tuple[int, str]] = {
+    "/usr/local/bin/dsec-desktop": (0o755, _SUPERVISOR),
+    "/usr/local/bin/Xvfb": (0o755, _XVFB_WRAPPER),
+    "/usr/local/bin/startxfce4": (0o755, _STARTXFCE4_WRAPPER),
+    "/etc/chromium.d/dsec-desktop": (0o644, _CHROMIUM_FLAGS),
+    "/etc/xdg/mimeapps.list": (0o644, _MIMEAPPS),
+    "/etc/xdg/xfce4/xfconf/xfce-perchannel-xml/xfwm4.xml": (0o644, _XFWM4),
+    "/etc/xdg/xfce4/xfconf/xfce-perchannel-xml/xfce4-session.xml": (0o644, _XFCE4_SESSION),
+}
+"""Files the layer adds: path -> (mode, text)."""
+
+SYMLINKS: dict[str, str] = {"/opt/noVNC": "/usr/share/novnc"}
+"""Symlinks the layer adds: path -> target (e2b-desktop runs noVNC from ``/opt/noVNC``)."""
+
+START_CMD: tuple[str, ...] = ("/usr/local/bin/dsec-desktop",)
+READY_CMD = "xdpyinfo >/dev/null 2>&1 && wmctrl -m >/dev/null 2>&1"
+"""Ready: the X server answers on ``$DISPLAY`` and a window manager manages its windows."""
+READY_TIMEOUT_S = 600.0
+"""Longest wait for the desktop at creation, s. The container tier is ready in about a
+second; the vm tier under TCG on a busy 2-core machine needs minutes for Xfce's window
+manager. A desktop whose start command fails ends the wait at once, whatever this is."""
+
+
+@dataclass(frozen=True)
+class RenameUser:
+    """Rename the base image's user ``old`` (uid 1000) to ``new`` with home ``home``."""
+
+    old: str
+    new: str
+    home: str
+
+
+@dataclass(frozen=True)
+class MakeDir:
+    """Create ``path`` with ``mode`` (owned by root)."""
+
+    path: str
+    mode: int
+
+
+Step = RenameUser | MakeDir
+
+STEPS: tuple[Step, ...] = (
+    RenameUser("sandbox", USER, HOME),
+    MakeDir("/tmp/.X11-unix", 0o1777),
+    MakeDir("/tmp/.ICE-unix", 0o1777),
+    MakeDir(STATE_DIR, 0o1777),
+)
+"""What the layer does after the packages and the files, in order."""
+
+
+def _inside(root: Path, path: str) -> Path:
+    return root / path.lstrip("/")
+
+
+def _rename_user(root: Path, step: RenameUser) -> None:
+    """``old`` becomes ``new`` in passwd, group, shadow and gshadow; the home directory is
+    recreated at ``home`` from ``/etc/skel`` (owned by uid/gid 1000)."""
+    for name in ("passwd", "group", "shadow", "gshadow"):
+        path = root / "etc" / name
+        if not path.exists():
+            continue
+        out = []
+        for line in path.read_text().splitlines():
+            fields = line.split(":")
+            if fields and fields[0] == step.old:
+                fields[0] = step.new
+                if name == "passwd" and len(fields) >= 7:
+                    fields[4] = step.new
+                    fields[5] = step.home
+            out.append(":".join(fields))
+        mode = path.stat().st_mode & 0o7777
+        path.write_text("\n".join(out) + "\n")
+        os.chmod(path, mode)
+    old_home = root / "home" / step.old
+    if old_home.is_dir() and not old_home.is_symlink():
+        shutil.rmtree(old_home)
+    home = _inside(root, step.home)
+    if not home.exists():
+        skel = root / "etc/skel"
+        if skel.is_dir():
+            shutil.copytree(skel, home, symlinks=True)
+        else:
+            home.mkdir(parents=True)
+    os.chmod(home, 0o755)
+    if os.geteuid() == 0:
+        for dirpath, dirnames, filenames in os.walk(home):
+            for entry in [*dirnames, *filenames]:
+                os.chown(os.path.join(dirpath, entry), 1000, 1000, follow_symlinks=False)
+        os.chown(home, 1000, 1000)
+
+
+def apply_steps(root: Path) -> None:
+    """Write :data:`FILES` and :data:`SYMLINKS` and run :data:`STEPS` in the tree at ``root``
+    (after the packages are installed)."""
+    for path, (mode, text) in FILES.items():
+        target = _inside(root, path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        target.write_text(text)
+        os.chmod(target, mode)
+    for path, dest in SYMLINKS.items():
+        link = _inside(root, path)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        os.symlink(dest, link)
+    for step in STEPS:
+        if isinstance(step, RenameUser):
+            _rename_user(root, step)
+        else:
+            target = _inside(root, step.path)
+            target.mkdir(parents=True, exist_ok=True)
+            os.chmod(target, step.mode)
+
+
+def recipe_fingerprint() -> str:
+    """16 hex digits over everything the layer is made of: an image built from another
+    recipe is rebuilt (``meta["recipe"]``)."""
+    recipe = json.dumps(
+        [
+            BASE_IMAGE,
+            list(APT_PACKAGES),
+            {k: [m, t] for k, (m, t) in FILES.items()},
+            SYMLINKS,
+            [repr(s) for s in STEPS],
+            list(START_CMD),
+            READY_CMD,
+            READY_TIMEOUT_S,
+            ENV,
+            USER,
+            HOME,
+        ],
+        sort_keys=True,
+    )
+    return hashlib.sha256(recipe.encode()).hexdigest()[:16]
+
+
+def image_meta() -> dict[str, object]:
+    """Metadata recorded on the image: its config (env, user, working directory, ports, the
+    display label), its start command with the readiness check, and the recipe fingerprint."""
+    from dsec.images.config import ImageConfig, StartCommand
+
+    config = ImageConfig(
+        Env=[f"{k}={v}" for k, v in ENV.items()],
+        User=USER,
+        WorkingDir=HOME,
+        ExposedPorts={f"{NOVNC_PORT}/tcp": {}, f"{VNC_PORT}/tcp": {}},
+        Labels={DISPLAY_LABEL: DISPLAY},
+    )
+    start = StartCommand(cmd=list(START_CMD), ready_cmd=READY_CMD, ready_timeout_s=READY_TIMEOUT_S)
+    return {
+        "suite": "bookworm",
+        "base": BASE_IMAGE,
+        "include": list(APT_PACKAGES),
+        "config": config.to_meta(),
+        "start": start.to_meta(),
+        "recipe": recipe_fingerprint(),
+    }

@@ -1,0 +1,1 @@
+"""Desktop image, display API and e2b-desktop tests."""

@@ -1,0 +1,199 @@
+"""The unmodified ``e2b-desktop`` SDK (2.x, pinned in the dev extras) against a real
+``dsec serve`` on the container tier, configured as a user would (``E2B_API_URL``,
+``E2B_SANDBOX_URL``, ``E2B_API_KEY``; the template is e2b-desktop's default, ``desktop``):
+``Sandbox.create()`` (its own ``Xvfb`` and ``startxfce4`` calls adopt the image's running
+desktop), screenshots, clicks, ``write``, ``press``, ``open``, ``launch``, window queries, and
+``stream.start()`` whose ``get_url()`` is loaded in headless Chromium (Debian's, driven by
+Playwright) through dsec's port proxy over TLS: the noVNC page connects and shows the
+desktop; its screenshot is kept in ``tests/desktop/evidence/``."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+
+from dsec.server import BackgroundServer
+
+from .conftest import BUTTON_RGB, DOMAIN, EVIDENCE, PAGE, find_color, wait_for
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+e2b_desktop = pytest.importorskip("e2b_desktop")
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture
+def e2b_env(server: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> BackgroundServer:
+    monkeypatch.setenv("E2B_API_URL", f"{server.url}/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", f"{server.url}/e2b/envd")
+    monkeypatch.setenv("E2B_API_KEY", server.api_key)
+    return server
+
+
+@pytest.fixture
+def desktop(e2b_env: BackgroundServer) -> Iterator[object]:
+    sbx = e2b_desktop.Sandbox.create(timeout=600)
+    try:
+        yield sbx
+    finally:
+        sbx.kill()
+
+
+def _titles(sbx: object, prefix: str) -> str | None:
+    try:  # xdotool search exits 1 while no window matches (as on E2B)
+        wids = sbx.get_application_windows("chromium")  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    for wid in wids:
+        if not wid:
+            continue
+        try:
+            title = sbx.get_window_title(wid)  # type: ignore[attr-defined]
+        except Exception:  # a window that went away between the calls
+            continue
+        if title.startswith(prefix):
+            return str(title)
+    return None
+
+
+def test_e2b_desktop_calls(desktop: object) -> None:
+    from PIL import Image
+
+    sbx = desktop
+    assert sbx.get_screen_size() == (1024, 768)  # type: ignore[attr-defined]
+    png = sbx.screenshot()  # type: ignore[attr-defined]
+    assert Image.open(io.BytesIO(png)).size == (1024, 768)
+    sbx.move_mouse(100, 120)  # type: ignore[attr-defined]
+    assert sbx.get_cursor_position() == (100, 120)  # type: ignore[attr-defined]
+
+    sbx.files.write("/home/user/page.html", PAGE)  # type: ignore[attr-defined]
+    sbx.open("/home/user/page.html")  # type: ignore[attr-defined]
+    wait_for(lambda: _titles(sbx, "dsec desktop test"), "Chromium with the page")
+    shot = wait_for(
+        lambda: (lambda p: p if _has(p) else None)(sbx.screenshot()),  # type: ignore[attr-defined]
+        "the button on the screen",
+    )
+    x, y = find_color(shot, BUTTON_RGB)
+    sbx.left_click(x, y)  # type: ignore[attr-defined]
+    wait_for(lambda: _titles(sbx, "clicked 1"), "the click")
+    sbx.double_click(x, y)  # type: ignore[attr-defined]
+    wait_for(lambda: _titles(sbx, "clicked 3"), "the double click")
+    sbx.press("tab")  # type: ignore[attr-defined]
+    sbx.write("hi e2b")  # type: ignore[attr-defined]
+    wait_for(lambda: _titles(sbx, "typed [hi e2b]"), "write()")
+    sbx.press(["ctrl", "a"])  # type: ignore[attr-defined]
+    sbx.press("backspace")  # type: ignore[attr-defined]
+    wait_for(lambda: _titles(sbx, "typed []"), "press(['ctrl', 'a']), press('backspace')")
+    current = sbx.get_current_window_id()  # type: ignore[attr-defined]
+    assert sbx.get_window_title(current).startswith("typed []")  # type: ignore[attr-defined]
+
+    sbx.launch("xfce4-terminal")  # type: ignore[attr-defined]
+    wait_for(lambda: _windows(sbx, "xfce4-terminal"), "the launched terminal")
+
+
+def _windows(sbx: object, app: str) -> list[str]:
+    try:
+        return [w for w in sbx.get_application_windows(app) if w]  # type: ignore[attr-defined]
+    except Exception:
+        return []
+
+
+def _has(png: bytes) -> bool:
+    try:
+        find_color(png, BUTTON_RGB)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_e2b_desktop_stream_in_chromium(desktop: object, e2b_env: BackgroundServer) -> None:
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"{CHROMIUM} is missing (scripts/bootstrap.sh installs chromium)")
+    sbx = desktop
+    # something of the sandbox's own to look for in the stream: the page's green button
+    sbx.files.write("/home/user/page.html", PAGE)  # type: ignore[attr-defined]
+    sbx.open("/home/user/page.html")  # type: ignore[attr-defined]
+    wait_for(lambda: _titles(sbx, "dsec desktop test"), "Chromium with the page")
+    sbx.stream.start()  # type: ignore[attr-defined]
+    url = sbx.stream.get_url()  # type: ignore[attr-defined]
+    parts = urlsplit(url)
+    assert parts.scheme == "https" and parts.path == "/vnc.html"
+    assert parts.netloc == f"6080-{sbx.sandbox_id}.{DOMAIN}:{e2b_env.tls_port}"  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError):
+        sbx.stream.start()  # type: ignore[attr-defined]  # already running
+
+    token = sbx.traffic_access_token  # type: ignore[attr-defined]
+    assert token
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=[
+                f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1",
+                "--no-sandbox",
+            ],
+        )
+        try:
+            # the node's own authority is not in the browser's store (httpx tests check it)
+            ctx = browser.new_context(
+                ignore_https_errors=True,
+                extra_http_headers={"E2B-Traffic-Access-Token": token},
+                viewport={"width": 1100, "height": 850},
+            )
+            page = ctx.new_page()
+            answer = page.goto(url, wait_until="load", timeout=60_000)
+            assert answer is not None and answer.status == 200
+            assert "noVNC" in page.title()
+            # connected: noVNC hides its status bar and draws the remote screen on a canvas
+            page.wait_for_function(
+                "() => { const c = document.querySelector('#noVNC_container canvas')"
+                " || document.querySelector('canvas'); return c && c.width >= 1024; }",
+                timeout=60_000,
+            )
+            shot = _wait_drawn(page)
+            EVIDENCE.mkdir(exist_ok=True)
+            (EVIDENCE / "e2b-desktop-novnc-stream.png").write_bytes(shot)
+        finally:
+            browser.close()
+    sbx.stream.stop()  # type: ignore[attr-defined]
+    wait_for(
+        lambda: sbx.commands.run("pgrep -x x11vnc || true").stdout.strip() == "",  # type: ignore[attr-defined]
+        "x11vnc to stop",
+        20,
+    )
+
+
+def _wait_drawn(page: object) -> bytes:
+    """A screenshot of the page once the canvas shows the desktop: many colours, and the
+    green button of the page open in the sandbox's Chromium."""
+    from PIL import Image
+
+    def drawn() -> bytes | None:
+        png = page.screenshot()  # type: ignore[attr-defined]
+        colours = Image.open(io.BytesIO(png)).convert("RGB").getcolors(maxcolors=1 << 16)
+        many = colours is None or len(colours) > 16
+        return png if many and _has(png) else None
+
+    return wait_for(drawn, "the desktop drawn in the noVNC canvas", 60)
+
+
+def test_e2b_desktop_resolution_restarts_the_desktop(e2b_env: BackgroundServer) -> None:
+    """``create(resolution=...)``: e2b-desktop's own ``Xvfb`` call asks for another screen;
+    the image restarts its desktop at that size, which dsec's display API then reports."""
+    from dsec import InvalidRequest, Sandbox
+
+    sbx = e2b_desktop.Sandbox.create(resolution=(1280, 720), timeout=600)
+    try:
+        assert sbx.get_screen_size() == (1280, 720)
+        sb = Sandbox.connect(sbx.sandbox_id, url=e2b_env.url, api_key=e2b_env.api_key)
+        assert sb.display.screen_size() == (1280, 720)
+        with pytest.raises(InvalidRequest) as off:
+            sb.display.click(1280, 0)
+        assert off.value.details == {"width": 1280, "height": 720}
+    finally:
+        sbx.kill()
