@@ -212,6 +212,26 @@ def test_reap_pid_is_pinned_to_the_start_time() -> None:
     assert r["reaped"] and r["q_gone"]
 
 
+def test_reap_pid_with_thousands_of_fds_open() -> None:
+    """A busy edge holds more than 1024 fds: reap_pid's wait works past select's limit."""
+    r = run_scenario(
+        """
+        import resource
+        from dsec.privileged.reaper import reap_pid
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+        held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+        p = subprocess.Popen(["sh", "-c", "sleep 0.2; exit 3"])
+        start = proc_stat(p.pid).start
+        reaped = reap_pid(p.pid, start, timeout_s=5.0)
+        print(json.dumps({"reaped": reaped, "gone": proc_stat(p.pid) is None,
+                          "max_fd": max(held)}))
+        p.returncode = 3  # reaped above
+        """
+    )
+    assert r["max_fd"] > 1024 and r["reaped"] and r["gone"]
+
+
 def test_proc_stat_parses_a_name_with_parentheses_and_spaces(tmp_path: Any) -> None:
     exe = tmp_path / "a) b ("
     exe.write_bytes(open("/bin/sleep", "rb").read())

@@ -326,8 +326,10 @@ def reap_pid(pid: int, start_time: int | None, timeout_s: float = 2.0) -> bool:
         st = proc_stat(pid)
         if st is None or (start_time is not None and st.start != start_time):
             return True  # the pidfd names a newer process with this pid: ours is gone
-        ready, _, _ = select.select([pidfd], [], [], timeout_s)
-        if not ready:
+        # poll, not select: a busy edge holds thousands of fds (select stops at 1024)
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if not poller.poll(max(0, int(timeout_s * 1000))):
             return False
         with contextlib.suppress(ChildProcessError):  # not our child: its parent reaps it
             os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG | _WALL)
