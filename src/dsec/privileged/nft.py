@@ -10,13 +10,22 @@ applies completely or not at all (the kernel's nf_tables commit is atomic), whic
 how policies are swapped without a window where the sandbox is unfiltered.
 
 Nothing here parses client input; callers build scripts from validated values only.
+
+File descriptors: a context's netlink socket is opened with the context and waited on with
+``select()`` inside the library, so it must be below ``FD_SETSIZE`` (1024): glibc aborts
+the whole process ("bit out of range 0 - FD_SETSIZE") otherwise. A busy edge holds
+thousands of fds, so this module keeps a few low fds in reserve from its import (early in
+every process) and frees one for each socket a context opens; a context that would still
+get a high one is refused with :class:`NftError`, never opened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
+import os
 import threading
 from typing import Any
 
@@ -29,6 +38,29 @@ _NFT_CTX_OUTPUT_HANDLE = 1 << 3
 
 class NftError(OSError):
     """libnftables rejected a command; ``message`` holds nft's own error text."""
+
+
+_FD_SETSIZE = 1024
+_RESERVE = 8
+
+
+def _reserve_low_fds(n: int) -> list[int]:
+    """Up to ``n`` fds below FD_SETSIZE held on /dev/null, for sockets contexts open later."""
+    out: list[int] = []
+    for _ in range(n):
+        fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        if fd >= _FD_SETSIZE:
+            os.close(fd)
+            break
+        out.append(fd)
+    return out
+
+
+_LOW_FDS = _reserve_low_fds(_RESERVE)
+
+
+def _open_fds() -> set[int]:
+    return {int(name) for name in os.listdir("/proc/self/fd")}
 
 
 def _load() -> ctypes.CDLL:
@@ -80,9 +112,24 @@ class Nftables:
 
     def _new_ctx(self, flags: int) -> int:
         with _LIB_LOCK:
-            ctx = self._lib.nft_ctx_new(_NFT_CTX_DEFAULT)
+            # the library opens a few files as it starts (then its socket, kept): each takes
+            # the lowest free fd, so free the reserve and take back what it left afterwards
+            while _LOW_FDS:
+                os.close(_LOW_FDS.pop())
+            before = _open_fds()
+            try:
+                ctx = self._lib.nft_ctx_new(_NFT_CTX_DEFAULT)
+                opened = _open_fds() - before
+            finally:
+                _LOW_FDS.extend(_reserve_low_fds(_RESERVE))
             if not ctx:
                 raise NftError("nft_ctx_new failed")
+            if any(fd >= _FD_SETSIZE for fd in opened):
+                self._lib.nft_ctx_free(ctx)
+                raise NftError(
+                    "no file descriptor below 1024 is free for an nftables socket "
+                    "(libnftables cannot use a higher one)"
+                )
             self._lib.nft_ctx_buffer_output(ctx)
             self._lib.nft_ctx_buffer_error(ctx)
             if flags:
@@ -121,3 +168,7 @@ class Nftables:
                 if ctx:
                     self._lib.nft_ctx_free(ctx)
                     setattr(self, attr, 0)
+            # keep the reserve: the freed socket's fd is most likely the lowest free one
+            if len(_LOW_FDS) < _RESERVE:
+                with contextlib.suppress(OSError):
+                    _LOW_FDS.extend(_reserve_low_fds(_RESERVE - len(_LOW_FDS)))
