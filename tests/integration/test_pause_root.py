@@ -36,13 +36,16 @@ with open(sys.argv[2], "rb") as f:          # warm page cache, charged to this c
     while f.read(1 << 20):
         pass
 heap = bytearray(os.urandom(1 << 20) * 8)   # 8 MiB anonymous
-print("ready", flush=True)
-n = 0
-while True:                                  # a heartbeat that stops while frozen
-    n += 1
+def beat(n):
     with open(sys.argv[3] + ".tmp", "w") as f:  # renamed: a freeze mid-write never
         f.write(str(n))                          # leaves the beat file empty
     os.replace(sys.argv[3] + ".tmp", sys.argv[3])
+beat(0)                                      # the file exists before "ready": a freeze
+print("ready", flush=True)                   # right after it still finds a beat
+n = 0
+while True:                                  # a heartbeat that stops while frozen
+    n += 1
+    beat(n)
     time.sleep(0.002)
 """
 
