@@ -87,24 +87,11 @@ class BuildList(WireModel):
 
 @dataclass
 class _Record:
-    owner: str
-    build_id: str
-    name: str
-    started_at: float
-    state: BuildState = "building"
-    base: str = ""
-    ended_at: float | None = None
-    steps: int = 0
-    step: int = 0
-    cached_steps: int = 0
-    built_steps: int = 0
-    duration_ms: float | None = None
-    image: str | None = None
-    error: dict[str, Any] | None = None
-    notes: list[str] = field(default_factory=list)
+    """A build's record as it grows: its wire view (``info``, without the log) and the log."""
+
+    info: BuildRecord
     log: collections.deque[str] = field(default_factory=collections.deque)
     log_bytes: int = 0
-    log_dropped_bytes: int = 0
 
     def add_log(self, text: str) -> None:
         size = len(text.encode())
@@ -113,27 +100,14 @@ class _Record:
         while self.log_bytes > MAX_LOG_BYTES and len(self.log) > 1:
             gone = len(self.log.popleft().encode())
             self.log_bytes -= gone
-            self.log_dropped_bytes += gone
+            self.info.log_dropped_bytes += gone
+
+    def end(self, state: BuildState) -> None:
+        self.info.state = state
+        self.info.ended_at = time.time()
 
     def view(self, with_log: bool) -> BuildRecord:
-        return BuildRecord(
-            build_id=self.build_id,
-            name=self.name,
-            state=self.state,
-            base=self.base,
-            started_at=self.started_at,
-            ended_at=self.ended_at,
-            steps=self.steps,
-            step=self.step,
-            cached_steps=self.cached_steps,
-            built_steps=self.built_steps,
-            duration_ms=self.duration_ms,
-            image=self.image,
-            error=self.error,
-            notes=list(self.notes),
-            log=list(self.log) if with_log else None,
-            log_dropped_bytes=self.log_dropped_bytes,
-        )
+        return self.info.model_copy(update={"log": list(self.log) if with_log else None}, deep=True)
 
 
 class BuildRecords:
@@ -161,17 +135,19 @@ class BuildRecords:
     def _start(self, owner: str, event: BuildStarted) -> _Record:
         records = self._by_owner.setdefault(owner, collections.OrderedDict())
         record = _Record(
-            owner=owner,
-            build_id=event.build_id,
-            name=event.name,
-            started_at=time.time(),
-            base=event.base,
-            steps=event.steps,
-            notes=list(event.notes),
+            BuildRecord(
+                build_id=event.build_id,
+                name=event.name,
+                state="building",
+                started_at=time.time(),
+                base=event.base,
+                steps=event.steps,
+                notes=list(event.notes),
+            )
         )
         records[event.build_id] = record
         while len(records) > self.max_per_owner:
-            finished = next((k for k, r in records.items() if r.state != "building"), None)
+            finished = next((k for k, r in records.items() if r.info.state != "building"), None)
             records.pop(finished if finished is not None else next(iter(records)))
         return record
 
@@ -187,43 +163,41 @@ class BuildRecords:
                     self._update(record, event)
                 yield event
         except DsecError as e:  # e.g. the building node was lost
-            if record is not None and record.state == "building":
-                record.state = "failed"
-                record.ended_at = time.time()
-                record.error = e.to_wire()["error"]
+            if record is not None and record.info.state == "building":
+                record.end("failed")
+                record.info.error = e.to_wire()["error"]
             raise
         finally:
-            if record is not None and record.state == "building":
-                record.state = "cancelled"
-                record.ended_at = time.time()
+            if record is not None and record.info.state == "building":
+                record.end("cancelled")
             if isinstance(events, AsyncGenerator):
                 with contextlib.suppress(Exception):
                     await events.aclose()
 
     @staticmethod
     def _update(record: _Record, event: Any) -> None:
+        info = record.info
         if isinstance(event, StepStarted):
-            record.step = event.step
+            info.step = event.step
             line = f" (line {event.line})" if event.line else ""
             record.add_log(f"step {event.step}/{event.total}{line}: {event.instruction}\n")
         elif isinstance(event, StepCached):
-            record.step = event.step
+            info.step = event.step
             record.add_log(f"step {event.step}: cached\n")
         elif isinstance(event, StepOutput):
             record.add_log(event.data)
         elif isinstance(event, StepDone):
-            record.step = event.step
+            info.step = event.step
         elif isinstance(event, BuildDone):
-            record.state = "done"
-            record.ended_at = time.time()
-            record.image = event.image.name
-            record.cached_steps = event.cached_steps
-            record.built_steps = event.built_steps
-            record.duration_ms = event.duration_ms
+            record.end("done")
+            info.image = event.image.name
+            info.cached_steps = event.cached_steps
+            info.built_steps = event.built_steps
+            info.duration_ms = event.duration_ms
         elif isinstance(event, BuildError):
-            record.state = "failed"
-            record.ended_at = time.time()
-            record.duration_ms = round((record.ended_at - record.started_at) * 1000, 1)
-            record.error = event.to_wire_error()["error"]
+            record.end("failed")
+            assert info.ended_at is not None
+            info.duration_ms = round((info.ended_at - info.started_at) * 1000, 1)
+            info.error = event.to_wire_error()["error"]
             if event.step is not None:
-                record.step = event.step
+                info.step = event.step
