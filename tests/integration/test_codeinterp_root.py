@@ -117,25 +117,11 @@ def test_code_interpreter_image_serves_e2b_api_in_a_sandbox(node: BackgroundServ
 
 
 @pytest.fixture
-def e2b_env(node: BackgroundServer) -> Iterator[None]:
+def e2b_env(node: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """E2B_* pointing the unmodified SDKs at the node's E2B API, as a user would."""
-    import os
-
-    env = {
-        "E2B_API_URL": f"{node.url}/e2b",
-        "E2B_SANDBOX_URL": f"{node.url}/e2b/envd",
-        "E2B_API_KEY": node.api_key,
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    monkeypatch.setenv("E2B_API_URL", f"{node.url}/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", f"{node.url}/e2b/envd")
+    monkeypatch.setenv("E2B_API_KEY", node.api_key)
 
 
 def test_e2b_code_interpreter_through_the_port_proxy(e2b_env: None, node: BackgroundServer) -> None:
