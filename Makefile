@@ -28,5 +28,7 @@ unit: setup
 openapi: setup
 	$(PY) scripts/gen_openapi.py
 
+# the benchmarks' peers (podman) are not needed by the tests: installed here only
 bench: setup
+	@DSEC_EXTRA_APT="podman $${DSEC_EXTRA_APT:-}" bash scripts/bootstrap.sh
 	$(PY) benchmarks/container.py

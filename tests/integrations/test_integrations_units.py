@@ -10,6 +10,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
@@ -34,6 +35,15 @@ class _Info:
     workdir: str = "/"
 
 
+def _default_signals() -> None:
+    """Start a command with SIGINT and SIGQUIT at their defaults, as a sandbox's exec server
+    starts every command, even when this test process was started with them ignored (as a
+    background job of a non-interactive shell is): an ignored SIGINT survives exec, and bash
+    cannot trap a signal it found ignored."""
+    for s in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(s, signal.SIG_DFL)
+
+
 class _LocalCommands:
     async def run(
         self,
@@ -54,6 +64,7 @@ class _LocalCommands:
                     timeout=timeout,
                     cwd=cwd,
                     start_new_session=True,
+                    preexec_fn=_default_signals,
                 )
             except subprocess.TimeoutExpired:
                 return ExecResult(timed_out=True)
