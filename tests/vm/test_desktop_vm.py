@@ -6,7 +6,9 @@ guest's VGA console stays available as the ``console`` screen.
 The application typed into is ``xterm`` (a light X client: GTK terminals and browsers take
 minutes to start in a TCG guest) running a shell that reads one line and writes it to a
 file: the file holds the text only if the typed keys reached the application, and only
-after the ``Return`` sent by ``key()``."""
+after the ``Return`` sent by ``key()``. About 1.5 minutes here (a TCG guest on a busy
+2-core machine): the desktop is ready ~20 s after the VM starts, the rest of the Xfce
+session ~30 s later, xterm's window ~5 s after its launch."""
 
 from __future__ import annotations
 
@@ -75,15 +77,26 @@ def test_desktop_on_the_vm_tier(tmp_path: Path, shared_layers: Path) -> None:
             with pytest.raises(CapabilityNotSupported):
                 console.open("/etc/hostname")
 
-            # typing reaches an application in the guest
+            # typing reaches an application in the guest, once the rest of the session
+            # (started after the window manager, tens of seconds under TCG) has mapped its
+            # windows: a panel or desktop appearing later may take the keyboard focus
+            _wait(
+                lambda: {"Xfce4-panel", "Xfdesktop"} <= {w.wm_class for w in sb.display.windows()},
+                "the panel and the desktop in the guest",
+                120,
+            )
             sb.display.launch("xterm", "-geometry", "80x10+100+100", "-e", "sh", "-c", READER)
             term = _wait(
                 lambda: next((w for w in sb.display.windows() if w.wm_class == "XTerm"), None),
                 "xterm's window in the guest",
                 90,
             )
-            time.sleep(0.5)  # its shell starts reading
             sb.display.click(term.x + term.width // 2, term.y + term.height // 2)  # focus it
+            _wait(
+                lambda: any(w.active for w in sb.display.windows() if w.id == term.id),
+                "xterm to be the active window",
+                30,
+            )
             sb.display.type(TYPED)
             time.sleep(1)
             typed = sb.commands.run("cat /tmp/typed 2>/dev/null")
