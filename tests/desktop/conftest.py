@@ -23,7 +23,7 @@ import pytest
 from dsec.server import BackgroundServer
 
 DOMAIN = "desktop.test"
-SUBNET = "10.236.0.0/16"
+SUBNET = os.environ.get("DSEC_NET_SUBNET", "10.236.0.0/16")
 EVIDENCE = Path(__file__).with_name("evidence")
 """Screenshots kept as test evidence (committed)."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -146,7 +147,7 @@ def test_e2b_desktop_stream_in_chromium(desktop: object, e2b_env: BackgroundServ
                 viewport={"width": 1100, "height": 850},
             )
             page = ctx.new_page()
-            answer = page.goto(url, wait_until="load", timeout=60_000)
+            answer = _goto(page, url)
             assert answer is not None and answer.status == 200
             assert "noVNC" in page.title()
             # connected: noVNC hides its status bar and draws the remote screen on a canvas
@@ -197,3 +198,18 @@ def test_e2b_desktop_resolution_restarts_the_desktop(e2b_env: BackgroundServer) 
         assert off.value.details == {"width": 1280, "height": 720}
     finally:
         sbx.kill()
+
+
+def _goto(page: Any, url: str) -> Any:
+    """``page.goto(url)``, again if Chromium aborted it with ERR_NETWORK_CHANGED: on a node
+    that makes and removes other sandboxes' network interfaces, Chromium drops a navigation
+    in flight whenever the host's interfaces change."""
+    from playwright.sync_api import Error
+
+    for attempt in range(3):
+        try:
+            return page.goto(url, wait_until="load", timeout=60_000)
+        except Error as e:
+            if "ERR_NETWORK_CHANGED" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")

@@ -182,7 +182,10 @@ def test_desktop_spec_from_the_image_label() -> None:
 def test_recipe_fingerprint_covers_the_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
     before = desktop_layer.recipe_fingerprint()
     monkeypatch.setattr(desktop_layer, "APT_PACKAGES", (*desktop_layer.APT_PACKAGES, "gimp"))
-    assert desktop_layer.recipe_fingerprint() != before
+    with_gimp = desktop_layer.recipe_fingerprint()
+    assert with_gimp != before
+    monkeypatch.setattr(desktop_layer, "CHROOT_COMMANDS", (("fc-cache", "--really-force"),))
+    assert desktop_layer.recipe_fingerprint() != with_gimp
 
 
 async def test_exec_desktop_acts_and_reports(fake_x: tuple[ShellRuntime, Path]) -> None:

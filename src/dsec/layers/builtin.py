@@ -628,7 +628,8 @@ def build_code_interpreter_rootfs(dest: Path) -> None:
 def build_desktop_layer(root: Path) -> None:
     """Turn the ``debian`` tree at ``root`` (the merged view of a build over its layer) into
     the ``desktop`` image (:mod:`dsec.layers.desktop`): its Debian packages
-    (:func:`apt_install_into`), then its files, symlinks and user. A few minutes on this
+    (:func:`apt_install_into`), then its files, symlinks and user, then its chroot commands
+    (fontconfig's caches). A few minutes on this
     machine (network-bound); ~1.2 GB of changes.
 
     Raises:
@@ -638,6 +639,8 @@ def build_desktop_layer(root: Path) -> None:
 
     apt_install_into(root, desktop.APT_PACKAGES)
     desktop.apply_steps(root)
+    for argv in desktop.CHROOT_COMMANDS:
+        _run_in_chroot(root, list(argv), " ".join(argv) + " in the image")
     for old in (root / "var/cache/debconf").glob("*-old"):  # debconf's backups
         old.unlink()
     missing = [

@@ -12,7 +12,8 @@ What it has, all from Debian bookworm:
 
 * the X server ``Xvfb`` (software, no GPU), ``xdpyinfo``/``xprop``/``xwininfo``, ``xrandr``;
 * an Xfce session (``xfce4-session``, ``xfwm4``, ``xfdesktop``, ``xfce4-panel``, Thunar,
-  ``xfce4-terminal``) on a session bus of its own;
+  ``xfce4-terminal``) on a session bus of its own, and ``xterm`` (a terminal that starts in
+  seconds in a TCG guest, where GTK programs take tens of seconds);
 * the input and query tools the display API and e2b-desktop run: ``xdotool``, ``scrot``,
   ``wmctrl``, ``xdg-open`` (``xdg-utils``), ``gtk-launch``, ``netstat``, ``pgrep``;
 * ``x11vnc`` and noVNC/websockify (``/opt/noVNC`` is Debian's ``/usr/share/novnc``, where
@@ -26,9 +27,18 @@ working directory (``debian``'s ``sandbox`` user is renamed).
 The start command (:data:`START_CMD`, ``/usr/local/bin/dsec-desktop``) runs the X server on
 :data:`DISPLAY` at :data:`GEOMETRY` (``DSEC_DESKTOP_GEOMETRY``, ``DSEC_DESKTOP_DPI`` change it;
 ``DSEC_DESKTOP_VNC=1`` also starts x11vnc and noVNC), a session bus at a fixed address (the
-image's ``DBUS_SESSION_BUS_ADDRESS``, so commands run through exec reach the desktop's bus)
-and the Xfce session, and stays in the foreground while the X server lives. The creation
-returns once the X server answers and the window manager manages windows (:data:`READY_CMD`).
+image's ``DBUS_SESSION_BUS_ADDRESS``, so commands run through exec reach the desktop's bus),
+the window manager and, once it manages the screen, the rest of the Xfce session, and
+stays in the foreground while the X server lives. The creation returns once the X server
+answers and the window manager manages windows (:data:`READY_CMD`).
+
+What an idle desktop runs, and what it does not: Xvfb without GLX, the session bus,
+xfconfd, xfwm4, xfsettingsd, one panel whose plugins all run inside it, xfdesktop with a
+plain background and no icons (so no Thunar daemon); x11vnc and noVNC only when a stream
+is asked for. About 60 MiB of private memory per desktop, half what Debian's default
+session takes. Its start blocks on events (Xvfb's ``-displayfd``, the bus's
+``--print-address``, the root window's properties), never on poll loops: in a TCG guest a
+poll loop's forks take the CPU the desktop needs to start.
 If the X server dies, the start command ends (the sandbox's logs say why) and display calls
 raise ``DisplayNotRunning`` until ``sb.display.restart()``.
 
@@ -56,6 +66,7 @@ from pathlib import Path
 __all__ = [
     "APT_PACKAGES",
     "BASE_IMAGE",
+    "CHROOT_COMMANDS",
     "DISPLAY",
     "DISPLAY_LABEL",
     "DPI",
@@ -109,6 +120,7 @@ APT_PACKAGES: tuple[str, ...] = (
     "xfconf",
     "thunar",
     "xfce4-terminal",
+    "xterm",
     "dbus",
     "dbus-x11",
     "adwaita-icon-theme",
@@ -192,17 +204,18 @@ while :; do
         read -r geometry dpi < "$state/request"
         rm -f "$state/request"
     fi
-    rm -f "$state/bus" "$state/ready"
+    rm -f "$state/bus" "$state/ready" "$state/xready" "$state/busready"
+    # Xvfb writes the display number to fd 3 (a fifo) once it accepts clients: no polling.
+    # No GLX: Mesa's llvmpipe would cost every X client that probes GLX ~9 MB and its start
+    # time (Chromium renders in software without it).
+    mkfifo "$state/xready"
     /usr/bin/Xvfb "$display" -screen 0 "$geometry" -dpi "$dpi" -ac -nolisten tcp -s 0 \
-        > "$state/xvfb.log" 2>&1 &
+        -extension GLX -displayfd 3 3> "$state/xready" > "$state/xvfb.log" 2>&1 &
     xpid=$!
     echo $xpid > "$state/xvfb.pid"
     up=0
-    for _ in $(seq 400); do
-        if xdpyinfo > /dev/null 2>&1; then up=1; break; fi
-        kill -0 $xpid 2>/dev/null || break
-        sleep 0.025
-    done
+    if read -r -t 120 _ < "$state/xready" && xdpyinfo > /dev/null 2>&1; then up=1; fi
+    rm -f "$state/xready"
     if [ $up = 0 ]; then
         echo "dsec-desktop: Xvfb did not start on $display:" >&2
         tail -n 20 "$state/xvfb.log" >&2
@@ -211,10 +224,31 @@ while :; do
     fi
     echo "$geometry" > "$state/geometry"
     echo "$dpi" > "$state/dpi"
+    # the bus prints its address once it listens (every wait here blocks on an event, none
+    # polls: in a TCG guest a poll loop's forks take the CPU the desktop needs to start)
+    mkfifo "$state/busready"
     dbus-daemon --session --nofork --nopidfile --address="$DBUS_SESSION_BUS_ADDRESS" \
-        > "$state/dbus.log" 2>&1 &
-    for _ in $(seq 100); do [ -S "$state/bus" ] && break; sleep 0.01; done
-    /usr/bin/startxfce4 > "$state/session.log" 2>&1 &
+        --print-address=3 3> "$state/busready" > "$state/dbus.log" 2>&1 &
+    read -r -t 60 _ < "$state/busready"
+    rm -f "$state/busready"
+    # the window manager first and on its own: the desktop is ready once it manages
+    # windows (~0.2 s; started beside the rest of the session it competes with four GTK
+    # programs for the CPU and takes seconds). xprop -spy prints the root window's
+    # properties as they change, _NET_SUPPORTING_WM_CHECK (what wmctrl -m reads) when the
+    # window manager sets it (all of them: a fresh X server has no such atom to name yet;
+    # line-buffered: its stdout is a pipe).
+    # Then the rest of the session (settings, panel, background); what startxfce4's
+    # xinitrc would add (xrdb, xmodmap of files the image does not have) is not needed.
+    exec 4< <(exec stdbuf -oL xprop -root -spy 2> /dev/null)
+    spy=$!
+    xfwm4 --sm-client-disable > "$state/wm.log" 2>&1 &
+    while read -r -t 600 -u 4 line; do
+        case $line in "_NET_SUPPORTING_WM_CHECK(WINDOW): window id #"*) break ;; esac
+    done
+    kill $spy 2> /dev/null
+    exec 4<&-
+    : > "$state/ready"
+    XDG_MENU_PREFIX=xfce- xfce4-session > "$state/session.log" 2>&1 &
     if [ "${DSEC_DESKTOP_VNC:-0}" = 1 ]; then
         x11vnc -display "$display" -forever -shared -wait 50 -rfbport 5900 -nopw -quiet \
             > "$state/x11vnc.log" 2>&1 &
@@ -342,8 +376,9 @@ _XFWM4 = """<?xml version="1.0" encoding="UTF-8"?>
 """
 
 _XFCE4_SESSION = """<?xml version="1.0" encoding="UTF-8"?>
-<!-- dsec desktop image: Debian's failsafe session without the Thunar daemon (it costs
-     ~25 MB per desktop; Thunar still starts on demand), no session saving -->
+<!-- dsec desktop image: Debian's failsafe session without the window manager (dsec-desktop
+     starts xfwm4 itself, first) and without the Thunar daemon (it costs ~6 MB per desktop;
+     Thunar still starts on demand), no session saving -->
 <channel name="xfce4-session" version="1.0">
   <property name="general" type="empty">
     <property name="FailsafeSessionName" type="string" value="Failsafe"/>
@@ -355,40 +390,132 @@ _XFCE4_SESSION = """<?xml version="1.0" encoding="UTF-8"?>
   <property name="sessions" type="empty">
     <property name="Failsafe" type="empty">
       <property name="IsFailsafe" type="bool" value="true"/>
-      <property name="Count" type="int" value="4"/>
+      <property name="Count" type="int" value="3"/>
       <property name="Client0_Command" type="array">
-        <value type="string" value="xfwm4"/>
-      </property>
-      <property name="Client0_Priority" type="int" value="15"/>
-      <property name="Client0_PerScreen" type="bool" value="false"/>
-      <property name="Client1_Command" type="array">
         <value type="string" value="xfsettingsd"/>
       </property>
-      <property name="Client1_Priority" type="int" value="20"/>
-      <property name="Client1_PerScreen" type="bool" value="false"/>
-      <property name="Client2_Command" type="array">
+      <property name="Client0_Priority" type="int" value="20"/>
+      <property name="Client0_PerScreen" type="bool" value="false"/>
+      <property name="Client1_Command" type="array">
         <value type="string" value="xfce4-panel"/>
       </property>
-      <property name="Client2_Priority" type="int" value="25"/>
-      <property name="Client2_PerScreen" type="bool" value="false"/>
-      <property name="Client3_Command" type="array">
+      <property name="Client1_Priority" type="int" value="25"/>
+      <property name="Client1_PerScreen" type="bool" value="false"/>
+      <property name="Client2_Command" type="array">
         <value type="string" value="xfdesktop"/>
       </property>
-      <property name="Client3_Priority" type="int" value="35"/>
-      <property name="Client3_PerScreen" type="bool" value="false"/>
+      <property name="Client2_Priority" type="int" value="35"/>
+      <property name="Client2_PerScreen" type="bool" value="false"/>
     </property>
   </property>
 </channel>
 """
 
+_XFCE4_DESKTOP = """<?xml version="1.0" encoding="UTF-8"?>
+<!-- dsec desktop image: a plain dark-blue background and no desktop icons (Debian's SVG
+     wallpaper is rendered at every start, the icons start Thunar's daemon) -->
+<channel name="xfce4-desktop" version="1.0">
+  <property name="desktop-icons" type="empty">
+    <property name="style" type="int" value="0"/>
+  </property>
+  <property name="backdrop" type="empty">
+    <property name="screen0" type="empty">
+      <property name="monitorscreen" type="empty">
+        <property name="workspace0" type="empty">
+          <property name="color-style" type="int" value="0"/>
+          <property name="image-style" type="int" value="0"/>
+          <property name="rgba1" type="array">
+            <value type="double" value="0.121569"/>
+            <value type="double" value="0.231373"/>
+            <value type="double" value="0.364706"/>
+            <value type="double" value="1.000000"/>
+          </property>
+        </property>
+      </property>
+    </property>
+  </property>
+</channel>
+"""
+
+_XFCE4_PANEL = """<?xml version="1.0" encoding="UTF-8"?>
+<!-- dsec desktop image: one panel at the top with Debian's default plugins that run inside
+     the panel (menu, window buttons, workspaces, clock, show desktop); the plugins that
+     run as processes of their own (status tray, action buttons: ~5 MB each per desktop)
+     and the launcher dock are left out -->
+<channel name="xfce4-panel" version="1.0">
+  <property name="configver" type="int" value="2"/>
+  <property name="panels" type="array">
+    <value type="int" value="1"/>
+    <property name="dark-mode" type="bool" value="true"/>
+    <property name="panel-1" type="empty">
+      <property name="position" type="string" value="p=6;x=0;y=0"/>
+      <property name="length" type="uint" value="100"/>
+      <property name="position-locked" type="bool" value="true"/>
+      <property name="icon-size" type="uint" value="16"/>
+      <property name="size" type="uint" value="26"/>
+      <property name="plugin-ids" type="array">
+        <value type="int" value="1"/>
+        <value type="int" value="2"/>
+        <value type="int" value="3"/>
+        <value type="int" value="4"/>
+        <value type="int" value="5"/>
+        <value type="int" value="6"/>
+      </property>
+    </property>
+  </property>
+  <property name="plugins" type="empty">
+    <property name="plugin-1" type="string" value="applicationsmenu"/>
+    <property name="plugin-2" type="string" value="tasklist">
+      <property name="grouping" type="uint" value="1"/>
+    </property>
+    <property name="plugin-3" type="string" value="separator">
+      <property name="expand" type="bool" value="true"/>
+      <property name="style" type="uint" value="0"/>
+    </property>
+    <property name="plugin-4" type="string" value="pager"/>
+    <property name="plugin-5" type="string" value="clock"/>
+    <property name="plugin-6" type="string" value="showdesktop"/>
+  </property>
+</channel>
+"""
+
+_READY = r"""#!/bin/bash
+# dsec-desktop-ready: the readiness check of dsec's desktop image (dsec.layers.desktop).
+# Exits 0 once the X server on $DISPLAY answers and a window manager manages it. While the
+# start command runs (its pid file exists) it first waits up to 8 s for the start
+# command's ready mark, without a fork per tick (read -t on a fifo nobody writes: a TCG
+# guest's CPU goes to the desktop, not to this wait).
+display=${DISPLAY:-:0}
+n=${display#:}
+n=${n%%.*}
+s=/tmp/.dsec-desktop/$n
+if [ ! -e "$s/ready" ] && [ -e "$s/supervisor.pid" ]; then
+    tick=$s/tick.$$
+    if mkfifo "$tick" 2> /dev/null; then
+        exec 5<> "$tick"
+        rm -f "$tick"
+        i=0
+        while [ ! -e "$s/ready" ] && [ -e "$s/supervisor.pid" ] && [ $i -lt 400 ]; do
+            read -r -t 0.02 -u 5 _
+            i=$((i + 1))
+        done
+        exec 5<&-
+    fi
+fi
+xdpyinfo > /dev/null 2>&1 && wmctrl -m > /dev/null 2>&1
+"""
+
 FILES: dict[str, tuple[int, str]] = {
     "/usr/local/bin/dsec-desktop": (0o755, _SUPERVISOR),
+    "/usr/local/bin/dsec-desktop-ready": (0o755, _READY),
     "/usr/local/bin/Xvfb": (0o755, _XVFB_WRAPPER),
     "/usr/local/bin/startxfce4": (0o755, _STARTXFCE4_WRAPPER),
     "/etc/chromium.d/dsec-desktop": (0o644, _CHROMIUM_FLAGS),
     "/etc/xdg/mimeapps.list": (0o644, _MIMEAPPS),
     "/etc/xdg/xfce4/xfconf/xfce-perchannel-xml/xfwm4.xml": (0o644, _XFWM4),
     "/etc/xdg/xfce4/xfconf/xfce-perchannel-xml/xfce4-session.xml": (0o644, _XFCE4_SESSION),
+    "/etc/xdg/xfce4/xfconf/xfce-perchannel-xml/xfce4-desktop.xml": (0o644, _XFCE4_DESKTOP),
+    "/etc/xdg/xfce4/panel/default.xml": (0o644, _XFCE4_PANEL),
 }
 """Files the layer adds: path -> (mode, text)."""
 
@@ -396,8 +523,11 @@ SYMLINKS: dict[str, str] = {"/opt/noVNC": "/usr/share/novnc"}
 """Symlinks the layer adds: path -> target (e2b-desktop runs noVNC from ``/opt/noVNC``)."""
 
 START_CMD: tuple[str, ...] = ("/usr/local/bin/dsec-desktop",)
-READY_CMD = "xdpyinfo >/dev/null 2>&1 && wmctrl -m >/dev/null 2>&1"
-"""Ready: the X server answers on ``$DISPLAY`` and a window manager manages its windows."""
+READY_CMD = "/usr/local/bin/dsec-desktop-ready"
+"""Ready: the X server answers on ``$DISPLAY`` and a window manager manages its windows.
+The check (:data:`_READY`) first waits, up to 8 s while the start command runs, for the
+start command's own ``ready`` mark, made when the window manager takes the screen: the
+creation returns then, not at the edge's next poll."""
 READY_TIMEOUT_S = 600.0
 """Longest wait for the desktop at creation, s. The container tier is ready in about a
 second; the vm tier under TCG on a busy 2-core machine needs minutes for Xfce's window
@@ -430,6 +560,14 @@ STEPS: tuple[Step, ...] = (
     MakeDir(STATE_DIR, 0o1777),
 )
 """What the layer does after the packages and the files, in order."""
+
+
+CHROOT_COMMANDS: tuple[tuple[str, ...], ...] = (("fc-cache", "--system-only", "--force"),)
+"""Commands run in the finished tree (chroot), last. Fontconfig's system caches: packages
+that change font directories after fontconfig's trigger ran (``xfonts-base``'s
+``fonts.dir``, the Type 1 fonts) leave caches that no longer match, and every desktop
+would rescan those fonts at its first GTK program and write caches of its own (~0.6 s of
+the window manager's start)."""
 
 
 def _inside(root: Path, path: str) -> Path:
@@ -508,6 +646,7 @@ def recipe_fingerprint() -> str:
             {k: [m, t] for k, (m, t) in FILES.items()},
             SYMLINKS,
             [repr(s) for s in STEPS],
+            [list(c) for c in CHROOT_COMMANDS],
             list(START_CMD),
             READY_CMD,
             READY_TIMEOUT_S,
