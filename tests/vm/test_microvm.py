@@ -136,6 +136,29 @@ async def test_exec_from_template(microvm: MicroVMRuntime, make_vm: MakeVM) -> N
     assert limit == (microvm.guest_ram_mb(256) + microvm.config.qemu_overhead_mb) << 20
 
 
+async def test_home_is_the_users_own(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    """HOME comes from the guest's /etc/passwd for the user a command runs as (as on the
+    container tier); a HOME the sandbox or the request sets wins."""
+    h = await make_vm()
+    r = await microvm.exec(
+        h, ExecRequest(cmd="echo 'ann:x:1234:1234:Ann:/home/ann:/bin/sh' >> /etc/passwd")
+    )
+    assert r.exit_code == 0, r.stderr
+    r = await microvm.exec(h, ExecRequest(cmd='echo "$HOME $(id -u)"', user="ann"))
+    assert r.stdout == "/home/ann 1234\n", r
+    r = await microvm.exec(h, ExecRequest(cmd='echo "$HOME"', user="1234"))
+    assert r.stdout == "/home/ann\n", r
+    r = await microvm.exec(h, ExecRequest(cmd='echo "$HOME"'))
+    assert r.stdout == "/root\n", r
+    r = await microvm.exec(h, ExecRequest(cmd='echo "$HOME"', user="4321"))  # no passwd entry
+    assert r.stdout == "/\n", r
+    r = await microvm.exec(h, ExecRequest(cmd='echo "$HOME"', user="ann", env={"HOME": "/x"}))
+    assert r.stdout == "/x\n", r
+    h2 = await make_vm(env={"HOME": "/from/spec"})
+    r = await microvm.exec(h2, ExecRequest(cmd='echo "$HOME"', user="nobody"))
+    assert r.stdout == "/from/spec\n", r
+
+
 async def test_files(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
     h = await make_vm()
     f = microvm.files(h)

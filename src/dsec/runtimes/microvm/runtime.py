@@ -966,7 +966,9 @@ class MicroVMRuntime:
         vm = await self._vm(handle)
         assert vm.agent is not None
         st = handle.state
-        env = {"PATH": _DEFAULT_PATH, "HOME": "/root", "HOSTNAME": st.get("hostname") or "sandbox"}
+        # no HOME here: the agent sets the user's home from the guest's /etc/passwd unless
+        # the sandbox's or the request's env names one
+        env = {"PATH": _DEFAULT_PATH, "HOSTNAME": st.get("hostname") or "sandbox"}
         env.update(st.get("env") or {})
         env.update(req.env)
         stdin = req.stdin.encode() if req.stdin is not None else b""
