@@ -108,8 +108,13 @@ async def test_exec_from_template(microvm: MicroVMRuntime, make_vm: MakeVM) -> N
         assert not {"erms", "rep_good"} & set(flags.split()), flags
         r = await microvm.exec(h, ExecRequest(cmd="cat /proc/sys/net/core/bpf_jit_enable"))
         assert r.stdout == "0\n", r  # the agent turned the JIT off (seccomp attach per command)
+        assert "tsc=reliable" in cmdline.split(), cmdline  # no clocksource watchdog timer
     else:
         assert not tcg_args & set(cmdline.split()), cmdline
+    # nothing wakes an idle guest on a timer: no lockup watchdog, no proactive compaction
+    assert "nowatchdog" in cmdline.split(), cmdline
+    r = await microvm.exec(h, ExecRequest(cmd="cat /proc/sys/vm/compaction_proactiveness"))
+    assert r.stdout == "0\n", r
     # limits: one vCPU; guest RAM = 256 MiB for the commands + the guest kernel's reserve;
     # every command in a guest cgroup holding it to memory_mb and pids; QEMU inside a host
     # cgroup with quota and memory limit

@@ -406,7 +406,15 @@ class MicroVMRuntime:
         # no AppArmor/IMA in the guest: nothing loads a policy there, and their hooks run on
         # every exec and open (Landlock, Yama and BPF stay available to the sandbox)
         args.append("lsm=landlock,yama,bpf")
+        # an idle guest must not wake its vCPU (every wake-up is a QEMU timer, a vCPU kick and
+        # a guest tick or two: host CPU per idle VM, benchmarks/vm.py --only idle):
+        # - nowatchdog: no soft/hard lockup watchdog hrtimer (every 4 s);
+        # - vm.compaction_proactiveness=0: kcompactd sleeps until asked, not every 500 ms
+        args += ["nowatchdog", "sysctl.vm.compaction_proactiveness=0"]
         if self.accel == "tcg":
+            # - tsc=reliable: no clocksource watchdog (every 500 ms): QEMU's TSC follows the
+            #   host's monotonic clock
+            args.append("tsc=reliable")
             if self._tsc_khz:
                 args.append(f"tsc_early_khz={self._tsc_khz}")
             # Under TCG every guest instruction is emulated, and an exec round trip is mostly
