@@ -109,6 +109,9 @@ async def test_exec_from_template(microvm: MicroVMRuntime, make_vm: MakeVM) -> N
         r = await microvm.exec(h, ExecRequest(cmd="cat /proc/sys/net/core/bpf_jit_enable"))
         assert r.stdout == "0\n", r  # the agent turned the JIT off (seccomp attach per command)
         assert "tsc=reliable" in cmdline.split(), cmdline  # no clocksource watchdog timer
+        # QEMU runs without transparent huge pages (its memory charged by the 4 KiB page)
+        status = await asyncio.to_thread(Path(f"/proc/{h.state['pid']}/status").read_text)
+        assert "THP_enabled:\t0" in status, status
     else:
         assert not tcg_args & set(cmdline.split()), cmdline
     # nothing wakes an idle guest on a timer: no lockup watchdog, no proactive compaction

@@ -2265,6 +2265,10 @@ static int launch(int argc, char **argv) {
     /* KSM (EINVAL on kernels without it); DSEC_KSM=0 leaves the process unmergeable */
     const char *ksm = getenv("DSEC_KSM");
     if (ksm == NULL || strcmp(ksm, "0") != 0) prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0);
+    /* DSEC_THP=0: no transparent huge pages for the process (inherited across exec): its
+     * anonymous memory is charged by the 4 KiB page it touches, not by the 2 MiB */
+    const char *thp = getenv("DSEC_THP");
+    if (thp != NULL && strcmp(thp, "0") == 0) prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0);
     prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0);
     execv(argv[i + 1], &argv[i + 1]);
     fprintf(stderr, "dsec launch: exec %s: %s\n", argv[i + 1], strerror(errno));
