@@ -26,8 +26,10 @@ Prints a table and writes ``benchmarks/results/vm.json``. What is measured:
   restore (new QEMU, state loaded, clock/RNG reset, agent ready), with both transports
   (``fd``: QEMU writes the file itself; ``exec``: through a ``cat`` child), p50; and a memory
   fork (capture of a running sandbox + one child to agent ready).
-* idle crowd (``--idle N``, ``--only idle``): N template clones created one after another
-  (create p50 and rate while the crowd grows; growth stops early when MemAvailable falls
+* idle crowd (``--idle N``, ``--only idle``): N template clones created one after another,
+  each from the node's pool of warmed-up QEMUs (``--idle-pool``, default 2; a create waits
+  for the pool to be full; drained before measuring) or, with ``--idle-pool 0``, restored
+  from the template at its create without a warm-up (create p50 and rate while the crowd grows; growth stops early when MemAvailable falls
   under ``--idle-floor-mib``), left to settle, then: host memory per idle VM (MemAvailable
   drop from before the crowd, and the sum of the QEMUs' PSS), node CPU per idle VM over
   ``--idle-window`` seconds (the QEMUs' utime+stime, plus ksmd's when ``--idle-ksm`` turns
@@ -323,11 +325,13 @@ async def cpu_window(pids: list[int], window_s: float) -> dict[str, float]:
 async def idle_section(res: dict[str, Any], b: Bench, args: Any) -> None:
     """``--idle N`` template clones held idle: memory and CPU per VM, exec among them."""
     n = args.idle
-    # the node's defaults: creates take pre-started, warmed-up pool QEMUs (drained before
-    # the measurements, so only the crowd is counted)
-    rt = await b.runtime(templates=True, ksmd=args.idle_ksm)
+    # --idle-pool > 0: the node's warmed-up pool, and each create waits for it to be full, so
+    # every member is a warmed pool QEMU (drained before the measurements: only the crowd is
+    # counted); 0: every member is restored from the template at its create, no warm-up
+    rt = await b.runtime(templates=True, ksmd=args.idle_ksm, pool_size=args.idle_pool)
     res["accel"], res["accel_reason"] = rt.accel, rt.accel_reason
-    out: dict[str, Any] = {"requested": n, "ksmd": args.idle_ksm, "window_s": args.idle_window}
+    out: dict[str, Any] = {"requested": n, "ksmd": args.idle_ksm, "window_s": args.idle_window,
+                           "pool_size": args.idle_pool}  # fmt: skip
     await rt.destroy(await rt.create(b.spec()))  # the template, before the baseline
     await asyncio.sleep(2.0)
     avail0 = mem_available()
@@ -343,6 +347,8 @@ async def idle_section(res: dict[str, Any], b: Bench, args: Any) -> None:
             if mem_available() < floor:
                 out["stopped_by"] = f"MemAvailable under {args.idle_floor_mib} MiB"
                 break
+            if args.idle_pool:
+                await rt.pool_settled()
             t = time.perf_counter()
             try:
                 hs.append(await rt.create(b.spec()))
@@ -403,6 +409,8 @@ def idle_rows(res: dict[str, Any]) -> list[tuple[str, str, str]]:
     ksm = "ksmd on" if o["ksmd"] else "ksmd off"
     return [
         ("idle microVMs held", f"{n}", f"of {o['requested']} asked; {o['stopped_by']}; target >= 500"),
+        ("  members", "warmed" if o.get("pool_size") else "restored",
+         "from the warmed pool (a create waits for it)" if o.get("pool_size") else "from the template at create, no pool"),
         ("  create p50 / p99 while the crowd grew", f"{p50(o['create_s']) * 1000:.0f} ms",
          f"p99 {pct(o['create_s'], 99) * 1000:.0f} ms; {o['create_rate_per_s']:.1f} created/s"),
         ("  host memory per idle VM (MemAvailable drop)", f"{o['mem_available_drop_bytes'] / n / mib:.1f} MiB",
@@ -565,6 +573,7 @@ async def main() -> None:
     ap.add_argument("--idle-settle", type=float, default=15.0, help="wait before measuring, s")
     ap.add_argument("--idle-execs", type=int, default=400, help="execs into random members")
     ap.add_argument("--idle-floor-mib", type=int, default=3072, help="stop growing below")
+    ap.add_argument("--idle-pool", type=int, default=2, help="pool size (0: no warmed pool)")
     ap.add_argument("--idle-ksm", action="store_true", help="ksmd on for the idle crowd")
     ap.add_argument("--only", choices=["all", "memory", "suspend", "exec", "idle"], default="all")
     args = ap.parse_args()
