@@ -398,11 +398,19 @@ async def idle_section(res: dict[str, Any], b: Bench, args: Any) -> None:
         for i in range(0, len(hs), 20):
             await asyncio.gather(*(rt.destroy(h) for h in hs[i : i + 20]))
         await rt.close()
-    res["idle"] = out
+    res[idle_key(args)] = out
 
 
-def idle_rows(res: dict[str, Any]) -> list[tuple[str, str, str]]:
-    o = res.get("idle")
+def idle_key(args: Any) -> str:
+    """Where the idle crowd's results go in the JSON: ``idle`` for the defaults, else a key
+    naming the size, pool and ksmd (so runs of several shapes sit side by side)."""
+    if args.idle == 200 and args.idle_pool == 2 and not args.idle_ksm:
+        return "idle"
+    return f"idle_n{args.idle}_pool{args.idle_pool}{'_ksmd' if args.idle_ksm else ''}"
+
+
+def idle_rows(res: dict[str, Any], key: str = "idle") -> list[tuple[str, str, str]]:
+    o = res.get(key)
     if not o or not o.get("held"):
         return []
     n, mib = o["held"], 1 << 20
@@ -552,7 +560,10 @@ async def partial(args: Any, b: Bench) -> None:
         for rel in (cleanup.cgroup_prefix, cleanup.cgroup_prefix.split("/")[0]):
             with contextlib.suppress(OSError):
                 (CGROUP_ROOT / c / rel).rmdir()
-    rows = {"exec": exec_guard_rows, "idle": idle_rows}.get(args.only, summary_rows)(res)
+    if args.only == "idle":
+        rows = idle_rows(res, idle_key(args))
+    else:
+        rows = exec_guard_rows(res) if args.only == "exec" else summary_rows(res)
     for name, value, note in rows:
         print(f"{name:<55}  {value:>10}  {note}")
     RESULTS.write_text(json.dumps(res, indent=2))
@@ -677,7 +688,7 @@ async def main() -> None:
         ("exec echo round trip p50", f"{p50(res['exec_echo_s']) * 1000:.1f} ms", "target <= 10 ms"),
         *exec_batch_rows(res["exec_batches"]),
     ]  # fmt: skip
-    rows += summary_rows(res) + idle_rows(res)
+    rows += summary_rows(res) + idle_rows(res, idle_key(args))
     rows.append(
         ("vm tier (q35) create -> agent ready p50", f"{p50(res['vm_tier_boot_ready_s']):.2f} s", "")
     )
