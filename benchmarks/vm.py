@@ -26,6 +26,16 @@ Prints a table and writes ``benchmarks/results/vm.json``. What is measured:
   restore (new QEMU, state loaded, clock/RNG reset, agent ready), with both transports
   (``fd``: QEMU writes the file itself; ``exec``: through a ``cat`` child), p50; and a memory
   fork (capture of a running sandbox + one child to agent ready).
+* idle crowd (``--idle N``, ``--only idle``): N template clones created one after another,
+  each from the node's pool of warmed-up QEMUs (``--idle-pool``, default 2; a create waits
+  for the pool to be full; drained before measuring) or, with ``--idle-pool 0``, restored
+  from the template at its create without a warm-up (create p50 and rate while the crowd grows; growth stops early when MemAvailable falls
+  under ``--idle-floor-mib``), left to settle, then: host memory per idle VM (MemAvailable
+  drop from before the crowd, and the sum of the QEMUs' PSS), node CPU per idle VM over
+  ``--idle-window`` seconds (the QEMUs' utime+stime, plus ksmd's when ``--idle-ksm`` turns
+  it on, against 100% = every CPU of the node; the /proc/stat busy share of the node before
+  and during the crowd for reference), and exec p50/p99 of ``echo hi`` into random members
+  while the rest idle (a member's first command reported apart).
 
 Uses ``DSEC_HOME=/tmp/dsec-vmbench`` unless set. Reports whether KVM or TCG ran.
 """
@@ -38,6 +48,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -47,7 +58,7 @@ from dsec.config import Paths
 from dsec.errors import DsecError
 from dsec.models import ExecRequest
 from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS
-from dsec.runtimes.base import Handle, SandboxSpec
+from dsec.runtimes.base import Handle, SandboxSpec, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 from dsec.runtimes.microvm.ksm import KSM_SYSFS, ksmd_set, wait_ksm_settled
 from dsec.runtimes.vm import VMRuntime
@@ -85,8 +96,9 @@ class Bench:
     async def runtime(self, **kw: Any) -> MicroVMRuntime:
         rt = MicroVMRuntime(self.paths, MicroVMConfig(**kw))
         await rt.start()
-        if not rt.capabilities().available:
-            raise SystemExit(f"microvm unavailable: {rt.capabilities().reason}")
+        caps = capabilities_of(rt)
+        if not caps.available:
+            raise SystemExit(f"microvm unavailable: {caps.reason}")
         return rt
 
 
@@ -257,6 +269,173 @@ async def memory_section(
               f"{100 * (1 - v / base):.0f}% below unshared")  # fmt: skip
 
 
+def mem_available() -> int:
+    """MemAvailable of the node, bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of ``pid`` (all its threads), clock ticks; 0 if it is gone."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    return 0
+
+
+def node_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs from /proc/stat (busy = not idle or iowait)."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    total = sum(vals[:8])  # guest time is already counted in user
+    return total - vals[3] - vals[4], total
+
+
+def ksmd_pid() -> int:
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{d}/comm").read_text().strip() == "ksmd":
+                    return int(d)
+    return 0
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))] if s else float("nan")
+
+
+async def cpu_window(pids: list[int], window_s: float) -> dict[str, float]:
+    """CPU of ``pids`` and of the node over ``window_s`` s, as shares of every CPU (1.0 =
+    the whole node)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    ncpu = os.cpu_count() or 1
+    b0, t0 = node_ticks()
+    p0 = {p: cpu_ticks(p) for p in pids}
+    w0 = time.monotonic()
+    await asyncio.sleep(window_s)
+    wall = time.monotonic() - w0
+    b1, t1 = node_ticks()
+    used = sum(cpu_ticks(p) - p0[p] for p in pids)
+    return {"share": used / hz / wall / ncpu, "node_busy_share": (b1 - b0) / max(1, t1 - t0),
+            "wall_s": wall}  # fmt: skip
+
+
+async def idle_section(res: dict[str, Any], b: Bench, args: Any) -> None:
+    """``--idle N`` template clones held idle: memory and CPU per VM, exec among them."""
+    n = args.idle
+    # --idle-pool > 0: the node's warmed-up pool, and each create waits for it to be full, so
+    # every member is a warmed pool QEMU (drained before the measurements: only the crowd is
+    # counted); 0: every member is restored from the template at its create, no warm-up
+    rt = await b.runtime(templates=True, ksmd=args.idle_ksm, pool_size=args.idle_pool)
+    res["accel"], res["accel_reason"] = rt.accel, rt.accel_reason
+    out: dict[str, Any] = {"requested": n, "ksmd": args.idle_ksm, "window_s": args.idle_window,
+                           "pool_size": args.idle_pool}  # fmt: skip
+    await rt.destroy(await rt.create(b.spec()))  # the template, before the baseline
+    await asyncio.sleep(2.0)
+    avail0 = mem_available()
+    base = await cpu_window([], args.idle_window / 3)
+    out["node_busy_share_before"] = base["node_busy_share"]
+    hs: list[Handle] = []
+    creates: list[float] = []
+    floor = args.idle_floor_mib << 20
+    out["stopped_by"] = "N reached"
+    t_grow = time.perf_counter()
+    try:
+        for i in range(n):
+            if mem_available() < floor:
+                out["stopped_by"] = f"MemAvailable under {args.idle_floor_mib} MiB"
+                break
+            if args.idle_pool:
+                await rt.pool_settled()
+            t = time.perf_counter()
+            try:
+                hs.append(await rt.create(b.spec()))
+            except DsecError as e:
+                out["stopped_by"] = f"create {i + 1} failed: {e.message.splitlines()[0]}"
+                break
+            creates.append(time.perf_counter() - t)
+            if (i + 1) % 50 == 0:
+                print(f"  {i + 1} idle VMs, create p50 of the last 50 "
+                      f"{p50(creates[-50:]) * 1000:.0f} ms, MemAvailable "
+                      f"{mem_available() >> 20} MiB", flush=True)  # fmt: skip
+        grow_s = time.perf_counter() - t_grow
+        held = len(hs)
+        out["held"] = held
+        out["create_s"] = creates
+        out["create_rate_per_s"] = held / grow_s if grow_s else 0.0
+        await rt.drain_pool()
+        await asyncio.sleep(args.idle_settle)
+        pids = [int(h.state["pid"]) for h in hs]
+        kpid = ksmd_pid() if args.idle_ksm else 0
+        if args.idle_ksm:
+            out["ksm_stats"] = await asyncio.to_thread(wait_ksm_settled, args.ksm_wait)
+        out["mem_available_drop_bytes"] = avail0 - mem_available()
+        out["pss_sum_bytes"] = sum(pss_bytes(p) for p in pids)
+        out["private_sum_bytes"] = sum(private_bytes(p) for p in pids)
+        out["template_ram_file_bytes"] = template_file_bytes(rt)
+        w = await cpu_window(pids + ([kpid] if kpid else []), args.idle_window)
+        out["cpu_share"], out["node_busy_share_during"] = w["share"], w["node_busy_share"]
+        if kpid:
+            k = await cpu_window([kpid], min(10.0, args.idle_window))
+            out["ksmd_cpu_share"] = k["share"]
+        # into random members while the rest idle; a member's first command is kept apart
+        # (under TCG its QEMU may still translate code the warm-up did not run)
+        rtt: list[float] = []
+        first: list[float] = []
+        touched: set[str] = set()
+        rng = random.Random(1)
+        for _ in range(args.idle_execs if hs else 0):
+            h = rng.choice(hs)
+            t = time.perf_counter()
+            r = await rt.exec(h, ExecRequest(cmd=["echo", "hi"]))
+            (rtt if h.id in touched else first).append(time.perf_counter() - t)
+            touched.add(h.id)
+            assert r.stdout == "hi\n", r
+        out["exec_echo_s"], out["exec_first_echo_s"] = rtt, first
+    finally:
+        for i in range(0, len(hs), 20):
+            await asyncio.gather(*(rt.destroy(h) for h in hs[i : i + 20]))
+        await rt.close()
+    res[idle_key(args)] = out
+
+
+def idle_key(args: Any) -> str:
+    """Where the idle crowd's results go in the JSON: ``idle`` for the defaults, else a key
+    naming the size, pool and ksmd (so runs of several shapes sit side by side)."""
+    if args.idle == 200 and args.idle_pool == 2 and not args.idle_ksm:
+        return "idle"
+    return f"idle_n{args.idle}_pool{args.idle_pool}{'_ksmd' if args.idle_ksm else ''}"
+
+
+def idle_rows(res: dict[str, Any], key: str = "idle") -> list[tuple[str, str, str]]:
+    o = res.get(key)
+    if not o or not o.get("held"):
+        return []
+    n, mib = o["held"], 1 << 20
+    ksm = "ksmd on" if o["ksmd"] else "ksmd off"
+    return [
+        ("idle microVMs held", f"{n}", f"of {o['requested']} asked; {o['stopped_by']}; target >= 500"),
+        ("  members", "warmed" if o.get("pool_size") else "restored",
+         "from the warmed pool (a create waits for it)" if o.get("pool_size") else "from the template at create, no pool"),
+        ("  create p50 / p99 while the crowd grew", f"{p50(o['create_s']) * 1000:.0f} ms",
+         f"p99 {pct(o['create_s'], 99) * 1000:.0f} ms; {o['create_rate_per_s']:.1f} created/s"),
+        ("  host memory per idle VM (MemAvailable drop)", f"{o['mem_available_drop_bytes'] / n / mib:.1f} MiB",
+         f"{ksm}; target <= 25 MiB"),
+        ("  host memory per idle VM (sum of QEMU PSS)", f"{o['pss_sum_bytes'] / n / mib:.1f} MiB",
+         f"private {o['private_sum_bytes'] / n / mib:.1f} MiB; template file {o['template_ram_file_bytes'] / mib:.0f} MiB"),
+        ("  node CPU per idle VM", f"{100 * o['cpu_share'] / n:.4f} %",
+         f"QEMUs{' + ksmd' if o['ksmd'] else ''} over {o['window_s']:.0f} s; target <= 0.05 %"),
+        ("  node busy before / during the crowd", f"{100 * o['node_busy_share_during']:.1f} %",
+         f"before {100 * o['node_busy_share_before']:.1f} % (all tenants of the machine)"),
+        ("  exec echo p50 / p99 among the idle crowd", f"{p50(o['exec_echo_s']) * 1000:.1f} ms",
+         f"p99 {pct(o['exec_echo_s'], 99) * 1000:.1f} ms over {len(o['exec_echo_s'])} execs"),
+        ("  first exec into a member p50 / p99", f"{p50(o['exec_first_echo_s']) * 1000:.1f} ms",
+         f"p99 {pct(o['exec_first_echo_s'], 99) * 1000:.1f} ms over {len(o['exec_first_echo_s'])} members"),
+    ]  # fmt: skip
+
+
 async def suspend_section(res: dict[str, Any], b: Bench, args: Any) -> None:
     for transport in ("fd", "exec"):
         sus, rest, first, size = await suspend_resume(b, transport, args.suspends)
@@ -363,6 +542,8 @@ async def partial(args: Any, b: Bench) -> None:
     res: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if args.only == "exec":
         await exec_guard_section(res, b, args)
+    elif args.only == "idle":
+        await idle_section(res, b, args)
     elif args.only == "memory":
         cold = await b.runtime(templates=False, pool_size=0)
         warm = await b.runtime(templates=True, pool_size=0)
@@ -379,7 +560,10 @@ async def partial(args: Any, b: Bench) -> None:
         for rel in (cleanup.cgroup_prefix, cleanup.cgroup_prefix.split("/")[0]):
             with contextlib.suppress(OSError):
                 (CGROUP_ROOT / c / rel).rmdir()
-    rows = exec_guard_rows(res) if args.only == "exec" else summary_rows(res)
+    if args.only == "idle":
+        rows = idle_rows(res, idle_key(args))
+    else:
+        rows = exec_guard_rows(res) if args.only == "exec" else summary_rows(res)
     for name, value, note in rows:
         print(f"{name:<55}  {value:>10}  {note}")
     RESULTS.write_text(json.dumps(res, indent=2))
@@ -395,7 +579,14 @@ async def main() -> None:
     ap.add_argument("--exec-batches", type=int, default=8, help="batches of 10 echo execs")
     ap.add_argument("--ksm-pages", type=int, default=4000, help="ksmd pages_to_scan")
     ap.add_argument("--ksm-wait", type=float, default=120.0, help="max wait for ksmd, s")
-    ap.add_argument("--only", choices=["all", "memory", "suspend", "exec"], default="all")
+    ap.add_argument("--idle", type=int, default=200, help="idle crowd size (0: skip)")
+    ap.add_argument("--idle-window", type=float, default=30.0, help="idle CPU window, s")
+    ap.add_argument("--idle-settle", type=float, default=15.0, help="wait before measuring, s")
+    ap.add_argument("--idle-execs", type=int, default=400, help="execs into random members")
+    ap.add_argument("--idle-floor-mib", type=int, default=3072, help="stop growing below")
+    ap.add_argument("--idle-pool", type=int, default=2, help="pool size (0: no warmed pool)")
+    ap.add_argument("--idle-ksm", action="store_true", help="ksmd on for the idle crowd")
+    ap.add_argument("--only", choices=["all", "memory", "suspend", "exec", "idle"], default="all")
     args = ap.parse_args()
 
     os.environ.setdefault("DSEC_HOME", "/tmp/dsec-vmbench")
@@ -456,6 +647,8 @@ async def main() -> None:
 
     await memory_section(res, warm, cold, b, args)
     await suspend_section(res, b, args)
+    if args.idle:
+        await idle_section(res, b, args)
     await warm.close()
     await cold.close()
     cold.remove_templates()
@@ -495,7 +688,7 @@ async def main() -> None:
         ("exec echo round trip p50", f"{p50(res['exec_echo_s']) * 1000:.1f} ms", "target <= 10 ms"),
         *exec_batch_rows(res["exec_batches"]),
     ]  # fmt: skip
-    rows += summary_rows(res)
+    rows += summary_rows(res) + idle_rows(res, idle_key(args))
     rows.append(
         ("vm tier (q35) create -> agent ready p50", f"{p50(res['vm_tier_boot_ready_s']):.2f} s", "")
     )

@@ -108,8 +108,16 @@ async def test_exec_from_template(microvm: MicroVMRuntime, make_vm: MakeVM) -> N
         assert not {"erms", "rep_good"} & set(flags.split()), flags
         r = await microvm.exec(h, ExecRequest(cmd="cat /proc/sys/net/core/bpf_jit_enable"))
         assert r.stdout == "0\n", r  # the agent turned the JIT off (seccomp attach per command)
+        assert "tsc=reliable" in cmdline.split(), cmdline  # no clocksource watchdog timer
+        # QEMU runs without transparent huge pages (its memory charged by the 4 KiB page)
+        status = await asyncio.to_thread(Path(f"/proc/{h.state['pid']}/status").read_text)
+        assert "THP_enabled:\t0" in status, status
     else:
         assert not tcg_args & set(cmdline.split()), cmdline
+    # nothing wakes an idle guest on a timer: no lockup watchdog, no proactive compaction
+    assert "nowatchdog" in cmdline.split(), cmdline
+    r = await microvm.exec(h, ExecRequest(cmd="cat /proc/sys/vm/compaction_proactiveness"))
+    assert r.stdout == "0\n", r
     # limits: one vCPU; guest RAM = 256 MiB for the commands + the guest kernel's reserve;
     # every command in a guest cgroup holding it to memory_mb and pids; QEMU inside a host
     # cgroup with quota and memory limit
@@ -134,6 +142,29 @@ async def test_exec_from_template(microvm: MicroVMRuntime, make_vm: MakeVM) -> N
     assert (cg.path("cpu") / "cpu.cfs_quota_us").read_text().strip() == "100000"
     limit = int((cg.path("memory") / "memory.limit_in_bytes").read_text())
     assert limit == (microvm.guest_ram_mb(256) + microvm.config.qemu_overhead_mb) << 20
+
+
+async def test_home_is_the_users_own(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    """HOME comes from the guest's /etc/passwd for the user a command runs as (as on the
+    container tier); a HOME the sandbox or the request sets wins."""
+    h = await make_vm()
+    r = await microvm.exec(
+        h, ExecRequest(cmd="echo 'ann:x:1234:1234:Ann:/home/ann:/bin/sh' >> /etc/passwd")
+    )
+    assert r.exit_code == 0, r.stderr
+    r = await microvm.exec(h, ExecRequest(cmd='echo "$HOME $(id -u)"', user="ann"))
+    assert r.stdout == "/home/ann 1234\n", r
+    r = await microvm.exec(h, ExecRequest(cmd='echo "$HOME"', user="1234"))
+    assert r.stdout == "/home/ann\n", r
+    r = await microvm.exec(h, ExecRequest(cmd='echo "$HOME"'))
+    assert r.stdout == "/root\n", r
+    r = await microvm.exec(h, ExecRequest(cmd='echo "$HOME"', user="4321"))  # no passwd entry
+    assert r.stdout == "/\n", r
+    r = await microvm.exec(h, ExecRequest(cmd='echo "$HOME"', user="ann", env={"HOME": "/x"}))
+    assert r.stdout == "/x\n", r
+    h2 = await make_vm(env={"HOME": "/from/spec"})
+    r = await microvm.exec(h2, ExecRequest(cmd='echo "$HOME"', user="nobody"))
+    assert r.stdout == "/from/spec\n", r
 
 
 async def test_files(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:

@@ -1705,7 +1705,8 @@ static void do_exec(uint32_t id, int nargs, struct arg *a) {
     char *cwd = arg_str(&a[1]);
     char *user = arg_str(&a[2]);
     int argc = nargs - 4 - nenv;
-    char **envp = calloc((size_t)nenv + 1, sizeof(char *));
+    char **envp = calloc((size_t)nenv + 2, sizeof(char *)); /* + HOME, + the terminator */
+    int n_envp = nenv;
     char **argv = calloc((size_t)argc + 1, sizeof(char *));
     for (int i = 0; i < nenv; i++) envp[i] = arg_str(&a[4 + i]);
     for (int i = 0; i < argc; i++) argv[i] = arg_str(&a[4 + nenv + i]);
@@ -1718,6 +1719,10 @@ static void do_exec(uint32_t id, int nargs, struct arg *a) {
         send_err(id, -ur, "unknown user");
         goto out;
     }
+    /* HOME is the user's home from the guest's /etc/passwd unless the caller set it */
+    int has_home = 0;
+    for (int i = 0; i < nenv; i++) has_home |= strncmp(envp[i], "HOME=", 5) == 0;
+    if (!has_home && asprintf(&envp[n_envp], "HOME=%s", home) > 0) n_envp++;
     ensure_namespaces();
     if (!full_guest && guard_error[0]) { /* never a guarded sandbox's command without its guard */
         char msg[400];
@@ -1786,7 +1791,7 @@ out:
         if (p_err[i] >= 0) close(p_err[i]);
         if (p_in[i] >= 0) close(p_in[i]);
     }
-    for (int i = 0; i < nenv; i++) free(envp[i]);
+    for (int i = 0; i < n_envp; i++) free(envp[i]);
     for (int i = 0; i < argc; i++) free(argv[i]);
     free(envp);
     free(argv);
@@ -2260,6 +2265,10 @@ static int launch(int argc, char **argv) {
     /* KSM (EINVAL on kernels without it); DSEC_KSM=0 leaves the process unmergeable */
     const char *ksm = getenv("DSEC_KSM");
     if (ksm == NULL || strcmp(ksm, "0") != 0) prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0);
+    /* DSEC_THP=0: no transparent huge pages for the process (inherited across exec): its
+     * anonymous memory is charged by the 4 KiB page it touches, not by the 2 MiB */
+    const char *thp = getenv("DSEC_THP");
+    if (thp != NULL && strcmp(thp, "0") == 0) prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0);
     prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0);
     execv(argv[i + 1], &argv[i + 1]);
     fprintf(stderr, "dsec launch: exec %s: %s\n", argv[i + 1], strerror(errno));

@@ -143,14 +143,17 @@ class QemuProcess:
         argv: list[str],
         dir: Path,
         ksm: bool = True,
+        thp: bool = True,
     ) -> QemuProcess:
         """Start ``argv`` (QEMU) through the launcher in a new session; stdout/stderr to qemu.log.
 
         ``ksm``: the launcher marks the process mergeable (``PR_SET_MEMORY_MERGE``) before exec;
-        False sets ``DSEC_KSM=0`` so it does not."""
+        False sets ``DSEC_KSM=0`` so it does not. ``thp``: False sets ``DSEC_THP=0``, and the
+        launcher turns transparent huge pages off for the process (``PR_SET_THP_DISABLE``)."""
         log = dir / "qemu.log"
         env = dict(os.environ)
         env["DSEC_KSM"] = "1" if ksm else "0"
+        env["DSEC_THP"] = "1" if thp else "0"
         with open(log, "ab") as logf:
             popen = subprocess.Popen(
                 [str(launcher), "--launch", *map(str, cgroup_procs), "--", *argv],

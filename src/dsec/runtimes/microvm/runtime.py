@@ -109,6 +109,11 @@ class MicroVMConfig:
     # and QEMU flushes it (every later command translates again: 0.3-1 s each); 64 holds the
     # working set for ~2-4 MiB more private memory per idle clone. Touched as used.
     tb_size_mb: int = 64
+    # transparent huge pages for QEMU's own memory under TCG (PR_SET_THP_DISABLE when off).
+    # Its translation buffer and heaps are then charged by the 4 KiB page touched, not by the
+    # 2 MiB; a clone's guest RAM is the template file (shmem), not affected. Under KVM QEMU
+    # keeps THP (huge pages back the guest's private RAM there)
+    tcg_thp: bool = False
     qemu_overhead_mb: int = 256  # cgroup memory limit = guest RAM + this
     # guest RAM = memory_mb + this + memory_mb/64: the guest kernel, agent and page tables;
     # the sandbox's commands are held to memory_mb by a cgroup inside the guest
@@ -406,7 +411,15 @@ class MicroVMRuntime:
         # no AppArmor/IMA in the guest: nothing loads a policy there, and their hooks run on
         # every exec and open (Landlock, Yama and BPF stay available to the sandbox)
         args.append("lsm=landlock,yama,bpf")
+        # an idle guest must not wake its vCPU (every wake-up is a QEMU timer, a vCPU kick and
+        # a guest tick or two: host CPU per idle VM, benchmarks/vm.py --only idle):
+        # - nowatchdog: no soft/hard lockup watchdog hrtimer (every 4 s);
+        # - vm.compaction_proactiveness=0: kcompactd sleeps until asked, not every 500 ms
+        args += ["nowatchdog", "sysctl.vm.compaction_proactiveness=0"]
         if self.accel == "tcg":
+            # - tsc=reliable: no clocksource watchdog (every 500 ms): QEMU's TSC follows the
+            #   host's monotonic clock
+            args.append("tsc=reliable")
             if self._tsc_khz:
                 args.append(f"tsc_early_khz={self._tsc_khz}")
             # Under TCG every guest instruction is emulated, and an exec round trip is mostly
@@ -430,6 +443,16 @@ class MicroVMRuntime:
         if self.accel == "kvm":
             return ["-accel", "kvm", "-cpu", "host"]
         return ["-accel", f"tcg,tb-size={self.config.tb_size_mb}", "-cpu", self.config.tcg_cpu]
+
+    def _launch(self, cgroup_procs: list[Path], argv: list[str], dir: Path) -> QemuProcess:
+        """Start QEMU ``argv`` through the launcher (:meth:`QemuProcess.launch`): mergeable
+        for KSM if configured, and under TCG without transparent huge pages
+        (:attr:`MicroVMConfig.tcg_thp`)."""
+        assert self.artifacts is not None
+        thp = self.accel != "tcg" or self.config.tcg_thp
+        return QemuProcess.launch(
+            self.artifacts.agent, cgroup_procs, argv, dir, self.config.ksm, thp
+        )
 
     def _machine_args(self) -> list[str]:
         """-M/-cpu/-accel for this tier (the vm tier overrides)."""
@@ -535,7 +558,7 @@ class MicroVMRuntime:
             name, t.dir, spec.layer_paths, spec.memory_mb, vcpus, spec.disk_mb, t.ram, True, False,
             extra,
         )  # fmt: skip
-        proc = QemuProcess.launch(self.artifacts.agent, [], argv, t.dir, self.config.ksm)
+        proc = self._launch([], argv, t.dir)
         qmp: QMPClient | None = None
         agent: AgentClient | None = None
         ok = False
@@ -644,7 +667,7 @@ class MicroVMRuntime:
             name, d, spec.layer_paths, spec.memory_mb, vcpus, spec.disk_mb, tpl.ram, False, True,
             extra,
         )  # fmt: skip
-        proc = QemuProcess.launch(self.artifacts.agent, [], argv, d, self.config.ksm)
+        proc = self._launch([], argv, d)
         try:
             qmp = await QMPClient.connect(str(d / "q.sock"), pid=proc.pid)
             agent = await AgentClient.connect(str(d / "a.sock"))
@@ -790,7 +813,7 @@ class MicroVMRuntime:
                         tpl.ram if tpl else None, False, tpl is not None,
                         await self._sandbox_devices(d, spec, tpl),
                     )  # fmt: skip
-                    proc = QemuProcess.launch(self.artifacts.agent, procs, argv, d, self.config.ksm)
+                    proc = self._launch(procs, argv, d)
                     qemu_name = spec.id
                 handle.state["pid"] = proc.pid
                 handle.state["qemu_name"] = qemu_name
@@ -966,7 +989,9 @@ class MicroVMRuntime:
         vm = await self._vm(handle)
         assert vm.agent is not None
         st = handle.state
-        env = {"PATH": _DEFAULT_PATH, "HOME": "/root", "HOSTNAME": st.get("hostname") or "sandbox"}
+        # no HOME here: the agent sets the user's home from the guest's /etc/passwd unless
+        # the sandbox's or the request's env names one
+        env = {"PATH": _DEFAULT_PATH, "HOSTNAME": st.get("hostname") or "sandbox"}
         env.update(st.get("env") or {})
         env.update(req.env)
         stdin = req.stdin.encode() if req.stdin is not None else b""
@@ -1237,7 +1262,7 @@ class MicroVMRuntime:
             name, d, list(st["layer_paths"]), int(st["memory_mb"]), int(st["vcpus"]),
             int(st["disk_mb"]), ram_backing, False, True, extra,
         )  # fmt: skip
-        proc = QemuProcess.launch(self.artifacts.agent, procs, argv, d, self.config.ksm)
+        proc = self._launch(procs, argv, d)
         qmp: QMPClient | None = None
         agent: AgentClient | None = None
         try:
