@@ -233,6 +233,11 @@ class ContainerRuntime:
     """
 
     tier = "container"
+    teardown_in_background = True
+    """The edge may answer a kill before :meth:`destroy` finishes (``EdgeAgent._destroy``):
+    the teardown SIGKILLs the init first thing, so the sandbox's processes are gone within
+    the kill's own millisecond; what follows (reaping, cgroup removal, unmounts, layer
+    references) owns no state another sandbox could see."""
 
     def __init__(
         self,
