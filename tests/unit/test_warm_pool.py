@@ -131,3 +131,24 @@ def test_env_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.enabled and cfg.max_total == 3 and cfg.max_per_key == 3 and cfg.idle_s == 5.0
     monkeypatch.setenv("DSEC_CONTAINER_POOL_MAX", "0")
     assert not PoolConfig.from_env().enabled
+
+
+async def test_refill_waits_while_a_ready_container_is_left() -> None:
+    f = Fakes()
+    cfg = PoolConfig(min_ready=2, refill_delay_s=0.2)
+    pool: WarmPool[str, str, int] = WarmPool(cfg, make=f.make, discard=f.discard)
+    pool.take("a", "t")  # empty key: filled at once
+    await settle(pool)
+    assert pool.ready_count("a") == 2
+    pool.take("a", "t")  # one left: the refill waits out the first commands of the claim
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert pool.ready_count("a") == 1 and len(f.made) == 2
+    await settle(pool)
+    assert pool.ready_count("a") == 2 and len(f.made) == 3
+    pool.take("a", "t")
+    pool.take("a", "t")  # none left by the time the refill starts: no wait
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert len(f.made) >= 4
+    await pool.close()

@@ -76,7 +76,11 @@ class PoolConfig:
     ``min_ready``: bounds of a key's target. ``window_s``, ``lead_s``: a key's target is its
     claims per second over the last ``window_s`` times ``lead_s``. ``idle_s``: a key with no
     claim for this long is emptied. ``min_available_fraction``: below this share of memory
-    available the pool empties. ``fill_concurrency``: containers made at once per key."""
+    available the pool empties. ``fill_concurrency``: containers made at once per key.
+    ``refill_delay_s``: after a claim that leaves the key a ready container, its refill waits
+    this long, so the claimed sandbox's first commands run without the refill's ``crun run``
+    beside them (on 2 cores that overlap doubled the first exec: CPU, and the kernel's locks
+    of namespace and cgroup creation). A key left empty refills at once."""
 
     enabled: bool = True
     max_total: int = 32
@@ -87,6 +91,7 @@ class PoolConfig:
     idle_s: float = 120.0
     min_available_fraction: float = 0.10
     fill_concurrency: int = 2
+    refill_delay_s: float = 0.05
 
     @classmethod
     def from_env(cls) -> PoolConfig:
@@ -221,6 +226,8 @@ class WarmPool(Generic[K, T, E]):
 
     async def _fill(self, key: K, k: _Key[T, E]) -> None:
         """Make containers for ``key`` until it has its target (a few at once)."""
+        if k.ready and self.config.refill_delay_s > 0:
+            await asyncio.sleep(self.config.refill_delay_s)
         failures = 0
         while self.enabled and failures < 3:
             want = self.target(key) - len(k.ready) - k.filling
