@@ -191,6 +191,28 @@ async def test_exit_codes_and_signals(runtime: ContainerRuntime, make: Factory) 
     assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 1)
 
 
+async def test_command_search_follows_the_commands_path(
+    runtime: ContainerRuntime, make: Factory
+) -> None:
+    """The exec server searches the PATH of the command's own environment (as execvp
+    would with it), without touching its own memory (it runs commands from a vfork)."""
+    h = await make()
+    setup = "mkdir -p /t/a /t/b && printf 'echo from-script\\n' > /t/b/noshebang"
+    setup += " && chmod +x /t/b/noshebang && echo x > /t/a/plain && cp /t/a/plain /t/b/plain"
+    setup += " && chmod +x /t/b/plain"
+    assert (await run(runtime, h, setup)).exit_code == 0
+    # not executable in the first entry (EACCES), then found in the second
+    r = await run(runtime, h, ["noshebang"], env={"PATH": "/t/a:/t/b"})
+    assert (r.exit_code, r.stdout) == (0, "from-script\n")  # no shebang: run by /bin/sh
+    r = await run(runtime, h, ["plain"], env={"PATH": "/t/a:/nonexistent"})
+    assert r.exit_code == 126 and "Permission denied" in r.stderr  # EACCES seen, nothing else
+    r = await run(runtime, h, ["ls"], env={"PATH": "/nonexistent:/t/a"})
+    assert r.exit_code == 127 and "No such file" in r.stderr  # not on this PATH
+    r = await run(runtime, h, ["ls", "/t"], env={"PATH": "/nonexistent::/bin"})
+    assert (r.exit_code, r.stdout) == (0, "a\nb\n")
+    assert (await run(runtime, h, ["/bin/echo", "by-path"])).stdout == "by-path\n"
+
+
 async def test_timeout_kills_process_group(runtime: ContainerRuntime, make: Factory) -> None:
     h = await make()
     t0 = time.monotonic()
