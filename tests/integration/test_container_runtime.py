@@ -5,9 +5,12 @@ or runc, gcc, libseccomp-dev and busybox-static."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
+import json
 import os
 import shutil
+import subprocess
 import tarfile
 import time
 import uuid
@@ -25,6 +28,7 @@ from dsec.privileged.cgroups import CGROUP_ROOT
 from dsec.privileged.mount import mount_points
 from dsec.runtimes.base import Handle, Runtime, SandboxSpec, capabilities_of
 from dsec.runtimes.container.runtime import ContainerRuntime
+from dsec.runtimes.container.seccomp import RULES
 
 pytestmark = pytest.mark.root
 
@@ -189,6 +193,29 @@ async def test_exit_codes_and_signals(runtime: ContainerRuntime, make: Factory) 
     assert r.exit_code == 126
     r = await run(runtime, h, "echo out; echo err >&2; exit 1")
     assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 1)
+
+
+async def test_crun_gets_the_policy_compiled_once(
+    runtime: ContainerRuntime, make: Factory, node: tuple[Paths, list[str], list[str]]
+) -> None:
+    """With crun the seccomp rules go in as the program the exec server's compiler made
+    from them (no per-container compile); the init runs under it."""
+    if os.path.basename(runtime.oci_runtime or "") != "crun":
+        pytest.skip("the compiled program is handed to crun only")
+    h = await make()
+    paths, _, _ = node
+    cfg = json.loads((paths.sandboxes / h.id / "config.json").read_text())
+    assert "seccomp" not in cfg["linux"]
+    prog = base64.b64decode(cfg["annotations"]["run.oci.seccomp_bpf_data"])
+    assert runtime._execd_bin is not None and runtime._policy_file is not None
+    again = subprocess.run(
+        [str(runtime._execd_bin), "--bpf", str(runtime._policy_file)],
+        capture_output=True,
+        check=True,
+    ).stdout
+    assert prog == again and len(prog) % 8 == 0 and len(prog) > 8 * len(RULES)
+    r = await run(runtime, h, "grep Seccomp: /proc/1/status")
+    assert r.stdout.split() == ["Seccomp:", "2"]
 
 
 async def test_command_search_follows_the_commands_path(

@@ -263,6 +263,7 @@ class ContainerRuntime:
         self._cgroup_mounts: CgroupMounts | None = None
         self._state_base_cached: Path | None = None
         self._policy_file: Path | None = None
+        self._seccomp_bpf: bytes | None = None  # the policy compiled once, handed to crun
         self._watch_hub = WatchHub()
         """The node's one inotify instance, shared by every directory watch (``watch.py``)."""
         self._acquired: dict[str, list[str]] = {}  # sandbox id -> layer digests we hold
@@ -334,6 +335,12 @@ class ContainerRuntime:
             tmp = self._policy_file.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(policy)
             os.replace(tmp, self._policy_file)
+        self._seccomp_bpf = None
+        if self._oci is not None and os.path.basename(self._oci) == "crun":
+            assert self._execd_bin is not None
+            self._seccomp_bpf = await asyncio.to_thread(
+                _compile_seccomp, self._execd_bin, self._policy_file
+            )
         if self._oci is None:
             self._unavailable = f"no working OCI runtime: {self.node.reason}"
             log.error("container tier unavailable: %s", self._unavailable)
@@ -539,6 +546,7 @@ class ContainerRuntime:
             memsw=(CGROUP_ROOT / "memory" / "memory.memsw.limit_in_bytes").exists(),
             cpu_shares=self.idle_cpu_shares or None,  # no command runs yet
             boot_id_file=_new_boot_id(sandbox_dir),
+            seccomp_bpf=self._seccomp_bpf,
         )
         if netns is not None:
             for ns in config["linux"]["namespaces"]:
@@ -1302,6 +1310,30 @@ def _idle_shares_from_env() -> int:
     except ValueError as e:
         raise SystemExit(f"invalid DSEC_IDLE_CPU_SHARES={raw!r}: {e}") from e
     return 0 if value <= 0 else max(2, value)
+
+
+def _compile_seccomp(execd_bin: Path, policy_file: Path) -> bytes | None:
+    """The seccomp policy compiled to BPF by the exec server's own compiler (libseccomp,
+    the same rules as ``linux.seccomp``), or None (logged) if that fails: crun then
+    compiles ``linux.seccomp`` itself."""
+    try:
+        proc = subprocess.run(
+            [str(execd_bin), "--bpf", str(policy_file)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=_OCI_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("compiling the seccomp policy failed: %s", e)
+        return None
+    # a program is a whole number of 8-byte instructions, at most BPF_MAXINSNS (4096)
+    if proc.returncode != 0 or not proc.stdout or len(proc.stdout) % 8 or len(proc.stdout) > 32768:
+        log.warning(
+            "compiling the seccomp policy failed: %s", proc.stderr.decode(errors="replace")[-300:]
+        )
+        return None
+    return proc.stdout
 
 
 def _pool_key(spec: SandboxSpec) -> _PoolKey:
