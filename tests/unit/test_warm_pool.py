@@ -152,3 +152,19 @@ async def test_refill_waits_while_a_ready_container_is_left() -> None:
         await asyncio.sleep(0)
     assert len(f.made) >= 4
     await pool.close()
+
+
+async def test_a_claim_that_empties_the_key_ends_the_refill_delay() -> None:
+    f = Fakes()
+    cfg = PoolConfig(min_ready=2, refill_delay_s=30.0)
+    pool: WarmPool[str, str, int] = WarmPool(cfg, make=f.make, discard=f.discard)
+    pool.take("a", "t")
+    await settle(pool)
+    pool.take("a", "t")  # one left: the refill waits (30 s here)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert len(f.made) == 2
+    pool.take("a", "t")  # the last one: the refill starts now, not after 30 s
+    await asyncio.wait_for(settle(pool), 5.0)
+    assert pool.ready_count("a") >= 2
+    await pool.close()

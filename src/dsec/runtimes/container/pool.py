@@ -80,7 +80,8 @@ class PoolConfig:
     ``refill_delay_s``: after a claim that leaves the key a ready container, its refill waits
     this long, so the claimed sandbox's first commands run without the refill's ``crun run``
     beside them (on 2 cores that overlap doubled the first exec: CPU, and the kernel's locks
-    of namespace and cgroup creation). A key left empty refills at once."""
+    of namespace and cgroup creation). A key left empty refills at once, also when a claim
+    empties it during the wait."""
 
     enabled: bool = True
     max_total: int = 32
@@ -139,6 +140,7 @@ class _Key(Generic[T, E]):
     claims: collections.deque[float] = field(default_factory=collections.deque)
     last_claim: float = 0.0
     task: asyncio.Task[None] | None = None
+    emptied: asyncio.Event = field(default_factory=asyncio.Event)  # a claim took the last
 
 
 class WarmPool(Generic[K, T, E]):
@@ -208,6 +210,8 @@ class WarmPool(Generic[K, T, E]):
         k.claims.append(now)
         k.last_claim = now
         entry = k.ready.popleft() if k.ready else None
+        if not k.ready:
+            k.emptied.set()  # a refill waiting out its delay starts now
         if entry is None:
             self.stats.misses += 1
         else:
@@ -227,7 +231,9 @@ class WarmPool(Generic[K, T, E]):
     async def _fill(self, key: K, k: _Key[T, E]) -> None:
         """Make containers for ``key`` until it has its target (a few at once)."""
         if k.ready and self.config.refill_delay_s > 0:
-            await asyncio.sleep(self.config.refill_delay_s)
+            k.emptied.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(k.emptied.wait(), self.config.refill_delay_s)
         failures = 0
         while self.enabled and failures < 3:
             want = self.target(key) - len(k.ready) - k.filling
