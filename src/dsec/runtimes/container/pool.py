@@ -4,10 +4,13 @@
 node's live count: namespace and cgroup set-up in the kernel). The pool runs it ahead of
 demand: per **pool key** (the layer stack, the writable layer's size and the hostname: what
 is fixed once a container runs) it keeps a few containers made with an empty environment,
-no network, and their exec server attached. A create whose spec has that key and no network
-*claims* one: the runtime renames it to the new sandbox's id, writes the sandbox's CPU,
-memory and pids limits into its cgroups and records its environment, user and workdir (which
-the exec server applies per command). What the claim cannot change is in the key.
+no network (a network namespace with only ``lo``), and their exec server attached. A
+create whose spec has that key *claims* one: the runtime renames it to the new sandbox's
+id, writes the sandbox's CPU, memory and pids limits into its cgroups and records its
+environment, user and workdir (which the exec server applies per command); a create with
+a network policy then has the container's own namespace wired as a new one would be
+(veth, address, routes, filter, resolver, ``/etc/resolv.conf``: ``NetworkManager.setup``
+with ``netns``). What the claim cannot change is in the key.
 
 A claimed container is indistinguishable from a fresh one from inside: nothing ran in it but
 its init (which holds no state) and nothing wrote to its upper layer; it has its own pid,
