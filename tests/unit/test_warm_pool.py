@@ -61,11 +61,14 @@ async def test_first_claim_misses_then_the_key_is_kept_warm() -> None:
 
 async def test_demand_sizes_a_key_within_its_caps() -> None:
     f = Fakes()
-    cfg = PoolConfig(min_ready=1, max_per_key=6, max_total=8, window_s=10.0, lead_s=10.0)
+    cfg = PoolConfig(min_ready=1, max_per_key=6, max_total=8, window_s=10.0, lead_s=1.0)
     pool: WarmPool[str, str, int] = WarmPool(cfg, make=f.make, discard=f.discard)
-    for _ in range(4):  # 4 claims in the window: 0.4/s x 10 s lead = 4 wanted
+    for _ in range(4):  # 4 claims just now: 4 per (at least) 1 s x 1 s lead = 4 wanted
         pool.take("a", "t")
     assert pool.target("a") == 4
+    now = pool._keys["a"].claims[0]
+    assert pool.target("a", now + 4.0) == 1  # the same 4 over 4 s: 1/s, min_ready 1
+    assert pool.target("a", now + 8.0) == 1  # over 8 s: 0.5/s, rounded up
     for _ in range(20):
         pool.take("a", "t")
     assert pool.target("a") == 6  # the per-key cap

@@ -19,8 +19,8 @@ clock and entropy source as every container (no time namespace, ``getrandom`` is
 kernel's). The one trace is its init's start time (``ps -o etime 1``), at most the pool's
 idle time older than the claim.
 
-Sizing by demand: each key's target is the claims of the last ``window_s`` seconds, scaled
-to ``lead_s`` seconds of demand (at least ``min_ready`` once a key was asked for, at most
+Sizing by demand: each key's target is the claims of the last ``window_s`` seconds (or of
+the time since the first of them, at least 1 s), scaled to ``lead_s`` seconds of demand (at least ``min_ready`` once a key was asked for, at most
 ``max_per_key``), and the pool as a whole holds at most ``max_total``. A key nobody claimed
 for ``idle_s`` seconds is emptied. Under memory pressure (``MemAvailable`` below
 ``min_available_fraction`` of the node's memory) the pool empties and refills nothing until
@@ -77,7 +77,8 @@ class PoolConfig:
 
     ``enabled``: the off switch. ``max_total``: warm containers in all. ``max_per_key``,
     ``min_ready``: bounds of a key's target. ``window_s``, ``lead_s``: a key's target is its
-    claims per second over the last ``window_s`` times ``lead_s``. ``idle_s``: a key with no
+    claims per second over the last ``window_s`` (or since the first claim in it, at least
+    1 s) times ``lead_s``. ``idle_s``: a key with no
     claim for this long is emptied. ``min_available_fraction``: below this share of memory
     available the pool empties. ``fill_concurrency``: containers made at once per key.
     ``refill_delay_s``: after a claim that leaves the key a ready container, its refill waits
@@ -197,7 +198,12 @@ class WarmPool(Generic[K, T, E]):
             k.claims.popleft()
         if now - k.last_claim > self.config.idle_s:
             return 0
-        rate = len(k.claims) / self.config.window_s
+        # claims per second over the window, or over the time since the window's first
+        # claim when that is shorter (at least 1 s): a key claimed 40 times in its first
+        # second wants 40/s, not 4/s (which kept sequential create loops missing for the
+        # first 10 s)
+        span = min(self.config.window_s, max(1.0, now - k.claims[0])) if k.claims else 1.0
+        rate = len(k.claims) / span
         want = max(self.config.min_ready, math.ceil(rate * self.config.lead_s))
         return min(self.config.max_per_key, want)
 
