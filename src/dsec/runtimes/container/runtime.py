@@ -599,11 +599,13 @@ class ContainerRuntime:
         state["network"] = True
         self._write_state(spec.id, state)
         files = RootedFiles(rootfs)
+        data = net.resolv_conf.encode()
+        # a few bytes: written on the loop (a thread hop cost more than the write)
         try:
-            await files.write("/etc/resolv.conf", net.resolv_conf.encode(), 0o644)
+            files._guard(files._write_sync, "/etc/resolv.conf", data, 0o644, True)
         except DsecError:  # e.g. a symlink in the image: replace it with our file
-            await files.remove("/etc/resolv.conf")
-            await files.write("/etc/resolv.conf", net.resolv_conf.encode(), 0o644)
+            files._guard(files._remove_sync, "/etc/resolv.conf", False)
+            files._guard(files._write_sync, "/etc/resolv.conf", data, 0o644, True)
         return str(net.netns_path)
 
     # ------------------------------------------------------------------ warm pool
