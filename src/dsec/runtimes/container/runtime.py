@@ -264,6 +264,7 @@ class ContainerRuntime:
         self._state_base_cached: Path | None = None
         self._policy_file: Path | None = None
         self._seccomp_bpf: bytes | None = None  # the policy compiled once, handed to crun
+        self._node_size: tuple[float, int] | None = None  # (cores, MiB) of this node
         self._watch_hub = WatchHub()
         """The node's one inotify instance, shared by every directory watch (``watch.py``)."""
         self._acquired: dict[str, list[str]] = {}  # sandbox id -> layer digests we hold
@@ -303,11 +304,13 @@ class ContainerRuntime:
         return self._oci
 
     def facts(self) -> RuntimeFacts:
+        if self._node_size is None:  # read once: asked twice per create (/proc/meminfo)
+            self._node_size = (float(os.cpu_count() or 1), host_memory_mb())
         return RuntimeFacts(
             available=self._unavailable is None,
             reason=self._unavailable,
-            max_cpu=float(os.cpu_count() or 1),
-            max_memory_mb=host_memory_mb(),
+            max_cpu=self._node_size[0],
+            max_memory_mb=self._node_size[1],
             network_ready=self.network is not None and bool(self.network.started),
             sink_sees_all_output=True,
         )
