@@ -9,8 +9,19 @@ Measured in one run, on the same busybox rootfs:
     (image imported from the same rootfs), when podman is installed
 
 Usage: .venv/bin/python benchmarks/container.py [--quick] [--home DIR]
-Targets (issue 2): create-to-first-exec p50 <= 30 ms; >= 100 creations/s; exec p50 <= 3 ms;
-<= 3 MiB per idle sandbox; within 2x of the raw runtime loop; >= 10x faster than podman.
+Targets (the create-path issue): create-to-first-exec p50 <= 15 ms and >= 15x faster than
+podman in the same run; >= 100 creations/s with 16 clients; exec round trip p50 <= 2.5 ms;
+<= 1 MiB host memory per idle sandbox.
+
+A kill answers before the container's teardown has finished (it continues in the server):
+the sustained rate is also given over the window plus the time the server took afterwards
+to finish the teardowns of the window's kills ("settled"). Warm containers of the pool are
+idle containers too: the idle-memory figures divide by sandboxes plus warm containers. Host
+memory is the drop of ``MemAvailable`` (what the node lost, shared pages and kernel objects
+outside any cgroup included, but moved by anything else running on the machine); "charged"
+is the growth of the install's parent memory cgroup (the sandboxes' processes, page cache and
+the kernel memory charged to them: unaffected by other work on the node, but without the
+mounts, namespaces and cgroup structures themselves).
 """
 
 from __future__ import annotations
@@ -85,7 +96,39 @@ async def bench_create_first_exec(
     return lat
 
 
-async def bench_sustained(clients: int, duration: float, kw: dict[str, Any]) -> dict[str, float]:
+def charged_bytes(home: Path) -> int:
+    """Memory charged to the install's parent memory cgroup (every sandbox and warm
+    container below it: their processes, page cache and kernel objects), bytes."""
+    from dsec.runtimes.container.bundle import cgroup_parent
+
+    path = Path("/sys/fs/cgroup/memory") / cgroup_parent(home) / "memory.usage_in_bytes"
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def sandbox_dirs(home: Path) -> tuple[int, int]:
+    """(sandboxes, warm containers of the pool) with a directory on the node now."""
+    names = (
+        [d.name for d in (home / "sandboxes").iterdir()] if (home / "sandboxes").is_dir() else []
+    )
+    warm = sum(1 for n in names if n.startswith("wp-"))
+    return len(names) - warm, warm
+
+
+async def wait_torn_down(home: Path, timeout_s: float = 120.0) -> float:
+    """Seconds until no sandbox directory but warm containers' is left (kills' teardowns
+    done)."""
+    t0 = time.monotonic()
+    while sandbox_dirs(home)[0] and time.monotonic() - t0 < timeout_s:
+        await asyncio.sleep(0.01)
+    return time.monotonic() - t0
+
+
+async def bench_sustained(
+    clients: int, duration: float, kw: dict[str, Any], home: Path
+) -> dict[str, float]:
     stop = time.monotonic() + duration
     created = 0
     errors = 0
@@ -105,7 +148,15 @@ async def bench_sustained(clients: int, duration: float, kw: dict[str, Any]) -> 
     t0 = time.monotonic()
     await asyncio.gather(*(client() for _ in range(clients)))
     took = time.monotonic() - t0
-    return {"creations": created, "seconds": took, "per_s": created / took, "errors": errors}
+    settle = await wait_torn_down(home)
+    return {
+        "creations": created,
+        "seconds": took,
+        "per_s": created / took,
+        "settle_s": settle,
+        "per_s_settled": created / (took + settle),
+        "errors": errors,
+    }
 
 
 async def bench_exec(n: int, kw: dict[str, Any]) -> list[float]:
@@ -123,13 +174,16 @@ async def bench_exec(n: int, kw: dict[str, Any]) -> list[float]:
         await sb.kill()
 
 
-async def bench_idle_memory(m: int, kw: dict[str, Any]) -> dict[str, float]:
+async def bench_idle_memory(m: int, kw: dict[str, Any], home: Path) -> dict[str, float]:
     def drop_caches() -> None:
         subprocess.run(["sync"], check=False)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
+    await wait_torn_down(home)
     await asyncio.to_thread(drop_caches)
     await asyncio.sleep(1)
+    _, warm_before = sandbox_dirs(home)
+    charged0 = charged_bytes(home)
     before = mem_available_kib()
     slab0 = slab_kib()
     sbs = []
@@ -145,12 +199,17 @@ async def bench_idle_memory(m: int, kw: dict[str, Any]) -> dict[str, float]:
     await asyncio.sleep(2)
     after = mem_available_kib()
     slab1 = slab_kib()
+    _, warm_after = sandbox_dirs(home)
+    charged1 = charged_bytes(home)
+    containers = m + warm_after - warm_before  # the pool's new warm containers idle too
     try:
-        per = (before - after) / m / 1024
+        per = (before - after) / containers / 1024
         return {
             "sandboxes": m,
+            "warm_containers": warm_after - warm_before,
             "mib_per_sandbox": per,
-            "slab_mib_per_sandbox": (slab1 - slab0) / m / 1024,
+            "charged_mib_per_sandbox": (charged1 - charged0) / containers / (1 << 20),
+            "slab_mib_per_sandbox": (slab1 - slab0) / containers / 1024,
         }
     finally:
         await asyncio.gather(*(sb.kill() for sb in sbs), return_exceptions=True)
@@ -271,9 +330,9 @@ def main() -> None:
             print("exec round trip ...", flush=True)
             results["exec_ms"] = await bench_exec(n_exec, kw)
             print(f"sustained creations ({duration:.0f} s, 16 clients) ...", flush=True)
-            results["sustained"] = await bench_sustained(16, duration, {**kw, "cpu": 0.1})
+            results["sustained"] = await bench_sustained(16, duration, {**kw, "cpu": 0.1}, home)
             print(f"idle memory ({n_idle} sandboxes) ...", flush=True)
-            results["idle_memory"] = await bench_idle_memory(n_idle, idle_kw)
+            results["idle_memory"] = await bench_idle_memory(n_idle, idle_kw, home)
 
         asyncio.run(run_sdk())
 
@@ -297,28 +356,40 @@ def main() -> None:
     ex = results["exec_ms"]
     raw = results["raw_runtime_ms"]
     pod = results["podman_ms"]
+    sus = results["sustained"]
     rows = [
-        ("create-to-first-exec p50", f"{pct(cfe, 50):.1f} ms", "<= 30 ms"),
+        ("create-to-first-exec p50", f"{pct(cfe, 50):.1f} ms", "<= 15 ms"),
         ("create-to-first-exec p99", f"{pct(cfe, 99):.1f} ms", ""),
         ("  of which warm-pool claims", f"{results['warm_pool_claims'] * 100:.0f}%", ""),
         (
             "sustained creations/s (16 clients)",
-            f"{results['sustained']['per_s']:.1f}/s ({results['sustained']['errors']} errors)",
+            f"{sus['per_s']:.1f}/s ({sus['errors']} errors)",
             ">= 100/s",
         ),
-        ("exec round trip p50", f"{pct(ex, 50):.2f} ms", "<= 3 ms"),
+        (
+            "  with the teardowns settled",
+            f"{sus['per_s_settled']:.1f}/s (+{sus['settle_s']:.2f} s)",
+            "",
+        ),
+        ("exec round trip p50", f"{pct(ex, 50):.2f} ms", "<= 2.5 ms"),
         ("exec round trip p99", f"{pct(ex, 99):.2f} ms", ""),
         (
             "host memory per idle sandbox",
-            f"{results['idle_memory']['mib_per_sandbox']:.2f} MiB ({n_idle} running)",
-            "<= 3 MiB",
+            f"{results['idle_memory']['mib_per_sandbox']:.2f} MiB ({n_idle} running"
+            f" + {results['idle_memory']['warm_containers']} warm)",
+            "<= 1 MiB",
+        ),
+        (
+            "  charged to the sandboxes' cgroups",
+            f"{results['idle_memory']['charged_mib_per_sandbox']:.2f} MiB",
+            "",
         ),
         ("raw `crun run true` p50", f"{pct(raw, 50):.1f} ms", ""),
-        ("dsec / raw runtime (p50)", f"{pct(cfe, 50) / pct(raw, 50):.2f}x", "<= 2x"),
+        ("dsec / raw runtime (p50)", f"{pct(cfe, 50) / pct(raw, 50):.2f}x", ""),
     ]
     if isinstance(pod, list):
         rows.append(("podman run --rm p50", f"{pct(pod, 50):.1f} ms", ""))
-        rows.append(("podman / dsec (p50)", f"{pct(pod, 50) / pct(cfe, 50):.1f}x faster", ">= 10x"))
+        rows.append(("podman / dsec (p50)", f"{pct(pod, 50) / pct(cfe, 50):.1f}x faster", ">= 15x"))
     else:
         rows.append(("podman run --rm", pod, ""))
     w = max(len(r[0]) for r in rows)
@@ -330,10 +401,12 @@ def main() -> None:
     summary = {
         "create_to_first_exec_p50_ms": pct(cfe, 50),
         "create_to_first_exec_p99_ms": pct(cfe, 99),
-        "sustained_creations_per_s": results["sustained"]["per_s"],
+        "sustained_creations_per_s": sus["per_s"],
+        "sustained_creations_per_s_settled": sus["per_s_settled"],
         "exec_p50_ms": pct(ex, 50),
         "exec_p99_ms": pct(ex, 99),
         "idle_mib_per_sandbox": results["idle_memory"]["mib_per_sandbox"],
+        "idle_charged_mib_per_sandbox": results["idle_memory"]["charged_mib_per_sandbox"],
         "raw_runtime_p50_ms": pct(raw, 50),
         "ratio_vs_raw_runtime": pct(cfe, 50) / pct(raw, 50),
         "podman_p50_ms": pct(pod, 50) if isinstance(pod, list) else None,

@@ -8,6 +8,10 @@ runtime's own part (``state.json`` ``create_ms``: a warm-pool claim, or rootfs +
 + exec server attach on a miss), and the first exec. The differences are the SDK + HTTP
 (client - server) and the apiserver + edge (server - runtime).
 
+Part 1b, through the SDK against a ``dsec serve`` with networking on (``DSEC_NETWORK=on``,
+``--subnet``): ``--n`` creates with a network policy and ``--n`` without, alternating, each
+killed before the next; "networking added" is the difference of the client-side p50s.
+
 Part 2, in process: ``cProfile`` over ``--n`` ``EdgeAgent.create_sandbox`` + ``kill_sandbox``
 calls (no HTTP), the top functions by cumulative and own time.
 
@@ -91,6 +95,26 @@ async def through_sdk(home: Path, srv: ServeProcess, n: int) -> dict[str, Any]:
     return {"rows": rows}
 
 
+async def networked(srv: ServeProcess, n: int) -> dict[str, Any]:
+    plain: list[float] = []
+    with_net: list[float] = []
+    policy = {"allow_domains": ["example.test"]}
+    async with AsyncClient(srv.url, srv.api_key) as client:
+        kw: dict[str, Any] = {"tier": "container", "image": "busybox", "client": client}
+        for _ in range(3):
+            await (await AsyncSandbox.create(**kw)).kill()
+            await (await AsyncSandbox.create(**kw, network=policy)).kill()
+        await asyncio.sleep(1.0)
+        for _ in range(n):
+            for out, extra in ((plain, {}), (with_net, {"network": policy})):
+                t0 = time.perf_counter()
+                sb = await AsyncSandbox.create(**kw, **extra)
+                out.append((time.perf_counter() - t0) * 1000)
+                await sb.kill()
+                await asyncio.sleep(0.05)
+    return {"plain_ms": plain, "network_ms": with_net}
+
+
 async def in_process(home: Path, n: int) -> str:
     import os
 
@@ -126,6 +150,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--out", default=str(RESULTS / "create_profile.json"))
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server")
+    ap.add_argument(
+        "--subnet", default="10.231.0.0/16", help="sandbox subnet of the networked part"
+    )
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="dsec-bench-prof-"))
     res: dict[str, Any] = {"n": args.n, "host_probe_s": [host_probe_s()]}
@@ -133,6 +160,9 @@ def main() -> None:
         with ServeProcess(home / "sdk", env=dict(e.split("=", 1) for e in args.env)) as srv:
             res["sdk"] = asyncio.run(through_sdk(home / "sdk", srv, args.n))
         res["host_probe_s"].append(host_probe_s())
+        net_env = {"DSEC_NETWORK": "on", "DSEC_NET_SUBNET": args.subnet}
+        with ServeProcess(home / "net", env=net_env) as srv:
+            res["network"] = asyncio.run(networked(srv, args.n))
         (home / "inproc").mkdir()
         if (home / "sdk" / "layers").is_symlink():
             (home / "inproc" / "layers").symlink_to((home / "sdk" / "layers").resolve())
@@ -160,6 +190,12 @@ def main() -> None:
             r["server_create_ms"] - r["runtime_ms"] for r in rows
         ),
     }
+    net = res["network"]
+    summary["net_plain_create_p50_ms"] = statistics.median(net["plain_ms"])
+    summary["net_create_p50_ms"] = statistics.median(net["network_ms"])
+    summary["networking_added_p50_ms"] = (
+        summary["net_create_p50_ms"] - summary["net_plain_create_p50_ms"]
+    )
     res["summary"] = summary
     print(res["cprofile"])
     print("create -> first exec, medians over", len(rows), "creates through the SDK:")
@@ -171,6 +207,9 @@ def main() -> None:
         ("runtime_p50_ms", "  container runtime"),
         ("runtime_claim_p50_ms", "    of which a claim"),
         ("first_exec_p50_ms", "first exec (`true`)"),
+        ("net_plain_create_p50_ms", "create, networking on, no policy"),
+        ("net_create_p50_ms", "create with a network policy"),
+        ("networking_added_p50_ms", "  networking added"),
     ):
         print(f"  {label:<40} {summary[key]:7.2f} ms")
     print(f"host probe {', '.join(f'{p * 1000:.1f}' for p in res['host_probe_s'])} ms")

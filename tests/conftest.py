@@ -37,6 +37,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def wait_until(cond: Any, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
+    """Poll ``cond()`` until it is true or ``timeout_s`` passed; its last value. For what a
+    server finishes after answering (a kill's teardown runs after its reply)."""
+    deadline = time.monotonic() + timeout_s
+    while not (ok := bool(cond())) and time.monotonic() < deadline:
+        time.sleep(interval_s)
+    return ok
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

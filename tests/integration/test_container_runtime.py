@@ -5,9 +5,12 @@ or runc, gcc, libseccomp-dev and busybox-static."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
+import json
 import os
 import shutil
+import subprocess
 import tarfile
 import time
 import uuid
@@ -25,6 +28,7 @@ from dsec.privileged.cgroups import CGROUP_ROOT
 from dsec.privileged.mount import mount_points
 from dsec.runtimes.base import Handle, Runtime, SandboxSpec, capabilities_of
 from dsec.runtimes.container.runtime import ContainerRuntime
+from dsec.runtimes.container.seccomp import RULES
 
 pytestmark = pytest.mark.root
 
@@ -189,6 +193,51 @@ async def test_exit_codes_and_signals(runtime: ContainerRuntime, make: Factory) 
     assert r.exit_code == 126
     r = await run(runtime, h, "echo out; echo err >&2; exit 1")
     assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 1)
+
+
+async def test_crun_gets_the_policy_compiled_once(
+    runtime: ContainerRuntime, make: Factory, node: tuple[Paths, list[str], list[str]]
+) -> None:
+    """With crun the seccomp rules go in as the program the exec server's compiler made
+    from them (no per-container compile); the init runs under it."""
+    if os.path.basename(runtime.oci_runtime or "") != "crun":
+        pytest.skip("the compiled program is handed to crun only")
+    h = await make()
+    paths, _, _ = node
+    cfg = json.loads((paths.sandboxes / h.id / "config.json").read_text())
+    assert "seccomp" not in cfg["linux"]
+    prog = base64.b64decode(cfg["annotations"]["run.oci.seccomp_bpf_data"])
+    assert runtime._execd_bin is not None and runtime._policy_file is not None
+    again = subprocess.run(
+        [str(runtime._execd_bin), "--bpf", str(runtime._policy_file)],
+        capture_output=True,
+        check=True,
+    ).stdout
+    assert prog == again and len(prog) % 8 == 0 and len(prog) > 8 * len(RULES)
+    r = await run(runtime, h, "grep Seccomp: /proc/1/status")
+    assert r.stdout.split() == ["Seccomp:", "2"]
+
+
+async def test_command_search_follows_the_commands_path(
+    runtime: ContainerRuntime, make: Factory
+) -> None:
+    """The exec server searches the PATH of the command's own environment (as execvp
+    would with it), without touching its own memory (it runs commands from a vfork)."""
+    h = await make()
+    setup = "mkdir -p /t/a /t/b && printf 'echo from-script\\n' > /t/b/noshebang"
+    setup += " && chmod +x /t/b/noshebang && echo x > /t/a/plain && cp /t/a/plain /t/b/plain"
+    setup += " && chmod +x /t/b/plain"
+    assert (await run(runtime, h, setup)).exit_code == 0
+    # not executable in the first entry (EACCES), then found in the second
+    r = await run(runtime, h, ["noshebang"], env={"PATH": "/t/a:/t/b"})
+    assert (r.exit_code, r.stdout) == (0, "from-script\n")  # no shebang: run by /bin/sh
+    r = await run(runtime, h, ["plain"], env={"PATH": "/t/a:/nonexistent"})
+    assert r.exit_code == 126 and "Permission denied" in r.stderr  # EACCES seen, nothing else
+    r = await run(runtime, h, ["ls"], env={"PATH": "/nonexistent:/t/a"})
+    assert r.exit_code == 127 and "No such file" in r.stderr  # not on this PATH
+    r = await run(runtime, h, ["ls", "/t"], env={"PATH": "/nonexistent::/bin"})
+    assert (r.exit_code, r.stdout) == (0, "a\nb\n")
+    assert (await run(runtime, h, ["/bin/echo", "by-path"])).stdout == "by-path\n"
 
 
 async def test_timeout_kills_process_group(runtime: ContainerRuntime, make: Factory) -> None:

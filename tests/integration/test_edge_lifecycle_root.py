@@ -91,7 +91,8 @@ def test_500_sandboxes_leave_nothing_behind(live_server) -> None:  # type: ignor
     asyncio.run(churn())
     took = time.monotonic() - t0
     assert len(ids) == 500
-    time.sleep(0.5)
+    live_server.call(live_server.edge.settle())  # kills answer before their teardown ends
+    time.sleep(0.5)  # the pool's refills in flight finish (the drain below takes them)
     drain_warm_pool(live_server)
     leaked_mounts = [m for m in mount_points(home / "sandboxes")]
     assert leaked_mounts == [], leaked_mounts[:5]
@@ -109,7 +110,7 @@ def test_restart_reconcile_real_process(tmp_path: Path, shared_layers: Path) -> 
     import subprocess
     import sys
 
-    from tests.conftest import free_port
+    from tests.conftest import free_port, wait_until
 
     home = tmp_path / "home"
     home.mkdir()
@@ -179,8 +180,8 @@ def test_restart_reconcile_real_process(tmp_path: Path, shared_layers: Path) -> 
         with pytest.raises(SandboxStopped):
             gone.commands.run("true")
         assert not (home / "sandboxes" / doomed.id).exists()
-        again.kill()
-        assert _cgroup_dirs_mentioning({alive.id, doomed.id}) == []
+        again.kill()  # answers before its teardown (cgroups, mounts) has finished
+        assert wait_until(lambda: _cgroup_dirs_mentioning({alive.id, doomed.id}) == [])
     finally:
         server.send_signal(signal.SIGTERM)
         try:

@@ -267,6 +267,35 @@ def test_allowlist_and_runtime_updates_flip_access(server: BackgroundServer, web
         assert got["sibling_ip"].body is None, got
 
 
+def test_a_networked_sandbox_can_be_a_warm_container(server: BackgroundServer, web: Web) -> None:
+    """A create with a policy claims a warm container (made without a network) and wires
+    the container's own namespace: veth, address, routes, filter, resolver, resolv.conf;
+    nothing of another sandbox, and its namespace is unpinned at the kill."""
+    assert server.edge is not None
+    policy = NetworkPolicy(allow_domains=["allowed.example.test"])
+    _create(server, policy).kill()  # the key's first create: the pool fills after it
+    rt = server.edge.runtimes["container"]
+    deadline = time.monotonic() + 30
+    while rt.pool.ready_count() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with _create(server, policy) as sb:
+        state = server.edge._live[sb.id].handle.state
+        assert state.get("warm_id") and state.get("network"), state
+        assert "network" in state["create_ms"], state["create_ms"]
+        links = sb.commands.run("cat /proc/net/dev").stdout
+        assert "eth0" in links and "lo:" in links
+        assert sb.commands.run("cat /etc/resolv.conf").stdout.startswith(f"nameserver {GATEWAY}")
+        got = probe(sb, {"name": "http://allowed.example.test:8080/", "ip": _url(web.sibling)})
+        assert got["name"].body == f"hello from {web.allowed}", got
+        assert got["ip"].body is None, got
+        netns = server.edge.network.netns_dir / sb.id
+        assert netns.exists()
+        # the pinned namespace is the container's own (the init's), not a new one
+        assert os.stat(netns).st_ino == os.stat(f"/proc/{state['init_pid']}/ns/net").st_ino
+    server.call(server.edge.settle())
+    assert not netns.exists()
+
+
 def test_node_and_other_sandboxes_are_never_reachable(server: BackgroundServer, web: Web) -> None:
     api_port = int(server.url.rsplit(":", 1)[1])
     service = web.host_service_port
@@ -338,6 +367,7 @@ def test_bad_policies_dead_sandboxes_and_teardown(server: BackgroundServer) -> N
     manager = server.edge.network  # type: ignore[union-attr]
     headers = {"authorization": f"Bearer {server.api_key}"}
     with httpx.Client(base_url=server.url, headers=headers, timeout=30) as http:
+        server.call(server.edge.settle())  # earlier tests' kills: teardowns done
         before = set(os.listdir(manager.netns_dir))
         for body in (
             {"presets": ["no-such-preset"]},  # known only to the node
@@ -358,10 +388,8 @@ def test_bad_policies_dead_sandboxes_and_teardown(server: BackgroundServer) -> N
             assert r.status_code == 400, r.text
         assert sb.refresh().network.allow_domains == ["allowed.example.test"]  # unchanged
 
-        sb.kill()
-        deadline = time.monotonic() + 10
-        while ifname in _links(manager.iface_prefix) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        sb.kill()  # answers before the teardown
+        server.call(server.edge.settle())
         assert ifname not in _links(manager.iface_prefix)
         assert not (manager.netns_dir / sb.id).exists()
         assert not (manager.records_dir / f"{sb.id}.json").exists()

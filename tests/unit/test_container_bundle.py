@@ -5,6 +5,7 @@ RootedFiles on a plain directory (openat2 needs no privilege)."""
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import tarfile
@@ -291,3 +292,12 @@ def test_oci_state_dir_refuses_planted_directories() -> None:
             path.unlink()
         elif path.exists():
             path.rmdir()
+
+
+def test_a_compiled_seccomp_program_replaces_the_rules_for_crun(tmp_path: Path) -> None:
+    prog = bytes(range(16))  # two 8-byte instructions
+    cfg = _config(tmp_path, seccomp_bpf=prog)
+    assert "seccomp" not in cfg["linux"]  # crun would otherwise compile the rules again
+    assert base64.b64decode(cfg["annotations"]["run.oci.seccomp_bpf_data"]) == prog
+    plain = _config(tmp_path)
+    assert plain["linux"]["seccomp"] == oci_seccomp() and "annotations" not in plain

@@ -61,11 +61,14 @@ async def test_first_claim_misses_then_the_key_is_kept_warm() -> None:
 
 async def test_demand_sizes_a_key_within_its_caps() -> None:
     f = Fakes()
-    cfg = PoolConfig(min_ready=1, max_per_key=6, max_total=8, window_s=10.0, lead_s=10.0)
+    cfg = PoolConfig(min_ready=1, max_per_key=6, max_total=8, window_s=10.0, lead_s=1.0)
     pool: WarmPool[str, str, int] = WarmPool(cfg, make=f.make, discard=f.discard)
-    for _ in range(4):  # 4 claims in the window: 0.4/s x 10 s lead = 4 wanted
+    for _ in range(4):  # 4 claims just now: 4 per (at least) 1 s x 1 s lead = 4 wanted
         pool.take("a", "t")
     assert pool.target("a") == 4
+    now = pool._keys["a"].claims[0]
+    assert pool.target("a", now + 4.0) == 1  # the same 4 over 4 s: 1/s, min_ready 1
+    assert pool.target("a", now + 8.0) == 1  # over 8 s: 0.5/s, rounded up
     for _ in range(20):
         pool.take("a", "t")
     assert pool.target("a") == 6  # the per-key cap
@@ -131,3 +134,40 @@ def test_env_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.enabled and cfg.max_total == 3 and cfg.max_per_key == 3 and cfg.idle_s == 5.0
     monkeypatch.setenv("DSEC_CONTAINER_POOL_MAX", "0")
     assert not PoolConfig.from_env().enabled
+
+
+async def test_refill_waits_while_a_ready_container_is_left() -> None:
+    f = Fakes()
+    cfg = PoolConfig(min_ready=2, refill_delay_s=0.2)
+    pool: WarmPool[str, str, int] = WarmPool(cfg, make=f.make, discard=f.discard)
+    pool.take("a", "t")  # empty key: filled at once
+    await settle(pool)
+    assert pool.ready_count("a") == 2
+    pool.take("a", "t")  # one left: the refill waits out the first commands of the claim
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert pool.ready_count("a") == 1 and len(f.made) == 2
+    await settle(pool)
+    assert pool.ready_count("a") == 2 and len(f.made) == 3
+    pool.take("a", "t")
+    pool.take("a", "t")  # none left by the time the refill starts: no wait
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert len(f.made) >= 4
+    await pool.close()
+
+
+async def test_a_claim_that_empties_the_key_ends_the_refill_delay() -> None:
+    f = Fakes()
+    cfg = PoolConfig(min_ready=2, refill_delay_s=30.0)
+    pool: WarmPool[str, str, int] = WarmPool(cfg, make=f.make, discard=f.discard)
+    pool.take("a", "t")
+    await settle(pool)
+    pool.take("a", "t")  # one left: the refill waits (30 s here)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert len(f.made) == 2
+    pool.take("a", "t")  # the last one: the refill starts now, not after 30 s
+    await asyncio.wait_for(settle(pool), 5.0)
+    assert pool.ready_count("a") >= 2
+    await pool.close()

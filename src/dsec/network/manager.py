@@ -72,6 +72,7 @@ from dsec.privileged.netns import (
     create_netns,
     delete_netns,
     in_netns,
+    pin_netns,
     sync_link,
     write_sysctl,
 )
@@ -403,8 +404,14 @@ class NetworkManager:
 
     # ---- per sandbox -------------------------------------------------------------
 
-    async def setup(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxNetwork:
+    async def setup(
+        self, sandbox_id: str, policy: NetworkPolicy, *, netns: str | None = None
+    ) -> SandboxNetwork:
         """Create the sandbox's namespace, veth, routes and filter state; return its network.
+
+        ``netns``: an existing, still empty network namespace to wire instead of a new one
+        (``/proc/<pid>/ns/net`` of a warm container's init: only ``lo`` in it); it is
+        pinned at the network's ``netns_path`` like a new one, and unpinned by teardown.
 
         Raises InvalidRequest (bad id, unknown preset), Conflict (already set up),
         ServiceUnavailable (not started, subnet full), SandboxError (the kernel refused).
@@ -431,7 +438,7 @@ class NetworkManager:
             self._sandboxes[sandbox_id] = sb
             try:
                 self._write_record(sb)
-                self._wire(sb)
+                self._wire(sb, netns)
                 flt.add_sandbox(self._entry(sb))
             except Exception as e:
                 await self._teardown_locked(sandbox_id)
@@ -453,9 +460,13 @@ class NetworkManager:
             resolv_conf=f"nameserver {self.gateway}\noptions timeout:2 attempts:2\n",
         )
 
-    def _wire(self, sb: _Sandbox) -> None:
-        """Kernel side of setup: netns, veth pair, addresses, routes, sysctls."""
-        create_netns(sb.netns_path)
+    def _wire(self, sb: _Sandbox, netns: str | None = None) -> None:
+        """Kernel side of setup: netns (new, or ``netns`` pinned), veth pair, addresses,
+        routes, sysctls."""
+        if netns is None:
+            create_netns(sb.netns_path)
+        else:
+            pin_netns(sb.netns_path, netns)
         host_mac, sandbox_mac = _random_mac(), _random_mac()
         with RtNetlink() as host:
             index = host.add_veth(

@@ -232,6 +232,21 @@ def create_netns(path: str | os.PathLike[str]) -> Path:
     return p
 
 
+def pin_netns(path: str | os.PathLike[str], source: str | os.PathLike[str]) -> Path:
+    """Pin an existing network namespace (``source``: e.g. ``/proc/<pid>/ns/net`` of a
+    container's init) by a bind mount at ``path``, as :func:`create_netns` pins a new one;
+    :func:`delete_netns` unpins it. Raises FileExistsError if path already exists."""
+    p = Path(path)
+    fd = os.open(p, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+    os.close(fd)
+    try:
+        mount(str(source), p, None, MS_BIND)
+    except BaseException:
+        p.unlink(missing_ok=True)
+        raise
+    return p
+
+
 def delete_netns(path: str | os.PathLike[str]) -> bool:
     """Unpin and remove a namespace file made by :func:`create_netns`. Idempotent.
 

@@ -26,6 +26,7 @@ package managers, build tools and test suites run as root need.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import resource
 from pathlib import Path
@@ -140,6 +141,7 @@ def oci_config(
     memsw: bool,
     cpu_shares: int | None = None,
     boot_id_file: Path | None = None,
+    seccomp_bpf: bytes | None = None,
 ) -> dict[str, Any]:
     """The OCI runtime config (``config.json``) of one sandbox.
 
@@ -157,6 +159,12 @@ def oci_config(
         boot_id_file: a host file bound read-only over ``/proc/sys/kernel/random/boot_id``:
             the sandbox's own boot id (not the node's), renewed when it is rebooted by a
             filesystem-only pause.
+        seccomp_bpf: the seccomp policy already compiled (raw ``sock_filter`` array, from
+            ``dsec_execd --bpf``: the same rules as :func:`oci_seccomp`), for crun: it is
+            handed over in the ``run.oci.seccomp_bpf_data`` annotation instead of
+            ``linux.seccomp``, and crun installs it without compiling the rules with
+            libseccomp again for every container (~1 ms of CPU per ``crun run`` here). None:
+            ``linux.seccomp`` (what every OCI runtime understands).
     """
     caps = sorted(CAPABILITIES)
     memory_bytes = memory_mb * 1024 * 1024
@@ -165,7 +173,7 @@ def oci_config(
         memory["swap"] = memory_bytes
     process_env = [f"PATH={DEFAULT_PATH}", f"HOSTNAME={hostname}", "HOME=/root"]
     process_env += [f"{k}={v}" for k, v in env.items()]
-    return {
+    config: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
@@ -274,6 +282,12 @@ def oci_config(
             "rootfsPropagation": "private",
         },
     }
+    if seccomp_bpf is not None:
+        del config["linux"]["seccomp"]
+        config["annotations"] = {
+            "run.oci.seccomp_bpf_data": base64.b64encode(seccomp_bpf).decode("ascii")
+        }
+    return config
 
 
 def execd_policy_text() -> str:

@@ -4,10 +4,13 @@
 node's live count: namespace and cgroup set-up in the kernel). The pool runs it ahead of
 demand: per **pool key** (the layer stack, the writable layer's size and the hostname: what
 is fixed once a container runs) it keeps a few containers made with an empty environment,
-no network, and their exec server attached. A create whose spec has that key and no network
-*claims* one: the runtime renames it to the new sandbox's id, writes the sandbox's CPU,
-memory and pids limits into its cgroups and records its environment, user and workdir (which
-the exec server applies per command). What the claim cannot change is in the key.
+no network (a network namespace with only ``lo``), and their exec server attached. A
+create whose spec has that key *claims* one: the runtime renames it to the new sandbox's
+id, writes the sandbox's CPU, memory and pids limits into its cgroups and records its
+environment, user and workdir (which the exec server applies per command); a create with
+a network policy then has the container's own namespace wired as a new one would be
+(veth, address, routes, filter, resolver, ``/etc/resolv.conf``: ``NetworkManager.setup``
+with ``netns``). What the claim cannot change is in the key.
 
 A claimed container is indistinguishable from a fresh one from inside: nothing ran in it but
 its init (which holds no state) and nothing wrote to its upper layer; it has its own pid,
@@ -16,8 +19,8 @@ clock and entropy source as every container (no time namespace, ``getrandom`` is
 kernel's). The one trace is its init's start time (``ps -o etime 1``), at most the pool's
 idle time older than the claim.
 
-Sizing by demand: each key's target is the claims of the last ``window_s`` seconds, scaled
-to ``lead_s`` seconds of demand (at least ``min_ready`` once a key was asked for, at most
+Sizing by demand: each key's target is the claims of the last ``window_s`` seconds (or of
+the time since the first of them, at least 1 s), scaled to ``lead_s`` seconds of demand (at least ``min_ready`` once a key was asked for, at most
 ``max_per_key``), and the pool as a whole holds at most ``max_total``. A key nobody claimed
 for ``idle_s`` seconds is emptied. Under memory pressure (``MemAvailable`` below
 ``min_available_fraction`` of the node's memory) the pool empties and refills nothing until
@@ -74,9 +77,15 @@ class PoolConfig:
 
     ``enabled``: the off switch. ``max_total``: warm containers in all. ``max_per_key``,
     ``min_ready``: bounds of a key's target. ``window_s``, ``lead_s``: a key's target is its
-    claims per second over the last ``window_s`` times ``lead_s``. ``idle_s``: a key with no
+    claims per second over the last ``window_s`` (or since the first claim in it, at least
+    1 s) times ``lead_s``. ``idle_s``: a key with no
     claim for this long is emptied. ``min_available_fraction``: below this share of memory
-    available the pool empties. ``fill_concurrency``: containers made at once per key."""
+    available the pool empties. ``fill_concurrency``: containers made at once per key.
+    ``refill_delay_s``: after a claim that leaves the key a ready container, its refill waits
+    this long, so the claimed sandbox's first commands run without the refill's ``crun run``
+    beside them (on 2 cores that overlap doubled the first exec: CPU, and the kernel's locks
+    of namespace and cgroup creation). A key left empty refills at once, also when a claim
+    empties it during the wait."""
 
     enabled: bool = True
     max_total: int = 32
@@ -87,6 +96,7 @@ class PoolConfig:
     idle_s: float = 120.0
     min_available_fraction: float = 0.10
     fill_concurrency: int = 2
+    refill_delay_s: float = 0.05
 
     @classmethod
     def from_env(cls) -> PoolConfig:
@@ -134,6 +144,7 @@ class _Key(Generic[T, E]):
     claims: collections.deque[float] = field(default_factory=collections.deque)
     last_claim: float = 0.0
     task: asyncio.Task[None] | None = None
+    emptied: asyncio.Event = field(default_factory=asyncio.Event)  # a claim took the last
 
 
 class WarmPool(Generic[K, T, E]):
@@ -187,7 +198,12 @@ class WarmPool(Generic[K, T, E]):
             k.claims.popleft()
         if now - k.last_claim > self.config.idle_s:
             return 0
-        rate = len(k.claims) / self.config.window_s
+        # claims per second over the window, or over the time since the window's first
+        # claim when that is shorter (at least 1 s): a key claimed 40 times in its first
+        # second wants 40/s, not 4/s (which kept sequential create loops missing for the
+        # first 10 s)
+        span = min(self.config.window_s, max(1.0, now - k.claims[0])) if k.claims else 1.0
+        rate = len(k.claims) / span
         want = max(self.config.min_ready, math.ceil(rate * self.config.lead_s))
         return min(self.config.max_per_key, want)
 
@@ -203,6 +219,8 @@ class WarmPool(Generic[K, T, E]):
         k.claims.append(now)
         k.last_claim = now
         entry = k.ready.popleft() if k.ready else None
+        if not k.ready:
+            k.emptied.set()  # a refill waiting out its delay starts now
         if entry is None:
             self.stats.misses += 1
         else:
@@ -221,6 +239,10 @@ class WarmPool(Generic[K, T, E]):
 
     async def _fill(self, key: K, k: _Key[T, E]) -> None:
         """Make containers for ``key`` until it has its target (a few at once)."""
+        if k.ready and self.config.refill_delay_s > 0:
+            k.emptied.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(k.emptied.wait(), self.config.refill_delay_s)
         failures = 0
         while self.enabled and failures < 3:
             want = self.target(key) - len(k.ready) - k.filling

@@ -233,6 +233,11 @@ class ContainerRuntime:
     """
 
     tier = "container"
+    teardown_in_background = True
+    """The edge may answer a kill before :meth:`destroy` finishes (``EdgeAgent._destroy``):
+    the teardown SIGKILLs the init first thing, so the sandbox's processes are gone within
+    the kill's own millisecond; what follows (reaping, cgroup removal, unmounts, layer
+    references) owns no state another sandbox could see."""
 
     def __init__(
         self,
@@ -258,6 +263,8 @@ class ContainerRuntime:
         self._cgroup_mounts: CgroupMounts | None = None
         self._state_base_cached: Path | None = None
         self._policy_file: Path | None = None
+        self._seccomp_bpf: bytes | None = None  # the policy compiled once, handed to crun
+        self._node_size: tuple[float, int] | None = None  # (cores, MiB) of this node
         self._watch_hub = WatchHub()
         """The node's one inotify instance, shared by every directory watch (``watch.py``)."""
         self._acquired: dict[str, list[str]] = {}  # sandbox id -> layer digests we hold
@@ -297,11 +304,13 @@ class ContainerRuntime:
         return self._oci
 
     def facts(self) -> RuntimeFacts:
+        if self._node_size is None:  # read once: asked twice per create (/proc/meminfo)
+            self._node_size = (float(os.cpu_count() or 1), host_memory_mb())
         return RuntimeFacts(
             available=self._unavailable is None,
             reason=self._unavailable,
-            max_cpu=float(os.cpu_count() or 1),
-            max_memory_mb=host_memory_mb(),
+            max_cpu=self._node_size[0],
+            max_memory_mb=self._node_size[1],
             network_ready=self.network is not None and bool(self.network.started),
             sink_sees_all_output=True,
         )
@@ -329,6 +338,12 @@ class ContainerRuntime:
             tmp = self._policy_file.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(policy)
             os.replace(tmp, self._policy_file)
+        self._seccomp_bpf = None
+        if self._oci is not None and os.path.basename(self._oci) == "crun":
+            assert self._execd_bin is not None
+            self._seccomp_bpf = await asyncio.to_thread(
+                _compile_seccomp, self._execd_bin, self._policy_file
+            )
         if self._oci is None:
             self._unavailable = f"no working OCI runtime: {self.node.reason}"
             log.error("container tier unavailable: %s", self._unavailable)
@@ -456,7 +471,9 @@ class ContainerRuntime:
         sandbox_dir = self._sandbox_dir(spec.id)
         if sandbox_dir.exists() or spec.id in self._live:
             raise InvalidRequest(f"sandbox {spec.id} already exists on this node")
-        if spec.network is None and not spec.id.startswith(_WARM_PREFIX):
+        if spec.network is not None:
+            self._require_network()  # before a warm container is spent on it
+        if not spec.id.startswith(_WARM_PREFIX):
             warm = self.pool.take(_pool_key(spec), spec)
             if warm is not None:
                 return await self._claim(warm, spec, sandbox_dir)
@@ -508,20 +525,7 @@ class ContainerRuntime:
         state["uid"], state["gid"] = default_user.uid, default_user.gid
         netns: str | None = None
         if spec.network is not None:
-            if self.network is None:
-                raise CapabilityNotSupported(
-                    "networking is not enabled on this node (the network manager did not start)"
-                )
-            net = await self.network.setup(spec.id, spec.network)
-            state["network"] = True
-            self._write_state(spec.id, state)
-            netns = str(net.netns_path)
-            files = RootedFiles(rootfs)
-            try:
-                await files.write("/etc/resolv.conf", net.resolv_conf.encode(), 0o644)
-            except DsecError:  # e.g. a symlink in the image: replace it with our file
-                await files.remove("/etc/resolv.conf")
-                await files.write("/etc/resolv.conf", net.resolv_conf.encode(), 0o644)
+            netns = await self._attach_network(spec, state, rootfs)
         config = oci_config(
             rootfs=rootfs,
             init_binary=init_bin,
@@ -534,6 +538,7 @@ class ContainerRuntime:
             memsw=(CGROUP_ROOT / "memory" / "memory.memsw.limit_in_bytes").exists(),
             cpu_shares=self.idle_cpu_shares or None,  # no command runs yet
             boot_id_file=_new_boot_id(sandbox_dir),
+            seccomp_bpf=self._seccomp_bpf,
         )
         if netns is not None:
             for ns in config["linux"]["namespaces"]:
@@ -579,6 +584,32 @@ class ContainerRuntime:
         }
         self._write_state(spec.id, state)
         return Handle(spec.id, state)
+
+    def _require_network(self) -> Any:
+        if self.network is None:
+            raise CapabilityNotSupported(
+                "networking is not enabled on this node (the network manager did not start)"
+            )
+        return self.network
+
+    async def _attach_network(
+        self, spec: SandboxSpec, state: dict[str, Any], rootfs: Path, netns: str | None = None
+    ) -> str:
+        """Set up ``spec``'s network (in the existing namespace ``netns``, else a new one)
+        and its ``/etc/resolv.conf``; returns the namespace's pinned path."""
+        assert spec.network is not None
+        net = await self._require_network().setup(spec.id, spec.network, netns=netns)
+        state["network"] = True
+        self._write_state(spec.id, state)
+        files = RootedFiles(rootfs)
+        data = net.resolv_conf.encode()
+        # a few bytes: written on the loop (a thread hop cost more than the write)
+        try:
+            files._guard(files._write_sync, "/etc/resolv.conf", data, 0o644, True)
+        except DsecError:  # e.g. a symlink in the image: replace it with our file
+            files._guard(files._remove_sync, "/etc/resolv.conf", False)
+            files._guard(files._write_sync, "/etc/resolv.conf", data, 0o644, True)
+        return str(net.netns_path)
 
     # ------------------------------------------------------------------ warm pool
     async def _make_warm(self, template: SandboxSpec) -> _Warm:
@@ -645,6 +676,15 @@ class ContainerRuntime:
                 state["create_ms"] = {"claim": ms, "total": ms}
                 self._write_state(spec.id, state)
                 self._drop_state(warm.id)
+                if spec.network is not None:
+                    # the warm container's own namespace (only lo in it) gets the veth,
+                    # addresses, routes and filter a new one would have had before crun
+                    await self._attach_network(
+                        spec, state, rootfs_path(sandbox_dir), f"/proc/{state['init_pid']}/ns/net"
+                    )
+                    total = round((time.monotonic() - t0) * 1000, 2)
+                    state["create_ms"] = {"claim": ms, "network": total - ms, "total": total}
+                    self._write_state(spec.id, state)
             except BaseException as e:
                 # under whichever name it has now: destroy it, the create fails
                 name = spec.id if renamed else warm.id
@@ -1297,6 +1337,30 @@ def _idle_shares_from_env() -> int:
     except ValueError as e:
         raise SystemExit(f"invalid DSEC_IDLE_CPU_SHARES={raw!r}: {e}") from e
     return 0 if value <= 0 else max(2, value)
+
+
+def _compile_seccomp(execd_bin: Path, policy_file: Path) -> bytes | None:
+    """The seccomp policy compiled to BPF by the exec server's own compiler (libseccomp,
+    the same rules as ``linux.seccomp``), or None (logged) if that fails: crun then
+    compiles ``linux.seccomp`` itself."""
+    try:
+        proc = subprocess.run(
+            [str(execd_bin), "--bpf", str(policy_file)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=_OCI_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("compiling the seccomp policy failed: %s", e)
+        return None
+    # a program is a whole number of 8-byte instructions, at most BPF_MAXINSNS (4096)
+    if proc.returncode != 0 or not proc.stdout or len(proc.stdout) % 8 or len(proc.stdout) > 32768:
+        log.warning(
+            "compiling the seccomp policy failed: %s", proc.stderr.decode(errors="replace")[-300:]
+        )
+        return None
+    return proc.stdout
 
 
 def _pool_key(spec: SandboxSpec) -> _PoolKey:
