@@ -10,6 +10,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tarfile
 import time
@@ -193,6 +194,24 @@ async def test_exit_codes_and_signals(runtime: ContainerRuntime, make: Factory) 
     assert r.exit_code == 126
     r = await run(runtime, h, "echo out; echo err >&2; exit 1")
     assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 1)
+
+
+async def test_commands_start_with_default_signal_dispositions(
+    runtime: ContainerRuntime, make: Factory
+) -> None:
+    """A server started with SIGINT and SIGQUIT ignored (a background job of a shell) hands
+    that to its exec servers, but a command starts with every signal at its default (an
+    ignored SIGINT survives exec: the command could not be interrupted)."""
+    ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGQUIT)}
+    try:
+        h = await make()
+    finally:
+        for s, old in ignored.items():
+            signal.signal(s, old)
+    r = await run(runtime, h, ["grep", "SigIgn", "/proc/self/status"])
+    assert int(r.stdout.split()[1], 16) == 0, r.stdout
+    r = await run(runtime, h, "kill -INT $$; echo survived")
+    assert (r.signal, r.stdout) == (signal.SIGINT, ""), r
 
 
 async def test_crun_gets_the_policy_compiled_once(

@@ -600,7 +600,7 @@ class EdgeAgent:
 
     async def _destroy(self, lv: _Live, reason: str, *, wait: bool = True) -> None:
         """Stop sandbox ``lv`` for ``reason``. With ``wait=False`` and a runtime whose
-        ``teardown_in_background`` is true (the container tier), the sandbox is stopped
+        facts say ``teardown_in_background`` (the container tier), the sandbox is stopped
         (its id answers "stopped", its admission share is free) and its teardown started,
         and this returns without waiting for the teardown (``settle`` waits for it): a
         kill then costs ~1 ms instead of the init's reaping, cgroup removal and unmounts."""
@@ -610,7 +610,7 @@ class EdgeAgent:
             if lv.row.state == "stopped":
                 return
             rt = self.runtimes.get(lv.row.tier)
-            background = not wait and bool(getattr(rt, "teardown_in_background", False))
+            background = not wait and rt is not None and rt.facts().teardown_in_background
             if rt is not None and not background:
                 await self._teardown(rt, lv)
             lv.row.state = "stopped"

@@ -304,10 +304,20 @@ static void exec_path(char **argv, char **envp) {
 static void run_child(int errfd, const int fds[3], uint32_t flags, uid_t uid, gid_t gid,
                       uint32_t ngroups, const gid_t *groups, const char *cwd, char **argv,
                       char **envp) {
-    sigset_t none;
+    /* Every signal at its default, as posix_spawn's SETSIGDEF does: a disposition the
+     * server inherited as ignored (SIGINT and SIGQUIT of a server started as a background
+     * job of a shell) would otherwise survive exec, and a command could not be stopped
+     * with Ctrl-C (bash cannot even trap a signal it found ignored). Blocked meanwhile,
+     * so no handler of the server runs in its borrowed memory; unblocked just before exec. */
+    sigset_t all, none;
+    sigfillset(&all);
     sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, NULL);
-    signal(SIGPIPE, SIG_DFL);
+    sigprocmask(SIG_SETMASK, &all, NULL);
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof(dfl));
+    dfl.sa_handler = SIG_DFL;
+    for (int s = 1; s < NSIG; s++)
+        if (s != SIGKILL && s != SIGSTOP) sigaction(s, &dfl, NULL);
 
     for (int i = 0; i < 3; i++)
         if (dup2(fds[i], i) < 0) child_fail(errfd, STAGE_SETSID);
@@ -340,6 +350,7 @@ static void run_child(int errfd, const int fds[3], uint32_t flags, uid_t uid, gi
     if (chdir(cwd) < 0) child_fail(errfd, STAGE_CHDIR);
     if (!allow_setuid && filter.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter, 0, 0) < 0)
         child_fail(errfd, STAGE_SECCOMP);
+    sigprocmask(SIG_SETMASK, &none, NULL);
     exec_path(argv, envp);
     child_fail(errfd, STAGE_EXEC);
 }

@@ -128,6 +128,10 @@ class RuntimeFacts:
         sink_sees_all_output: an exec's ``sink`` gets all of its output, whatever its
             ``max_output_bytes`` (which then bounds only the result); else the cap bounds
             both (the VM tiers' guest agents cap in the guest).
+        teardown_in_background: the edge may answer a kill before :meth:`Runtime.destroy`
+            has finished: the teardown ends the sandbox's processes first thing, and what
+            follows (reaping, cgroups, unmounts, layer references) owns no state another
+            sandbox could see.
     """
 
     available: bool
@@ -137,6 +141,7 @@ class RuntimeFacts:
     persistent: bool = True
     network_ready: bool = False
     sink_sees_all_output: bool = False
+    teardown_in_background: bool = False
 
 
 @runtime_checkable

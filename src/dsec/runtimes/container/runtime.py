@@ -233,11 +233,6 @@ class ContainerRuntime:
     """
 
     tier = "container"
-    teardown_in_background = True
-    """The edge may answer a kill before :meth:`destroy` finishes (``EdgeAgent._destroy``):
-    the teardown SIGKILLs the init first thing, so the sandbox's processes are gone within
-    the kill's own millisecond; what follows (reaping, cgroup removal, unmounts, layer
-    references) owns no state another sandbox could see."""
 
     def __init__(
         self,
@@ -313,6 +308,9 @@ class ContainerRuntime:
             max_memory_mb=self._node_size[1],
             network_ready=self.network is not None and bool(self.network.started),
             sink_sees_all_output=True,
+            # the teardown SIGKILLs the init first thing: the sandbox's processes are gone
+            # within the kill's own millisecond
+            teardown_in_background=True,
         )
 
     async def start(self) -> None:
