@@ -313,11 +313,12 @@ static void run_child(int errfd, const int fds[3], uint32_t flags, uid_t uid, gi
     sigfillset(&all);
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &all, NULL);
-    struct sigaction dfl;
-    memset(&dfl, 0, sizeof(dfl));
-    dfl.sa_handler = SIG_DFL;
-    for (int s = 1; s < NSIG; s++)
-        if (s != SIGKILL && s != SIGSTOP) sigaction(s, &dfl, NULL);
+    /* the raw syscall: glibc's sigaction refuses its own signals 32 and 33, which a
+     * parent may have left ignored too */
+    struct { void *handler; unsigned long flags; void *restorer; uint64_t mask; } dfl = {0};
+    dfl.handler = (void *)SIG_DFL;
+    for (int s = 1; s <= 64; s++)
+        if (s != SIGKILL && s != SIGSTOP) syscall(SYS_rt_sigaction, s, &dfl, NULL, 8);
 
     for (int i = 0; i < 3; i++)
         if (dup2(fds[i], i) < 0) child_fail(errfd, STAGE_SETSID);
