@@ -216,20 +216,13 @@ def create_netns(path: str | os.PathLike[str]) -> Path:
     Raises FileExistsError if path already exists (callers decide whether a leftover is
     theirs to remove). The namespace holds only a down ``lo`` until configured.
     """
-    p = Path(path)
-    fd = os.open(p, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-    os.close(fd)
 
     def target() -> None:
         _check(_libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
-        mount("/proc/thread-self/ns/net", p, None, MS_BIND)
+        pin_netns(path, "/proc/thread-self/ns/net")
 
-    try:
-        _run_thread(target)
-    except BaseException:
-        p.unlink(missing_ok=True)
-        raise
-    return p
+    _run_thread(target)
+    return Path(path)
 
 
 def pin_netns(path: str | os.PathLike[str], source: str | os.PathLike[str]) -> Path:
