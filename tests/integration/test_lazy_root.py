@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -253,10 +254,16 @@ def test_mount_warms_recorded_chunks_into_page_cache(
         time.sleep(0.05)
         layer = store.lazy_stats()["layers"][digest]
     # every recorded byte was warmed, except what was already cached: the mount's own read
-    # of the superblock with the kernel's readahead around it (<= 1 window, 128 KiB)
-    assert expected - (160 << 10) <= layer["warmed_bytes"] <= expected, (
+    # of the superblock with the kernel's readahead around it (<= 1 window, 128 KiB). And not
+    # much more: the kernel may carry a warm-up's readahead on past the end of a run of
+    # recorded chunks, by up to one warm-up step (2 windows, 256 KiB) per run, but a warm-up
+    # that read the layer (4 MiB of data) rather than its record fails this
+    chunks = sorted(record["chunks"])
+    runs = 1 + sum(1 for a, b in itertools.pairwise(chunks) if b != a + 1)
+    assert expected - (160 << 10) <= layer["warmed_bytes"] <= expected + runs * (256 << 10), (
         layer["warmed_bytes"],
         expected,
+        chunks,
     )
     time.sleep(0.3)  # the warm-up's last requests
     reads_before = store.lazy_stats()["layers"][digest]["reads"]
