@@ -237,6 +237,36 @@ async def test_crun_gets_the_policy_compiled_once(
     assert r.stdout.split() == ["Seccomp:", "2"]
 
 
+async def test_exec_servers_install_the_compiled_program(
+    runtime: ContainerRuntime, make: Factory
+) -> None:
+    """Every exec server is handed the compiled program (no libseccomp compile at each
+    sandbox's start); its commands run under it, denied calls fail as the policy says; a
+    program file that is not whole instructions stops the server with a clear error."""
+    h = await make()
+    bpf = runtime._bpf_file
+    assert bpf is not None and runtime._execd_bin is not None and runtime._policy_file is not None
+    server = runtime._live[h.id].server
+    assert server is not None
+    with open(f"/proc/{server.pid}/cmdline", "rb") as f:
+        args = f.read().split(b"\0")
+    assert f"bpf={bpf}".encode() in args
+    r = await run(runtime, h, "grep Seccomp: /proc/self/status; unshare -U true; echo rc=$?")
+    assert r.stdout.split()[:2] == ["Seccomp:", "2"] and "rc=1" in r.stdout, r
+    assert "not permitted" in r.stderr, r
+    broken = bpf.with_name("broken.bpf")
+    broken.write_bytes(bpf.read_bytes()[:-3])  # not a whole number of 8-byte instructions
+    try:
+        out = subprocess.run(
+            [str(runtime._execd_bin), "0", str(runtime._policy_file), f"bpf={broken}"],
+            capture_output=True,
+            timeout=10,
+        )
+    finally:
+        broken.unlink()
+    assert out.returncode == 1 and b"bad bpf file" in out.stderr, out
+
+
 async def test_command_search_follows_the_commands_path(
     runtime: ContainerRuntime, make: Factory
 ) -> None:

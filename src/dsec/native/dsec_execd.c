@@ -12,8 +12,12 @@
  * dsec.runtimes.container.seccomp into the policy file), chdir()s and execs.
  * stdin/stdout/stderr are pipes the edge made and passed with SCM_RIGHTS.
  *
- * Usage: dsec_execd SOCK_FD POLICY_FILE [setuid]
+ * Usage: dsec_execd SOCK_FD POLICY_FILE [bpf=BPF_FILE] [setuid]
  *        dsec_execd --bpf POLICY_FILE   (the compiled filter, raw, on stdout)
+ *
+ * With bpf=BPF_FILE (what --bpf wrote for the same policy) the server installs that
+ * program instead of compiling the policy's deny rules with libseccomp: compiling is
+ * most of a server's start-up CPU, and every sandbox starts one.
  *
  * With "setuid" (a sandbox created with allow_setuid) commands run without
  * no_new_privs, so setuid programs such as sudo work: the seccomp filter is then
@@ -25,7 +29,7 @@
  *   request  = u32 type, u32 reserved, u64 id, body
  *     ATTACH (4): i32 init pid (host pid namespace), u32 count,
  *                 count NUL-terminated cgroup.procs paths to join. Must come first;
- *                 the server compiles its policy while it waits for it.
+ *                 the server loads (or compiles) its policy while it waits for it.
  *     EXEC   (1): u32 uid, gid, ngroups, argc, envc, flags;
  *                 u32 groups[ngroups]; NUL-terminated cwd, argv[argc], env[envc];
  *                 exactly 3 fds (stdin, stdout, stderr) as SCM_RIGHTS.
@@ -117,7 +121,7 @@ static int sock_fd = -1;
 static int init_pidfd = -1;         /* pidfd of the container's init */
 static struct sock_fprog filter;
 static uint64_t keep_caps;          /* bit N set: keep capability N */
-static int allow_setuid;            /* argv[3] "setuid": no no_new_privs (sudo works) */
+static int allow_setuid;            /* argument "setuid": no no_new_privs (sudo works) */
 static int cap_last = 40;
 static struct { int res; struct rlimit lim; } rlimits[MAX_RLIMITS];
 static int n_rlimits;
@@ -168,11 +172,41 @@ static int parse_op(const char *s, enum scmp_compare *op) {
     return -1;
 }
 
-static void load_policy(const char *path) {
+/* The compiled program of the policy, from a file --bpf wrote: a whole number of
+ * instructions, at most BPF_MAXINSNS. */
+static void load_bpf(const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) die("open bpf file");
+    size_t cap = BPF_MAXINSNS * sizeof(struct sock_filter), len = 0;
+    char *prog = malloc(cap + 1);
+    if (!prog) die("malloc");
+    for (;;) {
+        ssize_t n = read(fd, prog + len, cap + 1 - len);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) die("read bpf file");
+        if (n == 0) break;
+        len += (size_t)n;
+        if (len > cap) break;
+    }
+    close(fd);
+    if (len == 0 || len > cap || len % sizeof(struct sock_filter)) {
+        errno = EINVAL;
+        die("bad bpf file");
+    }
+    filter.len = (unsigned short)(len / sizeof(struct sock_filter));
+    filter.filter = (struct sock_filter *)prog;
+}
+
+/* Read the policy file; its seccomp rules are compiled unless bpf_path gives the
+ * program already compiled (then only its caps and rlimits are read). */
+static void load_policy(const char *path, const char *bpf_path) {
     FILE *f = fopen(path, "re");
     if (!f) die("open policy file");
-    scmp_filter_ctx ctx = seccomp_init(SCMP_ACT_ALLOW);
-    if (!ctx) die("seccomp_init");
+    scmp_filter_ctx ctx = NULL;
+    if (!bpf_path) {
+        ctx = seccomp_init(SCMP_ACT_ALLOW);
+        if (!ctx) die("seccomp_init");
+    }
     char line[512];
     int lineno = 0;
     while (fgets(line, sizeof(line), f)) {
@@ -182,6 +216,8 @@ static void load_policy(const char *path) {
         long long soft, hard;
         unsigned long long a, b;
         if (line[0] == '#' || line[0] == '\n') continue;
+        if (!ctx && (strncmp(line, "arch ", 5) == 0 || strncmp(line, "deny", 4) == 0))
+            continue; /* compiled into the bpf file */
         if (sscanf(line, "arch %127s", name) == 1) {
             uint32_t arch = seccomp_arch_resolve_name(name);
             if (arch == 0) { errno = EINVAL; die("unknown seccomp architecture in policy"); }
@@ -216,6 +252,10 @@ static void load_policy(const char *path) {
         }
     }
     fclose(f);
+    if (!ctx) {
+        load_bpf(bpf_path);
+        return;
+    }
     /* Compile once; each child only installs the ready BPF program (~10 us). */
     int p[2];
     if (pipe2(p, O_CLOEXEC) < 0) die("pipe2");
@@ -639,7 +679,7 @@ static void attach(void) {
  * struct sock_filter array) to stdout and exit; what the OCI runtime is handed, so that
  * it does not compile the same rules again for every container. */
 static int export_bpf(const char *policy) {
-    load_policy(policy);
+    load_policy(policy, NULL);
     size_t len = filter.len * sizeof(struct sock_filter);
     const char *p = (const char *)filter.filter;
     while (len) {
@@ -654,16 +694,22 @@ static int export_bpf(const char *policy) {
 
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--bpf") == 0) return export_bpf(argv[2]);
-    if (argc != 3 && !(argc == 4 && strcmp(argv[3], "setuid") == 0)) {
-        fprintf(stderr, "usage: %s SOCK_FD POLICY_FILE [setuid]\n", argv[0]);
+    const char *bpf_path = NULL;
+    int usage = argc < 3;
+    for (int i = 3; i < argc; i++) {
+        if (strcmp(argv[i], "setuid") == 0) allow_setuid = 1;
+        else if (strncmp(argv[i], "bpf=", 4) == 0 && argv[i][4]) bpf_path = argv[i] + 4;
+        else usage = 1;
+    }
+    if (usage) {
+        fprintf(stderr, "usage: %s SOCK_FD POLICY_FILE [bpf=BPF_FILE] [setuid]\n", argv[0]);
         return 2;
     }
-    allow_setuid = argc == 4;
     sock_fd = atoi(argv[1]);
     prctl(PR_SET_NAME, "dsec-execd", 0, 0, 0);
     msgbuf = malloc(MAX_MSG);
     if (!msgbuf) die("malloc");
-    load_policy(argv[2]);
+    load_policy(argv[2], bpf_path);
     FILE *f = fopen("/proc/sys/kernel/cap_last_cap", "re");
     if (f) {
         if (fscanf(f, "%d", &cap_last) != 1) cap_last = 40;

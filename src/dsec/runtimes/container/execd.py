@@ -132,7 +132,7 @@ class ExecServer:
     """A ``dsec_execd`` for one container, and the client of its socket.
 
     Two steps, so that the server's start-up overlaps the OCI runtime's work:
-    :meth:`spawn` starts the process (it compiles its seccomp policy and waits), and
+    :meth:`spawn` starts the process (it loads its seccomp program and waits), and
     :meth:`attach` sends it the container's init pid and cgroups once they exist.
     :meth:`start` does both.
     """
@@ -151,11 +151,20 @@ class ExecServer:
     # -- lifecycle -----------------------------------------------------------
 
     @classmethod
-    def spawn(cls, binary: Path, policy_file: Path, *, allow_setuid: bool = False) -> ExecServer:
+    def spawn(
+        cls,
+        binary: Path,
+        policy_file: Path,
+        *,
+        bpf_file: Path | None = None,
+        allow_setuid: bool = False,
+    ) -> ExecServer:
         """Start the server process; it waits for :meth:`attach`. Takes ~0.5 ms.
 
-        ``allow_setuid``: its commands run without no_new_privs (setuid programs such as
-        sudo work; see ``dsec_execd.c``). Its stderr is the edge's (it only writes there
+        ``bpf_file``: the policy's seccomp program as ``dsec_execd --bpf`` wrote it; the
+        server installs it instead of compiling the policy's rules (most of its start-up
+        CPU). ``allow_setuid``: its commands run without no_new_privs (setuid programs such
+        as sudo work; see ``dsec_execd.c``). Its stderr is the edge's (it only writes there
         when it dies, and then also sends the reason over the socket)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -168,6 +177,7 @@ class ExecServer:
                     str(binary),
                     str(theirs.fileno()),
                     str(policy_file),
+                    *([f"bpf={bpf_file}"] if bpf_file is not None else []),
                     *(["setuid"] if allow_setuid else []),
                 ],
                 pass_fds=(theirs.fileno(),),
@@ -225,10 +235,11 @@ class ExecServer:
         policy_file: Path,
         cgroup_procs: list[Path],
         *,
+        bpf_file: Path | None = None,
         allow_setuid: bool = False,
     ) -> ExecServer:
         """Spawn and attach in one go (e.g. for a recovered sandbox)."""
-        server = cls.spawn(binary, policy_file, allow_setuid=allow_setuid)
+        server = cls.spawn(binary, policy_file, bpf_file=bpf_file, allow_setuid=allow_setuid)
         await server.attach(init_pid, cgroup_procs)
         return server
 

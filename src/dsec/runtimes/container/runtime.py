@@ -258,6 +258,7 @@ class ContainerRuntime:
         self._cgroup_mounts: CgroupMounts | None = None
         self._state_base_cached: Path | None = None
         self._policy_file: Path | None = None
+        self._bpf_file: Path | None = None  # the policy's compiled seccomp program
         self._seccomp_bpf: bytes | None = None  # the policy compiled once, handed to crun
         self._node_size: tuple[float, int] | None = None  # (cores, MiB) of this node
         self._watch_hub = WatchHub()
@@ -336,12 +337,19 @@ class ContainerRuntime:
             tmp = self._policy_file.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(policy)
             os.replace(tmp, self._policy_file)
+        # the policy compiled once: crun gets the program in each config, every exec server
+        # installs it from the file instead of compiling the same rules at its start
+        assert self._execd_bin is not None
+        bpf = await asyncio.to_thread(_compile_seccomp, self._execd_bin, self._policy_file)
         self._seccomp_bpf = None
-        if self._oci is not None and os.path.basename(self._oci) == "crun":
-            assert self._execd_bin is not None
-            self._seccomp_bpf = await asyncio.to_thread(
-                _compile_seccomp, self._execd_bin, self._policy_file
-            )
+        self._bpf_file = None
+        if bpf is not None:
+            self._bpf_file = self._policy_file.with_name(f"{self._policy_file.stem}.bpf")
+            tmp = self._bpf_file.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(bpf)
+            os.replace(tmp, self._bpf_file)
+            if self._oci is not None and os.path.basename(self._oci) == "crun":
+                self._seccomp_bpf = bpf
         if self._oci is None:
             self._unavailable = f"no working OCI runtime: {self.node.reason}"
             log.error("container tier unavailable: %s", self._unavailable)
@@ -396,17 +404,28 @@ class ContainerRuntime:
         return [self._oci, "--root", str(self.state_root), *args]
 
     def _run_oci(self, *args: str, nice: int = 0) -> subprocess.CompletedProcess[str]:
+        """Run the OCI runtime with ``args``. ``nice``: a warm container of the pool's
+        refill, which yields the CPU to requests: the runtime's niceness is raised as soon
+        as it is started (before, a ``nice`` program was exec'd in front of it: one more
+        process start for every warm container)."""
         cmd = self._oci_cmd(*args)
-        if nice:  # a warm container: the pool's refill yields the CPU to requests
-            cmd = ["nice", "-n", str(nice), *cmd]
-        return subprocess.run(
+        with subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=_OCI_TIMEOUT_S,
-            check=False,
-        )
+        ) as proc:
+            if nice:
+                with contextlib.suppress(OSError):  # it may have exited already
+                    os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
+            try:
+                out, err = proc.communicate(timeout=_OCI_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                raise
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
     def _read_rootfs_file(self, rootfs: Path, path: str) -> str | None:
         files = RootedFiles(rootfs)
@@ -543,9 +562,11 @@ class ContainerRuntime:
                 if ns["type"] == "network":
                     ns["path"] = netns
         (sandbox_dir / "config.json").write_text(json.dumps(config))
-        # the exec server starts (and compiles its policy) while the OCI runtime works
+        # the exec server starts (and loads its seccomp program) while the OCI runtime works
         assert self._policy_file is not None
-        live.server = ExecServer.spawn(execd_bin, self._policy_file, allow_setuid=spec.allow_setuid)
+        live.server = ExecServer.spawn(
+            execd_bin, self._policy_file, bpf_file=self._bpf_file, allow_setuid=spec.allow_setuid
+        )
         pid_file = sandbox_dir / "init.pid"
         proc = await asyncio.get_running_loop().run_in_executor(
             _blocking_executor(),  # not asyncio's default executor (6 threads here)
@@ -710,6 +731,7 @@ class ContainerRuntime:
             init_pid,
             self._policy_file,
             cgroup_procs_files(init_pid, self._cgroup_mounts),
+            bpf_file=self._bpf_file,
             allow_setuid=allow_setuid,
         )
 
