@@ -375,3 +375,35 @@ def test_unreachable_ray_or_database_exits_cleanly(tmp_path: Path, postgres: Any
     assert bad_ray.returncode != 0
     assert "Ray cluster" in bad_ray.stderr
     assert time.monotonic() - t0 < 45
+
+
+def test_a_key_another_replica_just_made_works_at_once(tmp_path: Path, postgres: Any) -> None:
+    """Replica B makes a key; replica A, whose key cache was loaded a moment ago, accepts it
+    on its first request (this failed when a miss only reloaded the cache at most 5 times a
+    second). A bad key is looked up once per ``miss_s``, not at every request."""
+    from dsec.cluster.state import ClusterState, PgKeyStore
+
+    state = ClusterState(postgres.dsn)
+    try:
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        a = PgKeyStore(state, tmp_path / "a", miss_s=30.0)
+        b = PgKeyStore(state, tmp_path / "b")
+        assert a.verify("dsec_not-a-key") is None  # loads a's cache just now
+        key = b.create_key("new")
+        assert a.verify(key) == b.verify(key) is not None
+        lookups = 0
+        real = state.key_owner
+
+        def counted(sha256: str) -> str | None:
+            nonlocal lookups
+            lookups += 1
+            return real(sha256)
+
+        state.key_owner = counted  # type: ignore[method-assign]
+        for _ in range(20):
+            assert a.verify("dsec_still-not-a-key") is None
+        assert lookups == 1
+        assert b.revoke(key)
+    finally:
+        state.close()

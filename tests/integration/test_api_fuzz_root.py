@@ -86,6 +86,10 @@ def server() -> Iterator[Any]:
             with _client(srv, timeout=900) as c:
                 r = c.post("/v1/run_code", json={"code": "print(1)", "language": "python"})
                 assert r.status_code == 200 and r.json()["outcome"] == "ok", r.text
+                # and the Jupyter image (a fresh machine built it inside a fuzzer's request,
+                # which timed out after 60 s)
+                r = c.post("/run_jupyter", json={"cells": ["print(1)"], "total_timeout": 300})
+                assert r.status_code == 200 and r.json()["status"] == "Success", r.text
                 r = c.post("/v1/sandboxes", json={"image": "busybox"})
                 assert r.status_code == 201, r.text
                 assert c.delete(f"/v1/sandboxes/{r.json()['id']}").status_code == 200

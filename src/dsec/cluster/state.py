@@ -22,6 +22,7 @@ callers run them in a thread with :func:`asyncio.to_thread`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import threading
@@ -337,6 +338,13 @@ class ClusterState:
             cur.execute("SELECT sha256, owner FROM dsec_api_keys")
             return [(r[0], r[1]) for r in cur.fetchall()]
 
+    def key_owner(self, sha256: str) -> str | None:
+        """The owner of the key with this sha256, or None (one indexed lookup)."""
+        with self._cursor() as cur:
+            cur.execute("SELECT owner FROM dsec_api_keys WHERE sha256 = %s", (sha256,))
+            row = cur.fetchone()
+            return None if row is None else str(row[0])
+
     def add_key(self, sha256: str, owner: str, name: str) -> None:
         with self._cursor() as cur:
             cur.execute(
@@ -370,17 +378,26 @@ class PgKeyStore:
     :class:`~dsec.apiserver.auth.KeyStore` interface the apiserver and tests use.
 
     ``verify`` answers from a cache refreshed at most every ``refresh_s`` seconds (a key
-    created or revoked by another replica takes effect within that time). On first start
+    revoked by another replica stops working within that time). A key the cache does not
+    know is looked up in the database at once, so a key another replica just created works
+    on its first request; a digest just found missing is not looked up again for
+    ``miss_s`` seconds (a client retrying a bad key costs one query per ``miss_s``). On first start
     against an empty table a key is generated and written to ``home/api_key`` (mode 0600),
     like the embedded server does.
     """
 
-    def __init__(self, state: ClusterState, home: Path, *, refresh_s: float = 2.0) -> None:
+    _MAX_MISSES = 4096  # digests remembered as missing (oldest forgotten first)
+
+    def __init__(
+        self, state: ClusterState, home: Path, *, refresh_s: float = 2.0, miss_s: float = 1.0
+    ) -> None:
         self.state = state
         self.home = home
         self.refresh_s = refresh_s
+        self.miss_s = miss_s
         self._cache: list[tuple[str, str]] = []
         self._loaded_at = 0.0
+        self._misses: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._bootstrap()
         from dsec.apiserver.auth import owner_id
@@ -410,6 +427,8 @@ class PgKeyStore:
 
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
         self.state.add_key(digest, owner_id(key), name)
+        with self._lock:
+            self._misses.pop(digest, None)
         self._loaded_at = 0.0
 
     def verify(self, key: str) -> str | None:
@@ -417,9 +436,30 @@ class PgKeyStore:
 
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
         found = self._find(digest, max_age_s=self.refresh_s)
-        if found is None:  # a key another replica just created: look again (at most 5/s)
-            found = self._find(digest, max_age_s=0.2)
+        if found is None:  # a key another replica just created, or a bad key
+            found = self._look_up(digest)
         return found
+
+    def _look_up(self, digest: str) -> str | None:
+        now = time.monotonic()
+        with self._lock:
+            missed = self._misses.get(digest)
+            if missed is not None and now - missed < self.miss_s:
+                return None
+        try:
+            owner = self.state.key_owner(digest)
+        except ServiceUnavailable:
+            return None  # the database is down: the cache's answer stands
+        with self._lock:
+            if owner is None:
+                self._misses[digest] = now
+                self._misses.move_to_end(digest)
+                while len(self._misses) > self._MAX_MISSES:
+                    self._misses.popitem(last=False)
+            else:
+                self._misses.pop(digest, None)
+                self._cache = [*self._cache, (digest, owner)]
+        return owner
 
     def has_owner(self, owner: str) -> bool:
         """:class:`~dsec.apiserver.auth.KeyDirectory`: whether ``owner`` has a key (from the
