@@ -4,6 +4,7 @@ low ``cpu.shares``, its full weight (1024 x cpu) while a command runs. Needs roo
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -82,6 +83,11 @@ async def test_idle_sandboxes_get_a_low_weight(weighted: ContainerRuntime, node:
     made.append(await rt.create(spec(node, 1.5)))
     assert "warm_id" in made[1].state
     try:
+        # it starts at its full weight (crun's set-up in the cgroup and the exec server's
+        # attach must get the CPU on a busy node), and is idle once created
+        paths, _, _ = node
+        cfg = json.loads((paths.sandboxes / made[0].id / "config.json").read_text())
+        assert cfg["linux"]["resources"]["cpu"]["shares"] == 512
         for h, full in zip(made, (512, 1536), strict=True):
             assert shares(h) == 2  # created idle
             assert await while_running(rt, h) == full

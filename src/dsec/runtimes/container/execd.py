@@ -193,8 +193,15 @@ class ExecServer:
         ours.setblocking(False)
         return cls(ours, proc)
 
-    async def attach(self, init_pid: int, cgroup_procs: list[Path], timeout_s: float = 5.0) -> None:
-        """Make the server join the container whose init has host pid ``init_pid``."""
+    async def attach(
+        self, init_pid: int, cgroup_procs: list[Path], timeout_s: float = 30.0
+    ) -> None:
+        """Make the server join the container whose init has host pid ``init_pid``.
+
+        A server that exits fails this at once (its socket ends); ``timeout_s`` bounds only
+        a server that lives but does not answer. It is long because on a node whose CPU is
+        oversubscribed by sandboxes' commands the server, once in the sandbox's cgroups, gets
+        one fair share among them: at 5 s, creates failed under a 500-agent rollout load."""
         paths = [os.fsencode(p) for p in cgroup_procs]
         payload = _HDR.pack(T_ATTACH, 0, 0) + struct.pack("<iI", init_pid, len(paths))
         payload += b"".join(p + b"\0" for p in paths)
@@ -212,10 +219,13 @@ class ExecServer:
                 ready.set_result(msg)
 
         self._loop.add_reader(self._sock.fileno(), on_ready)
+        timed_out = False
         try:
             self._sock.send(payload)
             msg = await asyncio.wait_for(ready, timeout_s)
-        except (TimeoutError, OSError):
+        except TimeoutError:
+            msg, timed_out = b"", True
+        except OSError:
             msg = b""
         finally:
             self._loop.remove_reader(self._sock.fileno())
@@ -224,7 +234,12 @@ class ExecServer:
             self._loop.add_reader(self._sock.fileno(), self._on_readable)
             return
         await self.close()
-        detail = _error_text(msg) if msg else "no answer"
+        if msg:
+            detail = _error_text(msg)
+        elif timed_out:
+            detail = f"no answer within {timeout_s:g} s"
+        else:
+            detail = "it exited without an answer"
         raise SandboxError(f"the exec server did not start: {detail}")
 
     @classmethod
