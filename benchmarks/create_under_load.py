@@ -51,10 +51,25 @@ async def phase(srv: ServeProcess, n: int, m: int, busy_s: float) -> dict[str, A
         "url": srv.url,
         "api_key": srv.api_key,
     }
-    busy = [await AsyncSandbox.create(**kw) for _ in range(n)]
-    loop = f"timeout {busy_s:g} sh -c 'while :; do :; done'"
-    tasks = [asyncio.create_task(sb.commands.run(loop, timeout=busy_s + 30)) for sb in busy]
-    await asyncio.sleep(2)
+    busy: list[AsyncSandbox] = []
+    tasks: list[asyncio.Task[Any]] = []
+    try:
+        for _ in range(n):
+            busy.append(await AsyncSandbox.create(**kw))
+        loop = f"timeout {busy_s:g} sh -c 'while :; do :; done'"
+        tasks = [asyncio.create_task(sb.commands.run(loop, timeout=busy_s + 30)) for sb in busy]
+        await asyncio.sleep(2)
+        return await timed_creates(srv, kw, m, busy_s)
+    finally:  # the server keeps sandboxes across its own exit: kill what this made
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(sb.kill() for sb in busy), return_exceptions=True)
+
+
+async def timed_creates(
+    srv: ServeProcess, kw: dict[str, Any], m: int, busy_s: float
+) -> dict[str, Any]:
     lat: list[float] = []
     att: list[float] = []
     errors: list[str] = []
@@ -74,10 +89,6 @@ async def phase(srv: ServeProcess, n: int, m: int, busy_s: float) -> dict[str, A
         if a is not None:
             att.append(a)
         await sb.kill()
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.gather(*(sb.kill() for sb in busy), return_exceptions=True)
     return {
         "creates": len(lat),
         "create_p50_ms": statistics.median(lat) if lat else None,
