@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from create_profile import sandbox_state
 from dsec import AsyncSandbox
 from dsec.server import ServeProcess
 from hostprobe import host_probe_s
@@ -34,12 +35,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def attach_ms(home: Path, sandbox_id: str) -> float | None:
     """The exec server's part of the create, from the runtime's state file."""
-    for p in [*Path("/dev/shm").glob(f"*/sandbox-state/{sandbox_id}.json")]:
-        try:
-            return float(json.loads(p.read_text())["create_ms"]["exec_server"])
-        except (OSError, ValueError, KeyError):
-            continue
-    return None
+    ms = (sandbox_state(home, sandbox_id).get("create_ms") or {}).get("exec_server")
+    return None if ms is None else float(ms)
 
 
 async def phase(srv: ServeProcess, n: int, m: int, busy_s: float) -> dict[str, Any]:

@@ -334,9 +334,7 @@ class ContainerRuntime:
         digest = hashlib.sha256(policy.encode()).hexdigest()[:16]
         self._policy_file = self.paths.run / f"execd-{digest}.policy"
         if not self._policy_file.exists():
-            tmp = self._policy_file.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(policy)
-            os.replace(tmp, self._policy_file)
+            _replace_file(self._policy_file, policy.encode())
         # the policy compiled once: crun gets the program in each config, every exec server
         # installs it from the file instead of compiling the same rules at its start
         assert self._execd_bin is not None
@@ -345,9 +343,7 @@ class ContainerRuntime:
         self._bpf_file = None
         if bpf is not None:
             self._bpf_file = self._policy_file.with_name(f"{self._policy_file.stem}.bpf")
-            tmp = self._bpf_file.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(bpf)
-            os.replace(tmp, self._bpf_file)
+            _replace_file(self._bpf_file, bpf)
             if self._oci is not None and os.path.basename(self._oci) == "crun":
                 self._seccomp_bpf = bpf
         if self._oci is None:
@@ -1366,6 +1362,13 @@ def _idle_shares_from_env() -> int:
     except ValueError as e:
         raise SystemExit(f"invalid DSEC_IDLE_CPU_SHARES={raw!r}: {e}") from e
     return 0 if value <= 0 else max(2, value)
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all: a temporary file of this process, renamed over it."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def _full_shares(cpu: float) -> int:
