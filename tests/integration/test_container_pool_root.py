@@ -75,7 +75,7 @@ def cgroup_value(rt: ContainerRuntime, h: Handle, controller: str, name: str) ->
 
 def gone_everywhere(rt: ContainerRuntime, h: Handle) -> None:
     assert_gone(rt, h.id)
-    for rel in {h.state["cgroup"], h.state.get("cgroup_warm", h.state["cgroup"])}:
+    for rel in {h.state["cgroup"], f"{rt.cgroup_parent}/{h.id}"}:
         for hierarchy in CGROUP_ROOT.iterdir():
             assert not (hierarchy / rel).exists(), f"cgroup {rel} left in {hierarchy}"
     assert not (rt.state_root / h.state.get("warm_id", h.id)).exists()
@@ -110,13 +110,17 @@ async def test_a_claimed_container_is_a_fresh_sandbox(pooled: ContainerRuntime, 
         assert cgroup_value(pooled, h, "cpu", "cpu.cfs_quota_us") == "50000"
         assert cgroup_value(pooled, h, "memory", "memory.limit_in_bytes") == str(96 << 20)
         assert cgroup_value(pooled, h, "pids", "pids.max") == "77"
-        # its cgroups carry its id (processes are found by it on the host), but cgroup2's
-        assert h.state["cgroup"] == f"{pooled.cgroup_parent}/{h.id}"
-        for c in ("memory", "cpu", "pids", "freezer"):
-            assert (CGROUP_ROOT / c / h.state["cgroup"]).is_dir()
+        # its cgroups keep the warm name (no rename: it waited on the kernel's cgroup lock)
+        # and are labelled with its id, in every hierarchy; its processes are in them
         init = h.state["init_pid"]
+        assert h.state["cgroup"] == f"{pooled.cgroup_parent}/{h.state['warm_id']}"
         with open(f"/proc/{init}/cgroup") as f:
-            assert h.id in f.read()
+            assert h.state["warm_id"] in f.read()
+        mine = [d / h.state["cgroup"] for d in CGROUP_ROOT.iterdir() if not d.is_symlink()]
+        mine = [d for d in mine if d.is_dir()]
+        assert {d.parent.parent.name for d in mine} >= {"memory", "cpu", "pids", "freezer"}
+        for d in mine:
+            assert os.getxattr(d, "trusted.dsec.sandbox") == h.id.encode(), d
         assert os.getpriority(os.PRIO_PROCESS, init) == 0  # made at nice 10, claimed at 0
         on_disk = json.loads(pooled._state_file(h.id).read_text())
         assert pooled._state_file(h.id).parent.parent == pooled.state_root.parent  # tmpfs
