@@ -22,7 +22,7 @@ import pytest
 
 from dsec.config import Paths
 from dsec.errors import Conflict, InvalidRequest, SandboxStopped
-from dsec.layers.mounts import LayerMounts
+from dsec.layers.mounts import LayerMounts, mountinfo_entries
 from dsec.layers.store import LayerStore
 from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import CGROUP_ROOT
@@ -118,6 +118,9 @@ async def test_create_exec_files_destroy(runtime: ContainerRuntime, make: Factor
     assert caps.tier == "container" and caps.pause and caps.snapshot and caps.tty
     h = await make(hostname="box1")
     assert await runtime.alive(h)
+    # sandbox directories are on the runtime's own tmpfs (unmounted at close: see `node`)
+    root = runtime.paths.sandboxes
+    assert [m.fstype for m in mountinfo_entries(root) if m.mountpoint == root] == ["tmpfs"]
     r = await run(
         runtime, h, "echo hello; hostname; cat /proc/1/cmdline; echo; ip -o link | cut -d: -f2"
     )

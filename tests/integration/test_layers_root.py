@@ -415,3 +415,37 @@ async def test_debian_image_builds_and_runs_python(node: Node, shared_layers: Pa
     finally:
         teardown_rootfs(sb)
         node.release(image.layers)
+
+
+def test_sandbox_root_is_a_tmpfs_mounted_once_and_released_when_empty(node: Node) -> None:
+    from dsec.layers.rootfs import mount_sandbox_root, release_sandbox_root
+
+    root = node.home / "sandboxes"
+
+    def ours() -> list[str]:
+        return [e.fstype for e in mountinfo_entries(root) if e.mountpoint == root]
+
+    assert mount_sandbox_root(root) is True
+    assert ours() == ["tmpfs"]
+    assert mount_sandbox_root(root) is True  # a second start uses it: nothing stacked
+    assert ours() == ["tmpfs"]
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    (root / "sb-1").mkdir()
+    release_sandbox_root(root)  # a sandbox left: kept for the next start
+    assert ours() == ["tmpfs"]
+    (root / "sb-1").rmdir()
+    release_sandbox_root(root)
+    assert ours() == []
+    release_sandbox_root(root)  # idempotent
+
+
+def test_sandbox_root_with_old_sandboxes_stays_on_its_filesystem(node: Node) -> None:
+    from dsec.layers.rootfs import mount_sandbox_root, release_sandbox_root
+
+    root = node.home / "sandboxes"
+    (root / "sb-old").mkdir(parents=True)  # a sandbox of a dsec that predates the tmpfs
+    assert mount_sandbox_root(root) is False
+    assert mount_points(root) == []
+    assert (root / "sb-old").is_dir()
+    release_sandbox_root(root)  # not ours: never unmounted, never removed
+    assert (root / "sb-old").is_dir()

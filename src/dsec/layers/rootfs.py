@@ -37,9 +37,17 @@ from pathlib import Path
 
 from dsec.errors import InvalidRequest, SandboxError
 from dsec.layers.mounts import is_mounted, mountinfo_entries
-from dsec.privileged.mount import MS_NODEV, MS_NOSUID, mount, umount_quiet
+from dsec.privileged.mount import MS_NODEV, MS_NOEXEC, MS_NOSUID, mount, umount, umount_quiet
 
-__all__ = ["assemble_rootfs", "rootfs_path", "teardown_rootfs", "upper_dir", "work_dir"]
+__all__ = [
+    "assemble_rootfs",
+    "mount_sandbox_root",
+    "release_sandbox_root",
+    "rootfs_path",
+    "teardown_rootfs",
+    "upper_dir",
+    "work_dir",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,63 @@ _MAX_TEARDOWN_ROUNDS = 256
 BYTES_PER_INODE = 4096
 """tmpfs ``nr_inodes`` = disk size / this (at least 4096): bounds the kernel memory empty
 files can pin, which ``size=`` alone does not count."""
+
+
+SANDBOX_ROOT_SOURCE = "dsec-sandboxes"
+"""The source name of the tmpfs :func:`mount_sandbox_root` mounts (as mountinfo shows it)."""
+
+
+def _root_mount(root: Path) -> str | None:
+    """The filesystem type :func:`mount_sandbox_root` mounted exactly at ``root`` (known by
+    its source name), or None."""
+    here = Path(os.path.abspath(root))
+    for e in mountinfo_entries(root):
+        if e.mountpoint == here and e.source == SANDBOX_ROOT_SOURCE:
+            return e.fstype
+    return None
+
+
+def mount_sandbox_root(root: Path) -> bool:
+    """Put the directory of the sandbox directories (``paths.sandboxes``) on a tmpfs of its
+    own and say whether it is on tmpfs now. Idempotent: a tmpfs left by an earlier start (the
+    server keeps its sandboxes across a restart) is used as it is.
+
+    What a sandbox directory holds besides its mounts is a few small files written at each
+    create (``config.json``, the boot id, the init's pid file) and removed at its teardown.
+    On ext4 their creation, the directories' and the removal journal metadata: ~0.45 ms of
+    every create + kill in a loop, against ~0.13 ms on tmpfs. A node reboot clears the
+    tmpfs, and with it only directories of containers that died with the node.
+
+    Mounted only over an empty directory: a non-empty one on another filesystem holds
+    sandboxes of a dsec that predates this (they stay where they are, and so does the
+    directory). ``nosuid,nodev,noexec``, mode 0700; the size cap is the kernel's default
+    (half of memory), pages are used only as files are written.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    if _root_mount(root) is not None:
+        return True
+    if any(os.scandir(root)):
+        log.info("%s holds sandboxes already: their directories stay on its filesystem", root)
+        return False
+    try:
+        mount(SANDBOX_ROOT_SOURCE, root, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0700")
+    except OSError as e:
+        log.warning("cannot mount a tmpfs at %s (sandbox directories stay on disk): %s", root, e)
+        return False
+    return True
+
+
+def release_sandbox_root(root: Path) -> None:
+    """Unmount the tmpfs of :func:`mount_sandbox_root` if nothing is left in it (never
+    lazily: a sandbox's mounts below it would be hidden, not gone)."""
+    if _root_mount(root) is None:
+        return
+    try:
+        if any(os.scandir(root)):
+            return  # sandboxes that outlive this server: the next start uses the tmpfs
+        umount(root)
+    except OSError as e:
+        log.warning("cannot unmount the sandbox tmpfs %s: %s", root, e)
 
 
 def rootfs_path(sandbox_dir: Path) -> Path:

@@ -5,14 +5,17 @@ and rendered twice: into the OCI runtime config (applied by crun/runc to the
 container's PID 1) and into ``execd.policy`` (applied by ``dsec_execd`` to each
 exec'd command). Both renderings read the same constants below.
 
-Layout of a sandbox directory (``paths.sandboxes/<id>/``)::
+Layout of a sandbox directory (``paths.sandboxes/<id>/``, on the tmpfs of
+:func:`dsec.layers.rootfs.mount_sandbox_root`)::
 
     config.json     OCI runtime config (this module)
-    execd.policy    seccomp + capabilities + rlimits for dsec_execd (this module)
-    rootfs/         overlay of the EROFS layers + tmpfs upper (dsec.layers.rootfs)
-    state.json      what recover() and destroy_orphan() need
-    crun.log        the OCI runtime's log
-    execd.log       the exec server's stderr
+    rootfs/ upper/  overlay of the EROFS layers + tmpfs upper (dsec.layers.rootfs)
+    boot_id         the sandbox's own boot id (bind-mounted over the kernel's)
+    init.pid        the container init's host pid
+
+The exec server's policy (this module's :func:`execd_policy_text`) is one file per install
+and policy, ``paths.run/execd-<digest>.policy``; the state recover() needs is on the OCI
+state's tmpfs (see ``ContainerRuntime._state_file``).
 
 Capabilities: Docker's default set minus ``NET_RAW`` (raw sockets: packet
 spoofing, port scans; sandboxes have no network anyway), ``MKNOD`` (a device

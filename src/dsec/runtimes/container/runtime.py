@@ -63,7 +63,14 @@ from dsec.errors import (
     TierUnavailable,
 )
 from dsec.layers.mounts import LayerMounts
-from dsec.layers.rootfs import assemble_rootfs, rootfs_path, teardown_rootfs, upper_dir
+from dsec.layers.rootfs import (
+    assemble_rootfs,
+    mount_sandbox_root,
+    release_sandbox_root,
+    rootfs_path,
+    teardown_rootfs,
+    upper_dir,
+)
 from dsec.models import ExecRequest, ExecResult, LayerInfo, SnapshotRequest
 from dsec.privileged.cgroups import CGROUP_ROOT, CgroupV1
 from dsec.privileged.netns import NetnsSockets
@@ -319,6 +326,7 @@ class ContainerRuntime:
         """Build the native helpers and prepare the node (idempotent). Never raises for an
         unusable node: the capability table then says why."""
         self.paths.ensure()
+        await asyncio.to_thread(mount_sandbox_root, self.paths.sandboxes)
         try:
             self._init_bin = await asyncio.to_thread(build_native, self.paths.bin, "dsec_init")
             self._execd_bin = await asyncio.to_thread(build_native, self.paths.bin, "dsec_execd")
@@ -381,6 +389,7 @@ class ContainerRuntime:
                 (self._state_base() / "sandbox-state").rmdir()
             with contextlib.suppress(OSError):
                 self._state_base().rmdir()
+        release_sandbox_root(self.paths.sandboxes)
 
     # ------------------------------------------------------------------ helpers
     def _sandbox_dir(self, sandbox_id: str) -> Path:
@@ -596,6 +605,8 @@ class ContainerRuntime:
         REAPER.expect(init_pid, start_time)
         await live.server.attach(init_pid, cgroup_procs_files(init_pid, self._cgroup_mounts))
         self._weigh(Handle(spec.id, state), active=False)  # no command runs yet
+        if not spec.id.startswith(_WARM_PREFIX):  # a warm one is labelled when claimed
+            _label_cgroup(state["cgroup"], spec.id)
         t_end = time.monotonic()
         state["create_ms"] = {
             "rootfs": round((t_rootfs - t0) * 1000, 2),
@@ -1426,8 +1437,9 @@ def _cgroup_hierarchies() -> tuple[str, ...]:
 
 
 _CGROUP_LABEL = "trusted.dsec.sandbox"
-"""The extended attribute that names the sandbox a claimed warm container's cgroups belong
-to (their directory keeps the warm id): ``getfattr -n trusted.dsec.sandbox <cgroup>``."""
+"""The extended attribute of a container's cgroups that names its sandbox, in every
+hierarchy: ``getfattr -n trusted.dsec.sandbox <cgroup>``. A claimed warm container's
+cgroups keep the warm id as their name; a fresh one's are named by the sandbox's id too."""
 
 
 def _label_cgroup(rel: str, sandbox_id: str) -> None:
