@@ -421,10 +421,14 @@ def serve_cluster(
     async def main() -> None:
         edge = ClusterEdge(state, config, options)
         await edge.start()
+        key_state: Any = None
         if state is not None:
-            from dsec.cluster.state import PgKeyStore
+            from dsec.cluster.state import ClusterState, PgKeyStore
 
-            keys: Any = PgKeyStore(state, paths.home)
+            # its own connection: a key lookup on the event loop never waits behind the
+            # cluster edge's queries (which run in threads on the other connection)
+            key_state = ClusterState(state.dsn, connect_timeout_s=10)
+            keys: Any = PgKeyStore(key_state, paths.home)
         else:
             keys = KeyStore(paths.home)
         settings = PortsSettings.from_env(paths.home)
@@ -440,6 +444,9 @@ def serve_cluster(
             await _serve_http(app, host, port, log_level, settings)
         finally:
             await edge.close()
+            if key_state is not None:
+                keys.close()
+                key_state.close()
             if state is not None:
                 state.close()
 

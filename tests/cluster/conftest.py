@@ -341,16 +341,18 @@ def cluster_live(cluster_server: ClusterServer) -> Iterator[ClusterLiveServer]:
     from dsec.cluster.state import ClusterState, PgKeyStore
 
     state = ClusterState(cluster_server.dsn)
+    keys = PgKeyStore(state, cluster_server.home)
     try:
         yield ClusterLiveServer(
             url=cluster_server.url,
             api_key=cluster_server.api_key,
             home=cluster_server.home,
             edge=_HttpEdge(cluster_server),
-            keys=PgKeyStore(state, cluster_server.home),
+            keys=keys,
             tiers=["container"],
         )
     finally:
+        keys.close()
         state.close()
 
 

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -377,6 +378,19 @@ def test_unreachable_ray_or_database_exits_cleanly(tmp_path: Path, postgres: Any
     assert time.monotonic() - t0 < 45
 
 
+def _count_key_lookups(state: Any) -> list[str]:
+    """The digests ``state.key_owner`` is asked for from now on (it still answers)."""
+    asked: list[str] = []
+    real = state.key_owner
+
+    def counted(sha256: str, *, wait_s: float | None = None) -> str | None:
+        asked.append(sha256)
+        return real(sha256, wait_s=wait_s)
+
+    state.key_owner = counted
+    return asked
+
+
 def test_a_key_another_replica_just_made_works_at_once(tmp_path: Path, postgres: Any) -> None:
     """Replica B makes a key; replica A, whose key cache was loaded a moment ago, accepts it
     on its first request (this failed when a miss only reloaded the cache at most 5 times a
@@ -389,21 +403,101 @@ def test_a_key_another_replica_just_made_works_at_once(tmp_path: Path, postgres:
         (tmp_path / "b").mkdir()
         a = PgKeyStore(state, tmp_path / "a", miss_s=30.0)
         b = PgKeyStore(state, tmp_path / "b")
-        assert a.verify("dsec_not-a-key") is None  # loads a's cache just now
+        assert a.verify("dsec_not-a-key") is None  # a's copy was loaded just now
         key = b.create_key("new")
         assert a.verify(key) == b.verify(key) is not None
-        lookups = 0
-        real = state.key_owner
-
-        def counted(sha256: str) -> str | None:
-            nonlocal lookups
-            lookups += 1
-            return real(sha256)
-
-        state.key_owner = counted  # type: ignore[method-assign]
+        lookups = _count_key_lookups(state)
         for _ in range(20):
             assert a.verify("dsec_still-not-a-key") is None
-        assert lookups == 1
+        assert len(lookups) == 1
         assert b.revoke(key)
+        assert b.verify(key) is None  # at once on the replica that revoked it
+        a.close()
+        b.close()
     finally:
+        state.close()
+
+
+def test_made_up_keys_cost_the_database_a_bounded_number_of_lookups(
+    tmp_path: Path, postgres: Any
+) -> None:
+    """``verify`` runs on the apiserver's event loop: a flood of made-up keys gets at most
+    ``lookups_per_s`` database lookups a second (the rest are refused without one), a busy
+    connection is not waited for, and a known key is answered from the copy throughout."""
+    from dsec.cluster.state import ClusterState, PgKeyStore
+
+    state = ClusterState(postgres.dsn)
+    keys = PgKeyStore(state, tmp_path, lookups_per_s=10.0, lookup_wait_s=0.05)
+    try:
+        good = keys.create_key("good")
+        owner = keys.verify(good)
+        assert owner is not None
+        lookups = _count_key_lookups(state)
+        t0 = time.monotonic()
+        for i in range(500):
+            assert keys.verify(f"dsec_made-up-{i}") is None
+            assert keys.verify(good) == owner
+        took = time.monotonic() - t0
+        assert len(lookups) <= 10 + 10 * took + 1, (len(lookups), took)
+        # the connection held by someone else (a slow query): the lookup gives up, fast
+        with state._cursor():
+            t1 = time.monotonic()
+            time.sleep(1.1)  # the budget refills
+            assert keys.verify("dsec_while-busy") is None
+            assert time.monotonic() - t1 < 1.1 + 0.5
+            assert keys.verify(good) == owner
+    finally:
+        keys.close()
+        state.close()
+
+
+def test_a_database_outage_leaves_known_keys_working(tmp_path: Path, postgres: Any) -> None:
+    """With the database unreachable, known keys go on working from the copy, unknown ones
+    are refused at once (no connect attempt on the caller's thread), and a key made while
+    it was down works once the reload thread reconnects."""
+    from dsec.cluster.state import ClusterState, PgKeyStore
+
+    state = ClusterState(postgres.dsn)
+    keys = PgKeyStore(state, tmp_path, refresh_s=0.2)
+    try:
+        good = keys.create_key("good")
+        owner = keys.verify(good)
+        dsn = state.dsn
+        state.dsn = "postgresql://dsec@127.0.0.1:1/none"  # reconnects fail from here on
+        state._conn.close()
+        time.sleep(0.6)  # the reload thread has seen the outage
+        import dsec.cluster.state as cluster_state
+
+        callers: list[str] = []
+        real_connect = cluster_state.connect_database
+
+        def connect(*a: Any, **kw: Any) -> Any:
+            callers.append(threading.current_thread().name)
+            return real_connect(*a, **kw)
+
+        cluster_state.connect_database = connect  # type: ignore[assignment]
+        try:
+            t0 = time.monotonic()
+            assert keys.verify(good) == owner
+            assert keys.verify("dsec_unknown") is None
+            assert time.monotonic() - t0 < 0.2
+            time.sleep(0.5)
+        finally:
+            cluster_state.connect_database = real_connect  # type: ignore[assignment]
+        assert callers and threading.current_thread().name not in callers, callers
+        other = ClusterState(dsn)
+        try:
+            (tmp_path / "b").mkdir()
+            made = PgKeyStore(other, tmp_path / "b")
+            new_key = made.create_key("made during the outage")
+            made.close()
+            state.dsn = dsn  # the database is back
+            deadline = time.monotonic() + 10
+            while keys.verify(new_key) is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert keys.verify(new_key) is not None
+        finally:
+            other.close()
+    finally:
+        keys.close()
         state.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +36,8 @@ from dsec.errors import ServiceUnavailable
 from dsec.models import SandboxInfo
 
 __all__ = ["ClusterState", "PgKeyStore", "connect_database"]
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS dsec_nodes (
@@ -139,11 +142,19 @@ class ClusterState:
             self._conn.close()
 
     @contextlib.contextmanager
-    def _cursor(self) -> Iterator[Any]:
+    def _cursor(self, *, wait_s: float | None = None, reconnect: bool = True) -> Iterator[Any]:
+        """The connection's cursor, under its lock. ``wait_s``: how long to wait for the
+        lock (None: as long as it takes), ``reconnect=False``: a dropped connection is not
+        reconnected here; both raise ``ServiceUnavailable`` instead of waiting (for callers
+        on an event loop)."""
         import psycopg
 
-        with self._lock:
+        if not self._lock.acquire(timeout=-1 if wait_s is None else wait_s):
+            raise ServiceUnavailable("the cluster database connection is busy")
+        try:
             if self._conn.closed:  # reconnect once after a dropped connection
+                if not reconnect:
+                    raise ServiceUnavailable("the cluster database connection is down")
                 self._conn = connect_database(self.dsn, timeout_s=self._connect_timeout_s)
             try:
                 with self._conn.cursor() as cur:
@@ -152,6 +163,8 @@ class ClusterState:
                 with contextlib.suppress(Exception):
                     self._conn.close()
                 raise ServiceUnavailable(f"cluster database error: {str(e).strip()}") from None
+        finally:
+            self._lock.release()
 
     # --- nodes -------------------------------------------------------------------------
     def upsert_node(self, name: str, ray_node_id: str, state: str, info: dict[str, Any]) -> None:
@@ -338,9 +351,11 @@ class ClusterState:
             cur.execute("SELECT sha256, owner FROM dsec_api_keys")
             return [(r[0], r[1]) for r in cur.fetchall()]
 
-    def key_owner(self, sha256: str) -> str | None:
-        """The owner of the key with this sha256, or None (one indexed lookup)."""
-        with self._cursor() as cur:
+    def key_owner(self, sha256: str, *, wait_s: float | None = None) -> str | None:
+        """The owner of the key with this sha256, or None (one indexed lookup). With
+        ``wait_s``: ``ServiceUnavailable`` rather than wait longer for the connection, or
+        reconnect it."""
+        with self._cursor(wait_s=wait_s, reconnect=wait_s is None) as cur:
             cur.execute("SELECT owner FROM dsec_api_keys WHERE sha256 = %s", (sha256,))
             row = cur.fetchone()
             return None if row is None else str(row[0])
@@ -377,26 +392,46 @@ class PgKeyStore:
     """API keys shared by every apiserver replica (PostgreSQL), with the local
     :class:`~dsec.apiserver.auth.KeyStore` interface the apiserver and tests use.
 
-    ``verify`` answers from a cache refreshed at most every ``refresh_s`` seconds (a key
-    revoked by another replica stops working within that time). A key the cache does not
-    know is looked up in the database at once, so a key another replica just created works
-    on its first request; a digest just found missing is not looked up again for
-    ``miss_s`` seconds (a client retrying a bad key costs one query per ``miss_s``). On first start
-    against an empty table a key is generated and written to ``home/api_key`` (mode 0600),
-    like the embedded server does.
+    ``verify`` runs on the apiserver's event loop, so it never waits on the database for
+    long. It answers from a copy of the keys that a background thread reloads every
+    ``refresh_s`` seconds (a key revoked by another replica stops working within that time;
+    while the database is down the last good copy stands). A key the copy does not know is
+    looked up at once, so a key another replica just created works on its first request:
+    one indexed query, which gives up after ``lookup_wait_s`` if the connection is busy and
+    never reconnects a dropped one (that is the thread's job; meanwhile unknown keys are
+    refused). A digest just found missing is not looked up again for ``miss_s`` seconds, and
+    at most ``lookups_per_s`` lookups of unknown keys are made a second in all: a flood of
+    made-up keys costs the database and the loop that much and no more.
+
+    ``state`` should be this store's own :class:`ClusterState` (connection): the lookup
+    then never waits behind the cluster edge's queries. On first start against an empty
+    table a key is generated and written to ``home/api_key`` (mode 0600), like the embedded
+    server does. :meth:`close` stops the reload thread.
     """
 
     _MAX_MISSES = 4096  # digests remembered as missing (oldest forgotten first)
 
     def __init__(
-        self, state: ClusterState, home: Path, *, refresh_s: float = 2.0, miss_s: float = 1.0
+        self,
+        state: ClusterState,
+        home: Path,
+        *,
+        refresh_s: float = 2.0,
+        miss_s: float = 1.0,
+        lookups_per_s: float = 20.0,
+        lookup_wait_s: float = 0.05,
     ) -> None:
         self.state = state
         self.home = home
         self.refresh_s = refresh_s
         self.miss_s = miss_s
+        self.lookups_per_s = lookups_per_s
+        self.lookup_wait_s = lookup_wait_s
         self._cache: list[tuple[str, str]] = []
-        self._loaded_at = 0.0
+        self._db_ok = False
+        self._budget = lookups_per_s
+        self._budget_at = time.monotonic()
+        self._refused_logged_at = 0.0
         self._misses: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._bootstrap()
@@ -404,6 +439,18 @@ class PgKeyStore:
 
         key_file = self.home / "api_key"
         self._operator = owner_id(key_file.read_text().strip()) if key_file.exists() else None
+        self._stop = threading.Event()
+        self._reload()
+        self._thread = threading.Thread(
+            target=self._reload_loop, name="dsec-key-reload", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop reloading (idempotent); ``verify`` answers from the last copy after this."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.refresh_s + 15)
 
     def is_operator(self, owner: str) -> bool:
         """The operator is the key in this replica's ``$DSEC_HOME/api_key`` (the cluster's
@@ -420,25 +467,62 @@ class PgKeyStore:
         key = key_file.read_text().strip() if key_file.exists() else local.create_key("cluster")
         self._add(key, "cluster bootstrap")
 
+    def _reload_loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self._reload()
+
+    def _reload(self) -> None:
+        try:
+            records = self.state.key_records()
+        except ServiceUnavailable as e:
+            with self._lock:
+                if self._db_ok:
+                    log.warning("API keys: %s; answering from the last copy", e.message)
+                self._db_ok = False
+            return
+        with self._lock:
+            self._cache = records
+            self._db_ok = True
+
     def _add(self, key: str, name: str) -> None:
         import hashlib
 
         from dsec.apiserver.auth import owner_id
 
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
-        self.state.add_key(digest, owner_id(key), name)
+        owner = owner_id(key)
+        self.state.add_key(digest, owner, name)
         with self._lock:
             self._misses.pop(digest, None)
-        self._loaded_at = 0.0
+            self._cache = [*self._cache, (digest, owner)]
 
     def verify(self, key: str) -> str | None:
         import hashlib
 
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
-        found = self._find(digest, max_age_s=self.refresh_s)
+        found = self._find(digest)
         if found is None:  # a key another replica just created, or a bad key
             found = self._look_up(digest)
         return found
+
+    def _take_budget(self, now: float) -> bool:
+        """One lookup of the ``lookups_per_s`` budget (a token bucket of one second's worth);
+        False when it is spent. Under the lock."""
+        self._budget = min(
+            self.lookups_per_s, self._budget + (now - self._budget_at) * self.lookups_per_s
+        )
+        self._budget_at = now
+        if self._budget < 1.0:
+            if now - self._refused_logged_at > 10.0:
+                self._refused_logged_at = now
+                log.warning(
+                    "API keys: over %.0f lookups of unknown keys a second; refusing unknown "
+                    "keys without a lookup (a flood of bad keys?)",
+                    self.lookups_per_s,
+                )
+            return False
+        self._budget -= 1.0
+        return True
 
     def _look_up(self, digest: str) -> str | None:
         now = time.monotonic()
@@ -446,10 +530,12 @@ class PgKeyStore:
             missed = self._misses.get(digest)
             if missed is not None and now - missed < self.miss_s:
                 return None
+            if not self._db_ok or not self._take_budget(now):
+                return None
         try:
-            owner = self.state.key_owner(digest)
+            owner = self.state.key_owner(digest, wait_s=self.lookup_wait_s)
         except ServiceUnavailable:
-            return None  # the database is down: the cache's answer stands
+            return None  # busy or down: the copy's answer stands (the thread reconnects)
         with self._lock:
             if owner is None:
                 self._misses[digest] = now
@@ -462,23 +548,15 @@ class PgKeyStore:
         return owner
 
     def has_owner(self, owner: str) -> bool:
-        """:class:`~dsec.apiserver.auth.KeyDirectory`: whether ``owner`` has a key (from the
-        cache, refreshed as :meth:`verify` refreshes it)."""
-        self._find("", max_age_s=self.refresh_s)
+        """:class:`~dsec.apiserver.auth.KeyDirectory`: whether ``owner`` has a key (in the
+        copy)."""
         with self._lock:
             return any(o == owner for _, o in self._cache)
 
-    def _find(self, digest: str, *, max_age_s: float) -> str | None:
+    def _find(self, digest: str) -> str | None:
         import hmac
 
-        now = time.monotonic()
         with self._lock:
-            if now - self._loaded_at > max_age_s:
-                try:
-                    self._cache = self.state.key_records()
-                    self._loaded_at = now
-                except ServiceUnavailable:
-                    pass  # keep answering from the last good copy while the database is down
             records = self._cache
         found: str | None = None
         for sha, owner in records:  # constant time over all records
@@ -495,6 +573,10 @@ class PgKeyStore:
         return key
 
     def revoke(self, key_or_owner: str) -> bool:
+        import hashlib
+
         ok = self.state.remove_key(key_or_owner)
-        self._loaded_at = 0.0
+        digest = hashlib.sha256(key_or_owner.encode("utf-8", "surrogateescape")).hexdigest()
+        with self._lock:  # at once on this replica; the others within refresh_s
+            self._cache = [(d, o) for d, o in self._cache if d != digest and o != key_or_owner]
         return ok
