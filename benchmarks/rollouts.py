@@ -208,8 +208,8 @@ def table(title: str, base: dict[str, list[float]], res: dict[str, Any]) -> list
     c = res["counts"]
     print(
         f"creations {res['creates_per_s']:.1f}/s, kills {res['kills_per_s']:.1f}/s, "
-        f"{c['turns']} turns, {c['errors']} errors; host memory -{res['mem_drop_mib_max']:.0f} MiB "
-        f"(peak), CPU {res['cpu_busy_mean'] * 100:.0f}% busy; probe "
+        f"{c['turns']} turns, {c['errors']} errors; host memory in use: up to "
+        f"{res['mem_drop_mib_max']:.0f} MiB more (MemAvailable), CPU {res['cpu_busy_mean'] * 100:.0f}% busy; probe "
         f"{res['host_probe_s'][0] * 1000:.1f}/{res['host_probe_s'][1] * 1000:.1f} ms"
     )
     return rows
