@@ -66,6 +66,7 @@ __all__ = [
     "is_subreaper",
     "proc_stat",
     "reap_pid",
+    "where_is",
 ]
 
 log = logging.getLogger(__name__)
@@ -338,3 +339,33 @@ def reap_pid(pid: int, start_time: int | None, timeout_s: float = 2.0) -> bool:
         os.close(pidfd)
         if start_time is not None:
             REAPER.forget(pid, start_time)
+
+
+def where_is(pid: int) -> str:
+    """Where process ``pid`` is, from /proc: its state, the kernel function it sleeps in and
+    its syscall, and (as root) its kernel stack: for an exec server that does not answer,
+    which kernel lock or wait holds it, e.g. ``pid 4242: D, in percpu_rwsem_wait, syscall 1,
+    stack percpu_rwsem_wait < cgroup_attach_lock < ...``."""
+    base = f"/proc/{pid}"
+    try:
+        with open(f"{base}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return f"pid {pid}: gone"
+    parts = [f"pid {pid}: {state}"]
+    for name, label in (("wchan", "in"), ("syscall", "syscall")):
+        try:
+            with open(f"{base}/{name}") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text and text != "0":
+            parts.append(f"{label} {text.split()[0]}")
+    try:  # root: the kernel stack, innermost first
+        with open(f"{base}/stack") as f:
+            frames = [ln.split("] ", 1)[-1].split("+", 1)[0] for ln in f.read().splitlines()]
+    except OSError:
+        frames = []
+    if frames:
+        parts.append("stack " + " < ".join(frames[:5]))
+    return ", ".join(parts)

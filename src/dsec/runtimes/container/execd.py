@@ -42,7 +42,7 @@ from dsec.errors import (
     SandboxError,
     SandboxStopped,
 )
-from dsec.privileged.reaper import REAPER, proc_stat
+from dsec.privileged.reaper import REAPER, proc_stat, where_is
 
 __all__ = [
     "ExecOutcome",
@@ -233,7 +233,7 @@ class ExecServer:
             self._attached = True
             self._loop.add_reader(self._sock.fileno(), self._on_readable)
             return
-        where = _where_is(self.pid) if timed_out else ""
+        where = where_is(self.pid) if timed_out else ""
         await self.close()
         if msg:
             detail = _error_text(msg)
@@ -966,33 +966,3 @@ def _error_text(msg: bytes) -> str:
     (err,) = struct.unpack_from("<i", msg, _HDR.size)
     text = msg[_HDR.size + 4 :].split(b"\0", 1)[0].decode(errors="replace")
     return text or os.strerror(err)
-
-
-def _where_is(pid: int) -> str:
-    """Where process ``pid`` is, from /proc: its state, the kernel function it sleeps in and
-    its syscall, and (as root) its kernel stack: for an exec server that does not answer,
-    which kernel lock or wait holds it, e.g. ``pid 4242: D, in percpu_rwsem_wait, syscall 1,
-    stack percpu_rwsem_wait < cgroup_attach_lock < ...``."""
-    base = f"/proc/{pid}"
-    try:
-        with open(f"{base}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return f"pid {pid}: gone"
-    parts = [f"pid {pid}: {state}"]
-    for name, label in (("wchan", "in"), ("syscall", "syscall")):
-        try:
-            with open(f"{base}/{name}") as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text and text != "0":
-            parts.append(f"{label} {text.split()[0]}")
-    try:  # root: the kernel stack, innermost first
-        with open(f"{base}/stack") as f:
-            frames = [ln.split("] ", 1)[-1].split("+", 1)[0] for ln in f.read().splitlines()]
-    except OSError:
-        frames = []
-    if frames:
-        parts.append("stack " + " < ".join(frames[:5]))
-    return ", ".join(parts)

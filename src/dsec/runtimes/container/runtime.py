@@ -75,7 +75,7 @@ from dsec.models import ExecRequest, ExecResult, LayerInfo, SnapshotRequest
 from dsec.privileged.cgroups import CGROUP_ROOT, CgroupV1
 from dsec.privileged.netns import NetnsSockets
 from dsec.privileged.nodesetup import NodeReport, prepare_node
-from dsec.privileged.reaper import REAPER, reap_pid
+from dsec.privileged.reaper import REAPER, reap_pid, where_is
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 
 if TYPE_CHECKING:
@@ -428,9 +428,14 @@ class ContainerRuntime:
             try:
                 out, err = proc.communicate(timeout=_OCI_TIMEOUT_S)
             except subprocess.TimeoutExpired:
+                where = where_is(proc.pid)  # e.g. a kernel lock it waits on
                 proc.kill()
                 proc.communicate()
-                raise
+                log.warning("%s %s timed out: %s", os.path.basename(cmd[0]), args[0], where)
+                raise SandboxError(
+                    f"{os.path.basename(cmd[0])} {args[0]} did not finish within "
+                    f"{_OCI_TIMEOUT_S:g} s (the node is overloaded? {where})"
+                ) from None
             return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
     def _read_rootfs_file(self, rootfs: Path, path: str) -> str | None:
