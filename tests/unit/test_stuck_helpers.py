@@ -4,6 +4,7 @@ to root)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import time
@@ -33,10 +34,10 @@ def test_a_sleeping_process_is_shown_with_where_it_sleeps() -> None:
 
 
 def test_an_oci_runtime_that_hangs_is_killed_and_described(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`crun run` past its timeout: a SandboxError naming the step and where it was stuck
-    (not subprocess's TimeoutExpired with the whole command line)."""
+    """`crun run` past its timeout: a SandboxError naming the step (not subprocess's
+    TimeoutExpired with the whole command line), and where it was stuck in the log."""
     import dsec.runtimes.container.runtime as container_runtime
     from dsec.config import Paths
     from dsec.layers.mounts import LayerMounts
@@ -48,8 +49,10 @@ def test_an_oci_runtime_that_hangs_is_killed_and_described(
     monkeypatch.setattr(container_runtime, "_OCI_TIMEOUT_S", 0.3)
     rt = ContainerRuntime(Paths(tmp_path / "home"), LayerMounts(tmp_path / "m"))
     rt._oci = str(slow)
-    with pytest.raises(SandboxError) as info:
-        rt._run_oci("run", "--detach", "sb-x")
+    with caplog.at_level(logging.WARNING, logger="dsec.runtimes.container.runtime"):
+        with pytest.raises(SandboxError) as info:
+            rt._run_oci("run", "--detach", "sb-x")
     text = info.value.message
-    assert "crun run did not finish within 0.3 s" in text and "pid " in text, text
-    assert "sleep 30" not in text  # not the command line
+    assert "crun run did not finish within 0.3 s" in text, text
+    assert "sleep 30" not in text and "pid " not in text  # no command line, no host details
+    assert "crun run timed out: pid " in caplog.text  # where it waited: for the operator

@@ -238,7 +238,9 @@ class ExecServer:
         if msg:
             detail = _error_text(msg)
         elif timed_out:
-            detail = f"no answer within {timeout_s:g} s ({where})"
+            # where it waits (kernel functions) is the operator's business: the log, not
+            # the tenant's error
+            detail = f"no answer within {timeout_s:g} s (the node's log says where it waited)"
             log.warning("exec server %d did not answer its attach: %s", self.pid, where)
         else:
             detail = "it exited without an answer"

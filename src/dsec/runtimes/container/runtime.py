@@ -432,9 +432,9 @@ class ContainerRuntime:
                 proc.kill()
                 proc.communicate()
                 log.warning("%s %s timed out: %s", os.path.basename(cmd[0]), args[0], where)
-                raise SandboxError(
+                raise SandboxError(  # where it waited: in the log only (kernel internals)
                     f"{os.path.basename(cmd[0])} {args[0]} did not finish within "
-                    f"{_OCI_TIMEOUT_S:g} s (the node is overloaded? {where})"
+                    f"{_OCI_TIMEOUT_S:g} s (the node is overloaded? its log says where it waited)"
                 ) from None
             return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
