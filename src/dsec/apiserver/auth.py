@@ -39,6 +39,7 @@ __all__ = [
     "KeyVerifier",
     "StaticKeys",
     "generate_key",
+    "key_digest",
     "owner_id",
 ]
 
@@ -50,13 +51,14 @@ def generate_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
-def _sha256(key: str) -> str:
+def key_digest(key: str) -> str:
+    """What a key is stored as: the hex SHA-256 of its text (surrogates kept)."""
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def owner_id(key: str) -> str:
     """The stable owner id of a key: ``k`` + the first 16 hex digits of its SHA-256."""
-    return "k" + _sha256(key)[:16]
+    return "k" + key_digest(key)[:16]
 
 
 class KeyVerifier(Protocol):
@@ -89,7 +91,7 @@ class KeyRecord:
 
 def _lookup(records: Iterable[KeyRecord], key: str) -> str | None:
     """Constant-time over all records: no early exit, compare_digest on every hash."""
-    digest = _sha256(key)
+    digest = key_digest(key)
     found: str | None = None
     for rec in records:
         if hmac.compare_digest(rec.sha256, digest):
@@ -102,7 +104,7 @@ class StaticKeys:
     operator's keys (none by default)."""
 
     def __init__(self, keys: Iterable[str], operators: Iterable[str] = ()) -> None:
-        self._records = [KeyRecord(owner_id(k), _sha256(k), time.time()) for k in keys]
+        self._records = [KeyRecord(owner_id(k), key_digest(k), time.time()) for k in keys]
         self._operators = {owner_id(k) for k in operators}
 
     def verify(self, key: str) -> str | None:
@@ -198,7 +200,7 @@ class KeyStore:
                     f.write(key + "\n")
             os.chmod(self.key_file, 0o600)
             self._records.append(
-                KeyRecord(owner_id(key), _sha256(key), time.time(), "default", "operator")
+                KeyRecord(owner_id(key), key_digest(key), time.time(), "default", "operator")
             )
             self._save()
 
@@ -231,7 +233,7 @@ class KeyStore:
         role = "operator" if operator else "user"
         with self._exclusive():
             self._reload(force=True)
-            self._records.append(KeyRecord(owner_id(key), _sha256(key), time.time(), name, role))
+            self._records.append(KeyRecord(owner_id(key), key_digest(key), time.time(), name, role))
             self._save()
         return key
 
@@ -243,7 +245,7 @@ class KeyStore:
                 r
                 for r in self._records
                 if r.owner != key_or_owner
-                and not hmac.compare_digest(r.sha256, _sha256(key_or_owner))
+                and not hmac.compare_digest(r.sha256, key_digest(key_or_owner))
             ]
             changed = len(keep) != len(self._records)
             if changed:

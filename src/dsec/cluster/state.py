@@ -369,9 +369,9 @@ class ClusterState:
             )
 
     def remove_key(self, key_or_owner: str) -> bool:
-        import hashlib
+        from dsec.apiserver.auth import key_digest
 
-        digest = hashlib.sha256(key_or_owner.encode("utf-8", "surrogateescape")).hexdigest()
+        digest = key_digest(key_or_owner)
         with self._cursor() as cur:
             cur.execute(
                 "DELETE FROM dsec_api_keys WHERE owner = %s OR sha256 = %s", (key_or_owner, digest)
@@ -485,11 +485,9 @@ class PgKeyStore:
             self._db_ok = True
 
     def _add(self, key: str, name: str) -> None:
-        import hashlib
+        from dsec.apiserver.auth import key_digest, owner_id
 
-        from dsec.apiserver.auth import owner_id
-
-        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+        digest = key_digest(key)
         owner = owner_id(key)
         self.state.add_key(digest, owner, name)
         with self._lock:
@@ -497,9 +495,9 @@ class PgKeyStore:
             self._cache = [*self._cache, (digest, owner)]
 
     def verify(self, key: str) -> str | None:
-        import hashlib
+        from dsec.apiserver.auth import key_digest
 
-        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+        digest = key_digest(key)
         found = self._find(digest)
         if found is None:  # a key another replica just created, or a bad key
             found = self._look_up(digest)
@@ -573,10 +571,10 @@ class PgKeyStore:
         return key
 
     def revoke(self, key_or_owner: str) -> bool:
-        import hashlib
+        from dsec.apiserver.auth import key_digest
 
         ok = self.state.remove_key(key_or_owner)
-        digest = hashlib.sha256(key_or_owner.encode("utf-8", "surrogateescape")).hexdigest()
+        digest = key_digest(key_or_owner)
         with self._lock:  # at once on this replica; the others within refresh_s
             self._cache = [(d, o) for d, o in self._cache if d != digest and o != key_or_owner]
         return ok

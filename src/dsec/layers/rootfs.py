@@ -62,14 +62,13 @@ SANDBOX_ROOT_SOURCE = "dsec-sandboxes"
 """The source name of the tmpfs :func:`mount_sandbox_root` mounts (as mountinfo shows it)."""
 
 
-def _root_mount(root: Path) -> str | None:
-    """The filesystem type :func:`mount_sandbox_root` mounted exactly at ``root`` (known by
-    its source name), or None."""
+def _root_mounted(root: Path) -> bool:
+    """Whether the tmpfs of :func:`mount_sandbox_root` (known by its source name) is mounted
+    exactly at ``root``."""
     here = Path(os.path.abspath(root))
-    for e in mountinfo_entries(root):
-        if e.mountpoint == here and e.source == SANDBOX_ROOT_SOURCE:
-            return e.fstype
-    return None
+    return any(
+        e.mountpoint == here and e.source == SANDBOX_ROOT_SOURCE for e in mountinfo_entries(root)
+    )
 
 
 def mount_sandbox_root(root: Path) -> bool:
@@ -89,7 +88,7 @@ def mount_sandbox_root(root: Path) -> bool:
     (half of memory), pages are used only as files are written.
     """
     root.mkdir(parents=True, exist_ok=True)
-    if _root_mount(root) is not None:
+    if _root_mounted(root):
         return True
     if any(os.scandir(root)):
         log.info("%s holds sandboxes already: their directories stay on its filesystem", root)
@@ -105,7 +104,7 @@ def mount_sandbox_root(root: Path) -> bool:
 def release_sandbox_root(root: Path) -> None:
     """Unmount the tmpfs of :func:`mount_sandbox_root` if nothing is left in it (never
     lazily: a sandbox's mounts below it would be hidden, not gone)."""
-    if _root_mount(root) is None:
+    if not _root_mounted(root):
         return
     try:
         if any(os.scandir(root)):

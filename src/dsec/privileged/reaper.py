@@ -347,12 +347,10 @@ def where_is(pid: int) -> str:
     which kernel lock or wait holds it, e.g. ``pid 4242: D, in percpu_rwsem_wait, syscall 1,
     stack percpu_rwsem_wait < cgroup_attach_lock < ...``."""
     base = f"/proc/{pid}"
-    try:
-        with open(f"{base}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    st = proc_stat(pid)
+    if st is None:
         return f"pid {pid}: gone"
-    parts = [f"pid {pid}: {state}"]
+    parts = [f"pid {pid}: {st.state}"]
     for name, label in (("wchan", "in"), ("syscall", "syscall")):
         try:
             with open(f"{base}/{name}") as f:
