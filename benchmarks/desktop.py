@@ -153,14 +153,23 @@ CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
 
 def sandbox_pss_mib(ids: list[str]) -> tuple[float, int]:
     """Proportional set size (shared pages split between their users) of every process in
-    the memory cgroups named after the sandboxes ``ids`` (and their children), MiB; and
-    how many of the sandboxes had such a cgroup. Unlike MemAvailable it does not move
-    with what other tenants of the machine do meanwhile."""
+    the memory cgroups of the sandboxes ``ids`` (and their children), MiB; and how many of
+    the sandboxes had such a cgroup. A cgroup is a sandbox's when it is named after it or
+    labelled with it (``trusted.dsec.sandbox``: a container claimed from the warm pool
+    keeps its warm name). Unlike MemAvailable it does not move with what other tenants of
+    the machine do meanwhile."""
     want = set(ids)
     found = 0
     pids: set[int] = set()
+
+    def label(path: str) -> str:
+        try:
+            return os.getxattr(path, "trusted.dsec.sandbox").decode()
+        except OSError:
+            return ""
+
     for dirpath, dirnames, _ in os.walk(CGROUP_MEMORY):
-        if os.path.basename(dirpath) not in want:
+        if os.path.basename(dirpath) not in want and label(dirpath) not in want:
             if dirpath.count("/") - str(CGROUP_MEMORY).count("/") >= 4:
                 dirnames.clear()
             continue
