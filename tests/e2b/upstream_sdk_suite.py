@@ -82,11 +82,11 @@ CAUSES: list[Cause] = [
         ),
     ),
     Cause(
-        "get_host: ports private by default (E2B: public), 401 where E2B answers 403",
+        "get_host: ports private by default (E2B: public)",
         (
             r"/test_host::",
             r"::test_auto_resume_wakes_on_http_request",
-            r"/test_network::test_allow_public_traffic",
+            r"/test_network::test_https_ports",
         ),
     ),
     Cause(

@@ -62,6 +62,10 @@ def server() -> Iterator[BackgroundServer]:
     # clients name the TLS port in the host (E2B's get_host has no port of its own)
     srv.ports.domain = f"{DOMAIN}:{srv.tls_port}"
     with srv:
+        # the built-in image the E2B tests use, built first on a fresh layer cache (while
+        # it is built, a create answers a retryable 503 that E2B's SDK does not retry;
+        # dsec's waits)
+        Sandbox.create(image="debian", url=srv.url, api_key=srv.api_key, timeout=900).kill()
         yield srv
     shutil.rmtree(home, ignore_errors=True)
 
@@ -136,7 +140,7 @@ def test_e2b_get_host_reaches_python_http_server(
             assert r.status_code == 200, r.text
             assert r.text == "hello from the sandbox\n"
             # without the token: refused; a directory listing as any browser gets it
-            assert c.get(f"https://{host}/hello.txt").status_code == 401
+            assert c.get(f"https://{host}/hello.txt").status_code == 403
             r = c.get(
                 f"https://{host}/", headers={"e2b-traffic-access-token": sbx.traffic_access_token}
             )

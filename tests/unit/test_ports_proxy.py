@@ -342,6 +342,12 @@ def test_host_route_and_e2b_header_route(h: Harness) -> None:
         assert r.status_code == 201 and r.json()["target"] == "/v1/sandboxes"
         r = c.get("/", headers={"host": f"nonsense.{DOMAIN}"})
         assert r.status_code == 404
+        # no token, or a wrong one: 403 as E2B's proxy answers (the /v1 route says 401)
+        for bad in ({}, {"e2b-traffic-access-token": "nope"}, {"x-dsec-port-token": "nope"}):
+            r = c.get("/", headers={"host": f"8000-{sid}.{DOMAIN}", **bad})
+            assert r.status_code == 403, (bad, r.text)
+            assert r.json()["error"]["code"] == "permission_denied"
+            assert "E2B-Traffic-Access-Token" in r.json()["error"]["message"]
         r = c.get("/", headers={"host": f"0-{sid}.{DOMAIN}", "x-dsec-port-token": token})
         assert r.status_code == 400
         r = c.post(
@@ -537,7 +543,7 @@ async def test_host_route_of_the_envd_port_is_the_e2b_api() -> None:
         )
         assert r.status_code == 502 and r.json()["error"]["code"] == "port_not_listening"
         r = await c.get("/e2b/envd/x", headers={"e2b-sandbox-id": sid, "e2b-sandbox-port": "8000"})
-        assert r.status_code == 401
+        assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
     from dsec.server import close_app
 
     await close_app(app)

@@ -36,7 +36,9 @@ request reaches the sandbox):
   bits and is the secret (anyone who has the URL reaches its ports).
 
 Answers of the proxy itself are JSON errors: 400 bad port (0, > 65535, not a number), 401
-no credential, 404 a sandbox that does not exist or belongs to another key (the same
+no valid credential on a ``/v1`` route (as the rest of dsec's API), 403 no valid
+credential on a host or E2B route (as E2B's proxy answers a missing or wrong traffic
+token), 404 a sandbox that does not exist or belongs to another key (the same
 answer), 429 too many connections to that sandbox, 502 nothing listens on the port (or
 the server there closed without answering), 503 the sandbox's node is unreachable. A
 paused sandbox is resumed by the connection. Everything else comes from the sandbox's
@@ -79,6 +81,7 @@ from dsec.errors import (
     DsecError,
     InternalError,
     InvalidRequest,
+    PermissionDenied,
     SandboxNotFound,
 )
 
@@ -403,12 +406,17 @@ class PortProxy:
         if owner is None:
             owner = await self._public_owner(target.sandbox_id)
         if owner is None:
-            raise AuthenticationError(
+            message = (
                 "this sandbox port needs a credential: 'Authorization: Bearer <key>', the "
-                "sandbox's access token (X-Dsec-Port-Token header, dsec_port_token cookie, "
-                "?dsec_token= or a /_dsec_token/<token> path prefix; see sb.get_url()), or a "
-                "sandbox created with public_ports=True"
+                "sandbox's access token (X-Dsec-Port-Token or E2B-Traffic-Access-Token "
+                "header, dsec_port_token cookie, ?dsec_token= or a /_dsec_token/<token> path "
+                "prefix; see sb.get_url()), or a sandbox created with public_ports=True"
             )
+            if target.route == PATH_ROUTE or target.tcp:
+                raise AuthenticationError(message)  # dsec's API: no valid key is 401
+            # the routes E2B's clients use: E2B's proxy answers a missing or wrong
+            # traffic token with 403
+            raise PermissionDenied(message)
         scope.setdefault("state", {})["owner"] = owner
         return owner, url_token, target
 
