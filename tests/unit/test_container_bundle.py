@@ -191,6 +191,27 @@ async def test_files_roundtrip(rooted: tuple[RootedFiles, Path, Path]) -> None:
     assert not (root / "d").exists()
 
 
+def test_replace_now_replaces_a_symlink_and_never_follows_it(
+    rooted: tuple[RootedFiles, Path, Path],
+) -> None:
+    """What a node writes into an image's /etc/resolv.conf: an image's symlink (to the
+    host's file, say) is replaced, its target left alone."""
+    files, root, outside = rooted
+    (root / "etc/resolv.conf").symlink_to(outside)
+    files.replace_now("/etc/resolv.conf", b"nameserver 10.0.0.1\n")
+    assert not (root / "etc/resolv.conf").is_symlink()
+    assert (root / "etc/resolv.conf").read_bytes() == b"nameserver 10.0.0.1\n"
+    assert outside.read_text() == "HOST SECRET"
+    files.replace_now("/etc/resolv.conf", b"nameserver 10.0.0.2\n")  # a file: rewritten
+    assert files.read_now("/etc/resolv.conf", 100) == b"nameserver 10.0.0.2\n"
+    (root / "etc/link").symlink_to("../../outside-secret")  # resolved inside the root
+    with pytest.raises(FileNotFound):
+        files.read_now("/etc/link", 100)
+    with pytest.raises(PathOutsideSandbox):
+        files.replace_now("/../outside-secret", b"x")
+    assert outside.read_text() == "HOST SECRET"
+
+
 async def test_files_refuse_escapes(rooted: tuple[RootedFiles, Path, Path]) -> None:
     files, root, outside = rooted
     for bad in ("/../outside-secret", "/etc/../../outside-secret", "/../../../../etc/passwd"):

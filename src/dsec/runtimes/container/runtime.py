@@ -439,9 +439,8 @@ class ContainerRuntime:
             return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
     def _read_rootfs_file(self, rootfs: Path, path: str) -> str | None:
-        files = RootedFiles(rootfs)
         try:
-            return files._guard(files._read_sync, path, _USER_DB_MAX_BYTES).decode(errors="replace")
+            return RootedFiles(rootfs).read_now(path, _USER_DB_MAX_BYTES).decode(errors="replace")
         except DsecError as e:
             if isinstance(e, PayloadTooLarge):
                 raise InvalidRequest(f"the sandbox's {path} is too large to parse") from e
@@ -638,14 +637,9 @@ class ContainerRuntime:
         net = await self._require_network().setup(spec.id, spec.network, netns=netns)
         state["network"] = True
         self._write_state(spec.id, state)
-        files = RootedFiles(rootfs)
-        data = net.resolv_conf.encode()
-        # a few bytes: written on the loop (a thread hop cost more than the write)
-        try:
-            files._guard(files._write_sync, "/etc/resolv.conf", data, 0o644, True)
-        except DsecError:  # e.g. a symlink in the image: replace it with our file
-            files._guard(files._remove_sync, "/etc/resolv.conf", False)
-            files._guard(files._write_sync, "/etc/resolv.conf", data, 0o644, True)
+        # a few bytes: written on the loop (a thread hop cost more than the write); a
+        # symlink in the image is replaced with our file
+        RootedFiles(rootfs).replace_now("/etc/resolv.conf", net.resolv_conf.encode())
         return str(net.netns_path)
 
     # ------------------------------------------------------------------ warm pool
