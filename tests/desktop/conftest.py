@@ -4,7 +4,8 @@ host routes on ``desktop.test`` and its TLS listener, sharing the session's laye
 
 Also the web page the tests and the example drive (:data:`PAGE`): a green button that
 turns the page red and counts clicks in the title, a text field, a pad that reports drags,
-and a tall body whose scrolling the title reports. :func:`find_color` finds the button in
+right and middle clicks counted in the title, and a tall body whose scrolling the title
+reports. :func:`find_color` finds the button in
 a screenshot as an agent would.
 """
 
@@ -28,6 +29,7 @@ EVIDENCE = Path(__file__).with_name("evidence")
 """Screenshots kept as test evidence (committed)."""
 
 BUTTON_RGB = (0, 200, 83)
+PAD_RGB = (0x29, 0x62, 0xFF)
 PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>dsec desktop test</title>
 <style>
@@ -58,6 +60,13 @@ PAGE = """<!doctype html>
     down = null;
   });
   window.addEventListener("scroll", function () { document.title = "scrolled " + window.scrollY; });
+  var menus = 0, middles = 0;
+  document.addEventListener("contextmenu", function (e) {
+    e.preventDefault(); menus += 1; document.title = "context " + menus;
+  });
+  document.addEventListener("auxclick", function (e) {
+    if (e.button === 1) { e.preventDefault(); middles += 1; document.title = "middle " + middles; }
+  });
 </script>
 </body></html>
 """

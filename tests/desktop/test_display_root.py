@@ -15,11 +15,9 @@ import pytest
 from dsec import CapabilityNotSupported, DisplayNotRunning, InvalidRequest, Sandbox
 from dsec.server import BackgroundServer
 
-from .conftest import BUTTON_RGB, EVIDENCE, PAGE, find_color, wait_for
+from .conftest import BUTTON_RGB, EVIDENCE, PAD_RGB, PAGE, find_color, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
-
-PAD_RGB = (0x29, 0x62, 0xFF)
 
 
 def _size(png: bytes) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -19,7 +20,7 @@ import pytest
 
 from dsec.server import BackgroundServer
 
-from .conftest import BUTTON_RGB, DOMAIN, EVIDENCE, PAGE, find_color, wait_for
+from .conftest import BUTTON_RGB, DOMAIN, EVIDENCE, PAD_RGB, PAGE, find_color, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -92,6 +93,22 @@ def test_e2b_desktop_calls(desktop: object) -> None:
     current = sbx.get_current_window_id()  # type: ignore[attr-defined]
     assert sbx.get_window_title(current).startswith("typed []")  # type: ignore[attr-defined]
 
+    sbx.right_click(x, y)  # type: ignore[attr-defined]
+    wait_for(lambda: _titles(sbx, "context 1"), "right_click()")
+    sbx.middle_click(x, y)  # type: ignore[attr-defined]
+    wait_for(lambda: _titles(sbx, "middle 1"), "middle_click()")
+    px, py = find_color(sbx.screenshot(), PAD_RGB)  # type: ignore[attr-defined]
+    sbx.drag((px, py), (px + 70, py + 50))  # type: ignore[attr-defined]  # mouse_press/release
+    wait_for(lambda: _titles(sbx, "dragged 70 50"), "drag()")
+    sbx.move_mouse(x, y)  # type: ignore[attr-defined]
+    sbx.scroll("down", 3)  # type: ignore[attr-defined]
+    scrolled = wait_for(lambda: _titles(sbx, "scrolled "), "scroll('down', 3)")
+    assert int(scrolled.split()[1]) > 0
+    sbx.scroll("up", 10)  # type: ignore[attr-defined]
+    wait_for(lambda: _titles(sbx, "scrolled 0"), "scroll('up', 10)")
+    chunks = b"".join(sbx.screenshot(format="stream"))  # type: ignore[attr-defined]
+    assert Image.open(io.BytesIO(chunks)).size == (1024, 768)
+
     sbx.launch("xfce4-terminal")  # type: ignore[attr-defined]
     wait_for(lambda: _windows(sbx, "xfce4-terminal"), "the launched terminal")
 
@@ -111,15 +128,21 @@ def _has(png: bytes) -> bool:
     return True
 
 
-def test_e2b_desktop_stream_in_chromium(desktop: object, e2b_env: BackgroundServer) -> None:
-    playwright = pytest.importorskip("playwright.sync_api")
+def _page_on_screen(sbx: Any) -> None:
+    """Skip without Chromium or Playwright on the host; else show the test page in the
+    sandbox's browser (something of the sandbox's own to look for in the stream: the
+    page's green button)."""
+    pytest.importorskip("playwright.sync_api")
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"{CHROMIUM} is missing (scripts/bootstrap.sh installs chromium)")
-    sbx = desktop
-    # something of the sandbox's own to look for in the stream: the page's green button
-    sbx.files.write("/home/user/page.html", PAGE)  # type: ignore[attr-defined]
-    sbx.open("/home/user/page.html")  # type: ignore[attr-defined]
+    sbx.files.write("/home/user/page.html", PAGE)
+    sbx.open("/home/user/page.html")
     wait_for(lambda: _titles(sbx, "dsec desktop test"), "Chromium with the page")
+
+
+def test_e2b_desktop_stream_in_chromium(desktop: object, e2b_env: BackgroundServer) -> None:
+    sbx = desktop
+    _page_on_screen(sbx)
     sbx.stream.start()  # type: ignore[attr-defined]
     url = sbx.stream.get_url()  # type: ignore[attr-defined]
     parts = urlsplit(url)
@@ -130,14 +153,48 @@ def test_e2b_desktop_stream_in_chromium(desktop: object, e2b_env: BackgroundServ
 
     token = sbx.traffic_access_token  # type: ignore[attr-defined]
     assert token
-    with playwright.sync_playwright() as p:
+    with _browser(token) as page:
+        shot = _connected(page, url)
+        EVIDENCE.mkdir(exist_ok=True)
+        (EVIDENCE / "e2b-desktop-novnc-stream.png").write_bytes(shot)
+    sbx.stream.stop()  # type: ignore[attr-defined]
+    wait_for(
+        lambda: sbx.commands.run("pgrep -x x11vnc || true").stdout.strip() == "",  # type: ignore[attr-defined]
+        "x11vnc to stop",
+        20,
+    )
+
+
+def test_e2b_desktop_stream_with_an_auth_key(desktop: object) -> None:
+    """``stream.start(require_auth=True)``: x11vnc asks for the generated password, so the
+    noVNC page draws the desktop with ``get_url(auth_key=...)`` and asks for credentials
+    without it."""
+    sbx = desktop
+    _page_on_screen(sbx)
+    sbx.stream.start(require_auth=True)  # type: ignore[attr-defined]
+    key = sbx.stream.get_auth_key()  # type: ignore[attr-defined]
+    assert len(key) == 16
+    token = sbx.traffic_access_token  # type: ignore[attr-defined]
+    with _browser(token) as page:
+        _connected(page, sbx.stream.get_url(auth_key=key))  # type: ignore[attr-defined]
+    with _browser(token) as page:
+        answer = _goto(page, sbx.stream.get_url())  # type: ignore[attr-defined]
+        assert answer is not None and answer.status == 200
+        page.wait_for_selector("#noVNC_credentials_dlg.noVNC_open", timeout=60_000)
+    sbx.stream.stop()  # type: ignore[attr-defined]
+
+
+@contextmanager
+def _browser(token: str) -> Iterator[Any]:
+    """A page of Debian's headless Chromium that resolves the proxy's host routes to this
+    node and sends the sandbox's traffic token, as a viewer of the stream would."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM,
             headless=True,
-            args=[
-                f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1",
-                "--no-sandbox",
-            ],
+            args=[f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1", "--no-sandbox"],
         )
         try:
             # the node's own authority is not in the browser's store (httpx tests check it)
@@ -146,27 +203,23 @@ def test_e2b_desktop_stream_in_chromium(desktop: object, e2b_env: BackgroundServ
                 extra_http_headers={"E2B-Traffic-Access-Token": token},
                 viewport={"width": 1100, "height": 850},
             )
-            page = ctx.new_page()
-            answer = _goto(page, url)
-            assert answer is not None and answer.status == 200
-            assert "noVNC" in page.title()
-            # connected: noVNC hides its status bar and draws the remote screen on a canvas
-            page.wait_for_function(
-                "() => { const c = document.querySelector('#noVNC_container canvas')"
-                " || document.querySelector('canvas'); return c && c.width >= 1024; }",
-                timeout=60_000,
-            )
-            shot = _wait_drawn(page)
-            EVIDENCE.mkdir(exist_ok=True)
-            (EVIDENCE / "e2b-desktop-novnc-stream.png").write_bytes(shot)
+            yield ctx.new_page()
         finally:
             browser.close()
-    sbx.stream.stop()  # type: ignore[attr-defined]
-    wait_for(
-        lambda: sbx.commands.run("pgrep -x x11vnc || true").stdout.strip() == "",  # type: ignore[attr-defined]
-        "x11vnc to stop",
-        20,
+
+
+def _connected(page: Any, url: str) -> bytes:
+    """Load the noVNC page at ``url`` and return a screenshot once it shows the desktop."""
+    answer = _goto(page, url)
+    assert answer is not None and answer.status == 200
+    assert "noVNC" in page.title()
+    # connected: noVNC hides its status bar and draws the remote screen on a canvas
+    page.wait_for_function(
+        "() => { const c = document.querySelector('#noVNC_container canvas')"
+        " || document.querySelector('canvas'); return c && c.width >= 1024; }",
+        timeout=60_000,
     )
+    return _wait_drawn(page)
 
 
 def _wait_drawn(page: object) -> bytes:

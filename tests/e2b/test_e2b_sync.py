@@ -74,8 +74,9 @@ def test_run_foreground_envs_cwd_user_and_streaming(sbx: Sandbox) -> None:
     assert sbx.commands.run("whoami; echo $HOME", user="root").stdout == "root\n/root\n"
     chunks: list[str] = []
     errs: list[str] = []
+    # gaps long enough that a loaded 2-core CI machine still reads each line on its own
     r = sbx.commands.run(
-        "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.05; done",
+        "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.3; done",
         on_stdout=chunks.append,
         on_stderr=errs.append,
     )
