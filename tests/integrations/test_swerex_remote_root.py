@@ -68,7 +68,7 @@ def _stage(dest: Path) -> None:
 async def test_remote_deployment_through_get_url(sdk_env: LiveServer, tmp_path: Path) -> None:
     stage = tmp_path / "swerex-site"
     _stage(stage)
-    token = secrets.token_urlsafe(16)
+    token = secrets.token_hex(16)  # token_urlsafe may start with "-", an option to argparse
     async with await AsyncSandbox.create(image="debian", memory_mb=512, disk_mb=1024) as sb:
         py = (await sb.commands.run("python3 -c 'import sys; print(sys.version_info[:2])'")).stdout
         if py.strip() != str(sys.version_info[:2]):
