@@ -4,7 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export DSEC_URL ?= http://127.0.0.1:7070
 
-.PHONY: setup demo test lint typecheck unit openapi bench clean-home
+# parallel test workers (pytest-xdist): the suite mostly waits (image builds, VM boots,
+# servers), so more workers than the 2 cores of a CI machine keep them busy
+TEST_WORKERS ?= 4
+
+.PHONY: setup demo test lint typecheck unit openapi bench clean-home warm-images test-flakes
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -19,11 +23,20 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-test: setup lint typecheck
-	$(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
+# builds the images the root tests need (once per machine: a cache keyed by recipe) in the
+# background, while lint, typecheck and the root-free tests run; root tests wait for it
+warm-images: setup
+	@if [[ $$(id -u) -eq 0 ]]; then $(PY) -m tests.warm_images --background; fi
+
+test: setup warm-images lint typecheck
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -q -ra --durations=15 $(PYTEST_ARGS)
 
 unit: setup
-	$(PY) -m pytest -q -m "not root" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -q -m "not root" $(PYTEST_ARGS)
+
+# every test that did not pass every time, under a CPU load beside it (scripts/flakes.py)
+test-flakes: setup
+	$(PY) scripts/flakes.py $(FLAKES_ARGS)
 
 openapi: setup
 	$(PY) scripts/gen_openapi.py

@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 from tests.cluster.conftest import ClusterServer, RayTestCluster, start_cluster_server
+from tests.conftest import wait_until
+from tests.timing import budget
 
 from dsec import Sandbox
 from dsec.errors import (
@@ -253,7 +255,7 @@ def test_restarted_edge_reconciles(cluster_server: ClusterServer) -> None:
         sb.files.write("/before.txt", b"still here")
         pid = _edge_pid(cluster_server, "w1")
         os.kill(pid, signal.SIGKILL)  # the edge actor's process dies; Ray restarts it
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + budget(90)
         while True:
             try:
                 assert sb.files.read("/before.txt") == b"still here"
@@ -304,14 +306,16 @@ def test_node_loss_is_reported_in_bounded_time(
                 break
             except ServiceUnavailable:
                 pass
-            assert time.monotonic() - t0 < 20, "the lost node's sandbox was not reported lost"
+            assert time.monotonic() - t0 < budget(20), (
+                "the lost node's sandbox was not reported lost"
+            )
             time.sleep(0.2)
         lost_after = time.monotonic() - t0
         # calls to it fail fast; the other node is unaffected
         t1 = time.monotonic()
         with pytest.raises(NodeLost):  # a SandboxNotFound, for clients that only know that
             on_w1.commands.run("echo never")
-        assert time.monotonic() - t1 < 5
+        assert time.monotonic() - t1 < budget(5)  # fast: not a wait for the node
         assert on_head.commands.run("echo fine").stdout == "fine\n"
         listed = {
             s.id: s
@@ -336,7 +340,7 @@ def test_node_loss_is_reported_in_bounded_time(
         # answers for the sandbox again: recovered if its container outlived the node's Ray
         # processes, else stopped with the reconcile's reason (never NodeLost any more)
         ray_cluster.add_worker("w1")
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + budget(120)
         last: Exception | None = None
         while True:
             try:
@@ -375,7 +379,7 @@ def test_unreachable_ray_or_database_exits_cleanly(tmp_path: Path, postgres: Any
     )
     assert bad_ray.returncode != 0
     assert "Ray cluster" in bad_ray.stderr
-    assert time.monotonic() - t0 < 45
+    assert time.monotonic() - t0 < budget(45)  # both gave up; neither retried for ever
 
 
 def _count_key_lookups(state: Any) -> list[str]:
@@ -444,7 +448,7 @@ def test_made_up_keys_cost_the_database_a_bounded_number_of_lookups(
             t1 = time.monotonic()
             time.sleep(1.1)  # the budget refills
             assert keys.verify("dsec_while-busy") is None
-            assert time.monotonic() - t1 < 1.1 + 0.5
+            assert time.monotonic() - t1 < 1.1 + budget(0.5)  # gave up after its 0.05 s wait
             assert keys.verify(good) == owner
     finally:
         keys.close()
@@ -465,7 +469,7 @@ def test_a_database_outage_leaves_known_keys_working(tmp_path: Path, postgres: A
         dsn = state.dsn
         state.dsn = "postgresql://dsec@127.0.0.1:1/none"  # reconnects fail from here on
         state._conn.close()
-        time.sleep(0.6)  # the reload thread has seen the outage
+        assert wait_until(lambda: not keys._db_ok, timeout_s=5)  # the reload thread saw it
         import dsec.cluster.state as cluster_state
 
         callers: list[str] = []
@@ -480,8 +484,8 @@ def test_a_database_outage_leaves_known_keys_working(tmp_path: Path, postgres: A
             t0 = time.monotonic()
             assert keys.verify(good) == owner
             assert keys.verify("dsec_unknown") is None
-            assert time.monotonic() - t0 < 0.2
-            time.sleep(0.5)
+            assert time.monotonic() - t0 < budget(0.2)
+            assert wait_until(lambda: callers, timeout_s=5)  # the reload thread tries again
         finally:
             cluster_state.connect_database = real_connect  # type: ignore[assignment]
         assert callers and threading.current_thread().name not in callers, callers
@@ -492,7 +496,7 @@ def test_a_database_outage_leaves_known_keys_working(tmp_path: Path, postgres: A
             new_key = made.create_key("made during the outage")
             made.close()
             state.dsn = dsn  # the database is back
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + budget(10)
             while keys.verify(new_key) is None and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert keys.verify(new_key) is not None

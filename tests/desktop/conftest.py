@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from tests.isolation import worker_subnet
 
 from dsec.server import BackgroundServer
 
 DOMAIN = "desktop.test"
-SUBNET = os.environ.get("DSEC_NET_SUBNET", "10.236.0.0/16")
+SUBNET = worker_subnet(236)
 EVIDENCE = Path(__file__).with_name("evidence")
 """Screenshots kept as test evidence (committed)."""
 
@@ -114,9 +115,7 @@ def server() -> Iterator[BackgroundServer]:
     home = Path(f"/tmp/dsec-desktop-{os.getpid()}")
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
-    cache = Path(os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers"))
-    if cache.is_dir():
-        (home / "layers").symlink_to(cache, target_is_directory=True)
+    # built-in images come from the machine-wide cache (tests/warm_images.py)
     srv = BackgroundServer(
         home,
         tiers=["container"],

@@ -6,7 +6,6 @@ sandbox without a desktop, a desktop whose X server died) and ``restart``."""
 from __future__ import annotations
 
 import io
-import time
 from collections.abc import Callable
 
 import httpx
@@ -93,7 +92,10 @@ def test_display_api_drives_chromium(server: BackgroundServer) -> None:
             lambda: next((w for w in sb.display.windows() if w.wm_class == "Xfce4-terminal"), None),
             "the terminal window",
         )
-        time.sleep(1)  # its shell starts
+        wait_for(  # its shell starts (a child of the terminal)
+            lambda: sb.commands.run('pgrep -P "$(pgrep -n -x xfce4-terminal)"').exit_code == 0,
+            "the terminal's shell",
+        )
         sb.display.click(term.x + term.width // 2, term.y + term.height // 2)  # focus it
         sb.display.type("echo typed-in-the-terminal > /tmp/typed\n")
         wait_for(

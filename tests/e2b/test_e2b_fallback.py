@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from e2b.sandbox.commands.command_handle import PtySize
+from tests.timing import budget
 
 from conftest import E2BServer, StreamOnlyEdge, serve_e2b
 from dsec.e2b import InteractiveExec
@@ -37,7 +38,7 @@ def test_commands_over_exec_stream(stream_only_server: E2BServer) -> None:
             sbx.commands.run("sleep 20", timeout=0.5)
 
         bg = sbx.commands.run("sleep 30", background=True)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + budget(5)
         while [p.pid for p in sbx.commands.list()] != [bg.pid] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [p.pid for p in sbx.commands.list()] == [bg.pid]
@@ -56,7 +57,7 @@ def test_commands_over_exec_stream(stream_only_server: E2BServer) -> None:
         assert "unimplemented" in str(err.value).lower()
         # Nothing was left running in the sandbox (a killed process leaves the table once
         # its stream has ended: give it a moment, as the other process-table tests do).
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + budget(10)
         while sbx.commands.list() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert sbx.commands.list() == []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from tests.conftest import wait_until
 
 from conftest import E2BServer
 from e2b import Sandbox, SandboxState
@@ -36,8 +36,10 @@ def test_on_timeout_pause(e2b_server: E2BServer) -> None:
             e2b_server.call(e2b_server.edge.get_sandbox(sbx.sandbox_id, "alice")).on_timeout
             == "pause"
         )
-        time.sleep(1.2)
-        assert sbx.get_info().state == SandboxState.PAUSED
+        # its 1 s is over: paused by the edge's TTL check (every 0.05 s here)
+        assert wait_until(
+            lambda: Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED, timeout_s=5
+        )
         Sandbox.connect(sbx.sandbox_id, timeout=60)
         assert sbx.get_info().state == SandboxState.RUNNING
     finally:

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from e2b.sandbox.filesystem.filesystem import WriteEntry
+from tests.timing import budget
 
 from conftest import E2BServer, _bwrap_edge, serve_e2b
 from e2b import (
@@ -325,7 +326,7 @@ def test_set_timeout_zero_ends_the_sandbox_now(e2b_server: E2BServer) -> None:
     s = Sandbox.create("base", lifecycle={"on_timeout": "pause"})
     try:
         s.set_timeout(0)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + budget(15)
         while s.get_info().state != SandboxState.PAUSED:
             assert time.monotonic() < deadline, "set_timeout(0) did not pause the sandbox"
             time.sleep(0.2)
@@ -437,7 +438,7 @@ async def test_async_watch_streams_kernel_events(e2b_server: E2BServer) -> None:
         seen: list[Any] = []
         handle = await s.files.watch_dir("aw", lambda e: seen.append((e.name, e.type)))
         await s.commands.run("touch /home/user/aw/t; mv /home/user/aw/t /home/user/aw/u")
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + budget(5)
         while ("u", FilesystemEventType.CREATE) not in seen and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert seen == [  # touch: created, then its times set; mv: a rename, then a create
@@ -476,7 +477,7 @@ def test_an_edge_without_kernel_watches_is_polled(polling_server: E2BServer) -> 
         s.files.make_dir("p")
         handle = s.files.watch_dir("p")
         s.files.write("p/n.txt", "1")
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + budget(5)
         events: list[Any] = []
         while not events and time.monotonic() < deadline:
             events = handle.get_new_events()

@@ -21,12 +21,14 @@ from typing import Any
 
 import pytest
 from tests.conftest import _seed_layers
+from tests.isolation import worker_subnet
+from tests.timing import budget
 
 from e2b import CommandExitException, FilesystemEventType, Sandbox, SandboxState
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-SUBNET = "10.246.0.0/16"
+SUBNET = worker_subnet(246)
 """This module's sandbox subnet (distinct from other root tests' servers)."""
 OPEN_NAME, OPEN_ADDR = "any-name.e2b-parity.test", "198.51.100.7"
 """A name the node's resolver knows (a static record): an open sandbox resolves any name."""
@@ -147,7 +149,7 @@ def test_watch_dir_sees_the_sandboxs_own_changes_from_inotify(sbx: Sandbox) -> N
     sbx.files.make_dir("w")
     handle = sbx.files.watch_dir("w")
     sbx.commands.run("echo 1 > /home/user/w/a; mv /home/user/w/a /home/user/w/b; rm /home/user/w/b")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + budget(5)
     events: list[tuple[str, FilesystemEventType]] = []
     while time.monotonic() < deadline:
         events += [(e.name, e.type) for e in handle.get_new_events()]
@@ -216,7 +218,7 @@ def test_timeout_pause_filesystem_mode_keeps_only_the_files(real: Real) -> None:
         s.files.write("kept.txt", "after the timeout")
         boot = s.files.read("/proc/sys/kernel/random/boot_id")
         s.commands.run("sleep 600", background=True)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + budget(20)
         while s.get_info().state != SandboxState.PAUSED:
             assert time.monotonic() < deadline, "the timeout did not pause the sandbox"
             time.sleep(0.3)

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.timing import budget
 
 from conftest import E2BServer, pause_during_stream
 from e2b import (
@@ -150,7 +151,7 @@ def test_unread_stream_pauses_the_process_until_it_is_dropped(sbx: Sandbox) -> N
     assert not sbx.files.exists("/tmp/chatty-done")
     assert [p.pid for p in sbx.commands.list()] == [handle.pid]
     handle.disconnect()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + budget(30)
     while not sbx.files.exists("/tmp/chatty-done") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sbx.files.read("/tmp/chatty-done") == "done\n"
@@ -167,8 +168,12 @@ def test_sync_watcher_keeps_events_between_polls(sbx: Sandbox) -> None:
         sbx.files.write("/tmp/w/short-lived", "a")
         time.sleep(0.5)  # several background polls (0.05 s in tests)
         sbx.files.remove("/tmp/w/short-lived")
-        time.sleep(0.5)
-        events = [(e.name, e.type) for e in watcher.get_new_events()]
+        events: list[tuple[str, FilesystemEventType]] = []
+        deadline = time.monotonic() + budget(5)
+        while ("short-lived", FilesystemEventType.REMOVE) not in events:  # a poll saw it
+            assert time.monotonic() < deadline, events
+            time.sleep(0.05)
+            events += [(e.name, e.type) for e in watcher.get_new_events()]
         assert ("short-lived", FilesystemEventType.CREATE) in events
         assert ("short-lived", FilesystemEventType.REMOVE) in events
         assert events.index(("short-lived", FilesystemEventType.CREATE)) < events.index(
@@ -181,7 +186,7 @@ def test_sync_watcher_keeps_events_between_polls(sbx: Sandbox) -> None:
 
 # --- 5: pause ends open streams ------------------------------------------------------
 def test_pause_ends_a_streaming_command_with_an_error(sbx: Sandbox) -> None:
-    blocked, outcome = pause_during_stream(sbx, 10)
+    blocked, outcome = pause_during_stream(sbx, budget(10))
     assert not blocked, "the command's stream stayed open after pause"
     assert "paused" in str(outcome.get("error")), outcome
     assert sbx.is_running() is False  # envd /health fails for a paused sandbox
@@ -269,13 +274,13 @@ def test_automatic_pause_at_timeout_ends_a_quiet_stream(e2b_server: E2BServer) -
 
         def run() -> None:
             try:
-                outcome["result"] = s.commands.run("sleep 20; echo late")
+                outcome["result"] = s.commands.run("sleep 60; echo late")
             except Exception as e:
                 outcome["error"] = e
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
-        thread.join(12)  # TTL 3 s + a 2 s state check
+        thread.join(budget(12))  # TTL 3 s + a 2 s state check
         assert not thread.is_alive(), "the stream stayed open after the automatic pause"
         assert "paused" in str(outcome.get("error")), outcome
         assert s.get_info().state.value == "paused"

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from e2b.sandbox.commands.command_handle import PtySize
 from tests.conftest import _seed_layers
+from tests.timing import budget
 
 from conftest import pause_during_stream
 from e2b import (
@@ -123,14 +124,28 @@ def test_run_foreground(sbx: Sandbox) -> None:
     r = sbx.commands.run("echo $GREETING $EXTRA; pwd; id -u", envs={"EXTRA": "world"}, cwd="/tmp")
     assert r.stdout == "hello world\n/tmp\n0\n" and r.exit_code == 0
     assert sbx.commands.run("id -u", user="65534").stdout == "65534\n"
+    # streamed as printed, not delivered at the end: each line waits until the client's
+    # on_stdout has seen the one before it (and said so by writing /tmp/ack<i>)
     out: list[str] = []
     err: list[str] = []
+    acked: list[int] = []
+
+    def on_stdout(chunk: str) -> None:
+        out.append(chunk)
+        for i in (1, 2, 3):
+            if f"out{i}\n" in "".join(out) and i not in acked:
+                acked.append(i)
+                sbx.files.write(f"/tmp/ack{i}", "")
+
+    polls = int(budget(5) / 0.05)
     r = sbx.commands.run(
-        "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.05; done",
-        on_stdout=out.append,
+        "for i in 1 2 3; do echo out$i; echo err$i >&2; n=0; until [ -e /tmp/ack$i ]; do"
+        f' n=$((n+1)); [ $n -gt {polls} ] && {{ echo "no ack$i"; break; }}; sleep 0.05; done;'
+        " done",
+        on_stdout=on_stdout,
         on_stderr=err.append,
     )
-    assert "".join(out) == "out1\nout2\nout3\n" and len(out) == 3
+    assert "".join(out) == "out1\nout2\nout3\n" and acked == [1, 2, 3]
     assert "".join(err) == "err1\nerr2\nerr3\n"
     # more output than the edge buffers (1 MiB) and the pipes hold: nothing lost
     big = sbx.commands.run("head -c 3000000 /dev/zero | tr '\\0' a")
@@ -141,12 +156,12 @@ def test_run_foreground(sbx: Sandbox) -> None:
     started = time.monotonic()
     with pytest.raises(TimeoutException):
         sbx.commands.run("sleep 30", timeout=1)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < budget(10)  # the 1 s time-out, not the 30 s sleep
     wait_no_processes(sbx)  # the timed-out command was killed
 
 
 def wait_no_processes(sbx: Sandbox, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + budget(timeout_s)
     while sbx.commands.list() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sbx.commands.list() == []
@@ -255,7 +270,7 @@ def test_edge_start_process_directly(real: RealServer, sbx: Sandbox) -> None:
         p = await edge.start_process(sid, owner, ExecRequest(cmd="sleep 30"))
         await p.signal(signal.SIGTERM)
         assert await drain(p) == []
-        assert (await asyncio.wait_for(p.wait(), 5)).signal == signal.SIGTERM
+        assert (await asyncio.wait_for(p.wait(), budget(5))).signal == signal.SIGTERM
 
         p = await edge.start_process(sid, owner, ExecRequest(cmd="sleep 30", timeout_s=0.3))
         await drain(p)
@@ -275,13 +290,17 @@ def test_edge_start_process_directly(real: RealServer, sbx: Sandbox) -> None:
         with pytest.raises(SandboxNotFound):
             await edge.start_process(sid, "someone-else", ExecRequest(cmd="true"))
 
-        await asyncio.sleep(0.2)  # the trajectory entry is committed just after the exit
-        lines = (await edge.export_trajectory(sid, owner)).splitlines()
-        entries = [json.loads(x) for x in lines if '"interactive":true' in x.replace(" ", "")]
-        stty = [e for e in entries if e["request"].get("pty") == {"cols": 91, "rows": 17}]
-        assert stty and stty[-1]["status"] == "ok" and stty[-1]["result"]["exit_code"] == 5
+        async def stty_entries() -> list[dict[str, Any]]:
+            lines = (await edge.export_trajectory(sid, owner)).splitlines()
+            entries = [json.loads(x) for x in lines if '"interactive":true' in x.replace(" ", "")]
+            return [e for e in entries if e["request"].get("pty") == {"cols": 91, "rows": 17}]
 
-    real.bg.call(scenario(), timeout=60)
+        async with asyncio.timeout(budget(5)):  # committed just after the exit
+            while not (stty := await stty_entries()) or stty[-1]["status"] != "ok":
+                await asyncio.sleep(0.05)
+        assert stty[-1]["result"]["exit_code"] == 5
+
+    real.bg.call(scenario(), timeout=budget(60))
 
 
 def test_process_survives_pause_and_ends_with_its_sandbox(real: RealServer) -> None:
@@ -307,7 +326,7 @@ def test_process_survives_pause_and_ends_with_its_sandbox(real: RealServer) -> N
             with pytest.raises(SandboxStopped):
                 await proc.wait()
 
-    real.bg.call(scenario(), timeout=60)
+    real.bg.call(scenario(), timeout=budget(60))
 
 
 def test_huge_timeouts_are_refused_and_old_huge_rows_still_render(
@@ -350,7 +369,7 @@ def test_output_beyond_the_stream_buffer_arrives_whole(sbx: Sandbox) -> None:
 def test_pause_ends_a_streaming_command(real: RealServer) -> None:
     s = Sandbox.create(TEMPLATE, timeout=120)
     try:
-        blocked, outcome = pause_during_stream(s, 15)
+        blocked, outcome = pause_during_stream(s, budget(15))
         assert not blocked, "the stream stayed open after pause"
         assert "paused" in str(outcome.get("error")), outcome
         assert s.is_running() is False

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from e2b.sandbox.commands.command_handle import PtySize
+from tests.timing import budget
 
 from conftest import E2BServer
 from e2b import (
@@ -72,15 +73,28 @@ def test_run_foreground_envs_cwd_user_and_streaming(sbx: Sandbox) -> None:
     r = sbx.commands.run("echo $GREETING $EXTRA; pwd; whoami", envs={"EXTRA": "world"}, cwd="/tmp")
     assert r.stdout == "hello world\n/tmp\nuser\n" and r.exit_code == 0  # E2B's default user
     assert sbx.commands.run("whoami; echo $HOME", user="root").stdout == "root\n/root\n"
+    # streamed as printed, not delivered at the end: each line waits until the client's
+    # on_stdout has seen the one before it (and said so by writing /tmp/ack<i>)
     chunks: list[str] = []
     errs: list[str] = []
-    # gaps long enough that a loaded 2-core CI machine still reads each line on its own
+    acked: list[int] = []
+
+    def on_stdout(chunk: str) -> None:
+        chunks.append(chunk)
+        for i in (1, 2, 3):
+            if f"out{i}\n" in "".join(chunks) and i not in acked:
+                acked.append(i)
+                sbx.files.write(f"/tmp/ack{i}", "")
+
+    polls = int(budget(5) / 0.05)
     r = sbx.commands.run(
-        "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.3; done",
-        on_stdout=chunks.append,
+        "for i in 1 2 3; do echo out$i; echo err$i >&2; n=0; until [ -e /tmp/ack$i ]; do"
+        f' n=$((n+1)); [ $n -gt {polls} ] && {{ echo "no ack$i"; break; }}; sleep 0.05; done;'
+        " done",
+        on_stdout=on_stdout,
         on_stderr=errs.append,
     )
-    assert "".join(chunks) == "out1\nout2\nout3\n" and len(chunks) == 3
+    assert "".join(chunks) == "out1\nout2\nout3\n" and acked == [1, 2, 3]
     assert "".join(errs) == "err1\nerr2\nerr3\n"
     with pytest.raises(CommandExitException) as exc:
         sbx.commands.run("echo partial; exit 3")
@@ -91,8 +105,8 @@ def test_command_timeout_kills_the_process(sbx: Sandbox) -> None:
     started = time.monotonic()
     with pytest.raises(TimeoutException):
         sbx.commands.run("echo $$ > /tmp/pid; sleep 30", timeout=1)
-    assert time.monotonic() - started < 10
-    deadline = time.monotonic() + 5
+    assert time.monotonic() - started < budget(10)  # the 1 s time-out, not the 30 s sleep
+    deadline = time.monotonic() + budget(5)
     while sbx.commands.list() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sbx.commands.list() == []
@@ -126,7 +140,7 @@ def test_disconnect_keeps_the_process_running(sbx: Sandbox) -> None:
     handle = sbx.commands.run("sleep 0.5; echo done > /tmp/bg", background=True)
     handle.disconnect()
     assert [p.pid for p in sbx.commands.list()] == [handle.pid]
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + budget(5)
     while not sbx.files.exists("/tmp/bg") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sbx.files.read("/tmp/bg") == "done\n"

@@ -36,8 +36,9 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.timing import budget
 
-pytestmark = [pytest.mark.root, pytest.mark.slow]
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
 
 EXCLUDED_OPERATIONS = r"^/v1/images/(pull|[^/]+/push)$"
 """Operations the fuzzer must not call (see the module docstring)."""
@@ -83,7 +84,7 @@ def server() -> Iterator[Any]:
         try:
             # built-in images are built on first use (debian: debootstrap, minutes on a
             # fresh machine): before the fuzzers, whose requests time out after 60 s
-            with _client(srv, timeout=900) as c:
+            with _client(srv, timeout=budget(900)) as c:
                 r = c.post("/v1/run_code", json={"code": "print(1)", "language": "python"})
                 assert r.status_code == 200 and r.json()["outcome"] == "ok", r.text
                 # and the Jupyter image (a fresh machine built it inside a fuzzer's request,
@@ -105,7 +106,7 @@ def _client(srv: Any, **kw: Any) -> httpx.Client:
     return httpx.Client(
         base_url=srv.url,
         headers={"authorization": f"Bearer {srv.api_key}"},
-        timeout=kw.pop("timeout", 60),
+        timeout=kw.pop("timeout", budget(60)),
         **kw,
     )
 
@@ -183,7 +184,7 @@ def schemathesis_command(url: str, api_key: str, report_dir: Path) -> list[str]:
         "--workers",
         "1",
         "--request-timeout",
-        "60",
+        str(round(budget(60))),
         "--exclude-path-regex",
         EXCLUDED_OPERATIONS,
         "--generation-database",
@@ -207,7 +208,7 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(
         env={**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS)},
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=budget(900),
         cwd=tmp_path,
     )
     out = proc.stdout + proc.stderr

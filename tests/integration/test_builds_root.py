@@ -23,6 +23,8 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.isolation import subnet_host, worker_subnet
+from tests.timing import budget
 
 from dsec import AsyncClient, AsyncSandbox, BuildFailed, Image
 from dsec.builds import BuildRequest, ImageConfig
@@ -35,7 +37,8 @@ from dsec.server import embedded_edge
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-SUBNET = "10.229.0.0/16"  # not the default 10.203/16 nor other tests' 10.213/10.217/10.223
+SUBNET = worker_subnet(229)  # a subnet of its own (tests/isolation.py)
+GATEWAY = subnet_host(SUBNET, 1)
 
 
 def _host_resolvers() -> list[str]:
@@ -244,10 +247,10 @@ welcome to $APP_HOME
 EOF
 USER sandbox
 RUN echo "$GREETING from $(id -un) in $(pwd)" > $HOME/greeting.txt \
- && grep -c "nameserver 10.229.0.1" /etc/resolv.conf > $HOME/had-network
+ && grep -c "nameserver @GATEWAY@" /etc/resolv.conf > $HOME/had-network
 EXPOSE 8080
 CMD ["/usr/local/bin/run.sh"]
-"""
+""".replace("@GATEWAY@", GATEWAY)
 
 
 def _dockerfile_context() -> bytes:
@@ -292,7 +295,7 @@ async def test_dockerfile_image_has_the_files_env_user_and_config(node: Node) ->
         "stat -c '%U:%G %a' /srv/app /srv/app/main.py /usr/local/bin/run.sh; "
         "cat /opt/vendor/lib/v.txt /etc/motd; test ! -e /srv/app/secret.txt && echo no-secret; "
         "/usr/local/bin/run.sh; cat /home/sandbox/had-network; "
-        "grep -c 10.229.0.1 /etc/resolv.conf || true",
+        f"grep -c {GATEWAY} /etc/resolv.conf || true",
         **defaults,
     )
     assert out.splitlines() == [
@@ -520,9 +523,12 @@ async def test_a_start_command_runs_with_the_sandbox_and_its_output_is_the_logs(
         try:
             assert (await sb.commands.run("test -f /tmp/up")).exit_code == 0  # ready already
             assert (await sb.commands.run("kill -USR1 $(cat /tmp/up)")).exit_code == 0
-            await asyncio.sleep(0.5)
-            text = "".join(x.data for x in [x async for x in sb.logs()] if x.stream == "stdout")
-            assert text.startswith("hello from /srv\n") and "ping" in text
+            async with asyncio.timeout(budget(5)):  # the trap's echo reaches the logs
+                while "ping" not in (
+                    text := "".join([x.data async for x in sb.logs() if x.stream == "stdout"])
+                ):
+                    await asyncio.sleep(0.05)
+            assert text.startswith("hello from /srv\n")
             errs = [x.data async for x in sb.logs() if x.stream == "stderr"]
             assert "".join(errs) == "warming\n"
         finally:

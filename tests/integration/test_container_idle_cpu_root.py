@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from tests.integration.test_container_runtime import node  # noqa: F401
+from tests.timing import budget
 
 from dsec.config import Paths
 from dsec.layers.mounts import LayerMounts
@@ -57,11 +58,35 @@ def shares(h: Handle) -> int:
     return int((CGROUP_ROOT / "cpu" / h.state["cgroup"] / "cpu.shares").read_text())
 
 
+def waits_for(path: str) -> str:
+    """A command that runs until ``path`` exists (exit 9 if it never comes)."""
+    polls = int(budget(30) / 0.05)
+    return (
+        f"n=0; until [ -e {path} ]; do n=$((n+1)); [ $n -gt {polls} ] && exit 9; sleep 0.05; done"
+    )
+
+
+async def release(rt: ContainerRuntime, h: Handle, path: str) -> None:
+    """End a :func:`waits_for` command (the file is written from the node: no exec)."""
+    await rt.files(h).write(path, b"")
+
+
+async def started(rt: ContainerRuntime, h: Handle, name: str) -> None:
+    """Wait until the command that touches ``/tmp/<name>`` has (it runs)."""
+    async with asyncio.timeout(budget(10)):
+        while name not in {f.name for f in await rt.files(h).list("/tmp")}:
+            await asyncio.sleep(0.02)
+
+
 async def while_running(rt: ContainerRuntime, h: Handle) -> int:
-    """``cpu.shares`` seen while ``sleep 1`` runs in ``h``."""
-    task = asyncio.create_task(rt.exec(h, ExecRequest(cmd="sleep 1")))
-    await asyncio.sleep(0.4)
-    seen = shares(h)
+    """``cpu.shares`` seen while a command runs in ``h``."""
+    cmd = f"touch /tmp/running; {waits_for('/tmp/go')}; rm -f /tmp/running /tmp/go"
+    task = asyncio.create_task(rt.exec(h, ExecRequest(cmd=cmd)))
+    try:
+        await started(rt, h, "running")
+        seen = shares(h)
+    finally:
+        await release(rt, h, "/tmp/go")
     assert (await task).ok
     return seen
 
@@ -76,10 +101,9 @@ async def weighted(node: Node) -> AsyncIterator[ContainerRuntime]:  # noqa: F811
 async def test_idle_sandboxes_get_a_low_weight(weighted: ContainerRuntime, node: Node) -> None:  # noqa: F811
     rt = weighted
     made = [await rt.create(spec(node, 0.5))]
-    for _ in range(100):  # a warm one, then a claimed sandbox: the same rule applies
-        if rt.pool.ready_count():
-            break
-        await asyncio.sleep(0.05)
+    deadline = asyncio.get_running_loop().time() + budget(5)
+    while not rt.pool.ready_count() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)  # a warm one, then a claimed sandbox: the same rule applies
     made.append(await rt.create(spec(node, 1.5)))
     assert "warm_id" in made[1].state
     try:
@@ -94,13 +118,20 @@ async def test_idle_sandboxes_get_a_low_weight(weighted: ContainerRuntime, node:
             assert shares(h) == 2
         # an interactive process counts until it ends; two commands at once: until both end
         h = made[0]
-        proc = await rt.start_process(h, ExecRequest(cmd="sleep 0.5"), stdin=False, pty=None)
+        proc = await rt.start_process(
+            h, ExecRequest(cmd=waits_for("/tmp/end-process")), stdin=False, pty=None
+        )
         assert shares(h) == 512
-        other = asyncio.create_task(rt.exec(h, ExecRequest(cmd="sleep 1")))
+        other = asyncio.create_task(
+            rt.exec(h, ExecRequest(cmd=f"touch /tmp/exec-started; {waits_for('/tmp/end-exec')}"))
+        )
+        await started(rt, h, "exec-started")  # both run now
+        await release(rt, h, "/tmp/end-process")
         while await proc.read_output() is not None:
             pass
         assert (await proc.wait()).ok
         assert shares(h) == 512  # the exec still runs
+        await release(rt, h, "/tmp/end-exec")
         assert (await other).ok
         assert shares(h) == 2
         # a failing command ends as well

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from tests.integration.test_container_runtime import assert_gone, node  # noqa: F401
+from tests.timing import budget
 
 from dsec.config import Paths
 from dsec.layers.mounts import LayerMounts
@@ -62,7 +63,8 @@ async def pooled(node: Node) -> AsyncIterator[ContainerRuntime]:  # noqa: F811
 
 
 async def warm(rt: ContainerRuntime, n: int = 1, timeout_s: float = 30.0) -> None:
-    for _ in range(int(timeout_s / 0.05)):
+    deadline = asyncio.get_running_loop().time() + budget(timeout_s)
+    while asyncio.get_running_loop().time() < deadline:
         if rt.pool.ready_count() >= n:
             return
         await asyncio.sleep(0.05)

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tests.timing import budget
 
 from dsec.config import Paths
 from dsec.errors import Conflict, InvalidRequest, SandboxStopped
@@ -297,18 +298,24 @@ async def test_timeout_kills_process_group(runtime: ContainerRuntime, make: Fact
     t0 = time.monotonic()
     r = await run(runtime, h, "sleep 100 & sleep 100 & echo started; sleep 100", timeout_s=0.5)
     assert r.timed_out and r.signal == 9 and r.stdout == "started\n"
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < budget(5)  # the 0.5 s time-out, not the 100 s sleeps
     ps = await run(runtime, h, "ps -o comm | grep -c sleep")
     assert ps.stdout.strip() == "0", ps
+
+    async def sleeps() -> str:
+        return (await run(runtime, h, "ps -o comm | grep -c sleep")).stdout.strip()
+
     # a cancelled request (the client went away) does not leave its command running
     task = asyncio.create_task(run(runtime, h, "sleep 100 & sleep 100"))
-    await asyncio.sleep(0.3)
+    async with asyncio.timeout(budget(10)):  # the command is running
+        while await sleeps() != "2":
+            await asyncio.sleep(0.05)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.1)
-    ps = await run(runtime, h, "ps -o comm | grep -c sleep")
-    assert ps.stdout.strip() == "0", ps
+    async with asyncio.timeout(budget(5)):  # and is killed with its request
+        while await sleeps() != "0":
+            await asyncio.sleep(0.05)
 
 
 async def test_output_flood_is_capped(runtime: ContainerRuntime, make: Factory) -> None:
@@ -322,18 +329,26 @@ async def test_output_flood_is_capped(runtime: ContainerRuntime, make: Factory) 
 
 
 async def test_streaming(runtime: ContainerRuntime, make: Factory) -> None:
+    """'two' is printed only once the sink has seen 'one' (and said so with /tmp/ack, by a
+    second exec): had the first chunk come at the end, the command would wait in vain."""
     h = await make()
-    seen: list[tuple[float, str, bytes]] = []
+    seen: list[tuple[str, bytes]] = []
+    acks: list[asyncio.Task[ExecResult]] = []
 
     async def sink(kind: str, chunk: bytes) -> None:
-        seen.append((time.monotonic(), kind, chunk))
+        seen.append((kind, chunk))
+        if chunk == b"one\n":
+            acks.append(asyncio.create_task(run(runtime, h, "touch /tmp/ack")))
 
-    t0 = time.monotonic()
-    r = await runtime.exec(h, ExecRequest(cmd="echo one; sleep 0.4; echo two >&2"), sink)
-    t_end = time.monotonic()
+    polls = int(budget(10) / 0.05)
+    cmd = (
+        "echo one; n=0; until [ -e /tmp/ack ]; do n=$((n+1));"
+        f" [ $n -gt {polls} ] && {{ echo no-ack; break; }}; sleep 0.05; done; echo two >&2"
+    )
+    r = await runtime.exec(h, ExecRequest(cmd=cmd), sink)
     assert r.stdout == "one\n" and r.stderr == "two\n"
-    assert [(k, c) for _, k, c in seen] == [("stdout", b"one\n"), ("stderr", b"two\n")]
-    assert seen[0][0] - t0 < 0.3 < t_end - t0  # the first chunk arrived before the command ended
+    assert seen == [("stdout", b"one\n"), ("stderr", b"two\n")]
+    assert [(await t).exit_code for t in acks] == [0]
 
 
 async def test_memory_hog_is_oom_killed(runtime: ContainerRuntime, make: Factory) -> None:
@@ -363,7 +378,7 @@ async def test_fork_bomb_is_capped_by_pids(runtime: ContainerRuntime, make: Fact
     assert r.timed_out or r.exit_code is not None
     pids_max = CGROUP_ROOT / "pids" / runtime.cgroup_parent / h.id / "pids.max"
     assert pids_max.read_text().strip() == "40"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + budget(10)
     out = ""
     while out != "alive\n" and time.monotonic() < deadline:
         try:  # while the bomb still holds every pid, even the exec server cannot fork
@@ -376,10 +391,18 @@ async def test_fork_bomb_is_capped_by_pids(runtime: ContainerRuntime, make: Fact
 
 async def test_concurrent_execs(runtime: ContainerRuntime, make: Factory) -> None:
     h = await make()
-    t0 = time.monotonic()
-    results = await asyncio.gather(*(run(runtime, h, f"sleep 0.3; echo {i}") for i in range(10)))
+    # in parallel, not one after the other: each waits until all ten have started (one run
+    # alone would give up after its bounded wait and say so)
+    polls = int(budget(10) / 0.05)
+
+    def cmd(i: int) -> str:
+        return (
+            f"touch /tmp/conc{i}; n=0; until set -- /tmp/conc*; [ $# -eq 10 ]; do n=$((n+1));"
+            f" [ $n -gt {polls} ] && {{ echo alone; exit 0; }}; sleep 0.05; done; echo {i}"
+        )
+
+    results = await asyncio.gather(*(run(runtime, h, cmd(i)) for i in range(10)))
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(10)]
-    assert time.monotonic() - t0 < 2.5  # in parallel, not one after the other
 
 
 async def test_recover_after_restart_and_orphans(

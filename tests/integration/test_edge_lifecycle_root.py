@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.timing import budget
 
 from dsec import AsyncSandbox, Sandbox
 from dsec.errors import SandboxStopped
@@ -39,6 +40,19 @@ def _cgroup_dirs_mentioning(ids: set[str]) -> list[str]:
     return found
 
 
+def _alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (neither gone nor a zombie)."""
+    running = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            running.append(pid)
+    return running
+
+
 def _processes_mentioning(ids: set[str]) -> list[int]:
     out = []
     for p in Path("/proc").iterdir():
@@ -54,6 +68,12 @@ def _processes_mentioning(ids: set[str]) -> list[int]:
         if any(i in text for i in ids) or label in ids:
             out.append(int(p.name))
     return out
+
+
+async def _refills_done(pool) -> None:  # type: ignore[no-untyped-def]
+    """Wait until no key of the warm pool has a refill in flight."""
+    while tasks := [k.task for k in pool._keys.values() if k.task and not k.task.done()]:
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def drain_warm_pool(live_server) -> None:  # type: ignore[no-untyped-def]
@@ -103,7 +123,9 @@ def test_500_sandboxes_leave_nothing_behind(live_server) -> None:  # type: ignor
     took = time.monotonic() - t0
     assert len(ids) == 500
     live_server.call(live_server.edge.settle())  # kills answer before their teardown ends
-    time.sleep(0.5)  # the pool's refills in flight finish (the drain below takes them)
+    rt = live_server.edge.runtimes.get("container")
+    if rt is not None:  # the pool's refills in flight finish (the drain below takes them)
+        live_server.call(_refills_done(rt.pool), timeout=budget(120))
     drain_warm_pool(live_server)
     # below the sandboxes' own tmpfs (mounted while the server runs)
     leaked_mounts = [m for m in mount_points(home / "sandboxes") if m != home / "sandboxes"]
@@ -178,7 +200,7 @@ def test_restart_reconcile_real_process(tmp_path: Path, shared_layers: Path) -> 
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        time.sleep(0.5)
+        assert wait_until(lambda: not _alive(doomed_pids), timeout_s=10)  # dead before restart
         server = start()
         again = Sandbox.connect(alive.id, url=url, api_key=key)
         assert again.info.state == "running"

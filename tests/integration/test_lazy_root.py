@@ -17,8 +17,10 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from tests.timing import budget
 
 from dsec.errors import BlobDigestMismatch
 from dsec.layers.blobstore import BlobHTTPServer, LocalDirStore
@@ -83,6 +85,21 @@ def remote(home: Path) -> Iterator[tuple[BlobHTTPServer, str, int, bytes]]:
         yield srv, digest, img.stat().st_size, big
 
 
+def _settled(store: LayerStore, digest: str, quiet_s: float = 0.3) -> dict[str, Any]:
+    """The layer's counters once no request has changed them for ``quiet_s`` (a warm-up's
+    last requests are in), waiting at most ``budget(10)``."""
+    deadline = time.monotonic() + budget(10)
+    last = store.lazy_stats()["layers"][digest]
+    still_since = time.monotonic()
+    while time.monotonic() - still_since < quiet_s:
+        assert time.monotonic() < deadline, f"the layer's reads never settled: {last}"
+        time.sleep(0.05)
+        now = store.lazy_stats()["layers"][digest]
+        if now != last:
+            last, still_since = now, time.monotonic()
+    return last
+
+
 def _store(home: Path) -> LayerStore:
     return LayerStore(home / "layers", home / "images", lazy_chunk_size=CHUNK)
 
@@ -123,7 +140,7 @@ def test_lazy_mount_fetches_only_touched_chunks_and_second_start_prefetches(
     store = _store(home)
     store.lazy.drop_cache()
     store.layer_path(digest)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + budget(10)
     while time.monotonic() < deadline:
         layer = store.lazy_stats()["layers"].get(digest, {})
         if layer.get("prefetched_chunks", 0) >= 2 and layer.get("cached_chunks", 0) >= 2:
@@ -183,7 +200,7 @@ def test_dead_store_gives_eio_within_bounded_time(
         f.seek(3 << 20)
         f.read(1000)
     assert ei.value.errno == errno.EIO
-    assert time.monotonic() - t0 < 25
+    assert time.monotonic() - t0 < budget(25)  # the bounded wait, not a hung reader
     assert store.lazy_stats()["layers"][digest]["fetch_errors"] >= 1
     mounts.release(digest)
     store.close()
@@ -199,7 +216,7 @@ def test_stale_fuse_mount_of_a_killed_server_is_cleaned(
     mounts.acquire(digest, store.layer_path(digest))
     pid = store.lazy.stats()["pid"]
     os.kill(pid, 9)  # the server dies without unmounting
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + budget(5)
     while _pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert any(e.fstype.startswith("fuse") for e in mountinfo_entries(home / "layers"))
@@ -243,7 +260,7 @@ def test_mount_warms_recorded_chunks_into_page_cache(
     expected = sum(min(CHUNK, size - i * CHUNK) for i in record["chunks"])
     assert expected >= 1 << 20, record  # the 1 MiB read and the metadata
     mp = mounts.acquire(digest, fuse_file)  # second start: EROFS opens the file
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + budget(10)
     layer = store.lazy_stats()["layers"][digest]
     last, still_since = -1, time.monotonic()
     while time.monotonic() < deadline and layer["warmed_bytes"] < expected:
@@ -265,8 +282,7 @@ def test_mount_warms_recorded_chunks_into_page_cache(
         expected,
         chunks,
     )
-    time.sleep(0.3)  # the warm-up's last requests
-    reads_before = store.lazy_stats()["layers"][digest]["reads"]
+    reads_before = _settled(store, digest)["reads"]  # after the warm-up's last requests
     with open(mp / "big", "rb") as f:
         f.seek(2 << 20)
         assert f.read(1 << 20) == big[2 << 20 : 3 << 20]
@@ -323,7 +339,7 @@ os.kill(os.getpid(), 9)
     store.layer_path(digest)
     assert store.lazy.pid == pid
     store.close()  # nothing mounted any more: stopped
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + budget(5)
     while _pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _pid_alive(pid)

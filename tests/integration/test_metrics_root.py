@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.isolation import worker_subnet
 
 from dsec import NetworkPolicy, Sandbox
 from dsec.errors import SandboxNotFound
@@ -23,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, crun, netns)"),
 ]
 
-SUBNET = "10.222.0.0/16"  # a subnet of its own (other tests' servers use others)
+SUBNET = worker_subnet(222)  # a subnet of its own (other tests' servers use others)
 BURN = "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done"
 
 

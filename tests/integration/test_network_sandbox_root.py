@@ -15,6 +15,7 @@ Probes run inside the sandboxes with busybox ``wget`` (several at once, each bou
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import socket
@@ -29,6 +30,8 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.isolation import subnet_host, worker_subnet
+from tests.timing import budget
 
 import dsec.errors as E
 from dsec import NetworkPolicy, Sandbox
@@ -41,10 +44,12 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, nftables, crun)"),
 ]
 
-SUBNET = "10.217.0.0/16"  # not the default 10.203/16 (other servers) nor test_network's 10.213
-GATEWAY = "10.217.0.1"
+SUBNET = worker_subnet(217)  # not the default servers' nor test_network's
+GATEWAY = subnet_host(SUBNET, 1)
+INSIDE = f"{subnet_host(SUBNET, 9 * 256)}/24"  # a network inside the sandbox subnet
 WEB_PORT = 8080
-PROBE_TIMEOUT_S = 2  # a dropped SYN waits this long; an allowed request takes milliseconds
+PROBE_TIMEOUT_S = math.ceil(budget(2))
+"""Seconds a dropped SYN waits (an allowed request takes milliseconds on an idle machine)."""
 
 
 @dataclass
@@ -275,7 +280,7 @@ def test_a_networked_sandbox_can_be_a_warm_container(server: BackgroundServer, w
     policy = NetworkPolicy(allow_domains=["allowed.example.test"])
     _create(server, policy).kill()  # the key's first create: the pool fills after it
     rt = server.edge.runtimes["container"]
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + budget(30)
     while rt.pool.ready_count() == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     with _create(server, policy) as sb:
@@ -371,7 +376,7 @@ def test_bad_policies_dead_sandboxes_and_teardown(server: BackgroundServer) -> N
         before = set(os.listdir(manager.netns_dir))
         for body in (
             {"presets": ["no-such-preset"]},  # known only to the node
-            {"allow_cidrs": ["10.217.9.0/24"]},  # inside the sandbox subnet
+            {"allow_cidrs": [INSIDE]},  # inside the sandbox subnet
             {"allow_domains": ["bad..name"]},
             {"allow_domains": ["x.test"], "ports": [0]},
         ):
@@ -383,7 +388,7 @@ def test_bad_policies_dead_sandboxes_and_teardown(server: BackgroundServer) -> N
         sb = _create(server, {"allow_domains": ["allowed.example.test"]})
         ifname = manager.network(sb.id).host_ifname
         assert (manager.netns_dir / sb.id).exists() and ifname in _links(manager.iface_prefix)
-        for body in ({"presets": ["no-such-preset"]}, {"allow_cidrs": ["10.217.9.0/24"]}, {}):
+        for body in ({"presets": ["no-such-preset"]}, {"allow_cidrs": [INSIDE]}, {}):
             r = http.post(f"/v1/sandboxes/{sb.id}/network", json=body)
             assert r.status_code == 400, r.text
         assert sb.refresh().network.allow_domains == ["allowed.example.test"]  # unchanged

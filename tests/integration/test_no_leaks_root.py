@@ -36,6 +36,8 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.isolation import worker_subnet
+from tests.timing import budget
 
 from dsec import AsyncClient, AsyncSandbox
 from dsec.errors import SandboxStopped
@@ -46,7 +48,7 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 CYCLES = 250
 E2B_CYCLES = 20
-SUBNET = "10.219.0.0/16"
+SUBNET = worker_subnet(219)
 THREAD_SLACK, FD_SLACK = 8, 16
 
 
@@ -149,10 +151,30 @@ def describe(pid: int) -> list[str]:
     return out
 
 
+_STEADY = ("descendants", "mounts", "cgroups", "netns", "links", "sandbox_dirs", "oci_state")
+"""What a server's pools change while they fill (threads, fds and the machine's tasks move
+for reasons of their own)."""
+
+
+def steady_footprint(srv: ServeProcess, quiet_s: float = 1.0, timeout_s: float = 20.0) -> Any:
+    """The server's footprint once :data:`_STEADY` has not changed for ``quiet_s`` (its
+    pools refilled), waiting at most ``budget(timeout_s)``."""
+    deadline = time.monotonic() + budget(timeout_s)
+    last = server_footprint(srv.proc.pid, srv.home)
+    still_since = time.monotonic()
+    while time.monotonic() - still_since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = server_footprint(srv.proc.pid, srv.home)
+        if {k: now.counts()[k] for k in _STEADY} != {k: last.counts()[k] for k in _STEADY}:
+            still_since = time.monotonic()
+        last = now
+    return last
+
+
 def settle(srv: ServeProcess, baseline: ServerFootprint, timeout_s: float = 20.0) -> dict[str, Any]:
     """The growth over ``baseline``, once teardown (reaping, namespace removal) settled."""
     assert not baseline.zombies, f"the served baseline has zombies: {baseline.zombies}"
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + budget(timeout_s)
     while True:
         grew = server_footprint(srv.proc.pid, srv.home).growth(
             baseline, threads=THREAD_SLACK, fds=FD_SLACK
@@ -181,15 +203,20 @@ def test_sandbox_cycles_leave_nothing_behind(
             for i in indices:
                 await cycle(client, i)
                 if i % 50 == 49:  # reaped as they come, not only at the end
-                    await asyncio.sleep(1.0)
-                    zombies_seen.append(len(server_footprint(server.proc.pid, server.home).zombies))
+                    deadline = time.monotonic() + budget(1.0)
+                    while True:
+                        await asyncio.sleep(0.1)
+                        zombies = len(server_footprint(server.proc.pid, server.home).zombies)
+                        if zombies <= 2 or time.monotonic() > deadline:
+                            break
+                    zombies_seen.append(zombies)
         return zombies_seen
 
     # warm-up: every kind of cycle once, so pools and caches exist before the baseline
     asyncio.run(run(range(10)))
     for i in range(min(2, e2b_cycles)):
         e2b_cycle(i)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + budget(15)
     while True:  # the last kill's zombies are reaped within a reaper pass (~50 ms), the
         # warm pool empties 2-3 s after the last claim
         baseline = server_footprint(server.proc.pid, server.home)
@@ -249,8 +276,7 @@ def test_fncall_workers_are_reaped_when_their_zygote_goes() -> None:
 
             try:
                 cycles(4)
-                time.sleep(2)  # pools refilled
-                baseline = server_footprint(srv.proc.pid, srv.home)
+                baseline = steady_footprint(srv)  # pools refilled
                 cycles(30)
                 grew = settle(srv, baseline)
                 assert not grew, f"leaked: {grew}\nchildren: {describe(srv.proc.pid)}"
@@ -260,7 +286,7 @@ def test_fncall_workers_are_reaped_when_their_zygote_goes() -> None:
                 orphans = child_pids(victim)
                 assert orphans, "the pool had no ready workers"
                 os.kill(victim, 9)
-                deadline = time.monotonic() + 20
+                deadline = time.monotonic() + budget(20)
                 while time.monotonic() < deadline:
                     left = [p for p in orphans if (st := proc_stat(p)) and st.state == "Z"]
                     if not left and proc_stat(victim) is None:
@@ -275,7 +301,7 @@ def test_fncall_workers_are_reaped_when_their_zygote_goes() -> None:
             finally:
                 client.close()
         # the server stopped: its zygotes killed and reaped their workers on the way out
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + budget(10)
         while time.monotonic() < deadline:
             zombies = [w for w in workers if (st := proc_stat(w)) and st.state == "Z"]
             if not zombies:

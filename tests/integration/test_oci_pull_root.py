@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 import pytest
 from tests.conftest import free_port
+from tests.timing import budget
 
 from dsec.errors import ImageNotFound, SandboxError
 from dsec.layers import LayerMounts, LayerStore, assemble_rootfs, teardown_rootfs
@@ -275,7 +276,7 @@ class DistributionRegistry:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + budget(10)
         while True:
             try:
                 status = httpx.get(f"http://{self.host}/v2/", timeout=1).status_code
@@ -709,7 +710,7 @@ def test_registry_dying_mid_pull(node: Node) -> None:
         started = time.monotonic()
         with pytest.raises(RegistryUnavailable):
             pull_image(node.store, f"{reg.host}/dsec/sample:v1", merge_threshold_bytes=0, retries=1)
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < budget(10)  # failed, did not hang on the dead one
     # the first layer was complete and is kept (content-addressed, reused by the next pull);
     # no image was recorded and no scratch file is left
     assert len(node.store.list_layers()) == 1

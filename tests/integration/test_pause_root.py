@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.timing import budget
 
 from dsec.errors import SandboxNotFound
 from dsec.privileged.cgroups import CgroupV1
@@ -111,24 +112,27 @@ async def test_pause_reclaims_page_cache_and_stops_tasks(
     res = await resume(cg, prefetch=True)
     assert res.was_frozen and cg.freezer_state() == "THAWED"
     assert res.prefetched_files >= 1  # at least the python binary is mapped
-    await asyncio.sleep(0.05)
-    assert _beat(beat) > b1, "the task did not run after resume"
+    deadline = time.monotonic() + budget(5)
+    while _beat(beat) == b1:
+        assert time.monotonic() < deadline, "the task did not run after resume"
+        await asyncio.sleep(0.01)
     print("pause", rep.to_dict(), "resume", res.to_dict())
 
 
-async def test_pause_resume_latency_and_idempotence(sandbox_cgroup: tuple[CgroupV1, Path]) -> None:
+async def test_pause_resume_cycles_and_idempotence(sandbox_cgroup: tuple[CgroupV1, Path]) -> None:
+    """Repeated pause/resume cycles each freeze and thaw (their latency, target p50 <= 20 ms,
+    is measured by benchmarks/lifecycle.py, not asserted here)."""
     cg, _ = sandbox_cgroup
     pauses, resumes = [], []
     for _ in range(15):
         t0 = time.perf_counter()
-        await pause(cg)
+        assert not (await pause(cg)).was_frozen and cg.freezer_state() == "FROZEN"
         pauses.append((time.perf_counter() - t0) * 1000)
         t0 = time.perf_counter()
-        await resume(cg, prefetch=True)
+        assert (await resume(cg, prefetch=True)).was_frozen and cg.freezer_state() == "THAWED"
         resumes.append((time.perf_counter() - t0) * 1000)
     p50p, p50r = statistics.median(pauses), statistics.median(resumes)
     print(f"pause p50 {p50p:.2f} ms, resume p50 {p50r:.2f} ms")
-    assert p50p < 200 and p50r < 200  # target 20 ms; loose bound for a shared CI machine
     # idempotent: pausing twice and resuming twice are fine
     await pause(cg)
     again = await pause(cg)

@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.isolation import worker_subnet
+from tests.timing import budget
 
 from dsec import Sandbox
 from dsec.server import BackgroundServer
@@ -38,7 +40,7 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 websockets = pytest.importorskip("websockets")
 
 DOMAIN = "ports.test"
-SUBNET = "10.233.0.0/16"
+SUBNET = worker_subnet(233)
 WS_ECHO = Path(__file__).with_name("data") / "ws_echo.py"
 
 
@@ -49,9 +51,7 @@ def server() -> Iterator[BackgroundServer]:
     home = Path(f"/tmp/dsec-ports-{os.getpid()}")
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
-    cache = Path(os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers"))
-    if cache.is_dir():
-        (home / "layers").symlink_to(cache, target_is_directory=True)
+    # built-in images come from the machine-wide cache (tests/warm_images.py)
     srv = BackgroundServer(
         home,
         tiers=["container", "fncall"],
@@ -100,7 +100,7 @@ class _PinnedTransport(httpx.HTTPTransport):
 
 
 def wait_listening(sb: Any, port: int, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + budget(timeout_s)
     probe = (
         'python3 -c "import socket,sys; s=socket.socket(); s.settimeout(0.5); '
         f"sys.exit(s.connect_ex(('127.0.0.1', {port})))\""
@@ -128,7 +128,7 @@ def test_e2b_get_host_reaches_python_http_server(
         assert host == f"8000-{sbx.sandbox_id}.{DOMAIN}:{server.tls_port}"
         assert sbx.traffic_access_token
         with tls_client(server) as c:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + budget(30)
             while True:
                 r = c.get(
                     f"https://{host}/hello.txt",
@@ -266,7 +266,7 @@ def test_connections_bounded_and_nothing_leaks(sdk: BackgroundServer) -> None:
             t.start()
         for t in threads:
             t.join()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + budget(10)
         while True:
             grew = server_footprint(os.getpid(), sdk.home).growth(before, threads=4, fds=8)
             if not grew or time.monotonic() > deadline:
@@ -287,13 +287,13 @@ def test_connections_bounded_and_nothing_leaks(sdk: BackgroundServer) -> None:
             stack = contextlib.ExitStack()
             for _ in range(3):
                 stack.enter_context(connect(tcp, additional_headers=auth))
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + budget(10)
             while len(live.ports) < 3 and time.monotonic() < deadline:
                 time.sleep(0.05)
             r = httpx.get(url, timeout=30)
             assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_connections"
             stack.close()
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + budget(10)
             while live.ports and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert httpx.get(url, timeout=30).status_code == 200

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import LiveServer
+from tests.timing import budget
 
 from dsec import Sandbox
 
@@ -173,7 +174,9 @@ def test_exec(docker: Docker, container: str) -> None:
     assert r.returncode == 125 and "requires at least 2 arguments" in r.stderr
     r = docker("exec", "-d", container, "sh", "-c", "sleep 1; echo done > /work/bg.txt")
     assert r.returncode == 0
-    r = docker("exec", container, "sh", "-c", "sleep 2; cat /work/bg.txt")
+    polls = int(budget(10) / 0.05)  # the detached command goes on after its answer
+    wait = f"n=0; until [ -s /work/bg.txt ] || [ $n -gt {polls} ]; do sleep 0.05; n=$((n+1)); done"
+    r = docker("exec", container, "sh", "-c", f"{wait}; cat /work/bg.txt")
     assert r.stdout == "done\n"
     # the container's id works too, and a unique prefix of it
     cid = docker("ps", "--format", "{{.ID}} {{.Names}}").stdout

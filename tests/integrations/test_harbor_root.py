@@ -29,11 +29,12 @@ import pytest
 from tests.conftest import _seed_layers
 from tests.integration.test_image_refs_root import _busybox_tar, _image
 from tests.integration.test_oci_pull_root import DistributionRegistry, OciRepo
+from tests.isolation import worker_subnet
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-SUBNET = "10.237.0.0/16"  # not the other tests' subnets
+SUBNET = worker_subnet(237)  # not the other tests' subnets
 DSEC_ENV = "dsec.integrations.harbor:DsecEnvironment"
 
 

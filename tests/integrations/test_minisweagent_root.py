@@ -17,6 +17,7 @@ from minisweagent.environments import get_environment
 from minisweagent.exceptions import Submitted
 from minisweagent.models.test_models import DeterministicModel, make_output
 from tests.conftest import LiveServer
+from tests.timing import budget
 
 from dsec import Sandbox
 from dsec.integrations.minisweagent import DsecEnvironment
@@ -204,11 +205,12 @@ def test_mini_docker_environment_through_dsec_docker(
         text=True,
         timeout=120,
     )
-    for _ in range(60):
+    import time
+
+    deadline = time.monotonic() + budget(60)
+    while time.monotonic() < deadline:
         if "minisweagent-" not in names.stdout:
             break
-        import time
-
         time.sleep(1)
         names = subprocess.run(
             [str(docker_exe), "ps", "--format", "{{.Names}}"],

@@ -28,6 +28,7 @@ from swerex.runtime.abstract import (
     WriteFileRequest,
 )
 from tests.conftest import LiveServer
+from tests.timing import budget
 
 from dsec import AsyncSandbox
 
@@ -85,16 +86,17 @@ async def test_remote_deployment_through_get_url(sdk_env: LiveServer, tmp_path: 
         deployment = RemoteDeployment(host=url.rstrip("/"), auth_token=token, timeout=30)
         await deployment.start()
         try:
-            for _ in range(150):
+            deadline = asyncio.get_running_loop().time() + budget(30)
+            while True:
                 try:
                     if await deployment.is_alive():
                         break
                 except Exception:
                     pass
+                if asyncio.get_running_loop().time() > deadline:
+                    log = (await sb.commands.run("cat /tmp/swerex.log")).stdout
+                    raise AssertionError(f"swerex-remote did not come up:\n{log}")
                 await asyncio.sleep(0.2)
-            else:
-                log = (await sb.commands.run("cat /tmp/swerex.log")).stdout
-                raise AssertionError(f"swerex-remote did not come up:\n{log}")
             runtime = deployment.runtime
             await runtime.create_session(CreateBashSessionRequest())
             out = await runtime.run_in_session(BashAction(command="cd /tmp && echo $((6 * 7))"))

@@ -29,6 +29,7 @@ from swerex.runtime.abstract import (
     WriteFileRequest,
 )
 from tests.conftest import LiveServer
+from tests.timing import budget
 
 from dsec import Unsupported
 from dsec.integrations.swerex import DsecDeployment, DsecDeploymentConfig, DsecRuntime
@@ -145,10 +146,13 @@ async def test_interrupt_falls_back_to_kill(rt: DsecRuntime) -> None:
 
 async def test_output_after_a_timeout_comes_with_the_next_call(rt: DsecRuntime) -> None:
     with pytest.raises(CommandTimeoutError):
-        await rt.run_in_session(A("sleep 1; echo late", timeout=0.2))
+        await rt.run_in_session(A("sleep 1; echo late; : > /tmp/late-done", timeout=0.2))
     # a command given while the previous one runs is typed into its terminal (as with
     # SWE-ReX's sendline); waiting for it returns the first command's output
-    await asyncio.sleep(1.5)
+    done = Command(command="test -e /tmp/late-done", shell=True)
+    async with asyncio.timeout(budget(10)):  # the first command has ended
+        while (await rt.execute(done)).exit_code != 0:
+            await asyncio.sleep(0.1)
     r = await rt.run_in_session(BashInterruptAction())
     assert r.output == "late"
 

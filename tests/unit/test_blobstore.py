@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.timing import budget
 
 from dsec.errors import (
     BlobDigestMismatch,
@@ -166,7 +167,7 @@ def test_http_truncated_transfer_is_an_error(tmp_path: Path, dir_store: LocalDir
         dest = tmp_path / "dl" / "copy"
         with pytest.raises(RegistryUnavailable):
             store.fetch(digest, dest)
-        assert time.monotonic() - t0 < 20
+        assert time.monotonic() - t0 < budget(20)  # each cut connection failed, none hung
         assert not dest.exists() and list(dest.parent.iterdir()) == []
         store.close()
 
@@ -181,7 +182,7 @@ def test_dead_server_fails_within_bounded_time(tmp_path: Path, dir_store: LocalD
     t0 = time.monotonic()
     with pytest.raises(RegistryUnavailable):
         store.read_range(digest, 0, 10)
-    assert time.monotonic() - t0 < 12
+    assert time.monotonic() - t0 < budget(12)  # refused or timed out (1 s), never hung
     store.close()
 
 
@@ -191,7 +192,9 @@ def test_token_bucket_limits_rate() -> None:
     for _ in range(20):
         bucket.take(250_000)  # 5 MB in all
     elapsed = time.monotonic() - t0
-    assert 0.15 < elapsed < 2.0  # 5 MB minus a 2 MB burst at 20 MB/s: >= 0.15 s
+    # 5 MB minus a 2 MB burst at 20 MB/s: >= 0.15 s (it throttles); the upper bound only says
+    # it does not throttle far below the rate (2 s would be 2.5 MB/s on an idle machine)
+    assert 0.15 < elapsed < budget(2.0)
 
 
 # --- chunk cache ---------------------------------------------------------------------------
@@ -334,7 +337,7 @@ def test_stalled_store_read_times_out(tmp_path: Path, dir_store: LocalDirStore) 
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
         layer.read(0, 100)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < budget(2.0)  # the 0.5 s read time-out, not the 3 s fetch
     layer.close()
 
 
@@ -351,7 +354,7 @@ def test_lazy_read_from_dead_http_server_is_an_error(
     t0 = time.monotonic()
     with pytest.raises(RegistryUnavailable):
         layer.read(100 * KIB, 10)
-    assert time.monotonic() - t0 < 12
+    assert time.monotonic() - t0 < budget(12)  # refused or timed out (1 s), never hung
     assert layer.read(5, 5) == path.read_bytes()[5:10]  # cached chunk still served
     layer.close()
     store.close()

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from pydantic import TypeAdapter, ValidationError
+from tests.timing import budget
 
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
@@ -212,9 +213,9 @@ async def test_exec_desktop_acts_and_reports(fake_x: tuple[ShellRuntime, Path]) 
     assert "click --repeat 3 --delay 8 4" in calls
     assert "type --delay 0 -- it's $HOME `x`" in calls  # passed as an argument, never parsed
     assert "key --delay 0 ctrl+alt+t" in calls
-    await asyncio.sleep(0.2)  # open and launch are detached
-    calls = log.read_text().splitlines()
-    assert "xdg-open /etc/hostname" in calls and "thunar /tmp" in calls
+    async with asyncio.timeout(budget(5)):  # open and launch are detached
+        while not {"xdg-open /etc/hostname", "thunar /tmp"} <= set(log.read_text().splitlines()):
+            await asyncio.sleep(0.02)
     assert all(r.env == {"DISPLAY": ":0"} for r in rt.requests)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.timing import budget
 
 from dsec import AsyncSandbox, CreateSandboxRequest
 from dsec.apiserver.app import create_app
@@ -98,7 +99,8 @@ async def test_fifty_creates_of_a_new_reference_pull_once(monkeypatch: pytest.Mo
     t0 = time.monotonic()
     made = await asyncio.gather(*(edge.create_sandbox(_req(REF), A) for _ in range(50)))
     assert len({m.id for m in made}) == 50 and layers.pulls == {REF: 1}
-    assert threading.get_ident() not in threads and time.monotonic() - t0 < 5
+    assert threading.get_ident() not in threads
+    assert time.monotonic() - t0 < budget(5)  # the 49 others waited on the one 0.3 s pull
 
 
 async def test_a_pull_in_progress_is_visible_and_a_create_past_its_wait_is_retryable(
@@ -125,7 +127,7 @@ async def test_a_pull_in_progress_is_visible_and_a_create_past_its_wait_is_retry
     with pytest.raises(ImageNotReady):
         await waiting  # it waited its 0.05 s too; the pull goes on
     release.set()
-    edge.limits.image_wait_s = 5
+    edge.limits.image_wait_s = budget(5)
     assert (await edge.create_sandbox(_req(REF), A)).state == "running"
     assert edge.memory_layers.pulls[REF] == 1
 
@@ -181,8 +183,9 @@ async def test_references_through_the_api_and_sdk() -> None:
     keys = ["dsec_test_ref_" + "1" * 20, "dsec_test_ref_" + "2" * 20]
     transport = httpx.ASGITransport(app=create_app(edge, StaticKeys(keys)))
     sb = await AsyncSandbox.create(image=REF, url="http://t", api_key=keys[0], transport=transport)
-    await asyncio.sleep(0.05)
-    lines = [x.data async for x in sb.logs()]
+    async with asyncio.timeout(budget(5)):  # the start command runs in the background
+        while not (lines := [x.data async for x in sb.logs()]):
+            await asyncio.sleep(0.01)
     assert lines[:1] == ["up\n"]  # a pulled image's start command
     async with httpx.AsyncClient(
         transport=transport, base_url="http://t", headers={"authorization": f"Bearer {keys[1]}"}

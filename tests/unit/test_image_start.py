@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.timing import budget
 
 from dsec import AsyncSandbox, ExecRequest, ExecResult, SandboxInfo
 from dsec.apiserver.app import create_app
@@ -78,8 +79,11 @@ async def test_the_start_commands_output_is_the_logs() -> None:
     _image(edge, "srv", start={"cmd": ["serve", "--port", "80"]}, config={"WorkingDir": "/srv"})
     edge.program(["serve", "--port", "80"], stdout="listening on 80\n", stderr="warn\n")
     sb = await _create(transport, image="srv")
-    await asyncio.sleep(0.05)  # the start command runs in the background
-    lines = [(x.stream, x.data) async for x in sb.logs()]
+    async with asyncio.timeout(budget(5)):  # the start command runs in the background
+        while (
+            not (lines := [(x.stream, x.data) async for x in sb.logs()]) or lines[-1][0] != "dsec"
+        ):
+            await asyncio.sleep(0.01)
     assert lines == [
         ("stdout", "listening on 80\n"),
         ("stderr", "warn\n"),
@@ -107,14 +111,14 @@ async def test_follow_streams_until_the_command_ends() -> None:
     got: list[tuple[str, str]] = []
 
     async def follow() -> None:
-        async for line in sb.logs(follow=True, timeout=10):
+        async for line in sb.logs(follow=True, timeout=budget(10)):
             got.append((line.stream, line.data))
 
     task = asyncio.create_task(follow())
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # a while to (wrongly) end or print: nothing is due yet
     assert not task.done() and got == []
     release.set()
-    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(task, budget(5))
     assert got == [("stdout", "done\n"), ("dsec", "start command exited with code 0")]
 
 
@@ -167,7 +171,7 @@ async def test_a_start_command_never_ready_fails_the_creation_in_time() -> None:
     t0 = asyncio.get_running_loop().time()
     with pytest.raises(StartFailed) as e:
         await _create(transport, image="slow")
-    assert asyncio.get_running_loop().time() - t0 < 5
+    assert asyncio.get_running_loop().time() - t0 < budget(5)  # the 0.5 s, not the 60 s hang
     assert "not ready after 0.5 s" in e.value.message and e.value.details["ready_cmd"] == "probe"
     assert all(s.state == "stopped" for s in edge.sandboxes.values())
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.timing import budget
 
 from dsec.errors import ImageNotFound, InvalidRequest, LayerNotFound, SandboxError
 from dsec.layers import BUILTIN_IMAGES, BuiltinImage, LayerStore, extract_tarball, mkfs_erofs
@@ -487,9 +488,16 @@ class _CountingBuilder:
 async def test_ensure_image_single_flight(
     store: LayerStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    builder = _CountingBuilder(delay_s=0.4)
-    monkeypatch.setitem(BUILTIN_IMAGES, "fake", BuiltinImage(name="fake", build_rootfs=builder))
     ticks = 0
+    ticks_during_build: list[int] = []  # the ticker's count as the build starts and ends
+
+    def build(dest: Path) -> None:
+        ticks_during_build.append(ticks)
+        _CountingBuilder.__call__(builder, dest)
+        ticks_during_build.append(ticks)
+
+    builder = _CountingBuilder(delay_s=0.4)
+    monkeypatch.setitem(BUILTIN_IMAGES, "fake", BuiltinImage(name="fake", build_rootfs=build))
     stop = asyncio.Event()
 
     async def ticker() -> None:
@@ -500,7 +508,9 @@ async def test_ensure_image_single_flight(
 
     tick_task = asyncio.create_task(ticker())
     waiters = [asyncio.create_task(store.ensure_image("fake")) for _ in range(8)]
-    await asyncio.sleep(0.05)
+    async with asyncio.timeout(budget(10)):  # the build is under way
+        while builder.calls == 0:
+            await asyncio.sleep(0.01)
     waiters[0].cancel()  # a cancelled waiter must not cancel the build for the others
     results = await asyncio.gather(*waiters[1:])
     stop.set()
@@ -508,7 +518,8 @@ async def test_ensure_image_single_flight(
     assert builder.calls == 1
     assert all(threading.main_thread().name not in t for t in builder.threads)
     assert len({tuple(r.layers) for r in results}) == 1
-    assert ticks >= 10, "the event loop was blocked during the build"
+    start, end = ticks_during_build
+    assert end > start, "the event loop was blocked during the build"
     assert waiters[0].cancelled()
     image = await store.ensure_image("fake")  # now stored: no new build
     assert builder.calls == 1

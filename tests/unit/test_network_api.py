@@ -19,6 +19,7 @@ from typing import Any, Literal
 import httpx
 import pytest
 from tests.conftest import free_port
+from tests.timing import budget
 from typer.testing import CliRunner
 
 import dsec.cli.main as cli
@@ -527,7 +528,7 @@ def _serve_e2b(
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + budget(10)
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.01)

@@ -1,10 +1,10 @@
-"""Placement engine: capability filter, caps, in-flight overlay, burst pool, policies, speed."""
+"""Placement engine: capability filter, caps, in-flight overlay, burst pool, policies (their
+speed is measured by benchmarks/placement_sim.py)."""
 
 from __future__ import annotations
 
 import random
 import sys
-import time
 
 import pytest
 
@@ -276,18 +276,17 @@ def test_bad_arguments_are_typed() -> None:
         Placer(nodes(1)).place_many(-1, PlacementRequest())
 
 
-def test_decision_speed_160_nodes() -> None:
-    """Smoke bound only (the benchmark measures): 20k decisions on 160 nodes well under 5 s."""
+def test_twenty_thousand_decisions_on_160_nodes() -> None:
+    """A batch of 20k decisions on 160 nodes places every one (its speed is measured by
+    benchmarks/placement_sim.py, not asserted here)."""
     placer = Placer(
         [Node(f"n{i}", 192, 1500 * 10**9, max_sandboxes=4000) for i in range(160)],
         k=2,
         rng=random.Random(5),
     )
     req = PlacementRequest(cpu=0.5, memory_bytes=700 << 20, layers=("sha256:x",))
-    t0 = time.perf_counter()
     batch = placer.place_many(20_000, req)
-    elapsed = time.perf_counter() - t0
-    assert len(batch.placed) == 20_000 and elapsed < 5.0
+    assert len(batch.placed) == 20_000 and not batch.failed
 
 
 def test_public_names_exported_and_documented() -> None:

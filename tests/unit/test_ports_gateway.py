@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from tests.timing import budget
 
 from dsec.edge.ports import PortGateway, redeem_ticket
 from dsec.errors import InvalidRequest, PortNotListening, SandboxNotFound
@@ -48,16 +49,12 @@ async def test_ticket_carries_the_connection_once() -> None:
         # a ticket nobody picks up expires and its connection is closed
         await edge.port_ticket(sid, OWNER, 8000)
         assert gateway.parked == 1
-        for _ in range(40):
-            if gateway.parked == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert gateway.parked == 0
-        for _ in range(20):
-            if not edge._live[sid].ports:
-                break
-            await asyncio.sleep(0.05)
-        assert not edge._live[sid].ports
+        async with asyncio.timeout(budget(4)):  # its 0.5 s are over
+            while gateway.parked:
+                await asyncio.sleep(0.05)
+        async with asyncio.timeout(budget(1)):
+            while edge._live[sid].ports:
+                await asyncio.sleep(0.05)
     finally:
         await gateway.close()
         server.close()

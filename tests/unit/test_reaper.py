@@ -68,9 +68,12 @@ def test_orphans_in_a_descendants_group_are_reaped() -> None:
         """
         become_subreaper()
         orphans, codes = [], []
+        # the grandchild outlives the child whatever the scheduler does (a grandchild done
+        # before the shell exits is reaped by the shell, never reaching the subreaper)
+        orphan = "(while kill -0 $$ 2>/dev/null; do sleep 0.01; done) & echo $!; exit 7"
         for i in range(20):
             p = subprocess.Popen(
-                ["sh", "-c", "sleep 0.05 & echo $!; exit 7"],
+                ["sh", "-c", orphan],
                 stdout=subprocess.PIPE, start_new_session=True, text=True,
             )
             orphans.append(int(p.stdout.readline()))

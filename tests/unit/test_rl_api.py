@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.timing import budget
 
 import dsec
 import dsec.errors as E
@@ -180,9 +181,13 @@ async def test_out_of_order_arrival_within_the_window(
     client: httpx.AsyncClient, edge: FakeEdge
 ) -> None:
     sid = await _sandbox(client)
+    edge.limits.gap_wait_s = budget(5)  # however slow this machine, seq 1 comes within it
     url = f"/v1/sandboxes/{sid}/exec"
+    execs = len(edge.calls_to("exec"))
     later = asyncio.create_task(client.post(url, json={"cmd": "echo 2"}, headers=_seq(2)))
-    await asyncio.sleep(0.05)  # seq 2 arrives first and waits for seq 1
+    async with asyncio.timeout(budget(5)):  # seq 2 arrives first and waits for seq 1
+        while len(edge.calls_to("exec")) == execs:
+            await asyncio.sleep(0.005)
     first = await client.post(url, json={"cmd": "echo 1"}, headers=_seq(1))
     second = await later
     assert (first.json()["stdout"], second.json()["stdout"]) == ("1\n", "2\n")

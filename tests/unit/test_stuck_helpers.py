@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.timing import budget
 
 from dsec.errors import SandboxError
 from dsec.privileged.reaper import where_is
@@ -19,7 +20,7 @@ from dsec.privileged.reaper import where_is
 def test_a_sleeping_process_is_shown_with_where_it_sleeps() -> None:
     proc = subprocess.Popen(["sleep", "30"])
     try:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + budget(5)
         where = where_is(proc.pid)
         while ": S" not in where and time.monotonic() < deadline:
             time.sleep(0.02)

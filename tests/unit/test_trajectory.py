@@ -259,22 +259,21 @@ def test_kill_9_mid_write_leaves_a_consistent_log(tmp_path: Path) -> None:
     assert len(seqs) > 6
 
 
-def test_fast_forward_rate(tmp_path: Path) -> None:
-    """>= 10,000 replayed entries/s is the target; assert a loose floor (shared, noisy CI)."""
+def test_fast_forward_replays_every_entry(tmp_path: Path) -> None:
+    """5,000 recorded entries begun again are all replays with their own results (the rate,
+    >= 10,000 entries/s, is measured by benchmarks/lifecycle.py, not asserted here)."""
     log = TrajectoryLog(tmp_path / "ff.db")
     n = 5000
     reqs = [_exec_req(f"python step.py --n {i}") for i in range(1, n + 1)]
     for i, req in enumerate(reqs, 1):
         log.begin(SB, i, None, "exec", req)
         log.commit(SB, i, {"exit_code": 0, "stdout": f"reward {i}\n", "stderr": ""})
-    t0 = time.perf_counter()
     for i, req in enumerate(reqs, 1):
         b = log.begin(SB, i, None, "exec", req)
-        assert b.kind == "replay"
-    rate = n / (time.perf_counter() - t0)
-    print(f"fast-forward: {rate:,.0f} entries/s")
+        assert b.kind == "replay" and b.result is not None
+        assert b.result["stdout"] == f"reward {i}\n"
+    assert log.next_seq(SB) == n + 1
     log.close()
-    assert rate > 2_000
 
 
 # --------------------------------------------------------------------------- replay

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.timing import budget
 
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import KeyStore, StaticKeys, owner_id
@@ -118,7 +119,9 @@ async def test_forged_expired_and_revoked_sessions_go_back_to_sign_in(tmp_path: 
         await _sign_in(c, alice)
         good = c.cookies[COOKIE]
         version, body, mac = good.split(".")
-        for forged in (f"{version}.{body}.{mac[:-2]}AA", "v1.e30.AAAA", "garbage", good + "x"):
+        # a changed first character of the MAC (the last ones may differ in padding bits only)
+        other_mac = ("B" if mac[0] != "B" else "C") + mac[1:]
+        for forged in (f"{version}.{body}.{other_mac}", "v1.e30.AAAA", "garbage", good + "x"):
             _use(c, forged)
             assert (await c.get("/ui/api/session")).status_code == 401
             page = await c.get("/ui")
@@ -360,6 +363,7 @@ async def test_node_sampler_rates_from_the_edges_counters(edge: FakeEdge) -> Non
     assert s["t"] == [1060]
     assert s["creations_per_min"] == [1.0] and s["execs_per_min"] == [6.0]
     assert s["exec_errors_per_min"] == [0.0] and s["running"] == [1.0]
-    assert s["exec_p50_ms"][0] is not None and s["exec_p50_ms"][0] < 10
+    # the fake's execs take well under a millisecond: their histogram's p50, not a stray value
+    assert s["exec_p50_ms"][0] is not None and s["exec_p50_ms"][0] < budget(10)
     assert s["host_cpu_pct"][0] is None or 0 <= s["host_cpu_pct"][0] <= 100
     assert s["requested_cpu"] == [1.0]

@@ -19,13 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.isolation import WORKER
 
 from dsec.config import Paths
 from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS
 from dsec.runtimes.base import Handle, SandboxSpec, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 
-VM_HOME = Path(os.environ.get("DSEC_VM_TEST_HOME", "/tmp/dsec-vmtest"))
+VM_HOME = Path(os.environ.get("DSEC_VM_TEST_HOME", f"/tmp/dsec-vmtest-{WORKER}"))
+"""Per xdist worker: two workers' VM tests never share templates or cgroups."""
 
 
 def pytest_configure(config: pytest.Config) -> None:

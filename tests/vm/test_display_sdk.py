@@ -13,9 +13,8 @@ from dsec.server import BackgroundServer
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]
 
 
-def test_display_through_sdk(tmp_path: Path, shared_layers: Path) -> None:
-    home = tmp_path / "home"
-    home.mkdir()
+def test_display_through_sdk(short_home: Path, shared_layers: Path) -> None:
+    home = short_home
     (home / "layers").symlink_to(shared_layers, target_is_directory=True)
     with BackgroundServer(home, tiers=["vm", "container"]) as srv:
         kw = {"url": srv.url, "api_key": srv.api_key, "image": "busybox", "memory_mb": 256}

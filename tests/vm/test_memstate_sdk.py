@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.timing import budget
 
 from dsec import Sandbox
 from dsec.config import Paths
@@ -91,7 +92,7 @@ def test_sdk_suspend_fork_reaper_and_refusals(home: Path) -> None:
             tier="microvm", ttl_s=1, on_timeout="pause", paused_ttl_s=600, **kw
         ) as sb:
             sb.commands.run("echo idle > /tmp/idle")
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + budget(30)
             while time.monotonic() < deadline and sb.refresh().state != "paused":
                 time.sleep(0.3)
             assert sb.info.state == "paused", sb.info

@@ -8,7 +8,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
+from tests.timing import budget
 
+from dsec.edge.interface import PortStream
 from dsec.errors import PortNotListening
 from dsec.models import ExecRequest
 from dsec.runtimes.base import Handle, PortConnectable, capabilities_of
@@ -23,6 +25,19 @@ async def sh(rt: MicroVMRuntime, h: Handle, cmd: str, timeout: float = 60) -> st
     r = await rt.exec(h, ExecRequest(cmd=cmd, timeout_s=timeout))
     assert r.exit_code == 0, (cmd, r)
     return r.stdout
+
+
+async def connect_when_listening(rt: MicroVMRuntime, h: Handle, port: int) -> PortStream:
+    """``connect_port`` once something listens on ``port`` (a server started in the
+    background: waited for, at most ``budget(10)``)."""
+    deadline = asyncio.get_running_loop().time() + budget(10)
+    while True:
+        try:
+            return await rt.connect_port(h, port)
+        except PortNotListening:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
 
 
 async def read_all(stream: object) -> bytes:
@@ -62,8 +77,8 @@ async def test_bulk_both_ways_with_flow_control(microvm: MicroVMRuntime, make_vm
         h,
         "dd if=/dev/urandom of=/tmp/blob bs=1M count=6 2>/dev/null; md5sum /tmp/blob > /tmp/blob.md5",
     )
-    await sh(microvm, h, "(nc -l -p 9000 < /tmp/blob &) ; (nc -l -p 9001 > /tmp/up &) ; sleep 0.2")
-    down = await microvm.connect_port(h, 9000)
+    await sh(microvm, h, "(nc -l -p 9000 < /tmp/blob &) ; (nc -l -p 9001 > /tmp/up &)")
+    down = await connect_when_listening(microvm, h, 9000)
     got = bytearray()
     while chunk := await down.read(256 * 1024):
         got += chunk
@@ -75,13 +90,14 @@ async def test_bulk_both_ways_with_flow_control(microvm: MicroVMRuntime, make_vm
 
     want = (await sh(microvm, h, "cat /tmp/blob.md5")).split()[0]
     assert hashlib.md5(got).hexdigest() == want
-    up = await microvm.connect_port(h, 9001)
+    up = await connect_when_listening(microvm, h, 9001)
     payload = bytes(range(256)) * (3 * 4096)  # 3 MiB
     await up.write(payload)
     await up.write_eof()
     assert await up.read() == b""  # nc exits once it read EOF
     await up.close()
-    for _ in range(50):
+    deadline = asyncio.get_running_loop().time() + budget(5)
+    while asyncio.get_running_loop().time() < deadline:
         size = (await sh(microvm, h, "wc -c < /tmp/up")).strip()
         if size == str(len(payload)):
             break

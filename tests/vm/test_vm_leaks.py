@@ -14,8 +14,10 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from tests.timing import budget
 
 from dsec import Client, Sandbox
 from dsec.footprint import ServerFootprint, server_footprint
@@ -26,9 +28,29 @@ from .conftest import VM_HOME
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
+_STEADY = ("descendants", "mounts", "cgroups", "netns", "sandbox_dirs", "oci_state")
+"""What a server's warm pools change while they fill (threads, fds and the machine's tasks
+move for reasons of their own)."""
+
+
+def steady_footprint(srv: ServeProcess, quiet_s: float = 2.0, timeout_s: float = 60.0) -> Any:
+    """The server's footprint once :data:`_STEADY` has not changed for ``quiet_s`` (its
+    warm pools refilled), waiting at most ``budget(timeout_s)``."""
+    deadline = time.monotonic() + budget(timeout_s)
+    last = server_footprint(srv.proc.pid, srv.home)
+    still_since = time.monotonic()
+    while time.monotonic() - still_since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = server_footprint(srv.proc.pid, srv.home)
+        if {k: now.counts()[k] for k in _STEADY} != {k: last.counts()[k] for k in _STEADY}:
+            still_since = time.monotonic()
+        last = now
+    return last
+
+
 def _settle(srv: ServeProcess, baseline: ServerFootprint, timeout_s: float = 60.0) -> dict:  # type: ignore[type-arg]
     assert not baseline.zombies, f"the served baseline has zombies: {baseline.zombies}"
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + budget(timeout_s)
     while True:
         grew = server_footprint(srv.proc.pid, srv.home).growth(baseline, threads=8, fds=16)
         if not grew or time.monotonic() > deadline:
@@ -68,8 +90,7 @@ def test_vm_tier_cycles_leave_nothing_behind(shared_layers: Path) -> None:
             try:
                 cycle("microvm", "plain")
                 cycle("vm", "plain")
-                time.sleep(3)  # warm pools refilled
-                baseline = server_footprint(srv.proc.pid, srv.home)
+                baseline = steady_footprint(srv)  # warm pools refilled
                 for kind in ("plain", "suspend", "fork", "freeze"):
                     cycle("microvm", kind)
                 for kind in ("plain", "suspend"):

@@ -79,6 +79,7 @@ from dsec.errors import (
 )
 from dsec.images.reference import is_reference_name
 from dsec.layers.blobstore import open_blob_store
+from dsec.layers.builtin_cache import BuiltinCache, flocked
 from dsec.layers.erofs import is_erofs_file, mkfs_erofs
 from dsec.layers.lazy import (
     DEFAULT_CACHE_BYTES,
@@ -388,12 +389,19 @@ class LayerStore:
         )
 
     def _publish(
-        self, tmp_file: Path, kind: LayerKind, name: str | None, meta: dict[str, Any] | None
+        self,
+        tmp_file: Path,
+        kind: LayerKind,
+        name: str | None,
+        meta: dict[str, Any] | None,
+        *,
+        known_hex: str | None = None,
     ) -> LayerInfo:
-        """Hash ``tmp_file``, move it to ``blobs/`` (or drop it if known) and record the row."""
+        """Hash ``tmp_file``, move it to ``blobs/`` (or drop it if known) and record the row.
+        ``known_hex``: its sha256, already known (a file of the built-in cache, named by it)."""
         with open(tmp_file, "rb+") as f:
             os.fsync(f.fileno())
-        hex_ = _sha256_file(tmp_file)
+        hex_ = known_hex or _sha256_file(tmp_file)
         digest = f"sha256:{hex_}"
         size = tmp_file.stat().st_size
         blob = self._blobs / f"{hex_}.erofs"
@@ -952,7 +960,6 @@ class LayerStore:
             if not self._outdated(done):
                 return done
         recipe = builtin.BUILTIN_IMAGES[name]
-        started = time.monotonic()
         base_layers: list[str] = []
         if recipe.base is not None:
             self._set_progress(name, f"waiting for its base image {recipe.base}")
@@ -960,6 +967,55 @@ class LayerStore:
         meta = {**recipe.meta, "builtin": name}
         if recipe.base is not None:
             meta["base_layers"] = base_layers
+        cache = BuiltinCache.from_env()
+        key = cache.key(recipe, meta) if cache is not None else None
+        lock = (  # machine-wide where a cache is shared, else this store's
+            cache.root / f"builtin-{name}-{key}.lock"
+            if cache is not None and key is not None
+            else self.root / "locks" / f"builtin-{name}.lock"
+        )
+        self._set_progress(name, "waiting for another process building it")
+        with flocked(lock):
+            # one build per machine (a cache shared by several stores) or per store
+            with contextlib.suppress(ImageNotFound):
+                done = self.get_image(name)
+                if not self._outdated(done):
+                    return done
+            if cache is not None and key is not None:
+                cached = cache.find(name, key)
+                if cached is not None:
+                    layer = self.adopt_cached_layer(cached, recipe.kind, name=name, meta=meta)
+                    log.info("image %s taken from the built-in cache %s", name, cache.root)
+                    layers = [d for d in base_layers if d != layer.digest] + [layer.digest]
+                    return self.put_image(name, layers, meta=meta)
+            image, layer = self._build_builtin_now(name, recipe, meta, base_layers)
+            if cache is not None and key is not None:
+                cache.store(name, key, self._blobs / f"{layer.digest.split(':', 1)[1]}.erofs")
+            return image
+
+    def adopt_cached_layer(
+        self, cached: Path, kind: LayerKind, *, name: str | None, meta: dict[str, Any]
+    ) -> LayerInfo:
+        """Publish a file of the machine-wide built-in cache (named ``...-<sha256>.erofs``,
+        :mod:`dsec.layers.builtin_cache`) as a layer: hard-linked where the cache shares the
+        store's filesystem, copied elsewhere; the file is left in the cache."""
+        hex_ = cached.name.rsplit("-", 1)[1].removesuffix(".erofs")
+        with self._build_slot() as build_id:
+            tmp_file = self._tmp / f"{build_id}.erofs"
+            try:
+                os.link(cached, tmp_file)
+            except OSError:
+                shutil.copyfile(cached, tmp_file)
+            return self._publish(tmp_file, kind, name, meta, known_hex=hex_)
+
+    def _build_builtin_now(
+        self,
+        name: str,
+        recipe: builtin.BuiltinImage,
+        meta: dict[str, Any],
+        base_layers: list[str],
+    ) -> tuple[ImageInfo, LayerInfo]:
+        started = time.monotonic()
         with self._build_slot() as build_id:
             if recipe.base is None:
                 tree = self.scratch / f"layer-{build_id}" / "rootfs"
@@ -983,7 +1039,7 @@ class LayerStore:
             layer.size,
         )
         layers = [d for d in base_layers if d != layer.digest] + [layer.digest]
-        return self.put_image(name, layers, meta=meta)
+        return self.put_image(name, layers, meta=meta), layer
 
     def _set_progress(self, name: str, phase: str) -> None:
         with self._lock:

@@ -316,7 +316,9 @@ class AsyncClient:
             "POST",
             "/v1/run_code",
             json=req.model_dump(mode="json"),
-            timeout=timeout + compile_timeout + 30,
+            # the call's own limits plus time to get a worker, and never less than the
+            # client's timeout (a node under load may take a while to start a pool)
+            timeout=max(self._http.timeout or 0.0, timeout + compile_timeout + 30),
         )
         return CodeRunResult.model_validate(r.json(), context=ANSWER)
 

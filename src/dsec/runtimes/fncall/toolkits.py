@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.errors import ImageNotFound, SandboxError
+from dsec.layers.builtin_cache import BuiltinCache, flocked
 from dsec.models import ImageInfo
 
 log = logging.getLogger("dsec.fncall.toolkits")
@@ -192,6 +193,46 @@ def build_toolkit_image(store: Any, base_image: str, toolkit: str) -> ImageInfo:
         return store.get_image(name)
     except ImageNotFound:
         pass
+    cache = BuiltinCache.from_env()  # the machine-wide cache, where configured
+    lock_dir = cache.root if cache is not None else Path(store.root) / "locks"
+    with flocked(lock_dir / f"toolkit-{toolkit}-{key}.lock"):  # one build at a time per key
+        try:
+            return store.get_image(name)
+        except ImageNotFound:
+            pass
+        layer_meta = {
+            "packages": list(packages),
+            "pip": list(kit.pip),
+            "npm": list(kit.npm),
+            "base": base_image,
+            "key": key,
+        }
+        cached = cache.find(f"toolkit-{toolkit}", key) if cache is not None else None
+        if cached is not None:
+            layer = store.adopt_cached_layer(
+                cached, "toolkit", name=f"toolkit-{toolkit}", meta=layer_meta
+            )
+            log.info("toolkit %s taken from the built-in cache %s", toolkit, cached.parent)
+            return store.put_image(
+                name, [*base.layers, layer.digest], meta={"toolkit": toolkit, "base": base_image}
+            )
+        image = _build(store, base, base_image, toolkit, kit, key, name, layer_meta)
+        if cache is not None:
+            cache.store(f"toolkit-{toolkit}", key, Path(store.layer_path(image.layers[-1])))
+        return image
+
+
+def _build(
+    store: Any,
+    base: ImageInfo,
+    base_image: str,
+    toolkit: str,
+    kit: Toolkit,
+    key: str,
+    name: str,
+    layer_meta: dict[str, Any],
+) -> ImageInfo:
+    packages = kit.apt
     work = Path(store.scratch) / f"toolkit-{toolkit}-{key}-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     upper = work / "upper"
@@ -248,18 +289,7 @@ def build_toolkit_image(store: Any, base_image: str, toolkit: str) -> ImageInfo:
                     else:
                         child.unlink(missing_ok=True)
         (upper / "etc" / "resolv.conf").unlink(missing_ok=True)
-        layer = store.build_layer(
-            upper,
-            "toolkit",
-            name=f"toolkit-{toolkit}",
-            meta={
-                "packages": list(packages),
-                "pip": list(kit.pip),
-                "npm": list(kit.npm),
-                "base": base_image,
-                "key": key,
-            },
-        )
+        layer = store.build_layer(upper, "toolkit", name=f"toolkit-{toolkit}", meta=layer_meta)
         return store.put_image(
             name,
             [*base.layers, layer.digest],
