@@ -36,6 +36,21 @@ def _burn() -> None:
         x = (x * 1103515245 + 12345) & 0xFFFFFFFF
 
 
+def _messages(junit: Path) -> dict[str, str]:
+    """test id -> the first line of its failure or error, from a junit XML report."""
+    out: dict[str, str] = {}
+    try:
+        tree = ET.parse(junit)
+    except (OSError, ET.ParseError):
+        return out
+    for case in tree.iter("testcase"):
+        for child in case:
+            if child.tag in ("failure", "error"):
+                name = f"{case.get('classname', '')}::{case.get('name', '')}"
+                out[name] = (child.get("message") or "")[:500]
+    return out
+
+
 def _outcomes(junit: Path) -> dict[str, str]:
     """test id -> passed | failed | error | skipped, from a junit XML report."""
     out: dict[str, str] = {}
@@ -79,12 +94,16 @@ def _run(label: str, args: list[str], workers: int, extra: list[str]) -> dict[st
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
         seconds = time.monotonic() - t0
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+        outcomes, messages = _outcomes(junit), _messages(junit)
         print(f"{label}: exit {proc.returncode} in {seconds:.0f} s: {tail[0]}", flush=True)
+        for test, message in sorted(messages.items()):
+            print(f"  {outcomes.get(test)}: {test}: {message.splitlines()[0] if message else ''}")
         return {
             "label": label,
             "exit": proc.returncode,
             "seconds": round(seconds, 1),
-            "outcomes": _outcomes(junit),
+            "outcomes": outcomes,
+            "failures": messages,
         }
 
 
@@ -124,7 +143,7 @@ def main() -> int:
     report = {
         "burners": a.burn,
         "workers": a.workers,
-        "runs": [{k: v for k, v in r.items() if k != "outcomes"} for r in runs],
+        "runs": [{k: v for k, v in r.items() if k != "outcomes"} for r in runs],  # with failures
         "tests": len(seen),
         "not_always_passing": {
             test: {"kind": "flaky" if counts.get("passed") else "broken", **counts}

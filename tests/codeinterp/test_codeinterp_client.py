@@ -267,6 +267,7 @@ def test_huge_output_is_bounded(sandbox: Any) -> None:
 
 def test_one_context_serializes_two_contexts_run_in_parallel(sandbox: Any, tmp_path: Path) -> None:
     other = sandbox.create_code_context()
+    sandbox.run_code("1", context=other)  # its kernel is up: the meeting below is not its start
     results: dict[str, Any] = {}
 
     def run(name: str, code: str = "import time\ntime.sleep(1)\n'done'", **kw: Any) -> None:

@@ -22,6 +22,7 @@ import fcntl
 import io
 import os
 import posixpath
+import select
 import shutil
 import signal
 import stat as stat_mod
@@ -83,10 +84,15 @@ class FakeProcess:
     """An ``InteractiveProcess`` backed by a bwrap'ed subprocess."""
 
     def __init__(
-        self, proc: asyncio.subprocess.Process, pty_master: int | None, timeout_s: float
+        self,
+        proc: asyncio.subprocess.Process,
+        pty_master: int | None,
+        timeout_s: float,
+        pty_slave: int | None = None,
     ) -> None:
         self._proc = proc
         self._master = pty_master
+        self._slave = pty_slave
         self._queue: asyncio.Queue[OutputChunk | None] = asyncio.Queue(64)
         self._open_streams = 0
         self._sent_signal: int | None = None
@@ -111,17 +117,36 @@ class FakeProcess:
             await self._queue.put(None)
 
     async def _read_pty(self, fd: int) -> None:
+        """Read the master until the command has exited and its output is drained. The
+        parent keeps a slave fd open (``self._slave``) until then: reading until EIO (every
+        slave closed) lost the last output now and then on a busy machine, which the kernel
+        had not yet moved to the master's side when the command's exit closed the slave."""
         loop = asyncio.get_running_loop()
+
+        def read_some(timeout_s: float) -> bytes | None:
+            ready, _, _ = select.select([fd], [], [], timeout_s)
+            if not ready:
+                return None  # nothing within timeout_s
+            try:
+                return os.read(fd, 65536)
+            except OSError:
+                return b""
+
         try:
             while True:
-                try:
-                    chunk = await loop.run_in_executor(None, os.read, fd, 65536)
-                except OSError:  # EIO once the last slave fd closes
-                    break
+                exited = self._proc.returncode is not None
+                chunk = await loop.run_in_executor(None, read_some, 0.05 if exited else 0.2)
+                if chunk is None:
+                    if exited:
+                        break  # exited, and 50 ms without output since: drained
+                    continue
                 if not chunk:
                     break
                 await self._queue.put(("pty", chunk))
         finally:
+            if self._slave is not None:
+                os.close(self._slave)
+                self._slave = None
             await self._queue.put(None)
 
     async def _expire(self, timeout_s: float) -> None:
@@ -468,10 +493,13 @@ class BwrapRuntime:
         if pty is not None:
             master, slave = os.openpty()
             fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", pty.rows, pty.cols, 0, 0))
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True
-            )
-            os.close(slave)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True
+                )
+            except BaseException:
+                os.close(slave)
+                raise
         else:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -480,7 +508,7 @@ class BwrapRuntime:
                 stderr=asyncio.subprocess.PIPE,
                 process_group=0,
             )
-        fp = FakeProcess(proc, master, req.timeout_s)
+        fp = FakeProcess(proc, master, req.timeout_s, pty_slave=slave if pty is not None else None)
         sb.procs.add(fp)
         asyncio.get_running_loop().create_task(self._reap(sb, fp))
         return fp

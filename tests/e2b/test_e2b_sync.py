@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from e2b.sandbox.commands.command_handle import PtySize
@@ -203,12 +205,27 @@ def test_watch_dir(sbx: Sandbox) -> None:
 
 
 def test_pty(sbx: Sandbox) -> None:
+    """An interactive shell on a PTY, driven as a person would: each line typed once the
+    shell shows it is ready for it (input typed before the shell started readline could
+    be read or echoed in another order on a busy machine)."""
     out = bytearray()
-    term = sbx.pty.create(PtySize(rows=24, cols=100), timeout=20)
+    results: list[Any] = []
+    term = sbx.pty.create(PtySize(rows=24, cols=100), timeout=budget(20))
     sbx.pty.resize(term.pid, PtySize(rows=30, cols=120))
+    reader = threading.Thread(target=lambda: results.append(term.wait(on_pty=out.extend)))
+    reader.start()
+
+    def shown(text: str) -> bool:
+        deadline = time.monotonic() + budget(10)
+        while text not in out.decode(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return text in out.decode(errors="replace")
+
+    assert shown("$ "), out.decode(errors="replace")  # the prompt
     sbx.pty.send_stdin(term.pid, b"stty size; echo pty-$((40+2))\n")
+    assert shown("pty-42\r\n"), out.decode(errors="replace")
     sbx.pty.send_stdin(term.pid, b"exit 0\n")
-    result = term.wait(on_pty=out.extend)
-    assert result.exit_code == 0
+    reader.join(budget(20))
+    assert results and results[0].exit_code == 0
     text = out.decode(errors="replace")
-    assert "pty-42" in text and "30 120" in text
+    assert "30 120\r\n" in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tests.timing import budget
 
 from dsec import Client
 from dsec.server import BackgroundServer
@@ -22,7 +23,7 @@ def fncall_server(tmp_path_factory: pytest.TempPathFactory, shared_layers: Path)
 
 
 def test_run_code_python_through_sdk(fncall_server) -> None:  # type: ignore[no-untyped-def]
-    client = Client(url=fncall_server.url, api_key=fncall_server.api_key)
+    client = Client(url=fncall_server.url, api_key=fncall_server.api_key, timeout=budget(120))
     try:
         r = client.run_code("import sys; print(1 + 1); print('err', file=sys.stderr)", "python")
         assert r.outcome == "ok"

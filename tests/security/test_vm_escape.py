@@ -189,7 +189,7 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 @pytest.fixture(params=TIERS)
 async def runtime(request: pytest.FixtureRequest, image: BusyboxImage) -> AsyncIterator[Any]:
     cls = VMRuntime if request.param == "vm" else MicroVMRuntime
-    rt = cls(Paths(VM_HOME), MicroVMConfig(pool_size=0, exec_grace_s=3.0))
+    rt = cls(Paths(VM_HOME), MicroVMConfig(pool_size=0, exec_grace_s=budget(3.0)))
     await rt.start()
     if not capabilities_of(rt).available:
         pytest.fail(f"{request.param} tier unavailable: {capabilities_of(rt).reason}")

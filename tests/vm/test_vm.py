@@ -97,7 +97,7 @@ def _display(edge: object, sandbox_id: str) -> tuple[AsyncDisplay, AsyncClient]:
 
 @pytest.fixture
 async def vm_runtime(vm_home: Path) -> AsyncIterator[VMRuntime]:
-    rt = VMRuntime(Paths(vm_home), MicroVMConfig(exec_grace_s=3.0, pool_size=1))
+    rt = VMRuntime(Paths(vm_home), MicroVMConfig(exec_grace_s=budget(3.0), pool_size=1))
     await rt.start()
     assert capabilities_of(rt).available, capabilities_of(rt).reason
     yield rt
