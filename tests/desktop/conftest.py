@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import pytest
 from tests.isolation import worker_subnet
+from tests.timing import budget
 
 from dsec.server import BackgroundServer
 
@@ -97,8 +98,9 @@ def find_color(png: bytes, rgb: tuple[int, int, int], tolerance: int = 24) -> tu
 
 
 def wait_for(fn: Callable[[], T | None], what: str, timeout_s: float = 60.0) -> T:
-    """Poll ``fn`` every 0.2 s until it returns something truthy."""
-    deadline = time.monotonic() + timeout_s
+    """Poll ``fn`` every 0.2 s until it returns something truthy (``timeout_s`` stretched
+    for this machine: tests/timing.py)."""
+    deadline = time.monotonic() + budget(timeout_s)
     last: T | None = None
     while time.monotonic() < deadline:
         last = fn()

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from tests.timing import budget
 
 from dsec.server import BackgroundServer
 
@@ -180,7 +181,7 @@ def test_e2b_desktop_stream_with_an_auth_key(desktop: object) -> None:
     with _browser(token) as page:
         answer = _goto(page, sbx.stream.get_url())  # type: ignore[attr-defined]
         assert answer is not None and answer.status == 200
-        page.wait_for_selector("#noVNC_credentials_dlg.noVNC_open", timeout=60_000)
+        page.wait_for_selector("#noVNC_credentials_dlg.noVNC_open", timeout=budget(60) * 1000)
     sbx.stream.stop()  # type: ignore[attr-defined]
 
 
@@ -217,7 +218,7 @@ def _connected(page: Any, url: str) -> bytes:
     page.wait_for_function(
         "() => { const c = document.querySelector('#noVNC_container canvas')"
         " || document.querySelector('canvas'); return c && c.width >= 1024; }",
-        timeout=60_000,
+        timeout=budget(60) * 1000,
     )
     return _wait_drawn(page)
 
@@ -261,7 +262,7 @@ def _goto(page: Any, url: str) -> Any:
 
     for attempt in range(3):
         try:
-            return page.goto(url, wait_until="load", timeout=60_000)
+            return page.goto(url, wait_until="load", timeout=budget(60) * 1000)
         except Error as e:
             if "ERR_NETWORK_CHANGED" not in str(e) or attempt == 2:
                 raise

@@ -2090,7 +2090,16 @@ class EdgeAgent:
         return sorted([*images, *pending, *pulling], key=lambda im: im.name)
 
     async def get_image(self, name: str, owner: str) -> ImageInfo:
-        return self._image_cache_info(self.layers.get_image(name, owner))
+        """``owner``'s (or the system's) image ``name``; a built-in image not built yet as
+        ``image ls`` shows it (queued, building or failed, with no layers): it is usable,
+        and is built on first use."""
+        try:
+            return self._image_cache_info(self.layers.get_image(name, owner))
+        except ImageNotFound:
+            pending = [im for im in self._pending_builtins(owner, set()) if im.name == name]
+            if pending:
+                return pending[0]
+            raise
 
     async def delete_image(self, name: str, owner: str) -> None:
         """Forget ``owner``'s image ``name`` (its layers stay while anything uses them).
