@@ -599,9 +599,9 @@ class ServeProcess:
     """``dsec serve`` as a child process on a free loopback port with its own ``DSEC_HOME``:
     what benchmarks measure (an in-process server would share the GIL with the clients).
 
-    ``layer_cache`` (default ``$DSEC_TEST_LAYER_CACHE`` or ``/var/cache/dsec-test-layers``) is
-    linked as the home's layer store when it exists, so built-in images are built once per
-    machine. ``env`` adds operator settings (``DSEC_TIERS`` defaults to ``container``,
+    ``layer_cache`` (default ``$DSEC_TEST_LAYER_CACHE``, else the home's own ``layers/``) is
+    linked as the home's layer store when it exists (built-in images come from
+    ``DSEC_BUILTIN_CACHE`` when that is set, built once per machine). ``env`` adds operator settings (``DSEC_TIERS`` defaults to ``container``,
     ``DSEC_NETWORK`` to ``off`` and ``DSEC_PREBUILD`` to ``none``).
     """
 
@@ -623,9 +623,11 @@ class ServeProcess:
             "DSEC_PREBUILD": "none",
             **(env or {}),
         }
-        self.layer_cache = layer_cache or Path(
-            os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers")
-        )
+        # a layer store to share (a symlink as the home's layers/): only when asked for; a
+        # machine-wide default was shared by every test process at once and went stale
+        # (built-in images come from DSEC_BUILTIN_CACHE instead)
+        shared = layer_cache or os.environ.get("DSEC_TEST_LAYER_CACHE")
+        self.layer_cache = Path(shared) if shared else self.home / "layers"
         self.start_timeout_s = start_timeout_s
         self.proc: Any = None
 
@@ -637,7 +639,11 @@ class ServeProcess:
         import httpx
 
         self.home.mkdir(parents=True, exist_ok=True)
-        if self.layer_cache.is_dir() and not (self.home / "layers").exists():
+        if (
+            self.layer_cache != self.home / "layers"
+            and self.layer_cache.is_dir()
+            and not (self.home / "layers").exists()
+        ):
             (self.home / "layers").symlink_to(self.layer_cache, target_is_directory=True)
         env = {**os.environ, "DSEC_HOME": str(self.home), **self.env}
         log_file = open(self.home / "serve.log", "ab")

@@ -1,6 +1,6 @@
 """Test and benchmark wiring for the fncall tier: a real runtime on a private ``DSEC_HOME``.
 
-The layer directory is shared (a symlink to a cache such as ``/var/cache/dsec-test-layers``)
+The layer directory can be shared (a symlink to a store named by ``layer_cache`` or ``$DSEC_TEST_LAYER_CACHE``)
 so the debian image and toolkit layers are built once per machine, not once per run::
 
     async with fncall_service(Path("/tmp/dsec-x"), layer_cache=Path("/var/cache/dsec-test-layers")) as svc:
@@ -25,9 +25,12 @@ from dsec.runtimes.fncall.service import RunCodeLimits, RunCodeService
 __all__ = ["default_layer_cache", "fncall_service"]
 
 
-def default_layer_cache() -> Path:
-    """``$DSEC_TEST_LAYER_CACHE`` or ``/var/cache/dsec-test-layers``."""
-    return Path(os.environ.get("DSEC_TEST_LAYER_CACHE", "/var/cache/dsec-test-layers"))
+def default_layer_cache() -> Path | None:
+    """``$DSEC_TEST_LAYER_CACHE`` when set, else None (the home keeps its own layer store;
+    built-in images and toolkits come from ``DSEC_BUILTIN_CACHE`` when that is set). A
+    machine-wide default store was shared by every test process at once and went stale."""
+    shared = os.environ.get("DSEC_TEST_LAYER_CACHE")
+    return Path(shared) if shared else None
 
 
 @contextlib.asynccontextmanager
@@ -44,9 +47,9 @@ async def fncall_service(
     def prepare() -> tuple[Paths, LayerStore]:
         home.mkdir(parents=True, exist_ok=True)
         cache = layer_cache or default_layer_cache()
-        cache.mkdir(parents=True, exist_ok=True)
         layers = home / "layers"
-        if not layers.exists():
+        if cache is not None and not layers.exists():
+            cache.mkdir(parents=True, exist_ok=True)
             layers.symlink_to(cache, target_is_directory=True)
         paths = Paths(home)
         paths.ensure()
