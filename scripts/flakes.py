@@ -36,40 +36,30 @@ def _burn() -> None:
         x = (x * 1103515245 + 12345) & 0xFFFFFFFF
 
 
-def _messages(junit: Path) -> dict[str, str]:
-    """test id -> the first line of its failure or error, from a junit XML report."""
-    out: dict[str, str] = {}
+def _read_junit(junit: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """From a junit XML report: test id -> passed | failed | error | skipped, and test id ->
+    the message of its failure or error."""
+    outcomes: dict[str, str] = {}
+    messages: dict[str, str] = {}
     try:
         tree = ET.parse(junit)
     except (OSError, ET.ParseError):
-        return out
-    for case in tree.iter("testcase"):
-        for child in case:
-            if child.tag in ("failure", "error"):
-                name = f"{case.get('classname', '')}::{case.get('name', '')}"
-                out[name] = (child.get("message") or "")[:500]
-    return out
-
-
-def _outcomes(junit: Path) -> dict[str, str]:
-    """test id -> passed | failed | error | skipped, from a junit XML report."""
-    out: dict[str, str] = {}
-    try:
-        tree = ET.parse(junit)
-    except (OSError, ET.ParseError):
-        return out
+        return outcomes, messages
     for case in tree.iter("testcase"):
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         kinds = {child.tag for child in case}
         if "failure" in kinds:
-            out[name] = "failed"
+            outcomes[name] = "failed"
         elif "error" in kinds:
-            out[name] = "error"
+            outcomes[name] = "error"
         elif "skipped" in kinds:
-            out[name] = "skipped"
+            outcomes[name] = "skipped"
         else:
-            out[name] = "passed"
-    return out
+            outcomes[name] = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                messages[name] = (child.get("message") or "")[:500]
+    return outcomes, messages
 
 
 def _run(label: str, args: list[str], workers: int, extra: list[str]) -> dict[str, object]:
@@ -94,7 +84,7 @@ def _run(label: str, args: list[str], workers: int, extra: list[str]) -> dict[st
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
         seconds = time.monotonic() - t0
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
-        outcomes, messages = _outcomes(junit), _messages(junit)
+        outcomes, messages = _read_junit(junit)
         print(f"{label}: exit {proc.returncode} in {seconds:.0f} s: {tail[0]}", flush=True)
         for test, message in sorted(messages.items()):
             print(f"  {outcomes.get(test)}: {test}: {message.splitlines()[0] if message else ''}")

@@ -28,25 +28,15 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
+
+from benchmarks.hostprobe import host_probe_s
 
 ENV = "DSEC_TEST_SLOWNESS"
 REFERENCE_PROBE_S = 0.011
 """The probe's time on this kind of machine, idle, at full speed."""
 MAX_SLOWNESS = 8.0
-
-_DATA = b"\0" * (16 << 20)
-
-
-def _probe_s() -> float:
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        hashlib.sha256(_DATA).digest()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _busy_cpus(interval_s: float = 0.3) -> float:
@@ -70,7 +60,7 @@ def _busy_cpus(interval_s: float = 0.3) -> float:
 def measure(workers: int = 1) -> float:
     """The slowness factor (>= 1) of this machine now, for ``workers`` test processes."""
     cores = os.cpu_count() or 1
-    cpu = _probe_s() / REFERENCE_PROBE_S
+    cpu = host_probe_s() / REFERENCE_PROBE_S
     crowd = (workers + _busy_cpus()) / cores
     return round(min(MAX_SLOWNESS, max(1.0, cpu) * max(1.0, crowd)), 2)
 
