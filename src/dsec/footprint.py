@@ -21,11 +21,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec.privileged.cgroups import host_layout
+from dsec.privileged.loop import attached_loops
 from dsec.privileged.reaper import child_pids, proc_stat
 
 __all__ = ["ServerFootprint", "install_cgroups", "machine_tasks", "server_footprint"]
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 _SANDBOX_FS = ("overlay", "erofs", "nsfs", "tmpfs")
 
 
@@ -36,13 +37,14 @@ class ServerFootprint:
     ``zombies``: pids of zombie children of the server process; ``descendants``: every
     process below it (children, grandchildren...), zombies included; ``threads`` and
     ``fds`` of the server process; ``mounts``: overlay/erofs/fuse/nsfs/tmpfs mount points
-    under its home; ``cgroups``: cgroup directories of this install (relative, per
-    hierarchy); ``netns``: pinned network namespace files and the network manager's
-    per-sandbox records; ``links``: host network interfaces of this install (the host
+    under its home; ``cgroups``: cgroup directories of this install (relative to the cgroup
+    mount: per hierarchy on v1, below dsec's base cgroup on v2); ``netns``: pinned network
+    namespace files and the network manager's per-sandbox records; ``links``: host network interfaces of this install (the host
     ends of sandboxes' veth pairs); ``sandbox_dirs``: entries of
     ``$DSEC_HOME/sandboxes``; ``oci_state``: containers in crun's/runc's state directories
-    (``--root``) of this install; ``machine_tasks``: tasks (processes + threads, i.e. pids in
-    use) on the whole machine.
+    (``--root``) of this install; ``loop_devices``: loop devices bound to files under its
+    home (layers mounted through loop devices); ``machine_tasks``: tasks (processes +
+    threads, i.e. pids in use) on the whole machine.
     """
 
     zombies: list[int] = field(default_factory=list)
@@ -55,6 +57,7 @@ class ServerFootprint:
     links: list[str] = field(default_factory=list)
     sandbox_dirs: list[str] = field(default_factory=list)
     oci_state: list[str] = field(default_factory=list)
+    loop_devices: list[str] = field(default_factory=list)
     machine_tasks: int = 0
 
     def counts(self) -> dict[str, int]:
@@ -83,7 +86,15 @@ class ServerFootprint:
         new_zombies = sorted(set(self.zombies) - set(baseline.zombies))
         if new_zombies:
             out["zombies"] = new_zombies
-        for name in ("mounts", "cgroups", "netns", "links", "sandbox_dirs", "oci_state"):
+        for name in (
+            "mounts",
+            "cgroups",
+            "netns",
+            "links",
+            "sandbox_dirs",
+            "oci_state",
+            "loop_devices",
+        ):
             now, then = getattr(self, name), getattr(baseline, name)
             if len(now) > len(then):  # by count: warm pools rename their workers' cgroups
                 out[name] = sorted(set(now) - set(then))
@@ -104,15 +115,14 @@ def _descendants(pid: int) -> int:
 
 
 def install_cgroups(home: Path) -> list[str]:
-    """Every cgroup directory of the install at ``home`` in every cgroup v1 hierarchy, as
-    ``<hierarchy>/<path>``. Each tier's parent is named ``dsec-<sha256(home)>...``."""
+    """Every cgroup directory of the install at ``home``, relative to the cgroup mount: on v1
+    in every hierarchy (``<hierarchy>/<path>``), on v2 below dsec's base cgroup
+    (``<base>/<path>``). Each tier's parent is named ``dsec-<sha256(home)>...``."""
     digest = hashlib.sha256(str(home.resolve()).encode()).hexdigest()
     out: list[str] = []
-    try:
-        hierarchies = sorted(CGROUP_ROOT.iterdir())
-    except OSError:
-        return out
-    for h in hierarchies:
+    layout = host_layout()
+    # where dsec's top-level cgroups are: each v1 hierarchy's root, or the v2 base
+    for h in sorted(layout.cgroup("").every_dir()):
         try:
             tops = [p for p in h.iterdir() if p.is_dir() and p.name.startswith("dsec-")]
         except OSError:
@@ -122,7 +132,7 @@ def install_cgroups(home: Path) -> list[str]:
             if len(tag) < 8 or not digest.startswith(tag):
                 continue
             for dirpath, dirnames, _ in os.walk(top):
-                out.append(os.path.relpath(dirpath, CGROUP_ROOT))
+                out.append(os.path.relpath(dirpath, layout.mount))
                 dirnames.sort()
     return sorted(out)
 
@@ -149,6 +159,13 @@ def _mounts_under(home: Path) -> list[str]:
             ):
                 out.append(f"{fstype} {mountpoint}")
     return sorted(out)
+
+
+def _loops_under(home: Path) -> list[str]:
+    """Loop devices bound to files under ``home`` (EROFS layers mounted through loop
+    devices, :mod:`dsec.privileged.loop`), as ``/dev/loopN <file>``."""
+    prefix = str(home.resolve()) + "/"
+    return sorted(f"{d} {f}" for d, f in attached_loops().items() if f.startswith(prefix))
 
 
 def _install_links(home: Path) -> list[str]:
@@ -203,5 +220,6 @@ def server_footprint(pid: int, home: Path) -> ServerFootprint:
         links=_install_links(home),
         sandbox_dirs=_listdir(home / "sandboxes"),
         oci_state=_oci_state(home),
+        loop_devices=_loops_under(home),
         machine_tasks=machine_tasks(),
     )

@@ -669,6 +669,58 @@ class PortAccess(_Model):
     scheme: str = Field("https", description="the scheme of host routes (https or http)")
 
 
+class HostFeature(_Model):
+    """One kernel or host feature dsec uses, as found on the node (``dsec doctor``)."""
+
+    name: str = Field(description="e.g. 'EROFS', 'overlayfs', 'Landlock', 'cgroup.kill'")
+    available: bool | None = Field(description="None: it could not be probed (e.g. not root)")
+    value: str = Field(description="what was found: 'file-backed mounts', 'ABI 6', 'crun 1.8.1'")
+    note: str | None = Field(None, description="why it is missing, or what it means for dsec")
+
+    @field_serializer("value", "note")
+    def _public_text(self, text: str | None) -> str | None:
+        return scrub_server_paths(text)
+
+
+class HostCgroups(_Model):
+    """The node's cgroup layout as dsec uses it (``dsec.privileged.cgroups.CgroupLayout``)."""
+
+    mode: str = Field(description="v2, v1 (the hybrid layout included) or unsupported")
+    description: str = Field(description="one line, e.g. 'v2 (unified), base /dsec.service'")
+    usable: bool = Field(description="dsec can confine sandboxes with it")
+    base: str = Field("", description="v2: dsec's base cgroup below the mount ('' = root)")
+    delegated: bool = Field(False, description="v2: the base was delegated by systemd")
+    controllers: list[str] = Field(default_factory=list)
+    missing: list[str] = Field(default_factory=list, description="controllers dsec lacks")
+    reason: str | None = Field(None, description="what to change when it is not usable")
+    features: list[HostFeature] = Field(default_factory=list)
+
+
+class HostTier(_Model):
+    """Whether a tier can run on the node, and why not."""
+
+    tier: str
+    available: bool
+    reason: str | None = None
+    wanted: bool = Field(True, description="the operator asked for it (DSEC_TIERS, or unset)")
+
+    @field_serializer("reason")
+    def _public_reason(self, reason: str | None) -> str | None:
+        return scrub_server_paths(reason)
+
+
+class HostReport(_Model):
+    """What a node's host gives dsec: ``dsec doctor``, the ``host`` of ``GET /v1/node``."""
+
+    kernel: str = Field(description="the kernel release (uname -r)")
+    distribution: str = Field(description="/etc/os-release's PRETTY_NAME")
+    architecture: str
+    root: bool = Field(description="the probing process ran as root")
+    cgroups: HostCgroups
+    features: list[HostFeature] = Field(default_factory=list)
+    tiers: list[HostTier] = Field(default_factory=list)
+
+
 class NodeInfo(_Model):
     node: str
     version: str
@@ -676,6 +728,9 @@ class NodeInfo(_Model):
     sandboxes: int
     cpus: int
     memory_mb: int
+    host: HostReport | None = Field(
+        None, description="the node's kernel, cgroups and kernel features (None: not known)"
+    )
 
 
 class CpuMetrics(_Model):

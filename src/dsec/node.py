@@ -5,6 +5,8 @@ edge), each Ray node's edge actor in cluster mode, tests and benchmarks. What is
 by the operator's environment (``DSEC_TIERS``, ``DSEC_NETWORK``, ``DSEC_NET_*``; see
 :func:`build_network`) and by arguments.
 
+* :func:`prepare_host`: the host made ready once per process (dsec's cgroup subtree) and
+  the tiers it rules out, with why (the edge reports them unavailable with that reason);
 * :func:`build_network`: the node's network manager (or None);
 * :func:`build_runtimes`: one runtime per tier the node can run;
 * :func:`open_edge`: an :class:`~dsec.edge.agent.EdgeAgent` over them and the node's layer
@@ -18,9 +20,10 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsec.config import Paths
 from dsec.edge.agent import EdgeAgent, EdgeLimits
@@ -28,7 +31,17 @@ from dsec.errors import InvalidRequest
 from dsec.layers.store import LayerStore
 from dsec.runtimes.base import Runtime
 
-__all__ = ["build_network", "build_runtimes", "embedded_edge", "open_edge", "tiers_from_env"]
+if TYPE_CHECKING:
+    from dsec.models import HostCgroups, HostReport
+
+__all__ = [
+    "build_network",
+    "build_runtimes",
+    "embedded_edge",
+    "open_edge",
+    "prepare_host",
+    "tiers_from_env",
+]
 
 log = logging.getLogger("dsec.node")
 
@@ -47,6 +60,70 @@ def _json_env(name: str) -> Any:
 
 def _list_env(name: str) -> list[str]:
     return [item.strip() for item in os.environ[name].split(",") if item.strip()]
+
+
+_PREPARED: dict[tuple[str, str, str], HostCgroups] = {}
+_PREPARE_LOCK = threading.Lock()
+
+
+def _prepare_cgroups() -> HostCgroups:
+    """dsec's cgroup subtree made ready (:func:`dsec.privileged.cgroups.prepare`), once per
+    process and layout; the layout as the host report shows it, not usable if that failed."""
+    from dsec.hostreport import cgroups_section
+    from dsec.privileged.cgroups import host_layout, prepare
+
+    layout = host_layout()
+    if not layout.usable:
+        return cgroups_section(layout)
+    key = (layout.mode, str(layout.mount), layout.base)
+    with _PREPARE_LOCK:
+        done = _PREPARED.get(key)
+        if done is not None:
+            return done
+        section = cgroups_section(layout)
+        try:
+            for action in prepare(layout):
+                log.info("cgroups: %s", action)
+            log.info("cgroups: %s", layout.describe())
+        except OSError as e:
+            section = section.model_copy(
+                update={
+                    "usable": False,
+                    "reason": f"could not make dsec's cgroup subtree ready at "
+                    f"{layout.base_dir}: {e}",
+                }
+            )
+        _PREPARED[key] = section
+        return section
+
+
+def prepare_host(tiers: list[str] | None = None) -> dict[str, str]:
+    """Make this host ready for dsec's tiers, at node start, before any tier makes a cgroup:
+    dsec's cgroup subtree (once per process: controllers enabled, dsec's own processes moved
+    out of its v2 base; see :mod:`dsec.privileged.cgroups.layout`). Returns the tiers of
+    ``tiers`` (None: all) the host rules out, each with why: an unusable cgroup layout, no way
+    to mount EROFS, no overlayfs (:func:`dsec.hostreport.tier_blockers`). Each is logged; the
+    edge reports them unavailable with that reason (``dsec doctor`` says the same without a
+    node)."""
+    from dsec.hostreport import erofs_feature, overlay_feature, tier_blockers
+    from dsec.models import TIERS
+
+    cgroups = _prepare_cgroups()
+    blocked = tier_blockers(cgroups, [erofs_feature(), overlay_feature()])
+    wanted = tiers or list(TIERS)
+    out = {tier: why for tier, why in blocked.items() if tier in wanted}
+    for tier, why in out.items():
+        log.error("%s tier unavailable on this host: %s", tier, why)
+    return out
+
+
+def _host_report_of(paths: Paths, tiers: list[str] | None) -> Callable[[], HostReport]:
+    def make() -> HostReport:
+        from dsec.hostreport import host_report
+
+        return host_report(paths=paths, wanted=tiers)
+
+    return make
 
 
 def build_network(paths: Paths, options: dict[str, Any] | None = None) -> Any:
@@ -84,15 +161,20 @@ def build_network(paths: Paths, options: dict[str, Any] | None = None) -> Any:
 
 
 def build_runtimes(
-    paths: Paths, layer_store: Any, tiers: list[str] | None = None, network: Any = None
+    paths: Paths,
+    layer_store: Any,
+    tiers: list[str] | None = None,
+    network: Any = None,
+    skip: Collection[str] = (),
 ) -> dict[str, Runtime]:
     """Instantiate the runtimes this node can run. Unavailable tiers are left out
-    (the edge then answers ``TierUnavailable``) with a log line saying why."""
+    (the edge then answers ``TierUnavailable``) with a log line saying why; so are those of
+    ``skip`` (the tiers :func:`prepare_host` ruled out)."""
     from dsec.layers.mounts import LayerMounts
 
     mounts = LayerMounts(paths.layer_mounts)
     runtimes: dict[str, Runtime] = {}
-    wanted = tiers or ["container", "fncall", "microvm", "vm"]
+    wanted = [t for t in tiers or ["container", "fncall", "microvm", "vm"] if t not in skip]
     if "container" in wanted:
         from dsec.runtimes.container.runtime import ContainerRuntime
 
@@ -134,17 +216,20 @@ def open_edge(
     runtimes of ``tiers``. Call ``await edge.start()`` before use; ``await edge.close()``,
     then ``store.close()`` after."""
     paths.ensure()
+    blocked = prepare_host(tiers)
     store = LayerStore(paths.layers, paths.scratch)
     manager = None
     if network is not False:
         manager = build_network(paths, network if isinstance(network, dict) else None)
     edge = EdgeAgent(
         paths,
-        build_runtimes(paths, store, tiers, manager),
+        build_runtimes(paths, store, tiers, manager, skip=blocked),
         store,
         limits=limits,
         node=node,
         network=manager,
+        unavailable=blocked,
+        host_report=_host_report_of(paths, tiers),
     )
     return edge, store
 
@@ -169,10 +254,17 @@ async def embedded_edge(
     # errors that leave the server show $DSEC_HOME, not where it is (nor where layers/ leads)
     hide_server_path(paths.layers, "$DSEC_HOME/layers")
     hide_server_path(paths.home, "$DSEC_HOME")
+    blocked = prepare_host(tiers)
     store = LayerStore(paths.layers, paths.scratch)
     network = build_network(paths, network_options)
     edge = EdgeAgent(
-        paths, build_runtimes(paths, store, tiers, network), store, limits=limits, network=network
+        paths,
+        build_runtimes(paths, store, tiers, network, skip=blocked),
+        store,
+        limits=limits,
+        network=network,
+        unavailable=blocked,
+        host_report=_host_report_of(paths, tiers),
     )
     await edge.start()
     store.prestart_lazy()  # the on-demand layer server's ~1 s start off the first sandbox

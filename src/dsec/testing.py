@@ -109,6 +109,8 @@ from dsec.runtimes.usage import NetCounters, SandboxUsage
 if TYPE_CHECKING:
     import httpx
 
+    from dsec.models import HostReport
+
 __all__ = [
     "ExecHandler",
     "FakeEdge",
@@ -847,6 +849,10 @@ class FakeEdge(EdgeAgent):
         runtime_factory: makes each tier's runtime (default: :class:`MemoryRuntime`, whose
             commands are answered by :meth:`program`, ``exec_handler`` and the interpreter);
             e.g. a runtime that really runs commands, under the same edge.
+        unavailable: tiers the node's host rules out, with why (as
+            :func:`dsec.node.prepare_host` finds them).
+        host_report: makes the node's host report (``GET /v1/node``'s ``host``; default
+            none).
     """
 
     def __init__(
@@ -861,6 +867,8 @@ class FakeEdge(EdgeAgent):
         max_sandboxes: int | None = None,
         layers: MemoryLayers | None = None,
         runtime_factory: Callable[[str], Runtime] | None = None,
+        unavailable: dict[str, str] | None = None,
+        host_report: Callable[[], HostReport] | None = None,
     ) -> None:
         self._home = tempfile.TemporaryDirectory(prefix="dsec-fake-edge-")
         self.exec_handler = exec_handler
@@ -894,6 +902,8 @@ class FakeEdge(EdgeAgent):
             trajectory_path=trajectory_path,
             cpus=256,  # admission as on a large node: tests ask for resources freely
             memory_mb=1 << 22,
+            unavailable=unavailable,
+            host_report=host_report,
         )
         self.paths.ensure()
         for name in edge_verbs():

@@ -103,7 +103,7 @@ def vm_cluster(
     ray_cluster: RayTestCluster, postgres: Postgres, shared_layers: Path
 ) -> Iterator[ClusterServer]:
     from dsec.config import Paths
-    from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS
+    from dsec.privileged.cgroups import cgroup
     from dsec.runtimes.microvm import MicroVMRuntime
 
     base = Path(tempfile.mkdtemp(prefix="dsec-clvm-"))
@@ -141,10 +141,9 @@ def vm_cluster(
         for node in NODES:
             rt = MicroVMRuntime(Paths(node_root / node))
             rt.remove_templates()
-            for c in CONTROLLERS:
-                for rel in (rt.cgroup_prefix, f"dsec-{rt.tag}"):
-                    with contextlib.suppress(OSError):
-                        (CGROUP_ROOT / c / rel).rmdir()
+            for rel in (rt.cgroup_prefix, f"dsec-{rt.tag}"):
+                with contextlib.suppress(OSError):
+                    cgroup(rel).remove_if_empty()
         shutil.rmtree(base, ignore_errors=True)
         with contextlib.suppress(Exception):
             _database(postgres, db, drop=True)

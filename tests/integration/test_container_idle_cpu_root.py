@@ -15,7 +15,7 @@ from tests.timing import budget
 from dsec.config import Paths
 from dsec.layers.mounts import LayerMounts
 from dsec.models import ExecRequest
-from dsec.privileged.cgroups import CGROUP_ROOT
+from dsec.privileged.cgroups import cgroup, shares_to_weight, weight_to_shares
 from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.runtimes.container.pool import PoolConfig
 from dsec.runtimes.container.runtime import ContainerRuntime
@@ -55,7 +55,16 @@ def spec(node: Node, cpu: float) -> SandboxSpec:  # noqa: F811
 
 
 def shares(h: Handle) -> int:
-    return int((CGROUP_ROOT / "cpu" / h.state["cgroup"] / "cpu.shares").read_text())
+    """``h``'s CPU weight in ``cpu.shares`` units (see :func:`as_set`)."""
+    return cgroup(h.state["cgroup"]).cpu_shares()
+
+
+def as_set(value: int) -> int:
+    """What :func:`shares` reads after the runtime set ``value`` shares: v1 ``value``, v2
+    the ``cpu.weight`` it maps to, in shares."""
+    if cgroup("").version == 1:
+        return value
+    return weight_to_shares(shares_to_weight(value))
 
 
 def waits_for(path: str) -> str:
@@ -113,15 +122,15 @@ async def test_idle_sandboxes_get_a_low_weight(weighted: ContainerRuntime, node:
         cfg = json.loads((paths.sandboxes / made[0].id / "config.json").read_text())
         assert cfg["linux"]["resources"]["cpu"]["shares"] == 512
         for h, full in zip(made, (512, 1536), strict=True):
-            assert shares(h) == 2  # created idle
-            assert await while_running(rt, h) == full
-            assert shares(h) == 2
+            assert shares(h) == as_set(2)  # created idle
+            assert await while_running(rt, h) == as_set(full)
+            assert shares(h) == as_set(2)
         # an interactive process counts until it ends; two commands at once: until both end
         h = made[0]
         proc = await rt.start_process(
             h, ExecRequest(cmd=waits_for("/tmp/end-process")), stdin=False, pty=None
         )
-        assert shares(h) == 512
+        assert shares(h) == as_set(512)
         other = asyncio.create_task(
             rt.exec(h, ExecRequest(cmd=f"touch /tmp/exec-started; {waits_for('/tmp/end-exec')}"))
         )
@@ -130,19 +139,19 @@ async def test_idle_sandboxes_get_a_low_weight(weighted: ContainerRuntime, node:
         while await proc.read_output() is not None:
             pass
         assert (await proc.wait()).ok
-        assert shares(h) == 512  # the exec still runs
+        assert shares(h) == as_set(512)  # the exec still runs
         await release(rt, h, "/tmp/end-exec")
         assert (await other).ok
-        assert shares(h) == 2
+        assert shares(h) == as_set(2)
         # a failing command ends as well
         assert not (await rt.exec(h, ExecRequest(cmd="exit 3"))).ok
-        assert shares(h) == 2
+        assert shares(h) == as_set(2)
         # frozen with its full weight (every task must run to reach the freezer), idle again
         # once resumed
         await rt.pause(h)
-        assert shares(h) == 512
+        assert shares(h) == as_set(512)
         await rt.resume(h)
-        assert shares(h) == 2
+        assert shares(h) == as_set(2)
     finally:
         for h in made:
             await rt.destroy(h)
@@ -153,7 +162,9 @@ async def test_weights_off(node: Node) -> None:  # noqa: F811
     try:
         h = await rt.create(spec(node, 0.5))
         try:
-            assert shares(h) == 1024 and await while_running(rt, h) == 1024
+            # the kernel's default weight (v1 1024 shares, v2 weight 100), as its parent's
+            default = cgroup(rt.cgroup_parent).cpu_shares()
+            assert shares(h) == default and await while_running(rt, h) == default
         finally:
             await rt.destroy(h)
     finally:

@@ -12,14 +12,18 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from tests.integration.test_container_runtime import assert_gone, node  # noqa: F401
+from tests.integration.test_container_runtime import (  # noqa: F401
+    assert_gone,
+    limits_applied,
+    node,
+)
 from tests.timing import budget
 
 from dsec.config import Paths
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import upper_dir
 from dsec.models import ExecRequest
-from dsec.privileged.cgroups import CGROUP_ROOT
+from dsec.privileged.cgroups import cgroup
 from dsec.privileged.mount import mount_points
 from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.runtimes.container.pool import PoolConfig
@@ -59,7 +63,7 @@ async def pooled(node: Node) -> AsyncIterator[ContainerRuntime]:  # noqa: F811
     yield rt
     await rt.close()
     assert not list(paths.sandboxes.glob("wp-*")), "warm containers left after close"
-    assert not [p for p in (CGROUP_ROOT / "memory" / rt.cgroup_parent).glob("wp-*")]
+    assert not [c for c in cgroup(rt.cgroup_parent).children() if c.startswith("wp-")]
 
 
 async def warm(rt: ContainerRuntime, n: int = 1, timeout_s: float = 30.0) -> None:
@@ -71,15 +75,11 @@ async def warm(rt: ContainerRuntime, n: int = 1, timeout_s: float = 30.0) -> Non
     raise AssertionError(f"the pool did not fill: {rt.pool.stats}")
 
 
-def cgroup_value(rt: ContainerRuntime, h: Handle, controller: str, name: str) -> str:
-    return (CGROUP_ROOT / controller / h.state["cgroup"] / name).read_text().strip()
-
-
 def gone_everywhere(rt: ContainerRuntime, h: Handle) -> None:
     assert_gone(rt, h.id)
     for rel in {h.state["cgroup"], f"{rt.cgroup_parent}/{h.id}"}:
-        for hierarchy in CGROUP_ROOT.iterdir():
-            assert not (hierarchy / rel).exists(), f"cgroup {rel} left in {hierarchy}"
+        for d in cgroup(rel).every_dir():
+            assert not d.exists(), f"cgroup {rel} left: {d}"
     assert not (rt.state_root / h.state.get("warm_id", h.id)).exists()
 
 
@@ -106,21 +106,20 @@ async def test_a_claimed_container_is_a_fresh_sandbox(pooled: ContainerRuntime, 
         assert r.ok, r
         assert r.stdout.split("\n")[:4] == ["t-1", "65534", "/tmp", "sandbox"]
         # between commands: its init and exec server, as in a fresh one (nothing from the pool)
-        procs = {x.id: cgroup_value(pooled, x, "pids", "cgroup.procs").split() for x in (first, h)}
+        procs = {x.id: cgroup(x.state["cgroup"]).procs() for x in (first, h)}
         assert len(procs[h.id]) == len(procs[first.id]) == 2
         # the sandbox's own limits, not the warm container's
-        assert cgroup_value(pooled, h, "cpu", "cpu.cfs_quota_us") == "50000"
-        assert cgroup_value(pooled, h, "memory", "memory.limit_in_bytes") == str(96 << 20)
-        assert cgroup_value(pooled, h, "pids", "pids.max") == "77"
+        cg = cgroup(h.state["cgroup"])
+        assert cg.memory_limit() == 96 << 20
+        assert not limits_applied(cg, cpu=0.5, memory_bytes=96 << 20, pids=77)
         # its cgroups keep the warm name (no rename: it waited on the kernel's cgroup lock)
         # and are labelled with its id, in every hierarchy; its processes are in them
         init = h.state["init_pid"]
         assert h.state["cgroup"] == f"{pooled.cgroup_parent}/{h.state['warm_id']}"
         with open(f"/proc/{init}/cgroup") as f:
             assert h.state["warm_id"] in f.read()
-        mine = [d / h.state["cgroup"] for d in CGROUP_ROOT.iterdir() if not d.is_symlink()]
-        mine = [d for d in mine if d.is_dir()]
-        assert {d.parent.parent.name for d in mine} >= {"memory", "cpu", "pids", "freezer"}
+        mine = [d for d in cg.every_dir() if d.is_dir()]
+        assert set(cg.dirs().values()) <= set(mine)  # v1: memory, cpu, pids, freezer...
         for d in mine:
             assert os.getxattr(d, "trusted.dsec.sandbox") == h.id.encode(), d
         assert os.getpriority(os.PRIO_PROCESS, init) == 0  # made at nice 10, claimed at 0

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tests.timing import budget
@@ -26,7 +27,7 @@ from dsec.errors import Conflict, InvalidRequest, SandboxStopped
 from dsec.layers.mounts import LayerMounts, mountinfo_entries
 from dsec.layers.store import LayerStore
 from dsec.models import ExecRequest, ExecResult
-from dsec.privileged.cgroups import CGROUP_ROOT
+from dsec.privileged.cgroups import Cgroup, cgroup
 from dsec.privileged.mount import mount_points
 from dsec.runtimes.base import Handle, Runtime, SandboxSpec, capabilities_of
 from dsec.runtimes.container.runtime import ContainerRuntime
@@ -102,11 +103,20 @@ def assert_gone(runtime: ContainerRuntime, sandbox_id: str) -> None:
     sandbox_dir = runtime.paths.sandboxes / sandbox_id
     assert not mount_points(sandbox_dir), "mounts left"
     assert not sandbox_dir.exists(), "sandbox dir left"
-    for hierarchy in CGROUP_ROOT.iterdir():
-        assert not (hierarchy / runtime.cgroup_parent / sandbox_id).exists(), (
-            f"cgroup left in {hierarchy}"
-        )
+    for d in cgroup(f"{runtime.cgroup_parent}/{sandbox_id}").every_dir():
+        assert not d.exists(), f"cgroup left: {d}"
     assert not (runtime.state_root / sandbox_id).exists(), "OCI state left"
+
+
+def limits_applied(cg: Cgroup, **limits: Any) -> list[str]:
+    """The writes of :meth:`Cgroup.limit_writes` for ``limits`` (``cpu``, ``memory_bytes``,
+    ``pids``) whose value ``cg`` does not have: empty when it has them, on either layout."""
+    wrong = []
+    for w in cg.limit_writes(**limits):
+        have = (cg.dirs()[w.hierarchy] / w.file).read_text().split()
+        if have != w.value.split():
+            wrong.append(f"{w.file}: {' '.join(have)} (not {w.value})")
+    return wrong
 
 
 async def run(rt: ContainerRuntime, h: Handle, cmd: str | list[str], **kw: object) -> ExecResult:
@@ -376,8 +386,7 @@ async def test_fork_bomb_is_capped_by_pids(runtime: ContainerRuntime, make: Fact
     h = await make(pids=40)
     r = await run(runtime, h, "bomb() { bomb | bomb & }; bomb; sleep 2", timeout_s=3)
     assert r.timed_out or r.exit_code is not None
-    pids_max = CGROUP_ROOT / "pids" / runtime.cgroup_parent / h.id / "pids.max"
-    assert pids_max.read_text().strip() == "40"
+    assert not limits_applied(cgroup(h.state["cgroup"]), pids=40)
     deadline = time.monotonic() + budget(10)
     out = ""
     while out != "alive\n" and time.monotonic() < deadline:

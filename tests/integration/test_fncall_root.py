@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import secrets
 import time
@@ -19,7 +20,7 @@ import pytest_asyncio
 from tests.timing import budget
 
 from dsec.models import ExecRequest
-from dsec.privileged.cgroups import CGROUP_ROOT
+from dsec.privileged.cgroups import cgroup
 from dsec.runtimes.base import SandboxSpec
 from dsec.runtimes.fncall.pool import PoolConfig
 from dsec.runtimes.fncall.service import (
@@ -46,7 +47,7 @@ async def svc(dsec_home_root: Path) -> AsyncIterator[RunCodeService]:
     ) as s:
         yield s
     prefix = s.runtime.cgroup_prefix
-    assert not (CGROUP_ROOT / "memory" / prefix).exists(), "fncall cgroups leaked"
+    assert not cgroup(prefix).exists(), "fncall cgroups leaked"
 
 
 async def run(
@@ -219,6 +220,24 @@ async def test_memory_hog_killed(svc: RunCodeService) -> None:
     assert "survived" not in out(resp)
 
 
+async def test_workers_are_leaves_of_their_pools_cgroup(svc: RunCodeService) -> None:
+    """Each worker has a cgroup of its own below its pool's, made by the zygote with the
+    pool's limits whatever the host's layout; the pool's cgroup holds no process (v2: it
+    hands its controllers to the workers) and the zygote is not in it."""
+    await run(svc, "print(1)")
+    prefix = svc.runtime.cgroup_prefix
+    limits: set[int | None] = set()
+    for pool in svc.runtime.pools():
+        pool_cg = cgroup(f"{prefix}/{pool['name']}")
+        assert pool_cg.procs() == [], pool
+        workers = pool_cg.children()
+        assert workers and all(w.startswith("w") for w in workers), workers
+        for w in workers:
+            with contextlib.suppress(FileNotFoundError):  # retired meanwhile
+                limits.add(pool_cg.child(w).memory_limit())
+    assert 512 << 20 in limits, limits
+
+
 async def test_wall_time_limit(svc: RunCodeService) -> None:
     t0 = time.monotonic()
     resp = await run(svc, "import time; print('start', flush=True); time.sleep(100)", run_timeout=1)
@@ -343,6 +362,8 @@ async def test_sandbox_contract(svc: RunCodeService) -> None:
     )
     h = await rt.create(spec)
     try:
+        u = await rt.usage(h)  # the spec's limits, in the worker's cgroup
+        assert u.memory_limit_bytes == 256 << 20 and (u.pids or 0) >= 1, u
         f = rt.files(h)
         info = await f.write("/work/a/b.txt", b"content", mode=0o600)
         assert info.size == 7 and info.uid == 1000

@@ -151,7 +151,16 @@ def describe(pid: int) -> list[str]:
     return out
 
 
-_STEADY = ("descendants", "mounts", "cgroups", "netns", "links", "sandbox_dirs", "oci_state")
+_STEADY = (
+    "descendants",
+    "mounts",
+    "cgroups",
+    "netns",
+    "links",
+    "sandbox_dirs",
+    "oci_state",
+    "loop_devices",
+)
 """What a server's pools change while they fill (threads, fds and the machine's tasks move
 for reasons of their own)."""
 

@@ -22,7 +22,7 @@ import pytest_asyncio
 from fastapi import FastAPI
 
 from dsec.apiserver.routes_runcode import make_runcode_router
-from dsec.privileged.cgroups import CGROUP_ROOT
+from dsec.privileged.cgroups import cgroup
 from dsec.runtimes.fncall.pool import PoolConfig
 from dsec.runtimes.fncall.testkit import fncall_service
 
@@ -48,7 +48,7 @@ async def client(dsec_home_root: Path) -> AsyncIterator[httpx.AsyncClient]:
         ) as c:
             yield c
     prefix = svc.runtime.cgroup_prefix
-    assert not (CGROUP_ROOT / "memory" / prefix).exists(), "fncall cgroups leaked"
+    assert not cgroup(prefix).exists(), "fncall cgroups leaked"
 
 
 def b64(data: bytes) -> str:

@@ -24,7 +24,7 @@ from tests.vm.conftest import VM_HOME, BusyboxImage, _build_image, new_spec
 from dsec.config import Paths
 from dsec.errors import DsecError, InvalidRequest, QuotaExceeded
 from dsec.models import ExecRequest, ExecResult
-from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS
+from dsec.privileged.cgroups import cgroup
 from dsec.runtimes.base import Handle, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive
@@ -172,10 +172,9 @@ def image() -> Iterator[BusyboxImage]:
     for cls in (MicroVMRuntime, VMRuntime):
         rt = cls(Paths(VM_HOME))
         rt.remove_templates()
-        for c in CONTROLLERS:
-            for rel in (rt.cgroup_prefix, rt.cgroup_prefix.split("/")[0]):
-                with contextlib.suppress(OSError):
-                    (CGROUP_ROOT / c / rel).rmdir()
+        for rel in (rt.cgroup_prefix, rt.cgroup_prefix.split("/")[0]):
+            with contextlib.suppress(OSError):
+                cgroup(rel).remove_if_empty()
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from tests.isolation import WORKER
 from tests.timing import budget
 
 from dsec.config import Paths
-from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS
+from dsec.privileged.cgroups import cgroup
 from dsec.runtimes.base import Handle, SandboxSpec, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 
@@ -77,10 +77,9 @@ def vm_home() -> Iterator[Path]:
     VMRuntime(Paths(VM_HOME)).remove_templates()
     rt = MicroVMRuntime(Paths(VM_HOME))
     rt.remove_templates()
-    for c in CONTROLLERS:
-        for rel in (rt.cgroup_prefix, f"dsec-{rt.tag}/vm", f"dsec-{rt.tag}"):
-            with contextlib.suppress(OSError):
-                (CGROUP_ROOT / c / rel).rmdir()
+    for rel in (rt.cgroup_prefix, f"dsec-{rt.tag}/vm", f"dsec-{rt.tag}"):
+        with contextlib.suppress(OSError):
+            cgroup(rel).remove_if_empty()
 
 
 @pytest.fixture(scope="session")

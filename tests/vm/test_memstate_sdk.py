@@ -17,7 +17,7 @@ from dsec import Sandbox
 from dsec.config import Paths
 from dsec.errors import CapabilityNotSupported
 from dsec.models import CreateSandboxRequest, ExecRequest
-from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS
+from dsec.privileged.cgroups import cgroup
 from dsec.runtimes.microvm import MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive
 from dsec.server import BackgroundServer, embedded_edge
@@ -51,10 +51,9 @@ def home(shared_layers: Path) -> Iterator[Path]:
     rt = MicroVMRuntime(Paths(h))
     rt.remove_templates()
     shutil.rmtree(h, ignore_errors=True)
-    for c in CONTROLLERS:
-        for rel in (rt.cgroup_prefix, f"dsec-{rt.tag}"):
-            with contextlib.suppress(OSError):
-                (CGROUP_ROOT / c / rel).rmdir()
+    for rel in (rt.cgroup_prefix, f"dsec-{rt.tag}"):
+        with contextlib.suppress(OSError):
+            cgroup(rel).remove_if_empty()
 
 
 def test_sdk_suspend_fork_reaper_and_refusals(home: Path) -> None:

@@ -140,8 +140,10 @@ async def test_exec_from_template(microvm: MicroVMRuntime, make_vm: MakeVM) -> N
     assert r.stdout.split() == [str(256 << 20), "256"], r.stderr
     cg = microvm._cgroup(h.id)
     assert h.state["pid"] in cg.procs()
-    assert (cg.path("cpu") / "cpu.cfs_quota_us").read_text().strip() == "100000"
-    limit = int((cg.path("memory") / "memory.limit_in_bytes").read_text())
+    dirs = cg.dirs()  # the driver's files for one core and the QEMU pids limit, either layout
+    for w in cg.limit_writes(cpu=1.0, pids=microvm.config.qemu_pids):
+        assert (dirs[w.hierarchy] / w.file).read_text().strip() == w.value, w
+    limit = cg.memory_limit()
     assert limit == (microvm.guest_ram_mb(256) + microvm.config.qemu_overhead_mb) << 20
 
 

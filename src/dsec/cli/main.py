@@ -30,6 +30,7 @@ Commands::
     dsec image pull [--lazy] REF
     dsec port-forward ID [LOCAL:]PORT... [--address A]   (local ports to ports in a sandbox)
     dsec info
+    dsec doctor [--json] [--tiers T,...]   (this host's kernel, cgroups and tiers; no server)
     dsec docker run|exec|ps|stop|rm|pull|cp ...   (a docker CLI subset: dsec/cli/docker.py)
     dsec key create|ls|revoke        (local key store in $DSEC_HOME, no server needed)
 
@@ -69,6 +70,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from dsec.cli.doctor import doctor
 from dsec.cli.tables import Column, OutputFormat, fit_table, print_json, print_table
 from dsec.errors import DsecError, InvalidRequest
 from dsec.models import ExecResult, JobActionResult, PauseReport, SandboxInfo, SandboxMetrics
@@ -94,6 +96,7 @@ job_app = typer.Typer(help="Act on every sandbox of a training job at once.", no
 app.add_typer(image_app, name="image")
 app.add_typer(key_app, name="key")
 app.add_typer(job_app, name="job")
+app.command("doctor")(doctor)
 
 
 @app.command(
@@ -1302,6 +1305,10 @@ def info(output: OutputOption = OutputFormat.table) -> None:
     )
     wide = output is OutputFormat.wide
     print_table(stdout, fit_table(columns, rows, wide=wide), wide=wide)
+    if node.host is not None:  # the host in short (dsec doctor on the node: all of it)
+        from dsec.hostreport import render
+
+        stdout.print(escape(render(node.host, short=True)), soft_wrap=True)
 
 
 # --- keys (local, offline) -------------------------------------------------------

@@ -229,19 +229,19 @@ class EdgeActor:
 
     def _cgroup_usage(self, agent: Any) -> tuple[float, int]:
         """(cores used since the previous report, bytes of memory used) of this edge's
-        sandboxes, from the container runtime's cgroup v1 parent (0 when unknown)."""
+        sandboxes, from the container runtime's cgroup parent (0 when unknown)."""
+        from dsec.privileged.cgroups import cgroup
         from dsec.runtimes.container.runtime import ContainerRuntime
 
         rt = agent.runtimes.get("container")
         if not isinstance(rt, ContainerRuntime) or not rt.cgroup_parent:
             return 0.0, 0
-        parent = rt.cgroup_parent
-        root = Path("/sys/fs/cgroup")
+        parent = cgroup(rt.cgroup_parent)
         mem = cpu_ns = 0
         with contextlib.suppress(OSError, ValueError):
-            mem = int((root / "memory" / parent / "memory.usage_in_bytes").read_text())
+            mem = parent.memory_charge().usage
         with contextlib.suppress(OSError, ValueError):
-            cpu_ns = int((root / "cpuacct" / parent / "cpuacct.usage").read_text())
+            cpu_ns = parent.cpu_usage_ns() or 0
         now = time.monotonic()
         cores = 0.0
         if self._cpu_sample is not None and now > self._cpu_sample[0]:

@@ -82,6 +82,8 @@ from dsec.models import (
     FileInfo,
     ForkRequest,
     ForkResult,
+    HostReport,
+    HostTier,
     ImageInfo,
     JobAction,
     JobActionResult,
@@ -252,6 +254,10 @@ class EdgeAgent:
         network: the node's network manager (None: no networking).
         trajectory_path: SQLite file of the trajectory log (default under ``paths.home``).
         cpus, memory_mb: the node's size for admission (default: this machine's).
+        unavailable: tiers the node's host rules out, each with why (no runtime is given
+            for them; see :func:`dsec.node.prepare_host`).
+        host_report: makes the node's host report (``GET /v1/node``'s ``host``; called in a
+            thread, its tiers replaced by this edge's own): see :mod:`dsec.hostreport`.
     """
 
     def __init__(
@@ -266,9 +272,13 @@ class EdgeAgent:
         trajectory_path: Path | None = None,
         cpus: int | None = None,
         memory_mb: int | None = None,
+        unavailable: dict[str, str] | None = None,
+        host_report: Callable[[], HostReport] | None = None,
     ) -> None:
         self.paths = paths
         self.runtimes = runtimes
+        self.unavailable = {t: r for t, r in (unavailable or {}).items() if t not in runtimes}
+        self._host_report = host_report
         self.layers = layer_store
         self.network = network  # dsec.network.NetworkManager (started by the edge) or None
         self.limits = limits or EdgeLimits.from_env()
@@ -446,6 +456,10 @@ class EdgeAgent:
         if rt is None:
             if tier not in TIERS:
                 raise InvalidRequest(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
+            if tier in self.unavailable:
+                raise TierUnavailable(
+                    f"tier {tier!r} is not available: {self.unavailable[tier]}", tier=tier
+                )
             raise TierUnavailable(
                 f"tier {tier!r} is not available on node {self.node}",
                 tier=tier,
@@ -2198,7 +2212,7 @@ class EdgeAgent:
                     Capabilities(
                         tier=tier,
                         available=False,
-                        reason="not enabled on this node",
+                        reason=self.unavailable.get(tier, "not enabled on this node"),
                         exec=False,
                         files=False,
                         streaming=False,
@@ -2209,13 +2223,35 @@ class EdgeAgent:
         return out
 
     async def node_info(self) -> NodeInfo:
+        tiers = await self.capabilities()
+        host = None
+        if self._host_report is not None:
+            try:
+                host = await asyncio.to_thread(self._host_report)
+            except Exception:  # the node's answer must not fail for its report
+                log.exception("host report failed")
+        if host is not None:  # the tiers as this edge runs them, not as the host forecasts
+            host = host.model_copy(
+                update={
+                    "tiers": [
+                        HostTier(
+                            tier=c.tier,
+                            available=c.available,
+                            reason=c.reason,
+                            wanted=c.tier in self.runtimes or c.tier in self.unavailable,
+                        )
+                        for c in tiers
+                    ]
+                }
+            )
         return NodeInfo(
             node=self.node,
             version=__version__,
-            tiers=await self.capabilities(),
+            tiers=tiers,
             sandboxes=len(self._live),
             cpus=self._cpus,
             memory_mb=self._mem_mb,
+            host=host,
         )
 
     def metrics_text(self) -> bytes:

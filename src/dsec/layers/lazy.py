@@ -35,7 +35,7 @@ Example::
     server = LazyServer(Path("/var/lib/dsec/layers/lazy"))
     server.register(digest, size, "http://127.0.0.1:8080")
     erofs_file = server.file_path(digest)     # starts the server on first use
-    mount(erofs_file, "/mnt/x", "erofs", MS_RDONLY)
+    mount_erofs(erofs_file, "/mnt/x")       # or through a loop device (no direct I/O)
     server.stats()["layers"][digest]["bytes_fetched"]
 """
 
@@ -1126,11 +1126,16 @@ class LazyServer:
         return True
 
     def mounted_layers(self) -> list[str]:
-        """Mount points of EROFS mounts of this server's files (sandboxes' layers)."""
+        """Mount points of EROFS mounts of this server's files (sandboxes' layers), from the
+        file or through a loop device bound to it."""
         from dsec.layers.mounts import mountinfo_entries
 
         prefix = f"{self.mountpoint}/"
-        return [str(e.mountpoint) for e in mountinfo_entries() if e.source.startswith(prefix)]
+        return [
+            str(e.mountpoint)
+            for e in mountinfo_entries()
+            if e.fstype == "erofs" and e.source_file.startswith(prefix)
+        ]
 
     def _reachable(self) -> bool:
         """True if a server (ours or another process's, e.g. ``dsec serve``) answers."""

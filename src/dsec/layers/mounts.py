@@ -1,10 +1,12 @@
 """Node-wide, reference-counted, read-only mounts of EROFS layers.
 
-Each layer is mounted once per node at ``mount_root/<first 16 hex of its digest>``, straight
-from its file: ``mount(2)`` with fstype ``erofs`` and the file path as the source. Kernels
-since 6.12 back EROFS by a regular file directly, so no loop device is created (``mount(8)``
-would quietly set one up; we never call it). Sandboxes stack these mountpoints with
-overlayfs (see :mod:`dsec.layers.rootfs`).
+Each layer is mounted once per node at ``mount_root/<first 16 hex of its digest>`` by
+:func:`dsec.privileged.mount.mount_erofs`: straight from its file (``mount(2)`` with fstype
+``erofs`` and the file path as the source; kernels since 6.12) or, on older kernels, files on
+tmpfs/overlayfs, or with ``DSEC_EROFS_MOUNT=loop``, from a read-only AUTOCLEAR loop device bound
+to the file (source ``/dev/loopN``). The mount is shared by every sandbox on the layer, so is
+its loop device: one per layer file, freed by the kernel when the layer is unmounted. Sandboxes
+stack these mountpoints with overlayfs (see :mod:`dsec.layers.rootfs`).
 
 Reference counting: :meth:`LayerMounts.acquire` mounts on first use and counts users;
 :meth:`LayerMounts.release` unmounts when the count drops to zero. Overlayfs keeps its own
@@ -19,7 +21,8 @@ died, :meth:`LayerMounts.adopt_existing` unmounts such layers instead of adoptin
 Restarts: the mounts outlive the edge process. :meth:`LayerMounts.adopt_existing` reads
 ``/proc/self/mountinfo`` and takes over the EROFS mounts found under ``mount_root`` with
 refcount 0 (the edge re-acquires for every sandbox it reconciles; :meth:`unmount_unused`
-then drops the rest).
+then drops the rest). A loop-backed mount is recognised by its device's backing file
+(``/sys/block/loopN/loop/backing_file``, :attr:`MountEntry.source_file`).
 
 Mount flags: ``MS_RDONLY | MS_NODEV | MS_NOSUID`` (overlayfs decides exec/suid/device
 semantics through its own mount; these only restrict direct access to the mountpoint).
@@ -43,7 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.errors import InvalidRequest, SandboxError
-from dsec.privileged.mount import MNT_DETACH, MS_NODEV, MS_NOSUID, MS_RDONLY, mount, umount
+from dsec.privileged.loop import loop_backing_file
+from dsec.privileged.mount import MNT_DETACH, MS_NODEV, MS_NOSUID, MS_RDONLY, mount_erofs, umount
 
 __all__ = ["LayerMounts", "MountEntry", "is_mounted", "mountinfo_entries"]
 
@@ -66,6 +70,12 @@ class MountEntry:
     mountpoint: Path
     fstype: str
     source: str
+
+    @property
+    def source_file(self) -> str:
+        """The file behind the mount: ``source``, or for a loop device (``/dev/loopN``) the
+        file bound to it (read from sysfs at each access)."""
+        return loop_backing_file(self.source) or self.source
 
 
 def _escape(path: str) -> str:
@@ -120,9 +130,8 @@ class _Layer:
 
 
 class LayerMounts:
-    """Each layer mounted once per node, read-only, straight from its file with mount(2)
-    (fstype ``erofs``, source = the file path; no loop device), reference-counted.
-    Thread-safe.
+    """Each layer mounted once per node, read-only, from its file (or a loop device bound to
+    it, see the module doc), reference-counted. Thread-safe.
 
     Args:
         mount_root: directory holding one mountpoint per layer (``$DSEC_HOME/mnt/layers``);
@@ -154,12 +163,12 @@ class LayerMounts:
     def acquire(self, digest: str, erofs_file: Path) -> Path:
         """Mount the layer if needed and count one more user. Returns its mountpoint.
 
-        Takes ~0.2 ms for a first mount, microseconds after that.
+        Takes ~0.2 ms for a first mount (~0.5 ms through a loop device), microseconds after.
 
         Raises:
             InvalidRequest: malformed digest.
-            SandboxError: the mount failed (not an EROFS image, kernel without file-backed
-                EROFS) or another layer already sits at this mountpoint.
+            SandboxError: the mount failed (not an EROFS image, no loop device free) or
+                another layer already sits at this mountpoint.
         """
         mountpoint = self._mountpoint(digest)
         with self._lock:
@@ -171,7 +180,7 @@ class LayerMounts:
             existing = self._mounts_at(mountpoint)
             if existing:  # mounted before we were told (restart without adopt_existing)
                 top = existing[-1]
-                if top.fstype != "erofs" or not _same_layer(top.source, digest):
+                if top.fstype != "erofs" or not _same_layer(top.source_file, digest):
                     raise SandboxError(
                         f"{mountpoint} already holds {top.fstype} from {top.source}, "
                         f"not layer {digest}",
@@ -180,7 +189,7 @@ class LayerMounts:
             else:
                 mountpoint.mkdir(mode=0o755, exist_ok=True)
                 try:
-                    mount(source, mountpoint, "erofs", _LAYER_MOUNT_FLAGS)
+                    mount_erofs(source, mountpoint, _LAYER_MOUNT_FLAGS)
                 except OSError as e:
                     _rmdir_quiet(mountpoint)
                     raise SandboxError(
@@ -223,13 +232,15 @@ class LayerMounts:
 
     def adopt_existing(self) -> None:
         """Take over EROFS mounts already under ``mount_root`` (after an edge restart), with
-        refcount 0. Mounts whose source is not a store blob (``<64 hex>.erofs``) are
-        unmounted; empty leftover mountpoint directories are removed."""
+        refcount 0. Mounts whose source (or, for a loop device, its backing file) is not a
+        store blob (``<64 hex>.erofs``) are unmounted; empty leftover mountpoint directories
+        are removed."""
         with self._lock:
             for entry in mountinfo_entries(self.mount_root):
                 if entry.mountpoint.parent != self.mount_root:
                     continue
-                m = _BLOB_NAME_RE.match(os.path.basename(entry.source))
+                source = entry.source_file
+                m = _BLOB_NAME_RE.match(os.path.basename(source))
                 digest = f"sha256:{m.group(1)}" if m else None
                 if (
                     entry.fstype != "erofs"
@@ -239,9 +250,9 @@ class LayerMounts:
                     log.warning("unmounting stray %s mount at %s", entry.fstype, entry.mountpoint)
                     _umount_all(entry.mountpoint)
                     continue
-                if not _source_alive(entry.source):
+                if not _source_alive(source):
                     # a lazily served layer whose FUSE server died: every read would fail
-                    log.warning("unmounting layer %s: its source %s is gone", digest, entry.source)
+                    log.warning("unmounting layer %s: its source %s is gone", digest, source)
                     _umount_all(entry.mountpoint)
                     continue
                 if digest not in self._layers:

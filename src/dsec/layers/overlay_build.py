@@ -115,7 +115,7 @@ def build_over(work: Path, lower_files: list[Path], fn: Callable[[Path], None]) 
 
 def _child(spec: dict[str, object]) -> None:
     """The build in its own mount namespace (``python -m dsec.layers.overlay_build SPEC``)."""
-    from dsec.privileged.mount import MS_RDONLY, mount
+    from dsec.privileged.mount import mount, mount_erofs
 
     work = Path(str(spec["work"]))
     layers = [str(p) for p in spec["layers"]]  # type: ignore[attr-defined]
@@ -123,7 +123,7 @@ def _child(spec: dict[str, object]) -> None:
     for i, f in enumerate(layers):
         mp = work / f"l{i}"
         mp.mkdir(exist_ok=True)
-        mount(f, mp, "erofs", MS_RDONLY)
+        mount_erofs(f, mp)  # from the file or a loop device, freed with the namespace
         lowers.append(str(mp))
     merged = work / "merged"
     opts = (

@@ -2,13 +2,18 @@
  * fncall_launch: build the read-only root of one fncall pool in a private mount
  * namespace and exec the pool's zygote inside it.
  *
- *   fncall_launch SCRATCH_DIR TMPFS_MB LAYER_BOTTOM.erofs [LAYER.erofs ...] -- PROG ARGS...
+ *   fncall_launch SCRATCH_DIR TMPFS_MB LAYER_BOTTOM [LAYER ...] -- PROG ARGS...
+ *
+ * Each LAYER is an EROFS image file or a block device (/dev/loopN) holding one.
  *
  * Steps (all mounts live only in the new mount namespace, so they vanish when
  * the zygote and its workers exit; nothing can leak into the host namespace):
  *   1. unshare(CLONE_NEWNS), make every mount private;
  *   2. tmpfs on SCRATCH_DIR (TMPFS_MB MiB) holding the overlay upper/work dirs;
- *   3. each EROFS layer mounted straight from its file (read-only, nosuid, nodev);
+ *   3. each EROFS layer mounted (read-only, nosuid, nodev) from its file, or from the
+ *      loop device the caller bound to it and holds until the zygote is up (kernels
+ *      before 6.12, files on tmpfs/overlayfs, DSEC_EROFS_MOUNT=loop: see
+ *      dsec.privileged.mount.erofs_mount_sources; AUTOCLEAR frees it with this namespace);
  *   4. overlay (lowers top first) on SCRATCH_DIR/root; mount points that the
  *      workers need (/work /tmp /proc /dev /dev/shm) are created in the upper;
  *   5. a minimal /dev (tmpfs with bind-mounted null zero full random urandom);

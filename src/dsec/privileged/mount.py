@@ -1,12 +1,42 @@
-"""Thin, typed wrappers over mount(2) and umount2(2) (no mount(8): it makes loop devices)."""
+"""Thin, typed wrappers over mount(2) and umount2(2) (no mount(8)), and the one place that
+mounts an EROFS image file: :func:`mount_erofs`.
+
+EROFS mounts: from the file itself (kernel 6.12+, file on a filesystem that can back it) or
+through a read-only loop device bound to it (:mod:`dsec.privileged.loop`; kernels from 6.1,
+files on tmpfs or overlayfs). ``DSEC_EROFS_MOUNT`` chooses (read at each mount):
+
+* ``auto`` (default): kernels before 6.12 use loop devices; newer ones mount the file and fall
+  back to a loop device when the kernel answers ``ENOTBLK`` (the file's filesystem cannot back
+  EROFS), remembered per filesystem for the life of the process;
+* ``loop``: always a loop device (tests, operators who want one page cache per layer across
+  mount namespaces and tiers);
+* ``file``: always the file (errors are not retried).
+
+:func:`erofs_mount_mode` and :func:`erofs_mount_reason` say which this process uses and why
+(``dsec doctor``); :func:`erofs_file_mount_supported` is the kernel probe behind them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
+import logging
 import os
+import re
+import stat
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Literal
+
+from dsec.privileged.loop import OVERLAYFS_SUPER_MAGIC, TMPFS_MAGIC, attach_loop, fs_magic
+
+log = logging.getLogger(__name__)
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
@@ -115,3 +145,244 @@ def mount_points(prefix: str | os.PathLike[str] | None = None) -> list[Path]:
 
 def is_mount_point(path: str | os.PathLike[str]) -> bool:
     return Path(os.path.abspath(path)) in set(mount_points(path))
+
+
+# --- EROFS -----------------------------------------------------------------------------------
+
+EROFS_MOUNT_ENV = "DSEC_EROFS_MOUNT"
+"""Environment variable: ``auto`` (default), ``loop`` or ``file`` (see the module doc)."""
+
+EROFS_FILE_MOUNT_SINCE = (6, 12)
+"""First kernel release that mounts EROFS from a regular file."""
+
+ErofsMountMode = Literal["file", "loop"]
+
+_file_mount_ok: dict[int, bool] = {}  # st_dev -> can the kernel mount EROFS from files there
+_file_mount_lock = threading.Lock()
+
+
+def erofs_mount_setting() -> Literal["file", "loop", "auto"]:
+    """``DSEC_EROFS_MOUNT`` as set (``auto`` if unset or unknown, with a warning)."""
+    value = os.environ.get(EROFS_MOUNT_ENV, "").strip().lower() or "auto"
+    if value == "file":
+        return "file"
+    if value == "loop":
+        return "loop"
+    if value != "auto":
+        _warn_setting(value)
+    return "auto"
+
+
+@functools.cache
+def _warn_setting(value: str) -> None:
+    log.warning("%s=%r is not file, loop or auto: using auto", EROFS_MOUNT_ENV, value)
+
+
+@functools.cache
+def _release_can_file_mount() -> bool:
+    """False on kernels older than 6.12 (from ``uname -r``; True if it does not parse)."""
+    m = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return m is None or (int(m.group(1)), int(m.group(2))) >= EROFS_FILE_MOUNT_SINCE
+
+
+@functools.cache
+def _kernel_probe() -> tuple[bool, str]:
+    """Can this kernel mount EROFS from a regular file, and why we think so. Mounts a file
+    that is no EROFS image (a file of dsec's own, on disk) read-only: a kernel that can answers
+    EINVAL (no superblock), one that cannot ENOTBLK. Once per process, ~0.1 ms."""
+    release = os.uname().release
+    if not _release_can_file_mount():
+        since = ".".join(map(str, EROFS_FILE_MOUNT_SINCE))
+        return (
+            False,
+            f"this kernel cannot mount EROFS from a file: needs {since}, this is {release}",
+        )
+    not_probed = "files on tmpfs or overlayfs only"
+    for candidate in (os.path.abspath(__file__), os.path.realpath(sys.executable)):
+        try:
+            fd = os.open(candidate, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if fs_magic(fd) in (TMPFS_MAGIC, OVERLAYFS_SUPER_MAGIC):
+                continue  # these answer ENOTBLK on any kernel
+        finally:
+            os.close(fd)
+        target = tempfile.mkdtemp(prefix="dsec-erofs-probe-")
+        try:
+            mount(candidate, target, "erofs", MS_RDONLY)
+            umount(target, MNT_DETACH)
+            return True, f"kernel {release} mounts EROFS straight from a file"
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return True, f"kernel {release} mounts EROFS straight from a file"
+            if e.errno == errno.ENOTBLK:
+                return False, (
+                    f"kernel {release} cannot mount EROFS from a file "
+                    "(built without CONFIG_EROFS_FS_BACKED_BY_FILE)"
+                )
+            if e.errno == errno.ENODEV:
+                return False, f"kernel {release} has no EROFS at all (CONFIG_EROFS_FS)"
+            not_probed = e.strerror or str(e)
+            break
+        finally:
+            with contextlib.suppress(OSError):
+                os.rmdir(target)
+    return True, f"kernel {release} should mount EROFS from a file (not probed: {not_probed})"
+
+
+def erofs_file_mount_supported() -> bool:
+    """Whether this kernel mounts EROFS from a regular file (6.12+ with
+    ``CONFIG_EROFS_FS_BACKED_BY_FILE``), whatever ``DSEC_EROFS_MOUNT`` says. Probed once."""
+    return _kernel_probe()[0]
+
+
+def erofs_mount_mode() -> ErofsMountMode:
+    """How this process mounts EROFS layer files: ``"file"`` (straight from the file) or
+    ``"loop"`` (through loop devices), from ``DSEC_EROFS_MOUNT`` and the kernel. In ``file``
+    mode, files whose filesystem cannot back EROFS (tmpfs, overlayfs) still use loop devices."""
+    setting = erofs_mount_setting()
+    if setting != "auto":
+        return setting
+    return "file" if _kernel_probe()[0] else "loop"
+
+
+def erofs_mount_reason() -> str:
+    """Why :func:`erofs_mount_mode` says what it says, for people, e.g. ``"this kernel cannot
+    mount EROFS from a file: needs 6.12, this is 6.1.0-18-amd64"``."""
+    setting = erofs_mount_setting()
+    if setting != "auto":
+        return f"{EROFS_MOUNT_ENV}={setting}"
+    ok, why = _kernel_probe()
+    return f"{why}; files on tmpfs or overlayfs use loop devices" if ok else why
+
+
+def _plan(file: str) -> Literal["file", "loop", "try"]:
+    """``file``: mount the file, no fallback; ``loop``: a loop device; ``try``: the file,
+    then a loop device on ENOTBLK."""
+    setting = erofs_mount_setting()
+    if setting != "auto":
+        return setting
+    if not _release_can_file_mount():
+        return "loop"
+    try:
+        dev = os.stat(file).st_dev
+    except OSError:
+        return "try"  # the mount reports the real error
+    return "loop" if _file_mount_ok.get(dev) is False else "try"
+
+
+def _learn(file: str, ok: bool) -> None:
+    try:
+        dev = os.stat(file).st_dev
+    except OSError:
+        return
+    with _file_mount_lock:
+        if dev in _file_mount_ok:
+            return
+        _file_mount_ok[dev] = ok
+    if not ok:
+        log.info(
+            "EROFS: %s cannot be mounted from the file (ENOTBLK: its filesystem cannot back "
+            "EROFS); files there are mounted through loop devices",
+            file,
+        )
+
+
+def mount_erofs(
+    file: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    flags: int = MS_RDONLY,
+) -> str:
+    """Mount the EROFS image ``file`` read-only at ``target``, from the file or through a loop
+    device (see the module doc). ``flags`` should include ``MS_RDONLY``.
+
+    A loop device is AUTOCLEAR: unmounting the last mount of it (in any mount namespace) frees
+    it. One device per file: a device already bound to the file is shared. ``file`` may also
+    be a block device (a loop device bound by the caller), mounted as it is.
+
+    Returns:
+        The mount's source: ``file`` or ``/dev/loopN``.
+
+    Raises:
+        OSError: the kernel's errno (EINVAL: not an EROFS image; ENOTBLK with
+            ``DSEC_EROFS_MOUNT=file``: this kernel or filesystem cannot mount from a file).
+    """
+    src = os.fspath(file)
+    try:
+        is_block = stat.S_ISBLK(os.stat(src).st_mode)
+    except OSError:
+        is_block = False
+    if is_block:
+        mount(src, target, "erofs", flags)
+        return src
+    plan = _plan(src)
+    if plan != "loop":
+        try:
+            mount(src, target, "erofs", flags)
+        except OSError as e:
+            if plan == "file" or e.errno != errno.ENOTBLK:
+                raise
+            _learn(src, False)
+        else:
+            if plan == "try":
+                _learn(src, True)
+            return src
+    with attach_loop(src) as dev:
+        try:
+            mount(dev.path, target, "erofs", flags)
+        except OSError as e:
+            dev.detach()
+            why = os.strerror(e.errno) if e.errno else str(e)
+            raise OSError(e.errno, f"mount erofs {src} (on {dev.path}) -> {target}: {why}") from e
+    return dev.path
+
+
+def _file_mountable(file: str) -> bool:
+    """Can the kernel mount ``file`` itself (auto mode, kernel 6.12+)? Known per filesystem
+    after the first mount there; else found out by mounting it on a scratch directory."""
+    try:
+        dev = os.stat(file).st_dev
+    except OSError:
+        return True  # the mount reports the real error
+    known = _file_mount_ok.get(dev)
+    if known is not None:
+        return known
+    target = tempfile.mkdtemp(prefix="dsec-erofs-probe-")
+    try:
+        mount(file, target, "erofs", MS_RDONLY)
+    except OSError as e:
+        if e.errno != errno.ENOTBLK:
+            return True  # not a filesystem question: the real mount reports it
+        _learn(file, False)
+        return False
+    else:
+        umount(target, MNT_DETACH)
+        _learn(file, True)
+        return True
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(target)
+
+
+@contextlib.contextmanager
+def erofs_mount_sources(files: Sequence[str | os.PathLike[str]]) -> Iterator[list[str]]:
+    """For a mount made by another process (the fncall launcher, in its own mount namespace):
+    what to pass to mount(2) for each EROFS file, the file itself or a loop device bound to
+    it, held (open here) until the block exits. The other process must have mounted them by
+    then; an unmounted device is freed at the exit (AUTOCLEAR).
+
+    Example::
+
+        with erofs_mount_sources(layer_files) as sources:
+            subprocess.run([launcher, *sources])   # mounts each with fstype erofs
+    """
+    with contextlib.ExitStack() as stack:
+        out: list[str] = []
+        for f in files:
+            src = os.fspath(f)
+            plan = _plan(src)
+            if plan == "loop" or (plan == "try" and not _file_mountable(src)):
+                src = stack.enter_context(attach_loop(src)).path
+            out.append(src)
+        yield out

@@ -12,6 +12,9 @@ Call :func:`prepare_node` once when the edge starts (it is idempotent). It
    back to runc (with a warning saying why) when it cannot;
 3. reports kernel features for the capability table: EROFS mountable from a
    regular file, overlayfs, seccomp filters, pidfd, openat2.
+
+:func:`probe_oci_runtimes` is step 2 alone, changing nothing on the host (``dsec doctor``);
+:func:`last_node_report` is what the node's host report (:mod:`dsec.hostreport`) shows.
 """
 
 from __future__ import annotations
@@ -29,14 +32,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsec.config import Paths
-from dsec.privileged.mount import MS_RDONLY, mount, umount_quiet
+from dsec.privileged.cgroups import cgroup, host_layout
+from dsec.privileged.mount import erofs_file_mount_supported, mount
 
-__all__ = ["NodeReport", "kernel_features", "mount_hugetlb_v1", "prepare_node", "probe_oci_runtime"]
+__all__ = [
+    "NodeReport",
+    "kernel_features",
+    "last_node_report",
+    "mount_hugetlb_v1",
+    "prepare_node",
+    "probe_oci_runtime",
+    "probe_oci_runtimes",
+]
 
 log = logging.getLogger(__name__)
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 _REPORTS: dict[tuple[str, str | None], NodeReport] = {}
+_LAST: list[NodeReport] = []  # the latest prepare_node() result of this process
 
 
 @dataclass
@@ -61,7 +73,7 @@ class NodeReport:
 
 
 def _cgroup2_controllers() -> set[str]:
-    unified = CGROUP_ROOT / "unified" / "cgroup.controllers"
+    unified = host_layout().mount / "unified" / "cgroup.controllers"
     try:
         return set(unified.read_text().split())
     except OSError:
@@ -69,7 +81,7 @@ def _cgroup2_controllers() -> set[str]:
 
 
 def _is_cgroup_v1_node() -> bool:
-    return (CGROUP_ROOT / "memory" / "memory.limit_in_bytes").exists()
+    return host_layout().mode == "v1"
 
 
 def mount_hugetlb_v1() -> bool:
@@ -79,7 +91,7 @@ def mount_hugetlb_v1() -> bool:
     """
     if not _is_cgroup_v1_node() or "hugetlb" not in _cgroup2_controllers():
         return False
-    target = CGROUP_ROOT / "hugetlb"
+    target = host_layout().mount / "hugetlb"
     target.mkdir(exist_ok=True)
     mount("cgroup", target, "cgroup", 0, "hugetlb")
     log.warning(
@@ -94,7 +106,8 @@ def probe_oci_runtime(
     """Run ``probe_binary --probe`` in a minimal container; None if it worked, else the error.
 
     The probe's rootfs is an empty directory with /proc, a /dev tmpfs and the (static)
-    binary bind-mounted in.
+    binary bind-mounted in. Its cgroup is ``dsec-probe/<id>`` in dsec's subtree (on v2 below
+    dsec's base cgroup), removed afterwards with ``dsec-probe`` once no other probe uses it.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="probe-", dir=state_dir) as tmp:
@@ -102,6 +115,8 @@ def probe_oci_runtime(
         for d in ("rootfs/proc", "rootfs/dev"):
             (bundle / d).mkdir(parents=True)
         cid = f"dsec-probe-{os.getpid()}-{time.monotonic_ns()}"
+        probe_parent = cgroup("dsec-probe")
+        probe_cgroup = probe_parent.child(cid)
         config = {
             "ociVersion": "1.0.2",
             "process": {
@@ -130,7 +145,7 @@ def probe_oci_runtime(
             ],
             "linux": {
                 "namespaces": [{"type": t} for t in ("pid", "mount", "ipc", "uts", "network")],
-                "cgroupsPath": f"/dsec-probe/{cid}",
+                "cgroupsPath": probe_cgroup.oci_path(),
             },
         }
         (bundle / "config.json").write_text(json.dumps(config))
@@ -155,18 +170,17 @@ def probe_oci_runtime(
                     timeout=timeout_s,
                     check=False,
                 )
-            for ctrl in CGROUP_ROOT.iterdir():
-                with contextlib.suppress(OSError):
-                    (ctrl / "dsec-probe" / cid).rmdir()
-                with contextlib.suppress(OSError):  # busy while another probe runs: fine
-                    (ctrl / "dsec-probe").rmdir()
+            with contextlib.suppress(OSError, TimeoutError):
+                probe_cgroup.remove()  # every hierarchy the OCI runtime made it in
+            probe_parent.remove_if_empty()  # kept while another probe runs: fine
         if proc.returncode != 0:
             return (proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}"
         return None
 
 
 def kernel_features(scratch: Path | None = None) -> dict[str, bool]:
-    """Kernel features the container tier relies on (name -> available)."""
+    """Kernel features the container tier relies on (name -> available). ``scratch`` is no
+    longer used (the EROFS probe needs no image)."""
     filesystems = Path("/proc/filesystems").read_text()
     feats = {
         "overlay": "\toverlay" in filesystems,
@@ -176,6 +190,7 @@ def kernel_features(scratch: Path | None = None) -> dict[str, bool]:
         "openat2": False,
         "cgroup_v1": _is_cgroup_v1_node(),
         "erofs_file_mount": False,
+        "erofs_loop": False,
     }
     with contextlib.suppress(OSError):
         feats["seccomp"] = "errno" in Path("/proc/sys/kernel/seccomp/actions_avail").read_text()
@@ -189,27 +204,47 @@ def kernel_features(scratch: Path | None = None) -> dict[str, bool]:
     # openat2(AT_FDCWD, "/", NULL how, 0) -> EINVAL if the syscall exists, ENOSYS if not
     libc.syscall(437, -100, b"/", None, 0)
     feats["openat2"] = ctypes.get_errno() != 38
-    if feats["erofs"] and shutil.which("mkfs.erofs"):
-        with tempfile.TemporaryDirectory(prefix="erofs-probe-", dir=scratch) as tmp:
-            src, img, mnt = Path(tmp, "src"), Path(tmp, "img.erofs"), Path(tmp, "mnt")
-            src.mkdir()
-            mnt.mkdir()
-            (src / "hello").write_text("hello")
-            ok = (
-                subprocess.run(
-                    ["mkfs.erofs", str(img), str(src)], capture_output=True, check=False
-                ).returncode
-                == 0
-            )
-            if ok:
-                try:
-                    mount(img, mnt, "erofs", MS_RDONLY)
-                    feats["erofs_file_mount"] = (mnt / "hello").read_text() == "hello"
-                except OSError:
-                    feats["erofs_file_mount"] = False
-                finally:
-                    umount_quiet(mnt)
+    # dsec.privileged.mount's kernel probe (once per process, shared with `dsec doctor`):
+    # without file-backed mounts, EROFS layers are mounted through loop devices (erofs_loop)
+    feats["erofs_file_mount"] = feats["erofs"] and erofs_file_mount_supported()
+    feats["erofs_loop"] = os.path.exists("/dev/loop-control")
     return feats
+
+
+def probe_oci_runtimes(
+    state_dir: Path, probe_binary: Path, preferred: str | None = None
+) -> NodeReport:
+    """Which OCI runtime starts a probe container here (crun, else runc; or ``preferred``),
+    changing nothing on the host (``dsec doctor``; :func:`prepare_node` after its setup).
+    The probe's bundle, state and cgroup are removed afterwards."""
+    report = NodeReport(oci_runtime=None, oci_runtime_name=None)
+    candidates = [preferred] if preferred else ["crun", "runc"]
+    reasons: list[str] = []
+    for name in candidates:
+        path = shutil.which(name) if name else None
+        if path is None:
+            reasons.append(f"{name}: not installed")
+            continue
+        t0 = time.monotonic()
+        err = probe_oci_runtime(path, probe_binary, state_dir)
+        if err is None:
+            report.oci_runtime, report.oci_runtime_name = path, os.path.basename(path)
+            report.probe_ms = (time.monotonic() - t0) * 1000.0
+            break
+        reasons.append(f"{name}: {err}")
+        if name == "crun" and not preferred:
+            log.warning(
+                "node setup: crun cannot start containers here (%s); falling back to runc", err
+            )
+    if reasons:
+        report.reason = "; ".join(reasons)
+    return report
+
+
+def last_node_report() -> NodeReport | None:
+    """The latest :func:`prepare_node` result of this process (None: it has not run), for
+    the node's host report."""
+    return _LAST[-1] if _LAST else None
 
 
 def prepare_node(
@@ -237,32 +272,15 @@ def prepare_node(
 
         bin_dir = paths.bin if isinstance(paths, Paths) else state_dir / "bin"
         probe_binary = build_native(bin_dir, "dsec_init")
-    report = NodeReport(oci_runtime=None, oci_runtime_name=None)
+    hugetlb_mounted = False
     try:
-        report.hugetlb_mounted = mount_hugetlb_v1()
+        hugetlb_mounted = mount_hugetlb_v1()
     except OSError as e:
         log.warning("node setup: could not mount the hugetlb v1 hierarchy: %s", e)
-    report.features = kernel_features(state_dir)
-    candidates = [preferred] if preferred else ["crun", "runc"]
-    reasons: list[str] = []
-    for name in candidates:
-        path = shutil.which(name) if name else None
-        if path is None:
-            reasons.append(f"{name}: not installed")
-            continue
-        t0 = time.monotonic()
-        err = probe_oci_runtime(path, probe_binary, state_dir)
-        if err is None:
-            report.oci_runtime, report.oci_runtime_name = path, os.path.basename(path)
-            report.probe_ms = (time.monotonic() - t0) * 1000.0
-            break
-        reasons.append(f"{name}: {err}")
-        if name == "crun" and not preferred:
-            log.warning(
-                "node setup: crun cannot start containers here (%s); falling back to runc", err
-            )
-    if reasons:
-        report.reason = "; ".join(reasons)
+    features = kernel_features(state_dir)
+    report = probe_oci_runtimes(state_dir, probe_binary, preferred)
+    report.hugetlb_mounted, report.features = hugetlb_mounted, features
+    _LAST[:] = [report]
     if report.oci_runtime is None:
         log.error("node setup: no OCI runtime works: %s", report.reason)
     else:

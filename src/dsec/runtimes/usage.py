@@ -8,8 +8,9 @@ unit tests feed them text:
 * cgroups, both layouts: **v1** (one hierarchy per controller: ``cpuacct.usage``,
   ``memory.usage_in_bytes``/``memory.stat``/``memory.limit_in_bytes``, ``pids.current``) and
   **v2** (one unified hierarchy: ``cpu.stat`` ``usage_usec``, ``memory.current``/``memory.stat``/
-  ``memory.max``/``memory.peak``, ``pids.current``). :func:`read_cgroup` picks the layout the
-  cgroup exists in;
+  ``memory.max``/``memory.peak``, ``pids.current``), read by the cgroup drivers
+  (:meth:`dsec.privileged.cgroups.Cgroup.usage`); :func:`read_cgroup` reads a cgroup of dsec's
+  subtree in this host's layout, and the types and parsers are re-exported here;
 * network interfaces: ``/sys/class/net/<if>/statistics/*`` of a host-side veth (its receive
   is the sandbox's transmit) and ``/proc/net/dev`` tables;
 * ``/proc/meminfo`` (a VM guest's memory) and ``statvfs`` (a writable layer's fill).
@@ -24,6 +25,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dsec.privileged.cgroups import CGROUP_MOUNT, CgroupUsage, CgroupV1, cgroup, parse_flat_keyed
+from dsec.privileged.cgroups.v2 import read_usage_v2
 
 __all__ = [
     "CGROUP_ROOT",
@@ -42,10 +46,7 @@ __all__ = [
     "read_veth_counters",
 ]
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-_NO_LIMIT = 1 << 60
-"""A v1 memory limit at or above this is "no limit" (the kernel reports ~2^63 rounded to pages)."""
+CGROUP_ROOT = CGROUP_MOUNT
 
 
 @dataclass(frozen=True)
@@ -56,20 +57,6 @@ class NetCounters:
     tx_bytes: int = 0
     rx_packets: int = 0
     tx_packets: int = 0
-
-
-@dataclass(frozen=True)
-class CgroupUsage:
-    """What one cgroup has charged. ``memory_limit_bytes`` None: unlimited; ``cpu_usage_ns``
-    None: the cgroup is not in a CPU accounting hierarchy (v1 without ``cpuacct``)."""
-
-    cpu_usage_ns: int | None
-    memory_used_bytes: int
-    memory_cache_bytes: int
-    memory_limit_bytes: int | None
-    memory_peak_bytes: int | None
-    pids: int | None
-    version: int
 
 
 @dataclass(frozen=True)
@@ -106,19 +93,6 @@ class SandboxUsage:
 
 
 # --- parsers (pure) -----------------------------------------------------------------------
-def parse_flat_keyed(text: str) -> dict[str, int]:
-    """``key value`` lines (``memory.stat``, ``cpu.stat``, ``memory.events``) as a dict;
-    lines whose value is not an integer are skipped."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, value = line.strip().partition(" ")
-        try:
-            out[key] = int(value.strip())
-        except ValueError:
-            continue
-    return out
-
-
 def parse_meminfo(text: str) -> dict[str, int]:
     """``/proc/meminfo`` as bytes by field name (``MemTotal``, ``MemAvailable``, ``Cached``...)."""
     out: dict[str, int] = {}
@@ -164,66 +138,26 @@ def parse_proc_stat_cpu(text: str, ticks_per_s: int) -> int:
     return ticks * 1_000_000_000 // ticks_per_s
 
 
-def _limit_v1(text: str) -> int | None:
-    value = int(text.strip())
-    return None if value >= _NO_LIMIT else value
-
-
-def _limit_v2(text: str) -> int | None:
-    value = text.strip()
-    return None if value == "max" else int(value)
-
-
-def _int_or_none(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
 # --- readers ------------------------------------------------------------------------------
 def read_cgroup_v1(rel: str, root: Path = CGROUP_ROOT) -> CgroupUsage:
     """The counters of v1 cgroup ``rel`` (``cpuacct``, ``memory``, ``pids`` hierarchies under
     ``root``). Raises ``FileNotFoundError`` if it does not exist."""
-    rel = rel.strip("/")
-    memory = root / "memory" / rel
-    cpu_ns = _int_or_none(root / "cpuacct" / rel / "cpuacct.usage")
-    usage = int((memory / "memory.usage_in_bytes").read_text().strip())
-    stat = parse_flat_keyed((memory / "memory.stat").read_text())
-    inactive = stat.get("total_inactive_file", stat.get("inactive_file", 0))
-    cache = stat.get("total_cache", stat.get("cache", 0))
-    return CgroupUsage(
-        cpu_usage_ns=cpu_ns,
-        memory_used_bytes=max(0, usage - inactive),
-        memory_cache_bytes=cache,
-        memory_limit_bytes=_limit_v1((memory / "memory.limit_in_bytes").read_text()),
-        memory_peak_bytes=_int_or_none(memory / "memory.max_usage_in_bytes"),
-        pids=_int_or_none(root / "pids" / rel / "pids.current"),
-        version=1,
-    )
+    return CgroupV1(rel, root).usage()
 
 
 def read_cgroup_v2(rel: str, root: Path = CGROUP_ROOT) -> CgroupUsage:
     """The counters of v2 cgroup ``rel`` of the unified hierarchy mounted at ``root``. Raises
     ``FileNotFoundError`` if it does not exist."""
-    d = root / rel.strip("/")
-    cpu = parse_flat_keyed((d / "cpu.stat").read_text())
-    current = int((d / "memory.current").read_text().strip())
-    stat = parse_flat_keyed((d / "memory.stat").read_text())
-    return CgroupUsage(
-        cpu_usage_ns=cpu.get("usage_usec", 0) * 1000,
-        memory_used_bytes=max(0, current - stat.get("inactive_file", 0)),
-        memory_cache_bytes=stat.get("file", 0),
-        memory_limit_bytes=_limit_v2((d / "memory.max").read_text()),
-        memory_peak_bytes=_int_or_none(d / "memory.peak"),
-        pids=_int_or_none(d / "pids.current"),
-        version=2,
-    )
+    return read_usage_v2(root / rel.strip("/"))
 
 
-def read_cgroup(rel: str, root: Path = CGROUP_ROOT) -> CgroupUsage:
-    """The counters of cgroup ``rel`` in whichever layout it exists: v1 (``root/memory/rel``)
-    or v2 (``root/rel/memory.current``). Raises ``FileNotFoundError`` if in neither."""
+def read_cgroup(rel: str, root: Path | None = None) -> CgroupUsage:
+    """The counters of cgroup ``rel`` of dsec's subtree (``cgroup(rel).usage()``, in this
+    host's layout). With ``root``, a cgroup filesystem mounted elsewhere (tests): read in
+    whichever layout ``rel`` exists there, v1 (``root/memory/rel``) or v2
+    (``root/rel/memory.current``). Raises ``FileNotFoundError`` if it does not exist."""
+    if root is None:
+        return cgroup(rel).usage()
     rel = rel.strip("/")
     if (root / "memory" / rel / "memory.usage_in_bytes").exists():
         return read_cgroup_v1(rel, root)

@@ -152,13 +152,19 @@ def oci_config(
         rootfs: the assembled overlay root (absolute path on the host).
         init_binary: the static ``dsec_init`` on the host; bind-mounted read-only.
         hostname: the container's hostname.
-        cgroups_path: ``/<parent>/<sandbox id>`` (see :func:`cgroup_parent`).
+        cgroups_path: the sandbox's cgroup as the OCI runtime names it
+            (:meth:`dsec.privileged.cgroups.Cgroup.oci_path` of ``<parent>/<sandbox id>``, see
+            :func:`cgroup_parent`; on v2 below dsec's base cgroup).
         cpu: CPU cores, enforced as a CFS quota over a 100 ms period.
         memory_mb: memory limit, MiB (also the memory+swap limit when ``memsw``).
         pids: maximum number of processes and threads.
         env: extra environment of the init process (exec'd commands get their own).
-        memsw: whether the memory cgroup has ``memory.memsw.*`` (swap accounting).
-        cpu_shares: the cgroup's ``cpu.shares`` (None: the kernel's default, 1024).
+        memsw: whether the memory limit also bounds swap here
+            (:meth:`~dsec.privileged.cgroups.Cgroup.accounts_swap`). The OCI ``memory.swap``
+            is memory+swap: equal to the limit, v1 gets memsw = limit and v2 (crun and runc
+            write ``swap - limit``) no swap at all.
+        cpu_shares: the cgroup's ``cpu.shares`` (None: the kernel's default, 1024); on v2
+            the OCI runtime maps it onto ``cpu.weight``.
         boot_id_file: a host file bound read-only over ``/proc/sys/kernel/random/boot_id``:
             the sandbox's own boot id (not the node's), renewed when it is rebooted by a
             filesystem-only pause.

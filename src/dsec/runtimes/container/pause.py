@@ -1,26 +1,30 @@
 """Pause and resume a container sandbox: freeze its cgroup, then give back its memory.
 
-What pausing does, in order (cgroup v1; measured on this node, see ``docs/design/rl.md``):
+What pausing does, in order (measured on a cgroup v1 node, see ``docs/design/rl.md``; the
+cgroup work itself is the driver's, :class:`dsec.privileged.cgroups.Cgroup`, on either layout):
 
-1. **Freeze**: write ``FROZEN`` to ``freezer.state`` and wait until the kernel reports every
-   task frozen (~0.1-0.3 ms for one container). Nothing in the sandbox runs after this, so
+1. **Freeze**: :meth:`~dsec.privileged.cgroups.Cgroup.freeze` (v1 ``freezer.state``, v2
+   ``cgroup.freeze``) and wait until the kernel reports every task frozen (~0.1-0.3 ms for
+   one container). Nothing in the sandbox runs after this, so
    nothing can refill what we reclaim next. A task stuck in uninterruptible sleep can keep
-   the cgroup in ``FREEZING``: after ``freeze_timeout_s`` the cgroup is thawed again and
+   the cgroup freezing: after ``freeze_timeout_s`` the cgroup is thawed again and
    :class:`~dsec.errors.SandboxError` is raised (the sandbox stays running, never half-paused).
-2. **Reclaim**: write to ``memory.force_empty``. Contrary to what one might fear, v1's
+2. **Reclaim** (:meth:`~dsec.privileged.cgroups.Cgroup.reclaim`): v1 writes
+   ``memory.force_empty``; v2 asks ``memory.reclaim`` for all but a few MiB (kernels before
+   5.19: lowers ``memory.high`` for a moment). Contrary to what one might fear, v1's
    force_empty works on a cgroup whose tasks are frozen: it loops the memcg reclaimer until
    nothing more can be freed and returns; it does not need the tasks to run. It drops the
    page cache charged to the sandbox (clean pages, e.g. its reads of the EROFS layers) in
-   ~3 ms for 200 MB. If it fails (``EBUSY``/``EINTR``), the fallback lowers
+   ~3 ms for 200 MB. If it fails (``EBUSY``/``EINTR``), the v1 fallback lowers
    ``memory.limit_in_bytes`` to what cannot be reclaimed (plus 4 MiB) and restores it.
    What stays resident: anonymous memory (heap, stacks) and ``shmem`` — which includes the
    files the sandbox wrote to its tmpfs upper layer — unless the node has compressed swap.
 3. **Compressed swap**, where the node enables it: if zswap is enabled with an active swap
    device, or a zram device is an active swap, force_empty's reclaim (which may swap) also
-   moves anonymous and shmem pages into compressed memory (subject to the cgroup's
-   ``memory.swappiness``; 0 disables it). If the node's only swap is an uncompressed disk,
-   the cgroup's swappiness is set to 0 for the reclaim (paused sandboxes must not thrash a
-   disk) and restored. A node without swap (this one) keeps anonymous memory resident;
+   moves anonymous and shmem pages into compressed memory (v1: subject to the cgroup's
+   ``memory.swappiness``; v2: ``memory.swap.max``, 0 while the sandbox runs, is lifted for
+   the reclaim). If the node's only swap is an uncompressed disk, no page goes there (v1:
+   the cgroup's swappiness is 0 for the reclaim; paused sandboxes must not thrash a disk). A node without swap (this one) keeps anonymous memory resident;
    :func:`compressed_swap_status` says which case applies and the report records it.
 
 Resuming: optionally **prefetch** (``posix_fadvise(WILLNEED)`` on the file ranges mapped by the
@@ -37,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.errors import SandboxError, SandboxNotFound
-from dsec.privileged.cgroups import CgroupV1
+from dsec.privileged.cgroups import Cgroup, MemoryCharge
 
 __all__ = [
     "CompressedSwap",
@@ -66,30 +69,9 @@ DEFAULT_PREFETCH_CAP_BYTES = 64 << 20
 """Most bytes of mapped files a resume asks the kernel to read ahead."""
 
 
-@dataclass(frozen=True)
-class MemoryStat:
-    """A cgroup's memory, bytes (from ``memory.usage_in_bytes`` and ``memory.stat``; the
-    hierarchical ``total_*`` counters, so child cgroups count).
-
-    Attributes:
-        usage: everything charged (page cache, anon, kernel memory).
-        cache: page cache, including ``shmem``.
-        rss: anonymous memory.
-        shmem: tmpfs/shared memory (the sandbox's upper layer lives here).
-        mapped_file: page cache mapped into processes.
-        swap: swapped out (0 when swap accounting is off or no swap exists).
-    """
-
-    usage: int
-    cache: int
-    rss: int
-    shmem: int
-    mapped_file: int
-    swap: int
-
-    def mib(self) -> dict[str, float]:
-        """The same numbers in MiB, rounded to 0.1, for logs and tables."""
-        return {k: round(v / (1 << 20), 1) for k, v in asdict(self).items()}
+MemoryStat = MemoryCharge
+"""A cgroup's memory, bytes (:meth:`dsec.privileged.cgroups.Cgroup.memory_charge`; child
+cgroups count)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +106,8 @@ class PauseReport:
     freeze_ms: float
     reclaim_ms: float
     total_ms: float
-    reclaim_method: str  # "force_empty" | "limit" | "none" | "failed"
+    # v1 "force_empty" | "limit"; v2 "memory.reclaim" | "memory.high"; "none" | "failed"
+    reclaim_method: str
     compressed_swap: str  # CompressedSwap.kind
     was_frozen: bool = False
     notes: list[str] = field(default_factory=list)
@@ -155,25 +138,12 @@ class ResumeReport:
         return asdict(self)
 
 
-def memory_stat(cg: CgroupV1) -> MemoryStat:
+def memory_stat(cg: Cgroup) -> MemoryStat:
     """The cgroup's current memory (see :class:`MemoryStat`)."""
     try:
-        usage = cg.memory_usage()
-        stat = cg.memory_stat()
+        return cg.memory_charge()
     except FileNotFoundError as e:
         raise SandboxNotFound(f"cgroup {cg.rel} does not exist", cgroup=cg.rel) from e
-
-    def pick(name: str) -> int:
-        return stat.get(f"total_{name}", stat.get(name, 0))
-
-    return MemoryStat(
-        usage=usage,
-        cache=pick("cache"),
-        rss=pick("rss"),
-        shmem=pick("shmem"),
-        mapped_file=pick("mapped_file"),
-        swap=pick("swap"),
-    )
 
 
 def compressed_swap_status(
@@ -204,10 +174,10 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
 
 
-def _wait_frozen(cg: CgroupV1, timeout_s: float) -> None:
+def _wait_frozen(cg: Cgroup, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     delay = _FREEZE_POLL_S
-    while cg.freezer_state() != "FROZEN":
+    while not cg.is_frozen():
         if time.monotonic() > deadline:
             with contextlib.suppress(OSError):
                 cg.thaw()
@@ -221,68 +191,24 @@ def _wait_frozen(cg: CgroupV1, timeout_s: float) -> None:
         delay = min(delay * 2, 0.01)
 
 
-def _memory_file(cg: CgroupV1, name: str) -> Path:
-    return cg.path("memory") / name
-
-
-def _reclaim(cg: CgroupV1, swap: CompressedSwap, notes: list[str]) -> str:
-    swappiness_file = _memory_file(cg, "memory.swappiness")
-    old_swappiness: str | None = None
-    if swap.kind == "disk":
-        # never page a paused sandbox out to an uncompressed disk
-        with contextlib.suppress(OSError):
-            old_swappiness = swappiness_file.read_text().strip()
-            swappiness_file.write_text("0")
-    try:
-        try:
-            _memory_file(cg, "memory.force_empty").write_text("0")
-            return "force_empty"
-        except OSError as e:
-            notes.append(
-                f"force_empty failed ({errno.errorcode.get(e.errno or 0, e)}); lowered the limit"
-            )
-        return _reclaim_by_limit(cg, notes)
-    finally:
-        if old_swappiness is not None:
-            with contextlib.suppress(OSError):
-                swappiness_file.write_text(old_swappiness)
-
-
-def _reclaim_by_limit(cg: CgroupV1, notes: list[str]) -> str:
-    limit_file = _memory_file(cg, "memory.limit_in_bytes")
-    old = limit_file.read_text().strip()
-    st = memory_stat(cg)
-    target = st.rss + st.shmem + _LIMIT_SLACK_BYTES
-    try:
-        for _ in range(8):  # EBUSY: the kernel could not get below target; step up
-            try:
-                limit_file.write_text(str(target))
-                return "limit"
-            except OSError as e:
-                if e.errno != errno.EBUSY:
-                    notes.append(f"limit reclaim failed: {e}")
-                    return "failed"
-                target = int(target * 1.25)
-        notes.append("limit reclaim gave up (EBUSY)")
-        return "failed"
-    finally:
-        limit_file.write_text(old)
-
-
-def pause_sync(cg: CgroupV1, *, reclaim: bool = True, freeze_timeout_s: float = 5.0) -> PauseReport:
+def pause_sync(cg: Cgroup, *, reclaim: bool = True, freeze_timeout_s: float = 5.0) -> PauseReport:
     """Blocking body of :func:`pause` (for callers already in a worker thread)."""
     if not cg.exists():
         raise SandboxNotFound(f"cgroup {cg.rel} does not exist", cgroup=cg.rel)
     t0 = time.perf_counter()
     before = memory_stat(cg)
-    was_frozen = cg.freezer_state() == "FROZEN"
+    was_frozen = cg.is_frozen()
     cg.freeze()
     _wait_frozen(cg, freeze_timeout_s)
     freeze_ms = _ms(t0)
     swap = compressed_swap_status()
     notes: list[str] = []
     t1 = time.perf_counter()
-    method = _reclaim(cg, swap, notes) if reclaim else "none"
+    method = (
+        cg.reclaim(swap_to=swap.kind, notes=notes, keep_bytes=_LIMIT_SLACK_BYTES)
+        if reclaim
+        else "none"
+    )
     reclaim_ms = _ms(t1)
     after = memory_stat(cg)
     if not swap.usable and after.rss + after.shmem > 0:
@@ -302,13 +228,11 @@ def pause_sync(cg: CgroupV1, *, reclaim: bool = True, freeze_timeout_s: float = 
     )
 
 
-async def pause(
-    cg: CgroupV1, *, reclaim: bool = True, freeze_timeout_s: float = 5.0
-) -> PauseReport:
+async def pause(cg: Cgroup, *, reclaim: bool = True, freeze_timeout_s: float = 5.0) -> PauseReport:
     """Freeze every task of ``cg``, then reclaim its memory. See the module docstring.
 
     Args:
-        cg: the sandbox's cgroup (memory and freezer controllers are used).
+        cg: the sandbox's cgroup (its memory and freezing are used).
         reclaim: False only freezes (e.g. around a consistent ``pack_diff``).
         freeze_timeout_s: how long to wait for ``FROZEN``, seconds.
 
@@ -343,7 +267,7 @@ def _mapped_ranges(pid: int) -> list[tuple[str, int, int, tuple[int, int]]]:
     return out
 
 
-def _prefetch(cg: CgroupV1, cap_bytes: int) -> tuple[int, int]:
+def _prefetch(cg: Cgroup, cap_bytes: int) -> tuple[int, int]:
     seen: set[tuple[tuple[int, int], int]] = set()
     files: set[tuple[int, int]] = set()
     total = 0
@@ -371,13 +295,13 @@ def _prefetch(cg: CgroupV1, cap_bytes: int) -> tuple[int, int]:
 
 
 def resume_sync(
-    cg: CgroupV1, prefetch: bool = True, *, prefetch_cap_bytes: int = DEFAULT_PREFETCH_CAP_BYTES
+    cg: Cgroup, prefetch: bool = True, *, prefetch_cap_bytes: int = DEFAULT_PREFETCH_CAP_BYTES
 ) -> ResumeReport:
     """Blocking body of :func:`resume`."""
     if not cg.exists():
         raise SandboxNotFound(f"cgroup {cg.rel} does not exist", cgroup=cg.rel)
     t0 = time.perf_counter()
-    was_frozen = cg.freezer_state() != "THAWED"
+    was_frozen = cg.freeze_requested()
     nfiles = nbytes = 0
     if prefetch:
         nfiles, nbytes = _prefetch(cg, prefetch_cap_bytes)
@@ -385,7 +309,7 @@ def resume_sync(
     t1 = time.perf_counter()
     cg.thaw()
     deadline = time.monotonic() + 5.0
-    while cg.freezer_state() != "THAWED":
+    while cg.freeze_requested():
         if time.monotonic() > deadline:
             raise SandboxError(f"cgroup {cg.rel} did not thaw", cgroup=cg.rel)
         time.sleep(_FREEZE_POLL_S)
@@ -400,7 +324,7 @@ def resume_sync(
 
 
 async def resume(
-    cg: CgroupV1, prefetch: bool = True, *, prefetch_cap_bytes: int = DEFAULT_PREFETCH_CAP_BYTES
+    cg: Cgroup, prefetch: bool = True, *, prefetch_cap_bytes: int = DEFAULT_PREFETCH_CAP_BYTES
 ) -> ResumeReport:
     """Prefetch the sandbox's mapped files (optional), then thaw its cgroup.
 

@@ -4,7 +4,7 @@ One sandbox is::
 
     overlay rootfs (EROFS layers, tmpfs upper capped at disk_mb)   dsec.layers.rootfs
     OCI container: pid/mount/ipc/uts/net/cgroup namespaces,        bundle.oci_config
-        cgroup v1 limits under /<dsec-HASH>/<sandbox id>,
+        cgroup limits under <dsec-HASH>/<sandbox id> (v1 or v2),
         seccomp deny list, minimal capabilities, no_new_privs,
         PID 1 = dsec_init (static, bind-mounted read-only)
     dsec_execd: exec server in the host pid namespace             execd.ExecServer
@@ -32,7 +32,6 @@ import binascii
 import concurrent.futures
 import contextlib
 import dataclasses
-import errno
 import functools
 import hashlib
 import json
@@ -72,7 +71,7 @@ from dsec.layers.rootfs import (
     upper_dir,
 )
 from dsec.models import ExecRequest, ExecResult, LayerInfo, SnapshotRequest
-from dsec.privileged.cgroups import CGROUP_ROOT, CgroupV1
+from dsec.privileged.cgroups import Cgroup, cgroup, host_layout, prepare
 from dsec.privileged.netns import NetnsSockets
 from dsec.privileged.nodesetup import NodeReport, prepare_node
 from dsec.privileged.reaper import REAPER, reap_pid, where_is
@@ -98,7 +97,6 @@ from dsec.runtimes.usage import (
     SandboxUsage,
     disk_usage,
     processes_cpu_ns,
-    read_cgroup,
     read_veth_counters,
 )
 
@@ -153,7 +151,7 @@ def _new_boot_id(sandbox_dir: Path) -> Path:
     return path
 
 
-def _kill_all_but(cg: CgroupV1, keep: int | None, timeout_s: float = 5.0) -> None:
+def _kill_all_but(cg: Cgroup, keep: int | None, timeout_s: float = 5.0) -> None:
     """SIGKILL every process of ``cg`` but ``keep`` (host pid), frozen while it is done (no
     process forks past it), and wait until they are gone."""
     cg.freeze()
@@ -264,6 +262,7 @@ class ContainerRuntime:
         self._execd_bin: Path | None = None
         self._live: dict[str, _Live] = {}
         self._cgroup_mounts: CgroupMounts | None = None
+        self._memsw = False  # the memory limit also bounds swap (found at start)
         self._state_base_cached: Path | None = None
         self._policy_file: Path | None = None
         self._bpf_file: Path | None = None  # the policy's compiled seccomp program
@@ -334,10 +333,31 @@ class ContainerRuntime:
             self._unavailable = e.message
             log.error("container tier unavailable: %s", e.message)
             return
+        layout = host_layout()
+        # (v1 without cpuacct or freezer still runs containers, as it always has)
+        if layout.mode == "unsupported" or (layout.mode == "v2" and not layout.usable):
+            self._unavailable = (
+                f"the container tier needs cgroups to confine sandboxes: {layout.reason}"
+            )
+            log.error("container tier unavailable: %s", self._unavailable)
+            return
+        try:  # v2: dsec's base able to hold sandboxes (before the OCI runtime's probe)
+            for note in await asyncio.to_thread(prepare, layout):
+                log.info("container tier: %s", note)
+        except OSError as e:
+            self._unavailable = f"the container tier cannot prepare its cgroups: {e}"
+            log.error("container tier unavailable: %s", self._unavailable)
+            return
         init_bin = self._init_bin
         self.node = await asyncio.to_thread(prepare_node, self.paths, init_bin, self._preferred)
         self._oci = self.node.oci_runtime
         self._cgroup_mounts = _cgroup_mounts()  # after node setup (it may mount hugetlb)
+        try:  # the install's parent: v2 asks it whether swap is accounted
+            parent = cgroup(self.cgroup_parent)
+            await asyncio.to_thread(parent.create)
+            self._memsw = parent.accounts_swap()
+        except OSError as e:
+            log.warning("container tier: cgroup %s: %s", self.cgroup_parent, e)
         # one policy file per install and policy version, shared by every exec server
         policy = execd_policy_text()
         digest = hashlib.sha256(policy.encode()).hexdigest()[:16]
@@ -378,9 +398,7 @@ class ContainerRuntime:
                     await live.server.close()
         self._live.clear()
         # the per-install parent cgroup and state dirs go once no sandbox is left in them
-        for hierarchy in CGROUP_ROOT.iterdir():
-            with contextlib.suppress(OSError):
-                (hierarchy / self.cgroup_parent).rmdir()
+        cgroup(self.cgroup_parent).remove_if_empty()
         for root in self._state_roots():
             with contextlib.suppress(OSError):
                 root.rmdir()
@@ -557,12 +575,12 @@ class ContainerRuntime:
             rootfs=rootfs,
             init_binary=init_bin,
             hostname=spec.hostname,
-            cgroups_path="/" + self._cgroup_rel(spec.id),
+            cgroups_path=cgroup(self._cgroup_rel(spec.id)).oci_path(),
             cpu=spec.cpu,
             memory_mb=spec.memory_mb,
             pids=spec.pids,
             env=spec.env,
-            memsw=(CGROUP_ROOT / "memory" / "memory.memsw.limit_in_bytes").exists(),
+            memsw=self._memsw,
             # its full weight while it starts: crun's set-up inside the cgroup and the exec
             # server's attach ran at the idle weight (2) before, so beside sandboxes running
             # commands they got almost no CPU (next to 40 busy sandboxes a create took up to
@@ -680,7 +698,7 @@ class ContainerRuntime:
             try:
                 if live.server is None or not live.server.alive:
                     raise SandboxError("the warm container's exec server is gone")
-                _set_limits(CgroupV1(state["cgroup"]), state.get("limits") or {}, spec)
+                _set_limits(cgroup(state["cgroup"]), state.get("limits") or {}, spec)
                 with contextlib.suppress(OSError):  # made at the refill's niceness
                     os.setpriority(os.PRIO_PROCESS, int(state["init_pid"]), 0)
                 os.rename(self._sandbox_dir(warm.id), sandbox_dir)
@@ -753,7 +771,7 @@ class ContainerRuntime:
         self, handle: Handle, req: ExecRequest, sink: OutputSink | None = None
     ) -> ExecResult:
         """Run one command in the sandbox (see :class:`dsec.models.ExecRequest`)."""
-        server, env_list, cwd, user, oom_control = await self._exec_context(handle, req)
+        server, env_list, cwd, user, oom_file = await self._exec_context(handle, req)
         if req.stdin is not None and req.stdin_b64 is not None:
             raise InvalidRequest("give stdin or stdin_b64, not both")
         stdin: bytes | None = None
@@ -764,7 +782,7 @@ class ContainerRuntime:
                 stdin = base64.b64decode(req.stdin_b64, validate=True)
             except (binascii.Error, ValueError) as e:
                 raise InvalidRequest(f"stdin_b64 is not valid base64: {e}") from e
-        oom_before = _oom_kills(oom_control)
+        oom_before = _oom_kills(oom_file)
         self._busy(handle, +1)
         try:
             out = await server.run(
@@ -788,7 +806,7 @@ class ContainerRuntime:
             raise
         finally:
             self._busy(handle, -1)
-        oom_after = _oom_kills(oom_control)
+        oom_after = _oom_kills(oom_file)
         return ExecResult(
             stdout=out.stdout.decode("utf-8", errors="replace"),
             stderr=out.stderr.decode("utf-8", errors="replace"),
@@ -811,8 +829,9 @@ class ContainerRuntime:
     async def _exec_context(
         self, handle: Handle, req: ExecRequest
     ) -> tuple[ExecServer, list[str], str, ResolvedUser, str]:
-        """The live exec server (recovered if needed), environment, cwd, user and the
-        ``memory.oom_control`` path for running ``req`` in the sandbox."""
+        """The live exec server (recovered if needed), environment, cwd, user and the file
+        that counts the sandbox's OOM kills (:meth:`Cgroup.oom_kills_file`) for running
+        ``req`` in the sandbox."""
         state = self._load_state(handle)
         live = self._live.get(handle.id)
         if live is None or live.server is None or not live.server.alive:
@@ -840,8 +859,8 @@ class ContainerRuntime:
         env.update(state.get("env") or {})
         env.update(req.env)
         cwd = req.cwd or state.get("workdir") or "/"
-        oom_control = f"{CGROUP_ROOT}/memory/{state.get('cgroup') or self._cgroup_rel(handle.id)}/memory.oom_control"
-        return server, [f"{k}={v}" for k, v in env.items()], cwd, user, oom_control
+        oom_file = _oom_kills_file(state.get("cgroup") or self._cgroup_rel(handle.id))
+        return server, [f"{k}={v}" for k, v in env.items()], cwd, user, oom_file
 
     async def start_process(
         self,
@@ -857,8 +876,8 @@ class ContainerRuntime:
         ignored). ``pty``: run it on a new terminal of that size (cols x rows) instead of
         pipes. ``req.timeout_s`` (seconds) kills its process group.
         """
-        server, env_list, cwd, user, oom_control = await self._exec_context(handle, req)
-        oom_before = _oom_kills(oom_control)
+        server, env_list, cwd, user, oom_file = await self._exec_context(handle, req)
+        oom_before = _oom_kills(oom_file)
         self._busy(handle, +1)
         try:
             execution = await server.start_process(
@@ -878,7 +897,7 @@ class ContainerRuntime:
             if isinstance(e, SandboxStopped | SandboxError):
                 await self._explain_exec_failure(handle, e)
             raise
-        return ContainerProcess(self, handle, execution, oom_control, oom_before)
+        return ContainerProcess(self, handle, execution, oom_file, oom_before)
 
     def _busy(self, handle: Handle, delta: int) -> None:
         """Count a command starting (+1) or ending (-1); on the first start and the last
@@ -893,9 +912,10 @@ class ContainerRuntime:
         self._weigh(handle, active=bool(live.active))
 
     def _weigh(self, handle: Handle, *, active: bool) -> None:
-        """Write the sandbox's full (``active``) or idle ``cpu.shares``. Also full while it
-        is killed or frozen: its processes must get the CPU to exit or reach the freezer
-        (at 2 shares on a busy node they did not within 5 s, and the kill left cgroups)."""
+        """Set the sandbox's full (``active``) or idle CPU shares (v2: the ``cpu.weight`` they
+        map to). Also full while it is killed or frozen: its processes must get the CPU to
+        exit or reach the freezer (at 2 shares on a busy node they did not within 5 s, and
+        the kill left cgroups)."""
         if not self.idle_cpu_shares:
             return
         state = self._load_state(handle)
@@ -905,11 +925,7 @@ class ContainerRuntime:
             shares = self.idle_cpu_shares
         rel = state.get("cgroup") or self._cgroup_rel(handle.id)
         with contextlib.suppress(OSError):  # a sandbox going away: nothing to weigh
-            fd = os.open(f"{CGROUP_ROOT}/cpu/{rel}/cpu.shares", os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                os.write(fd, str(shares).encode())
-            finally:
-                os.close(fd)
+            cgroup(rel).set_cpu_shares(shares)
 
     def files(self, handle: Handle) -> SandboxFiles:
         """File access confined to the sandbox's root; new files belong to its default user."""
@@ -1014,12 +1030,12 @@ class ContainerRuntime:
     async def _destroy(self, handle: Handle, *, keep_live: bool) -> None:
         sandbox_dir = self._sandbox_dir(handle.id)
         state = self._load_state(handle)
-        cg = CgroupV1(state.get("cgroup") or self._cgroup_rel(handle.id))
+        cg = cgroup(state.get("cgroup") or self._cgroup_rel(handle.id))
         self._weigh(Handle(handle.id, state), active=True)  # dying tasks need the CPU to exit
         # a paused sandbox: its processes (and the exec server, which closing below waits
         # for) sit in the freezer and ignore SIGKILL until thawed: kill, then thaw
         with contextlib.suppress(OSError):
-            if cg.exists() and cg.freezer_state() != "THAWED":
+            if cg.exists() and cg.freeze_requested():
                 await asyncio.to_thread(cg.kill_all)
         live = self._live.get(handle.id)
         server = live.server if live is not None else None
@@ -1091,8 +1107,8 @@ class ContainerRuntime:
         # warm id
         warm_rel = state.get("cgroup_warm")
         for r in (rel, warm_rel) if isinstance(warm_rel, str) else (rel,):
-            try:
-                _remove_cgroup_everywhere(r)
+            try:  # what is left is killed; every hierarchy the OCI runtime populated
+                cgroup(r).remove()
             except (OSError, TimeoutError) as e:
                 errors.append(f"cgroup {r}: {e}")
         try:
@@ -1103,9 +1119,9 @@ class ContainerRuntime:
             self._drop_state(sandbox_id)
 
     # ------------------------------------------------------------------ pause, snapshot
-    def _cgroup(self, handle: Handle) -> CgroupV1:
+    def _cgroup(self, handle: Handle) -> Cgroup:
         state = self._load_state(handle)
-        return CgroupV1(state.get("cgroup") or self._cgroup_rel(handle.id))
+        return cgroup(state.get("cgroup") or self._cgroup_rel(handle.id))
 
     async def pause(self, handle: Handle) -> dict[str, Any]:
         """Freeze the sandbox, then reclaim its page cache (see ``pause.py``). Returns
@@ -1133,7 +1149,7 @@ class ContainerRuntime:
         booted system. Also on a paused sandbox (it is thawed for the kill)."""
         state = self._load_state(handle)
         cg = self._cgroup(handle)
-        if cg.freezer_state() != "THAWED":  # paused: its processes must run to die
+        if cg.freeze_requested():  # paused: its processes must run to die
             await asyncio.to_thread(cg.thaw)
         live = self._live.get(handle.id)
         if live is not None and live.server is not None:
@@ -1155,7 +1171,7 @@ class ContainerRuntime:
         from dsec.layers.snapshot import pack_diff
 
         cg = self._cgroup(handle)
-        was_frozen = cg.freezer_state() == "FROZEN"
+        was_frozen = cg.is_frozen()
         if not was_frozen:
             self._weigh(handle, active=True)  # every task must run to reach the freezer
             await pausing.pause(cg, reclaim=False)
@@ -1204,8 +1220,9 @@ class ContainerRuntime:
         upper = upper_dir(self._sandbox_dir(handle.id)).parent
 
         def read() -> SandboxUsage:
+            sandbox_cg = cgroup(rel)
             try:
-                cg = read_cgroup(rel)
+                cg = sandbox_cg.usage()
             except FileNotFoundError:
                 raise SandboxStopped(f"sandbox {handle.id} has no cgroup on this node") from None
             try:
@@ -1220,7 +1237,7 @@ class ContainerRuntime:
                     net = NetCounters()
             cpu_ns = cg.cpu_usage_ns
             if cpu_ns is None:  # a node without cpuacct: the processes' own counters
-                cpu_ns = processes_cpu_ns(CgroupV1(rel).procs())
+                cpu_ns = processes_cpu_ns(sandbox_cg.procs())
             return SandboxUsage(
                 cpu_usage_ns=cpu_ns,
                 memory_used_bytes=cg.memory_used_bytes,
@@ -1253,9 +1270,7 @@ class ContainerRuntime:
         for root in self._state_roots():
             if root.is_dir():
                 found.update(p.name for p in root.iterdir() if p.is_dir())
-        base = CGROUP_ROOT / "memory" / self.cgroup_parent
-        if base.is_dir():
-            found.update(p.name for p in base.iterdir() if p.is_dir())
+        found.update(cgroup(self.cgroup_parent).children())
         # a claimed sandbox's cgroups have the warm id (and, made by an older dsec, cgroup2's)
         for sid in known:
             st = self._load_state(Handle(sid))
@@ -1289,13 +1304,13 @@ class ContainerProcess:
         runtime: ContainerRuntime,
         handle: Handle,
         execution: InteractiveExecution,
-        oom_control: str,
+        oom_file: str,
         oom_before: int,
     ) -> None:
         self._runtime = runtime
         self._handle = handle
         self._execution = execution
-        self._oom_control = oom_control
+        self._oom_file = oom_file
         self._oom_before = oom_before
         self._counted = True  # counts as a running command for the CPU weight
 
@@ -1347,7 +1362,7 @@ class ContainerProcess:
             stderr_truncated=out.stderr_truncated,
             duration_ms=out.duration_ms,
             oom_killed=_killed_by_oom(
-                out.exit_code, out.signal, self._oom_before, _oom_kills(self._oom_control)
+                out.exit_code, out.signal, self._oom_before, _oom_kills(self._oom_file)
             ),
         )
 
@@ -1425,16 +1440,6 @@ def _pool_key(spec: SandboxSpec) -> _PoolKey:
     )
 
 
-@functools.cache
-def _cgroup_hierarchies() -> tuple[str, ...]:
-    """The mounted hierarchies under :data:`CGROUP_ROOT` (not the symlinks of co-mounted
-    controllers, e.g. cpu -> cpu,cpuacct), listed once: a claim labels its cgroups in each."""
-    root = str(CGROUP_ROOT)
-    return tuple(
-        f"{root}/{n}" for n in sorted(os.listdir(root)) if not os.path.islink(f"{root}/{n}")
-    )
-
-
 _CGROUP_LABEL = "trusted.dsec.sandbox"
 """The extended attribute of a container's cgroups that names its sandbox, in every
 hierarchy: ``getfattr -n trusted.dsec.sandbox <cgroup>``. A claimed warm container's
@@ -1444,30 +1449,21 @@ cgroups keep the warm id as their name; a fresh one's are named by the sandbox's
 def _label_cgroup(rel: str, sandbox_id: str) -> None:
     """Label cgroup ``rel`` with ``sandbox_id`` in every hierarchy (:data:`_CGROUP_LABEL`).
     A kernfs attribute write: no cgroup lock, ~5 us each."""
-    value = sandbox_id.encode()
-    for hierarchy in _cgroup_hierarchies():
-        with contextlib.suppress(OSError):  # a hierarchy without the cgroup, or no xattrs
-            os.setxattr(f"{hierarchy}/{rel}", _CGROUP_LABEL, value)
+    cgroup(rel).label(_CGROUP_LABEL, sandbox_id.encode())
 
 
-def _set_limits(cg: CgroupV1, current: dict[str, Any], spec: SandboxSpec) -> None:
+def _set_limits(cg: Cgroup, current: dict[str, Any], spec: SandboxSpec) -> None:
     """Write ``spec``'s CPU, memory and pids limits into ``cg`` where they differ from
-    ``current`` (the values the container has). The memory+swap limit must never be below
-    the memory limit: it is raised first and lowered last."""
+    ``current`` (the values the container has; the driver keeps v1's memory+swap limit
+    never below the memory limit, and v2 without swap)."""
     if current.get("cpu") != spec.cpu:
-        cg._write("cpu", "cpu.cfs_quota_us", max(1000, int(spec.cpu * 100_000)))
-    if current.get("memory_mb") != spec.memory_mb:
-        new = spec.memory_mb * 1024 * 1024
-        memsw = cg.path("memory") / "memory.memsw.limit_in_bytes"
-        has_memsw = memsw.exists()
-        raising = new > int(cg._read("memory", "memory.limit_in_bytes"))
-        if has_memsw and raising:
-            cg._write("memory", "memory.memsw.limit_in_bytes", new)
-        cg._write("memory", "memory.limit_in_bytes", new)
-        if has_memsw and not raising:
-            cg._write("memory", "memory.memsw.limit_in_bytes", new)
+        cg.set_cpu(spec.cpu)
+    had = current.get("memory_mb")
+    if had != spec.memory_mb:  # the current limit is known: not read again
+        raising = spec.memory_mb > had if isinstance(had, int) else None
+        cg.set_memory(spec.memory_mb * 1024 * 1024, raising=raising)
     if current.get("pids") != spec.pids:
-        cg._write("pids", "pids.max", spec.pids)
+        cg.set_pids(spec.pids)
 
 
 def _private_tmpfs_dir(name: str) -> Path | None:
@@ -1519,35 +1515,22 @@ def _blocking_executor() -> concurrent.futures.ThreadPoolExecutor:
     return _blocking_pool
 
 
-def _remove_cgroup_everywhere(rel: str, timeout_s: float = 5.0) -> None:
-    """Kill what is left in cgroup ``rel`` and remove it from every hierarchy."""
-    cg = CgroupV1(rel)
-    cg.kill_all(timeout_s)
-    for hierarchy in CGROUP_ROOT.iterdir():
-        path = hierarchy / rel
-        deadline = time.monotonic() + timeout_s
-        while path.is_dir():
-            try:
-                path.rmdir()
-            except OSError as e:
-                if e.errno == errno.ENOENT:
-                    break
-                if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.005)
+@functools.lru_cache(maxsize=4096)
+def _oom_kills_file(rel: str) -> str:
+    """The file counting cgroup ``rel``'s OOM kills (v1 ``memory.oom_control``, v2
+    ``memory.events``); asked at every exec, built once per sandbox."""
+    return str(cgroup(rel).oom_kills_file())
 
 
-def _oom_kills(oom_control: str) -> int:
-    """The memory cgroup's ``oom_kill`` counter (0 if unreadable)."""
+def _oom_kills(oom_file: str) -> int:
+    """The cgroup's ``oom_kill`` counter, read from :func:`_oom_kills_file` (0 if
+    unreadable)."""
     try:
-        fd = os.open(oom_control, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(oom_file, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return 0
     try:
         data = os.read(fd, 4096)
     finally:
         os.close(fd)
-    for line in data.split(b"\n"):
-        if line.startswith(b"oom_kill "):
-            return int(line.split()[1])
-    return 0
+    return Cgroup.parse_oom_kills(data.decode(errors="replace"))

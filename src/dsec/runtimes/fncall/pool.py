@@ -7,8 +7,15 @@ Glossary:
     zygote: one process per pool, the image's own Python running as root in a private
         mount namespace whose root is the pool's read-only overlay; it clones workers.
     worker: one disposable sandbox: own pid, mount, ipc, uts and net namespaces, own cgroup
-        (cpu, memory, pids), rlimits, seccomp, Landlock, uid 1000. Serves one
+        (CPU quota, memory and pids limits), rlimits, seccomp, Landlock, uid 1000. Serves one
         ``run`` (then it is killed) or, claimed as a sandbox, any number of ``exec``.
+
+cgroups (both layouts, through :mod:`dsec.privileged.cgroups`): a pool's cgroup
+``<prefix>/<pool>`` holds only its workers' leaves ``w<N>``; the zygote makes each one by
+directory descriptor (:func:`worker_cgroup_plan`). The zygote itself stays in the server's
+cgroup, outside the pool's: on v2 the pool hands its controllers to its workers and so may
+hold no process, and the server's cgroup is a leaf (``dsec-supervisor`` once
+:func:`~dsec.privileged.cgroups.prepare` ran, which the tier's start does).
 
 Claiming takes a ready worker (creation = claim). The pool refills in the background and
 sizes its ready set to demand: ``target = clamp(min_ready, max_ready, claims/s x refill
@@ -21,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import errno
 import hashlib
 import inspect
 import json
@@ -48,7 +54,8 @@ from dsec.errors import (
     ServiceUnavailable,
 )
 from dsec.privileged import landlock as landlock_module
-from dsec.privileged.cgroups import CGROUP_ROOT, CgroupV1
+from dsec.privileged.cgroups import Cgroup, cgroup
+from dsec.privileged.mount import erofs_mount_sources
 from dsec.runtimes.fncall import seccomp as seccomp_module
 from dsec.runtimes.fncall import zygote as zygote_module
 
@@ -63,7 +70,6 @@ LAUNCH_NO_PROGRAM = 127
 
 FRAME = struct.Struct("<II")
 MAX_FRAME = 512 << 20
-WORKER_CONTROLLERS = ("cpu", "memory", "pids")  # CPU time comes from rusage: no cpuacct attach
 NATIVE_DIR = Path(__file__).resolve().parents[2] / "native"
 _build_lock = threading.Lock()
 
@@ -173,6 +179,31 @@ class PoolConfig:
     )
 
 
+def worker_cgroup_plan(pool_cgroup: Cgroup, config: PoolConfig) -> dict[str, Any]:
+    """How the zygote makes each worker's cgroup below ``pool_cgroup`` (it sees no cgroup file
+    system, only descriptors of the pool's directories), computed once per pool:
+    ``hierarchies`` to open, in the order of the descriptors the zygote gets (v1: those the
+    limits are in, so no ``cpuacct``: a worker's CPU time comes from its processes; v2:
+    ``""``), ``writes`` ``[hierarchy, file, value]`` in order into a fresh, unlimited cgroup,
+    and ``procs_file``, the file a process joins by (the zygote's
+    :func:`~dsec.runtimes.fncall.zygote.cgroup_steps` turns it into system calls)."""
+    writes = pool_cgroup.limit_writes(
+        cpu=config.cpu,
+        memory_bytes=config.memory_mb << 20,
+        pids=config.pids,
+        raising_memory=False,  # from the kernel's default, no limit
+    )
+    hierarchies: list[str] = []
+    for w in writes:
+        if w.hierarchy not in hierarchies:
+            hierarchies.append(w.hierarchy)
+    return {
+        "hierarchies": hierarchies,
+        "writes": [[w.hierarchy, w.file, w.value] for w in writes],
+        "procs_file": pool_cgroup.PROCS_FILE,
+    }
+
+
 class _FrameReader:
     """Incremental parser of ``<II`` json_len blob_len frames."""
 
@@ -220,6 +251,8 @@ class Worker:
         self.pidfd = pidfd
         self.created = time.monotonic()
         self.ready_at: float | None = None
+        self.cgroup = pool.cgroup.child(f"w{wid}")
+        self.memory_limit_bytes = pool.config.memory_mb << 20
         self.inbox: asyncio.Queue[tuple[dict[str, Any], bytes] | None] = asyncio.Queue()
         self.sink: ChunkSink | None = None
         self.exit_status: int | None = None
@@ -233,10 +266,7 @@ class Worker:
 
     @property
     def cgroup_rel(self) -> str:
-        return f"{self.pool.cgroup.rel}/w{self.wid}"
-
-    def cgroup_file(self, controller: str, name: str) -> Path:
-        return CGROUP_ROOT / controller / self.cgroup_rel / name
+        return self.cgroup.rel
 
     def _on_readable(self) -> None:
         try:
@@ -301,20 +331,18 @@ class Worker:
         return item
 
     def oom_kills(self) -> int:
+        """Processes of the worker the kernel's OOM killer killed (0 once its cgroup is gone)."""
         try:
-            for line in self.cgroup_file("memory", "memory.oom_control").read_text().splitlines():
-                if line.startswith("oom_kill "):
-                    return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
+            return self.cgroup.oom_kills()
+        except (OSError, ValueError):
+            return 0
 
     def set_memory_limit(self, limit_bytes: int) -> None:
-        p = self.cgroup_file("memory", "memory.limit_in_bytes")
-        try:
-            p.write_text(str(limit_bytes))
+        try:  # the direction from what was set last: no read of the current limit per call
+            self.cgroup.set_memory(limit_bytes, raising=limit_bytes >= self.memory_limit_bytes)
         except OSError as e:
             raise SandboxError(f"cannot set the memory limit of worker {self.wid}: {e}") from e
+        self.memory_limit_bytes = limit_bytes
 
     def kill(self) -> None:
         """SIGKILL the worker (its pid namespace dies with it). Idempotent, never raises."""
@@ -356,7 +384,7 @@ class WorkerPool:
         self.scratch = scratch
         self.bin_dir = bin_dir
         self.bash_script = bash_script
-        self.cgroup = CgroupV1(f"{cgroup_prefix}/{name}")
+        self.cgroup = cgroup(f"{cgroup_prefix}/{name}")
         self.ready: collections.deque[Worker] = collections.deque()
         self.starting: dict[int, Worker | None] = {}
         self.busy: dict[int, Worker] = {}
@@ -392,13 +420,14 @@ class WorkerPool:
             if not f.is_file():
                 raise SandboxError(f"layer file {f} is missing")
         self.cgroup.create()
+        self.cgroup.enable_child_controllers()  # the zygote makes the workers by mkdirat
         self.scratch.mkdir(parents=True, exist_ok=True)
-        for c in WORKER_CONTROLLERS:
-            self._cg_fds.append(
-                os.open(self.cgroup.path(c), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            )
+        plan = worker_cgroup_plan(self.cgroup, self.config)
+        dirs = self.cgroup.dirs()
+        for h in plan["hierarchies"]:
+            self._cg_fds.append(os.open(dirs[h], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
         server_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cfg = self._zygote_config(zygote_end.fileno())
+        cfg = self._zygote_config(zygote_end.fileno(), plan)
         bundle = json.dumps(
             {
                 "modules": [
@@ -410,92 +439,96 @@ class WorkerPool:
             }
         ).encode()
         log_path = self.scratch.parent / f"{self.name}.log"
-        with open(log_path, "ab") as logf:
-            self._proc = subprocess.Popen(
-                [
-                    str(launcher),
-                    str(self.scratch),
-                    "64",
-                    *map(str, self.layer_files),
-                    "--",
-                    ZYGOTE_PYTHON,
-                    "-I",
-                    "-B",
-                    "-c",
-                    zygote_module.BOOTSTRAP,
-                ],
-                stdin=subprocess.PIPE,
-                stdout=logf,
-                stderr=logf,
-                pass_fds=(zygote_end.fileno(), *self._cg_fds),
-                close_fds=True,
-                # its own process group: should it die before reaping its workers, they come
-                # back to the edge in a group no code here waits for, and its child reaper
-                # takes them (dsec.privileged.reaper); this Popen waits for the zygote
-                process_group=0,
-                env={
-                    "PATH": "/usr/bin:/bin",
-                    "LANG": "C.UTF-8",
-                    **{k: v for k, v in self.config.env.items() if k != "PATH"},
-                },
-            )
-        zygote_end.close()
-        for fd in self._cg_fds:
-            os.close(fd)
-        self._cg_fds = []
-        assert self._proc.stdin is not None
-        proc_stdin = self._proc.stdin
-
-        def send_bundle() -> None:
-            # the launcher exits early when the image cannot run a zygote (no python3): the
-            # bundle (larger than a pipe's 64 KiB) then meets a closed pipe, and the exit
-            # status below says why
-            with contextlib.suppress(BrokenPipeError):
-                proc_stdin.write(bundle)
-            with contextlib.suppress(BrokenPipeError):
-                proc_stdin.close()
-
-        await asyncio.to_thread(send_bundle)
-        self._ctl = server_end
-        server_end.setblocking(False)
-        self._zygote_ready = self._loop.create_future()
-        self._loop.add_reader(server_end.fileno(), self._on_zygote_message)
+        # each layer file, or a loop device bound to it where the kernel cannot mount EROFS
+        # from the file (dsec.privileged.mount): held open until the zygote says hello, by
+        # when the launcher has mounted them (AUTOCLEAR frees them with the pool's namespace)
+        held = contextlib.ExitStack()
+        layer_sources = await asyncio.to_thread(
+            held.enter_context, erofs_mount_sources(self.layer_files)
+        )
         try:
-            hello = await asyncio.wait_for(asyncio.shield(self._zygote_ready), 60)
-        except (TimeoutError, SandboxError) as e:
-            tail = log_path.read_text(errors="replace")[-1500:] if log_path.exists() else ""
-            proc = self._proc
-            await self.close()
-            if proc is not None and proc.returncode == LAUNCH_NO_PROGRAM:
-                raise InvalidRequest(
-                    f"the image has no {ZYGOTE_PYTHON}: fncall sandboxes run a Python 3"
-                    " worker inside their image; use one that has it (e.g. 'debian')",
-                    missing=ZYGOTE_PYTHON,
-                ) from None
-            raise SandboxError(
-                f"fncall zygote for pool {self.name} did not start: {e}; log: {tail}"
-            ) from e
+            with open(log_path, "ab") as logf:
+                self._proc = subprocess.Popen(
+                    [
+                        str(launcher),
+                        str(self.scratch),
+                        "64",
+                        *layer_sources,
+                        "--",
+                        ZYGOTE_PYTHON,
+                        "-I",
+                        "-B",
+                        "-c",
+                        zygote_module.BOOTSTRAP,
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=logf,
+                    stderr=logf,
+                    pass_fds=(zygote_end.fileno(), *self._cg_fds),
+                    close_fds=True,
+                    # its own process group: should it die before reaping its workers, they come
+                    # back to the edge in a group no code here waits for, and its child reaper
+                    # takes them (dsec.privileged.reaper); this Popen waits for the zygote
+                    process_group=0,
+                    env={
+                        "PATH": "/usr/bin:/bin",
+                        "LANG": "C.UTF-8",
+                        **{k: v for k, v in self.config.env.items() if k != "PATH"},
+                    },
+                )
+            zygote_end.close()
+            for fd in self._cg_fds:
+                os.close(fd)
+            self._cg_fds = []
+            assert self._proc.stdin is not None
+            proc_stdin = self._proc.stdin
+
+            def send_bundle() -> None:
+                # the launcher exits early when the image cannot run a zygote (no python3): the
+                # bundle (larger than a pipe's 64 KiB) then meets a closed pipe, and the exit
+                # status below says why
+                with contextlib.suppress(BrokenPipeError):
+                    proc_stdin.write(bundle)
+                with contextlib.suppress(BrokenPipeError):
+                    proc_stdin.close()
+
+            await asyncio.to_thread(send_bundle)
+            self._ctl = server_end
+            server_end.setblocking(False)
+            self._zygote_ready = self._loop.create_future()
+            self._loop.add_reader(server_end.fileno(), self._on_zygote_message)
+            try:
+                hello = await asyncio.wait_for(asyncio.shield(self._zygote_ready), 60)
+            except (TimeoutError, SandboxError) as e:
+                tail = log_path.read_text(errors="replace")[-1500:] if log_path.exists() else ""
+                proc = self._proc
+                await self.close()
+                if proc is not None and proc.returncode == LAUNCH_NO_PROGRAM:
+                    raise InvalidRequest(
+                        f"the image has no {ZYGOTE_PYTHON}: fncall sandboxes run a Python 3"
+                        " worker inside their image; use one that has it (e.g. 'debian')",
+                        missing=ZYGOTE_PYTHON,
+                    ) from None
+                raise SandboxError(
+                    f"fncall zygote for pool {self.name} did not start: {e}; log: {tail}"
+                ) from e
+        finally:
+            held.close()
         self.landlock_abi = int(hello.get("landlock_abi", 0))
         self._retire_task = self._loop.create_task(self._retire_loop())
         self._refill()
 
-    def _zygote_config(self, ctl_fd: int) -> dict[str, Any]:
+    def _zygote_config(self, ctl_fd: int, cgroup_plan: dict[str, Any]) -> dict[str, Any]:
         c = self.config
         return {
             "ctl_fd": ctl_fd,
-            "cgroup_fds": dict(zip(WORKER_CONTROLLERS, self._cg_fds, strict=True)),
+            "cgroup": {**cgroup_plan, "fds": list(self._cg_fds)},
             "uid": c.uid,
             "gid": c.gid,
             "hostname": c.hostname,
             "warm": self.warm,
             "bash_script": self.bash_script,
             "preload": list(c.preload) if self.warm == "python" else ["subprocess"],
-            "limits": {
-                "memory_bytes": c.memory_mb << 20,
-                "pids": c.pids,
-                "cpu_period_us": 100_000,
-                "cpu_quota_us": max(1000, int(c.cpu * 100_000)),
-            },
             "work_mb": c.work_mb,
             "tmp_mb": c.tmp_mb,
             "nofile": c.nofile,
@@ -542,16 +575,10 @@ class WorkerPool:
             self.scratch.rmdir()
 
     def _remove_cgroups(self) -> None:
-        for c in WORKER_CONTROLLERS:
-            base = self.cgroup.path(c)
-            if base.is_dir():
-                for child in base.iterdir():
-                    if child.is_dir() and child.name.startswith("w"):
-                        with contextlib.suppress(OSError):
-                            CgroupV1(f"{self.cgroup.rel}/{child.name}").kill_all(5)
-                        _rmdir_retry(child)
-        with contextlib.suppress(OSError, TimeoutError):
-            self.cgroup.remove()
+        try:  # the workers' leaves first, killing what is left in them
+            self.cgroup.remove(5)
+        except (OSError, TimeoutError) as e:
+            log.warning("cannot remove cgroup %s: %s", self.cgroup.rel, e)
 
     # --- zygote messages ---------------------------------------------------------------
 
@@ -778,18 +805,3 @@ class WorkerPool:
             "last_error": self.last_error,
             **self.stats,
         }
-
-
-def _rmdir_retry(path: Path, timeout_s: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                log.warning("cannot remove cgroup %s: %s", path, e)
-                return
-            time.sleep(0.005)

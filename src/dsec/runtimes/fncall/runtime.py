@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import logging
 import os
@@ -33,12 +32,12 @@ from dsec.errors import (
     TierUnavailable,
 )
 from dsec.models import ExecRequest, ExecResult
-from dsec.privileged.cgroups import CgroupV1, list_children
+from dsec.privileged.cgroups import cgroup, host_layout, prepare
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.fncall.files import WorkerFiles
 from dsec.runtimes.fncall.languages import LanguageSpec
 from dsec.runtimes.fncall.pool import PoolConfig, Worker, WorkerPool
-from dsec.runtimes.usage import SandboxUsage, disk_usage, processes_cpu_ns, read_cgroup
+from dsec.runtimes.usage import SandboxUsage, disk_usage, processes_cpu_ns
 
 log = logging.getLogger("dsec.fncall")
 
@@ -99,8 +98,9 @@ class FncallRuntime:
     def _check_node(self) -> str | None:
         if os.geteuid() != 0:
             return "the fncall tier needs root (namespaces, mounts, cgroups)"
-        if not Path("/sys/fs/cgroup/memory").is_dir():
-            return "the fncall tier needs cgroup v1 memory/pids/cpu controllers"
+        layout = host_layout()
+        if not layout.usable:
+            return f"the fncall tier needs cgroups to confine its workers: {layout.reason}"
         return None
 
     def facts(self) -> RuntimeFacts:
@@ -114,22 +114,26 @@ class FncallRuntime:
         )
 
     async def start(self) -> None:
-        """Check the node and remove cgroups a crashed predecessor left behind."""
+        """Check the node, make dsec's cgroup base ready (v2: controllers enabled down to it,
+        the server moved into a leaf of its own; idempotent) and remove cgroups a crashed
+        predecessor left behind."""
         self._unavailable = self._check_node()
+        if self._unavailable is None:
+            try:
+                for note in await asyncio.to_thread(prepare):
+                    log.info("fncall: %s", note)
+            except OSError as e:
+                self._unavailable = f"the fncall tier cannot prepare its cgroups: {e}"
         if self._unavailable is None:
             await asyncio.to_thread(self._cleanup_stale_cgroups)
         self._started = True
 
     def _cleanup_stale_cgroups(self) -> None:
-        for pool_name in list_children(self.cgroup_prefix):
-            for c in ("cpu", "cpuacct", "memory", "pids"):
-                for w in list_children(f"{self.cgroup_prefix}/{pool_name}", c):
-                    with contextlib.suppress(OSError, TimeoutError):
-                        CgroupV1(f"{self.cgroup_prefix}/{pool_name}/{w}").remove(2)
-            with contextlib.suppress(OSError, TimeoutError):
-                CgroupV1(f"{self.cgroup_prefix}/{pool_name}").remove(2)
-        with contextlib.suppress(OSError, TimeoutError):
-            CgroupV1(self.cgroup_prefix).remove(2)
+        """Remove the tier's cgroups (pools, then their workers' leaves first)."""
+        try:
+            cgroup(self.cgroup_prefix).remove(2)
+        except (OSError, TimeoutError) as e:
+            log.warning("fncall: cannot remove cgroup %s: %s", self.cgroup_prefix, e)
 
     async def close(self) -> None:
         """Kill every worker and zygote and remove this tier's cgroups."""
@@ -250,8 +254,7 @@ class FncallRuntime:
     @staticmethod
     def _apply_limits(w: Worker, spec: SandboxSpec) -> None:
         w.set_memory_limit(spec.memory_mb << 20)
-        rel = w.cgroup_rel
-        cg = CgroupV1(rel)
+        cg = w.cgroup
         try:
             cg.set_pids(spec.pids)
             cg.set_cpu(spec.cpu)
@@ -318,16 +321,16 @@ class FncallRuntime:
         every claim), and the fill of its private ``/work`` and ``/tmp`` tmpfs mounts (no
         network on this tier)."""
         w = self._worker(handle)
-        rel, pid = w.cgroup_rel, w.pid
+        group, pid = w.cgroup, w.pid
 
         def read() -> SandboxUsage:
             try:
-                cg = read_cgroup(rel)
+                cg = group.usage()
             except FileNotFoundError:
                 raise SandboxStopped(f"fncall sandbox {handle.id} has stopped") from None
             cpu_ns = cg.cpu_usage_ns
             if cpu_ns is None:
-                cpu_ns = processes_cpu_ns(CgroupV1(rel).procs() or [pid])
+                cpu_ns = processes_cpu_ns(group.procs() or [pid])
             try:  # the worker's mounts, seen through its root
                 used, total = disk_usage([f"/proc/{pid}/root/work", f"/proc/{pid}/root/tmp"])
             except OSError:

@@ -305,14 +305,14 @@ def _build(
 
 def _build_in_namespace(spec: dict[str, Any]) -> None:
     """Runs as ``python -m dsec.runtimes.fncall.toolkits SPEC`` inside ``unshare --mount``."""
-    from dsec.privileged.mount import MS_BIND, MS_RDONLY, MS_REC, mount
+    from dsec.privileged.mount import MS_BIND, MS_REC, mount, mount_erofs
 
     work = Path(spec["work"])
     lowers = []
     for i, f in enumerate(spec["layers"]):
         mp = work / f"l{i}"
         mp.mkdir()
-        mount(f, mp, "erofs", MS_RDONLY)
+        mount_erofs(f, mp)  # from the file or a loop device, freed with the namespace
         lowers.append(str(mp))
     merged = work / "merged"
     opts = f"lowerdir={':'.join(reversed(lowers))},upperdir={work / 'upper'},workdir={work / 'ovl-work'}"

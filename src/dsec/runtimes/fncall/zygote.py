@@ -222,7 +222,7 @@ class Zygote:
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
         self.ctl = socket.socket(fileno=int(cfg["ctl_fd"]))
-        self.cg_fds: dict[str, int] = {k: int(v) for k, v in cfg["cgroup_fds"].items()}
+        self.cg_fds: list[int] = [int(fd) for fd in cfg["cgroup"]["fds"]]
         self.seccomp_prog = _seccomp.build_filter() if cfg.get("seccomp", True) else b""
         self.landlock_abi = _landlock.landlock_abi() if cfg.get("landlock", True) else 0
         self.collapsed_bytes = 0  # zygote heap backed by huge pages (collapse_heap)
@@ -341,7 +341,7 @@ class Zygote:
         except ChildProcessError:
             status = -1
         name = f"w{wid}"
-        for fd in self.cg_fds.values():
+        for fd in self.cg_fds:
             for _ in range(200):
                 try:
                     os.rmdir(name, dir_fd=fd)
@@ -379,6 +379,20 @@ _MARKS: list[tuple[Any, ...]] = []  # (stage, CLOCK_MONOTONIC s, minor faults so
 
 def _mark(name: str) -> None:
     _MARKS.append((name, time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
+
+
+def cgroup_steps(plan: dict[str, Any], name: str) -> list[tuple[int, str, str | None]]:
+    """The system calls that make worker ``name``'s cgroup and move the calling process into
+    it, in order: ``(dir_fd, path, None)`` makes directory ``path`` below ``dir_fd``,
+    ``(dir_fd, path, value)`` writes ``value`` to file ``path``. ``plan`` is the server's
+    (:func:`dsec.runtimes.fncall.pool.worker_cgroup_plan` plus ``fds``, one per hierarchy):
+    its file names and values come from the host's cgroup driver, none are known here."""
+    fds = plan["fds"]
+    fd_of = {h: int(fds[i]) for i, h in enumerate(plan["hierarchies"])}
+    steps: list[tuple[int, str, str | None]] = [(fd, name, None) for fd in fd_of.values()]
+    steps += [(fd_of[h], f"{name}/{file}", str(value)) for h, file, value in plan["writes"]]
+    steps += [(fd, f"{name}/{plan['procs_file']}", "0") for fd in fd_of.values()]
+    return steps
 
 
 def _write_at(dir_fd: int, name: str, value: str) -> None:
@@ -479,25 +493,15 @@ class Agent:
     # setup runs as root, before anything untrusted exists in these namespaces
     def setup(self) -> None:
         cfg = self.cfg
-        name = f"w{self.wid}"
-        lim = cfg["limits"]
-        values = {
-            "memory": [("memory.limit_in_bytes", str(lim["memory_bytes"]))],
-            "pids": [("pids.max", str(lim["pids"]))],
-            "cpu": [
-                ("cpu.cfs_period_us", str(lim["cpu_period_us"])),
-                ("cpu.cfs_quota_us", str(lim["cpu_quota_us"])),
-            ],
-        }
-        for ctrl, fd in self.z.cg_fds.items():
+        for fd, path, value in cgroup_steps(cfg["cgroup"], f"w{self.wid}"):
+            if value is not None:
+                _write_at(fd, path, value)
+                continue
             try:
-                os.mkdir(name, 0o755, dir_fd=fd)
+                os.mkdir(path, 0o755, dir_fd=fd)
             except FileExistsError:
                 pass
-            for knob, val in values.get(ctrl, []):
-                _write_at(fd, f"{name}/{knob}", val)
-            _write_at(fd, f"{name}/cgroup.procs", "0")
-        for fd in self.z.cg_fds.values():
+        for fd in self.z.cg_fds:
             os.close(fd)
         os.close(int(self.cfg["ctl_fd"])) if int(self.cfg["ctl_fd"]) != self.sock.fileno() else None
         _mark("cgroup")

@@ -69,7 +69,7 @@ from dsec.errors import (
 )
 from dsec.guest.build import GuestArtifacts, ensure_guest_artifacts, host_tsc_khz
 from dsec.models import ExecRequest, ExecResult
-from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS, CgroupV1
+from dsec.privileged.cgroups import Cgroup, CgroupUsage, cgroup, host_layout, prepare
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.microvm.ksm import ksmd_acquire, ksmd_release
 from dsec.runtimes.microvm.protocol import AgentClient, AgentOp, AgentStream, VMFiles
@@ -83,7 +83,7 @@ from dsec.runtimes.microvm.qemu import (
     wait_exit,
 )
 from dsec.runtimes.microvm.stream import StreamFormatError, diff_against_template
-from dsec.runtimes.usage import CgroupUsage, SandboxUsage, parse_meminfo, read_cgroup
+from dsec.runtimes.usage import SandboxUsage, parse_meminfo
 
 __all__ = ["SUSPEND_DIR", "MemorySnapshot", "MicroVMConfig", "MicroVMRuntime"]
 
@@ -263,11 +263,25 @@ class MicroVMRuntime:
             await self._kill_stale_helpers()
             if self.config.ksmd and not self._ksmd_held:
                 self._ksmd_held = ksmd_acquire(self.config.ksm_pages_to_scan)
+            await asyncio.to_thread(self._check_cgroups)
             self._unavailable = None
         except TierUnavailable as e:
             self._unavailable = e.message
         except DsecError as e:
             self._unavailable = f"guest build failed: {e.message}"
+
+    def _check_cgroups(self) -> None:
+        """Each QEMU runs in a cgroup of its own (CPU quota, memory, pids): the host's layout
+        must have them, and dsec's base is made ready for them (v2: controllers enabled down
+        to it, the server moved into a leaf; idempotent, as root only)."""
+        layout = host_layout()
+        if not layout.usable:
+            raise TierUnavailable(f"QEMU processes need cgroups: {layout.reason}")
+        if os.geteuid() == 0:
+            try:
+                prepare(layout)
+            except OSError as e:
+                raise TierUnavailable(f"cannot prepare dsec's cgroups: {e}") from e
 
     def _prepare_shm(self) -> None:
         """Make this node's template RAM directory; delete those of vanished DSEC_HOMEs
@@ -292,11 +306,10 @@ class MicroVMRuntime:
         if self._ksmd_held:
             ksmd_release()
             self._ksmd_held = False
-        # our cgroup parents, if no sandbox is left in them (EBUSY otherwise)
+        # our cgroup parents, if no sandbox is left in them (the kernel refuses otherwise)
         for rel in (self.cgroup_prefix, self.cgroup_prefix.split("/")[0]):
-            for c in CONTROLLERS:
-                with contextlib.suppress(OSError):
-                    (CGROUP_ROOT / c / rel).rmdir()
+            with contextlib.suppress(OSError):
+                cgroup(rel).remove_if_empty()
 
     # ------------------------------------------------------------------ accelerator
 
@@ -741,10 +754,10 @@ class MicroVMRuntime:
 
     # ------------------------------------------------------------------ create / destroy
 
-    def _cgroup(self, sandbox_id: str) -> CgroupV1:
-        return CgroupV1(f"{self.cgroup_prefix}/{sandbox_id}")
+    def _cgroup(self, sandbox_id: str) -> Cgroup:
+        return cgroup(f"{self.cgroup_prefix}/{sandbox_id}")
 
-    def _make_cgroup(self, sandbox_id: str, cpu: float, memory_mb: int) -> CgroupV1:
+    def _make_cgroup(self, sandbox_id: str, cpu: float, memory_mb: int) -> Cgroup:
         """The sandbox's host cgroup (created if missing): CPU quota ``cpu`` cores, memory =
         guest RAM for ``memory_mb`` MiB + QEMU overhead, the QEMU pids limit."""
         cg = self._cgroup(sandbox_id)
@@ -807,7 +820,7 @@ class MicroVMRuntime:
                     cg.attach(proc.pid)
                     qemu_name = pooled.name
                 else:
-                    procs = [cg.path(c) / "cgroup.procs" for c in CONTROLLERS]
+                    procs = cg.procs_files()
                     argv = self._argv(
                         spec.id, d, spec.layer_paths, spec.memory_mb, vcpus, spec.disk_mb,
                         tpl.ram if tpl else None, False, tpl is not None,
@@ -1048,12 +1061,12 @@ class MicroVMRuntime:
         cgroup (under TCG the guest's CPU is the host CPU QEMU burns), the guest's memory from
         its ``/proc/meminfo`` while it runs (a paused guest cannot answer: then what QEMU
         holds), and the writable layer. A suspended sandbox has no process: zeros."""
-        rel = f"{self.cgroup_prefix}/{handle.id}"
+        group = self._cgroup(handle.id)
         vm = self._live.get(handle.id)
 
         def host() -> CgroupUsage | None:
             try:
-                return read_cgroup(rel)
+                return group.usage()
             except FileNotFoundError:
                 return None
 
@@ -1242,7 +1255,7 @@ class MicroVMRuntime:
             delay = min(delay * 2, 0.05)
 
     async def _start_from_state(
-        self, name: str, d: Path, st: dict[str, Any], state: Path, cg: CgroupV1,
+        self, name: str, d: Path, st: dict[str, Any], state: Path, cg: Cgroup,
         ram_backing: Path | None = None,
     ) -> tuple[QemuProcess, QMPClient, AgentClient]:  # fmt: skip
         """A new QEMU (same machine as ``st`` describes, private RAM, in cgroup ``cg``) that
@@ -1257,7 +1270,7 @@ class MicroVMRuntime:
             with contextlib.suppress(FileNotFoundError):
                 (d / sock).unlink()
         extra = await self._restore_devices(d, name)
-        procs = [cg.path(c) / "cgroup.procs" for c in CONTROLLERS]
+        procs = cg.procs_files()
         argv = self._argv(
             name, d, list(st["layer_paths"]), int(st["memory_mb"]), int(st["vcpus"]),
             int(st["disk_mb"]), ram_backing, False, True, extra,
