@@ -354,3 +354,15 @@ def test_reasons_in_answers_hide_server_paths(hidden_home: str) -> None:
     assert info.stopped_reason is not None and hidden_home in info.stopped_reason  # the log's
     caps = Capabilities(tier="microvm", available=False, reason=f"no kernel in {hidden_home}/vm")
     assert caps.model_dump()["reason"] == "no kernel in $DSEC_HOME/vm"
+
+
+def test_an_e2b_app_dropped_without_aclose_leaves_no_scratch_directory() -> None:
+    import gc
+
+    keys = StaticKeys([KEY])
+    app = make_e2b_app(FakeEdge(), keys.verify)
+    scratch = list(app.state.e2b.scratch)
+    assert scratch and all(p.is_dir() for p in scratch)
+    del app
+    gc.collect()
+    assert not any(p.exists() for p in scratch)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +87,12 @@ class E2BCompat:
     registry: ProcessRegistry
     templates: TemplateAPI
     scratch: list[Path] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # an app dropped without aclose() (embedded, or built by a test) still removes
+        # its scratch directories: when it is collected, or at the interpreter's exit
+        for p in self.scratch:
+            weakref.finalize(self, shutil.rmtree, p, True)
 
     async def aclose(self) -> None:
         """Kill every process started through the E2B API, stop every directory
