@@ -367,3 +367,20 @@ def where_is(pid: int) -> str:
     if frames:
         parts.append("stack " + " < ".join(frames[:5]))
     return ", ".join(parts)
+
+
+def where_are(pid: int, limit: int = 8) -> str:
+    """:func:`where_is` for ``pid`` and its descendants (breadth first, at most ``limit``):
+    a runtime waiting on a pipe is waiting for a child, and the child says why."""
+    found: list[int] = []
+    queue = [pid]
+    while queue and len(found) < limit:
+        p = queue.pop(0)
+        found.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    queue.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return "; ".join(f"{'child ' if p != pid else ''}{where_is(p)}" for p in found)

@@ -74,7 +74,7 @@ from dsec.models import ExecRequest, ExecResult, LayerInfo, SnapshotRequest
 from dsec.privileged.cgroups import Cgroup, cgroup, host_layout, prepare
 from dsec.privileged.netns import NetnsSockets
 from dsec.privileged.nodesetup import NodeReport, prepare_node
-from dsec.privileged.reaper import REAPER, reap_pid, where_is
+from dsec.privileged.reaper import REAPER, reap_pid, where_are
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 
 if TYPE_CHECKING:
@@ -104,7 +104,17 @@ __all__ = ["ContainerRuntime"]
 
 log = logging.getLogger(__name__)
 
-_OCI_TIMEOUT_S = 30.0
+def _oci_timeout_s() -> float:
+    """How long one OCI runtime command (``crun run``/``delete``/...) may take, seconds:
+    ``DSEC_OCI_TIMEOUT_S`` (default 30), e.g. raised on emulated (TCG) or very slow hosts."""
+    try:
+        value = float(os.environ.get("DSEC_OCI_TIMEOUT_S") or 30.0)
+    except ValueError:
+        return 30.0
+    return value if value > 0 else 30.0
+
+
+_OCI_TIMEOUT_S = _oci_timeout_s()
 _USER_DB_MAX_BYTES = 4 << 20
 
 
@@ -446,7 +456,7 @@ class ContainerRuntime:
             try:
                 out, err = proc.communicate(timeout=_OCI_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                where = where_is(proc.pid)  # e.g. a kernel lock it waits on
+                where = where_are(proc.pid)  # e.g. a kernel lock it or its child waits on
                 proc.kill()
                 proc.communicate()
                 log.warning("%s %s timed out: %s", os.path.basename(cmd[0]), args[0], where)
