@@ -100,15 +100,29 @@ def mount_hugetlb_v1() -> bool:
     return True
 
 
+def oci_timeout_s(default: float = 30.0) -> float:
+    """How long one OCI runtime command (``crun run``/``delete``, the probe) may take,
+    seconds: ``DSEC_OCI_TIMEOUT_S`` when set (raise it on emulated or very slow hosts, where
+    a probe container alone can take over 10 s), else ``default``."""
+    try:
+        value = float(os.environ.get("DSEC_OCI_TIMEOUT_S") or default)
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
 def probe_oci_runtime(
-    runtime: str, probe_binary: Path, state_dir: Path, timeout_s: float = 10.0
+    runtime: str, probe_binary: Path, state_dir: Path, timeout_s: float | None = None
 ) -> str | None:
     """Run ``probe_binary --probe`` in a minimal container; None if it worked, else the error.
+    ``timeout_s``: default :func:`oci_timeout_s` (10 s unless ``DSEC_OCI_TIMEOUT_S``).
 
     The probe's rootfs is an empty directory with /proc, a /dev tmpfs and the (static)
     binary bind-mounted in. Its cgroup is ``dsec-probe/<id>`` in dsec's subtree (on v2 below
     dsec's base cgroup), removed afterwards with ``dsec-probe`` once no other probe uses it.
     """
+    if timeout_s is None:
+        timeout_s = oci_timeout_s(10.0)
     state_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="probe-", dir=state_dir) as tmp:
         bundle = Path(tmp)

@@ -73,7 +73,7 @@ from dsec.layers.rootfs import (
 from dsec.models import ExecRequest, ExecResult, LayerInfo, SnapshotRequest
 from dsec.privileged.cgroups import Cgroup, cgroup, host_layout, prepare
 from dsec.privileged.netns import NetnsSockets
-from dsec.privileged.nodesetup import NodeReport, prepare_node
+from dsec.privileged.nodesetup import NodeReport, oci_timeout_s, prepare_node
 from dsec.privileged.reaper import REAPER, reap_pid, where_are
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 
@@ -104,17 +104,8 @@ __all__ = ["ContainerRuntime"]
 
 log = logging.getLogger(__name__)
 
-def _oci_timeout_s() -> float:
-    """How long one OCI runtime command (``crun run``/``delete``/...) may take, seconds:
-    ``DSEC_OCI_TIMEOUT_S`` (default 30), e.g. raised on emulated (TCG) or very slow hosts."""
-    try:
-        value = float(os.environ.get("DSEC_OCI_TIMEOUT_S") or 30.0)
-    except ValueError:
-        return 30.0
-    return value if value > 0 else 30.0
-
-
-_OCI_TIMEOUT_S = _oci_timeout_s()
+_OCI_TIMEOUT_S = oci_timeout_s()
+"""How long one OCI runtime command may take, seconds (``DSEC_OCI_TIMEOUT_S``, default 30)."""
 _USER_DB_MAX_BYTES = 4 << 20
 
 
