@@ -8,7 +8,7 @@ export DSEC_URL ?= http://127.0.0.1:7070
 # servers), so more workers than the 2 cores of a CI machine keep them busy
 TEST_WORKERS ?= 4
 
-.PHONY: setup demo test lint typecheck unit openapi bench clean-home warm-images test-flakes
+.PHONY: setup demo test lint typecheck unit openapi bench clean-home warm-images test-flakes host-matrix
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -17,8 +17,8 @@ demo: setup
 	@bash scripts/demo.sh
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks scripts examples
-	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples
+	$(VENV)/bin/ruff check src tests benchmarks scripts examples hosts
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples hosts
 
 typecheck: setup
 	$(VENV)/bin/mypy
@@ -45,3 +45,10 @@ openapi: setup
 bench: setup
 	@DSEC_EXTRA_APT="podman $${DSEC_EXTRA_APT:-}" bash scripts/bootstrap.sh
 	$(PY) benchmarks/container.py
+
+# dsec on the hosts users run: stock Debian kernels (6.1, 6.12; cgroup v2 and v1) booted in
+# QEMU guests, checks through the SDK inside each, a table and benchmarks/results/host_matrix.json
+# (hosts/README.md). Root; images cached in /var/cache/dsec-hosts. HOST_MATRIX_ARGS, e.g.
+# --hosts debian12-6.1-v2 --mode smoke
+host-matrix: setup
+	$(PY) -m hosts.matrix $(HOST_MATRIX_ARGS)

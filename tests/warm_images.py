@@ -25,10 +25,19 @@ import time
 from pathlib import Path
 
 DEFAULT_CACHE = "/var/cache/dsec-test-images"
-CHAINS = (("debian", "toolkits"), ("busybox", "e2b-base", "code-interpreter", "desktop"))
+CHAINS = (
+    ("debian", "toolkits"),
+    ("busybox", "e2b-base", "code-interpreter", "desktop"),
+    ("host-images",),
+)
 """The images, as chains built one after the other; the chains are built in parallel.
 ``toolkits``: the fncall tier's toolkit layers over ``debian`` (one per language that has
-one: gcc, nodejs, golang, java, rust, python-runtime)."""
+one: gcc, nodejs, golang, java, rust, python-runtime). ``host-images``: the root filesystem
+images of the host matrix's guests that tests boot (:data:`HOST_IMAGES`; cached in
+``/var/cache/dsec-hosts``, ``hosts/image.py``), and its KVM-or-TCG probe."""
+
+HOST_IMAGES = ("debian12-6.1-v2",)
+"""Hosts of the host matrix (``hosts/spec.py``) that tests boot: ``tests/hosts/``."""
 
 
 def cache_dir() -> Path:
@@ -115,6 +124,20 @@ def _build_toolkits(store: object) -> None:
             image = build_toolkit_image(store, image, toolkit).name
 
 
+def _build_host_images() -> str:
+    """The host matrix's images of :data:`HOST_IMAGES` (built or found): its outcome."""
+    from hosts.guest import choose_accel
+    from hosts.image import ensure_image
+    from hosts.spec import HOSTS
+
+    outcome = "cached"
+    for name in HOST_IMAGES:
+        image, built = ensure_image(HOSTS[name].image)
+        outcome = "built" if built else outcome
+        choose_accel(image.kernel)  # probed once per machine boot, cached beside the images
+    return outcome
+
+
 def build_all() -> dict[str, dict[str, object]]:
     """Build (or find) every image of :data:`CHAINS` into the cache; the outcome of each."""
     from dsec.layers.builtin_cache import BuiltinCache
@@ -133,12 +156,15 @@ def build_all() -> dict[str, dict[str, object]]:
             before = {p.name for p in cache.root.glob(pattern)}
             t0 = time.monotonic()
             try:
-                if name == "toolkits":
-                    _build_toolkits(store)
+                if name == "host-images":
+                    outcome = _build_host_images()
                 else:
-                    store.ensure_image_sync(name)
-                after = {p.name for p in cache.root.glob(pattern)}
-                outcome = "cached" if after == before else "built"
+                    if name == "toolkits":
+                        _build_toolkits(store)
+                    else:
+                        store.ensure_image_sync(name)
+                    after = {p.name for p in cache.root.glob(pattern)}
+                    outcome = "cached" if after == before else "built"
             except Exception as e:  # a test that needs it builds it (and says why it cannot)
                 outcome = f"failed: {e}"[:300]
             results[name] = {"outcome": outcome, "seconds": round(time.monotonic() - t0, 1)}
