@@ -8,13 +8,13 @@ Two stages, so that a broken dsec never loses the facts about the host:
    venv at ``/opt/dsec-venv`` (which has dsec's dependencies: ``hosts/image.py``), then
    stage 2 in that venv, bounded by the run's budget;
 2. under the venv (``--checks``): the built-in image layers filed under the keys this dsec
-   computes; in full mode the conformance suite of the checkout's tests for the same tiers
-   first, on the fresh guest (then nothing may be left behind); ``dsec serve`` with
-   ``DSEC_TIERS`` of the config, ``dsec doctor`` (``dsec info`` when there is no such
-   command), then checks through the SDK on each tier: create, exec, files, a memory limit,
-   a pids limit, a CPU quota, a disk limit, pause/resume, kill, create-to-first-exec
-   latency; then every sandbox killed, the server stopped, and no cgroup, mount, loop
-   device or process of dsec's may be left.
+   computes, ``dsec serve`` with ``DSEC_TIERS`` of the config, ``dsec doctor`` (``dsec info``
+   when there is no such command), then checks through the SDK on each tier: create, exec,
+   files, a memory limit, a pids limit, a CPU quota, a disk limit, pause/resume, kill,
+   create-to-first-exec latency; then every sandbox killed, the server stopped, and no
+   cgroup, mount, loop device or process of dsec's may be left; then, in full mode, the
+   conformance suite of the checkout's tests for the same tiers (within what is left of the
+   budget, at most :data:`CONFORMANCE_MAX_S`) and the leftovers again.
 
 Every check is recorded as it finishes (``out/checks.json``), with pass/fail/skip, the error
 text and what was measured; a check that does not return within its time-out is recorded
@@ -260,6 +260,7 @@ def stage1(payload: Path) -> int:
                 [str(VENV / "bin/python"), "-u", __file__, "--checks", str(payload)],
                 stdin=subprocess.DEVNULL,
                 timeout=max(budget, 60),
+                env={**os.environ, "HOSTCHECK_DEADLINE": str(time.time() + max(budget, 60))},
                 check=False,
             )
             if proc.returncode != 0:
@@ -899,21 +900,45 @@ def _doctor(env: dict[str, str], rec: Recorder) -> None:
         say(f"  | {line}")
 
 
+CONFORMANCE_MAX_S = 1800
+"""The most the conformance suite gets (less when the run's budget has less left)."""
+
+
 def _conformance(payload: Path, env: dict[str, str], tiers: list[str], rec: Recorder) -> None:
-    """The checkout's conformance suite for ``tiers``, in its own in-process server."""
+    """The checkout's conformance suite for ``tiers``, in its own in-process server, its
+    output streamed to ``out/conformance.log``; bounded by what is left of the budget."""
     out = payload / "out"
     xml = out / "conformance.xml"
+    deadline = float(os.environ.get("HOSTCHECK_DEADLINE") or time.time() + CONFORMANCE_MAX_S)
+    limit_s = min(CONFORMANCE_MAX_S, deadline - time.time() - 180)
+    if limit_s < 120:
+        rec.check("conformance", _skip(f"no time left in the run's budget ({limit_s:.0f} s)"))
+        return
 
     def run() -> dict[str, Any]:
-        r = _run(
-            [
-                str(VENV / "bin/python"), "-m", "pytest", "tests/conformance", "-q", "-rf",
-                "-p", "no:cacheprovider", "-k", " or ".join(tiers), f"--junitxml={xml}",
-            ],
-            float(os.environ.get("HOSTCHECK_CONFORMANCE_S", "5400")),
-            {**env, "DSEC_TEST_WARM": "0", "DSEC_TEST_SLOWNESS": "4", "PYTHONPATH": "."},
-        )  # fmt: skip
-        (out / "conformance.log").write_text(r["output"])
+        argv = [
+            str(VENV / "bin/python"), "-m", "pytest", "tests/conformance", "-q", "-rfs",
+            "-p", "no:cacheprovider", "-k", " or ".join(tiers), f"--junitxml={xml}",
+        ]  # fmt: skip
+        # pytest-timeout's limits (300 s by default) stretched x2 (tests/timing.py)
+        test_env = {**env, "DSEC_TEST_WARM": "0", "DSEC_TEST_SLOWNESS": "2", "PYTHONPATH": "."}
+        with (out / "conformance.log").open("wb") as log:
+            proc = subprocess.Popen(
+                argv,
+                cwd=payload / "tree",
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=test_env,
+                start_new_session=True,
+            )
+            try:
+                rc: int | None = proc.wait(limit_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(60)
+                rc = None
+        output = _read(out / "conformance.log")
         counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
         failures = []
         skips: dict[str, int] = {}
@@ -933,25 +958,22 @@ def _conformance(payload: Path, env: dict[str, str], tiers: list[str], rec: Reco
                 else:
                     counts["passed"] += 1
         except (OSError, ET.ParseError) as e:
+            ran = len(re.findall(r"^tests/\S+ |PASSED|FAILED", output, re.M))
+            why = f"killed after {limit_s:.0f} s" if rc is None else f"pytest exit {rc}"
             raise CheckFailed(
-                f"no junit report ({e}); pytest exit {r['rc']}:\n{_tail(r['output'])}"
+                f"no junit report ({why}; {e}):\n{_tail(output)}", {"output_lines": ran}
             ) from None
-        detail = {**counts, "exit_code": r["rc"], "failures": failures[:40], "skips": skips}
+        detail = {**counts, "exit_code": rc, "failures": failures[:40], "skips": skips}
         unavailable = sum(n for why, n in skips.items() if "unavailable" in why)
-        if counts["failed"] or counts["errors"] or unavailable or r["rc"] not in (0, 5):
+        if counts["failed"] or counts["errors"] or unavailable or rc not in (0, 5):
             raise CheckFailed(
                 f"{counts['failed']} failed, {counts['errors']} errors, {unavailable} skipped as "
-                f"their tier was unavailable, {counts['passed']} passed (pytest exit {r['rc']})",
+                f"their tier was unavailable, {counts['passed']} passed (pytest exit {rc})",
                 detail,
             )
         return detail
 
-    old = os.getcwd()
-    os.chdir(payload / "tree")
-    try:
-        rec.check("conformance", run, float(os.environ.get("HOSTCHECK_CONFORMANCE_S", "5400")) + 60)
-    finally:
-        os.chdir(old)
+    rec.check("conformance", run, limit_s + 120)
 
 
 def stage2(payload: Path) -> int:
@@ -975,10 +997,6 @@ def stage2(payload: Path) -> int:
     }
     os.environ.update(env)  # the SDK finds the server and its key ($DSEC_HOME/api_key)
     _file_layers(config, rec, payload)
-    if config.get("conformance") and config["mode"] == "full":
-        # first, on a fresh guest: what the checks below may leave behind cannot skew it
-        _conformance(payload, env, tiers, rec)
-        rec.check("leftovers.after_conformance", lambda: _no_leftovers(), 120)
     serve = Serve(env, out)
     up = rec.check("serve.start", serve.start, 960)
     _doctor(env, rec)
@@ -1002,6 +1020,9 @@ def stage2(payload: Path) -> int:
         rec.check("sandboxes.killed", _kill_every_sandbox, 600)
         rec.check("serve.stop", serve.stop, 300)
     rec.check("leftovers", lambda: _no_leftovers(), 120)
+    if config.get("conformance") and config["mode"] == "full":
+        _conformance(payload, env, tiers, rec)
+        rec.check("leftovers.after_conformance", lambda: _no_leftovers(), 120)
     return 0
 
 
