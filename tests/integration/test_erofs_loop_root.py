@@ -404,27 +404,14 @@ async def test_container_tier_on_loop_devices(home: Paths, loop_mode: None) -> N
 
 @pytest.mark.debian
 async def test_fncall_tier_on_loop_devices(home: Paths, loop_mode: None) -> None:
-    from dsec.runtimes.base import SandboxSpec
     from dsec.runtimes.fncall.pool import PoolConfig
-    from dsec.runtimes.fncall.testkit import fncall_service
+    from dsec.runtimes.fncall.testkit import fncall_service, worker_spec
 
     async with fncall_service(home.home, pool=PoolConfig(min_ready=1, max_ready=2)) as svc:
         rt = svc.runtime
         files, digests = await rt.image_layers("debian")
         ours = real_paths(files)
-        spec = SandboxSpec(
-            id=f"sb-t-{uuid.uuid4().hex[:10]}",
-            tier="fncall",
-            layer_paths=[str(f) for f in files],
-            layer_digests=digests,
-            cpu=1,
-            memory_mb=256,
-            disk_mb=64,
-            pids=64,
-            env={},
-            user=None,
-            workdir="/work",
-        )
+        spec = worker_spec(files, digests, f"sb-t-{uuid.uuid4().hex[:10]}")
         h = await rt.create(spec)
         try:
             r = await rt.exec(h, ExecRequest(cmd="echo hi"))

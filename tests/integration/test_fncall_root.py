@@ -29,7 +29,7 @@ from dsec.runtimes.fncall.service import (
     RunCodeResponse,
     RunCodeService,
 )
-from dsec.runtimes.fncall.testkit import fncall_service
+from dsec.runtimes.fncall.testkit import fncall_service, worker_spec
 
 pytestmark = [
     pytest.mark.root,
@@ -296,22 +296,7 @@ async def test_no_server_fd_inherited(svc: RunCodeService) -> None:
 async def test_no_view_of_other_workers(svc: RunCodeService) -> None:
     rt = svc.runtime
     files, digests = await rt.image_layers("debian")
-    specs = [
-        SandboxSpec(
-            id=f"sb-t-{i}",
-            tier="fncall",
-            layer_paths=[str(f) for f in files],
-            layer_digests=digests,
-            cpu=1,
-            memory_mb=256,
-            disk_mb=64,
-            pids=64,
-            env={},
-            user=None,
-            workdir="/work",
-        )
-        for i in range(2)
-    ]
+    specs = [worker_spec(files, digests, f"sb-t-{i}") for i in range(2)]
     h1, h2 = await rt.create(specs[0]), await rt.create(specs[1])
     try:
         await rt.files(h1).write("/work/secret.txt", b"one")

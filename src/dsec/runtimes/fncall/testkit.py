@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from dsec.config import Paths
+from dsec.runtimes.base import SandboxSpec
 from dsec.runtimes.fncall.pool import PoolConfig
 from dsec.runtimes.fncall.runtime import FncallConfig, FncallRuntime
 from dsec.runtimes.fncall.service import RunCodeLimits, RunCodeService
@@ -65,3 +66,21 @@ async def fncall_service(
     finally:
         await runtime.close()
         store.close()
+
+
+def worker_spec(files: list[Path], digests: list[str], sandbox_id: str) -> SandboxSpec:
+    """A small fncall sandbox over the image layers ``files``/``digests`` (as
+    ``FncallRuntime.image_layers`` answers them): 1 core, 256 MiB, 64 pids, /work."""
+    return SandboxSpec(
+        id=sandbox_id,
+        tier="fncall",
+        layer_paths=[str(f) for f in files],
+        layer_digests=list(digests),
+        cpu=1,
+        memory_mb=256,
+        disk_mb=64,
+        pids=64,
+        env={},
+        user=None,
+        workdir="/work",
+    )
