@@ -528,7 +528,11 @@ def snapshot() -> list[str]:
         if p["state"] not in ("R",):
             p.setdefault("wchan", _read_within(Path(f"/proc/{p['pid']}/wchan"), 1) or "?")
         lines.append(f"{_describe(p)} wchan={p.get('wchan', '-')}"[:300])
-    return lines[:80]
+    # a mount namespace over fs.mount-max makes mount(2) answer ENOSPC: how full is ours
+    mountinfo = _read_within(Path("/proc/self/mountinfo"), 3)
+    mounts = "?" if mountinfo is None else str(mountinfo.count("\n"))
+    limit = (_read_within(Path("/proc/sys/fs/mount-max"), 1) or "?").strip()
+    return [f"mounts in this namespace: {mounts} (fs.mount-max {limit})", *lines[:80]]
 
 
 def _session_processes(sid: int) -> list[str]:
