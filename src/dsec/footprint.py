@@ -145,10 +145,16 @@ def machine_tasks() -> int:
         return 0
 
 
-def _mounts_under(home: Path) -> list[str]:
+def _mounts_under(home: Path, pid: int | None = None) -> list[str]:
+    """Sandbox mounts under ``home`` in the mount namespace of ``pid`` (``dsec serve`` keeps
+    its own: :mod:`dsec.privileged.mountns`), else of this process."""
     prefix = str(home.resolve()) + "/"
     out: list[str] = []
-    with open("/proc/self/mountinfo") as f:
+    try:
+        f = open(f"/proc/{pid}/mountinfo" if pid else "/proc/self/mountinfo")
+    except OSError:  # the server is gone: its namespace with it
+        return []
+    with f:
         for line in f:
             left, _, right = line.partition(" - ")
             fields = left.split(" ")
@@ -211,7 +217,7 @@ def server_footprint(pid: int, home: Path) -> ServerFootprint:
         descendants=_descendants(pid),
         threads=threads,
         fds=fds,
-        mounts=_mounts_under(home),
+        mounts=_mounts_under(home, pid),
         cgroups=install_cgroups(home),
         netns=[
             *(f"netns/{n}" for n in _listdir(home / "net" / "netns")),

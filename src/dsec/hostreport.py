@@ -578,6 +578,27 @@ def _userns_feature(root: Path) -> HostFeature:
     return HostFeature(name="user namespaces", available=most > 0, value=value, note=note)
 
 
+def _mount_namespace_feature(root: Path) -> HostFeature:
+    """How ``/`` propagates on this host and where the node keeps its mounts
+    (:mod:`dsec.privileged.mountns`)."""
+    from dsec.privileged import mountns
+
+    propagation = mountns.root_propagation(str(root / "proc/1/mountinfo"))
+    ns = mountns.current()
+    if ns.own:
+        value, note = ns.describe(), f"/ is {propagation} on the host"
+    elif propagation == "shared" and ns.reason != "not entered (an in-process node)":
+        value = f"the host's ({ns.reason})"
+        note = (
+            "/ is shared (systemd): sandbox mounts propagate to the host's table; "
+            f"unset {mountns.MOUNT_NAMESPACE_ENV}=host"
+        )
+    else:
+        value = f"/ is {propagation} on the host"
+        note = "dsec serve keeps sandbox mounts in its own namespace"
+    return HostFeature(name="mount namespace", available=True, value=value, note=note)
+
+
 def _syscall_features(live: LiveProbes) -> list[HostFeature]:
     pidfd = live.pidfd_open and live.pidfd_send_signal
     calls = [
@@ -764,6 +785,7 @@ def host_report(
         _qemu_feature(live),
         _oci_feature(live, oci),
         _userns_feature(root),
+        _mount_namespace_feature(root),
     ]
     is_root = live.euid == 0
     return HostReport(

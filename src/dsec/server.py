@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from dsec.config import Paths
 from dsec.edge.agent import EdgeAgent, EdgeLimits
 from dsec.node import _list_env, embedded_edge, tiers_from_env
+from dsec.privileged.mountns import enter_node_namespace
 from dsec.privileged.reaper import become_subreaper
 
 if TYPE_CHECKING:
@@ -200,12 +201,16 @@ def serve(
         raise SystemExit("--database needs --cluster (embedded mode keeps its state in SQLite)")
     if os.geteuid() != 0:
         raise SystemExit("dsec serve must run as root (it mounts layers and manages cgroups)")
+    paths = Paths.from_env()
+    # before any thread: the node's mounts in its own namespace, none propagating to the host
+    mount_ns = enter_node_namespace(paths.run)
     # orphans of our helpers (crun's monitor, container inits...) come back to this process,
     # whose reaper thread waits for them (dsec.privileged.reaper)
     become_subreaper()
-    paths = Paths.from_env()
 
     tiers = tiers_from_env()
+
+    remaining: list[int] = []  # sandboxes live when the server stopped (they outlive it)
 
     async def main() -> None:
         async with embedded_edge(paths.home, tiers=tiers) as edge:
@@ -216,7 +221,10 @@ def serve(
             log.info(
                 "dsec serve on http://%s:%d (home %s, node %s)", host, port, paths.home, edge.node
             )
-            await _serve_http(app, host, port, log_level, settings)
+            try:
+                await _serve_http(app, host, port, log_level, settings)
+            finally:
+                remaining.append((await edge.node_info()).sandboxes)
 
     try:  # uvloop cuts the event loop's share of every request
         import uvloop
@@ -224,6 +232,8 @@ def serve(
         asyncio.run(main())
     else:
         uvloop.run(main())
+    if remaining == [0]:  # nothing for a restarted server to recover: the namespace goes
+        mount_ns.release()
 
 
 def prebuild_images(store: Any) -> None:

@@ -272,3 +272,22 @@ async def test_a_failing_host_report_does_not_fail_node_info() -> None:
 
     info = await FakeEdge(host_report=broken).node_info()
     assert info.host is None and info.tiers
+
+
+SYSTEMD_ROOT = "23 1 254:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+PRIVATE_ROOT = "23 1 254:1 / / rw,relatime - ext4 /dev/vda rw\n"
+
+
+def test_mount_namespace_names_the_hosts_root_propagation(tmp_path: Path) -> None:
+    """systemd hosts make ``/`` shared (sandbox mounts would propagate into the host's table);
+    the report says so, and where ``dsec serve`` keeps them."""
+    from dsec.privileged.mountns import root_propagation
+
+    for name, text, want in (("a", SYSTEMD_ROOT, "shared"), ("b", PRIVATE_ROOT, "private")):
+        root = _host(tmp_path / name)
+        _write(root, "proc/1/mountinfo", text)
+        assert root_propagation(str(root / "proc/1/mountinfo")) == want
+        feature = next(f for f in _report(root).features if f.name == "mount namespace")
+        assert feature.value == f"/ is {want} on the host"
+        assert "own namespace" in (feature.note or "")
+    assert root_propagation(str(tmp_path / "missing")) == "unknown"

@@ -104,8 +104,11 @@ READONLY_PATHS: tuple[str, ...] = (
     "/proc/fs",
     "/proc/irq",
     "/proc/sys",
-    "/proc/sysrq-trigger",
 )
+"""Never a masked path too: a read-only rebind on top of a mask (crun binds ``/dev/null``
+there from the node's ``/dev``) propagated to the host's ``/dev/null`` and to every other
+container's masks on hosts whose ``/dev`` is shared (systemd), doubling the mount table with
+each container (:mod:`dsec.privileged.mountns`)."""
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
