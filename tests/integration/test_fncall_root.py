@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import os
 import secrets
 import time
@@ -388,6 +389,39 @@ async def test_sandbox_contract(svc: RunCodeService) -> None:
     finally:
         await rt.destroy(h)
     assert not await rt.alive(h)
+
+
+async def test_disk_mb_bounds_each_writable_filesystem(svc: RunCodeService) -> None:
+    """A sandbox's ``disk_mb`` bounds /work, /tmp and /dev/shm as it bounds a container's
+    writable layer (the pool mounts them at 512 and 128 MiB)."""
+    rt = svc.runtime
+    files, digests = await rt.image_layers("debian")
+    spec = dataclasses.replace(worker_spec(files, digests, "sb-t-disk"), disk_mb=16)
+    h = await rt.create(spec)
+    try:
+        for where in ("/work", "/tmp", "/dev/shm"):
+            r = await rt.exec(
+                h,
+                ExecRequest(
+                    cmd=f"dd if=/dev/zero of={where}/fill bs=1M count=40 2>&1; "
+                    f"echo rc=$?; wc -c < {where}/fill; rm -f {where}/fill"
+                ),
+            )
+            assert "rc=1" in r.stdout and "No space left" in r.stdout, (where, r)
+            assert int(r.stdout.strip().splitlines()[-1]) <= 16 << 20, (where, r)
+        u = await rt.usage(h)
+        assert u.disk_total_bytes is not None and u.disk_total_bytes <= 2 * (16 << 20), u
+    finally:
+        await rt.destroy(h)
+    # the pool's default sizes for the next sandbox (its worker is a fresh one)
+    h = await rt.create(
+        dataclasses.replace(worker_spec(files, digests, "sb-t-disk2"), disk_mb=1024)
+    )
+    try:
+        r = await rt.exec(h, ExecRequest(cmd="df -m /work /tmp | tail -2"))
+        assert [int(line.split()[1]) for line in r.stdout.splitlines()] == [512, 128], r
+    finally:
+        await rt.destroy(h)
 
 
 async def test_bash(svc: RunCodeService) -> None:

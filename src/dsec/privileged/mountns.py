@@ -40,14 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.privileged.mount import (
-    MNT_DETACH,
     MS_BIND,
     MS_PRIVATE,
     MS_REC,
     MS_SLAVE,
     _unescape,
     mount,
-    umount,
 )
 
 __all__ = [
@@ -96,13 +94,26 @@ class NodeMountNamespace:
 
     def release(self) -> None:
         """Unpin the namespace (a clean exit with no sandbox left): it ends with this process,
-        and every mount in it with it. Idempotent; never raises."""
+        and every mount in it with it. Idempotent; never raises. The unmounts run in a child
+        that joins the host's namespace (``nsenter``: this process has threads by now)."""
+        import subprocess
+
         if not self.own or self.pin is None or self.host_fd < 0:
             return
         pin, self.pin = self.pin, None
+        host = f"/proc/{os.getpid()}/fd/{self.host_fd}"
         try:
-            _in_host(self.host_fd, lambda: _unpin(pin))
-        except OSError as e:
+            proc = subprocess.run(
+                ["nsenter", f"--mount={host}", "--", "umount", "--lazy", str(pin), str(pin.parent)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            if proc.returncode != 0:
+                log.warning("cannot unpin the node's mount namespace at %s: %s", pin, proc.stderr)
+            pin.unlink(missing_ok=True)
+        except (OSError, subprocess.TimeoutExpired) as e:
             log.warning("cannot unpin the node's mount namespace at %s: %s", pin, e)
         finally:
             os.close(self.host_fd)
@@ -166,16 +177,6 @@ def _private_dir(path: Path) -> None:
     if not _is_mount_point(path):
         mount(path, path, None, MS_BIND)
     mount("none", path, None, MS_PRIVATE)
-
-
-def _unpin(pin: Path) -> None:
-    for target in (pin, pin.parent):
-        try:
-            umount(target, MNT_DETACH)
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.ENOENT):
-                raise
-    pin.unlink(missing_ok=True)
 
 
 def _in_host(host_fd: int, fn: object) -> None:
