@@ -42,7 +42,8 @@ TimeoutError`` or ``except LookupError`` work as expected::
     ├── PermissionDenied (PermissionError)       403 permission_denied
     ├── ServiceUnavailable (ConnectionError)     503 unavailable
     │   ├── RegistryUnavailable                  503 registry_unavailable
-    │   └── ImageNotReady                        503 image_not_ready
+    │   ├── ImageNotReady                        503 image_not_ready
+    │   └── NodeBusy                             503 node_busy
     └── InternalError                            500 internal
 
 ``Unsupported`` means a tier cannot do something at all (and its capability
@@ -77,6 +78,7 @@ __all__ = [
     "InternalError",
     "InvalidRequest",
     "LayerNotFound",
+    "NodeBusy",
     "NodeLost",
     "NotFound",
     "OutcomeUnknown",
@@ -380,6 +382,15 @@ class ImageNotReady(ServiceUnavailable):
     Nothing was created."""
 
     code = "image_not_ready"
+
+
+class NodeBusy(ServiceUnavailable):
+    """The node could not start the creation now: its admission queue is full, the creation
+    waited too long for a slot, or the kernel did not finish starting the container in time.
+    Nothing was created; retry after ``details["retry_after_s"]`` seconds (the SDK does,
+    until its time-out)."""
+
+    code = "node_busy"
 
 
 class PermissionDenied(DsecError, PermissionError):

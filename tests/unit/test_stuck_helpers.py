@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tests.timing import budget
 
-from dsec.errors import SandboxError
+from dsec.errors import NodeBusy
 from dsec.privileged.reaper import where_is
 
 
@@ -37,8 +37,9 @@ def test_a_sleeping_process_is_shown_with_where_it_sleeps() -> None:
 def test_an_oci_runtime_that_hangs_is_killed_and_described(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`crun run` past its timeout: a SandboxError naming the step (not subprocess's
-    TimeoutExpired with the whole command line), and where it was stuck in the log."""
+    """`crun run` past its timeout: a retryable NodeBusy (503: nothing was created) naming
+    the step (not subprocess's TimeoutExpired with the whole command line), and where it
+    was stuck in the log."""
     import dsec.runtimes.container.runtime as container_runtime
     from dsec.config import Paths
     from dsec.layers.mounts import LayerMounts
@@ -51,9 +52,10 @@ def test_an_oci_runtime_that_hangs_is_killed_and_described(
     rt = ContainerRuntime(Paths(tmp_path / "home"), LayerMounts(tmp_path / "m"))
     rt._oci = str(slow)
     with caplog.at_level(logging.WARNING, logger="dsec.runtimes.container.runtime"):
-        with pytest.raises(SandboxError) as info:
+        with pytest.raises(NodeBusy) as info:
             rt._run_oci("run", "--detach", "sb-x")
     text = info.value.message
+    assert info.value.http_status == 503 and info.value.details["retry_after_s"] > 0
     assert "crun run did not finish within 0.3 s" in text, text
     assert "sleep 30" not in text and "pid " not in text  # no command line, no host details
     assert "crun run timed out: pid " in caplog.text  # where it waited: for the operator

@@ -162,7 +162,10 @@ async def create_sandbox(
 ) -> SandboxInfo:
     """A client that disconnects before the sandbox is ready leaves no sandbox behind. An
     image still being built (a built-in right after the node started) answers 503
-    ``image_not_ready`` with ``Retry-After``: nothing was created, retry."""
+    ``image_not_ready`` with ``Retry-After``: nothing was created, retry. A busy node lets
+    a creation wait for one of its creation slots (first come first served within a key,
+    keys in turn) and answers 503 ``node_busy`` with ``Retry-After`` only when its queue is
+    full or the wait was too long: nothing was created, retry."""
 
     async def undo(info: SandboxInfo) -> None:
         await edge.kill_sandbox(info.id, owner)

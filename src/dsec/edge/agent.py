@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.config import Paths, host_memory_mb
 from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
+from dsec.edge.admission import CreationGate
 from dsec.edge.desktop import (
     STOP_SCRIPT,
     ConsoleScreen,
@@ -149,13 +150,17 @@ class EdgeLimits:
     max_build_entries: int = 500_000  # files, directories and links in a build context
     log_bytes: int = 1 << 20  # start-command output kept per sandbox (its logs), bytes
     max_port_connections: int = 256  # open proxied connections per sandbox (429 beyond)
+    create_slots: int = 0  # creations in the runtime at once (0: twice the cores, at least 4)
+    create_queue: int = 10_000  # creations waiting for a slot (503 node_busy beyond)
+    create_wait_s: float = 900.0  # longest wait for a slot (503 node_busy after it)
 
     @classmethod
     def from_env(cls) -> EdgeLimits:
         """Defaults, overridden by ``DSEC_MAX_SANDBOXES``, ``DSEC_CPU_OVERCOMMIT``,
         ``DSEC_MEMORY_OVERCOMMIT``, ``DSEC_IMAGE_WAIT_S`` (seconds a create waits for a
         built-in image being built), ``DSEC_MAX_BUILD_CONTEXT_BYTES``,
-        ``DSEC_MAX_BUILD_BYTES``, ``DSEC_MAX_PORT_CONNECTIONS`` (open proxied connections
+        ``DSEC_MAX_BUILD_BYTES``, ``DSEC_CREATE_SLOTS``/``DSEC_CREATE_QUEUE``/
+        ``DSEC_CREATE_WAIT_S`` (:mod:`dsec.edge.admission`), ``DSEC_MAX_PORT_CONNECTIONS`` (open proxied connections
         per sandbox) and ``DSEC_LOG_BYTES`` (start-command output kept per sandbox): the
         operator settings of ``dsec serve``."""
         lim = cls()
@@ -176,6 +181,12 @@ class EdgeLimits:
             lim.log_bytes = log_bytes_from_env()
             if "DSEC_MAX_PORT_CONNECTIONS" in env:
                 lim.max_port_connections = int(env["DSEC_MAX_PORT_CONNECTIONS"])
+            if "DSEC_CREATE_SLOTS" in env:
+                lim.create_slots = int(env["DSEC_CREATE_SLOTS"])
+            if "DSEC_CREATE_QUEUE" in env:
+                lim.create_queue = int(env["DSEC_CREATE_QUEUE"])
+            if "DSEC_CREATE_WAIT_S" in env:
+                lim.create_wait_s = float(env["DSEC_CREATE_WAIT_S"])
         except ValueError as e:
             raise SystemExit(f"invalid edge limit in the environment: {e}") from e
         return lim
@@ -304,6 +315,12 @@ class EdgeAgent:
         # the node's size for admission (default: this machine's; unknown: a small node's)
         self._cpus = cpus or os.cpu_count() or 1
         self._mem_mb = memory_mb or host_memory_mb() or 1024
+        self.creations = CreationGate(
+            self.limits.create_slots or max(4, 2 * self._cpus),
+            max_waiting=self.limits.create_queue,
+            max_wait_s=self.limits.create_wait_s,
+        )
+        """Admission of creations into the runtimes (:mod:`dsec.edge.admission`)."""
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -744,7 +761,7 @@ class EdgeAgent:
             allow_setuid=req.allow_setuid,
         )
         try:
-            async with lv.lock:
+            async with lv.lock, self.creations.slot(owner):
                 handle = await (maker(spec) if maker is not None else rt.create(spec))
                 lv.handle = handle
                 row.state = "running"

@@ -70,6 +70,7 @@ from dsec.errors import (
     FileNotFound,
     ImageNotReady,
     InvalidRequest,
+    NodeBusy,
     OutcomeUnknown,
     SandboxNotFound,
     SandboxStopped,
@@ -1210,16 +1211,18 @@ def _dump(model: Any) -> Any:
 async def _post_waiting_for_image(
     conn: AsyncClient, path: str, body: dict[str, Any], timeout: float
 ) -> httpx.Response:
-    """POST a creation, and while the server answers ``ImageNotReady`` (a built-in image
-    still being built on a node that just started) retry after the delay it asks for, until
-    ``timeout`` seconds have passed in all; then the last ``ImageNotReady`` is raised."""
+    """POST a creation, and while the server answers that it created nothing *yet*
+    (``ImageNotReady``: a built-in image still being built on a node that just started;
+    ``NodeBusy``: the node's admission queue is full or the kernel was too slow) retry after
+    the delay it asks for, until ``timeout`` seconds have passed in all; then the last such
+    error is raised."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         left = deadline - loop.time()
         try:
             return await conn._http.request("POST", path, json=body, timeout=max(left, 1.0))
-        except ImageNotReady as e:
+        except (ImageNotReady, NodeBusy) as e:
             delay = float(e.details.get("retry_after_s") or 5)
             if loop.time() + delay >= deadline:
                 raise

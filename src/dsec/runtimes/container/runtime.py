@@ -55,6 +55,7 @@ from dsec.errors import (
     Conflict,
     DsecError,
     InvalidRequest,
+    NodeBusy,
     PayloadTooLarge,
     SandboxError,
     SandboxNotFound,
@@ -451,9 +452,10 @@ class ContainerRuntime:
                 proc.kill()
                 proc.communicate()
                 log.warning("%s %s timed out: %s", os.path.basename(cmd[0]), args[0], where)
-                raise SandboxError(  # where it waited: in the log only (kernel internals)
+                raise NodeBusy(  # where it waited: in the log only (kernel internals)
                     f"{os.path.basename(cmd[0])} {args[0]} did not finish within "
-                    f"{_OCI_TIMEOUT_S:g} s (the node is overloaded? its log says where it waited)"
+                    f"{_OCI_TIMEOUT_S:g} s: the node is overloaded; nothing was created, retry",
+                    retry_after_s=5,
                 ) from None
             return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
