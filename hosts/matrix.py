@@ -151,7 +151,10 @@ def _checkout() -> dict[str, Any]:
         )
         return proc.stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
