@@ -1,4 +1,4 @@
-"""RL rollout load (issue 23): N agents, each an episode loop over its own sandbox.
+"""RL rollout load (issues 23, 31): N agents, each an episode loop over its own sandbox.
 
 Each agent creates a sandbox, then for ``--turns`` turns thinks for a log-normal time
 (median ``--think`` seconds, sigma 1) and runs one command drawn from a mix through the SDK:
@@ -8,14 +8,20 @@ Each agent creates a sandbox, then for ``--turns`` turns thinks for a log-normal
   file     write 64 KiB with the files API, read it back        (20%)
   compile  a 0.5 s CPU burst (``python3``, 0.5 s of CPU time)   (5%)
 
-then kills it and starts a new episode, until ``--duration`` seconds are over. Reported per
-command kind: p50/p99 latency under load against the same command on an otherwise idle node
-(the inflation); creations and kills per second while the load runs; host memory
-(``MemAvailable`` drop) and CPU (``/proc/stat`` busy share) sampled each second. Then the
-same load with ``pause`` between turns (the agent pauses its sandbox while it thinks; the
-next request resumes it), unless ``--no-pause``.
+then kills it and starts a new episode, until ``--duration`` seconds are over. The agents
+run in ``--procs`` processes (one Python event loop for hundreds of agents queues their
+requests itself; how late the loops woke is reported). Reported: the offered CPU demand
+(N x mean command CPU / (mean think + mean command CPU), in cores, against the node's; each
+kind's CPU time measured from its sandbox's cgroup on the idle node); per command kind the
+p50/mean/p99 latency under load, on the idle node, and what fair processor sharing would
+give at that load; failures by cause; creations and kills per second; host memory
+(``MemAvailable`` drop), CPU busy share and ``dsec serve``'s own CPU each second; and a probe
+of the platform's own latency from a process of its own (a 10-byte file read through the
+API, an ``echo`` in an idle sandbox and a ``GET`` of it, twice a second) against the idle
+node. Then the same load with ``pause`` between turns, unless ``--no-pause``.
 
-Usage: python benchmarks/rollouts.py [--n 500] [--duration 60] [--image e2b-base] [--quick]
+Usage: python benchmarks/rollouts.py [--n 500] [--think 2] [--duration 60] [--procs 4]
+       [--image e2b-base] [--quick]
 Writes benchmarks/results/rollouts.json (``rollouts_quick.json`` with ``--quick``).
 """
 
@@ -23,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import os
 import random
 import shutil
 import sys
@@ -86,35 +94,106 @@ async def run_command(sb: AsyncSandbox, kind: str) -> None:
         raise AssertionError(f"{kind}: exit {r.exit_code}: {r.stderr[:200]}")
 
 
-async def idle_baseline(kw: dict[str, Any], reps: int) -> dict[str, list[float]]:
+async def idle_baseline(
+    kw: dict[str, Any], reps: int
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each kind's latency on an otherwise idle node (ms), and its CPU time (seconds, from
+    the sandbox's cgroup: what the kernel must give it however busy the node is)."""
     sb = await AsyncSandbox.create(**kw)
     try:
         for kind, _ in MIX:  # warm every path once
             await run_command(sb, kind)
         out: dict[str, list[float]] = {k: [] for k, _ in MIX}
+        cpu: dict[str, float] = {}
         for kind, _ in MIX:
-            for _ in range(reps if kind != "compile" else max(3, reps // 3)):
+            n = reps if kind != "compile" else max(3, reps // 3)
+            before = (await sb.metrics()).cpu.usage_s
+            for _ in range(n):
                 t0 = time.perf_counter()
                 await run_command(sb, kind)
                 out[kind].append((time.perf_counter() - t0) * 1000)
-        return out
+            cpu[kind] = max(0.0, ((await sb.metrics()).cpu.usage_s - before) / n)
+        return out, cpu
     finally:
         await sb.kill()
 
 
-async def load(
-    kw: dict[str, Any], n: int, duration: float, think: float, turns: int, pause: bool
+def processor_sharing(
+    n: int, think_median_s: float, cpu_s: dict[str, float], cores: int
 ) -> dict[str, Any]:
+    """What fair processor sharing gives this closed loop (N agents, log-normal think time of
+    median Z and sigma 1, the mix's commands of CPU time S_k, C cores): the offered demand
+    N·S/(Z+S) in cores and each kind's expected latency. Saturated (demand > C), a command
+    of size S_k takes about S_k·(N·S/C - Z)/S (every runnable command gets an equal share);
+    below, S_k/(1 - rho) with rho = demand/C (M/G/1-PS)."""
+    z = think_median_s * math.exp(0.5)  # the mean of the log-normal
+    s_mean = sum(cpu_s[k] * w for k, w in MIX)
+    demand = n * s_mean / (z + s_mean) if s_mean > 0 else 0.0
+    rho = demand / cores
+    if rho >= 1:
+        mean_response = max(s_mean, n * s_mean / cores - z)
+        factor = mean_response / s_mean
+    else:
+        factor = 1 / (1 - rho)
+    return {
+        "think_mean_s": z,
+        "command_cpu_mean_s": s_mean,
+        "offered_cores": demand,
+        "cores": cores,
+        "utilisation": rho,
+        "stretch": factor,
+        "ps_ms": {k: cpu_s[k] * factor * 1000 for k, _ in MIX},
+    }
+
+
+def _cause(e: BaseException) -> str:
+    """A failure's cause for the table: the error's wire code, else its type."""
+    code = getattr(e, "code", None)
+    return f"{type(e).__name__}({code})" if isinstance(code, str) else type(e).__name__
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU time (user + system) of process ``pid`` and its reaped children, seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+async def agents(
+    kw: dict[str, Any],
+    n: int,
+    duration: float,
+    think: float,
+    turns: int,
+    pause: bool,
+    client_gate: int,
+    seed: int,
+) -> dict[str, Any]:
+    """``n`` agents' episode loops for ``duration`` seconds (one process's share of the load):
+    each kind's latencies, counts, failures by cause, and how late this process's own event
+    loop woke (its queue adds to every latency it measures)."""
     lat: dict[str, list[float]] = {k: [] for k, _ in MIX}
     counts = {"creates": 0, "kills": 0, "errors": 0, "turns": 0}
     errors: list[str] = []
+    causes: dict[str, int] = {}
+
+    def failed(what: str, e: BaseException) -> None:
+        counts["errors"] += 1
+        key = f"{what}: {_cause(e)}"
+        causes[key] = causes.get(key, 0) + 1
+        errors.append(f"{what}: {e!r}"[:200])
+
     kinds = [k for k, _ in MIX]
     weights = [w for _, w in MIX]
     stop = time.monotonic() + duration
-    rng = random.Random(23)
-    create_gate = asyncio.Semaphore(16)
+    rng = random.Random(seed)
+    # the server admits creations itself; a client-side gate only for comparisons
+    create_gate = asyncio.Semaphore(client_gate) if client_gate > 0 else contextlib.nullcontext()
 
-    async def agent(i: int) -> None:
+    async def agent() -> None:
         await asyncio.sleep(rng.uniform(0, min(duration / 4, think * 2)))  # staggered start
         while time.monotonic() < stop:
             try:
@@ -122,8 +201,7 @@ async def load(
                     sb = await AsyncSandbox.create(**kw)
                 counts["creates"] += 1
             except Exception as e:
-                counts["errors"] += 1
-                errors.append(f"create: {e!r}"[:200])
+                failed("create", e)
                 await asyncio.sleep(1.0)
                 continue
             try:
@@ -141,78 +219,261 @@ async def load(
                     lat[kind].append((time.perf_counter() - t0) * 1000)
                     counts["turns"] += 1
             except Exception as e:
-                counts["errors"] += 1
-                errors.append(f"turn: {e!r}"[:200])
+                failed("turn", e)
             finally:
                 try:
                     await sb.kill()
                     counts["kills"] += 1
                 except Exception as e:
-                    errors.append(f"kill: {e!r}"[:200])
+                    failed("kill", e)
+
+    lag = [0.0]
+
+    async def lag_meter() -> None:
+        while time.monotonic() < stop:
+            t0 = time.monotonic()
+            await asyncio.sleep(0.5)
+            lag[0] = max(lag[0], time.monotonic() - t0 - 0.5)
+
+    await asyncio.gather(lag_meter(), *(agent() for _ in range(n)))
+    return {
+        "latency_ms": lat,
+        "counts": counts,
+        "failures_by_cause": causes,
+        "errors_sample": errors[:10],
+        "loop_lag_s_max": lag[0],
+    }
+
+
+async def agents_main(args: argparse.Namespace) -> dict[str, Any]:
+    """A load process (``--agents-url``): its agents against the server."""
+    async with AsyncClient(args.agents_url, os.environ["DSEC_API_KEY"]) as client:
+        kw: dict[str, Any] = {
+            "tier": "container",
+            "image": args.image,
+            "cpu": 1.0,
+            "memory_mb": 256,
+            "client": client,
+        }
+        return await agents(
+            kw,
+            args.n,
+            args.duration,
+            args.think,
+            args.turns,
+            args.pause_turns,
+            args.client_gate,
+            args.seed,
+        )
+
+
+async def _child_json(argv: list[str], key: str) -> dict[str, Any]:
+    """Run this script with ``argv`` in a process of its own; its last stdout line (JSON)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        *argv,
+        env={**os.environ, "DSEC_API_KEY": key},
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await proc.communicate()
+    try:
+        return json.loads(out.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise RuntimeError(f"{argv[0]}: the process exited {proc.returncode}") from None
+
+
+async def load(
+    url: str,
+    key: str,
+    args: argparse.Namespace,
+    pause: bool,
+    server_pid: int,
+) -> dict[str, Any]:
+    """The load: ``args.n`` agents spread over ``args.procs`` processes (one Python event
+    loop for hundreds of agents queues their requests itself), the platform probe in another,
+    the node sampled each second from this one."""
+    duration = args.duration
+    stop = time.monotonic() + duration
+    shares = [args.n // args.procs + (i < args.n % args.procs) for i in range(args.procs)]
+
+    def worker_argv(i: int, n: int) -> list[str]:
+        argv = ["--agents-url", url, "--n", str(n), "--duration", str(duration)]
+        argv += ["--think", str(args.think), "--turns", str(args.turns), "--image", args.image]
+        argv += ["--client-gate", str(args.client_gate), "--seed", str(23 + i)]
+        return argv + (["--pause-turns"] if pause else [])
 
     samples: list[dict[str, float]] = []
 
     async def sampler() -> None:
         mem0 = mem_available_kib()
         busy0, tot0 = cpu_times()
+        srv0, t0 = process_cpu_s(server_pid), time.monotonic()
         while time.monotonic() < stop:
             await asyncio.sleep(1.0)
             busy, tot = cpu_times()
+            srv, t = process_cpu_s(server_pid), time.monotonic()
             samples.append(
                 {
                     "mem_drop_mib": (mem0 - mem_available_kib()) / 1024,
                     "cpu_busy": (busy - busy0) / max(1, tot - tot0),
+                    "server_cores": (srv - srv0) / (t - t0),
                 }
             )
-            busy0, tot0 = busy, tot
+            busy0, tot0, srv0, t0 = busy, tot, srv, t
 
     t0 = time.monotonic()
     probe_before = host_probe_s()
-    await asyncio.gather(sampler(), *(agent(i) for i in range(n)))
+    probe_argv = ["--probe-url", url, "--probe-seconds", str(duration), "--image", args.image]
+    got = await asyncio.gather(
+        sampler(),
+        _child_json(probe_argv, key),
+        *(_child_json(worker_argv(i, n), key) for i, n in enumerate(shares) if n),
+        return_exceptions=True,
+    )
     took = time.monotonic() - t0
+    lat: dict[str, list[float]] = {k: [] for k, _ in MIX}
+    counts = {"creates": 0, "kills": 0, "errors": 0, "turns": 0}
+    causes: dict[str, int] = {}
+    errors: list[str] = []
+    lags: list[float] = []
+    platform: dict[str, list[float]] = {"api_file_read": [], "echo": [], "info": []}
+    if isinstance(got[1], dict):
+        platform.update(got[1])
+    else:
+        causes["probe: process"] = 1
+    for part in got[2:]:
+        if not isinstance(part, dict):
+            causes["load process"] = causes.get("load process", 0) + 1
+            errors.append(repr(part)[:200])
+            continue
+        for kind, xs in part["latency_ms"].items():
+            lat[kind] += xs
+        for k, v in part["counts"].items():
+            counts[k] += v
+        for k, v in part["failures_by_cause"].items():
+            causes[k] = causes.get(k, 0) + v
+        errors += part["errors_sample"]
+        lags.append(part["loop_lag_s_max"])
     return {
         "latency_ms": lat,
         "counts": counts,
         "seconds": took,
+        "processes": args.procs,
         "creates_per_s": counts["creates"] / took,
         "kills_per_s": counts["kills"] / took,
         "mem_drop_mib_max": max((s["mem_drop_mib"] for s in samples), default=float("nan")),
         "cpu_busy_mean": sum(s["cpu_busy"] for s in samples) / max(1, len(samples)),
+        "server_cores_mean": sum(s["server_cores"] for s in samples) / max(1, len(samples)),
+        "server_cores_max": max((s["server_cores"] for s in samples), default=float("nan")),
+        "client_lag_s_max": max(lags, default=float("nan")),
         "host_probe_s": [probe_before, host_probe_s()],
         "errors_sample": errors[:10],
+        "failures_by_cause": causes,
+        "platform_ms": platform,
     }
 
 
-def table(title: str, base: dict[str, list[float]], res: dict[str, Any]) -> list[dict[str, Any]]:
+def table(
+    title: str,
+    base: dict[str, list[float]],
+    res: dict[str, Any],
+    ps: dict[str, Any],
+    idle_probe: dict[str, float],
+) -> list[dict[str, Any]]:
     print(f"\n{title}")
-    hdr = f"{'command':<8} {'n':>6} {'idle p50':>9} {'load p50':>9} {'load p99':>9} {'inflation p50':>14}"
+    print(
+        f"offered demand {ps['offered_cores']:.1f} cores on {ps['cores']} "
+        f"(utilisation {ps['utilisation']:.2f}; mean think {ps['think_mean_s']:.1f} s, mean "
+        f"command CPU {ps['command_cpu_mean_s'] * 1000:.0f} ms): fair sharing stretches each "
+        f"command {ps['stretch']:.0f}x"
+    )
+    hdr = (
+        f"{'command':<8} {'n':>6} {'cpu':>7} {'idle p50':>9} {'load p50':>9} {'load mean':>10} "
+        f"{'load p99':>9} {'PS mean':>9} {'mean/PS':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     rows = []
     for kind, _ in MIX:
         xs = res["latency_ms"][kind]
         b50 = pct(base[kind], 50)
+        mean = sum(xs) / len(xs) if xs else float("nan")
+        ps_ms = ps["ps_ms"][kind]
         row = {
             "kind": kind,
             "n": len(xs),
+            "cpu_ms": ps_ms / ps["stretch"],
             "idle_p50_ms": b50,
             "load_p50_ms": pct(xs, 50),
+            "load_mean_ms": mean,
             "load_p99_ms": pct(xs, 99),
             "inflation_p50": pct(xs, 50) / b50 if xs else float("nan"),
+            "ps_mean_ms": ps_ms,
+            "mean_over_ps": mean / ps_ms if ps_ms > 0 else float("nan"),
         }
         rows.append(row)
         print(
-            f"{kind:<8} {row['n']:>6} {b50:>7.1f}ms {row['load_p50_ms']:>7.1f}ms "
-            f"{row['load_p99_ms']:>7.1f}ms {row['inflation_p50']:>13.2f}x"
+            f"{kind:<8} {row['n']:>6} {row['cpu_ms']:>5.0f}ms {b50:>7.1f}ms "
+            f"{row['load_p50_ms']:>7.1f}ms {mean:>8.1f}ms {row['load_p99_ms']:>7.1f}ms "
+            f"{ps_ms:>7.0f}ms {row['mean_over_ps']:>7.2f}x"
         )
     c = res["counts"]
     print(
         f"creations {res['creates_per_s']:.1f}/s, kills {res['kills_per_s']:.1f}/s, "
-        f"{c['turns']} turns, {c['errors']} errors; host memory in use: up to "
+        f"{c['turns']} turns, {c['errors']} failures; host memory in use: up to "
         f"{res['mem_drop_mib_max']:.0f} MiB more (MemAvailable), CPU {res['cpu_busy_mean'] * 100:.0f}% busy; probe "
         f"{res['host_probe_s'][0] * 1000:.1f}/{res['host_probe_s'][1] * 1000:.1f} ms"
     )
+    print(
+        f"dsec serve's own CPU: {res['server_cores_mean']:.2f} cores on average, "
+        f"{res['server_cores_max']:.2f} at most (1 s samples); the load processes' event "
+        f"loops woke up to {res['client_lag_s_max'] * 1000:.0f} ms late"
+    )
+    for cause, k in sorted(res["failures_by_cause"].items(), key=lambda kv: -kv[1]):
+        print(f"  failed: {k} x {cause}")
+    print("platform probe (p50 / p99 under load; idle p50; p50 ratio):")
+    for name, xs in res["platform_ms"].items():
+        idle = idle_probe.get(name, float("nan"))
+        print(
+            f"  {name:<14} {pct(xs, 50):>7.1f} / {pct(xs, 99):>7.1f} ms; idle {idle:.1f} ms; "
+            f"{pct(xs, 50) / idle if idle else float('nan'):.1f}x"
+        )
     return rows
+
+
+async def probe_main(url: str, image: str, seconds: float) -> dict[str, list[float]]:
+    """Twice a second for ``seconds``: a 10-byte file read through the API, an ``echo`` in
+    an otherwise idle sandbox, and a ``GET`` of the sandbox (ms each)."""
+    out: dict[str, list[float]] = {"api_file_read": [], "echo": [], "info": []}
+    stop = time.monotonic() + seconds
+    async with AsyncClient(url, os.environ["DSEC_API_KEY"]) as client:
+        sb = await AsyncSandbox.create(
+            tier="container", image=image, cpu=1.0, memory_mb=256, client=client
+        )
+        try:
+            await sb.files.write("/tmp/probe.txt", "0123456789")
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                await sb.files.read("/tmp/probe.txt")
+                t1 = time.perf_counter()
+                await sb.commands.run("echo probe")
+                t2 = time.perf_counter()
+                await sb.refresh()
+                t3 = time.perf_counter()
+                out["api_file_read"].append((t1 - t0) * 1000)
+                out["echo"].append((t2 - t1) * 1000)
+                out["info"].append((t3 - t2) * 1000)
+                await asyncio.sleep(max(0.0, 0.5 - (t3 - t0)))
+        finally:
+            await sb.kill()
+    return out
+
+
+async def idle_probe(url: str, key: str, image: str) -> dict[str, float]:
+    """The platform probe on the idle node, 10 s (p50, ms)."""
+    got = await _child_json(["--probe-url", url, "--probe-seconds", "10", "--image", image], key)
+    return {k: pct(v, 50) for k, v in got.items()}
 
 
 def main() -> None:
@@ -229,7 +490,28 @@ def main() -> None:
     ap.add_argument("--home", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server")
+    ap.add_argument(
+        "--client-gate",
+        type=int,
+        default=0,
+        help="creations each phase lets run at once from the client (0: none; the server admits)",
+    )
+    ap.add_argument(
+        "--procs", type=int, default=4, help="load processes the agents are spread over"
+    )
+    ap.add_argument("--probe-url", help=argparse.SUPPRESS)  # the probe's own process
+    ap.add_argument("--probe-seconds", type=float, default=60.0, help=argparse.SUPPRESS)
+    ap.add_argument("--agents-url", help=argparse.SUPPRESS)  # a load process
+    ap.add_argument("--seed", type=int, default=23, help=argparse.SUPPRESS)
+    ap.add_argument("--pause-turns", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.probe_url:
+        got = asyncio.run(probe_main(args.probe_url, args.image, args.probe_seconds))
+        print(json.dumps(got))
+        return
+    if args.agents_url:
+        print(json.dumps(asyncio.run(agents_main(args))))
+        return
     if args.quick:
         args.n, args.duration = min(args.n, 50), min(args.duration, 20.0)
     home = Path(args.home or tempfile.mkdtemp(prefix="dsec-bench-rollouts-"))
@@ -252,24 +534,33 @@ def main() -> None:
                     "client": client,
                 }
                 print("idle-node baseline ...", flush=True)
-                results["idle_ms"] = await idle_baseline(kw, 10)
-                print(f"load: {args.n} agents, {args.duration:.0f} s ...", flush=True)
-                results["load"] = await load(
-                    kw, args.n, args.duration, args.think, args.turns, pause=False
+                results["idle_ms"], results["command_cpu_s"] = await idle_baseline(kw, 10)
+                results["idle_probe_ms"] = await idle_probe(srv.url, srv.api_key, args.image)
+                print(
+                    f"load: {args.n} agents in {args.procs} processes, {args.duration:.0f} s ...",
+                    flush=True,
                 )
+                results["load"] = await load(srv.url, srv.api_key, args, False, srv.proc.pid)
                 if not args.no_pause:
                     print(f"load with pause between turns ({args.duration:.0f} s) ...", flush=True)
                     results["load_pause"] = await load(
-                        kw, args.n, args.duration, args.think, args.turns, pause=True
+                        srv.url, srv.api_key, args, True, srv.proc.pid
                     )
 
         asyncio.run(go())
+    ps = processor_sharing(args.n, args.think, results["command_cpu_s"], os.cpu_count() or 1)
+    results["processor_sharing"] = ps
+    title = f"{args.n} agents, think median {args.think} s"
     results["table"] = table(
-        f"{args.n} agents, think median {args.think} s", results["idle_ms"], results["load"]
+        title, results["idle_ms"], results["load"], ps, results["idle_probe_ms"]
     )
     if "load_pause" in results:
         results["table_pause"] = table(
-            "same, with pause between turns", results["idle_ms"], results["load_pause"]
+            "same, with pause between turns",
+            results["idle_ms"],
+            results["load_pause"],
+            ps,
+            results["idle_probe_ms"],
         )
     out = Path(args.out or RESULTS / ("rollouts_quick.json" if args.quick else "rollouts.json"))
     out.parent.mkdir(parents=True, exist_ok=True)

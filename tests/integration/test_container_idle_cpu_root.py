@@ -25,7 +25,7 @@ pytestmark = pytest.mark.root
 Node = tuple[Paths, list[str], list[str]]
 
 
-async def runtime(node: Node, shares: int) -> ContainerRuntime:  # noqa: F811
+async def runtime(node: Node, shares: int, boost: float = 1.0) -> ContainerRuntime:  # noqa: F811
     paths, _, _ = node
     rt = ContainerRuntime(
         paths,
@@ -33,6 +33,7 @@ async def runtime(node: Node, shares: int) -> ContainerRuntime:  # noqa: F811
         pool=PoolConfig(min_ready=1, max_total=2),
         idle_cpu_shares=shares,
     )
+    rt.exec_boost = boost
     await rt.start()
     return rt
 
@@ -165,6 +166,35 @@ async def test_weights_off(node: Node) -> None:  # noqa: F811
             # the kernel's default weight (v1 1024 shares, v2 weight 100), as its parent's
             default = cgroup(rt.cgroup_parent).cpu_shares()
             assert shares(h) == default and await while_running(rt, h) == default
+        finally:
+            await rt.destroy(h)
+    finally:
+        await rt.close()
+
+
+async def test_a_command_starts_with_a_boost_that_ends(node: Node) -> None:  # noqa: F811
+    """A command starting in an idle sandbox runs at ``exec_boost`` times its weight for
+    ``exec_boost_s``, then at its full weight; idle again when it ends (short commands are
+    done within the boost: the node favours them over long ones)."""
+    rt = await runtime(node, 2, boost=8)
+    rt.exec_boost_s = budget(1.0)
+    try:
+        h = await rt.create(spec(node, 0.5))
+        try:
+            cmd = f"touch /tmp/running; {waits_for('/tmp/go')}"
+            task = asyncio.create_task(rt.exec(h, ExecRequest(cmd=cmd)))
+            await started(rt, h, "running")
+            assert shares(h) == as_set(8 * 512)
+            async with asyncio.timeout(budget(10)):
+                while shares(h) != as_set(512):
+                    await asyncio.sleep(0.05)
+            await release(rt, h, "/tmp/go")
+            assert (await task).ok
+            assert shares(h) == as_set(2)
+            # a command that ends within the boost leaves no timer behind to raise it again
+            assert (await rt.exec(h, ExecRequest(cmd="true"))).ok
+            await asyncio.sleep(rt.exec_boost_s + 0.2)
+            assert shares(h) == as_set(2)
         finally:
             await rt.destroy(h)
     finally:

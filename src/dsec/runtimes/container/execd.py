@@ -38,6 +38,7 @@ from dsec.errors import (
     Conflict,
     DsecError,
     InvalidRequest,
+    NodeBusy,
     PayloadTooLarge,
     SandboxError,
     SandboxStopped,
@@ -244,6 +245,8 @@ class ExecServer:
             log.warning("exec server %d did not answer its attach: %s", self.pid, where)
         else:
             detail = "it exited without an answer"
+        if timed_out:  # a node too busy to attach in time: retryable, the create is undone
+            raise NodeBusy(f"the exec server did not start: {detail}", retry_after_s=5)
         raise SandboxError(f"the exec server did not start: {detail}")
 
     @classmethod

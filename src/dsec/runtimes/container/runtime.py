@@ -117,6 +117,7 @@ class _Live:
     server: ExecServer | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     active: int = 0  # commands running (exec and interactive processes)
+    busy_since: int = 0  # bumped at each idle -> busy switch: a stale boost timer sees it
 
 
 @dataclass
@@ -278,6 +279,10 @@ class ContainerRuntime:
             pool or PoolConfig.from_env(), make=self._make_warm, discard=self._discard_warm
         )
         self._warm_ids: set[str] = set()  # warm containers, made and not claimed
+        self.exec_boost, self.exec_boost_s = _exec_boost_from_env()
+        """A command starting in an idle sandbox runs at ``exec_boost`` times the sandbox's
+        weight for its first ``exec_boost_s`` seconds (``DSEC_EXEC_BOOST``, default 8, 1 for
+        none; ``DSEC_EXEC_BOOST_MS``, default 200)."""
         self.idle_cpu_shares = (
             idle_cpu_shares if idle_cpu_shares is not None else _idle_shares_from_env()
         )
@@ -912,18 +917,38 @@ class ContainerRuntime:
         live.active = max(0, before + delta)
         if (before == 0) == (live.active == 0):
             return
-        self._weigh(handle, active=bool(live.active))
+        if not live.active or self.exec_boost <= 1:
+            self._weigh(handle, active=bool(live.active))
+            return
+        # a command starting after a pause of the sandbox gets a multiple of its weight for
+        # its first moments: short commands (ls, echo, a file test) finish within them and
+        # pass the long ones still running, as a feedback scheduler would have them
+        live.busy_since += 1
+        self._weigh(handle, active=True, boost=self.exec_boost)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._weigh(handle, active=True)
+            return
+        loop.call_later(self.exec_boost_s, self._unboost, handle, live, live.busy_since)
 
-    def _weigh(self, handle: Handle, *, active: bool) -> None:
-        """Set the sandbox's full (``active``) or idle CPU shares (v2: the ``cpu.weight`` they
-        map to). Also full while it is killed or frozen: its processes must get the CPU to
-        exit or reach the freezer (at 2 shares on a busy node they did not within 5 s, and
-        the kill left cgroups)."""
+    def _unboost(self, handle: Handle, live: _Live, generation: int) -> None:
+        """The boost of :meth:`_busy` is over: the sandbox's plain weight, if it still runs
+        the commands that earned the boost (else the idle switch already set the weight)."""
+        if live.active and live.busy_since == generation and self._live.get(handle.id) is live:
+            self._weigh(handle, active=True)
+
+    def _weigh(self, handle: Handle, *, active: bool, boost: float = 1.0) -> None:
+        """Set the sandbox's full (``active``, times ``boost``) or idle CPU shares (v2: the
+        ``cpu.weight`` they map to). Also full while it is killed or frozen: its processes
+        must get the CPU to exit or reach the freezer (at 2 shares on a busy node they did
+        not within 5 s, and the kill left cgroups)."""
         if not self.idle_cpu_shares:
             return
         state = self._load_state(handle)
         if active:
-            shares = _full_shares(float((state.get("limits") or {}).get("cpu", 1.0)))
+            cpu = float((state.get("limits") or {}).get("cpu", 1.0))
+            shares = _full_shares(cpu * boost)
         else:
             shares = self.idle_cpu_shares
         rel = state.get("cgroup") or self._cgroup_rel(handle.id)
@@ -1011,7 +1036,7 @@ class ContainerRuntime:
                         int(state["init_pid"]),
                         allow_setuid=bool(state.get("allow_setuid")),
                     )
-                except SandboxError as e:
+                except (SandboxError, NodeBusy) as e:
                     log.warning("recover %s: %s", handle.id, e)
                     return False
                 finally:
@@ -1394,6 +1419,16 @@ def _idle_shares_from_env() -> int:
     except ValueError as e:
         raise SystemExit(f"invalid DSEC_IDLE_CPU_SHARES={raw!r}: {e}") from e
     return 0 if value <= 0 else max(2, value)
+
+
+def _exec_boost_from_env() -> tuple[float, float]:
+    raw_boost = os.environ.get("DSEC_EXEC_BOOST", "8")
+    raw_ms = os.environ.get("DSEC_EXEC_BOOST_MS", "200")
+    try:
+        boost, ms = float(raw_boost), float(raw_ms)
+    except ValueError as e:
+        raise SystemExit(f"invalid DSEC_EXEC_BOOST / DSEC_EXEC_BOOST_MS: {e}") from e
+    return max(1.0, boost), max(0.0, ms) / 1000
 
 
 def _replace_file(path: Path, data: bytes) -> None:
