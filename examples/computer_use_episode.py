@@ -146,11 +146,12 @@ def run_episode(sb: Sandbox, steps: int, *, quiet: bool = False) -> Episode:
         ep.clicks += 1
         last = png
         if n == 1:  # the page must change after the first click
-            wait(lambda: page_count(sb) == 1, "the page to count the first click", 10)
+            wait(lambda: page_count(sb) == 1, "the page to count the first click")
             ep.first_change_seen = True
         else:
-            # wait until the page has taken this click (the button moved) before looking
-            wait(lambda c=ep.clicks: (page_count(sb) or 0) >= c, f"click {n}", 10)
+            # wait until the page has taken this click (the button moved) before looking; on
+            # a busy node the browser renders at the sandbox's idle weight once xdotool ends
+            wait(lambda c=ep.clicks: (page_count(sb) or 0) >= c, f"click {n}")
         step = Step(n, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, x, y)
         ep.steps.append(step)
         if not quiet:

@@ -170,6 +170,28 @@ async def test_create_exec_files_destroy(runtime: ContainerRuntime, make: Factor
         await run(runtime, h, "true")
 
 
+async def test_the_boot_id_cannot_be_written_from_inside(
+    runtime: ContainerRuntime, make: Factory
+) -> None:
+    """The sandbox's boot id is a node file bound over ``/proc/sys/kernel/random/boot_id``:
+    its root can neither overwrite nor grow it (the read-only /proc/sys rebind left a
+    writable copy of the bind on top, and the file is on the node-wide sandbox tmpfs)."""
+    h = await make()
+    node_file = runtime.paths.sandboxes / h.id / "boot_id"
+    before = node_file.read_text()
+    r = await run(
+        runtime,
+        h,
+        "f=/proc/sys/kernel/random/boot_id; echo PWNED > $f; echo rc=$?; "
+        "dd if=/dev/zero of=$f bs=1M count=8 2>/dev/null; echo rc=$?; cat $f",
+    )
+    assert r.stdout.count("rc=0") == 0, r
+    assert r.stdout.splitlines()[-1] == before.strip(), r
+    assert node_file.read_text() == before
+    await runtime.destroy(h)
+    assert_gone(runtime, h.id)  # the immutable file did not keep the directory
+
+
 async def test_env_cwd_user_stdin(runtime: ContainerRuntime, make: Factory) -> None:
     h = await make(env={"FROM_SPEC": "spec", "OVERRIDE": "spec"}, workdir="/tmp", user="sandbox")
     r = await run(runtime, h, "id -u; id -g; pwd; echo $FROM_SPEC $OVERRIDE $HOME; echo $PATH")

@@ -30,6 +30,7 @@ SCRIPT = textwrap.dedent(
     import json, os, sys
     from pathlib import Path
     from dsec import Sandbox
+    from dsec.runtimes.container.bundle import cgroup_parent
     from dsec.server import ServeProcess
 
     home = Path(sys.argv[1])
@@ -53,10 +54,18 @@ SCRIPT = textwrap.dedent(
         boxes = [Sandbox.create(**kw) for _ in range(4)]
         for sb in boxes:
             assert sb.commands.run("true").exit_code == 0
-        inits = [
-            p for p in os.listdir("/proc") if p.isdigit()
-            and Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"/dev/.dsec-init")
-        ]
+        mine = cgroup_parent(home)  # this server's containers (other tests run beside)
+
+        def ours(p):
+            try:
+                return (
+                    Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"/dev/.dsec-init")
+                    and mine in Path(f"/proc/{p}/cgroup").read_text()
+                )
+            except OSError:  # gone meanwhile
+                return False
+
+        inits = [p for p in os.listdir("/proc") if p.isdigit() and ours(p)]
         out["live"] = len(table())
         out["host_under_home"] = under_home(table())
         out["server_under_home"] = under_home(table(srv.proc.pid))
@@ -64,7 +73,7 @@ SCRIPT = textwrap.dedent(
         out["shared_masks"] = [
             r["mp"] for p in inits for r in table(p)
             if r["mp"].startswith("/proc/") and any(t.startswith("shared:") for t in r["tags"])
-        ]
+        ]  # (a container ending meanwhile is not ours: the script's sandboxes all live)
         out["inits"] = len(inits)
         boxes[0].files.write("/tmp/x", "through the API")
         out["read_back"] = boxes[0].files.read_text("/tmp/x")

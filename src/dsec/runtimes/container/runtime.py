@@ -73,6 +73,7 @@ from dsec.layers.rootfs import (
 )
 from dsec.models import ExecRequest, ExecResult, LayerInfo, SnapshotRequest
 from dsec.privileged.cgroups import Cgroup, cgroup, host_layout, prepare
+from dsec.privileged.fileattr import set_immutable
 from dsec.privileged.netns import NetnsSockets
 from dsec.privileged.nodesetup import NodeReport, oci_timeout_s, prepare_node
 from dsec.privileged.reaper import REAPER, reap_pid, where_are
@@ -143,14 +144,19 @@ _BOOT_ID_FILE = "boot_id"
 def _new_boot_id(sandbox_dir: Path) -> Path:
     """Write a new random boot id (a UUID, as the kernel's) into ``sandbox_dir``'s file that
     is bound over the sandbox's ``/proc/sys/kernel/random/boot_id``; in place, so the bind
-    mount shows it at once."""
+    mount shows it at once. The file is then made immutable: crun's read-only rebind of
+    ``/proc/sys`` leaves a writable copy of the bind on top, and a sandbox's root could write
+    the node's file (and fill the node-wide sandbox tmpfs through it); an immutable file
+    refuses every writer without ``CAP_LINUX_IMMUTABLE``, which sandboxes never hold."""
     path = sandbox_dir / _BOOT_ID_FILE
+    set_immutable(path, False)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o444)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{uuid.uuid4()}\n".encode(), 0)
     finally:
         os.close(fd)
+    set_immutable(path, True)
     return path
 
 
@@ -1139,6 +1145,7 @@ class ContainerRuntime:
                 cgroup(r).remove()
             except (OSError, TimeoutError) as e:
                 errors.append(f"cgroup {r}: {e}")
+        set_immutable(sandbox_dir / _BOOT_ID_FILE, False)  # else the directory stays
         try:
             teardown_rootfs(sandbox_dir)
         except DsecError as e:
