@@ -31,6 +31,7 @@ node's mounts.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -40,12 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.privileged.mount import (
+    MNT_DETACH,
     MS_BIND,
     MS_PRIVATE,
     MS_REC,
     MS_SLAVE,
     _unescape,
     mount,
+    umount,
 )
 
 __all__ = [
@@ -169,14 +172,16 @@ def _pinned_namespace(pin: Path) -> int | None:
         return None
 
 
-def _private_dir(path: Path) -> None:
+def _private_dir(path: Path) -> bool:
     """``path`` as a private bind mount of itself (in this namespace): a pin below it is
     neither propagated into the namespace it pins (the kernel refuses such a loop) nor into
-    any other."""
+    any other. True if it made the bind mount (it was not one)."""
     path.mkdir(parents=True, exist_ok=True)
-    if not _is_mount_point(path):
+    made = not _is_mount_point(path)
+    if made:
         mount(path, path, None, MS_BIND)
     mount("none", path, None, MS_PRIVATE)
+    return made
 
 
 def _in_host(host_fd: int, fn: object) -> None:
@@ -232,18 +237,21 @@ def enter_node_namespace(run_dir: Path) -> NodeMountNamespace:
         return _current
     pin = run_dir / "mntns" / "ns"
     host_fd = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    made_private = False
     try:
         pinned = _pinned_namespace(pin)
         if pinned is not None:
+            cwd = os.getcwd()
             try:
                 _check(_libc.setns(pinned, CLONE_NEWNS), "setns(pinned mount namespace)")
             finally:
                 os.close(pinned)
-            os.chdir("/")  # setns(CLONE_NEWNS) resets neither; keep paths resolving in it
+            with contextlib.suppress(OSError):  # setns(CLONE_NEWNS) moved it to the root
+                os.chdir(cwd)
             _current = NodeMountNamespace(True, "", pin, joined=True, host_fd=host_fd)
             log.info("joined the node's mount namespace pinned at %s", pin)
             return _current
-        _private_dir(pin.parent)
+        made_private = _private_dir(pin.parent)
         pin.touch()
         _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
         mount("none", "/", None, MS_REC | MS_SLAVE)
@@ -255,6 +263,9 @@ def enter_node_namespace(run_dir: Path) -> NodeMountNamespace:
         with_host = os.readlink("/proc/self/ns/mnt") == os.readlink(f"/proc/self/fd/{host_fd}")
         if not with_host:  # unshared but not pinned: go back, nothing is mounted here yet
             _libc.setns(host_fd, CLONE_NEWNS)
+        if made_private:  # leave the host's table as it was
+            with contextlib.suppress(OSError):
+                umount(pin.parent, MNT_DETACH)
         os.close(host_fd)
         return _current
     _current = NodeMountNamespace(True, "", pin, host_fd=host_fd)
