@@ -81,3 +81,10 @@ def budget(seconds: float) -> float:
     """``seconds`` (what the wait takes on an idle machine at full speed, with margin)
     stretched for this machine now."""
     return seconds * slowness()
+
+
+def vm_boot_budgets() -> dict[str, float]:
+    """The VM tiers' boot time-outs (``MicroVMConfig``) stretched like every other bound: a
+    TCG cold boot that takes 9 s on an idle machine took over 60 s beside the rest of the
+    suite and a QEMU host guest."""
+    return {"cold_boot_timeout_s": budget(60.0), "restore_timeout_s": budget(30.0)}

@@ -42,6 +42,7 @@ def test_container_tier_on_debian12_cgroup_v2(tmp_path: Path) -> None:
         conformance=False,
         timeout_s=budget(1200),
         memory_mb=2048,
+        cpus=1,  # one emulated CPU: the guest runs beside the rest of the suite
     )
     run = run_host(HOSTS[HOST], tmp_path / HOST, options)
     results = run.results

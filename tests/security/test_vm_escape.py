@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.timing import budget
+from tests.timing import budget, vm_boot_budgets
 from tests.vm.conftest import VM_HOME, BusyboxImage, _build_image, new_spec
 
 from dsec.config import Paths
@@ -188,7 +188,9 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 @pytest.fixture(params=TIERS)
 async def runtime(request: pytest.FixtureRequest, image: BusyboxImage) -> AsyncIterator[Any]:
     cls = VMRuntime if request.param == "vm" else MicroVMRuntime
-    rt = cls(Paths(VM_HOME), MicroVMConfig(pool_size=0, exec_grace_s=budget(3.0)))
+    rt = cls(
+        Paths(VM_HOME), MicroVMConfig(pool_size=0, exec_grace_s=budget(3.0), **vm_boot_budgets())
+    )
     await rt.start()
     if not capabilities_of(rt).available:
         pytest.fail(f"{request.param} tier unavailable: {capabilities_of(rt).reason}")

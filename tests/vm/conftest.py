@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from tests.isolation import WORKER
-from tests.timing import budget
+from tests.timing import budget, vm_boot_budgets
 
 from dsec.config import Paths
 from dsec.privileged.cgroups import cgroup
@@ -89,7 +89,9 @@ def busybox_image(vm_home: Path) -> BusyboxImage:
 
 @pytest.fixture
 async def microvm(vm_home: Path) -> AsyncIterator[MicroVMRuntime]:
-    rt = MicroVMRuntime(Paths(vm_home), MicroVMConfig(pool_size=0, exec_grace_s=budget(3.0)))
+    rt = MicroVMRuntime(
+        Paths(vm_home), MicroVMConfig(pool_size=0, exec_grace_s=budget(3.0), **vm_boot_budgets())
+    )
     await rt.start()
     if not capabilities_of(rt).available:
         pytest.fail(f"microvm tier unavailable: {capabilities_of(rt).reason}")

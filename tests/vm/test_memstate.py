@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from tests.timing import budget
+from tests.timing import budget, vm_boot_budgets
 
 from dsec.config import Paths
 from dsec.errors import Conflict, FileNotFound, SandboxError
@@ -87,7 +87,9 @@ async def test_suspend_frees_memory_and_survives_restart(
     assert (await microvm.pause(h))["mode"] == "suspended"  # a freeze leaves it suspended
 
     # an edge restart: a new runtime on the same node reattaches to the suspended sandbox
-    rt2 = MicroVMRuntime(Paths(vm_home), MicroVMConfig(pool_size=0, exec_grace_s=budget(3.0)))
+    rt2 = MicroVMRuntime(
+        Paths(vm_home), MicroVMConfig(pool_size=0, exec_grace_s=budget(3.0), **vm_boot_budgets())
+    )
     await rt2.start()
     try:
         h2 = Handle(h.id, json.loads(json.dumps(h.state)))
@@ -219,7 +221,9 @@ async def test_vm_tier_suspend_and_fork_keep_the_disk(
     VM) and each memory fork gets its own copy of it."""
     from dsec.runtimes.vm import VMRuntime
 
-    rt = VMRuntime(Paths(vm_home), MicroVMConfig(exec_grace_s=budget(3.0), pool_size=0))
+    rt = VMRuntime(
+        Paths(vm_home), MicroVMConfig(exec_grace_s=budget(3.0), pool_size=0, **vm_boot_budgets())
+    )
     await rt.start()
     h = await rt.create(new_spec(busybox_image, tier="vm", disk_mb=96))
     child: Handle | None = None

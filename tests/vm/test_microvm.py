@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.timing import budget
+from tests.timing import budget, vm_boot_budgets
 
 from dsec.config import Paths
 from dsec.errors import (
@@ -321,7 +321,7 @@ async def test_destroy_leaves_nothing(microvm: MicroVMRuntime, busybox_image: Bu
 
 
 async def test_recover_and_orphans(vm_home: Path, busybox_image: BusyboxImage) -> None:
-    cfg = MicroVMConfig(pool_size=1)
+    cfg = MicroVMConfig(pool_size=1, **vm_boot_budgets())
     rt = MicroVMRuntime(Paths(vm_home), cfg)
     await rt.start()
     h = await rt.create(new_spec(busybox_image))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.timing import budget
+from tests.timing import budget, vm_boot_budgets
 
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
@@ -97,7 +97,9 @@ def _display(edge: object, sandbox_id: str) -> tuple[AsyncDisplay, AsyncClient]:
 
 @pytest.fixture
 async def vm_runtime(vm_home: Path) -> AsyncIterator[VMRuntime]:
-    rt = VMRuntime(Paths(vm_home), MicroVMConfig(exec_grace_s=budget(3.0), pool_size=1))
+    rt = VMRuntime(
+        Paths(vm_home), MicroVMConfig(exec_grace_s=budget(3.0), pool_size=1, **vm_boot_budgets())
+    )
     await rt.start()
     assert capabilities_of(rt).available, capabilities_of(rt).reason
     yield rt
