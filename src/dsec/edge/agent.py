@@ -160,9 +160,9 @@ class EdgeLimits:
         ``DSEC_MEMORY_OVERCOMMIT``, ``DSEC_IMAGE_WAIT_S`` (seconds a create waits for a
         built-in image being built), ``DSEC_MAX_BUILD_CONTEXT_BYTES``,
         ``DSEC_MAX_BUILD_BYTES``, ``DSEC_CREATE_SLOTS``/``DSEC_CREATE_QUEUE``/
-        ``DSEC_CREATE_WAIT_S`` (:mod:`dsec.edge.admission`), ``DSEC_MAX_PORT_CONNECTIONS`` (open proxied connections
-        per sandbox) and ``DSEC_LOG_BYTES`` (start-command output kept per sandbox): the
-        operator settings of ``dsec serve``."""
+        ``DSEC_CREATE_WAIT_S`` (:mod:`dsec.edge.admission`), ``DSEC_MAX_PORT_CONNECTIONS``
+        (open proxied connections per sandbox) and ``DSEC_LOG_BYTES`` (start-command output
+        kept per sandbox): the operator settings of ``dsec serve``."""
         lim = cls()
         env = os.environ
         try:
