@@ -57,6 +57,8 @@ class RunOptions:
         conformance: run the conformance suite in full mode.
         timeout_s: the whole guest, boot to power-off (TCG guests are ~10x slower).
         memory_mb, cpus: the guest's.
+        nice: QEMU's niceness (a guest run beside other work, e.g. CI's smoke beside the
+            suite's own VM tests, yields the CPU to it).
     """
 
     mode: str = "full"
@@ -68,6 +70,7 @@ class RunOptions:
     timeout_s: float = 5400
     memory_mb: int = 4096
     cpus: int = 2
+    nice: int = 0
 
 
 @dataclass
@@ -235,6 +238,9 @@ def run_host(host: HostSpec, run_dir: Path, options: RunOptions) -> GuestRun:
         start_new_session=True,
         preexec_fn=_die_with_parent,
     )
+    if options.nice:
+        with contextlib.suppress(OSError):  # it may have exited already
+            os.setpriority(os.PRIO_PROCESS, proc.pid, options.nice)
     try:
         qemu_out, _ = proc.communicate(timeout=options.timeout_s)
         if proc.returncode != 0:

@@ -310,7 +310,13 @@ async def test_kill_everything(runtime: MicroVMRuntime, make: Any) -> None:
     own processes die; the agent has no pid in their namespace."""
     h = await make()
     await run(runtime, h, "sleep 300 >/dev/null 2>&1 & echo started")
-    r = await run(runtime, h, "ps -o pid,args")
+    polls = int(budget(10) / 0.05)  # the background shell may not have exec'd sleep yet
+    r = await run(
+        runtime,
+        h,
+        f"n=0; until ps -o args | grep -q '^[s]leep 300' || [ $n -ge {polls} ]; "
+        "do sleep 0.05; n=$((n+1)); done; ps -o pid,args",
+    )
     assert "sleep 300" in r.stdout and "agent" not in r.stdout, r
     r = await run(runtime, h, "kill -9 -1 2>/dev/null; echo done")
     assert r.stdout == "done\n", r
