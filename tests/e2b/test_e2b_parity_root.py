@@ -177,7 +177,9 @@ def test_pause_keep_memory_false_keeps_files_and_boots_afresh(sbx: Sandbox) -> N
     sbx.files.write("kept.txt", "files stay")
     boot = sbx.files.read("/proc/sys/kernel/random/boot_id")
     sbx.commands.run("sleep 600", background=True)
-    assert sbx.commands.run("pgrep -x sleep").exit_code == 0
+    # started, not yet exec'd on a busy machine: wait until it has
+    wait = "i=0; until pgrep -x sleep; do i=$((i+1)); [ $i -gt 400 ] && exit 1; sleep 0.05; done"
+    assert sbx.commands.run(wait).exit_code == 0
     sbx.pause(keep_memory=False)
     assert sbx.get_info().state == SandboxState.PAUSED
     sbx.connect()
