@@ -48,10 +48,7 @@ SCRIPT = textwrap.dedent(
     def under_home(rows):
         return sorted(r["mp"] + " " + r["fs"] for r in rows if r["mp"].startswith(str(home)))
 
-    out = {"before": len(table())}
-    with ServeProcess(home, env=env) as srv:
-        kw = {"image": "busybox", "url": srv.url, "api_key": srv.api_key}
-        boxes = [Sandbox.create(**kw) for _ in range(4)]
+    def measure(srv, boxes, out):
         for sb in boxes:
             assert sb.commands.run("true").exit_code == 0
         mine = cgroup_parent(home)  # this server's containers (other tests run beside)
@@ -73,12 +70,21 @@ SCRIPT = textwrap.dedent(
         out["shared_masks"] = [
             r["mp"] for p in inits for r in table(p)
             if r["mp"].startswith("/proc/") and any(t.startswith("shared:") for t in r["tags"])
-        ]  # (a container ending meanwhile is not ours: the script's sandboxes all live)
+        ]
         out["inits"] = len(inits)
         boxes[0].files.write("/tmp/x", "through the API")
         out["read_back"] = boxes[0].files.read_text("/tmp/x")
-        for sb in boxes:
-            sb.kill()
+
+    out = {"before": len(table())}
+    with ServeProcess(home, env=env) as srv:
+        kw = {"image": "busybox", "url": srv.url, "api_key": srv.api_key}
+        boxes = []
+        try:  # sandboxes outlive a stopped server (a restart recovers them): kill them
+            boxes += [Sandbox.create(**kw) for _ in range(4)]
+            measure(srv, boxes, out)
+        finally:
+            for sb in boxes:
+                sb.kill()
     out["after"] = len(table())
     out["host_under_home_after"] = under_home(table())
     print(json.dumps(out))
