@@ -78,6 +78,11 @@ def cpu_times() -> tuple[int, int]:
     return sum(v) - idle, sum(v)
 
 
+def sandbox_kw(image: str, client: AsyncClient) -> dict[str, Any]:
+    """What every sandbox of the benchmark is created with (agents, probe, baseline)."""
+    return {"tier": "container", "image": image, "cpu": 1.0, "memory_mb": 256, "client": client}
+
+
 async def run_command(sb: AsyncSandbox, kind: str) -> None:
     if kind == "ls":
         r = await sb.commands.run("ls -la /usr/bin > /dev/null")
@@ -248,13 +253,7 @@ async def agents(
 async def agents_main(args: argparse.Namespace) -> dict[str, Any]:
     """A load process (``--agents-url``): its agents against the server."""
     async with AsyncClient(args.agents_url, os.environ["DSEC_API_KEY"]) as client:
-        kw: dict[str, Any] = {
-            "tier": "container",
-            "image": args.image,
-            "cpu": 1.0,
-            "memory_mb": 256,
-            "client": client,
-        }
+        kw = sandbox_kw(args.image, client)
         return await agents(
             kw,
             args.n,
@@ -454,9 +453,7 @@ async def probe_main(url: str, image: str, seconds: float) -> dict[str, list[flo
     out: dict[str, list[float]] = {"api_file_read": [], "echo": [], "info": []}
     stop = time.monotonic() + seconds
     async with AsyncClient(url, os.environ["DSEC_API_KEY"]) as client:
-        sb = await AsyncSandbox.create(
-            tier="container", image=image, cpu=1.0, memory_mb=256, client=client
-        )
+        sb = await AsyncSandbox.create(**sandbox_kw(image, client))
         try:
             await sb.files.write("/tmp/probe.txt", "0123456789")
             while time.monotonic() < stop:
@@ -532,13 +529,7 @@ def main() -> None:
 
         async def go() -> None:
             async with AsyncClient(srv.url, srv.api_key) as client:
-                kw: dict[str, Any] = {
-                    "tier": "container",
-                    "image": args.image,
-                    "cpu": 1.0,
-                    "memory_mb": 256,
-                    "client": client,
-                }
+                kw = sandbox_kw(args.image, client)
                 print("idle-node baseline ...", flush=True)
                 results["idle_ms"], results["command_cpu_s"] = await idle_baseline(kw, 10)
                 results["idle_probe_ms"] = await idle_probe(srv.url, srv.api_key, args.image)

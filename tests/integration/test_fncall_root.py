@@ -22,7 +22,6 @@ from tests.timing import budget
 
 from dsec.models import ExecRequest
 from dsec.privileged.cgroups import cgroup
-from dsec.runtimes.base import SandboxSpec
 from dsec.runtimes.fncall.pool import PoolConfig
 from dsec.runtimes.fncall.service import (
     CodeRunRequest,
@@ -333,19 +332,7 @@ async def test_no_view_of_other_workers(svc: RunCodeService) -> None:
 async def test_sandbox_contract(svc: RunCodeService) -> None:
     rt = svc.runtime
     files, digests = await rt.image_layers("debian")
-    spec = SandboxSpec(
-        id="sb-t-contract",
-        tier="fncall",
-        layer_paths=[str(f) for f in files],
-        layer_digests=digests,
-        cpu=1,
-        memory_mb=256,
-        disk_mb=64,
-        pids=64,
-        env={"GREETING": "hi"},
-        user=None,
-        workdir="/work",
-    )
+    spec = dataclasses.replace(worker_spec(files, digests, "sb-t-contract"), env={"GREETING": "hi"})
     h = await rt.create(spec)
     try:
         u = await rt.usage(h)  # the spec's limits, in the worker's cgroup
@@ -519,19 +506,7 @@ async def test_image_without_python_is_a_client_error(svc: RunCodeService) -> No
 
     rt = svc.runtime
     files, digests = await rt.image_layers("busybox")
-    spec = SandboxSpec(
-        id="sb-t-nopython",
-        tier="fncall",
-        layer_paths=[str(f) for f in files],
-        layer_digests=digests,
-        cpu=1,
-        memory_mb=256,
-        disk_mb=64,
-        pids=64,
-        env={},
-        user=None,
-        workdir="/work",
-    )
+    spec = worker_spec(files, digests, "sb-t-nopython")
     with pytest.raises(InvalidRequest, match="no /usr/bin/python3") as got:
         await rt.create(spec)
     assert got.value.details == {"missing": "/usr/bin/python3"}
