@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from dsec.config import Paths
 from dsec.edge.agent import EdgeAgent, EdgeLimits
 from dsec.node import _list_env, embedded_edge, tiers_from_env
+from dsec.privileged.cgroups.supervisor import reserve as reserve_supervisor
 from dsec.privileged.mountns import enter_node_namespace
 from dsec.privileged.reaper import become_subreaper
 
@@ -207,6 +208,10 @@ def serve(
     # orphans of our helpers (crun's monitor, container inits...) come back to this process,
     # whose reaper thread waits for them (dsec.privileged.reaper)
     become_subreaper()
+    # dsec's own processes weighted above every sandbox (dsec.privileged.cgroups.supervisor)
+    supervisor = reserve_supervisor()
+    if supervisor is not None:
+        log.info("%s", supervisor.note)
 
     tiers = tiers_from_env()
 
@@ -234,6 +239,8 @@ def serve(
         uvloop.run(main())
     if remaining == [0]:  # nothing for a restarted server to recover: the namespace goes
         mount_ns.release()
+    if supervisor is not None:
+        supervisor.release()
 
 
 def prebuild_images(store: Any) -> None:
