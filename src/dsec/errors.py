@@ -69,6 +69,7 @@ __all__ = [
     "BuildFailed",
     "CapabilityNotSupported",
     "Conflict",
+    "CreationRateExceeded",
     "DisplayNotRunning",
     "DsecError",
     "FileExists_",
@@ -313,6 +314,14 @@ class QuotaExceeded(DsecError):
 
     code = "quota_exceeded"
     http_status = 429
+
+
+class CreationRateExceeded(QuotaExceeded):
+    """The key created sandboxes faster than its ``creations_per_s`` quota allows. Nothing
+    was created; retry after ``details["retry_after_s"]`` seconds (the SDK does, until its
+    time-out)."""
+
+    code = "creation_rate_exceeded"
 
 
 class TooManyConnections(QuotaExceeded):

@@ -733,6 +733,42 @@ class NodeInfo(_Model):
     )
 
 
+class KeyQuota(_Model):
+    """What the operator lets one API key use (``dsec key create/set --max-sandboxes ...``).
+    None: no limit of that kind beyond the node's own. ``cpu_weight`` is the key's share of
+    contended CPU against other keys (all its sandboxes share it; 100 is every key's default,
+    as ``cpu.weight`` is every cgroup's)."""
+
+    max_sandboxes: int | None = Field(None, ge=0, description="live sandboxes at once")
+    max_cpu: float | None = Field(None, ge=0, description="cores requested by live sandboxes")
+    max_memory_mb: int | None = Field(
+        None, ge=0, description="memory (MiB) requested by live sandboxes"
+    )
+    creations_per_s: float | None = Field(
+        None, gt=0, description="sandbox creations a second (bursts of one second's worth)"
+    )
+    cpu_weight: int = Field(
+        100, ge=1, le=10000, description="share of contended CPU against other keys"
+    )
+
+
+class KeyUsage(_Model):
+    """What one key holds now (live sandboxes and what they requested)."""
+
+    sandboxes: int = 0
+    cpu: float = 0.0
+    memory_mb: int = 0
+
+
+class KeyInfo(_Model):
+    """The calling key: ``GET /v1/key`` (``dsec info``). Another key's is never shown."""
+
+    owner: str = Field(description="the key's owner id (k + 16 hex digits of its hash)")
+    role: str = Field("user", description="``operator`` or ``user``")
+    quota: KeyQuota = Field(default_factory=KeyQuota)
+    usage: KeyUsage = Field(default_factory=KeyUsage)
+
+
 class CpuMetrics(_Model):
     """CPU of one sandbox. ``usage_s`` is cumulative; the rates cover ``interval_s`` of the
     :class:`SandboxMetrics` they belong to."""

@@ -7,6 +7,7 @@ Order matters: the node-loss test kills w1 and runs last.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -103,6 +104,65 @@ def test_batch_beyond_quota_is_refused_whole(cluster_server: ClusterServer) -> N
         )
     after = len(Sandbox.list(url=cluster_server.url, api_key=cluster_server.api_key))
     assert after == before
+
+
+def test_a_key_quota_holds_across_the_cluster(
+    cluster_server: ClusterServer, tmp_path: Path
+) -> None:
+    """A key's quota, set with ``dsec key create --database`` (the cluster's keys), is
+    checked by the apiserver against the registry: spreading over nodes does not pass it,
+    a batch gets what fits; another key is not limited by it; ``GET /v1/key`` shows the key
+    its own quota and what it holds; ``dsec key set`` changes it for every replica."""
+    from typer.testing import CliRunner
+
+    from dsec.cli import main as cli
+    from dsec.models import KeyQuota
+
+    runner = CliRunner(env={"COLUMNS": "200"})
+    db = ["--database", cluster_server.dsn, "--home", str(tmp_path)]
+    made_key = runner.invoke(cli.app, ["key", "create", "--max-sandboxes", "3", *db])
+    assert made_key.exit_code == 0, made_key.output
+    key = made_key.stdout.strip()
+    kw: dict[str, Any] = {"url": cluster_server.url, "image": "busybox", "memory_mb": 64}
+    made: list[Sandbox] = []
+    try:
+        made += [Sandbox.create(api_key=key, **kw) for _ in range(2)]
+        batch = Sandbox.create_many(3, api_key=key, **kw)
+        made += batch.sandboxes
+        assert len(batch.sandboxes) == 1
+        assert [e.code for e in batch.errors] == ["quota_exceeded"] * 2
+        with pytest.raises(QuotaExceeded) as e:
+            Sandbox.create(api_key=key, **kw)
+        assert e.value.details["quota"] == "max_sandboxes"
+        # the operator's key is not limited by another key's quota
+        other = Sandbox.create(api_key=cluster_server.api_key, **kw)
+        made.append(other)
+        with httpx.Client(base_url=cluster_server.url) as c:
+            mine = c.get("/v1/key", headers={"authorization": f"Bearer {key}"}).json()
+            theirs = c.get(
+                "/v1/key", headers={"authorization": f"Bearer {cluster_server.api_key}"}
+            ).json()
+        assert mine["quota"]["max_sandboxes"] == 3 and mine["usage"]["sandboxes"] == 3
+        assert theirs["quota"]["max_sandboxes"] is None and theirs["owner"] != mine["owner"]
+        changed = runner.invoke(cli.app, ["key", "set", mine["owner"], "--max-sandboxes", "4", *db])
+        assert changed.exit_code == 0, changed.output
+        listed = runner.invoke(cli.app, ["key", "ls", "-o", "json", *db])
+        assert any(
+            k["owner"] == mine["owner"] and k["quota"] == KeyQuota(max_sandboxes=4).model_dump()
+            for k in json.loads(listed.stdout)
+        )
+        assert wait_until(  # the replica's copy of the keys reloads within its refresh time
+            lambda: (
+                httpx.get(
+                    f"{cluster_server.url}/v1/key", headers={"authorization": f"Bearer {key}"}
+                ).json()["quota"]["max_sandboxes"]
+                == 4
+            ),
+            timeout_s=20,
+        )
+        made.append(Sandbox.create(api_key=key, **kw))
+    finally:
+        _kill_all(made)
 
 
 def test_full_node_rejects_and_next_admits(cluster_server: ClusterServer) -> None:

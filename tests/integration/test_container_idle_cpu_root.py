@@ -4,6 +4,7 @@ low ``cpu.shares``, its full weight (1024 x cpu) while a command runs. Needs roo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -198,4 +199,62 @@ async def test_a_command_starts_with_a_boost_that_ends(node: Node) -> None:  # n
         finally:
             await rt.destroy(h)
     finally:
+        await rt.close()
+
+
+async def test_a_keys_sandboxes_share_one_weighted_cgroup(node: Node) -> None:  # noqa: F811
+    """Per-key CPU fairness (dsec.edge.quotas): the sandboxes of one CPU group (a key) sit
+    under ``<parent>/key-<group>`` with the group's weight, so that a key's many busy
+    sandboxes share what one key gets; warm containers are made in their group; the group's
+    cgroup goes with its last sandbox, and a weight the operator changed applies at the
+    group's next creation."""
+    rt = await runtime(node, 2)
+    a: list[Handle] = []
+    b: Handle | None = None
+    try:
+        a += [
+            await rt.create(
+                dataclasses.replace(spec(node, 0.5), cpu_group="kaaaa", cpu_group_weight=300)
+            )
+            for _ in range(3)
+        ]
+        b = await rt.create(dataclasses.replace(spec(node, 0.5), cpu_group="kbbbb"))
+        group_a = cgroup(f"{rt.cgroup_parent}/key-kaaaa")
+        group_b = cgroup(f"{rt.cgroup_parent}/key-kbbbb")
+        for h in a:
+            # (a claimed warm container's cgroup keeps the warm id)
+            assert h.state["cgroup"].rsplit("/", 1)[0] == f"{rt.cgroup_parent}/key-kaaaa"
+            assert (await rt.exec(h, ExecRequest(cmd="true"))).ok
+        assert b.state["cgroup"].startswith(f"{rt.cgroup_parent}/key-kbbbb/")
+        assert group_a.cpu_shares() == as_set(3072) and group_b.cpu_shares() == as_set(1024)
+        # a sandbox's own weight still follows its activity, inside its group
+        assert shares(a[0]) == as_set(2)
+        # the orphan scan looks inside the groups: a cgroup left there is found
+        known = {h.id for h in [*a, b]}
+        assert await rt.list_orphans(known) == []
+        stray = group_a.child("sb-stray")
+        stray.create()
+        try:
+            assert await rt.list_orphans(known) == ["sb-stray"]
+        finally:
+            stray.remove()
+        # the operator changed the key's weight: its next sandbox sets it
+        a.append(
+            await rt.create(
+                dataclasses.replace(spec(node, 0.5), cpu_group="kaaaa", cpu_group_weight=50)
+            )
+        )
+        assert group_a.cpu_shares() == as_set(512)
+        await rt.destroy(b)
+        assert not group_b.exists()  # its last sandbox is gone: so is the group
+        for h in a[:-1]:
+            await rt.destroy(h)
+        assert group_a.exists()
+        await rt.destroy(a[-1])
+        async with asyncio.timeout(budget(30)):  # the pool's warm ones of the group go too
+            await rt.pool.close()
+        assert not group_a.exists()
+    finally:
+        for h in [*a, *([b] if b else [])]:
+            await rt.destroy(h)
         await rt.close()

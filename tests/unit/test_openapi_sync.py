@@ -65,6 +65,7 @@ def test_openapi_describes_routes_security_and_errors() -> None:
         "/v1/sandboxes/{sandbox_id}/ports": {"get"},
         "/v1/layers": {"get"},
         "/v1/node": {"get"},
+        "/v1/key": {"get"},
         "/v1/capabilities": {"get"},
         "/healthz": {"get"},
         "/metrics": {"get"},

@@ -16,7 +16,8 @@ EXPECTED = {
     "AsyncClient", "AsyncSandbox", "Client", "CommandResult", "Image", "Sandbox",
     # models
     "Capabilities", "CreateSandboxRequest", "ExecEvent", "ExecRequest", "ExecResult",
-    "FileInfo", "ImageInfo", "LayerInfo", "LogLine", "NodeInfo", "SandboxInfo", "SandboxMetrics",
+    "FileInfo", "ImageInfo", "KeyInfo", "KeyQuota", "KeyUsage", "LayerInfo", "LogLine", "NodeInfo",
+    "SandboxInfo", "SandboxMetrics",
     # network
     "NetworkPolicy",
 }  # fmt: skip

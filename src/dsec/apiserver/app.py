@@ -28,11 +28,13 @@ from dsec.apiserver.ports import PortProxy, PortsDispatch, PortTokens
 from dsec.apiserver.routes_display import router as display_router
 from dsec.apiserver.routes_images import router as images_router
 from dsec.apiserver.routes_jobs import router as jobs_router
+from dsec.apiserver.routes_keys import router as keys_router
 from dsec.apiserver.routes_ports import router as ports_router
 from dsec.apiserver.routes_sandboxes import UPLOAD_ROUTES
 from dsec.apiserver.routes_sandboxes import router as sandboxes_router
 from dsec.apiserver.schemas import Health
-from dsec.edge.interface import EdgeAPI
+from dsec.edge.interface import EdgeAPI, KeyAccounting
+from dsec.edge.quotas import KeyQuotas
 from dsec.version import __version__
 
 __all__ = [
@@ -97,12 +99,15 @@ def create_app(
     )
     app.state.edge = edge
     app.state.keys = keys
+    if isinstance(keys, KeyQuotas) and isinstance(edge, KeyAccounting):
+        edge.key_quotas.source = keys  # each key's quota, checked on every creation
     metrics = ApiMetrics()
     app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(sandboxes_router)
     app.include_router(images_router)
     app.include_router(jobs_router)
+    app.include_router(keys_router)
     app.include_router(display_router)
     app.include_router(ports_router)
     proxy = PortProxy(
@@ -159,6 +164,7 @@ def _route_templates(app: FastAPI) -> list[tuple[str, set[str]]]:
         *sandboxes_router.routes,
         *images_router.routes,
         *jobs_router.routes,
+        *keys_router.routes,
         *display_router.routes,
         *ports_router.routes,
         *app.router.routes,

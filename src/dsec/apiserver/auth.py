@@ -9,11 +9,13 @@ Files under the state directory (``$DSEC_HOME``)::
 
     api_key         the key generated at first start, plaintext, mode 0600, so local
                     SDK/CLI users on the node can read it (as root)
-    api_keys.json   {"keys": [{"owner": ..., "sha256": ..., "created_at": ..., "name": ...}]}
-                    mode 0600, rewritten atomically (write + rename)
+    api_keys.json   {"keys": [{"owner": ..., "sha256": ..., "created_at": ..., "name": ...,
+                    "role": ..., "quota": {...}}]} mode 0600, rewritten atomically (write +
+                    rename); ``quota`` is the key's :class:`~dsec.models.KeyQuota` (absent:
+                    none) set by ``dsec key create/set``
 
 :meth:`KeyStore.verify` re-reads ``api_keys.json`` when it changes (inode, mtime, size), so keys created
-or revoked by another process (``dsec`` CLI) take effect without a restart.
+or revoked by another process (``dsec`` CLI) take effect without a restart; so do quotas.
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ import fcntl
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+from dsec.edge.quotas import UNLIMITED
+from dsec.models import KeyQuota
 
 __all__ = [
     "KeyDirectory",
@@ -42,6 +48,8 @@ __all__ = [
     "key_digest",
     "owner_id",
 ]
+
+log = logging.getLogger(__name__)
 
 KEY_PREFIX = "dsec_"
 
@@ -80,13 +88,18 @@ class KeyDirectory(Protocol):
 @dataclass(frozen=True)
 class KeyRecord:
     """One stored key (never the key itself). ``role``: ``operator`` (the node's first key,
-    or one created with ``dsec key create --operator``) or ``user``."""
+    or one created with ``dsec key create --operator``) or ``user``; ``quota``: the key's
+    :class:`~dsec.models.KeyQuota` as stored (empty: no limits)."""
 
     owner: str
     sha256: str
     created_at: float  # unix seconds
     name: str = ""
     role: str = "user"
+    quota: dict[str, Any] = field(default_factory=dict)
+
+    def key_quota(self) -> KeyQuota:
+        return KeyQuota.model_validate(self.quota) if self.quota else UNLIMITED
 
 
 def _lookup(records: Iterable[KeyRecord], key: str) -> str | None:
@@ -116,6 +129,10 @@ class StaticKeys:
     def has_owner(self, owner: str) -> bool:
         return any(r.owner == owner for r in self._records)
 
+    def quota_of(self, owner: str) -> KeyQuota:
+        """:class:`~dsec.edge.quotas.KeyQuotas`: no limits."""
+        return UNLIMITED
+
 
 class KeyStore:
     """Keys stored under a state directory (see the module docstring).
@@ -135,6 +152,7 @@ class KeyStore:
         self.db_file = self.state_dir / "api_keys.json"
         self._lock = threading.Lock()
         self._records: list[KeyRecord] = []
+        self._quotas: dict[str, KeyQuota] = {}
         self._version: tuple[int, int, int] | None = None
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._reload()
@@ -170,7 +188,18 @@ class KeyStore:
         if self._records and not any("role" in r for r in entries):
             # a store written before keys had roles: its first key is the node's own
             self._records[0] = replace(self._records[0], role="operator")
+        self._quotas = self._parse_quotas()
         self._version = version
+
+    def _parse_quotas(self) -> dict[str, KeyQuota]:
+        out: dict[str, KeyQuota] = {}
+        for r in self._records:
+            if r.quota:
+                try:
+                    out[r.owner] = r.key_quota()
+                except ValueError as e:  # a hand-edited file: say so, keep serving
+                    log.error("api_keys.json: key %s has an invalid quota (%s)", r.owner, e)
+        return out
 
     def _save(self) -> None:
         tmp = self.db_file.with_name(f".{self.db_file.name}.{os.getpid()}.tmp")
@@ -181,6 +210,7 @@ class KeyStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.db_file)
+        self._quotas = self._parse_quotas()
         st = self.db_file.stat()
         self._version = (st.st_ino, st.st_mtime_ns, st.st_size)
 
@@ -226,16 +256,40 @@ class KeyStore:
             self._reload()
             return any(r.owner == owner for r in self._records)
 
-    def create_key(self, name: str = "", *, operator: bool = False) -> str:
+    def quota_of(self, owner: str) -> KeyQuota:
+        """:class:`~dsec.edge.quotas.KeyQuotas`: ``owner``'s quota (``UNLIMITED``: none)."""
+        with self._lock:
+            self._reload()
+            return self._quotas.get(owner, UNLIMITED)
+
+    def create_key(
+        self, name: str = "", *, operator: bool = False, quota: KeyQuota | None = None
+    ) -> str:
         """Generate, register and return a new key (``operator``: with the operator's
-        rights). The plaintext is not stored: keep it."""
+        rights; ``quota``: its limits). The plaintext is not stored: keep it."""
         key = generate_key()
         role = "operator" if operator else "user"
         with self._exclusive():
             self._reload(force=True)
-            self._records.append(KeyRecord(owner_id(key), key_digest(key), time.time(), name, role))
+            self._records.append(
+                KeyRecord(owner_id(key), key_digest(key), time.time(), name, role, _stored(quota))
+            )
             self._save()
         return key
+
+    def set_quota(self, key_or_owner: str, quota: KeyQuota) -> KeyRecord:
+        """Replace the quota of a key (given as the key or its owner id); running servers
+        apply it to their next creation. Raises ``KeyError`` if there is no such key."""
+        with self._exclusive():
+            self._reload(force=True)
+            for i, r in enumerate(self._records):
+                if r.owner == key_or_owner or hmac.compare_digest(
+                    r.sha256, key_digest(key_or_owner)
+                ):
+                    self._records[i] = replace(r, quota=_stored(quota))
+                    self._save()
+                    return self._records[i]
+        raise KeyError(key_or_owner)
 
     def revoke(self, key_or_owner: str) -> bool:
         """Revoke a key given the key itself or its owner id. True if something was revoked."""
@@ -258,3 +312,10 @@ class KeyStore:
         with self._lock:
             self._reload()
             return list(self._records)
+
+
+def _stored(quota: KeyQuota | None) -> dict[str, Any]:
+    """A quota as ``api_keys.json`` keeps it: only what differs from no limits."""
+    if quota is None:
+        return {}
+    return quota.model_dump(mode="json", exclude_defaults=True)

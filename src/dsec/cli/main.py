@@ -32,7 +32,11 @@ Commands::
     dsec info
     dsec doctor [--json] [--tiers T,...]   (this host's kernel, cgroups and tiers; no server)
     dsec docker run|exec|ps|stop|rm|pull|cp ...   (a docker CLI subset: dsec/cli/docker.py)
-    dsec key create|ls|revoke        (local key store in $DSEC_HOME, no server needed)
+    dsec key create [--name N] [--operator] [--max-sandboxes N] [--max-cpu C]
+                    [--max-memory-mb M] [--creations-per-s R] [--cpu-weight W]
+    dsec key set OWNER [--max-sandboxes N|none] [...]   (change a key's quota)
+    dsec key ls | dsec key revoke KEY_OR_OWNER
+                       (the key store in $DSEC_HOME, or a cluster's with --database; no server)
 
 Sandboxes have no network unless a network option is given (``--allow-domain``,
 ``--allow-cidr`` or ``--preset``; see docs/network.md for the policy format).
@@ -58,7 +62,7 @@ import functools
 import json
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -72,7 +76,7 @@ from rich.table import Table
 
 from dsec.cli.doctor import doctor
 from dsec.cli.tables import Column, OutputFormat, fit_table, print_json, print_table
-from dsec.errors import DsecError, InvalidRequest
+from dsec.errors import DsecError, InvalidRequest, NotFound
 from dsec.models import ExecResult, JobActionResult, PauseReport, SandboxInfo, SandboxMetrics
 from dsec.network.policy import NetworkPolicy
 from dsec.sdk import AsyncSandbox, Client, Jobs, Sandbox
@@ -1277,10 +1281,16 @@ def info(output: OutputOption = OutputFormat.table) -> None:
     client = make_client()
     try:
         node = client.node_info()
+        try:
+            key: Any = client.key_info()
+        except NotFound:  # a server older than GET /v1/key
+            key = None
     finally:
         client.close()
     if output is OutputFormat.json:
-        print_json(node)
+        print_json(
+            {**node.model_dump(mode="json"), "key": key.model_dump(mode="json") if key else None}
+        )
         return
     stdout.print(
         f"[bold]node[/] {escape(node.node)}  [bold]version[/] {node.version}  "
@@ -1288,6 +1298,14 @@ def info(output: OutputOption = OutputFormat.table) -> None:
         f"[bold]memory[/] {_mib(node.memory_mb)}",
         soft_wrap=True,
     )
+    if key is not None:
+        u = key.usage
+        stdout.print(
+            f"[bold]key[/] {key.owner} ({key.role})  [bold]sandboxes[/] {u.sandboxes}  "
+            f"[bold]cpu[/] {u.cpu:g}  [bold]memory[/] {_mib(u.memory_mb)}",
+            soft_wrap=True,
+        )
+        stdout.print(f"[bold]quota[/] {escape(_quota_text(key.quota))}")
     rows = [
         [
             cap.tier,
@@ -1311,15 +1329,69 @@ def info(output: OutputOption = OutputFormat.table) -> None:
         stdout.print(escape(render(node.host, short=True)), soft_wrap=True)
 
 
-# --- keys (local, offline) -------------------------------------------------------
-def _key_store(home: Path | None) -> Any:
+# --- keys (offline: the node's key store, or a cluster's database) --------------------
+@contextlib.contextmanager
+def _key_store(home: Path | None, database: str | None) -> Iterator[Any]:
     from dsec.apiserver.auth import KeyStore
     from dsec.config import dsec_home
 
-    return KeyStore(home or dsec_home())
+    if not database:
+        yield KeyStore(home or dsec_home())
+        return
+    from dsec.cluster.state import ClusterState, PgKeyStore
+
+    state = ClusterState(database, connect_timeout_s=10)
+    keys = PgKeyStore(state, home or dsec_home())
+    try:
+        yield keys
+    finally:
+        keys.close()
+        state.close()
 
 
 HomeOption = Annotated[Path | None, typer.Option(help="state directory (default $DSEC_HOME)")]
+DatabaseOption = Annotated[
+    str | None,
+    typer.Option(help="a cluster's PostgreSQL URL (its keys instead of $DSEC_HOME's)"),
+]
+# a quota option: a number, or "none" for no limit (on ``key set``; absent: unchanged)
+QuotaOption = Annotated[str | None, typer.Option(show_default=False, metavar="N|none")]
+_QUOTA_FIELDS = ("max_sandboxes", "max_cpu", "max_memory_mb", "creations_per_s", "cpu_weight")
+
+
+def _quota_from_options(base: Any, options: dict[str, str | None]) -> Any:
+    """``base`` (a KeyQuota) with the options given replaced: ``none`` clears a limit."""
+    from pydantic import ValidationError
+
+    from dsec.models import KeyQuota
+
+    data = base.model_dump()
+    for name, raw in options.items():
+        if raw is None:
+            continue
+        text = raw.strip().lower()
+        if text in ("none", "unlimited", ""):
+            data[name] = 100 if name == "cpu_weight" else None
+        else:
+            data[name] = raw
+    try:
+        return KeyQuota.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = str(err["loc"][0]).replace("_", "-") if err["loc"] else "quota"
+        raise _fail(f"--{where}: {err['msg']}") from None
+
+
+def _quota_text(quota: Any) -> str:
+    parts = [
+        f"{name}={getattr(quota, name):g}"
+        if isinstance(getattr(quota, name), float)
+        else f"{name}={getattr(quota, name)}"
+        for name in _QUOTA_FIELDS
+        if getattr(quota, name) is not None
+        and not (name == "cpu_weight" and quota.cpu_weight == 100)
+    ]
+    return " ".join(parts) or "-"
 
 
 @key_app.command("create")
@@ -1329,39 +1401,103 @@ def key_create(
     operator: Annotated[
         bool, typer.Option("--operator", help="may publish and remove system images")
     ] = False,
+    max_sandboxes: QuotaOption = None,
+    max_cpu: QuotaOption = None,
+    max_memory_mb: QuotaOption = None,
+    creations_per_s: QuotaOption = None,
+    cpu_weight: QuotaOption = None,
     home: HomeOption = None,
+    database: DatabaseOption = None,
 ) -> None:
-    """Create an API key and print it (it is not stored: keep it)."""
-    stdout.print(_key_store(home).create_key(name, operator=operator), soft_wrap=True)
+    """Create an API key and print it (it is not stored: keep it). The quota options limit
+    what its sandboxes may hold (live sandboxes, requested cores and MiB), how fast it may
+    create them, and its share of contended CPU against other keys (default 100)."""
+    from dsec.edge.quotas import UNLIMITED
+
+    given = (max_sandboxes, max_cpu, max_memory_mb, creations_per_s, cpu_weight)
+    quota = _quota_from_options(UNLIMITED, dict(zip(_QUOTA_FIELDS, given, strict=True)))
+    with _key_store(home, database) as keys:
+        if database:
+            if operator:
+                raise _fail("a cluster's operator is the key in $DSEC_HOME/api_key")
+            key = keys.create_key(name, quota=quota)
+        else:
+            key = keys.create_key(name, operator=operator, quota=quota)
+    stdout.print(key, soft_wrap=True)
+
+
+@key_app.command("set")
+@handle_errors
+def key_set(
+    key_or_owner: Annotated[
+        str, typer.Argument(help="the key or its owner id", show_default=False)
+    ],
+    max_sandboxes: QuotaOption = None,
+    max_cpu: QuotaOption = None,
+    max_memory_mb: QuotaOption = None,
+    creations_per_s: QuotaOption = None,
+    cpu_weight: QuotaOption = None,
+    home: HomeOption = None,
+    database: DatabaseOption = None,
+) -> None:
+    """Change a key's quota (options not given stay as they are; ``none`` removes a
+    limit). Running servers apply it to the key's next creation; sandboxes it already
+    holds are not stopped."""
+    given = (max_sandboxes, max_cpu, max_memory_mb, creations_per_s, cpu_weight)
+    options = dict(zip(_QUOTA_FIELDS, given, strict=True))
+    with _key_store(home, database) as keys:
+        if key_or_owner.startswith("dsec_"):
+            from dsec.apiserver.auth import owner_id
+
+            key_or_owner = owner_id(key_or_owner)
+        quota = _quota_from_options(keys.quota_of(key_or_owner), options)
+        try:
+            keys.set_quota(key_or_owner, quota)
+        except KeyError:
+            raise _fail("no such key") from None
+    stdout.print(f"{key_or_owner}: {_quota_text(quota)}", soft_wrap=True)
 
 
 @key_app.command("ls")
 @handle_errors
-def key_ls(home: HomeOption = None, output: OutputOption = OutputFormat.table) -> None:
-    """List key owner ids (never the keys)."""
-    records = _key_store(home).list()
+def key_ls(
+    home: HomeOption = None,
+    database: DatabaseOption = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """List key owner ids (never the keys) with their quotas."""
+    with _key_store(home, database) as keys:
+        records = [(r.owner, r.name, r.role, r.created_at, r.key_quota()) for r in keys.list()]
     if output is OutputFormat.json:
         print_json(
             [
-                {"owner": r.owner, "name": r.name, "role": r.role, "created_at": r.created_at}
-                for r in records
+                {
+                    "owner": owner,
+                    "name": name,
+                    "role": role,
+                    "created_at": created,
+                    "quota": quota.model_dump(mode="json"),
+                }
+                for owner, name, role, created, quota in records
             ]
         )
         return
     rows = [
         [
-            r.owner,
-            r.role,
-            datetime.fromtimestamp(r.created_at, UTC).strftime("%Y-%m-%d %H:%M"),
-            escape(r.name),
+            owner,
+            role,
+            datetime.fromtimestamp(created, UTC).strftime("%Y-%m-%d %H:%M"),
+            escape(name),
+            escape(_quota_text(quota)),
         ]
-        for r in records
+        for owner, name, role, created, quota in records
     ]
     columns = (
         Column("OWNER", is_id=True),
         Column("ROLE"),
         Column("CREATED", 1),
         Column("NAME", 2, folds_to=12),
+        Column("QUOTA", 3, folds_to=16),
     )
     wide = output is OutputFormat.wide
     print_table(stdout, fit_table(columns, rows, wide=wide), wide=wide)
@@ -1374,10 +1510,12 @@ def key_revoke(
         str, typer.Argument(help="the key or its owner id", show_default=False)
     ],
     home: HomeOption = None,
+    database: DatabaseOption = None,
 ) -> None:
     """Revoke a key (running servers notice within one request)."""
-    if not _key_store(home).revoke(key_or_owner):
-        raise _fail("no such key")
+    with _key_store(home, database) as keys:
+        if not keys.revoke(key_or_owner):
+            raise _fail("no such key")
     stdout.print("revoked")
 
 

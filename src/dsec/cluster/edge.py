@@ -45,6 +45,7 @@ from dsec.cluster.relay import (
 )
 from dsec.edge.interface import SANDBOX_VERBS, STREAM_VERBS, PortStream, PortTicket
 from dsec.edge.ports import redeem_ticket
+from dsec.edge.quotas import QuotaGuard
 from dsec.errors import (
     DsecError,
     InvalidRequest,
@@ -69,6 +70,7 @@ from dsec.models import (
     JobAction,
     JobActionResult,
     JobOutcome,
+    KeyUsage,
     LayerInfo,
     MigrateResult,
     NodeInfo,
@@ -119,6 +121,9 @@ class ClusterEdge:
         self.build_records = BuildRecords()  # builds relayed by this replica
         self.placement = ClusterPlacement(self.options)
         self.rejections_retried = 0
+        self.key_quotas = QuotaGuard()
+        """Each key's quota (:mod:`dsec.edge.quotas`; its ``source`` is set by the server),
+        checked here against the registry: the nodes' edges check only their own room."""
         self._monitor: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -267,9 +272,35 @@ class ClusterEdge:
     # ------------------------------------------------------------------ calls
     # ------------------------------------------------------------------ placement
     # ------------------------------------------------------------------ sandboxes
+    # ------------------------------------------------------------------ key quotas
+    async def key_usage(self, owner: str) -> KeyUsage:
+        """:class:`dsec.edge.interface.KeyAccounting`: ``owner``'s live sandboxes, from the
+        registry (without one: from the live nodes)."""
+        if self.state is not None:
+            n, cpu, mem = await asyncio.to_thread(self.state.owner_usage, owner)
+        else:
+            infos = await self.list_sandboxes(owner)
+            live = [i for i in infos if i.state != "stopped"]
+            n, cpu, mem = len(live), sum(i.cpu for i in live), sum(i.memory_mb for i in live)
+        return KeyUsage(sandboxes=n, cpu=round(cpu, 6), memory_mb=mem)
+
+    async def _key_room(self, owner: str, cpu: float, memory_mb: int, want: int) -> int:
+        """How many of ``want`` creations ``owner``'s quota admits now (their rate spent);
+        none: the refusal is raised."""
+        usage = await self.key_usage(owner)
+        fits, refusal = self.key_quotas.room(owner, usage, cpu=cpu, memory_mb=memory_mb, want=want)
+        if fits == 0 and refusal is not None:
+            raise refusal
+        return fits
+
     async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
         if req.tier not in TIERS:
             raise InvalidRequest(f"unknown tier {req.tier!r}")
+        await self._key_room(owner, req.cpu, req.memory_mb, 1)
+        with self.key_quotas.admitted(owner, cpu=req.cpu, memory_mb=req.memory_mb):
+            return await self._create_one(req, owner)
+
+    async def _create_one(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
         preq = self.placement.request(req)
         candidates = self.placement.candidates(preq, prefer=req.labels.get(PREFER_NODE_LABEL))
 
@@ -315,6 +346,42 @@ class ClusterEdge:
             raise InvalidRequest("a batch needs n >= 1", n=n)
         preq = self.placement.request(req)
         self.placement.candidates(preq)  # TierUnavailable before anything else
+        if all_or_nothing:
+            usage = await self.key_usage(owner)
+            self.key_quotas.check(owner, usage, cpu=req.cpu, memory_mb=req.memory_mb, count=n)
+            self.key_quotas.take(owner, n)
+            allowed, refusal = n, None
+        else:
+            allowed, refusal = self.key_quotas.room(
+                owner,
+                await self.key_usage(owner),
+                cpu=req.cpu,
+                memory_mb=req.memory_mb,
+                want=n,
+            )
+        with self.key_quotas.admitted(owner, cpu=req.cpu, memory_mb=req.memory_mb, count=allowed):
+            res = await self._create_many(req, allowed, owner, all_or_nothing, preq)
+        if refusal is None:
+            return res
+        errors = [
+            *res.errors,
+            *(
+                BatchItemError(index=i, code=refusal.code, message=refusal.message)
+                for i in range(allowed, n)
+            ),
+        ]
+        return BatchCreateResult(requested=n, sandboxes=res.sandboxes, errors=errors)
+
+    async def _create_many(
+        self,
+        req: CreateSandboxRequest,
+        n: int,
+        owner: str,
+        all_or_nothing: bool,
+        preq: Any,
+    ) -> BatchCreateResult:
+        if n == 0:
+            return BatchCreateResult(requested=0, sandboxes=[], errors=[])
         placer = self.placer
         batch = placer.place_many(n, preq)
         if all_or_nothing and batch.failed:
@@ -370,7 +437,7 @@ class ClusterEdge:
         )
         for i in retry:  # the edge refused: the next candidate may admit
             try:
-                made[i] = await self.create_sandbox(req, owner)
+                made[i] = await self._create_one(req, owner)
                 self.rejections_retried += 1
                 del errors[i]
             except DsecError as e:
@@ -524,6 +591,11 @@ class ClusterEdge:
     # ------------------------------------------------------------------ lifecycle verbs
     async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult:
         """Forks stay on the source's node (the snapshot layer is there)."""
+        found = await asyncio.to_thread(self.state.sandbox, sandbox_id) if self.state else None
+        cpu, mem = (found[1].cpu, found[1].memory_mb) if found and found[0] == owner else (0, 0)
+        usage = await self.key_usage(owner)
+        self.key_quotas.check(owner, usage, cpu=cpu, memory_mb=mem, count=req.n)
+        self.key_quotas.take(owner, req.n)
         res: ForkResult = await self.relay.on_sandbox(
             sandbox_id, "fork_sandbox", owner, req, timeout=self.options.create_timeout_s
         )

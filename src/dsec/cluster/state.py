@@ -12,7 +12,7 @@ Tables (created on first connect, idempotent)::
     dsec_sandboxes   id, node, owner, tier, state, job, labels, info (last SandboxInfo JSON),
                      stopped_reason, created_at, updated_at (unix s)
     dsec_jobs        owner, job, created_at
-    dsec_api_keys    sha256, owner, name, created_at
+    dsec_api_keys    sha256, owner, name, created_at, quota (JSONB: a KeyQuota)
     dsec_migrations  id, owner, from_id, to_id, from_node, to_node, method, state,
                      started_at, finished_at, error
 
@@ -22,6 +22,7 @@ callers run them in a thread with :func:`asyncio.to_thread`).
 
 from __future__ import annotations
 
+import builtins
 import collections
 import contextlib
 import json
@@ -30,10 +31,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dsec.edge.quotas import UNLIMITED
 from dsec.errors import ServiceUnavailable
-from dsec.models import SandboxInfo
+from dsec.models import KeyQuota, SandboxInfo
+
+if TYPE_CHECKING:
+    from dsec.apiserver.auth import KeyRecord
 
 __all__ = ["ClusterState", "PgKeyStore", "connect_database"]
 
@@ -75,6 +80,7 @@ CREATE TABLE IF NOT EXISTS dsec_api_keys (
     name TEXT NOT NULL DEFAULT '',
     created_at DOUBLE PRECISION NOT NULL
 );
+ALTER TABLE dsec_api_keys ADD COLUMN IF NOT EXISTS quota JSONB NOT NULL DEFAULT '{}';
 CREATE TABLE IF NOT EXISTS dsec_migrations (
     id BIGSERIAL PRIMARY KEY,
     owner TEXT NOT NULL,
@@ -351,21 +357,77 @@ class ClusterState:
             cur.execute("SELECT sha256, owner FROM dsec_api_keys")
             return [(r[0], r[1]) for r in cur.fetchall()]
 
-    def key_owner(self, sha256: str, *, wait_s: float | None = None) -> str | None:
-        """The owner of the key with this sha256, or None (one indexed lookup). With
-        ``wait_s``: ``ServiceUnavailable`` rather than wait longer for the connection, or
-        reconnect it."""
-        with self._cursor(wait_s=wait_s, reconnect=wait_s is None) as cur:
-            cur.execute("SELECT owner FROM dsec_api_keys WHERE sha256 = %s", (sha256,))
-            row = cur.fetchone()
-            return None if row is None else str(row[0])
-
-    def add_key(self, sha256: str, owner: str, name: str) -> None:
+    def key_rows(self) -> list[tuple[str, str, str, float, dict[str, Any]]]:
+        """(sha256, owner, name, created_at, quota) of every key, oldest first."""
         with self._cursor() as cur:
             cur.execute(
-                "INSERT INTO dsec_api_keys (sha256, owner, name, created_at) VALUES "
-                "(%s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                (sha256, owner, name, time.time()),
+                "SELECT sha256, owner, name, created_at, quota FROM dsec_api_keys "
+                "ORDER BY created_at"
+            )
+            return [
+                (
+                    r[0],
+                    r[1],
+                    r[2],
+                    float(r[3]),
+                    r[4] if isinstance(r[4], dict) else json.loads(r[4]),
+                )
+                for r in cur.fetchall()
+            ]
+
+    def key_quotas(self) -> dict[str, dict[str, Any]]:
+        """owner -> stored quota of every key that has one."""
+        with self._cursor() as cur:
+            cur.execute("SELECT owner, quota FROM dsec_api_keys WHERE quota <> '{}'::jsonb")
+            return {
+                r[0]: (r[1] if isinstance(r[1], dict) else json.loads(r[1])) for r in cur.fetchall()
+            }
+
+    def set_key_quota(self, key_or_owner: str, quota: dict[str, Any]) -> bool:
+        """Store a key's quota (given the key or its owner id); False if no such key."""
+        from dsec.apiserver.auth import key_digest
+
+        with self._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_api_keys SET quota = %s::jsonb WHERE owner = %s OR sha256 = %s",
+                (json.dumps(quota), key_or_owner, key_digest(key_or_owner)),
+            )
+            return bool(cur.rowcount)
+
+    def owner_usage(self, owner: str) -> tuple[int, float, int]:
+        """``(sandboxes, cores, MiB)`` requested by ``owner``'s live sandboxes (one indexed
+        query on ``(owner, state)``)."""
+        with self._cursor() as cur:
+            cur.execute(
+                "SELECT count(*), COALESCE(sum((info->>'cpu')::float8), 0), "
+                "COALESCE(sum((info->>'memory_mb')::bigint), 0) FROM dsec_sandboxes "
+                "WHERE owner = %s AND state = ANY(%s)",
+                (owner, list(_LIVE_STATES)),
+            )
+            row = cur.fetchone()
+        return (int(row[0]), float(row[1]), int(row[2])) if row else (0, 0.0, 0)
+
+    def key_owner(
+        self, sha256: str, *, wait_s: float | None = None
+    ) -> tuple[str, dict[str, Any]] | None:
+        """The owner and stored quota of the key with this sha256, or None (one indexed
+        lookup). With ``wait_s``: ``ServiceUnavailable`` rather than wait longer for the
+        connection, or reconnect it."""
+        with self._cursor(wait_s=wait_s, reconnect=wait_s is None) as cur:
+            cur.execute("SELECT owner, quota FROM dsec_api_keys WHERE sha256 = %s", (sha256,))
+            row = cur.fetchone()
+            if row is None:
+                return None
+            return str(row[0]), (row[1] if isinstance(row[1], dict) else json.loads(row[1]))
+
+    def add_key(
+        self, sha256: str, owner: str, name: str, quota: dict[str, Any] | None = None
+    ) -> None:
+        with self._cursor() as cur:
+            cur.execute(
+                "INSERT INTO dsec_api_keys (sha256, owner, name, created_at, quota) VALUES "
+                "(%s, %s, %s, %s, %s::jsonb) ON CONFLICT DO NOTHING",
+                (sha256, owner, name, time.time(), json.dumps(quota or {})),
             )
 
     def remove_key(self, key_or_owner: str) -> bool:
@@ -377,6 +439,16 @@ class ClusterState:
                 "DELETE FROM dsec_api_keys WHERE owner = %s OR sha256 = %s", (key_or_owner, digest)
             )
             return bool(cur.rowcount)
+
+
+def _parse_quotas(stored: dict[str, dict[str, Any]]) -> dict[str, KeyQuota]:
+    out: dict[str, KeyQuota] = {}
+    for owner, raw in stored.items():
+        try:
+            out[owner] = KeyQuota.model_validate(raw)
+        except ValueError as e:
+            log.error("dsec_api_keys: key %s has an invalid quota (%s)", owner, e)
+    return out
 
 
 def _info(raw: Any, state: str, stopped_reason: str | None) -> SandboxInfo:
@@ -428,6 +500,7 @@ class PgKeyStore:
         self.lookups_per_s = lookups_per_s
         self.lookup_wait_s = lookup_wait_s
         self._cache: list[tuple[str, str]] = []
+        self._quotas: dict[str, KeyQuota] = {}
         self._db_ok = False
         self._budget = lookups_per_s
         self._budget_at = time.monotonic()
@@ -474,6 +547,7 @@ class PgKeyStore:
     def _reload(self) -> None:
         try:
             records = self.state.key_records()
+            quotas = _parse_quotas(self.state.key_quotas())
         except ServiceUnavailable as e:
             with self._lock:
                 if self._db_ok:
@@ -482,17 +556,47 @@ class PgKeyStore:
             return
         with self._lock:
             self._cache = records
+            self._quotas = quotas
             self._db_ok = True
 
-    def _add(self, key: str, name: str) -> None:
+    def _add(self, key: str, name: str, quota: KeyQuota | None = None) -> None:
         from dsec.apiserver.auth import key_digest, owner_id
 
         digest = key_digest(key)
         owner = owner_id(key)
-        self.state.add_key(digest, owner, name)
+        stored = quota.model_dump(mode="json", exclude_defaults=True) if quota else {}
+        self.state.add_key(digest, owner, name, stored)
         with self._lock:
             self._misses.pop(digest, None)
             self._cache = [*self._cache, (digest, owner)]
+            if stored and quota is not None:
+                self._quotas = {**self._quotas, owner: quota}
+
+    def quota_of(self, owner: str) -> KeyQuota:
+        """:class:`~dsec.edge.quotas.KeyQuotas`: ``owner``'s quota, from the copy (a quota
+        set on another replica applies here within ``refresh_s``)."""
+        with self._lock:
+            return self._quotas.get(owner, UNLIMITED)
+
+    def list(self) -> builtins.list[KeyRecord]:
+        """Every key's record (owner ids and hashes, never keys); the operator's is the
+        key in ``home/api_key``."""
+        from dsec.apiserver.auth import KeyRecord
+
+        return [
+            KeyRecord(
+                owner, sha, created, name, "operator" if owner == self._operator else "user", quota
+            )
+            for sha, owner, name, created, quota in self.state.key_rows()
+        ]
+
+    def set_quota(self, key_or_owner: str, quota: KeyQuota) -> None:
+        """Replace a key's quota (the key or its owner id); ``KeyError`` if no such key."""
+        if not self.state.set_key_quota(
+            key_or_owner, quota.model_dump(mode="json", exclude_defaults=True)
+        ):
+            raise KeyError(key_or_owner)
+        self._reload()
 
     def verify(self, key: str) -> str | None:
         from dsec.apiserver.auth import key_digest
@@ -531,10 +635,15 @@ class PgKeyStore:
             if not self._db_ok or not self._take_budget(now):
                 return None
         try:
-            owner = self.state.key_owner(digest, wait_s=self.lookup_wait_s)
+            found = self.state.key_owner(digest, wait_s=self.lookup_wait_s)
         except ServiceUnavailable:
             return None  # busy or down: the copy's answer stands (the thread reconnects)
+        owner = found[0] if found is not None else None
+        # its quota with it: a key created with limits is limited from its first request
+        quota = _parse_quotas({found[0]: found[1]}) if found is not None and found[1] else {}
         with self._lock:
+            if quota:
+                self._quotas = {**self._quotas, **quota}
             if owner is None:
                 self._misses[digest] = now
                 self._misses.move_to_end(digest)
@@ -562,12 +671,13 @@ class PgKeyStore:
                 found = owner
         return found
 
-    def create_key(self, name: str = "") -> str:
-        """A new key, stored (hashed) in the database; returned once in plaintext."""
+    def create_key(self, name: str = "", *, quota: KeyQuota | None = None) -> str:
+        """A new key (``quota``: its limits), stored (hashed) in the database; returned once
+        in plaintext."""
         from dsec.apiserver.auth import generate_key
 
         key = generate_key()
-        self._add(key, name)
+        self._add(key, name, quota)
         return key
 
     def revoke(self, key_or_owner: str) -> bool:

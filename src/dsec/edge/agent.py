@@ -44,6 +44,7 @@ from dsec.edge.live import LiveTable
 from dsec.edge.logs import SandboxLogs, log_bytes_from_env
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.ports import PortGateway, TrackedStream, check_port
+from dsec.edge.quotas import QuotaGuard
 from dsec.edge.references import ImageReferences, short_name_registry_from_env
 from dsec.edge.registry import Registry, SandboxRow
 from dsec.edge.start import StartProcess, start_command_of, with_image_defaults
@@ -89,6 +90,7 @@ from dsec.models import (
     JobAction,
     JobActionResult,
     JobOutcome,
+    KeyUsage,
     LayerInfo,
     LogLine,
     MemoryMetrics,
@@ -153,6 +155,7 @@ class EdgeLimits:
     create_slots: int = 0  # creations in the runtime at once (0: twice the cores, at least 4)
     create_queue: int = 10_000  # creations waiting for a slot (503 node_busy beyond)
     create_wait_s: float = 900.0  # longest wait for a slot (503 node_busy after it)
+    key_cpu_groups: bool = True  # each key's sandboxes share one weighted cgroup (quotas.py)
 
     @classmethod
     def from_env(cls) -> EdgeLimits:
@@ -160,7 +163,9 @@ class EdgeLimits:
         ``DSEC_MEMORY_OVERCOMMIT``, ``DSEC_IMAGE_WAIT_S`` (seconds a create waits for a
         built-in image being built), ``DSEC_MAX_BUILD_CONTEXT_BYTES``,
         ``DSEC_MAX_BUILD_BYTES``, ``DSEC_CREATE_SLOTS``/``DSEC_CREATE_QUEUE``/
-        ``DSEC_CREATE_WAIT_S`` (:mod:`dsec.edge.admission`), ``DSEC_MAX_PORT_CONNECTIONS``
+        ``DSEC_CREATE_WAIT_S`` (:mod:`dsec.edge.admission`), ``DSEC_KEY_CPU_GROUPS``
+        (``off``: sandboxes are not grouped by key for CPU, :mod:`dsec.edge.quotas`),
+        ``DSEC_MAX_PORT_CONNECTIONS``
         (open proxied connections per sandbox) and ``DSEC_LOG_BYTES`` (start-command output
         kept per sandbox): the operator settings of ``dsec serve``."""
         lim = cls()
@@ -187,6 +192,10 @@ class EdgeLimits:
                 lim.create_queue = int(env["DSEC_CREATE_QUEUE"])
             if "DSEC_CREATE_WAIT_S" in env:
                 lim.create_wait_s = float(env["DSEC_CREATE_WAIT_S"])
+            raw = env.get("DSEC_KEY_CPU_GROUPS", "on").strip().lower()
+            if raw not in ("on", "off", "1", "0"):
+                raise ValueError(f"DSEC_KEY_CPU_GROUPS must be on or off, not {raw!r}")
+            lim.key_cpu_groups = raw in ("on", "1")
         except ValueError as e:
             raise SystemExit(f"invalid edge limit in the environment: {e}") from e
         return lim
@@ -321,6 +330,8 @@ class EdgeAgent:
             max_wait_s=self.limits.create_wait_s,
         )
         """Admission of creations into the runtimes (:mod:`dsec.edge.admission`)."""
+        self.key_quotas = QuotaGuard()
+        """Each key's quota (:mod:`dsec.edge.quotas`; its ``source`` is set by the server)."""
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -588,14 +599,24 @@ class EdgeAgent:
             lv,
             cpu=float(req.get("cpu", 0) or 0),
             memory_mb=int(req.get("memory_mb", 0) or 0),
+            owner=lv.row.owner,
         )
 
     def _files(self, lv: _Live) -> SandboxFiles:
         return self.runtimes[lv.row.tier].files(lv.handle)
 
     def _check_admission(
-        self, req: CreateSandboxRequest, caps: Capabilities, count: int = 1
+        self,
+        req: CreateSandboxRequest,
+        caps: Capabilities,
+        owner: str,
+        count: int = 1,
+        *,
+        rate: bool = False,
     ) -> None:
+        """Raise if ``count`` sandboxes like ``req`` do not fit the tier, the node or
+        ``owner``'s quota (:mod:`dsec.edge.quotas`); ``rate``: also spend ``count`` of the
+        key's creation rate (once per creation: at its first check)."""
         if caps.max_cpu is not None and req.cpu > caps.max_cpu:
             raise InvalidRequest(
                 f"cpu={req.cpu} exceeds the {req.tier} tier maximum {caps.max_cpu}"
@@ -610,6 +631,9 @@ class EdgeAgent:
             raise InvalidRequest(
                 f"memory_mb={req.memory_mb} is more than this node has ({self._mem_mb} MiB)"
             )
+        self.key_quotas.check(
+            owner, self.key_usage_now(owner), cpu=req.cpu, memory_mb=req.memory_mb, count=count
+        )
         if len(self._live) + count > self.limits.max_sandboxes:
             raise QuotaExceeded(
                 f"node {self.node} is at its limit of {self.limits.max_sandboxes} sandboxes",
@@ -628,6 +652,8 @@ class EdgeAgent:
                 f"node {self.node} memory overcommit cap reached ({mem_sum} MiB requested)",
                 requested=count,
             )
+        if rate:
+            self.key_quotas.take(owner, count)
 
     async def _destroy(self, lv: _Live, reason: str, *, wait: bool = True) -> None:
         """Stop sandbox ``lv`` for ``reason``. With ``wait=False`` and a runtime whose
@@ -698,7 +724,7 @@ class EdgeAgent:
                     "(create with network=None, or use a tier whose capabilities say network)",
                     tier=tier,
                 )
-            self._check_admission(req, caps)
+            self._check_admission(req, caps, owner, rate=True)
             image = await self._image(req.image, owner, self.limits.image_wait_s)
             req = with_image_defaults(req, image)
             extra: list[LayerInfo] = (
@@ -735,7 +761,7 @@ class EdgeAgent:
             forked_from=forked_from,
         )
         try:  # re-checked now: other creations may have been admitted during the awaits above
-            self._check_admission(req, caps)
+            self._check_admission(req, caps, owner)
         except DsecError as e:
             self.metrics.creations.labels(tier, "rejected").inc()
             self.metrics.errors.labels(e.code).inc()
@@ -759,6 +785,8 @@ class EdgeAgent:
             network=req.network,
             full_guest=req.full_guest,
             allow_setuid=req.allow_setuid,
+            cpu_group=owner if self.limits.key_cpu_groups else "",
+            cpu_group_weight=self.key_quotas.quota(owner).cpu_weight,
         )
         try:
             async with lv.lock, self.creations.slot(owner):
@@ -855,7 +883,7 @@ class EdgeAgent:
                 batch_size=n,
             )
         if all_or_nothing:
-            self._check_admission(req, caps, count=n)
+            self._check_admission(req, caps, owner, count=n)
         return await create_batch(
             n,
             lambda _i: self.create_sandbox(req, owner),
@@ -1483,7 +1511,7 @@ class EdgeAgent:
         lv = self._live_for(sandbox_id, owner)
         base = CreateSandboxRequest.model_validate(lv.row.request)
         # admission for all n first, so a fork that cannot fit creates nothing
-        self._check_admission(base, capabilities_of(self._runtime(base.tier)), count=req.n)
+        self._check_admission(base, capabilities_of(self._runtime(base.tier)), owner, count=req.n)
         if req.memory:
             return await self._fork_memory(sandbox_id, owner, base, req)
         layer = await self._use(
@@ -1623,9 +1651,10 @@ class EdgeAgent:
                 f"{export['guest_ram_mb']} MiB: the memory state does not fit",
                 tier=tier,
             )
-        self._check_admission(
+        self._check_admission(  # the node's room only: a move adds nothing to its key
             CreateSandboxRequest.model_validate(export["request"]),
             capabilities_of(self._runtime(tier)),
+            owner="",
         )
 
     async def import_memory(self, export: dict[str, Any], owner: str, staged: str) -> SandboxInfo:
@@ -2287,6 +2316,15 @@ class EdgeAgent:
             cpu_overcommit=self.limits.cpu_overcommit,
             memory_overcommit=self.limits.memory_overcommit,
         )
+
+    def key_usage_now(self, owner: str) -> KeyUsage:
+        """What ``owner`` holds on this node (running totals: O(1))."""
+        n, cpu, mem = self._live.owner_usage(owner)
+        return KeyUsage(sandboxes=n, cpu=round(cpu, 6), memory_mb=mem)
+
+    async def key_usage(self, owner: str) -> KeyUsage:
+        """:class:`dsec.edge.interface.KeyAccounting`: what ``owner`` holds."""
+        return self.key_usage_now(owner)
 
     def owned_sandboxes(self) -> list[tuple[str, SandboxInfo]]:
         """:class:`dsec.edge.interface.NodeReports`: ``(owner, info)`` of every live sandbox."""

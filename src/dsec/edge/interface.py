@@ -37,6 +37,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from dsec.edge.quotas import QuotaGuard
 from dsec.models import (
     BatchCreateResult,
     BuildImageRequest,
@@ -51,6 +52,7 @@ from dsec.models import (
     ImageInfo,
     JobAction,
     JobActionResult,
+    KeyUsage,
     LayerInfo,
     LogLine,
     MigrateResult,
@@ -80,6 +82,7 @@ __all__ = [
     "ImagePublisher",
     "InteractiveExec",
     "InteractiveProcess",
+    "KeyAccounting",
     "MemoryMigration",
     "MetricsEdge",
     "NodeReports",
@@ -620,6 +623,19 @@ class NodeUsage:
     max_sandboxes: int
     cpu_overcommit: float
     memory_overcommit: float
+
+
+@runtime_checkable
+class KeyAccounting(Protocol):
+    """Optional edge ability: per-key quotas checked on every creation
+    (:mod:`dsec.edge.quotas`: the server sets ``key_quotas.source`` to its key store), and
+    what a key holds (``GET /v1/key``)."""
+
+    key_quotas: QuotaGuard
+
+    async def key_usage(self, owner: str) -> KeyUsage:
+        """``owner``'s live sandboxes and what they requested."""
+        ...
 
 
 @runtime_checkable

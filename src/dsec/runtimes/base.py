@@ -66,6 +66,11 @@ class SandboxSpec:
     full_guest: bool = False
     # container tier: commands run without no_new_privs (setuid programs such as sudo work)
     allow_setuid: bool = False
+    # the CPU share group (the owning key): a tier that can puts the group's sandboxes under
+    # one cgroup of this relative weight (100 = a default cgroup's), so that a key's 500
+    # busy sandboxes share what one key gets next to another key's busy ones
+    cpu_group: str = ""
+    cpu_group_weight: int = 100
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dsec.models import (
     CodeRunRequest,
     CodeRunResult,
     ImageInfo,
+    KeyInfo,
     LayerInfo,
     NodeInfo,
     PullImageRequest,
@@ -89,6 +90,12 @@ class AsyncClient:
         """The node's name, version, load and per-tier capabilities."""
         r = await self._http.request("GET", "/v1/node")
         return NodeInfo.model_validate(r.json(), context=ANSWER)
+
+    async def key_info(self) -> KeyInfo:
+        """This key: its owner id, role, quota (what the operator lets it hold and how fast
+        it may create) and what it holds now."""
+        r = await self._http.request("GET", "/v1/key")
+        return KeyInfo.model_validate(r.json(), context=ANSWER)
 
     async def capabilities(self) -> builtins.list[Capabilities]:
         """What each tier can do on this node."""

@@ -66,6 +66,7 @@ from pydantic import TypeAdapter
 
 from dsec.canonical import canonical_digest  # the edge's request digest, to match it
 from dsec.errors import (
+    CreationRateExceeded,
     DsecError,
     FileNotFound,
     ImageNotReady,
@@ -1213,16 +1214,17 @@ async def _post_waiting_for_image(
 ) -> httpx.Response:
     """POST a creation, and while the server answers that it created nothing *yet*
     (``ImageNotReady``: a built-in image still being built on a node that just started;
-    ``NodeBusy``: the node's admission queue is full or the kernel was too slow) retry after
-    the delay it asks for, until ``timeout`` seconds have passed in all; then the last such
-    error is raised."""
+    ``NodeBusy``: the node's admission queue is full or the kernel was too slow;
+    ``CreationRateExceeded``: the key's creations-a-second quota) retry after the delay it
+    asks for, until ``timeout`` seconds have passed in all; then the last such error is
+    raised."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         left = deadline - loop.time()
         try:
             return await conn._http.request("POST", path, json=body, timeout=max(left, 1.0))
-        except (ImageNotReady, NodeBusy) as e:
+        except (ImageNotReady, NodeBusy, CreationRateExceeded) as e:
             delay = float(e.details.get("retry_after_s") or 5)
             if loop.time() + delay >= deadline:
                 raise

@@ -32,6 +32,7 @@ from starlette.routing import Match
 
 from dsec.apiserver.deps import current_owner
 from dsec.edge.interface import EdgeAPI, NodeReports
+from dsec.edge.quotas import UNLIMITED, KeyQuotas
 from dsec.errors import AuthenticationError, DsecError
 from dsec.models import SandboxInfo
 from dsec.ui.series import ActivityRecorder, NodeSampler
@@ -302,6 +303,12 @@ def make_ui_router(
                 "by_tier_state": _by_tier_state(mine),
                 "requested_cpu": round(sum(s.cpu for s in live), 3),
                 "requested_memory_mb": sum(s.memory_mb for s in live),
+                # what the operator lets this key hold (dsec key set): None, no limit
+                "quota": (
+                    sessions.keys.quota_of(owner)
+                    if isinstance(sessions.keys, KeyQuotas)
+                    else UNLIMITED
+                ).model_dump(mode="json"),
             },
             "activity": series,
         }

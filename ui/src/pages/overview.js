@@ -46,6 +46,21 @@ function Bar({ label, used, cap, fmt = (x) => x }) {
   </div>`;
 }
 
+// the key's quota (set by the operator: dsec key set); a limit not set is not shown
+function KeyQuota({ mine }) {
+  const q = mine.quota;
+  if (!q) return null;
+  const bars = [];
+  if (q.max_sandboxes != null) bars.push(html`<${Bar} label="sandboxes" used=${mine.sandboxes} cap=${q.max_sandboxes} />`);
+  if (q.max_cpu != null) bars.push(html`<${Bar} label="cores" used=${mine.requested_cpu} cap=${q.max_cpu} />`);
+  if (q.max_memory_mb != null)
+    bars.push(html`<${Bar} label="memory" used=${mine.requested_memory_mb * 1048576} cap=${q.max_memory_mb * 1048576} fmt=${bytes} />`);
+  return html`<div data-testid="my-quota">
+    ${bars.length ? bars : html`<p class="muted">no quota beyond the node's</p>`}
+    <p class="muted">${q.creations_per_s != null ? `${q.creations_per_s} creations/s · ` : ""}CPU weight ${q.cpu_weight}</p>
+  </div>`;
+}
+
 export function Overview({ session }) {
   const [data, error] = usePoll(() => get("/ui/api/overview"), 5000);
   if (error) return html`<p class="error">${error.message}</p>`;
@@ -63,7 +78,8 @@ export function Overview({ session }) {
         <p class="muted">tiers: ${Object.entries(data.node.tiers).filter(([, ok]) => ok).map(([t]) => t).join(", ")}</p></div>
       <div class="card" data-testid="my-usage"><h3>${data.operator ? "your key" : "your sandboxes"}</h3>
         <p><b data-testid="my-count">${mine.sandboxes}</b> live</p>
-        <p>${mine.requested_cpu} cores · ${bytes(mine.requested_memory_mb * 1048576)} requested</p></div>
+        <p>${mine.requested_cpu} cores · ${bytes(mine.requested_memory_mb * 1048576)} requested</p>
+        <${KeyQuota} mine=${mine} /></div>
       ${cap
         ? html`<div class="card wide" data-testid="capacity"><h3>node capacity (admission caps)</h3>
             <${Bar} label="cores" used=${cap.requested_cpu} cap=${cap.cpu_cap} />

@@ -37,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -131,9 +132,13 @@ class _Warm:
     live: _Live
 
 
-# (layer digests, layer files, writable layer MiB, hostname, setuid allowed): what a running
-# container keeps
-_PoolKey = tuple[tuple[str, ...], tuple[str, ...], int, str, bool]
+# (layer digests, layer files, writable layer MiB, hostname, setuid allowed, CPU group): what
+# a running container keeps
+_PoolKey = tuple[tuple[str, ...], tuple[str, ...], int, str, bool, str]
+_GROUP_PREFIX = "key-"
+"""Names the cgroup of a CPU share group (a key's sandboxes) under the install's parent:
+``<dsec-HASH>/key-<owner>/<sandbox>``; sandbox ids never start with it."""
+_GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _WARM_PREFIX = "wp-"
 _WARM_NICE = 10  # niceness of the OCI runtime making a warm container (its init: until claimed)
 
@@ -270,6 +275,8 @@ class ContainerRuntime:
         self._init_bin: Path | None = None
         self._execd_bin: Path | None = None
         self._live: dict[str, _Live] = {}
+        self._groups: dict[str, set[str]] = {}  # CPU share group -> its sandboxes (warm too)
+        self._group_shares: dict[str, int] = {}  # CPU share group -> the shares it was given
         self._cgroup_mounts: CgroupMounts | None = None
         self._memsw = False  # the memory limit also bounds swap (found at start)
         self._state_base_cached: Path | None = None
@@ -411,7 +418,14 @@ class ContainerRuntime:
                     await live.server.close()
         self._live.clear()
         # the per-install parent cgroup and state dirs go once no sandbox is left in them
-        cgroup(self.cgroup_parent).remove_if_empty()
+        parent = cgroup(self.cgroup_parent)
+        for name in parent.children():
+            if name.startswith(_GROUP_PREFIX):
+                with contextlib.suppress(OSError):
+                    parent.child(name).remove_if_empty()
+        self._groups.clear()
+        self._group_shares.clear()
+        parent.remove_if_empty()
         for root in self._state_roots():
             with contextlib.suppress(OSError):
                 root.rmdir()
@@ -428,8 +442,45 @@ class ContainerRuntime:
             raise InvalidRequest(f"invalid sandbox id {sandbox_id!r}")
         return self.paths.sandboxes / sandbox_id
 
-    def _cgroup_rel(self, sandbox_id: str) -> str:
+    def _cgroup_rel(self, sandbox_id: str, group: str = "") -> str:
+        if group:
+            return f"{self.cgroup_parent}/{group}/{sandbox_id}"
         return f"{self.cgroup_parent}/{sandbox_id}"
+
+    # ------------------------------------------------------------------ CPU share groups
+    def _join_group(self, sandbox_id: str, group: str, weight: int) -> None:
+        """Count ``sandbox_id`` in CPU share group ``group`` (a key's sandboxes), making its
+        cgroup (``<parent>/<group>``) with ``weight`` when it is the first, and setting the
+        weight when the operator changed it. On the loop: :meth:`_leave_group` removes the
+        group's cgroup only once no sandbox counts in it."""
+        if not group:
+            return
+        members = self._groups.get(group)
+        shares = max(2, min(262_144, weight * 1024 // 100))
+        if members is None:
+            cg = cgroup(f"{self.cgroup_parent}/{group}")
+            cg.create()
+            cg.enable_child_controllers()  # v2: its sandboxes get the controllers
+            cg.set_cpu_shares(shares)
+            members = self._groups[group] = set()
+            self._group_shares[group] = shares
+        elif self._group_shares.get(group) != shares:
+            with contextlib.suppress(OSError):
+                cgroup(f"{self.cgroup_parent}/{group}").set_cpu_shares(shares)
+                self._group_shares[group] = shares
+        members.add(sandbox_id)
+
+    def _leave_group(self, sandbox_id: str, group: str) -> None:
+        """Stop counting ``sandbox_id`` in ``group``; the last one out removes its cgroup."""
+        members = self._groups.get(group)
+        if members is None:
+            return
+        members.discard(sandbox_id)
+        if not members:
+            del self._groups[group]
+            self._group_shares.pop(group, None)
+            with contextlib.suppress(OSError):
+                cgroup(f"{self.cgroup_parent}/{group}").remove_if_empty()
 
     def _require_available(self) -> tuple[str, Path, Path]:
         if self._unavailable is not None or not (self._oci and self._init_bin and self._execd_bin):
@@ -550,6 +601,7 @@ class ContainerRuntime:
                 except Exception as cleanup_error:  # keep the original error
                     log.error("cleanup of half-created %s failed: %s", spec.id, cleanup_error)
                 self._live.pop(spec.id, None)
+                self._leave_group(spec.id, _group_dir(spec.cpu_group))
                 if isinstance(e, DsecError | asyncio.CancelledError):
                     raise
                 raise SandboxError(f"creating sandbox {spec.id} failed: {e}") from e
@@ -564,10 +616,13 @@ class ContainerRuntime:
         for digest, layer_file in zip(spec.layer_digests, spec.layer_paths, strict=True):
             lowers.append(self.layer_mounts.acquire(digest, Path(layer_file)))
             self._acquired[spec.id].append(digest)
+        group = _group_dir(spec.cpu_group)
+        self._join_group(spec.id, group, spec.cpu_group_weight)
         state: dict[str, Any] = {
             "oci_runtime": oci,
             "state_root": str(self.state_root),
-            "cgroup": self._cgroup_rel(spec.id),
+            "cgroup": self._cgroup_rel(spec.id, group),
+            "cpu_group": group,
             "layers": list(spec.layer_digests),
             "layer_paths": list(spec.layer_paths),
             "hostname": spec.hostname,
@@ -589,7 +644,7 @@ class ContainerRuntime:
             rootfs=rootfs,
             init_binary=init_bin,
             hostname=spec.hostname,
-            cgroups_path=cgroup(self._cgroup_rel(spec.id)).oci_path(),
+            cgroups_path=cgroup(state["cgroup"]).oci_path(),
             cpu=spec.cpu,
             memory_mb=spec.memory_mb,
             pids=spec.pids,
@@ -705,6 +760,9 @@ class ContainerRuntime:
         state = dict(warm.state)
         live = warm.live
         self._warm_ids.discard(warm.id)
+        group = str(state.get("cpu_group") or "")
+        self._join_group(spec.id, group, spec.cpu_group_weight)
+        self._leave_group(warm.id, group)
         self._live[spec.id] = live
         self._acquired[spec.id] = self._acquired.pop(warm.id, [])
         renamed = False
@@ -761,6 +819,8 @@ class ContainerRuntime:
                 except Exception as cleanup_error:
                     log.error("cleanup of claimed %s failed: %s", name, cleanup_error)
                 self._live.pop(spec.id, None)
+                self._leave_group(warm.id, group)
+                self._leave_group(spec.id, group)
                 if isinstance(e, DsecError | asyncio.CancelledError):
                     raise
                 raise SandboxError(f"creating sandbox {spec.id} failed: {e}") from e
@@ -1028,6 +1088,9 @@ class ContainerRuntime:
                     continue
                 acquired.append(digest)
             self._acquired[handle.id] = acquired
+        group = str(state.get("cpu_group") or "")
+        if group:
+            self._groups.setdefault(group, set()).add(handle.id)
         live = self._live.setdefault(handle.id, _Live())
         async with live.lock:
             if live.server is None or not live.server.alive:
@@ -1099,6 +1162,8 @@ class ContainerRuntime:
                 self.layer_mounts.release(digest)
             except DsecError as e:
                 errors.append(str(e))
+        if not keep_live:
+            self._leave_group(handle.id, str(state.get("cpu_group") or ""))
         if errors:
             raise SandboxError(f"destroying {handle.id} left something behind: {'; '.join(errors)}")
 
@@ -1305,7 +1370,12 @@ class ContainerRuntime:
         for root in self._state_roots():
             if root.is_dir():
                 found.update(p.name for p in root.iterdir() if p.is_dir())
-        found.update(cgroup(self.cgroup_parent).children())
+        parent = cgroup(self.cgroup_parent)
+        for name in parent.children():
+            if name.startswith(_GROUP_PREFIX):  # a CPU share group: its sandboxes
+                found.update(parent.child(name).children())
+            else:
+                found.add(name)
         # a claimed sandbox's cgroups have the warm id (and, made by an older dsec, cgroup2's)
         for sid in known:
             st = self._load_state(Handle(sid))
@@ -1475,14 +1545,24 @@ def _compile_seccomp(execd_bin: Path, policy_file: Path) -> bytes | None:
 
 
 def _pool_key(spec: SandboxSpec) -> _PoolKey:
-    # allow_setuid is fixed when the exec server starts: a warm container has the template's
+    # allow_setuid is fixed when the exec server starts: a warm container has the template's;
+    # so is its cgroup, under its CPU group's
     return (
         tuple(spec.layer_digests),
         tuple(spec.layer_paths),
         spec.disk_mb,
         spec.hostname,
         spec.allow_setuid,
+        _group_dir(spec.cpu_group),
     )
+
+
+def _group_dir(cpu_group: str) -> str:
+    """The cgroup directory of a CPU share group ("" for none, or a name no cgroup may
+    have)."""
+    if not cpu_group or not _GROUP_NAME.fullmatch(cpu_group):
+        return ""
+    return _GROUP_PREFIX + cpu_group
 
 
 _CGROUP_LABEL = "trusted.dsec.sandbox"
