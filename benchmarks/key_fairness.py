@@ -5,7 +5,7 @@ A/B in one run, two ``dsec serve`` children one after the other: ``DSEC_KEY_CPU_
 and ``off`` (every sandbox competes alone). In each, key A ("the crowd") runs ``--crowd``
 sandboxes, each a busy command for the window (a foreground exec: to the edge they are
 working, at their full weight); key B runs one sandbox that does a fixed CPU job (a busybox
-shell loop) ``--reps`` times, first alone, then during the crowd's window. Reported per mode:
+shell loop of ``--iters``, about a second: longer than the exec boost) ``--reps`` times, first alone, then during the crowd's window. Reported per mode:
 B's job p50 alone and among the crowd, the inflation, and the cores each key got during the
 window (from each sandbox's cgroup CPU time). With fair sharing between keys B's one
 sandbox gets what one core can give (the two keys' cgroups split the node), not 1/(crowd+1)
@@ -37,18 +37,21 @@ from dsec.server import ServeProcess
 from hostprobe import host_probe_s
 
 RESULTS = Path(__file__).resolve().parent / "results"
-JOB = "i=0; while [ $i -lt 60000 ]; do i=$((i+1)); done"
+
+
+def job(iters: int) -> str:
+    return f"i=0; while [ $i -lt {iters} ]; do i=$((i+1)); done"
 
 
 def busy(seconds: float) -> str:
     return f"timeout {seconds:g} sh -c 'while :; do :; done'; true"
 
 
-async def job_times(sb: AsyncSandbox, reps: int) -> list[float]:
+async def job_times(sb: AsyncSandbox, reps: int, iters: int) -> list[float]:
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        r = await sb.commands.run(JOB, timeout=600)
+        r = await sb.commands.run(job(iters), timeout=600)
         assert r.exit_code == 0, r
         out.append((time.perf_counter() - t0) * 1000)
     return out
@@ -59,7 +62,7 @@ async def cpu_s(sbs: list[AsyncSandbox]) -> float:
     return sum(m.cpu.usage_s for m in ms)
 
 
-def one_server(groups: str, crowd: int, reps: int) -> dict[str, Any]:
+def one_server(groups: str, crowd: int, reps: int, iters: int) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="dsec-bench-fair-"))
     env = {"DSEC_KEY_CPU_GROUPS": groups, "DSEC_CPU_OVERCOMMIT": "100"}
     try:
@@ -77,9 +80,10 @@ def one_server(groups: str, crowd: int, reps: int) -> dict[str, Any]:
                     crowd_sbs = [await AsyncSandbox.create(client=a, **kw) for _ in range(crowd)]
                     worker = await AsyncSandbox.create(client=b, **kw)
                     try:
-                        await job_times(worker, 2)  # warm
-                        alone = await job_times(worker, reps)
-                        window = max(20.0, statistics.median(alone) / 1000 * reps * crowd + 10)
+                        await job_times(worker, 1, iters)  # warm
+                        alone = await job_times(worker, reps, iters)
+                        # long enough for B's jobs even at 1/(crowd+1) of the node
+                        window = statistics.median(alone) / 1000 * reps * (crowd + 1) * 1.5 + 10
                         a0, b0 = await cpu_s(crowd_sbs), await cpu_s([worker])
                         t0 = time.monotonic()
                         burners = [
@@ -88,7 +92,7 @@ def one_server(groups: str, crowd: int, reps: int) -> dict[str, Any]:
                         ]
                         await asyncio.sleep(1.0)
                         probe = host_probe_s()
-                        among = await job_times(worker, reps)
+                        among = await job_times(worker, reps, iters)
                         a1, b1 = await cpu_s(crowd_sbs), await cpu_s([worker])
                         elapsed = time.monotonic() - t0
                         await asyncio.gather(*burners, return_exceptions=True)
@@ -112,9 +116,15 @@ def one_server(groups: str, crowd: int, reps: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--crowd", type=int, default=8, help="key A's busy sandboxes")
-    ap.add_argument("--reps", type=int, default=9, help="key B's jobs, alone and among")
+    ap.add_argument("--reps", type=int, default=5, help="key B's jobs, alone and among")
+    ap.add_argument(
+        "--iters",
+        type=int,
+        default=1_000_000,
+        help="loop iterations of B's job (longer than the exec boost, DSEC_EXEC_BOOST_MS)",
+    )
     args = ap.parse_args()
-    rows = {mode: one_server(mode, args.crowd, args.reps) for mode in ("off", "on")}
+    rows = {mode: one_server(mode, args.crowd, args.reps, args.iters) for mode in ("off", "on")}
     print(
         f"{'key groups':<11} {'B alone p50':>12} {'B among p50':>12} {'inflation':>10} "
         f"{'A cores':>8} {'B cores':>8}"
@@ -130,6 +140,7 @@ def main() -> None:
         "benchmark": "key_fairness",
         "crowd": args.crowd,
         "reps": args.reps,
+        "job_iters": args.iters,
         "modes": rows,
         "among_speedup_on_vs_off": round(ratio, 2),
     }
