@@ -41,9 +41,9 @@ test-flakes: setup
 openapi: setup
 	$(PY) scripts/gen_openapi.py
 
-# the benchmarks' peers (podman) are not needed by the tests: installed here only
+# the benchmarks' peers (podman) and tools (strace) are not needed by the tests: installed here only
 bench: setup
-	@DSEC_EXTRA_APT="podman $${DSEC_EXTRA_APT:-}" bash scripts/bootstrap.sh
+	@DSEC_EXTRA_APT="podman strace $${DSEC_EXTRA_APT:-}" bash scripts/bootstrap.sh
 	$(PY) benchmarks/container.py
 
 # dsec on the hosts users run: stock Debian kernels (6.1, 6.12; cgroup v2 and v1) booted in

@@ -18,6 +18,7 @@ from dsec.layers.mounts import LayerMounts
 from dsec.models import ExecRequest
 from dsec.privileged.cgroups import cgroup, shares_to_weight, weight_to_shares
 from dsec.runtimes.base import Handle, SandboxSpec
+from dsec.runtimes.container import runtime as runtime_module
 from dsec.runtimes.container.pool import PoolConfig
 from dsec.runtimes.container.runtime import ContainerRuntime
 
@@ -202,7 +203,10 @@ async def test_a_command_starts_with_a_boost_that_ends(node: Node) -> None:  # n
         await rt.close()
 
 
-async def test_a_keys_sandboxes_share_one_weighted_cgroup(node: Node) -> None:  # noqa: F811
+async def test_a_keys_sandboxes_share_one_weighted_cgroup(
+    node: Node,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Per-key CPU fairness (dsec.edge.quotas): the sandboxes of one CPU group (a key) sit
     under ``<parent>/key-<group>`` with the group's weight, so that a key's many busy
     sandboxes share what one key gets; warm containers are made in their group; the group's
@@ -245,15 +249,25 @@ async def test_a_keys_sandboxes_share_one_weighted_cgroup(node: Node) -> None:  
             )
         )
         assert group_a.cpu_shares() == as_set(512)
+        monkeypatch.setattr(runtime_module, "GROUP_LINGER_S", 0.5)
         await rt.destroy(b)
-        assert not group_b.exists()  # its last sandbox is gone: so is the group
+        b = None
+        assert group_b.exists()  # its last sandbox is gone: the group waits for the next one
+        b = await rt.create(dataclasses.replace(spec(node, 0.5), cpu_group="kbbbb"))
+        await asyncio.sleep(1.0)
+        assert group_b.exists()  # came back in time: the group stayed
+        await rt.destroy(b)
+        b = None
         for h in a[:-1]:
             await rt.destroy(h)
         assert group_a.exists()
         await rt.destroy(a[-1])
-        async with asyncio.timeout(budget(30)):  # the pool's warm ones of the group go too
+        a = []
+        # the pool's warm containers of each group go, then the groups (after the linger)
+        async with asyncio.timeout(budget(30)):
             await rt.pool.close()
-        assert not group_a.exists()
+            while group_a.exists() or group_b.exists():
+                await asyncio.sleep(0.05)
     finally:
         for h in [*a, *([b] if b else [])]:
             await rt.destroy(h)

@@ -139,6 +139,8 @@ _GROUP_PREFIX = "key-"
 """Names the cgroup of a CPU share group (a key's sandboxes) under the install's parent:
 ``<dsec-HASH>/key-<owner>/<sandbox>``; sandbox ids never start with it."""
 _GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+GROUP_LINGER_S = 30.0
+"""How long an emptied CPU share group's cgroup stays for the key's next sandbox."""
 _WARM_PREFIX = "wp-"
 _WARM_NICE = 10  # niceness of the OCI runtime making a warm container (its init: until claimed)
 
@@ -217,14 +219,27 @@ def _cgroup_mounts() -> CgroupMounts:
     return v1, v2
 
 
-def cgroup_procs_files(pid: int, mounts: CgroupMounts | None = None) -> list[Path]:
-    """The ``cgroup.procs`` files (host paths) of every cgroup ``pid`` is in.
+CONFINING_V1 = frozenset({"cpu", "cpuacct", "cpuset", "memory", "pids", "freezer", "devices"})
+"""The v1 controllers that confine or account a sandbox's processes (limits, freezing,
+killing, device access): an exec server joins the container's cgroup in these hierarchies
+only. The others (blkio, hugetlb, net_cls, net_prio, perf_event, rdma, misc, name=systemd)
+set nothing for a sandbox, and each ``cgroup.procs`` write holds the kernel's cgroup_mutex
+through an RCU grace period: 5 writes where the container's init needed 12."""
+
+
+def cgroup_procs_files(
+    pid: int, mounts: CgroupMounts | None = None, *, confining_only: bool = False
+) -> list[Path]:
+    """The ``cgroup.procs`` files (host paths) of every cgroup ``pid`` is in
+    (``confining_only``: on v1, of the hierarchies of :data:`CONFINING_V1` only).
 
     ``mounts``: a cached :func:`_cgroup_mounts` result (parsing mountinfo costs ~0.5 ms)."""
     v1, v2 = mounts if mounts is not None else _cgroup_mounts()
     out: list[Path] = []
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, ctrls, path = line.split(":", 2)
+        if confining_only and ctrls and not CONFINING_V1.intersection(ctrls.split(",")):
+            continue
         mnt = v2 if ctrls == "" else v1.get(ctrls.split(",")[0])
         if mnt is None:
             continue
@@ -277,6 +292,7 @@ class ContainerRuntime:
         self._live: dict[str, _Live] = {}
         self._groups: dict[str, set[str]] = {}  # CPU share group -> its sandboxes (warm too)
         self._group_shares: dict[str, int] = {}  # CPU share group -> the shares it was given
+        self._group_linger: dict[str, asyncio.TimerHandle] = {}  # emptied groups, until removed
         self._cgroup_mounts: CgroupMounts | None = None
         self._memsw = False  # the memory limit also bounds swap (found at start)
         self._state_base_cached: Path | None = None
@@ -419,6 +435,9 @@ class ContainerRuntime:
         self._live.clear()
         # the per-install parent cgroup and state dirs go once no sandbox is left in them
         parent = cgroup(self.cgroup_parent)
+        for timer in self._group_linger.values():
+            timer.cancel()
+        self._group_linger.clear()
         for name in parent.children():
             if name.startswith(_GROUP_PREFIX):
                 with contextlib.suppress(OSError):
@@ -457,6 +476,10 @@ class ContainerRuntime:
             return
         members = self._groups.get(group)
         shares = max(2, min(262_144, weight * 1024 // 100))
+        lingering = self._group_linger.pop(group, None)
+        if lingering is not None:  # emptied a moment ago: its cgroup is still there
+            lingering.cancel()
+            members = self._groups[group] = set()
         if members is None:
             cg = cgroup(f"{self.cgroup_parent}/{group}")
             cg.create()
@@ -471,16 +494,31 @@ class ContainerRuntime:
         members.add(sandbox_id)
 
     def _leave_group(self, sandbox_id: str, group: str) -> None:
-        """Stop counting ``sandbox_id`` in ``group``; the last one out removes its cgroup."""
+        """Stop counting ``sandbox_id`` in ``group``; the last one out removes its cgroup
+        :data:`GROUP_LINGER_S` later if no sandbox joined meanwhile (a key creating and
+        killing one sandbox at a time would otherwise make and remove it each time: cgroup
+        mkdir and rmdir in every v1 hierarchy, each under the kernel's cgroup_mutex)."""
         members = self._groups.get(group)
         if members is None:
             return
         members.discard(sandbox_id)
-        if not members:
-            del self._groups[group]
-            self._group_shares.pop(group, None)
-            with contextlib.suppress(OSError):
-                cgroup(f"{self.cgroup_parent}/{group}").remove_if_empty()
+        if members:
+            return
+        del self._groups[group]
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._drop_group(group)
+            return
+        self._group_linger[group] = loop.call_later(GROUP_LINGER_S, self._drop_group, group)
+
+    def _drop_group(self, group: str) -> None:
+        self._group_linger.pop(group, None)
+        if group in self._groups:  # joined again meanwhile
+            return
+        self._group_shares.pop(group, None)
+        with contextlib.suppress(OSError):
+            cgroup(f"{self.cgroup_parent}/{group}").remove_if_empty()
 
     def _require_available(self) -> tuple[str, Path, Path]:
         if self._unavailable is not None or not (self._oci and self._init_bin and self._execd_bin):
@@ -694,7 +732,9 @@ class ContainerRuntime:
         # the init leads its own session and comes back to the edge (a subreaper) once
         # crun's monitor exits: announce it, so that it is reaped whenever it dies
         REAPER.expect(init_pid, start_time)
-        await live.server.attach(init_pid, cgroup_procs_files(init_pid, self._cgroup_mounts))
+        await live.server.attach(
+            init_pid, cgroup_procs_files(init_pid, self._cgroup_mounts, confining_only=True)
+        )
         self._weigh(Handle(spec.id, state), active=False)  # no command runs yet
         if not spec.id.startswith(_WARM_PREFIX):  # a warm one is labelled when claimed
             _label_cgroup(state["cgroup"], spec.id)
@@ -835,7 +875,7 @@ class ContainerRuntime:
             execd_bin,
             init_pid,
             self._policy_file,
-            cgroup_procs_files(init_pid, self._cgroup_mounts),
+            cgroup_procs_files(init_pid, self._cgroup_mounts, confining_only=True),
             bpf_file=self._bpf_file,
             allow_setuid=allow_setuid,
         )
