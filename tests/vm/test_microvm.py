@@ -321,7 +321,7 @@ async def test_destroy_leaves_nothing(microvm: MicroVMRuntime, busybox_image: Bu
 
 
 async def test_recover_and_orphans(vm_home: Path, busybox_image: BusyboxImage) -> None:
-    cfg = MicroVMConfig(pool_size=1, **vm_boot_budgets())
+    cfg = MicroVMConfig(pool_size=1, keep_templates=True, **vm_boot_budgets())
     rt = MicroVMRuntime(Paths(vm_home), cfg)
     await rt.start()
     h = await rt.create(new_spec(busybox_image))
@@ -396,7 +396,8 @@ async def test_broken_layer_fails_cleanly(
 
 async def test_bad_kernel_fails_cleanly(vm_home: Path, busybox_image: BusyboxImage) -> None:
     rt = MicroVMRuntime(
-        Paths(vm_home), MicroVMConfig(pool_size=0, templates=False, cold_boot_timeout_s=20)
+        Paths(vm_home),
+        MicroVMConfig(pool_size=0, templates=False, cold_boot_timeout_s=20, keep_templates=True),
     )
     await rt.start()
     assert rt.artifacts is not None

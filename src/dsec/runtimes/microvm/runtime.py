@@ -16,8 +16,16 @@ Layout on disk (``tag`` = short hash of ``$DSEC_HOME``, so two nodes' state neve
 
     $DSEC_HOME/microvm/sandboxes/<id>/  q.sock (QMP), a.sock (agent), qemu.log, console.log
     $DSEC_HOME/microvm/templates/<key>/ state (device state), meta.json, console.log
-    /dev/shm/dsec-<tag>-<key>.ram       template guest RAM
+    /dev/shm/dsec-tpl-<tag>/<tier>-<key>.ram   template guest RAM
     cgroup v1 dsec-<tag>/microvm/<id>   cpu quota, memory limit (guest RAM + QEMU overhead)
+
+Template RAM is host memory (guest RAM size per template) that outlives no server: ``close``
+deletes the templates no sandbox directory of the tier still names (a live clone maps the
+file, a suspended one is a difference from it), and ``start`` deletes what a crashed server
+of this home left the same way. Both only when no other runtime of this home and tier is
+live (each holds a shared ``flock`` on ``$DSEC_HOME/<tier>/templates.lock`` while started;
+the one that gets it exclusively is alone). ``MicroVMConfig.keep_templates`` keeps them
+instead (a restart then needs no cold boot).
 
 State machine: see :mod:`dsec.runtimes.base`. ``pause`` stops the vCPUs (QMP ``stop``);
 ``resume`` continues them and resets the guest clock. Any exec or file call on a paused
@@ -41,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -150,6 +159,10 @@ class MicroVMConfig:
     # files (restored over the template RAM file, share=off: those pages stay shared)
     snapshot_diff: bool = True
     suspend_timeout_s: float = 120.0  # writing or loading one memory state file
+    # False: close() deletes the templates (RAM on /dev/shm: guest RAM each) no sandbox of
+    # this home still needs and start() those a crashed server left; True keeps them for the
+    # next start of this home (tests that start many runtimes on one home; faster restarts)
+    keep_templates: bool = False
 
 
 @dataclass
@@ -234,6 +247,7 @@ class MicroVMRuntime:
         self._pool_tasks: set[asyncio.Task[None]] = set()
         self._restore_locks: dict[str, asyncio.Lock] = {}
         self._ksmd_held = False
+        self._templates_lock: int | None = None  # fd with a shared flock while started
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -261,6 +275,7 @@ class MicroVMRuntime:
             self._tsc_khz = await asyncio.to_thread(host_tsc_khz)
             await self._choose_accel()
             await self._kill_stale_helpers()
+            await asyncio.to_thread(self._hold_templates)
             if self.config.ksmd and not self._ksmd_held:
                 self._ksmd_held = ksmd_acquire(self.config.ksm_pages_to_scan)
             await asyncio.to_thread(self._check_cgroups)
@@ -292,17 +307,71 @@ class MicroVMRuntime:
                     home = (d / "home").read_text()
                     if d != self.shm_dir and not Path(home).is_dir():
                         shutil.rmtree(d, ignore_errors=True)
+        self._ensure_shm_dir()
+
+    def _ensure_shm_dir(self) -> None:
         self.shm_dir.mkdir(mode=0o700, exist_ok=True)
         marker = self.shm_dir / "home"
         if not marker.exists():
             marker.write_text(str(self.paths.home.resolve()))
 
+    def _hold_templates(self) -> None:
+        """Take this runtime's shared lock on the home's templates; alone (no other live
+        runtime of this home and tier), first delete the templates a crashed one left."""
+        if self._templates_lock is not None:
+            return
+        fd = os.open(self.root / "templates.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if not self.config.keep_templates and _flock_alone(fd):
+                self._release_unused_templates()
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._templates_lock = fd
+
+    def _let_go_of_templates(self) -> None:
+        """Drop the lock taken at start; alone, delete the templates no sandbox needs."""
+        fd, self._templates_lock = self._templates_lock, None
+        if fd is None:
+            return
+        try:
+            if not self.config.keep_templates and _flock_alone(fd):
+                self._release_unused_templates()
+        finally:
+            os.close(fd)
+
+    def _release_unused_templates(self) -> None:
+        """Delete every template of this tier (RAM file and directory) that no sandbox
+        directory names: a live clone maps its RAM file, a suspended or forked one loads a
+        difference from it and the vm tier's clones' disks are overlays over its disk. Runs
+        with the templates lock held exclusively (no other runtime of this home is live)."""
+        needed: set[str] = set()
+        if self.sandbox_root.is_dir():
+            for d in self.sandbox_root.iterdir():
+                key = self._saved_state(d.name).get("template")
+                if key and not d.name.startswith("pool-"):
+                    needed.add(str(key))
+        prefix = f"{self.tier}-"
+        with contextlib.suppress(OSError):
+            for ram in self.shm_dir.glob(f"{prefix}*.ram"):
+                if ram.name[len(prefix) : -len(".ram")] not in needed:
+                    with contextlib.suppress(FileNotFoundError):
+                        ram.unlink()
+        if self.template_root.is_dir():
+            for d in self.template_root.iterdir():
+                if d.name not in needed:
+                    shutil.rmtree(d, ignore_errors=True)
+
     async def close(self) -> None:
-        """Stop the pool; drop connections. Sandbox VMs keep running (``recover()`` reattaches)."""
+        """Stop the pool; drop connections. Sandbox VMs keep running (``recover()`` reattaches).
+        Templates no sandbox needs are deleted (unless ``keep_templates`` or another runtime
+        of this home is live)."""
         await self.drain_pool()
         for vm in list(self._live.values()):
             await self._disconnect(vm)
         self._live.clear()
+        await asyncio.to_thread(self._let_go_of_templates)
         if self._ksmd_held:
             ksmd_release()
             self._ksmd_held = False
@@ -565,6 +634,7 @@ class MicroVMRuntime:
         with contextlib.suppress(FileNotFoundError):
             t.ram.unlink()
         t.dir.mkdir(parents=True)
+        self._ensure_shm_dir()
         name = f"tpl-{t.key}"
         extra = await self._sandbox_devices(t.dir, spec, None)
         argv = self._argv(
@@ -1552,6 +1622,17 @@ async def _standalone_disk(disk: Path) -> None:
             f"qemu-img convert of {disk.name} failed: {err.decode(errors='replace')}"
         )
     os.rename(flat, disk)
+
+
+def _flock_alone(fd: int) -> bool:
+    """True if ``fd``'s file could be locked exclusively (nobody else holds it), then held
+    so until closed or downgraded. A shared lock this process held on ``fd`` is dropped
+    first (flock converts by unlocking), so a False leaves ``fd`` unlocked."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _is_our_qemu(pid: int, tag: str, sandbox_id: str) -> bool:
