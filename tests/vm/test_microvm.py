@@ -361,6 +361,35 @@ async def test_guest_panic_is_a_typed_error(microvm: MicroVMRuntime, make_vm: Ma
     assert not microvm._cgroup(h.id).exists()
 
 
+async def test_a_guest_that_ends_is_reported_when_it_happens(
+    microvm: MicroVMRuntime, make_vm: MakeVM
+) -> None:
+    """No request needed: the runtime watches each QEMU and tells its listener when one
+    ends by itself (issue 32, item 7: after a panic the API said "running" 15 s later);
+    ends it makes itself are not reported."""
+    ended: list[tuple[str, str]] = []
+    got = asyncio.Event()
+
+    def listener(sandbox_id: str, why: str) -> None:
+        ended.append((sandbox_id, why))
+        got.set()
+
+    microvm.on_exit(listener)
+    quiet = await make_vm()
+    await microvm.destroy(quiet)
+    h = await make_vm(full_guest=True)
+    r = await microvm.exec(
+        h, ExecRequest(cmd="(sleep 1; echo c > /proc/sysrq-trigger) </dev/null >/dev/null 2>&1 &")
+    )
+    assert r.exit_code == 0
+    await asyncio.wait_for(got.wait(), budget(20))
+    assert ended == [(h.id, "the guest kernel panicked")]
+    assert not await microvm.alive(h) and not pid_alive(h.state["pid"])
+    assert not microvm._cgroup(h.id).exists()
+    with pytest.raises(SandboxStopped, match="panicked"):
+        await microvm.exec(h, ExecRequest(cmd="true"))
+
+
 async def test_unresponsive_agent_is_killed(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
     h = await make_vm()
     vm = microvm._live[h.id]

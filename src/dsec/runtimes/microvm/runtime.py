@@ -60,7 +60,7 @@ import shlex
 import shutil
 import subprocess
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,7 @@ from dsec.runtimes.microvm.qemu import (
     find_qemu,
     kill_and_wait,
     pid_alive,
+    pidfd_readable,
     qemu_processes,
     wait_exit,
 )
@@ -212,6 +213,8 @@ class _VM:
     paused: bool = False
     dead: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ending: bool = False  # this runtime is ending the QEMU (suspend): its exit is no death
+    watch: asyncio.Task[None] | None = None  # _watch: waits for the QEMU's exit
 
 
 class MicroVMRuntime:
@@ -248,6 +251,7 @@ class MicroVMRuntime:
         self._restore_locks: dict[str, asyncio.Lock] = {}
         self._ksmd_held = False
         self._templates_lock: int | None = None  # fd with a shared flock while started
+        self._exit_listener: Callable[[str, str], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -369,6 +373,7 @@ class MicroVMRuntime:
         of this home is live)."""
         await self.drain_pool()
         for vm in list(self._live.values()):
+            await self._unwatch(vm)
             await self._disconnect(vm)
         self._live.clear()
         await asyncio.to_thread(self._let_go_of_templates)
@@ -902,8 +907,7 @@ class MicroVMRuntime:
                 handle.state["qemu_name"] = qemu_name
                 handle.state["template"] = tpl.key if tpl else None
                 (d / "handle.json").write_text(json.dumps({"id": spec.id, **handle.state}))
-                vm = _VM(id=spec.id, pid=proc.pid, dir=d)
-                self._live[spec.id] = vm
+                vm = self._register(_VM(id=spec.id, pid=proc.pid, dir=d))
                 if pooled is not None:
                     vm.qmp, vm.agent = pooled.qmp, pooled.agent
                 else:
@@ -958,6 +962,7 @@ class MicroVMRuntime:
         """Kill QEMU, remove its cgroup and every file of the sandbox. Idempotent."""
         vm = self._live.pop(handle.id, None)
         if vm is not None:
+            await self._unwatch(vm)
             await self._disconnect(vm)
         name = handle.state.get("qemu_name") or handle.id
         pids = {int(handle.state.get("pid") or 0)}
@@ -985,6 +990,53 @@ class MicroVMRuntime:
         if vm.qmp is not None:
             await vm.qmp.close()
             vm.qmp = None
+
+    # ------------------------------------------------------------------ watching
+
+    def on_exit(self, listener: Callable[[str, str], None]) -> None:
+        """:class:`dsec.runtimes.base.ExitReporting`: ``listener(sandbox_id, why)`` is called
+        when a sandbox's QEMU ends without this runtime ending it (a guest kernel panic or
+        power-off, QEMU killed or crashed, an unresponsive guest this runtime stopped)."""
+        self._exit_listener = listener
+
+    def _register(self, vm: _VM) -> _VM:
+        """``vm`` is this sandbox's live machine: watched until it ends or is let go."""
+        self._live[vm.id] = vm
+        vm.watch = asyncio.create_task(self._watch(vm), name=f"dsec-{self.tier}-watch-{vm.id}")
+        return vm
+
+    async def _unwatch(self, vm: _VM) -> None:
+        task, vm.watch = vm.watch, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _watch(self, vm: _VM) -> None:
+        """When ``vm``'s QEMU exits, unless this runtime ended it (destroy, suspend), the
+        sandbox is dead: QEMU reaped, its cgroup removed, the listener told why."""
+        try:
+            fd = os.pidfd_open(vm.pid)
+        except OSError:
+            fd = -1  # gone already
+        console = vm.dir / "console.log"
+        try:
+            while fd >= 0 and not await pidfd_readable(fd, 3600.0):
+                pass
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        if vm.ending or self._live.get(vm.id) is not vm:
+            return
+        why = await asyncio.to_thread(_end_seen_on_console, console)
+        why = why or vm.dead or "its QEMU exited"
+        vm.dead = why
+        with contextlib.suppress(OSError, DsecError):  # _on_lost may be doing the same
+            await self._disconnect(vm)
+            await wait_exit(vm.pid, 1.0)  # reaped if ours
+            await asyncio.to_thread(self._remove_cgroup, vm.id)
+        if self._exit_listener is not None:
+            self._exit_listener(vm.id, why)
 
     # ------------------------------------------------------------------ connections
 
@@ -1044,7 +1096,7 @@ class MicroVMRuntime:
         except DsecError:
             await self._disconnect(vm)
             return False
-        self._live[handle.id] = vm
+        self._register(vm)
         return True
 
     async def alive(self, handle: Handle) -> bool:
@@ -1415,6 +1467,7 @@ class MicroVMRuntime:
                 "transport": self.config.snapshot_transport,
                 "ram_backing": str(ram_backing) if ram_backing else None,
             }))  # fmt: skip
+            vm.ending = True
             with contextlib.suppress(DsecError):
                 await vm.qmp.execute("quit", timeout_s=5.0)
             await self._disconnect(vm)
@@ -1466,7 +1519,7 @@ class MicroVMRuntime:
             handle.state["pid"] = proc.pid
             handle.state["last_restore_ms"] = round((time.perf_counter() - t0) * 1000, 1)
             self._save_handle(handle)
-            self._live[handle.id] = _VM(id=handle.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent)
+            self._register(_VM(id=handle.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent))
             shutil.rmtree(d / SUSPEND_DIR, ignore_errors=True)
 
     async def memory_snapshot(self, handle: Handle, *, portable: bool = False) -> MemorySnapshot:
@@ -1546,7 +1599,7 @@ class MicroVMRuntime:
                 )
                 handle.state["pid"] = proc.pid
                 self._save_handle(handle)
-                self._live[spec.id] = _VM(id=spec.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent)
+                self._register(_VM(id=spec.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent))
                 await self._until_ready(proc, agent, self.config.restore_timeout_s, "fork",
                                         agent.setup(spec.hostname, self._setup_disk_mb(spec),
                                                     pids=spec.pids, memory_mb=spec.memory_mb,
@@ -1622,6 +1675,24 @@ async def _standalone_disk(disk: Path) -> None:
             f"qemu-img convert of {disk.name} failed: {err.decode(errors='replace')}"
         )
     os.rename(flat, disk)
+
+
+def _end_seen_on_console(path: Path) -> str | None:
+    """Why the guest ended, from the last lines of its console (the kernel prints these at
+    KERN_EMERG, so even a ``quiet`` console shows them), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 16384))
+            tail = f.read()
+    except OSError:
+        return None
+    if b"Kernel panic" in tail:
+        return "the guest kernel panicked"
+    if b"reboot: Power down" in tail:
+        return "the guest powered off"
+    if b"reboot: Restarting system" in tail:
+        return "the guest rebooted"
+    return None
 
 
 def _flock_alone(fd: int) -> bool:
