@@ -390,6 +390,39 @@ async def test_a_guest_that_ends_is_reported_when_it_happens(
         await microvm.exec(h, ExecRequest(cmd="true"))
 
 
+async def test_console_log_stays_bounded(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    """The guest's serial console goes to console.log on the host: a guest writing it
+    without end must not fill the node's disk (issue 32, item 7). The newest part stays."""
+    microvm.config.console_max_kb, microvm.config.watch_interval_s = 16, 0.2
+    h = await make_vm(full_guest=True)
+    console = Path(h.state["dir"]) / "console.log"
+    r = await microvm.exec(
+        h,
+        ExecRequest(
+            cmd="i=0; while [ $i -lt 2000 ]; do echo console-line-$i-padding-padding-padding; "
+            "i=$((i+1)); done > /dev/console; echo console-last-line > /dev/console",
+            timeout_s=120,
+        ),
+    )
+    assert r.exit_code == 0, r.stderr
+    deadline = time.monotonic() + budget(10)
+    while time.monotonic() < deadline and console.stat().st_size > 16 << 10:
+        await asyncio.sleep(0.1)
+    text = console.read_text(errors="replace")
+    assert len(text) <= 16 << 10, len(text)
+    assert "older bytes of this console were dropped" in text
+    assert text.rstrip().endswith("console-last-line")
+    # the sandbox and its console still work after the cut
+    r = await microvm.exec(h, ExecRequest(cmd="echo after-the-cut > /dev/console"))
+    assert r.exit_code == 0
+    deadline = time.monotonic() + budget(5)
+    while time.monotonic() < deadline and "after-the-cut" not in console.read_text(
+        errors="replace"
+    ):
+        await asyncio.sleep(0.1)
+    assert console.read_text(errors="replace").rstrip().endswith("after-the-cut")
+
+
 async def test_unresponsive_agent_is_killed(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
     h = await make_vm()
     vm = microvm._live[h.id]

@@ -15,6 +15,7 @@ Glossary:
 Layout on disk (``tag`` = short hash of ``$DSEC_HOME``, so two nodes' state never collide)::
 
     $DSEC_HOME/microvm/sandboxes/<id>/  q.sock (QMP), a.sock (agent), qemu.log, console.log
+                                        (cut to its newest half past console_max_kb)
     $DSEC_HOME/microvm/templates/<key>/ state (device state), meta.json, console.log
     /dev/shm/dsec-tpl-<tag>/<tier>-<key>.ram   template guest RAM
     cgroup v1 dsec-<tag>/microvm/<id>   cpu quota, memory limit (guest RAM + QEMU overhead)
@@ -164,6 +165,12 @@ class MicroVMConfig:
     # this home still needs and start() those a crashed server left; True keeps them for the
     # next start of this home (tests that start many runtimes on one home; faster restarts)
     keep_templates: bool = False
+    # a running sandbox's console.log (the guest's serial console, which QEMU appends to) is
+    # cut to its newest half when it passes this, checked every watch_interval_s: a guest
+    # that writes its console as fast as it can (~450 KB/s under TCG) adds at most that
+    # much per interval above the cap
+    console_max_kb: int = 1024
+    watch_interval_s: float = 5.0
 
 
 @dataclass
@@ -214,7 +221,7 @@ class _VM:
     dead: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ending: bool = False  # this runtime is ending the QEMU (suspend): its exit is no death
-    watch: asyncio.Task[None] | None = None  # _watch: waits for the QEMU's exit
+    watch: asyncio.Task[None] | None = None  # _watch: the QEMU's exit, the console's size
 
 
 class MicroVMRuntime:
@@ -1013,16 +1020,17 @@ class MicroVMRuntime:
                 await task
 
     async def _watch(self, vm: _VM) -> None:
-        """When ``vm``'s QEMU exits, unless this runtime ended it (destroy, suspend), the
-        sandbox is dead: QEMU reaped, its cgroup removed, the listener told why."""
+        """Until ``vm``'s QEMU exits, keep its console log under ``console_max_kb``; then,
+        unless this runtime ended it (destroy, suspend), the sandbox is dead: QEMU reaped,
+        its cgroup removed, the listener told why."""
         try:
             fd = os.pidfd_open(vm.pid)
         except OSError:
             fd = -1  # gone already
         console = vm.dir / "console.log"
         try:
-            while fd >= 0 and not await pidfd_readable(fd, 3600.0):
-                pass
+            while fd >= 0 and not await pidfd_readable(fd, self.config.watch_interval_s):
+                await asyncio.to_thread(bound_console, console, self.config.console_max_kb << 10)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -1675,6 +1683,34 @@ async def _standalone_disk(disk: Path) -> None:
             f"qemu-img convert of {disk.name} failed: {err.decode(errors='replace')}"
         )
     os.rename(flat, disk)
+
+
+def bound_console(path: Path, max_bytes: int) -> bool:
+    """If the console log ``path`` is longer than ``max_bytes``, cut it to its newest half
+    (from a line start, after a line saying how much was dropped). True if it was cut.
+
+    QEMU appends to it (``O_APPEND``), so its later writes land after what is kept; a write
+    between the read of the tail and the truncation is lost, one between the truncation and
+    the rewrite lands before the kept tail."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        if size <= max_bytes:
+            return False
+        keep = max_bytes // 2
+        tail = os.pread(fd, keep, size - keep)
+        cut = tail.find(b"\n")
+        if 0 <= cut < len(tail) - 1:
+            tail = tail[cut + 1 :]
+        note = f"[dsec: {size - len(tail)} older bytes of this console were dropped]\n"
+        os.ftruncate(fd, 0)
+        os.write(fd, note.encode() + tail)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _end_seen_on_console(path: Path) -> str | None:
