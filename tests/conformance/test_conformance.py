@@ -310,6 +310,16 @@ def test_upload_tar_follows_its_own_symlinks_inside_the_sandbox(
     assert r.json()["error"]["code"] == "file_not_found"
 
 
+def test_mount_table_shows_no_path_of_the_node(sandbox: Sandbox, sdk_env: Any) -> None:
+    """A sandbox's mount table names no path of the node: no DSEC_HOME in the root
+    overlay's options nor in a bind mount's source (issue 32, item 7)."""
+    r = sandbox.commands.run("cat /proc/self/mountinfo /proc/mounts")
+    assert r.exit_code == 0, r.stderr
+    node_paths = {str(sdk_env.home.parent), str(sdk_env.home.resolve().parent)}
+    shown = [line for line in r.stdout.splitlines() if any(p in line for p in node_paths)]
+    assert not shown, shown
+
+
 def test_isolation_between_sandboxes(make_sandbox: Callable[..., Sandbox]) -> None:
     a, b = make_sandbox(), make_sandbox()
     a.files.write("/tmp/secret", "only-a")
