@@ -94,6 +94,7 @@ class Bench:
         )  # fmt: skip
 
     async def runtime(self, **kw: Any) -> MicroVMRuntime:
+        kw.setdefault("keep_templates", True)  # the runs measure restores, not cold boots
         rt = MicroVMRuntime(self.paths, MicroVMConfig(**kw))
         await rt.start()
         caps = capabilities_of(rt)
@@ -659,7 +660,7 @@ async def main() -> None:
 
     # the vm tier (q35, BIOS boot of the bzImage, qcow2 disk, VGA): create -> agent ready
     # (a template restore once the tier's template exists; the first create boots it)
-    full = VMRuntime(paths, MicroVMConfig())
+    full = VMRuntime(paths, MicroVMConfig(keep_templates=True))
     await full.start()
     res["vm_tier_boot_ready_s"], res["vm_tier_screenshot_s"] = [], []
     try:

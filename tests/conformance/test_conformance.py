@@ -263,6 +263,63 @@ def test_upload_tar_with_escaping_member_is_refused(sandbox: Sandbox, sdk_env: A
     assert r.json()["error"]["code"] in ("path_outside_sandbox", "invalid_request")
 
 
+def _tar_of(*members: tuple[str, bytes, str]) -> bytes:
+    """A tar of (name, type, link target) members; files hold their own name."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, kind, link in members:
+            ti = tarfile.TarInfo(name)
+            ti.type, ti.linkname, ti.mode = kind, link, 0o755 if kind == tarfile.DIRTYPE else 0o644
+            data = name.encode() if kind == tarfile.REGTYPE else b""
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data) if data else None)
+    return buf.getvalue()
+
+
+def test_upload_tar_follows_its_own_symlinks_inside_the_sandbox(
+    sandbox: Sandbox, sdk_env: Any
+) -> None:
+    """A member through a symlink of the same archive lands where the link points (inside
+    the sandbox, as every path does); one through a link to a file or to nothing is the
+    client's error (issue 32, item 7: the VM tiers answered 500 sandbox_error)."""
+    import httpx
+
+    def put(path: str, data: bytes) -> httpx.Response:
+        return httpx.put(
+            f"{sdk_env.url}/v1/sandboxes/{sandbox.id}/files/tar",
+            params={"path": path},
+            content=data,
+            headers={
+                "Authorization": f"Bearer {sdk_env.api_key}",
+                "Content-Type": "application/x-tar",
+            },
+        )
+
+    sym, reg, dir_ = tarfile.SYMTYPE, tarfile.REGTYPE, tarfile.DIRTYPE
+    r = put("/tmp/up", _tar_of(("dst", dir_, ""), ("l", sym, "dst"), ("l/x", reg, "")))
+    assert r.status_code == 200, r.text
+    assert sandbox.files.read("/tmp/up/dst/x") == b"l/x"
+    r = put("/tmp/up2", _tar_of(("l", sym, "/tmp/up"), ("l/y", reg, "")))
+    assert r.status_code == 200, r.text
+    assert sandbox.files.read("/tmp/up/y") == b"l/y"
+    r = put("/tmp/up3", _tar_of(("f", reg, ""), ("l", sym, "f"), ("l/z", reg, "")))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_request"
+    r = put("/tmp/up4", _tar_of(("l", sym, "/tmp/nowhere"), ("l/z", reg, "")))
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["code"] == "file_not_found"
+
+
+def test_mount_table_shows_no_path_of_the_node(sandbox: Sandbox, sdk_env: Any) -> None:
+    """A sandbox's mount table names no path of the node: no DSEC_HOME in the root
+    overlay's options nor in a bind mount's source (issue 32, item 7)."""
+    r = sandbox.commands.run("cat /proc/self/mountinfo /proc/mounts")
+    assert r.exit_code == 0, r.stderr
+    node_paths = {str(sdk_env.home.parent), str(sdk_env.home.resolve().parent)}
+    shown = [line for line in r.stdout.splitlines() if any(p in line for p in node_paths)]
+    assert not shown, shown
+
+
 def test_isolation_between_sandboxes(make_sandbox: Callable[..., Sandbox]) -> None:
     a, b = make_sandbox(), make_sandbox()
     a.files.write("/tmp/secret", "only-a")

@@ -341,19 +341,6 @@ def home() -> Iterator[Paths]:
     assert not left, f"mounts left under {h}: {left}"
 
 
-def _overlay_lowers(rootfs: Path) -> list[Path]:
-    """The lowerdir paths of the overlay mounted at ``rootfs`` (from its super options)."""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == str(rootfs):
-                opts = line.split(" - ", 1)[1].split()[2]
-                for o in opts.split(","):
-                    if o.startswith("lowerdir="):
-                        return [Path(p) for p in o[len("lowerdir=") :].split(":")]
-    raise AssertionError(f"no overlay at {rootfs}")
-
-
 async def test_container_tier_on_loop_devices(home: Paths, loop_mode: None) -> None:
     from dsec.layers.store import LayerStore
     from dsec.runtimes.base import SandboxSpec, capabilities_of
@@ -384,7 +371,9 @@ async def test_container_tier_on_loop_devices(home: Paths, loop_mode: None) -> N
         try:
             r = await rt.exec(h, ExecRequest(cmd="echo hi"))
             assert (r.stdout, r.exit_code) == ("hi\n", 0), r
-            lowers = _overlay_lowers(home.sandboxes / spec.id / "rootfs")
+            # the overlay names its lowers by descriptor (no host path in mountinfo): the
+            # sandbox's layer mounts are the node's
+            lowers = [rt.layer_mounts.mounted()[d] for d in image.layers]
             for lower in lowers:
                 [entry] = [e for e in mountinfo_entries(lower) if e.mountpoint == lower]
                 assert entry.fstype == "erofs" and entry.source.startswith("/dev/loop"), entry

@@ -24,6 +24,7 @@ from tests.timing import budget
 from dsec.errors import Conflict, InvalidRequest, SandboxNotFound
 from dsec.network import NetworkManager, NetworkPolicy, ResolverLimits, SandboxNetwork, dns
 from dsec.network.testbed import (
+    CLOUD_SERVICE_ADDRS,
     DNS_ADDR,
     METADATA_ADDR,
     MIRROR_TCP_PORTS,
@@ -316,8 +317,13 @@ async def test_host_other_sandboxes_and_metadata_never_reachable(
         ("198.18.1.1", 17070),
         (other.ip, 18000),
         (METADATA_ADDR, 80),
+        *((addr, 80) for addr in CLOUD_SERVICE_ADDRS),  # Alibaba, Azure, Oracle (issue 32)
     ]:
         assert await tcp_probe(ns, address, port, 0.4) is None, (address, port)
+    # the cloud addresses are served (the probes above were refused by the filter, not
+    # unanswered): the unfiltered testbed namespace reaches them
+    for addr in CLOUD_SERVICE_ADDRS:
+        assert await tcp_probe(testbed.ns["plain"], addr, 80) == f"{addr}:80"
     # the other sandbox's own service works from inside it (the listener is real)
     assert await tcp_probe(other.netns_path, "127.0.0.1", 18000) == "127.0.0.1:18000"
     # a DNS answer pointing at metadata is withheld, not admitted

@@ -189,7 +189,10 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 async def runtime(request: pytest.FixtureRequest, image: BusyboxImage) -> AsyncIterator[Any]:
     cls = VMRuntime if request.param == "vm" else MicroVMRuntime
     rt = cls(
-        Paths(VM_HOME), MicroVMConfig(pool_size=0, exec_grace_s=budget(3.0), **vm_boot_budgets())
+        Paths(VM_HOME),
+        MicroVMConfig(
+            pool_size=0, exec_grace_s=budget(3.0), keep_templates=True, **vm_boot_budgets()
+        ),
     )
     await rt.start()
     if not capabilities_of(rt).available:

@@ -4,18 +4,21 @@ resolver's decisions over loopback (no root: the resolver listens on 127.0.0.1).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from tests.timing import budget
 
 from dsec.errors import InvalidRequest
-from dsec.network import dns
+from dsec.network import NetworkManager, dns
 from dsec.network.policy import (
     DEFAULT_PRESETS,
     MAX_CIDRS,
     MAX_DOMAINS,
+    NEVER_REACHABLE,
     NetworkPolicy,
     NetworkPreset,
     normalize_domain,
@@ -127,6 +130,42 @@ def test_presets_expand_and_operator_overrides() -> None:
     with pytest.raises(InvalidRequest):
         NetworkPreset.coerce({"domains": ["bad domain"]})
     assert set(DEFAULT_PRESETS) >= {"pypi", "npm", "debian", "github"}
+
+
+CLOUD_SERVICES = {
+    "AWS, GCP, Azure, OCI, DigitalOcean, ... metadata": "169.254.169.254",
+    "AWS ECS task metadata": "169.254.170.2",
+    "Tencent Cloud metadata": "169.254.0.23",
+    "Scaleway metadata": "169.254.42.42",
+    "Alibaba Cloud metadata": "100.100.100.200",
+    "Azure wireserver": "168.63.129.16",
+    "Oracle Cloud legacy metadata": "192.0.0.192",
+}
+"""Each public cloud's per-instance services a sandbox's packets must never reach."""
+
+
+@pytest.mark.parametrize("address", CLOUD_SERVICES.values(), ids=list(CLOUD_SERVICES))
+def test_cloud_metadata_and_host_services_are_never_reachable(address: str, tmp_path: Path) -> None:
+    """0.0.0.0/0 (E2B's default) opens everything but these (issue 32, item 4): no policy
+    names them, and the manager's never list (the packet filter's and the resolver's) holds
+    them beside the operator's own protected networks."""
+    ip = ipaddress.IPv4Address(address)
+    assert any(ip in ipaddress.IPv4Network(n) for n in NEVER_REACHABLE)
+    with pytest.raises(InvalidRequest, match="never reachable"):
+        NetworkPolicy(allow_cidrs=[address])
+    mgr = NetworkManager(tmp_path / "net", protected_cidrs=["10.99.0.0/16"])
+    assert any(ip in ipaddress.IPv4Network(n) for n in mgr.never)
+    assert "10.99.0.0/16" in mgr.never
+    # an open policy is still open to the rest
+    assert NetworkPolicy(allow_cidrs=["0.0.0.0/0"]).resolve().every_address
+
+
+def test_ipv6_metadata_is_out_of_reach_because_policies_are_ipv4_only() -> None:
+    """AWS's IPv6 metadata (fd00:ec2::254) and link-local fe80::/10 need no never entry:
+    no policy can name IPv6 (and the filter drops every IPv6 packet from a sandbox)."""
+    for cidr in ("fd00:ec2::254", "fe80::/10", "::/0"):
+        with pytest.raises(InvalidRequest, match="IPv6"):
+            NetworkPolicy(allow_cidrs=[cidr])
 
 
 def test_normalize_domain_rejects_wildcard_where_not_allowed() -> None:

@@ -90,7 +90,10 @@ def busybox_image(vm_home: Path) -> BusyboxImage:
 @pytest.fixture
 async def microvm(vm_home: Path) -> AsyncIterator[MicroVMRuntime]:
     rt = MicroVMRuntime(
-        Paths(vm_home), MicroVMConfig(pool_size=0, exec_grace_s=budget(3.0), **vm_boot_budgets())
+        Paths(vm_home),
+        MicroVMConfig(
+            pool_size=0, exec_grace_s=budget(3.0), keep_templates=True, **vm_boot_budgets()
+        ),
     )
     await rt.start()
     if not capabilities_of(rt).available:

@@ -88,7 +88,10 @@ async def test_suspend_frees_memory_and_survives_restart(
 
     # an edge restart: a new runtime on the same node reattaches to the suspended sandbox
     rt2 = MicroVMRuntime(
-        Paths(vm_home), MicroVMConfig(pool_size=0, exec_grace_s=budget(3.0), **vm_boot_budgets())
+        Paths(vm_home),
+        MicroVMConfig(
+            pool_size=0, exec_grace_s=budget(3.0), keep_templates=True, **vm_boot_budgets()
+        ),
     )
     await rt2.start()
     try:
@@ -222,7 +225,10 @@ async def test_vm_tier_suspend_and_fork_keep_the_disk(
     from dsec.runtimes.vm import VMRuntime
 
     rt = VMRuntime(
-        Paths(vm_home), MicroVMConfig(exec_grace_s=budget(3.0), pool_size=0, **vm_boot_budgets())
+        Paths(vm_home),
+        MicroVMConfig(
+            exec_grace_s=budget(3.0), pool_size=0, keep_templates=True, **vm_boot_budgets()
+        ),
     )
     await rt.start()
     h = await rt.create(new_spec(busybox_image, tier="vm", disk_mb=96))

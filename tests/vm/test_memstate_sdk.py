@@ -15,7 +15,7 @@ from tests.timing import budget
 
 from dsec import Sandbox
 from dsec.config import Paths
-from dsec.errors import CapabilityNotSupported
+from dsec.errors import CapabilityNotSupported, SandboxStopped
 from dsec.models import CreateSandboxRequest, ExecRequest
 from dsec.privileged.cgroups import cgroup
 from dsec.runtimes.microvm import MicroVMRuntime
@@ -104,6 +104,26 @@ def test_sdk_suspend_fork_reaper_and_refusals(home: Path) -> None:
             with pytest.raises(CapabilityNotSupported):
                 sb.fork(1, memory=True)
             assert sb.refresh().state == "running"  # the refusals changed nothing
+
+
+def test_a_guest_that_dies_is_stopped_at_once(home: Path) -> None:
+    """A full guest's kernel panic ends its QEMU: the sandbox reads "stopped" with the
+    reason right after, with a request in flight or without (issue 32, item 7)."""
+    with BackgroundServer(home, tiers=["microvm"]) as srv:
+        kw = {"url": srv.url, "api_key": srv.api_key, "image": "busybox", "memory_mb": 256}
+        panic_later = "(sleep 1; echo c > /proc/sysrq-trigger) </dev/null >/dev/null 2>&1 &"
+        with Sandbox.create(tier="microvm", full_guest=True, **kw) as sb:
+            sb.commands.run(panic_later)
+            deadline = time.monotonic() + budget(20)
+            while time.monotonic() < deadline and sb.refresh().state != "stopped":
+                time.sleep(0.2)
+            assert sb.info.state == "stopped", sb.info
+            assert sb.info.stopped_reason == "sandbox died: the guest kernel panicked"
+        with Sandbox.create(tier="microvm", full_guest=True, **kw) as sb:
+            with pytest.raises(SandboxStopped):
+                sb.commands.run("echo c > /proc/sysrq-trigger; sleep 5", timeout=30)
+            assert sb.refresh().state == "stopped", sb.info
+            assert "sandbox died" in (sb.info.stopped_reason or "")
 
 
 async def test_suspended_sandbox_survives_edge_restart(home: Path) -> None:

@@ -321,7 +321,7 @@ async def test_destroy_leaves_nothing(microvm: MicroVMRuntime, busybox_image: Bu
 
 
 async def test_recover_and_orphans(vm_home: Path, busybox_image: BusyboxImage) -> None:
-    cfg = MicroVMConfig(pool_size=1, **vm_boot_budgets())
+    cfg = MicroVMConfig(pool_size=1, keep_templates=True, **vm_boot_budgets())
     rt = MicroVMRuntime(Paths(vm_home), cfg)
     await rt.start()
     h = await rt.create(new_spec(busybox_image))
@@ -361,6 +361,68 @@ async def test_guest_panic_is_a_typed_error(microvm: MicroVMRuntime, make_vm: Ma
     assert not microvm._cgroup(h.id).exists()
 
 
+async def test_a_guest_that_ends_is_reported_when_it_happens(
+    microvm: MicroVMRuntime, make_vm: MakeVM
+) -> None:
+    """No request needed: the runtime watches each QEMU and tells its listener when one
+    ends by itself (issue 32, item 7: after a panic the API said "running" 15 s later);
+    ends it makes itself are not reported."""
+    ended: list[tuple[str, str]] = []
+    got = asyncio.Event()
+
+    def listener(sandbox_id: str, why: str) -> None:
+        ended.append((sandbox_id, why))
+        got.set()
+
+    microvm.on_exit(listener)
+    quiet = await make_vm()
+    await microvm.destroy(quiet)
+    h = await make_vm(full_guest=True)
+    r = await microvm.exec(
+        h, ExecRequest(cmd="(sleep 1; echo c > /proc/sysrq-trigger) </dev/null >/dev/null 2>&1 &")
+    )
+    assert r.exit_code == 0
+    await asyncio.wait_for(got.wait(), budget(20))
+    assert ended == [(h.id, "the guest kernel panicked")]
+    assert not await microvm.alive(h) and not pid_alive(h.state["pid"])
+    assert not microvm._cgroup(h.id).exists()
+    with pytest.raises(SandboxStopped, match="panicked"):
+        await microvm.exec(h, ExecRequest(cmd="true"))
+
+
+async def test_console_log_stays_bounded(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
+    """The guest's serial console goes to console.log on the host: a guest writing it
+    without end must not fill the node's disk (issue 32, item 7). The newest part stays."""
+    microvm.config.console_max_kb, microvm.config.watch_interval_s = 16, 0.2
+    h = await make_vm(full_guest=True)
+    console = Path(h.state["dir"]) / "console.log"
+    r = await microvm.exec(
+        h,
+        ExecRequest(
+            cmd="i=0; while [ $i -lt 2000 ]; do echo console-line-$i-padding-padding-padding; "
+            "i=$((i+1)); done > /dev/console; echo console-last-line > /dev/console",
+            timeout_s=120,
+        ),
+    )
+    assert r.exit_code == 0, r.stderr
+    deadline = time.monotonic() + budget(10)
+    while time.monotonic() < deadline and console.stat().st_size > 16 << 10:
+        await asyncio.sleep(0.1)
+    text = console.read_text(errors="replace")
+    assert len(text) <= 16 << 10, len(text)
+    assert "older bytes of this console were dropped" in text
+    assert text.rstrip().endswith("console-last-line")
+    # the sandbox and its console still work after the cut
+    r = await microvm.exec(h, ExecRequest(cmd="echo after-the-cut > /dev/console"))
+    assert r.exit_code == 0
+    deadline = time.monotonic() + budget(5)
+    while time.monotonic() < deadline and "after-the-cut" not in console.read_text(
+        errors="replace"
+    ):
+        await asyncio.sleep(0.1)
+    assert console.read_text(errors="replace").rstrip().endswith("after-the-cut")
+
+
 async def test_unresponsive_agent_is_killed(microvm: MicroVMRuntime, make_vm: MakeVM) -> None:
     h = await make_vm()
     vm = microvm._live[h.id]
@@ -396,7 +458,8 @@ async def test_broken_layer_fails_cleanly(
 
 async def test_bad_kernel_fails_cleanly(vm_home: Path, busybox_image: BusyboxImage) -> None:
     rt = MicroVMRuntime(
-        Paths(vm_home), MicroVMConfig(pool_size=0, templates=False, cold_boot_timeout_s=20)
+        Paths(vm_home),
+        MicroVMConfig(pool_size=0, templates=False, cold_boot_timeout_s=20, keep_templates=True),
     )
     await rt.start()
     assert rt.artifacts is not None

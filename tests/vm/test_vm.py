@@ -98,7 +98,10 @@ def _display(edge: object, sandbox_id: str) -> tuple[AsyncDisplay, AsyncClient]:
 @pytest.fixture
 async def vm_runtime(vm_home: Path) -> AsyncIterator[VMRuntime]:
     rt = VMRuntime(
-        Paths(vm_home), MicroVMConfig(exec_grace_s=budget(3.0), pool_size=1, **vm_boot_budgets())
+        Paths(vm_home),
+        MicroVMConfig(
+            exec_grace_s=budget(3.0), pool_size=1, keep_templates=True, **vm_boot_budgets()
+        ),
     )
     await rt.start()
     assert capabilities_of(rt).available, capabilities_of(rt).reason

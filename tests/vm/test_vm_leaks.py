@@ -10,6 +10,7 @@ Under TCG here: ~30-60 s.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
 import time
@@ -99,6 +100,9 @@ def test_vm_tier_cycles_leave_nothing_behind(shared_layers: Path) -> None:
                 assert not grew, f"leaked: {grew}"
             finally:
                 client.close()
+        # the stopped server kept no template RAM on /dev/shm (no sandbox of it needs any)
+        tag = hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:8]
+        assert not list(Path(f"/dev/shm/dsec-tpl-{tag}").glob("*.ram"))
     finally:
         from dsec.config import Paths
         from dsec.runtimes.microvm import MicroVMRuntime

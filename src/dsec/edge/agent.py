@@ -105,6 +105,7 @@ from dsec.models import (
 )
 from dsec.runtimes.base import (
     Display,
+    ExitReporting,
     FilesystemPause,
     Handle,
     Interactive,
@@ -342,6 +343,8 @@ class EdgeAgent:
             except DsecError as e:  # the node still serves sandboxes without networking
                 log.error("networking disabled on this node: %s", e.message)
         for rt in self.runtimes.values():
+            if isinstance(rt, ExitReporting):
+                rt.on_exit(self._sandbox_ended)
             await rt.start()
         await self.reconcile()
         if self.network is not None and self.network.started:
@@ -573,12 +576,29 @@ class EdgeAgent:
             return await fn(lv)
         except DsecError as e:
             self.metrics.errors.labels(e.code).inc()
-            if not isinstance(e, SandboxStopped) and not await self._still_alive(lv):
+            # a runtime's SandboxStopped too: the sandbox must not stay "running" after it
+            if not await self._still_alive(lv) and not isinstance(e, SandboxStopped):
                 raise SandboxStopped(f"sandbox {sandbox_id} died", sandbox_id=sandbox_id) from e
             raise
         finally:
             lv.inflight -= 1
             self._touch(lv)
+
+    def _sandbox_ended(self, sandbox_id: str, why: str) -> None:
+        """A runtime's report (:class:`ExitReporting`) that a sandbox ended by itself: it is
+        stopped now, not at its next request."""
+        if self._closing:
+            return
+        task = asyncio.create_task(self._died(sandbox_id, why), name=f"dsec-died-{sandbox_id}")
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
+
+    async def _died(self, sandbox_id: str, why: str) -> None:
+        lv = self._live.get(sandbox_id)
+        if lv is None or lv.row.state not in ("running", "paused"):
+            return
+        log.warning("sandbox %s died: %s", sandbox_id, why)
+        await self._destroy(lv, f"sandbox died: {why}")
 
     async def _still_alive(self, lv: _Live) -> bool:
         rt = self.runtimes.get(lv.row.tier)

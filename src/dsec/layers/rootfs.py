@@ -14,6 +14,11 @@ to the memory cgroup of the process that writes them (the sandbox), so a sandbox
 use counts against its memory limit, and on a node without swap those pages cannot be
 reclaimed while the sandbox is paused. See ``docs/design/layers.md``.
 
+The overlay names its directories ``/proc/self/fd/<n>`` (descriptors this process holds
+for the time of the mount): the kernel shows the option strings as given in every
+mountinfo, the sandbox's own ``/proc/mounts`` included, and host paths there would tell a
+sandbox where ``DSEC_HOME`` is and its layers' mount names.
+
 Overlay options: ``xino=auto`` (one ``st_dev`` for every file; needs distinct layer UUIDs,
 which :func:`dsec.layers.erofs.mkfs_erofs` provides). ``volatile`` is not used: it only skips
 ``syncfs`` on the upper, which is a no-op on tmpfs anyway, and it makes the work dir
@@ -40,8 +45,11 @@ from dsec.layers.mounts import is_mounted, mountinfo_entries
 from dsec.privileged.mount import MS_NODEV, MS_NOEXEC, MS_NOSUID, mount, umount, umount_quiet
 
 __all__ = [
+    "INIT_DIR_SOURCE",
     "assemble_rootfs",
+    "mount_init_dir",
     "mount_sandbox_root",
+    "release_init_dir",
     "release_sandbox_root",
     "rootfs_path",
     "teardown_rootfs",
@@ -114,6 +122,62 @@ def release_sandbox_root(root: Path) -> None:
         log.warning("cannot unmount the sandbox tmpfs %s: %s", root, e)
 
 
+INIT_DIR_SOURCE = "dsec-init"
+"""The source name of the tmpfs :func:`mount_init_dir` mounts."""
+
+
+def mount_init_dir(where: Path, binary: Path) -> Path:
+    """Put a copy of the containers' init ``binary`` alone on a small tmpfs at ``where``
+    and return the copy's path (``where/init``). Idempotent: a tmpfs left by an earlier
+    start is used again (a changed binary replaces the copy by a rename, so running inits
+    keep theirs).
+
+    Why: a container's mountinfo shows, for a bind mount, the source's path inside its
+    filesystem; bound from ``$DSEC_HOME/bin`` on the node's disk, every sandbox read the
+    node's ``DSEC_HOME`` (and its disk device) in ``/proc/mounts``. From here it reads
+    ``/init`` on a tmpfs named ``dsec-init``. If the tmpfs cannot be mounted, ``binary``
+    itself is returned (and the path shows)."""
+    where.mkdir(mode=0o755, parents=True, exist_ok=True)
+    here = Path(os.path.abspath(where))
+    mounted = any(
+        e.mountpoint == here and e.source == INIT_DIR_SOURCE for e in mountinfo_entries(where)
+    )
+    if not mounted:
+        size = os.stat(binary).st_size * 3 + (1 << 20)  # a copy being replaced + slack
+        try:
+            mount(INIT_DIR_SOURCE, where, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0755")
+        except OSError as e:
+            log.warning("cannot mount a tmpfs at %s (the init's path shows in sandboxes): %s",
+                        where, e)  # fmt: skip
+            return binary
+    dest = where / "init"
+    with open(binary, "rb") as f:
+        data = f.read()
+    try:
+        with open(dest, "rb") as f:
+            same = f.read() == data
+    except FileNotFoundError:
+        same = False
+    if not same:
+        tmp = where / ".init.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o555)
+        os.rename(tmp, dest)
+    return dest
+
+
+def release_init_dir(where: Path) -> None:
+    """Unmount :func:`mount_init_dir`'s tmpfs (running containers keep the init they were
+    given: their bind mounts hold it)."""
+    here = Path(os.path.abspath(where))
+    if any(e.mountpoint == here and e.source == INIT_DIR_SOURCE for e in mountinfo_entries(where)):
+        try:
+            umount(where)
+        except OSError as e:
+            log.warning("cannot unmount %s: %s", where, e)
+
+
 def rootfs_path(sandbox_dir: Path) -> Path:
     """Where the merged root filesystem is mounted."""
     return Path(sandbox_dir) / "rootfs"
@@ -142,6 +206,12 @@ def _check_lower(path: Path) -> str:
             path=text,
         )
     return text
+
+
+def _overlay_options(lowers: list[int], upper: int, work: int) -> str:
+    """Overlay options naming its directories by descriptor (lowers top first)."""
+    lower = ":".join(f"/proc/self/fd/{fd}" for fd in lowers)
+    return f"lowerdir={lower},upperdir=/proc/self/fd/{upper},workdir=/proc/self/fd/{work},xino=auto"
 
 
 def assemble_rootfs(
@@ -178,11 +248,12 @@ def assemble_rootfs(
     sandbox_dir = Path(os.path.abspath(sandbox_dir))
     upper_mnt, rootfs = _upper_mount(sandbox_dir), rootfs_path(sandbox_dir)
     data, work = upper_dir(sandbox_dir), work_dir(sandbox_dir)
-    options = f"lowerdir={':'.join(reversed(lower_paths))},upperdir={data},workdir={work},xino=auto"
-    if len(options.encode()) >= _PAGE_SIZE:
+    # the longest the options can be (descriptor numbers of up to 7 digits)
+    longest = len(_overlay_options([9_999_999] * len(lower_paths), 9_999_999, 9_999_999))
+    if longest >= _PAGE_SIZE:
         raise InvalidRequest(
-            f"overlay options are {len(options.encode())} bytes, over the {_PAGE_SIZE}-byte "
-            f"page limit ({len(lower_paths)} layers): use fewer layers or a shorter DSEC_HOME",
+            f"overlay options can be {longest} bytes, over the {_PAGE_SIZE}-byte page limit "
+            f"({len(lower_paths)} layers): use fewer layers",
             layers=len(lower_paths),
         )
     sandbox_dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +277,15 @@ def assemble_rootfs(
         top = os.stat(lower_paths[-1])
         os.chown(data, top.st_uid, top.st_gid)
         os.chmod(data, top.st_mode & 0o7777)
-        mount("dsec-rootfs", rootfs, "overlay", MS_NODEV if nodev else 0, options)
+        fds: list[int] = []
+        try:
+            for name in [*reversed(lower_paths), str(data), str(work)]:
+                fds.append(os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+            options = _overlay_options(fds[:-2], fds[-2], fds[-1])
+            mount("dsec-rootfs", rootfs, "overlay", MS_NODEV if nodev else 0, options)
+        finally:
+            for fd in fds:
+                os.close(fd)
         mounted.append(rootfs)
     except OSError as e:
         for mp in reversed(mounted):

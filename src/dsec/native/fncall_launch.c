@@ -14,7 +14,9 @@
  *      loop device the caller bound to it and holds until the zygote is up (kernels
  *      before 6.12, files on tmpfs/overlayfs, DSEC_EROFS_MOUNT=loop: see
  *      dsec.privileged.mount.erofs_mount_sources; AUTOCLEAR frees it with this namespace);
- *   4. overlay (lowers top first) on SCRATCH_DIR/root; mount points that the
+ *   4. overlay (lowers top first) on SCRATCH_DIR/root, its directories named relative to
+ *      SCRATCH_DIR (the kernel shows the option strings in every mountinfo: the workers'
+ *      /proc/mounts would show the node's DSEC_HOME otherwise); mount points that the
  *      workers need (/work /tmp /proc /dev /dev/shm) are created in the upper;
  *   5. a minimal /dev (tmpfs with bind-mounted null zero full random urandom);
  *   6. pivot_root into the overlay, detach the old root, remount / read-only.
@@ -86,9 +88,11 @@ int main(int argc, char **argv) {
         snprintf(path, sizeof path, "%s/l%d", scratch, l);
         mkdir_p(path, 0755);
         if (mount(layers[l], path, "erofs", MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) != 0) die("mount erofs", layers[l]);
-        if (strlen(lower) + strlen(path) + 2 >= sizeof lower) { errno = E2BIG; die("lowerdir", path); }
+        char name[16];
+        snprintf(name, sizeof name, "l%d", l);
+        if (strlen(lower) + strlen(name) + 2 >= sizeof lower) { errno = E2BIG; die("lowerdir", path); }
         if (lower[0]) strcat(lower, ":");
-        strcat(lower, path);
+        strcat(lower, name);
     }
     char upper[4200], work[4200], root[4200], ovl[sizeof lower + 8500];
     snprintf(upper, sizeof upper, "%s/upper", scratch);
@@ -97,7 +101,8 @@ int main(int argc, char **argv) {
     mkdir_p(upper, 0755);
     mkdir_p(work, 0755);
     mkdir_p(root, 0755);
-    snprintf(ovl, sizeof ovl, "lowerdir=%s,upperdir=%s,workdir=%s", lower, upper, work);
+    if (chdir(scratch) != 0) die("chdir", scratch);  /* the overlay's names are relative to it */
+    snprintf(ovl, sizeof ovl, "lowerdir=%s,upperdir=upper,workdir=work", lower);
     if (mount("overlay", root, "overlay", MS_NOSUID | MS_NODEV, ovl) != 0) die("mount overlay", root);
 
     static const char *dirs[] = {"work", "tmp", "proc", "dev", "run", NULL};

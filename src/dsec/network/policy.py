@@ -14,8 +14,10 @@ keeps a loopback-only namespace and none of this code runs) or a :class:`Network
   ...) that expand to domains and mirror addresses, see :data:`DEFAULT_PRESETS`.
 
 Never reachable whatever the policy (enforced by the manager, not expressible here):
-the node's own addresses (so the apiserver and edge ports), other sandboxes,
-link-local/metadata (169.254.0.0/16), loopback, multicast and reserved ranges.
+the node's own addresses (so the apiserver and edge ports), other sandboxes, every cloud's
+instance metadata and host services (link-local 169.254.0.0/16, Alibaba 100.100.100.200,
+Azure 168.63.129.16, ...: see :data:`NEVER_REACHABLE`), loopback, multicast and reserved
+ranges, and the operator's protected networks.
 
 Invalid input raises :class:`dsec.errors.InvalidRequest` naming the field and the
 offending value. Example::
@@ -66,12 +68,35 @@ MAX_PRESETS = 16
 
 NEVER_REACHABLE: tuple[str, ...] = (
     "0.0.0.0/8",  # "this network"
+    "100.100.100.200/32",  # Alibaba Cloud instance metadata
     "127.0.0.0/8",  # loopback
-    "169.254.0.0/16",  # link-local, cloud metadata (169.254.169.254)
+    "168.63.129.16/32",  # Azure wireserver (guest agent, extension settings, DNS, DHCP)
+    "169.254.0.0/16",  # link-local: the metadata of AWS, GCP, Azure, OCI, ... (below)
+    "192.0.0.0/24",  # IETF protocol assignments; Oracle Cloud's legacy metadata 192.0.0.192
     "224.0.0.0/4",  # multicast
     "240.0.0.0/4",  # reserved + limited broadcast
 )
-"""IPv4 ranges no policy can open (the manager adds its sandbox subnet and host addresses)."""
+"""IPv4 ranges no policy can open (the manager adds its sandbox subnet, host addresses and
+the operator's ``protected_cidrs``). ``0.0.0.0/0`` (E2B's default) opens everything else.
+
+Every public cloud's per-instance services (instance metadata with its credentials, host
+agents) are here, because a sandbox's packets leave with the node's address and those
+services trust whoever sends from it:
+
+* link-local ``169.254.0.0/16``: the metadata of AWS (``169.254.169.254``, Time Sync
+  ``.123``, DNS ``.253``, ECS/EKS ``169.254.170.2``/``.23``), GCP
+  (``metadata.google.internal``), Azure IMDS, Oracle Cloud, DigitalOcean, Hetzner,
+  Linode, Vultr, OpenStack, IBM, Huawei, Tencent (``169.254.0.23``), Scaleway
+  (``169.254.42.42``);
+* Alibaba Cloud's metadata ``100.100.100.200`` (its other services in ``100.100.0.0/16``
+  are DNS, NTP and mirrors; protect the range with ``protected_cidrs`` if you wish);
+* Azure's wireserver ``168.63.129.16`` (a public address Microsoft routes to the host);
+* Oracle Cloud's legacy metadata ``192.0.0.192`` (the whole non-global ``192.0.0.0/24``).
+
+IPv6 needs no entry: sandboxes are IPv4-only (IPv6 is disabled in their namespace and the
+filter drops every IPv6 packet from them), so AWS's ``fd00:ec2::254`` and link-local
+``fe80::/10`` are out of reach too. The VM tiers have no network device at all.
+"""
 
 _LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
 _PORT_RANGE = re.compile(r"^\s*(\d{1,5})\s*-\s*(\d{1,5})\s*$")

@@ -4,7 +4,8 @@ Builds, on this node only, network namespaces that play the outside world, wired
 host by veth pairs in the RFC 2544 benchmarking range 198.18.0.0/15 (never routed on
 the real internet), with a test DNS zone served from inside them:
 
-    inet ns    198.18.0.2-.9/24 (+ .53 DNS, + 169.254.77.77 "metadata")  via host 198.18.0.1
+    inet ns    198.18.0.2-.9/24 (+ .53 DNS, + 169.254.77.77 "metadata", + the cloud
+               service addresses 100.100.100.200, 168.63.129.16, 192.0.0.192)  via host 198.18.0.1
     mirror ns  198.18.1.2/24 (a "package mirror" with several open ports) via host 198.18.1.1
     plain ns   198.18.2.2/24, an unfiltered "sandbox" (baseline for benchmarks)
 
@@ -27,7 +28,7 @@ import dsec.network.dns as dns
 from dsec.network.resolver import ZoneServer
 from dsec.privileged.netns import RtNetlink, create_netns, delete_netns, in_netns, write_sysctl
 
-__all__ = ["ZONE", "Testbed", "dns_query", "tcp_probe", "udp_probe"]
+__all__ = ["CLOUD_SERVICE_ADDRS", "ZONE", "Testbed", "dns_query", "tcp_probe", "udp_probe"]
 
 INET_LINK = ("198.18.0.1", "198.18.0.2")
 MIRROR_LINK = ("198.18.1.1", "198.18.1.2")
@@ -43,6 +44,10 @@ INET_EXTRA = [
 ]
 DNS_ADDR = "198.18.0.53"
 METADATA_ADDR = "169.254.77.77"
+CLOUD_SERVICE_ADDRS = ["100.100.100.200", "168.63.129.16", "192.0.0.192"]
+"""Alibaba's metadata, Azure's wireserver, Oracle's legacy metadata: served by the inet
+namespace (host routes to it while the testbed runs), so a probe that gets through is
+answered here instead of leaving the node by its default route."""
 INET_TCP_PORTS = [80, 443, 8080]
 MIRROR_TCP_PORTS = [22, 80, 443, 3128, 8080, 9000]
 UDP_ECHO_PORT = 7
@@ -90,9 +95,12 @@ class Testbed:
         self._wire("mirror", MIRROR_LINK, [])
         self._wire("plain", PLAIN_LINK, [])
         with RtNetlink(self.ns["inet"]) as nl:
-            nl.add_address(nl.link_index("eth0"), METADATA_ADDR, 32)
+            for addr in (METADATA_ADDR, *CLOUD_SERVICE_ADDRS):
+                nl.add_address(nl.link_index("eth0"), addr, 32)
         with RtNetlink() as host:
-            host.add_route(f"{METADATA_ADDR}/32", oif=host.link_index(self.links["inet"]))
+            inet = host.link_index(self.links["inet"])
+            for addr in (METADATA_ADDR, *CLOUD_SERVICE_ADDRS):
+                host.add_route(f"{addr}/32", oif=inet)
         with open("/proc/sys/net/ipv4/ip_forward") as f:
             self._ip_forward_before = f.read().strip()
         write_sysctl("net.ipv4.ip_forward", "1")

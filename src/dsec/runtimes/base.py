@@ -19,7 +19,8 @@ changes while it runs), ``Snapshottable`` (``pack_diff`` of the
 writable layer), ``MemoryStateful`` (RAM and device state to a file: suspend, memory forks,
 migration with processes), ``Interactive`` (processes whose stdin stays open, terminals),
 ``Display`` (screen, pointer, keyboard), ``PortConnectable`` (TCP connections to ports
-inside the sandbox, for the port proxy) and ``Measurable`` (resource usage counters). The
+inside the sandbox, for the port proxy), ``Measurable`` (resource usage counters) and
+``ExitReporting`` (sandboxes that can end by themselves, reported when they do). The
 edge checks them with ``isinstance`` and raises
 ``CapabilityNotSupported`` for a tier without one; the capability table a node publishes is
 derived from them by :func:`capabilities_of`, so it cannot disagree with what the code can
@@ -294,6 +295,19 @@ class Measurable(Protocol):
     what can be read without running it."""
 
     async def usage(self, handle: Handle) -> SandboxUsage: ...
+
+
+@runtime_checkable
+class ExitReporting(Protocol):
+    """A tier whose sandboxes can end by themselves (a VM whose guest kernel panicked or
+    powered off: its QEMU exits) and that says so when it happens, not at the next call.
+    The edge registers one listener before ``start()`` and stops the sandbox with the
+    reason (``sandbox died: <why>``). Ends the runtime makes itself (``destroy``, a suspend
+    to a file) are not reported."""
+
+    def on_exit(self, listener: Callable[[str, str], None]) -> None:
+        """Call ``listener(sandbox_id, why)``, on the runtime's event loop, for each such end;
+        a later call replaces the listener."""
 
 
 def capabilities_of(rt: Runtime) -> Capabilities:

@@ -66,7 +66,9 @@ from dsec.errors import (
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import (
     assemble_rootfs,
+    mount_init_dir,
     mount_sandbox_root,
+    release_init_dir,
     release_sandbox_root,
     rootfs_path,
     teardown_rootfs,
@@ -288,6 +290,7 @@ class ContainerRuntime:
         self._oci: str | None = None
         self._unavailable: str | None = "not started"
         self._init_bin: Path | None = None
+        self._init_dir = self.paths.run / "container-init"  # mount_init_dir's tmpfs
         self._execd_bin: Path | None = None
         self._live: dict[str, _Live] = {}
         self._groups: dict[str, set[str]] = {}  # CPU share group -> its sandboxes (warm too)
@@ -363,7 +366,9 @@ class ContainerRuntime:
         self.paths.ensure()
         await asyncio.to_thread(mount_sandbox_root, self.paths.sandboxes)
         try:
-            self._init_bin = await asyncio.to_thread(build_native, self.paths.bin, "dsec_init")
+            init = await asyncio.to_thread(build_native, self.paths.bin, "dsec_init")
+            # bound into every container from a tmpfs of its own: no host path in its mountinfo
+            self._init_bin = await asyncio.to_thread(mount_init_dir, self._init_dir, init)
             self._execd_bin = await asyncio.to_thread(build_native, self.paths.bin, "dsec_execd")
         except SandboxError as e:
             self._unavailable = e.message
@@ -454,6 +459,8 @@ class ContainerRuntime:
             with contextlib.suppress(OSError):
                 self._state_base().rmdir()
         release_sandbox_root(self.paths.sandboxes)
+        if self._init_bin is not None:
+            release_init_dir(self._init_dir)
 
     # ------------------------------------------------------------------ helpers
     def _sandbox_dir(self, sandbox_id: str) -> Path:

@@ -22,6 +22,7 @@ import errno as errno_mod
 import io
 import os
 import posixpath
+import re
 import struct
 import tarfile
 import time
@@ -483,6 +484,11 @@ class AgentClient:
 def _map_error(args: list[bytes]) -> DsecError:
     code = int(args[0]) if args and args[0].isdigit() else 0
     msg = args[1].decode("utf-8", "replace") if len(args) > 1 else "guest agent error"
+    return _errno_error(code, msg)
+
+
+def _errno_error(code: int, msg: str) -> DsecError:
+    """The typed error of a failed file operation in the guest (errno ``code``)."""
     if code == errno_mod.ENOENT:
         return FileNotFound(msg, errno=code)
     if code == errno_mod.EEXIST or code == errno_mod.ENOTEMPTY:
@@ -497,9 +503,38 @@ def _map_error(args: list[bytes]) -> DsecError:
         errno_mod.EINVAL,
         errno_mod.ENAMETOOLONG,
         errno_mod.ESRCH,
+        errno_mod.ELOOP,
+        errno_mod.EACCES,
+        errno_mod.EPERM,
+        errno_mod.EROFS,
     ):
         return InvalidRequest(msg, errno=code)
     return SandboxError(msg, errno=code)
+
+
+_STRERROR = {os.strerror(code): code for code in errno_mod.errorcode}
+"""errno by its message (the guest's busybox is linked with glibc, as this host's Python)."""
+
+
+def _tar_error(path: str, stderr: bytes) -> DsecError:
+    """The typed error of a failed busybox ``tar -x``: from the errno its first message
+    names (``tar: can't open 'x': Not a directory``), as the other file calls answer it. A
+    leading directory it could not make for "File exists" is a name that is no directory
+    (ENOTDIR, as the container tier says); a symlink or hard link it could not make is a
+    name that exists (busybox says no errno)."""
+    text = stderr.decode("utf-8", "replace")
+    message = f"tar extract into {path} failed: {text[-500:]}"
+    for line in text.splitlines():
+        if not line.startswith("tar: "):
+            continue
+        code = _STRERROR.get(line.rsplit(": ", 1)[-1].strip())
+        if code == errno_mod.EEXIST and line.startswith("tar: can't create directory "):
+            code = errno_mod.ENOTDIR
+        if code is not None:
+            return _errno_error(code, message)
+        if re.match(r"tar: can't create (sym|hard)link ", line):
+            return _errno_error(errno_mod.EEXIST, message)
+    return SandboxError(message)
 
 
 def _entries(args: list[bytes]) -> list[FileInfo]:
@@ -553,10 +588,15 @@ def _member_parts(name: str) -> list[str]:
     return parts
 
 
-def sanitize_upload_tar(data: bytes) -> tuple[bytes, int]:
+def sanitize_upload_tar(data: bytes) -> tuple[list[bytes], int]:
     """Check an uploaded archive and re-serialise it for the guest's busybox ``tar``.
 
-    Returns (plain GNU-format tar, number of members extracted). Refused with
+    Returns (plain GNU-format tars to extract one after the other, number of members
+    extracted). busybox makes an archive's links only after its other members (so that no
+    member is written through a link of the same archive); the container tier follows them
+    (resolved inside the sandbox, as every later access is), and so does this: a new tar
+    starts at each member whose path goes through, or replaces, a link of the current one,
+    which the tar before made. Refused with
     ``PathOutsideSandbox``: absolute member names, ``..`` components, hard links whose target
     is outside the archive's directory. Refused with ``InvalidRequest``: device nodes, FIFOs
     and anything else that is not a file, directory or link; input that is not a tar (gzip,
@@ -567,14 +607,28 @@ def sanitize_upload_tar(data: bytes) -> tuple[bytes, int]:
         src = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
     except (tarfile.TarError, EOFError, OSError) as e:
         raise InvalidRequest(f"not a tar archive: {e}") from e
+    batches: list[bytes] = []
     out = io.BytesIO()
+    dst = tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT)
+    links: set[str] = set()  # names of the links in the current tar
     count = 0
     try:
-        with src, tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as dst:
+        with src:
             for member in src:
                 parts = _member_parts(member.name)
                 if not parts:
                     continue  # the archive's own root entry
+                through = [parts]
+                if member.islnk():
+                    through.append(_member_parts(member.linkname))
+                if any("/".join(p[:i]) in links for p in through for i in range(1, len(p) + 1)):
+                    dst.close()
+                    batches.append(out.getvalue())
+                    out = io.BytesIO()
+                    dst = tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT)
+                    links.clear()
+                if member.issym() or member.islnk():
+                    links.add("/".join(parts))
                 ti = tarfile.TarInfo("/".join(parts))
                 ti.mode = member.mode & 0o7777
                 ti.mtime = member.mtime
@@ -603,9 +657,11 @@ def sanitize_upload_tar(data: bytes) -> tuple[bytes, int]:
                     )
                 dst.addfile(ti, fileobj)
                 count += 1
+        dst.close()
     except tarfile.TarError as e:
         raise InvalidRequest(f"corrupt tar archive: {e}") from e
-    return out.getvalue(), count
+    batches.append(out.getvalue())
+    return batches, count
 
 
 def relative_download_tar(raw: bytes, strip_root: bool, max_bytes: int) -> bytes:
@@ -709,18 +765,17 @@ class VMFiles:
         number of members extracted. Members are checked on the host first
         (:func:`sanitize_upload_tar`); the guest's busybox ``tar`` extracts the checked copy."""
         p = _abs(path)
-        clean, members = sanitize_upload_tar(data)
+        batches, members = sanitize_upload_tar(data)
         await self.mkdir(p, parents=True)
         client = await self._client()
-        _, err, status = await client.exec_raw(
-            ["tar", "-x", "-f", "-", "-C", p], env={"PATH": "/usr/bin:/bin"}, cwd="/", user=None,
-            stdin=clean, timeout_s=self._timeout, max_output_bytes=65536, tool=True,
-        )  # fmt: skip
-        if status["exit_code"] != 0:
-            message = err.decode("utf-8", "replace")[-500:]
-            if "No space left" in message:
-                raise QuotaExceeded(f"the sandbox's writable layer is full: {message}")
-            raise SandboxError(f"tar extract into {p} failed: {message}")
+        for clean in batches:
+            _, err, status = await client.exec_raw(
+                ["tar", "-x", "-f", "-", "-C", p], env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                user=None, stdin=clean, timeout_s=self._timeout, max_output_bytes=65536,
+                tool=True,
+            )  # fmt: skip
+            if status["exit_code"] != 0:
+                raise _tar_error(p, err)
         return members
 
     async def download_tar(self, path: str, max_bytes: int) -> bytes:

@@ -30,6 +30,7 @@ __all__ = [
     "find_qemu",
     "kill_and_wait",
     "pid_alive",
+    "pidfd_readable",
     "qemu_processes",
     "wait_exit",
 ]
@@ -66,6 +67,20 @@ def _set_done(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+async def pidfd_readable(fd: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the process of pidfd ``fd`` to exit. True if it did."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, _set_done, fut)
+    try:
+        await asyncio.wait_for(fut, timeout_s)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
 async def wait_exit(pid: int, timeout_s: float) -> bool:
     """Wait until ``pid`` has exited (reaping it if it is our child). True if it did."""
     deadline = time.monotonic() + timeout_s
@@ -81,16 +96,8 @@ async def wait_exit(pid: int, timeout_s: float) -> bool:
             if remaining <= 0:
                 return False
             if fd >= 0:
-                loop = asyncio.get_running_loop()
-                fut: asyncio.Future[None] = loop.create_future()
-                loop.add_reader(fd, _set_done, fut)
-                try:
-                    await asyncio.wait_for(fut, min(remaining, 0.5))
+                if await pidfd_readable(fd, min(remaining, 0.5)):
                     await asyncio.sleep(0.001)  # exited: let its threads finish before waitpid
-                except TimeoutError:
-                    pass
-                finally:
-                    loop.remove_reader(fd)
             else:
                 await asyncio.sleep(0.01)
     finally:

@@ -15,9 +15,18 @@ Glossary:
 Layout on disk (``tag`` = short hash of ``$DSEC_HOME``, so two nodes' state never collide)::
 
     $DSEC_HOME/microvm/sandboxes/<id>/  q.sock (QMP), a.sock (agent), qemu.log, console.log
+                                        (cut to its newest half past console_max_kb)
     $DSEC_HOME/microvm/templates/<key>/ state (device state), meta.json, console.log
-    /dev/shm/dsec-<tag>-<key>.ram       template guest RAM
+    /dev/shm/dsec-tpl-<tag>/<tier>-<key>.ram   template guest RAM
     cgroup v1 dsec-<tag>/microvm/<id>   cpu quota, memory limit (guest RAM + QEMU overhead)
+
+Template RAM is host memory (guest RAM size per template) that outlives no server: ``close``
+deletes the templates no sandbox directory of the tier still names (a live clone maps the
+file, a suspended one is a difference from it), and ``start`` deletes what a crashed server
+of this home left the same way. Both only when no other runtime of this home and tier is
+live (each holds a shared ``flock`` on ``$DSEC_HOME/<tier>/templates.lock`` while started;
+the one that gets it exclusively is alone). ``MicroVMConfig.keep_templates`` keeps them
+instead (a restart then needs no cold boot).
 
 State machine: see :mod:`dsec.runtimes.base`. ``pause`` stops the vCPUs (QMP ``stop``);
 ``resume`` continues them and resets the guest clock. Any exec or file call on a paused
@@ -41,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -51,7 +61,7 @@ import shlex
 import shutil
 import subprocess
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +89,7 @@ from dsec.runtimes.microvm.qemu import (
     find_qemu,
     kill_and_wait,
     pid_alive,
+    pidfd_readable,
     qemu_processes,
     wait_exit,
 )
@@ -150,6 +161,16 @@ class MicroVMConfig:
     # files (restored over the template RAM file, share=off: those pages stay shared)
     snapshot_diff: bool = True
     suspend_timeout_s: float = 120.0  # writing or loading one memory state file
+    # False: close() deletes the templates (RAM on /dev/shm: guest RAM each) no sandbox of
+    # this home still needs and start() those a crashed server left; True keeps them for the
+    # next start of this home (tests that start many runtimes on one home; faster restarts)
+    keep_templates: bool = False
+    # a running sandbox's console.log (the guest's serial console, which QEMU appends to) is
+    # cut to its newest half when it passes this, checked every watch_interval_s: a guest
+    # that writes its console as fast as it can (~450 KB/s under TCG) adds at most that
+    # much per interval above the cap
+    console_max_kb: int = 1024
+    watch_interval_s: float = 5.0
 
 
 @dataclass
@@ -199,6 +220,8 @@ class _VM:
     paused: bool = False
     dead: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ending: bool = False  # this runtime is ending the QEMU (suspend): its exit is no death
+    watch: asyncio.Task[None] | None = None  # _watch: the QEMU's exit, the console's size
 
 
 class MicroVMRuntime:
@@ -234,6 +257,8 @@ class MicroVMRuntime:
         self._pool_tasks: set[asyncio.Task[None]] = set()
         self._restore_locks: dict[str, asyncio.Lock] = {}
         self._ksmd_held = False
+        self._templates_lock: int | None = None  # fd with a shared flock while started
+        self._exit_listener: Callable[[str, str], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -261,6 +286,7 @@ class MicroVMRuntime:
             self._tsc_khz = await asyncio.to_thread(host_tsc_khz)
             await self._choose_accel()
             await self._kill_stale_helpers()
+            await asyncio.to_thread(self._hold_templates)
             if self.config.ksmd and not self._ksmd_held:
                 self._ksmd_held = ksmd_acquire(self.config.ksm_pages_to_scan)
             await asyncio.to_thread(self._check_cgroups)
@@ -292,17 +318,72 @@ class MicroVMRuntime:
                     home = (d / "home").read_text()
                     if d != self.shm_dir and not Path(home).is_dir():
                         shutil.rmtree(d, ignore_errors=True)
+        self._ensure_shm_dir()
+
+    def _ensure_shm_dir(self) -> None:
         self.shm_dir.mkdir(mode=0o700, exist_ok=True)
         marker = self.shm_dir / "home"
         if not marker.exists():
             marker.write_text(str(self.paths.home.resolve()))
 
+    def _hold_templates(self) -> None:
+        """Take this runtime's shared lock on the home's templates; alone (no other live
+        runtime of this home and tier), first delete the templates a crashed one left."""
+        if self._templates_lock is not None:
+            return
+        fd = os.open(self.root / "templates.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if not self.config.keep_templates and _flock_alone(fd):
+                self._release_unused_templates()
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._templates_lock = fd
+
+    def _let_go_of_templates(self) -> None:
+        """Drop the lock taken at start; alone, delete the templates no sandbox needs."""
+        fd, self._templates_lock = self._templates_lock, None
+        if fd is None:
+            return
+        try:
+            if not self.config.keep_templates and _flock_alone(fd):
+                self._release_unused_templates()
+        finally:
+            os.close(fd)
+
+    def _release_unused_templates(self) -> None:
+        """Delete every template of this tier (RAM file and directory) that no sandbox
+        directory names: a live clone maps its RAM file, a suspended or forked one loads a
+        difference from it and the vm tier's clones' disks are overlays over its disk. Runs
+        with the templates lock held exclusively (no other runtime of this home is live)."""
+        needed: set[str] = set()
+        if self.sandbox_root.is_dir():
+            for d in self.sandbox_root.iterdir():
+                key = self._saved_state(d.name).get("template")
+                if key and not d.name.startswith("pool-"):
+                    needed.add(str(key))
+        prefix = f"{self.tier}-"
+        with contextlib.suppress(OSError):
+            for ram in self.shm_dir.glob(f"{prefix}*.ram"):
+                if ram.name[len(prefix) : -len(".ram")] not in needed:
+                    with contextlib.suppress(FileNotFoundError):
+                        ram.unlink()
+        if self.template_root.is_dir():
+            for d in self.template_root.iterdir():
+                if d.name not in needed:
+                    shutil.rmtree(d, ignore_errors=True)
+
     async def close(self) -> None:
-        """Stop the pool; drop connections. Sandbox VMs keep running (``recover()`` reattaches)."""
+        """Stop the pool; drop connections. Sandbox VMs keep running (``recover()`` reattaches).
+        Templates no sandbox needs are deleted (unless ``keep_templates`` or another runtime
+        of this home is live)."""
         await self.drain_pool()
         for vm in list(self._live.values()):
+            await self._unwatch(vm)
             await self._disconnect(vm)
         self._live.clear()
+        await asyncio.to_thread(self._let_go_of_templates)
         if self._ksmd_held:
             ksmd_release()
             self._ksmd_held = False
@@ -565,6 +646,7 @@ class MicroVMRuntime:
         with contextlib.suppress(FileNotFoundError):
             t.ram.unlink()
         t.dir.mkdir(parents=True)
+        self._ensure_shm_dir()
         name = f"tpl-{t.key}"
         extra = await self._sandbox_devices(t.dir, spec, None)
         argv = self._argv(
@@ -832,8 +914,7 @@ class MicroVMRuntime:
                 handle.state["qemu_name"] = qemu_name
                 handle.state["template"] = tpl.key if tpl else None
                 (d / "handle.json").write_text(json.dumps({"id": spec.id, **handle.state}))
-                vm = _VM(id=spec.id, pid=proc.pid, dir=d)
-                self._live[spec.id] = vm
+                vm = self._register(_VM(id=spec.id, pid=proc.pid, dir=d))
                 if pooled is not None:
                     vm.qmp, vm.agent = pooled.qmp, pooled.agent
                 else:
@@ -888,6 +969,7 @@ class MicroVMRuntime:
         """Kill QEMU, remove its cgroup and every file of the sandbox. Idempotent."""
         vm = self._live.pop(handle.id, None)
         if vm is not None:
+            await self._unwatch(vm)
             await self._disconnect(vm)
         name = handle.state.get("qemu_name") or handle.id
         pids = {int(handle.state.get("pid") or 0)}
@@ -915,6 +997,54 @@ class MicroVMRuntime:
         if vm.qmp is not None:
             await vm.qmp.close()
             vm.qmp = None
+
+    # ------------------------------------------------------------------ watching
+
+    def on_exit(self, listener: Callable[[str, str], None]) -> None:
+        """:class:`dsec.runtimes.base.ExitReporting`: ``listener(sandbox_id, why)`` is called
+        when a sandbox's QEMU ends without this runtime ending it (a guest kernel panic or
+        power-off, QEMU killed or crashed, an unresponsive guest this runtime stopped)."""
+        self._exit_listener = listener
+
+    def _register(self, vm: _VM) -> _VM:
+        """``vm`` is this sandbox's live machine: watched until it ends or is let go."""
+        self._live[vm.id] = vm
+        vm.watch = asyncio.create_task(self._watch(vm), name=f"dsec-{self.tier}-watch-{vm.id}")
+        return vm
+
+    async def _unwatch(self, vm: _VM) -> None:
+        task, vm.watch = vm.watch, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _watch(self, vm: _VM) -> None:
+        """Until ``vm``'s QEMU exits, keep its console log under ``console_max_kb``; then,
+        unless this runtime ended it (destroy, suspend), the sandbox is dead: QEMU reaped,
+        its cgroup removed, the listener told why."""
+        try:
+            fd = os.pidfd_open(vm.pid)
+        except OSError:
+            fd = -1  # gone already
+        console = vm.dir / "console.log"
+        try:
+            while fd >= 0 and not await pidfd_readable(fd, self.config.watch_interval_s):
+                await asyncio.to_thread(bound_console, console, self.config.console_max_kb << 10)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        if vm.ending or self._live.get(vm.id) is not vm:
+            return
+        why = await asyncio.to_thread(_end_seen_on_console, console)
+        why = why or vm.dead or "its QEMU exited"
+        vm.dead = why
+        with contextlib.suppress(OSError, DsecError):  # _on_lost may be doing the same
+            await self._disconnect(vm)
+            await wait_exit(vm.pid, 1.0)  # reaped if ours
+            await asyncio.to_thread(self._remove_cgroup, vm.id)
+        if self._exit_listener is not None:
+            self._exit_listener(vm.id, why)
 
     # ------------------------------------------------------------------ connections
 
@@ -974,7 +1104,7 @@ class MicroVMRuntime:
         except DsecError:
             await self._disconnect(vm)
             return False
-        self._live[handle.id] = vm
+        self._register(vm)
         return True
 
     async def alive(self, handle: Handle) -> bool:
@@ -1345,6 +1475,7 @@ class MicroVMRuntime:
                 "transport": self.config.snapshot_transport,
                 "ram_backing": str(ram_backing) if ram_backing else None,
             }))  # fmt: skip
+            vm.ending = True
             with contextlib.suppress(DsecError):
                 await vm.qmp.execute("quit", timeout_s=5.0)
             await self._disconnect(vm)
@@ -1396,7 +1527,7 @@ class MicroVMRuntime:
             handle.state["pid"] = proc.pid
             handle.state["last_restore_ms"] = round((time.perf_counter() - t0) * 1000, 1)
             self._save_handle(handle)
-            self._live[handle.id] = _VM(id=handle.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent)
+            self._register(_VM(id=handle.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent))
             shutil.rmtree(d / SUSPEND_DIR, ignore_errors=True)
 
     async def memory_snapshot(self, handle: Handle, *, portable: bool = False) -> MemorySnapshot:
@@ -1476,7 +1607,7 @@ class MicroVMRuntime:
                 )
                 handle.state["pid"] = proc.pid
                 self._save_handle(handle)
-                self._live[spec.id] = _VM(id=spec.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent)
+                self._register(_VM(id=spec.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent))
                 await self._until_ready(proc, agent, self.config.restore_timeout_s, "fork",
                                         agent.setup(spec.hostname, self._setup_disk_mb(spec),
                                                     pids=spec.pids, memory_mb=spec.memory_mb,
@@ -1552,6 +1683,63 @@ async def _standalone_disk(disk: Path) -> None:
             f"qemu-img convert of {disk.name} failed: {err.decode(errors='replace')}"
         )
     os.rename(flat, disk)
+
+
+def bound_console(path: Path, max_bytes: int) -> bool:
+    """If the console log ``path`` is longer than ``max_bytes``, cut it to its newest half
+    (from a line start, after a line saying how much was dropped). True if it was cut.
+
+    QEMU appends to it (``O_APPEND``), so its later writes land after what is kept; a write
+    between the read of the tail and the truncation is lost, one between the truncation and
+    the rewrite lands before the kept tail."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        if size <= max_bytes:
+            return False
+        keep = max_bytes // 2
+        tail = os.pread(fd, keep, size - keep)
+        cut = tail.find(b"\n")
+        if 0 <= cut < len(tail) - 1:
+            tail = tail[cut + 1 :]
+        note = f"[dsec: {size - len(tail)} older bytes of this console were dropped]\n"
+        os.ftruncate(fd, 0)
+        os.write(fd, note.encode() + tail)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _end_seen_on_console(path: Path) -> str | None:
+    """Why the guest ended, from the last lines of its console (the kernel prints these at
+    KERN_EMERG, so even a ``quiet`` console shows them), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 16384))
+            tail = f.read()
+    except OSError:
+        return None
+    if b"Kernel panic" in tail:
+        return "the guest kernel panicked"
+    if b"reboot: Power down" in tail:
+        return "the guest powered off"
+    if b"reboot: Restarting system" in tail:
+        return "the guest rebooted"
+    return None
+
+
+def _flock_alone(fd: int) -> bool:
+    """True if ``fd``'s file could be locked exclusively (nobody else holds it), then held
+    so until closed or downgraded. A shared lock this process held on ``fd`` is dropped
+    first (flock converts by unlocking), so a False leaves ``fd`` unlocked."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _is_our_qemu(pid: int, tag: str, sandbox_id: str) -> bool:
