@@ -311,6 +311,14 @@ class Cgroup(ABC):
     def set_pids(self, max_pids: int) -> None:
         self._apply(self.limit_writes(pids=max_pids))
 
+    def prefill_cpusets(self) -> None:
+        """Make the cgroups below this one start with their parent's CPUs and memory nodes
+        (v1 ``cpuset``: ``cgroup.clone_children``), so that an OCI runtime making a
+        container's cgroup finds them set and does not write them: each such write in a
+        v1 cpuset checks every sibling and rebuilds the scheduler domains, O(live
+        sandboxes). v2 and hosts without a v1 cpuset hierarchy: nothing to do."""
+        return None
+
     def accounts_swap(self) -> bool:
         """Whether a memory limit set here also bounds swap (v1 ``memory.memsw.*``, v2
         ``memory.swap.max``): what an OCI config's ``memory.swap`` needs. Ask an existing

@@ -87,6 +87,19 @@ class CgroupV1(Cgroup):
         for c in CONTROLLERS:
             self.path(c).mkdir(parents=True, exist_ok=True)
 
+    def prefill_cpusets(self) -> None:
+        cpuset = self.root / "cpuset"
+        if not (cpuset / "cgroup.clone_children").exists():
+            return
+        here = cpuset / self.rel
+        here.mkdir(parents=True, exist_ok=True)
+        chain = [here, *[p for p in here.parents if p.is_relative_to(cpuset)]]
+        for d in reversed(chain[:-1]):  # from the top: each takes its parent's when empty
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                if not (d / name).read_text().strip():
+                    (d / name).write_text((d.parent / name).read_text().strip())
+        (here / "cgroup.clone_children").write_text("1")
+
     def attach(self, pid: int) -> None:
         for c in CONTROLLERS:
             (self.path(c) / "cgroup.procs").write_text(str(pid))

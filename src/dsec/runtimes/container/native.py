@@ -1,7 +1,8 @@
 """Build the container tier's C helpers on first use.
 
-``dsec_init`` (the container's PID 1) and ``dsec_execd`` (the exec server) ship
-as C sources in ``dsec/native/``. They are compiled on the node, statically
+``dsec_init`` (the container's PID 1), ``dsec_execd`` (the exec server) and
+``dsec_launch`` (runs the OCI runtime in the launch namespace, :mod:`dsec.privileged.launchns`)
+ship as C sources in ``dsec/native/``. They are compiled on the node, statically
 (``cc -O2 -static``: no shared libraries are loaded after the exec server has
 entered the container's mount namespace), into ``paths.bin`` under a name that
 carries a hash of the source and flags, so an upgrade never runs a stale binary
@@ -30,6 +31,7 @@ NATIVE_DIR = Path(__file__).resolve().parents[2] / "native"
 NATIVE_SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
     "dsec_init": ("dsec_init.c", ()),
     "dsec_execd": ("dsec_execd.c", ("-lseccomp",)),
+    "dsec_launch": ("dsec_launch.c", ()),
 }
 
 _CFLAGS = ("-O2", "-static", "-Wall", "-Wl,-z,now")

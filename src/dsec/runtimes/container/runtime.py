@@ -77,6 +77,7 @@ from dsec.layers.rootfs import (
 from dsec.models import ExecRequest, ExecResult, LayerInfo, SnapshotRequest
 from dsec.privileged.cgroups import Cgroup, cgroup, host_layout, prepare
 from dsec.privileged.fileattr import set_immutable
+from dsec.privileged.launchns import LaunchNamespace, open_launch_namespace
 from dsec.privileged.netns import NetnsSockets
 from dsec.privileged.nodesetup import NodeReport, oci_timeout_s, prepare_node
 from dsec.privileged.reaper import REAPER, reap_pid, where_are
@@ -293,6 +294,7 @@ class ContainerRuntime:
         self._init_dir = self.paths.run / "container-init"  # mount_init_dir's tmpfs
         self._execd_bin: Path | None = None
         self._live: dict[str, _Live] = {}
+        self._launch: LaunchNamespace | None = None  # where crun runs (privileged/launchns.py)
         self._groups: dict[str, set[str]] = {}  # CPU share group -> its sandboxes (warm too)
         self._group_shares: dict[str, int] = {}  # CPU share group -> the shares it was given
         self._group_linger: dict[str, asyncio.TimerHandle] = {}  # emptied groups, until removed
@@ -370,6 +372,7 @@ class ContainerRuntime:
             # bound into every container from a tmpfs of its own: no host path in its mountinfo
             self._init_bin = await asyncio.to_thread(mount_init_dir, self._init_dir, init)
             self._execd_bin = await asyncio.to_thread(build_native, self.paths.bin, "dsec_execd")
+            launcher = await asyncio.to_thread(build_native, self.paths.bin, "dsec_launch")
         except SandboxError as e:
             self._unavailable = e.message
             log.error("container tier unavailable: %s", e.message)
@@ -396,6 +399,7 @@ class ContainerRuntime:
         try:  # the install's parent: v2 asks it whether swap is accounted
             parent = cgroup(self.cgroup_parent)
             await asyncio.to_thread(parent.create)
+            await asyncio.to_thread(parent.prefill_cpusets)
             self._memsw = parent.accounts_swap()
         except OSError as e:
             log.warning("container tier: cgroup %s: %s", self.cgroup_parent, e)
@@ -420,6 +424,15 @@ class ContainerRuntime:
             self._unavailable = f"no working OCI runtime: {self.node.reason}"
             log.error("container tier unavailable: %s", self._unavailable)
             return
+        # last: what the OCI runtime opens by path must be there before the copy
+        prune = [self.paths.sandboxes]
+        if self.network is not None:
+            prune.append(self.network.netns_dir)
+        if self._launch is not None:
+            self._launch.close()
+        self._launch = await asyncio.to_thread(
+            open_launch_namespace, self.paths.run, launcher, prune
+        )
         self._unavailable = None
         log.info(
             "container tier: %s (%s)", self._oci, self.node.reason or "preferred runtime works"
@@ -429,6 +442,9 @@ class ContainerRuntime:
         """Stop talking to the sandboxes (they keep running; :meth:`recover` finds them).
         Warm containers of the pool are destroyed."""
         await self.pool.close()
+        if self._launch is not None:
+            self._launch.close()
+            self._launch = None
         self._watch_hub.close()
         if self._netns_sockets is not None:
             self._netns_sockets.close()
@@ -534,21 +550,43 @@ class ContainerRuntime:
 
     def _oci_cmd(self, *args: str) -> list[str]:
         assert self._oci is not None
+        if args and args[0] == "run":
+            # no session keyring per container: joining one by name scans them all (O(live
+            # sandboxes)), and the sandboxes' seccomp policy refuses the keyring calls
+            args = ("run", "--no-new-keyring", *args[1:])
         return [self._oci, "--root", str(self.state_root), *args]
 
-    def _run_oci(self, *args: str, nice: int = 0) -> subprocess.CompletedProcess[str]:
+    def _run_oci(
+        self,
+        *args: str,
+        nice: int = 0,
+        launch_root: Path | None = None,
+        pass_fds: tuple[int, ...] = (),
+    ) -> subprocess.CompletedProcess[str]:
         """Run the OCI runtime with ``args``. ``nice``: a warm container of the pool's
         refill, which yields the CPU to requests: the runtime's niceness is raised as soon
         as it is started (before, a ``nice`` program was exec'd in front of it: one more
-        process start for every warm container)."""
+        process start for every warm container). ``launch_root``: a new container's root,
+        run in the launch namespace with it (:mod:`dsec.privileged.launchns`) when the node
+        has one. ``pass_fds``: descriptors the runtime inherits."""
         cmd = self._oci_cmd(*args)
-        with subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        ) as proc:
+        tree_fd: int | None = None
+        if launch_root is not None and self._launch is not None:
+            cmd, tree_fd = self._launch.command(cmd, launch_root)
+            pass_fds = (*pass_fds, tree_fd)
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                pass_fds=pass_fds,
+            )
+        finally:
+            if tree_fd is not None:
+                os.close(tree_fd)
+        with proc:
             if nice:
                 with contextlib.suppress(OSError):  # it may have exited already
                     os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
@@ -556,8 +594,12 @@ class ContainerRuntime:
                 out, err = proc.communicate(timeout=_OCI_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 where = where_are(proc.pid)  # e.g. a kernel lock it or its child waits on
-                proc.kill()
-                proc.communicate()
+                proc.terminate()  # dsec_launch: kills the runtime, detaches the root, exits
+                try:
+                    proc.communicate(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate()
                 log.warning("%s %s timed out: %s", os.path.basename(cmd[0]), args[0], where)
                 raise NodeBusy(  # where it waited: in the log only (kernel internals)
                     f"{os.path.basename(cmd[0])} {args[0]} did not finish within "
@@ -703,7 +745,11 @@ class ContainerRuntime:
             boot_id_file=_new_boot_id(sandbox_dir),
             seccomp_bpf=self._seccomp_bpf,
         )
+        netns_fd: int | None = None
         if netns is not None:
+            if self._launch is not None:  # its pin is not in the launch namespace: by fd
+                netns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+                netns = f"/proc/self/fd/{netns_fd}"
             for ns in config["linux"]["namespaces"]:
                 if ns["type"] == "network":
                     ns["path"] = netns
@@ -714,19 +760,26 @@ class ContainerRuntime:
             execd_bin, self._policy_file, bpf_file=self._bpf_file, allow_setuid=spec.allow_setuid
         )
         pid_file = sandbox_dir / "init.pid"
-        proc = await asyncio.get_running_loop().run_in_executor(
-            _blocking_executor(),  # not asyncio's default executor (6 threads here)
-            functools.partial(
-                self._run_oci, nice=_WARM_NICE if spec.id.startswith(_WARM_PREFIX) else 0
-            ),
-            "run",
-            "--detach",
-            "--pid-file",
-            str(pid_file),
-            "--bundle",
-            str(sandbox_dir),
-            spec.id,
-        )
+        try:
+            proc = await asyncio.get_running_loop().run_in_executor(
+                _blocking_executor(),  # not asyncio's default executor (6 threads here)
+                functools.partial(
+                    self._run_oci,
+                    nice=_WARM_NICE if spec.id.startswith(_WARM_PREFIX) else 0,
+                    launch_root=rootfs,
+                    pass_fds=(netns_fd,) if netns_fd is not None else (),
+                ),
+                "run",
+                "--detach",
+                "--pid-file",
+                str(pid_file),
+                "--bundle",
+                str(sandbox_dir),
+                spec.id,
+            )
+        finally:
+            if netns_fd is not None:
+                os.close(netns_fd)
         t_oci = time.monotonic()
         if proc.returncode != 0:
             detail = (proc.stderr or "").strip()[-1000:] or f"exit status {proc.returncode}"
