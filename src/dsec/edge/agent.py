@@ -156,7 +156,7 @@ class EdgeLimits:
     create_slots: int = 0  # creations in the runtime at once (0: twice the cores, at least 4)
     create_queue: int = 10_000  # creations waiting for a slot (503 node_busy beyond)
     create_wait_s: float = 900.0  # longest wait for a slot (503 node_busy after it)
-    key_cpu_groups: bool = True  # each key's sandboxes share one weighted cgroup (quotas.py)
+    key_cpu_groups: bool = False  # each key's sandboxes share one weighted cgroup (quotas.py)
 
     @classmethod
     def from_env(cls) -> EdgeLimits:
@@ -165,7 +165,8 @@ class EdgeLimits:
         built-in image being built), ``DSEC_MAX_BUILD_CONTEXT_BYTES``,
         ``DSEC_MAX_BUILD_BYTES``, ``DSEC_CREATE_SLOTS``/``DSEC_CREATE_QUEUE``/
         ``DSEC_CREATE_WAIT_S`` (:mod:`dsec.edge.admission`), ``DSEC_KEY_CPU_GROUPS``
-        (``off``: sandboxes are not grouped by key for CPU, :mod:`dsec.edge.quotas`),
+        (``on``: a key's sandboxes share one cgroup of its ``cpu_weight``,
+        :mod:`dsec.edge.quotas`; off by default),
         ``DSEC_MAX_PORT_CONNECTIONS``
         (open proxied connections per sandbox) and ``DSEC_LOG_BYTES`` (start-command output
         kept per sandbox): the operator settings of ``dsec serve``."""
@@ -193,7 +194,7 @@ class EdgeLimits:
                 lim.create_queue = int(env["DSEC_CREATE_QUEUE"])
             if "DSEC_CREATE_WAIT_S" in env:
                 lim.create_wait_s = float(env["DSEC_CREATE_WAIT_S"])
-            raw = env.get("DSEC_KEY_CPU_GROUPS", "on").strip().lower()
+            raw = env.get("DSEC_KEY_CPU_GROUPS", "off").strip().lower()
             if raw not in ("on", "off", "1", "0"):
                 raise ValueError(f"DSEC_KEY_CPU_GROUPS must be on or off, not {raw!r}")
             lim.key_cpu_groups = raw in ("on", "1")
