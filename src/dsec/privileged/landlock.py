@@ -31,6 +31,7 @@ __all__ = [
     "confine",
     "handled_fs_rights",
     "landlock_abi",
+    "new_domain_ruleset",
     "restrict_self",
 ]
 
@@ -182,6 +183,25 @@ def build_ruleset(
         os.close(ruleset_fd)
         raise
     return ruleset_fd
+
+
+def new_domain_ruleset(abi: int | None = None) -> int:
+    """A ruleset whose only effect, applied, is a Landlock domain of its own: it handles the
+    making of block devices alone (never allowed in a sandbox anyway) and no scope.
+
+    The kernel lets a process open another's ``/proc/<pid>/mem`` (or ptrace it) only if that
+    process is in the same domain or one nested in it, whatever the users and capabilities:
+    each command a sandbox runs enters a fresh one, so what one command leaves running cannot
+    rewrite the memory of a command started later (docs/design/tenancy.md). Signals and
+    everything else keep working. Raises :class:`LandlockError` without Landlock."""
+    abi = landlock_abi() if abi is None else abi
+    if abi < 1:
+        raise LandlockError(95, "landlock is not supported by this kernel")
+    attr = ctypes.create_string_buffer(struct.pack("=Q", ACCESS_FS_MAKE_BLOCK), 8)
+    return _check(
+        int(_libc.syscall(SYS_LANDLOCK_CREATE_RULESET, attr, ctypes.c_size_t(8), 0)),
+        "create_ruleset",
+    )
 
 
 def restrict_self(ruleset_fd: int) -> None:

@@ -56,6 +56,7 @@ from dsec.errors import (
 from dsec.privileged import landlock as landlock_module
 from dsec.privileged.cgroups import Cgroup, cgroup
 from dsec.privileged.mount import erofs_mount_sources
+from dsec.runtimes.container.native import build_native
 from dsec.runtimes.fncall import seccomp as seccomp_module
 from dsec.runtimes.fncall import zygote as zygote_module
 
@@ -65,6 +66,9 @@ __all__ = ["PoolConfig", "Worker", "WorkerPool", "build_launcher"]
 
 ZYGOTE_PYTHON = "/usr/bin/python3"
 """The interpreter every pool's zygote runs, inside the pool's image."""
+SPAWN_PATH = "/dev/.dsec-spawn"
+"""Where ``fncall_launch`` binds the spawn helper (``native/fncall_spawn.c``) in a pool's root:
+every command of a worker's agent execs through it."""
 LAUNCH_NO_PROGRAM = 127
 """Exit status of ``fncall_launch`` when the image has no ``ZYGOTE_PYTHON``."""
 
@@ -416,6 +420,7 @@ class WorkerPool:
         """Assemble the pool root, start the zygote and the first ``min_ready`` workers."""
         self._loop = asyncio.get_running_loop()
         launcher = await asyncio.to_thread(build_launcher, self.bin_dir)
+        spawn = await asyncio.to_thread(build_native, self.bin_dir, "fncall_spawn")
         for f in self.layer_files:
             if not f.is_file():
                 raise SandboxError(f"layer file {f} is missing")
@@ -451,6 +456,8 @@ class WorkerPool:
                 self._proc = subprocess.Popen(
                     [
                         str(launcher),
+                        "--spawn",
+                        str(spawn),
                         str(self.scratch),
                         "64",
                         *layer_sources,
@@ -534,6 +541,7 @@ class WorkerPool:
             "nofile": c.nofile,
             "fsize_bytes": c.fsize_mb << 20,
             "env": c.env,
+            "spawn": SPAWN_PATH,
         }
 
     async def close(self) -> None:
