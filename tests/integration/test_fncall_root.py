@@ -208,6 +208,38 @@ async def test_fork_bomb_capped_by_pids(svc: RunCodeService) -> None:
     assert out(await run(svc, "print('alive')")) == "alive\n"
 
 
+async def test_fork_bomb_leaves_room_for_the_next_command(svc: RunCodeService) -> None:
+    """A fork bomb stays in its command's own pids cgroup and dies with it at the timeout,
+    and one left running (daemonised: the command returned at once) leaves the next command
+    room to run and kill it (each command's cgroup holds the limit less a reserve)."""
+    rt = svc.runtime
+    files, digests = await rt.image_layers("debian")
+    h = await rt.create(worker_spec(files, digests, "sb-t-bomb"))  # pids=64
+    # the bomb's shells, not this command's (whose own text holds "[b]()")
+    count = "grep -l '[b]()' /proc/[0-9]*/cmdline 2>/dev/null | wc -l"
+    polls = int(budget(5) / 0.05)
+    wait_gone = (
+        f"n=0; while [ $({count}) != 0 ] && [ $n -lt {polls} ]; do sleep 0.05; n=$((n+1)); done;"
+        f" {count}"
+    )
+    try:
+        r = await rt.exec(h, ExecRequest(cmd="b() { b | b & }; b; sleep 60", timeout_s=3))
+        assert r.timed_out, r
+        r = await rt.exec(h, ExecRequest(cmd=wait_gone))
+        assert r.stdout.strip() == "0", r  # the timeout took its whole cgroup
+        r = await rt.exec(
+            h, ExecRequest(cmd="setsid sh -c 'b() { b | b & }; b' >/dev/null 2>&1 & echo left")
+        )
+        assert r.stdout == "left\n", r
+        await asyncio.sleep(2)  # let it fill its cgroup
+        r = await rt.exec(h, ExecRequest(cmd="kill -9 -1 2>/dev/null; " + wait_gone))
+        assert (r.exit_code, r.stdout.strip()) == (0, "0"), r  # room for this one, bomb gone
+        r = await rt.exec(h, ExecRequest(cmd="echo a | cat"))
+        assert r.stdout == "a\n", r
+    finally:
+        await rt.destroy(h)
+
+
 async def test_memory_hog_killed(svc: RunCodeService) -> None:
     resp = await run(
         svc,

@@ -112,8 +112,10 @@ def handled_fs_rights(abi: int) -> int:
     return rights
 
 
-def _add_path_rule(ruleset_fd: int, path: str, access: int) -> None:
-    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+def _add_path_rule(ruleset_fd: int, path: str | int, access: int) -> None:
+    """A rule granting ``access`` beneath ``path``: a path, or a descriptor of a directory
+    (one the process cannot name by path, e.g. outside its root; not closed here)."""
+    fd = path if isinstance(path, int) else os.open(path, os.O_PATH | os.O_CLOEXEC)
     try:
         # struct landlock_path_beneath_attr { __u64 allowed_access; __s32 parent_fd; } __attribute__((packed))
         attr = ctypes.create_string_buffer(struct.pack("=Qi", access, fd))
@@ -126,12 +128,13 @@ def _add_path_rule(ruleset_fd: int, path: str, access: int) -> None:
             f"add_rule {path}",
         )
     finally:
-        os.close(fd)
+        if not isinstance(path, int):
+            os.close(fd)
 
 
 def build_ruleset(
     read_only: list[str],
-    writable: list[str],
+    writable: list[str | int],
     devices: list[str] | None = None,
     abi: int | None = None,
     scope_ipc: bool = True,
@@ -144,7 +147,8 @@ def build_ruleset(
 
     Args:
         read_only: directories (and everything beneath) that may be read and executed.
-        writable: directories where files may also be created, written, removed.
+        writable: directories where files may also be created, written, removed (paths,
+            or descriptors of directories).
         devices: device files that may be read and written (e.g. ``/dev/null``).
         abi: the kernel's ABI (``landlock_abi()`` if None).
         scope_ipc: with ABI >= 6, also forbid connecting to abstract unix sockets and
@@ -172,8 +176,8 @@ def build_ruleset(
     try:
         for path in read_only:
             _add_path_rule(ruleset_fd, path, FS_READ & handled)
-        for path in writable:
-            _add_path_rule(ruleset_fd, path, (FS_READ | FS_WRITE) & handled)
+        for where in writable:
+            _add_path_rule(ruleset_fd, where, (FS_READ | FS_WRITE) & handled)
         dev_rights = (
             ACCESS_FS_READ_FILE | ACCESS_FS_WRITE_FILE | ACCESS_FS_TRUNCATE | ACCESS_FS_IOCTL_DEV
         ) & handled
@@ -212,7 +216,7 @@ def restrict_self(ruleset_fd: int) -> None:
 
 def confine(
     read_only: list[str],
-    writable: list[str],
+    writable: list[str | int],
     devices: list[str] | None = None,
     abi: int | None = None,
     scope_ipc: bool = True,

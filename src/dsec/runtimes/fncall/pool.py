@@ -66,6 +66,11 @@ __all__ = ["PoolConfig", "Worker", "WorkerPool", "build_launcher"]
 
 ZYGOTE_PYTHON = "/usr/bin/python3"
 """The interpreter every pool's zygote runs, inside the pool's image."""
+AGENT_CGROUP = "agent"
+"""The child of a worker's cgroup (in the pids hierarchy) its agent lives in. Each command the
+agent runs gets a child of its own, ``c<N>``, whose ``pids.max`` leaves the worker a reserve
+(:func:`~dsec.runtimes.fncall.zygote.command_pids_max`): a fork bomb a command leaves behind
+cannot take the processes the next command (a ``kill -9 -1``) needs."""
 SPAWN_PATH = "/dev/.dsec-spawn"
 """Where ``fncall_launch`` binds the spawn helper (``native/fncall_spawn.c``) in a pool's root:
 every command of a worker's agent execs through it."""
@@ -189,8 +194,11 @@ def worker_cgroup_plan(pool_cgroup: Cgroup, config: PoolConfig) -> dict[str, Any
     ``hierarchies`` to open, in the order of the descriptors the zygote gets (v1: those the
     limits are in, so no ``cpuacct``: a worker's CPU time comes from its processes; v2:
     ``""``), ``writes`` ``[hierarchy, file, value]`` in order into a fresh, unlimited cgroup,
-    and ``procs_file``, the file a process joins by (the zygote's
-    :func:`~dsec.runtimes.fncall.zygote.cgroup_steps` turns it into system calls)."""
+    ``procs_file``, the file a process joins by, and the pids hierarchy (``pids_hierarchy``)
+    with the ``nest_writes`` that let a worker's cgroup have children there: the agent
+    lives in the child ``agent_cgroup`` of it and each command in a child of its own
+    (:data:`AGENT_CGROUP`). The zygote's :func:`~dsec.runtimes.fncall.zygote.cgroup_steps`
+    turns it into system calls."""
     writes = pool_cgroup.limit_writes(
         cpu=config.cpu,
         memory_bytes=config.memory_mb << 20,
@@ -205,6 +213,9 @@ def worker_cgroup_plan(pool_cgroup: Cgroup, config: PoolConfig) -> dict[str, Any
         "hierarchies": hierarchies,
         "writes": [[w.hierarchy, w.file, w.value] for w in writes],
         "procs_file": pool_cgroup.PROCS_FILE,
+        "pids_hierarchy": pool_cgroup.PIDS_HIERARCHY,
+        "nest_writes": [[w.hierarchy, w.file, w.value] for w in pool_cgroup.nest_pids_writes()],
+        "agent_cgroup": AGENT_CGROUP,
     }
 
 

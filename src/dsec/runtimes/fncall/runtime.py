@@ -245,6 +245,9 @@ class FncallRuntime:
         w = await pool.claim()
         try:
             await asyncio.to_thread(self._apply_limits, w, spec)
+            # the agent starts the first command's helper now (no answer): it is in its
+            # cgroup by the time the first exec comes
+            await w.send({"op": "prepare"})
         except BaseException:
             pool.discard(w)
             raise
@@ -333,7 +336,7 @@ class FncallRuntime:
                 raise SandboxStopped(f"fncall sandbox {handle.id} has stopped") from None
             cpu_ns = cg.cpu_usage_ns
             if cpu_ns is None:
-                cpu_ns = processes_cpu_ns(group.procs() or [pid])
+                cpu_ns = processes_cpu_ns(group.procs_below() or [pid])
             try:  # the worker's mounts, seen through its root
                 used, total = disk_usage([f"/proc/{pid}/root/work", f"/proc/{pid}/root/tmp"])
             except OSError:
