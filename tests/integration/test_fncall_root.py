@@ -22,7 +22,7 @@ from tests.timing import budget
 
 from dsec.models import ExecRequest
 from dsec.privileged.cgroups import cgroup
-from dsec.runtimes.fncall.pool import PoolConfig
+from dsec.runtimes.fncall.pool import PoolConfig, ScratchSize
 from dsec.runtimes.fncall.service import (
     CodeRunRequest,
     RunCodeRequest,
@@ -223,7 +223,8 @@ async def test_fork_bomb_leaves_room_for_the_next_command(svc: RunCodeService) -
         f" {count}"
     )
     try:
-        r = await rt.exec(h, ExecRequest(cmd="b() { b | b & }; b; sleep 60", timeout_s=3))
+        # (exec: once the bomb fills its cgroup, a `sleep` would find no process to fork)
+        r = await rt.exec(h, ExecRequest(cmd="b() { b | b & }; b; exec sleep 60", timeout_s=3))
         assert r.timed_out, r
         r = await rt.exec(h, ExecRequest(cmd=wait_gone))
         assert r.stdout.strip() == "0", r  # the timeout took its whole cgroup
@@ -429,16 +430,66 @@ async def test_disk_mb_bounds_each_writable_filesystem(svc: RunCodeService) -> N
             assert "rc=1" in r.stdout and "No space left" in r.stdout, (where, r)
             assert int(r.stdout.strip().splitlines()[-1]) <= 16 << 20, (where, r)
         u = await rt.usage(h)
-        assert u.disk_total_bytes is not None and u.disk_total_bytes <= 2 * (16 << 20), u
+        assert u.disk_total_bytes is not None and u.disk_total_bytes <= 16 << 20, u
     finally:
         await rt.destroy(h)
-    # the pool's default sizes for the next sandbox (its worker is a fresh one)
+    # a large disk_mb: as much as the memory limit leaves (the next worker is a fresh one)
     h = await rt.create(
         dataclasses.replace(worker_spec(files, digests, "sb-t-disk2"), disk_mb=1024)
     )
     try:
-        r = await rt.exec(h, ExecRequest(cmd="df -m /work /tmp | tail -2"))
-        assert [int(line.split()[1]) for line in r.stdout.splitlines()] == [512, 128], r
+        r = await rt.exec(h, ExecRequest(cmd="df -m /work /tmp /dev/shm | tail -3"))
+        sizes = {int(line.split()[1]) for line in r.stdout.splitlines()}
+        assert sizes == {ScratchSize.fit(256, 1024).mb}, r  # one filesystem
+    finally:
+        await rt.destroy(h)
+
+
+def _capable(cap: int) -> bool:
+    """Whether this process's bounding set holds capability ``cap``."""
+    with open("/proc/self/status") as f:
+        bnd = next(line for line in f if line.startswith("CapBnd:"))
+    return bool(int(bnd.split()[1], 16) >> cap & 1)
+
+
+async def test_full_disk_is_enospc_not_a_dead_sandbox(svc: RunCodeService) -> None:
+    """Filling the scratch (files or inodes) is ENOSPC for the command: the scratch fits in
+    the memory limit with room for the agent, which the OOM killer never takes; a command
+    that needs memory on a full disk is what dies."""
+    rt = svc.runtime
+    files, digests = await rt.image_layers("debian")
+    h = await rt.create(
+        dataclasses.replace(worker_spec(files, digests, "sb-t-fill"), disk_mb=4096)
+    )  # memory_mb=256
+    try:
+        r = await rt.exec(
+            h,
+            ExecRequest(cmd="dd if=/dev/zero of=/work/fill bs=1M count=1024 2>&1", timeout_s=120),
+        )
+        assert r.exit_code == 1 and "No space left" in r.stdout and not r.oom_killed, r
+        r = await rt.exec(
+            h,
+            ExecRequest(
+                cmd="i=0; while true 2>/dev/null > /tmp/f$i; do i=$((i+1)); done; echo made $i;"
+                " : > /tmp/one-more",
+                timeout_s=300,
+            ),
+        )
+        assert r.stdout.startswith("made ") and "No space left" in r.stderr, r
+        assert int(r.stdout.split()[1]) <= ScratchSize.fit(256, 4096).inodes, r
+        r = await rt.exec(h, ExecRequest(cmd="cat /proc/1/oom_score_adj /proc/self/oom_score_adj"))
+        # the agent at -1000 where root holds CAP_SYS_RESOURCE (this kind of VM withholds it)
+        agent = "-1000" if _capable(24) else "0"
+        assert r.stdout.split() == [agent, "1000"], r
+        r = await rt.exec(h, ExecRequest(cmd="echo -1 > /proc/self/oom_score_adj"))
+        assert r.exit_code != 0, r  # a command cannot go below the agent's 0
+        r = await rt.exec(h, ExecRequest(cmd=["python3", "-c", "b = bytearray(200 << 20)"]))
+        assert r.signal == 9 and r.oom_killed, r
+        r = await rt.exec(
+            h, ExecRequest(cmd="rm -rf /work/fill /tmp/f*; echo ok > /work/ok; cat /work/ok")
+        )
+        assert r.stdout == "ok\n", r
+        assert await rt.alive(h)
     finally:
         await rt.destroy(h)
 

@@ -17,10 +17,13 @@
  *      process between v1 cgroups waits for an RCU grace period when none moved lately
  *      (~14 ms here): the agent starts the next command's helper ahead, right after a
  *      command ends, and it waits in its cgroup for the command (the second form);
- *   3. second form: the request read from REQUEST_FD up to end of file (nothing: exit 0):
+ *   3. oom_score_adj raised to 1000 (no privilege needed): the OOM killer takes a command
+ *      before the agent (0, or -1000 where root may lower it; it can lower its own to 0,
+ *      not below);
+ *   4. second form: the request read from REQUEST_FD up to end of file (nothing: exit 0):
  *      u32 argc, u32 envc (host order), then NUL-terminated cwd, argv[argc], env[envc];
  *      chdir(cwd);
- *   4. PROGRAM executed as execvp() does: searched in the PATH of the command's environment,
+ *   5. PROGRAM executed as execvp() does: searched in the PATH of the command's environment,
  *      a file without #! run by /bin/sh; 127 if it does not exist, else 126, with
  *      "PROGRAM: reason" on stderr.
  * Nothing else of the process changes.
@@ -35,6 +38,9 @@ typedef unsigned long size_t;
 #define SYS_close 3
 #define SYS_execve 59
 #define SYS_chdir 80
+#define SYS_open 2
+#define O_WRONLY 1
+#define O_CLOEXEC 02000000
 #define SYS_exit_group 231
 #define SYS_landlock_restrict_self 446
 #define ENOENT 2
@@ -216,6 +222,14 @@ static void __attribute__((noreturn, used)) start(long *sp) {
         rc = sys3(SYS_write, procs_fd, (long)"0", 1);
         if (rc < 0) fail("dsec: joining the command's cgroup", -rc);
         sys3(SYS_close, procs_fd, 0, 0);
+    }
+    long oom = sys3(SYS_open, (long)"/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC, 0);
+    if (oom >= 0) {
+        rc = sys3(SYS_write, oom, (long)"1000", 4);
+        if (rc < 0) fail("dsec: oom_score_adj", -rc);
+        sys3(SYS_close, oom, 0, 0);
+    } else if (oom != -ENOENT) { /* no /proc: no -1000 to raise either */
+        fail("dsec: oom_score_adj", -oom);
     }
     if (direct) run(argv + 4, envp);
     long request_fd = fd_arg(argv[3]);

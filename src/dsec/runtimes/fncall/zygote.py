@@ -65,7 +65,8 @@ CLONE_NEWNET = 0x40000000
 SYS_CLONE = 56
 SYS_CLOSE_RANGE = 436
 SYS_OPENAT2 = 437
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND = 0x2, 0x4, 0x8, 0x1000
+MNT_DETACH = 2
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -446,6 +447,50 @@ def _write_at(dir_fd: int, name: str, value: str) -> None:
         os.close(fd)
 
 
+def _mount_scratch(options: dict[str, str], uid: int, gid: int) -> None:
+    """The worker's scratch: one tmpfs (``options``: its size and inodes,
+    :class:`~dsec.runtimes.fncall.pool.ScratchSize`) shown at ``/work`` (the worker's user's),
+    ``/tmp``, ``/dev/shm`` and ``/mnt`` (sticky, for all; ``/mnt`` where the image has one,
+    SandboxFusion's programs write there). It is mounted on ``/proc`` first (nothing is
+    mounted there yet, and nothing else runs), a directory of it is bound to each place, and
+    it is detached from ``/proc`` again: its root is nowhere to be seen."""
+    opts = ",".join(f"{k}={v}" for k, v in options.items())
+    _mount("tmpfs", "/proc", "tmpfs", MS_NOSUID | MS_NODEV, f"{opts},mode=0755")
+    places = {"work": "/work", "tmp": "/tmp", "shm": "/dev/shm"}
+    if os.path.isdir("/mnt"):
+        places["mnt"] = "/mnt"
+    for sub, target in places.items():
+        d = f"/proc/{sub}"
+        os.mkdir(d)
+        if sub == "work":
+            os.chown(d, uid, gid)
+            os.chmod(d, 0o755)
+        else:
+            os.chmod(d, 0o1777)
+        _mount(d, target, "", MS_BIND, None)  # a bind keeps the mount's nosuid, nodev
+    if _libc.umount2(b"/proc", MNT_DETACH) != 0:
+        raise _oserror("detach the scratch from /proc")
+
+
+COMMAND_OOM_SCORE_ADJ = 1000
+"""The ``oom_score_adj`` every process of a call or command starts with (``fncall_spawn``,
+the warm interpreter's fork): the OOM killer takes any of them before the agent (0, or
+-1000: :func:`_protect_from_oom`), whose death would take the sandbox with it. Raising it
+needs no privilege; a command may lower its own back to 0, not below."""
+
+
+def _protect_from_oom() -> None:
+    """Take the agent out of the OOM killer's reach where the node lets root do so
+    (CAP_SYS_RESOURCE; this kind of VM withholds it): ``oom_score_adj`` -1000, written as the
+    legacy ``oom_adj`` -17, which unlike ``oom_score_adj`` leaves the floor an unprivileged
+    process may lower itself to at 0 (the commands inherit -1000, raise theirs to
+    :data:`COMMAND_OOM_SCORE_ADJ` and cannot go below 0 again). Without it the commands'
+    1000 alone puts them first, and the scratch's sizing (ScratchSize) keeps the agent's
+    room free. The kernel logs once per boot that ``oom_adj`` is deprecated."""
+    with contextlib.suppress(OSError), open("/proc/self/oom_adj", "w") as f:
+        f.write("-17")
+
+
 def _on_sigchld(_signo: int, _frame: object) -> None:
     """SIGCHLD handler: nothing to do; the signal's wake-up fd byte is what matters."""
 
@@ -572,22 +617,10 @@ class Agent:
             os.close(fd)
         os.close(int(self.cfg["ctl_fd"])) if int(self.cfg["ctl_fd"]) != self.sock.fileno() else None
         _mark("cgroup")
+        _mount_scratch(cfg["scratch"], uid, gid)
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-        _mount(
-            "tmpfs",
-            "/work",
-            "tmpfs",
-            MS_NOSUID | MS_NODEV,
-            f"size={cfg['work_mb']}m,mode=0755,uid={uid},gid={gid}",
-        )
-        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_mb']}m,mode=1777")
-        _mount(
-            "tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_mb']}m,mode=1777"
-        )
-        if os.path.isdir("/mnt"):  # scratch that SandboxFusion's programs write (and fetch)
-            _mount(
-                "tmpfs", "/mnt", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_mb']}m,mode=1777"
-            )
+        if cfg.get("spawn"):  # every command raises its own (fncall_spawn)
+            _protect_from_oom()
         _mark("mounts")
         host = cfg.get("hostname", "sandbox").encode()
         if _libc.sethostname(host, len(host)) != 0:
@@ -659,6 +692,8 @@ class Agent:
                 _close_from(5 if st_w >= 0 else 4)
                 _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
                 _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+                with open("/proc/self/oom_score_adj", "w") as f:  # above the agent's
+                    f.write(str(COMMAND_OOM_SCORE_ADJ))
                 if kind == "bash":
                     script = self.cfg["bash_script"]
                     os.execv(
@@ -761,9 +796,10 @@ class Agent:
         """``argv`` run through the spawn helper (``native/fncall_spawn.c``, at
         ``cfg["spawn"]``), which, before it execs the command, makes it a Landlock domain of
         its own (no other command's processes can open its ``/proc/<pid>/mem``, nor it theirs:
-        docs/design/tenancy.md) and moves it into its cgroup by ``procs_fd`` (when >= 0). The
-        agent's own fork would copy its address space (~2-4 ms here); the helper is one small
-        static exec after a vfork. As is without one."""
+        docs/design/tenancy.md), moves it into its cgroup by ``procs_fd`` (when >= 0) and
+        raises its ``oom_score_adj`` to :data:`COMMAND_OOM_SCORE_ADJ`. The agent's own fork would
+        copy its address space (~2-4 ms here); the helper is one small static exec after a
+        vfork. As is without one."""
         spawn = self.cfg.get("spawn")
         if not spawn:
             return argv
@@ -1121,7 +1157,7 @@ class Agent:
         outs: list[bytes] = []
         comp = req.get("compile")
         if comp:
-            proc = self._spawn(comp["argv"], "/work", env, new_session=False)
+            proc = self._spawn(self._through_spawn(comp["argv"]), "/work", env, new_session=False)
             self._limit_cpu(proc.pid, comp["cpu_s"])
             res, o, e = self._drain(proc, b"", float(comp["timeout_s"]), cap, kill_all=True)
             res["stdout_len"], res["stderr_len"] = len(o), len(e)
@@ -1151,7 +1187,7 @@ class Agent:
                 os.write(self.warm_ctl, struct.pack("<I", len(msg)) + msg)
             os.close(self.warm_ctl)
         else:
-            proc = self._spawn(run["argv"], "/work", env, new_session=False)
+            proc = self._spawn(self._through_spawn(run["argv"]), "/work", env, new_session=False)
             self._limit_cpu(proc.pid, run["cpu_s"])
         res, o, e = self._drain(proc, stdin, float(run["timeout_s"]), cap, kill_all=True)
         res["stdout_len"], res["stderr_len"] = len(o), len(e)
