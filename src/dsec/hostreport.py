@@ -384,8 +384,10 @@ def _landlock_feature(abi: int) -> HostFeature:
             name="Landlock",
             available=False,
             value="unavailable",
-            note="fncall workers run without it (CONFIG_SECURITY_LANDLOCK, or 'landlock' "
-            "missing from the lsm= boot parameter)",
+            note="fncall workers run without it, and a sandbox's commands are not kept out of "
+            "each other's memory (/proc/<pid>/mem: docs/design/tenancy.md) on the container "
+            "and fncall tiers (CONFIG_SECURITY_LANDLOCK, or 'landlock' missing from the lsm= "
+            "boot parameter)",
         )
     lacking = [what for level, what in _LANDLOCK_LATER if abi < level]
     note = f"fncall workers go without {', '.join(lacking)}" if lacking else None

@@ -428,6 +428,21 @@ def test_fork_bomb_is_capped(make_sandbox: Callable[..., Sandbox]) -> None:
     assert sb.commands.run("echo survived", timeout=20).stdout == "survived\n"
 
 
+def test_a_command_cannot_open_another_commands_memory(sandbox: Sandbox) -> None:
+    """What one command leaves running cannot open /proc/<pid>/mem of a process another
+    command started (docs/design/tenancy.md); within one command it can."""
+    pid = int(sandbox.commands.run("sleep 300 >/dev/null 2>&1 & echo $!").stdout)
+    polls = int(budget(10) / 0.05)
+    sandbox.commands.run(
+        f"n=0; until grep -q '^sleep' /proc/{pid}/cmdline || [ $n -ge {polls} ];"
+        " do sleep 0.05; n=$((n+1)); done"
+    )
+    opens = "if (: 3<>/proc/{pid}/mem) 2>/dev/null; then echo opened; else echo refused; fi"
+    assert sandbox.commands.run(opens.format(pid=pid)).stdout == "refused\n"
+    r = sandbox.commands.run("sleep 300 & p=$!; " + opens.format(pid="$p") + "; kill $p")
+    assert r.stdout == "opened\n", r
+
+
 def test_pause_resume_or_typed_refusal(sandbox: Sandbox, caps: Any) -> None:
     sandbox.commands.run("echo before > /tmp/paused.txt")
     if not caps.pause:

@@ -22,7 +22,7 @@ from tests.timing import budget
 
 from dsec.models import ExecRequest
 from dsec.privileged.cgroups import cgroup
-from dsec.runtimes.fncall.pool import PoolConfig
+from dsec.runtimes.fncall.pool import PoolConfig, ScratchSize
 from dsec.runtimes.fncall.service import (
     CodeRunRequest,
     RunCodeRequest,
@@ -206,6 +206,39 @@ async def test_fork_bomb_capped_by_pids(svc: RunCodeService) -> None:
     assert int(out(resp).split()[1]) < 64
     assert time.monotonic() - t0 < budget(15)  # capped, not timed out (20 s)
     assert out(await run(svc, "print('alive')")) == "alive\n"
+
+
+async def test_fork_bomb_leaves_room_for_the_next_command(svc: RunCodeService) -> None:
+    """A fork bomb stays in its command's own pids cgroup and dies with it at the timeout,
+    and one left running (daemonised: the command returned at once) leaves the next command
+    room to run and kill it (each command's cgroup holds the limit less a reserve)."""
+    rt = svc.runtime
+    files, digests = await rt.image_layers("debian")
+    h = await rt.create(worker_spec(files, digests, "sb-t-bomb"))  # pids=64
+    # the bomb's shells, not this command's (whose own text holds "[b]()")
+    count = "grep -l '[b]()' /proc/[0-9]*/cmdline 2>/dev/null | wc -l"
+    polls = int(budget(5) / 0.05)
+    wait_gone = (
+        f"n=0; while [ $({count}) != 0 ] && [ $n -lt {polls} ]; do sleep 0.05; n=$((n+1)); done;"
+        f" {count}"
+    )
+    try:
+        # (exec: once the bomb fills its cgroup, a `sleep` would find no process to fork)
+        r = await rt.exec(h, ExecRequest(cmd="b() { b | b & }; b; exec sleep 60", timeout_s=3))
+        assert r.timed_out, r
+        r = await rt.exec(h, ExecRequest(cmd=wait_gone))
+        assert r.stdout.strip() == "0", r  # the timeout took its whole cgroup
+        r = await rt.exec(
+            h, ExecRequest(cmd="setsid sh -c 'b() { b | b & }; b' >/dev/null 2>&1 & echo left")
+        )
+        assert r.stdout == "left\n", r
+        await asyncio.sleep(2)  # let it fill its cgroup
+        r = await rt.exec(h, ExecRequest(cmd="kill -9 -1 2>/dev/null; " + wait_gone))
+        assert (r.exit_code, r.stdout.strip()) == (0, "0"), r  # room for this one, bomb gone
+        r = await rt.exec(h, ExecRequest(cmd="echo a | cat"))
+        assert r.stdout == "a\n", r
+    finally:
+        await rt.destroy(h)
 
 
 async def test_memory_hog_killed(svc: RunCodeService) -> None:
@@ -397,16 +430,66 @@ async def test_disk_mb_bounds_each_writable_filesystem(svc: RunCodeService) -> N
             assert "rc=1" in r.stdout and "No space left" in r.stdout, (where, r)
             assert int(r.stdout.strip().splitlines()[-1]) <= 16 << 20, (where, r)
         u = await rt.usage(h)
-        assert u.disk_total_bytes is not None and u.disk_total_bytes <= 2 * (16 << 20), u
+        assert u.disk_total_bytes is not None and u.disk_total_bytes <= 16 << 20, u
     finally:
         await rt.destroy(h)
-    # the pool's default sizes for the next sandbox (its worker is a fresh one)
+    # a large disk_mb: as much as the memory limit leaves (the next worker is a fresh one)
     h = await rt.create(
         dataclasses.replace(worker_spec(files, digests, "sb-t-disk2"), disk_mb=1024)
     )
     try:
-        r = await rt.exec(h, ExecRequest(cmd="df -m /work /tmp | tail -2"))
-        assert [int(line.split()[1]) for line in r.stdout.splitlines()] == [512, 128], r
+        r = await rt.exec(h, ExecRequest(cmd="df -m /work /tmp /dev/shm | tail -3"))
+        sizes = {int(line.split()[1]) for line in r.stdout.splitlines()}
+        assert sizes == {ScratchSize.fit(256, 1024).mb}, r  # one filesystem
+    finally:
+        await rt.destroy(h)
+
+
+def _capable(cap: int) -> bool:
+    """Whether this process's bounding set holds capability ``cap``."""
+    with open("/proc/self/status") as f:
+        bnd = next(line for line in f if line.startswith("CapBnd:"))
+    return bool(int(bnd.split()[1], 16) >> cap & 1)
+
+
+async def test_full_disk_is_enospc_not_a_dead_sandbox(svc: RunCodeService) -> None:
+    """Filling the scratch (files or inodes) is ENOSPC for the command: the scratch fits in
+    the memory limit with room for the agent, which the OOM killer never takes; a command
+    that needs memory on a full disk is what dies."""
+    rt = svc.runtime
+    files, digests = await rt.image_layers("debian")
+    h = await rt.create(
+        dataclasses.replace(worker_spec(files, digests, "sb-t-fill"), disk_mb=4096)
+    )  # memory_mb=256
+    try:
+        r = await rt.exec(
+            h,
+            ExecRequest(cmd="dd if=/dev/zero of=/work/fill bs=1M count=1024 2>&1", timeout_s=120),
+        )
+        assert r.exit_code == 1 and "No space left" in r.stdout and not r.oom_killed, r
+        r = await rt.exec(
+            h,
+            ExecRequest(
+                cmd="i=0; while true 2>/dev/null > /tmp/f$i; do i=$((i+1)); done; echo made $i;"
+                " : > /tmp/one-more",
+                timeout_s=300,
+            ),
+        )
+        assert r.stdout.startswith("made ") and "No space left" in r.stderr, r
+        assert int(r.stdout.split()[1]) <= ScratchSize.fit(256, 4096).inodes, r
+        r = await rt.exec(h, ExecRequest(cmd="cat /proc/1/oom_score_adj /proc/self/oom_score_adj"))
+        # the agent at -1000 where root holds CAP_SYS_RESOURCE (this kind of VM withholds it)
+        agent = "-1000" if _capable(24) else "0"
+        assert r.stdout.split() == [agent, "1000"], r
+        r = await rt.exec(h, ExecRequest(cmd="echo -1 > /proc/self/oom_score_adj"))
+        assert r.exit_code != 0, r  # a command cannot go below the agent's 0
+        r = await rt.exec(h, ExecRequest(cmd=["python3", "-c", "b = bytearray(200 << 20)"]))
+        assert r.signal == 9 and r.oom_killed, r
+        r = await rt.exec(
+            h, ExecRequest(cmd="rm -rf /work/fill /tmp/f*; echo ok > /work/ok; cat /work/ok")
+        )
+        assert r.stdout == "ok\n", r
+        assert await rt.alive(h)
     finally:
         await rt.destroy(h)
 

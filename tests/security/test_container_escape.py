@@ -203,6 +203,24 @@ async def test_mount_and_ptrace_fail_from_the_shell(box: tuple[ContainerRuntime,
     assert await rt.alive(h)  # PID 1 ignores signals from inside
 
 
+async def test_no_memory_writes_into_other_commands(box: tuple[ContainerRuntime, Handle]) -> None:
+    """A process one command leaves behind cannot open ``/proc/<pid>/mem`` of a process another
+    command started, nor of PID 1 (each command is a Landlock domain of its own:
+    docs/design/tenancy.md), as root or as the same user; within one command it still can."""
+    rt, h = box
+    opens = "if (: 3<>/proc/{pid}/mem) 2>/dev/null; then echo opened; else echo refused; fi"
+    for user in ("root", "sandbox"):
+        r = await run(rt, h, "sleep 300 >/dev/null 2>&1 & echo $!", user=user)
+        pid = int(r.stdout)
+        r = await run(rt, h, f"until grep -q '^sleep' /proc/{pid}/cmdline; do sleep 0.01; done")
+        for target in (pid, 1):
+            r = await run(rt, h, opens.format(pid=target), user=user)
+            assert r.stdout == "refused\n", (user, target, r)
+        r = await run(rt, h, "sleep 300 & p=$!; " + opens.format(pid="$p") + "; kill $p", user=user)
+        assert r.stdout == "opened\n", (user, r)
+        await run(rt, h, f"kill {pid}")
+
+
 async def test_exec_server_is_invisible(box: tuple[ContainerRuntime, Handle]) -> None:
     rt, h = box
     server = rt._live[h.id].server

@@ -24,7 +24,7 @@ from dsec.runtimes.base import SandboxSpec
 from dsec.runtimes.fncall import seccomp
 from dsec.runtimes.fncall.pool import PoolConfig
 from dsec.runtimes.fncall.service import RunCodeRequest, RunCodeService
-from dsec.runtimes.fncall.testkit import fncall_service
+from dsec.runtimes.fncall.testkit import fncall_service, worker_spec
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 
@@ -177,6 +177,32 @@ async def test_host_side_files_stay_in_the_worker_root(svc: RunCodeService) -> N
             await f.read("/work/magic/hostname", 4096)
         with pytest.raises(PathOutsideSandbox):
             await f.read("/../../etc/shadow", 4096)
+    finally:
+        await rt.destroy(h)
+
+
+@pytestmark_async
+@pytest.mark.debian
+async def test_no_memory_writes_into_other_commands(svc: RunCodeService) -> None:
+    """A process one command leaves behind cannot open ``/proc/<pid>/mem`` of a process a
+    later command started (each command is a Landlock domain of its own:
+    docs/design/tenancy.md), though both run as the same user; within one command it can."""
+    rt = svc.runtime
+    files, digests = await rt.image_layers("debian")
+    h = await rt.create(worker_spec(files, digests, "sb-sec-mem"))
+    opens = "if (: 3<>/proc/{pid}/mem) 2>/dev/null; then echo opened; else echo refused; fi"
+    try:
+        r = await rt.exec(h, ExecRequest(cmd="sleep 300 >/dev/null 2>&1 & echo $!"))
+        pid = int(r.stdout)
+        await rt.exec(
+            h, ExecRequest(cmd=f"until grep -q '^sleep' /proc/{pid}/cmdline; do sleep 0.01; done")
+        )
+        r = await rt.exec(h, ExecRequest(cmd=opens.format(pid=pid)))
+        assert r.stdout == "refused\n", r
+        r = await rt.exec(
+            h, ExecRequest(cmd="sleep 300 & p=$!; " + opens.format(pid="$p") + "; kill $p")
+        )
+        assert r.stdout == "opened\n", r
     finally:
         await rt.destroy(h)
 

@@ -356,6 +356,29 @@ async def test_ptrace_of_everything(runtime: MicroVMRuntime, make: Any, probe: b
     await answers(runtime, h)
 
 
+async def test_no_memory_writes_into_other_commands(runtime: MicroVMRuntime, make: Any) -> None:
+    """A process a command leaves behind cannot open ``/proc/<pid>/mem`` of a process another
+    command started (each command is a Landlock domain of its own: docs/design/tenancy.md),
+    so it cannot rewrite a grader started later; within one command it still can."""
+    h = await make()
+    r = await run(runtime, h, "sleep 300 >/dev/null 2>&1 & echo $!")
+    pid = int(r.stdout)
+    polls = int(budget(10) / 0.05)
+    await run(
+        runtime,
+        h,
+        f"n=0; until grep -q '^sleep' /proc/{pid}/cmdline || [ $n -ge {polls} ];"
+        " do sleep 0.05; n=$((n+1)); done",
+    )
+    r = await run(runtime, h, f"if (: 3<>/proc/{pid}/mem); then echo opened; else echo refused; fi")
+    assert r.stdout == "refused\n", r
+    r = await run(
+        runtime, h, "sleep 300 & p=$!; if (: 3<>/proc/$p/mem); then echo opened; fi; kill $p"
+    )
+    assert r.stdout == "opened\n", r
+    await answers(runtime, h)
+
+
 async def test_memory_hog_and_fork_bomb(runtime: MicroVMRuntime, make: Any) -> None:
     """The OOM killer takes the command, a fork bomb stays in the commands' pids limit and
     dies with its command, and one left running (daemonised: the command returned) leaves

@@ -16,7 +16,7 @@ from dsec.config import Paths
 from dsec.privileged.cgroups import CgroupLayout, CgroupV1, CgroupV2, reset_layout
 from dsec.runtimes.fncall.pool import PoolConfig, worker_cgroup_plan
 from dsec.runtimes.fncall.runtime import FncallRuntime
-from dsec.runtimes.fncall.zygote import cgroup_steps
+from dsec.runtimes.fncall.zygote import cgroup_steps, command_pids_max
 
 CONFIG = PoolConfig(memory_mb=512, pids=64, cpu=1.5)
 
@@ -57,6 +57,8 @@ def test_plan_v2_is_one_directory(tmp_path: Path) -> None:
 
 
 def test_zygote_steps_make_limit_then_join_in_every_hierarchy(tmp_path: Path) -> None:
+    """The agent joins the worker's cgroup in every hierarchy but the pids one, where it
+    lives in a child (the commands get children of their own beside it)."""
     plan = worker_cgroup_plan(CgroupV1("p", tmp_path), CONFIG)
     plan = json.loads(json.dumps({**plan, "fds": [5, 6, 7]}))  # as the zygote receives it
     steps = cgroup_steps(plan, "w12")
@@ -68,19 +70,29 @@ def test_zygote_steps_make_limit_then_join_in_every_hierarchy(tmp_path: Path) ->
         (5, "w12/cpu.cfs_quota_us", "150000"),
         (6, "w12/memory.limit_in_bytes", str(512 << 20)),
         (7, "w12/pids.max", "64"),
+        (7, "w12/agent", None),
         (5, "w12/cgroup.procs", "0"),
         (6, "w12/cgroup.procs", "0"),
-        (7, "w12/cgroup.procs", "0"),
+        (7, "w12/agent/cgroup.procs", "0"),
     ]
 
 
 def test_zygote_steps_v2_one_descriptor(tmp_path: Path) -> None:
+    """v2: the worker's cgroup hands the pids controller to its children (and so holds no
+    process itself: the agent is in one of them)."""
     pool = CgroupV2("p", tmp_path)
     pool.dir.mkdir()
     steps = cgroup_steps({**worker_cgroup_plan(pool, CONFIG), "fds": [9]}, "w1")
     assert {fd for fd, _, _ in steps} == {9}
-    assert steps[0] == (9, "w1", None) and steps[-1] == (9, "w1/cgroup.procs", "0")
+    assert steps[0] == (9, "w1", None) and steps[-1] == (9, "w1/agent/cgroup.procs", "0")
     assert (9, "w1/memory.max", str(512 << 20)) in steps
+    nest = steps.index((9, "w1/cgroup.subtree_control", "+pids"))
+    assert nest > steps.index((9, "w1/pids.max", "64"))
+    assert steps[nest + 1] == (9, "w1/agent", None)
+
+
+def test_command_pids_max_keeps_a_reserve() -> None:
+    assert [command_pids_max(n) for n in (1, 8, 64, 1024)] == [1, 6, 56, 1016]
 
 
 def test_steps_carried_out_on_directories(tmp_path: Path) -> None:

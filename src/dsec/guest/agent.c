@@ -18,7 +18,8 @@
  * the root mount (the initramfs is out of reach), /proc of their PID namespace with the
  * container's masked and read-only paths, a tmpfs /dev with the container's devices, /sys
  * read-only, the container's capability bounding set, rlimits, no_new_privs and seccomp
- * filter. A `full_guest` sandbox's commands run in a mount namespace that shows the whole guest
+ * filter, and a Landlock domain per command (no command can open another's /proc/<pid>/mem).
+ * A `full_guest` sandbox's commands run in a mount namespace that shows the whole guest
  * (devtmpfs /dev, /sys, every /proc file) with every capability and no filter; they still
  * share the PID namespace above. The agent itself lives in the mount namespace of the
  * sandbox's mode, so the file API sees what its commands see.
@@ -883,6 +884,30 @@ static void kill_command(struct exec_state *e) {
 #ifndef SYS_close_range
 #define SYS_close_range 436
 #endif
+#ifndef SYS_landlock_create_ruleset
+#define SYS_landlock_create_ruleset 444
+#endif
+#ifndef SYS_landlock_restrict_self
+#define SYS_landlock_restrict_self 446
+#endif
+
+/* Every guarded command enters a Landlock domain of its own (docs/design/tenancy.md): the
+ * kernel lets a process open /proc/<pid>/mem (and ptrace) only of processes in its own domain
+ * or one nested in it, so what one command leaves running cannot rewrite the memory of a
+ * command started later (a grader) even as the same uid. The ruleset restricts nothing a
+ * command may do: it handles only the making of block devices, which the guard forbids anyway.
+ * -1: the kernel has no Landlock (the agent says so on the console). */
+static int command_domain_fd = -1;
+
+static void make_command_domain(void) {
+    uint64_t handled_access_fs = 1ull << 11; /* LANDLOCK_ACCESS_FS_MAKE_BLOCK (ABI 1) */
+    long fd = syscall(SYS_landlock_create_ruleset, &handled_access_fs, sizeof handled_access_fs, 0);
+    if (fd < 0)
+        fprintf(stderr, "dsec-agent: landlock: %s (commands are not kept out of each other's memory)\n",
+                strerror(errno));
+    else
+        command_domain_fd = (int)fd;
+}
 
 /* Read the guard's policy and filter from the initramfs (before any namespace change). */
 static void load_guard(void) {
@@ -1462,8 +1487,8 @@ static int child_fail(const char *what) {
  * when spawned with CLONE_VM (the agent is stopped until the execve): only system calls and
  * local variables here, nothing that writes the agent's globals or heap. Returns the exit code
  * when the command cannot start. A guarded command (not full_guest) also gets the guard's
- * rlimits, capability bounding set and capabilities, no_new_privs and seccomp filter; it is
- * already in the commands' namespaces (born in their PID namespace, in the agent's mount
+ * rlimits, capability bounding set and capabilities, no_new_privs, a Landlock domain of its
+ * own and seccomp filter; it is already in the commands' namespaces (born in their PID namespace, in the agent's mount
  * namespace of the guarded view). */
 static int command_child(void *arg) {
     struct child_ctx *cx = arg;
@@ -1506,6 +1531,8 @@ static int command_child(void *arg) {
         if (syscall(SYS_capset, &h, d) < 0) return child_fail("guard: capset");
         prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) return child_fail("guard: no_new_privs");
+        if (command_domain_fd >= 0 && syscall(SYS_landlock_restrict_self, command_domain_fd, 0) < 0)
+            return child_fail("guard: landlock");
         if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &guard_filter, 0, 0) < 0) return child_fail("guard: seccomp");
     }
     int err;
@@ -2323,6 +2350,7 @@ int main(int argc, char **argv) {
         }
     }
     load_guard();
+    make_command_domain();
     loopback_up();
     for (int i = 0; i < MAX_STREAMS; i++) streams[i].fd = -1;
     guest_proc_fd = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);

@@ -6,7 +6,8 @@
  * it) but joins the container's cgroups, its mount, ipc, uts, net and cgroup
  * namespaces, and its pid namespace for its children, through a pidfd of the
  * container's init. It then serves exec requests: for each it forks a child
- * (born in the container's cgroups and pid namespace) that setsid()s, applies the container's
+ * (born in the container's cgroups and pid namespace) that enters a Landlock domain of its
+ * own, setsid()s, applies the container's
  * rlimits, capability set, no_new_privs, user and seccomp filter (the same
  * policy the OCI runtime applied to the container, rendered by
  * dsec.runtimes.container.seccomp into the policy file), chdir()s and execs.
@@ -91,6 +92,12 @@
 #ifndef CLONE_NEWCGROUP
 #define CLONE_NEWCGROUP 0x02000000
 #endif
+#ifndef SYS_landlock_create_ruleset
+#define SYS_landlock_create_ruleset 444
+#endif
+#ifndef SYS_landlock_restrict_self
+#define SYS_landlock_restrict_self 446
+#endif
 
 enum { EXEC_F_CTTY = 1u };
 enum { T_EXEC = 1, T_SIGNAL = 2, T_RELEASE = 3, T_ATTACH = 4 };
@@ -98,7 +105,7 @@ enum { R_READY = 100, R_STARTED = 101, R_EXIT = 102, R_ERROR = 103 };
 enum {
     STAGE_OK = 0, STAGE_CGROUP = 1 /* unused since the server joins once */, STAGE_SETSID = 2, STAGE_RLIMIT = 3, STAGE_BOUNDING = 4,
     STAGE_GROUPS = 5, STAGE_GID = 6, STAGE_UID = 7, STAGE_CAPSET = 8, STAGE_NNP = 9,
-    STAGE_CHDIR = 10, STAGE_SECCOMP = 11, STAGE_EXEC = 12
+    STAGE_CHDIR = 10, STAGE_SECCOMP = 11, STAGE_EXEC = 12, STAGE_LANDLOCK = 13
 };
 
 #define MAX_MSG (4u << 20) /* 4 MiB: the edge caps argv at 1 MiB and env at 256 KiB */
@@ -122,6 +129,13 @@ static int init_pidfd = -1;         /* pidfd of the container's init */
 static struct sock_fprog filter;
 static uint64_t keep_caps;          /* bit N set: keep capability N */
 static int allow_setuid;            /* argument "setuid": no no_new_privs (sudo works) */
+/* The Landlock ruleset every command enters as a domain of its own (-1: the kernel has none):
+ * the kernel lets a process open /proc/<pid>/mem (or ptrace) only of processes in its own
+ * domain or one nested in it, so what one command leaves running cannot rewrite the memory
+ * of a command started later, a grader say, even as the same user (docs/design/tenancy.md).
+ * It restricts nothing else: it handles only the making of block devices, which the
+ * container's device cgroup refuses anyway. */
+static int command_domain_fd = -1;
 static int cap_last = 40;
 static struct { int res; struct rlimit lim; } rlimits[MAX_RLIMITS];
 static int n_rlimits;
@@ -353,6 +367,10 @@ static void run_child(int errfd, const int fds[3], uint32_t flags, uid_t uid, gi
     sigfillset(&all);
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &all, NULL);
+    /* first, while still privileged (no_new_privs is not needed then, and a setuid sandbox
+     * has none) */
+    if (command_domain_fd >= 0 && syscall(SYS_landlock_restrict_self, command_domain_fd, 0) < 0)
+        child_fail(errfd, STAGE_LANDLOCK);
     /* the raw syscall: glibc's sigaction refuses its own signals 32 and 33, which a
      * parent may have left ignored too */
     struct { void *handler; unsigned long flags; void *restorer; uint64_t mask; } dfl = {0};
@@ -710,6 +728,8 @@ int main(int argc, char **argv) {
     msgbuf = malloc(MAX_MSG);
     if (!msgbuf) die("malloc");
     load_policy(argv[2], bpf_path);
+    uint64_t handled_access_fs = 1ull << 11; /* LANDLOCK_ACCESS_FS_MAKE_BLOCK (ABI 1) */
+    command_domain_fd = (int)syscall(SYS_landlock_create_ruleset, &handled_access_fs, sizeof handled_access_fs, 0);
     FILE *f = fopen("/proc/sys/kernel/cap_last_cap", "re");
     if (f) {
         if (fscanf(f, "%d", &cap_last) != 1) cap_last = 40;

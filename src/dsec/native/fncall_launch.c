@@ -2,9 +2,11 @@
  * fncall_launch: build the read-only root of one fncall pool in a private mount
  * namespace and exec the pool's zygote inside it.
  *
- *   fncall_launch SCRATCH_DIR TMPFS_MB LAYER_BOTTOM [LAYER ...] -- PROG ARGS...
+ *   fncall_launch [--spawn HELPER] SCRATCH_DIR TMPFS_MB LAYER_BOTTOM [LAYER ...] -- PROG ARGS...
  *
- * Each LAYER is an EROFS image file or a block device (/dev/loopN) holding one.
+ * Each LAYER is an EROFS image file or a block device (/dev/loopN) holding one. HELPER (the
+ * static fncall_spawn every command of a worker execs through) is bound read-only at
+ * /dev/.dsec-spawn.
  *
  * Steps (all mounts live only in the new mount namespace, so they vanish when
  * the zygote and its workers exit; nothing can leak into the host namespace):
@@ -18,7 +20,7 @@
  *      SCRATCH_DIR (the kernel shows the option strings in every mountinfo: the workers'
  *      /proc/mounts would show the node's DSEC_HOME otherwise); mount points that the
  *      workers need (/work /tmp /proc /dev /dev/shm) are created in the upper;
- *   5. a minimal /dev (tmpfs with bind-mounted null zero full random urandom);
+ *   5. a minimal /dev (tmpfs with bind-mounted null zero full random urandom, and HELPER);
  *   6. pivot_root into the overlay, detach the old root, remount / read-only.
  *
  * Exit codes: 0 never (exec), 64 usage, 70 setup failure (message on stderr).
@@ -64,7 +66,16 @@ static void touch(const char *path) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 6) { fprintf(stderr, "usage: fncall_launch SCRATCH TMPFS_MB LAYER... -- PROG ARGS\n"); return 64; }
+    const char *spawn = NULL;
+    if (argc > 2 && strcmp(argv[1], "--spawn") == 0) {
+        spawn = argv[2];
+        argv += 2;
+        argc -= 2;
+    }
+    if (argc < 6) {
+        fprintf(stderr, "usage: fncall_launch [--spawn HELPER] SCRATCH TMPFS_MB LAYER... -- PROG ARGS\n");
+        return 64;
+    }
     const char *scratch = argv[1];
     long tmpfs_mb = strtol(argv[2], NULL, 10);
     const char *layers[MAX_LAYERS];
@@ -123,6 +134,13 @@ int main(int argc, char **argv) {
         touch(path);
         if (mount(src, path, NULL, MS_BIND, NULL) != 0) die("bind", src);
         if (mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC, NULL) != 0) die("remount", path);
+    }
+    if (spawn) { /* read-only, and executable: /dev itself is noexec */
+        snprintf(path, sizeof path, "%s/dev/.dsec-spawn", root);
+        touch(path);
+        if (mount(spawn, path, NULL, MS_BIND, NULL) != 0) die("bind", spawn);
+        if (mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) != 0)
+            die("remount", path);
     }
     snprintf(path, sizeof path, "%s/dev/shm", root);
     mkdir_p(path, 01777);

@@ -31,6 +31,7 @@ __all__ = [
     "confine",
     "handled_fs_rights",
     "landlock_abi",
+    "new_domain_ruleset",
     "restrict_self",
 ]
 
@@ -111,8 +112,10 @@ def handled_fs_rights(abi: int) -> int:
     return rights
 
 
-def _add_path_rule(ruleset_fd: int, path: str, access: int) -> None:
-    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+def _add_path_rule(ruleset_fd: int, path: str | int, access: int) -> None:
+    """A rule granting ``access`` beneath ``path``: a path, or a descriptor of a directory
+    (one the process cannot name by path, e.g. outside its root; not closed here)."""
+    fd = path if isinstance(path, int) else os.open(path, os.O_PATH | os.O_CLOEXEC)
     try:
         # struct landlock_path_beneath_attr { __u64 allowed_access; __s32 parent_fd; } __attribute__((packed))
         attr = ctypes.create_string_buffer(struct.pack("=Qi", access, fd))
@@ -125,12 +128,13 @@ def _add_path_rule(ruleset_fd: int, path: str, access: int) -> None:
             f"add_rule {path}",
         )
     finally:
-        os.close(fd)
+        if not isinstance(path, int):
+            os.close(fd)
 
 
 def build_ruleset(
     read_only: list[str],
-    writable: list[str],
+    writable: list[str | int],
     devices: list[str] | None = None,
     abi: int | None = None,
     scope_ipc: bool = True,
@@ -143,7 +147,8 @@ def build_ruleset(
 
     Args:
         read_only: directories (and everything beneath) that may be read and executed.
-        writable: directories where files may also be created, written, removed.
+        writable: directories where files may also be created, written, removed (paths,
+            or descriptors of directories).
         devices: device files that may be read and written (e.g. ``/dev/null``).
         abi: the kernel's ABI (``landlock_abi()`` if None).
         scope_ipc: with ABI >= 6, also forbid connecting to abstract unix sockets and
@@ -171,8 +176,8 @@ def build_ruleset(
     try:
         for path in read_only:
             _add_path_rule(ruleset_fd, path, FS_READ & handled)
-        for path in writable:
-            _add_path_rule(ruleset_fd, path, (FS_READ | FS_WRITE) & handled)
+        for where in writable:
+            _add_path_rule(ruleset_fd, where, (FS_READ | FS_WRITE) & handled)
         dev_rights = (
             ACCESS_FS_READ_FILE | ACCESS_FS_WRITE_FILE | ACCESS_FS_TRUNCATE | ACCESS_FS_IOCTL_DEV
         ) & handled
@@ -184,6 +189,25 @@ def build_ruleset(
     return ruleset_fd
 
 
+def new_domain_ruleset(abi: int | None = None) -> int:
+    """A ruleset whose only effect, applied, is a Landlock domain of its own: it handles the
+    making of block devices alone (never allowed in a sandbox anyway) and no scope.
+
+    The kernel lets a process open another's ``/proc/<pid>/mem`` (or ptrace it) only if that
+    process is in the same domain or one nested in it, whatever the users and capabilities:
+    each command a sandbox runs enters a fresh one, so what one command leaves running cannot
+    rewrite the memory of a command started later (docs/design/tenancy.md). Signals and
+    everything else keep working. Raises :class:`LandlockError` without Landlock."""
+    abi = landlock_abi() if abi is None else abi
+    if abi < 1:
+        raise LandlockError(95, "landlock is not supported by this kernel")
+    attr = ctypes.create_string_buffer(struct.pack("=Q", ACCESS_FS_MAKE_BLOCK), 8)
+    return _check(
+        int(_libc.syscall(SYS_LANDLOCK_CREATE_RULESET, attr, ctypes.c_size_t(8), 0)),
+        "create_ruleset",
+    )
+
+
 def restrict_self(ruleset_fd: int) -> None:
     """Apply a ruleset to the calling thread (sets ``PR_SET_NO_NEW_PRIVS`` first)."""
     _check(int(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)), "no_new_privs")
@@ -192,7 +216,7 @@ def restrict_self(ruleset_fd: int) -> None:
 
 def confine(
     read_only: list[str],
-    writable: list[str],
+    writable: list[str | int],
     devices: list[str] | None = None,
     abi: int | None = None,
     scope_ipc: bool = True,

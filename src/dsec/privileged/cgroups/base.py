@@ -139,6 +139,8 @@ class Cgroup(ABC):
     PROCS_FILE: ClassVar[str] = "cgroup.procs"
     """The file in each of :meth:`dirs` a pid is written to to move that process in (a
     process writes ``0`` for itself)."""
+    PIDS_HIERARCHY: ClassVar[str]
+    """The hierarchy (a key of :meth:`dirs`) that holds ``pids.max``."""
 
     def __init__(self, rel: str, root: Path) -> None:
         self.rel = rel.strip("/")
@@ -209,6 +211,21 @@ class Cgroup(ABC):
         """Whether any process is in the cgroup or below it."""
         return bool(self.procs())
 
+    def procs_below(self) -> list[int]:
+        """The processes in the cgroup and in every cgroup below it (from the pids
+        hierarchy: a fncall worker's commands have pids cgroups of their own there)."""
+        out: list[int] = []
+        top = self.dirs().get(self.PIDS_HIERARCHY)
+        if top is None:
+            return out
+        for d, _subdirs, _files in os.walk(top):
+            try:
+                with open(f"{d}/{self.PROCS_FILE}") as f:
+                    out += [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+        return out
+
     @abstractmethod
     def _kill_signal(self) -> bool:
         """Send SIGKILL to every process in the cgroup and its descendants in one step where
@@ -244,9 +261,14 @@ class Cgroup(ABC):
             time.sleep(0.005)
 
     def remove(self, timeout_s: float = 5.0) -> None:
-        """Kill what is left, then remove the cgroup, its children first, from every
-        hierarchy (idempotent)."""
-        for name in self.children():
+        """Kill what is left, then remove the cgroup, its children first (in any hierarchy:
+        a fncall worker's command cgroups exist in the pids one only), from every hierarchy
+        (idempotent)."""
+        names: set[str] = set()
+        for d in self.every_dir():
+            with contextlib.suppress(OSError):
+                names.update(p.name for p in d.iterdir() if p.is_dir())
+        for name in sorted(names):
             self.child(name).remove(timeout_s)
         self.kill_all(timeout_s)
         for d in self.every_dir():
@@ -280,6 +302,12 @@ class Cgroup(ABC):
         """The writes, in order, that set the given limits (None: leave it). v1 writes the
         memory+swap limit beside the memory limit, raised first and lowered last, so
         ``raising_memory`` says which way the memory limit moves."""
+
+    def nest_pids_writes(self) -> list[LimitWrite]:
+        """The writes in this cgroup that give its child cgroups a ``pids.max`` of their own
+        (v2: the pids controller in ``cgroup.subtree_control``, after which the cgroup may
+        hold no process itself; v1: none, every child has it)."""
+        return []
 
     def _dir_str(self, hierarchy: str) -> str:
         """The cgroup's directory in ``hierarchy`` as a string (the limit setters' paths:

@@ -63,6 +63,7 @@ class CgroupV1(Cgroup):
     """A cgroup present in each of :data:`CONTROLLERS` at ``<root>/<controller>/<rel>``."""
 
     version = 1
+    PIDS_HIERARCHY = "pids"
 
     def path(self, controller: str) -> Path:
         return self.root / controller / self.rel

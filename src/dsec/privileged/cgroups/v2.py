@@ -81,6 +81,7 @@ class CgroupV2(Cgroup):
     cgroup's directory and ``oci_base`` its path inside the hierarchy (for OCI runtimes)."""
 
     version = 2
+    PIDS_HIERARCHY = ""
 
     def __init__(self, rel: str, root: Path, oci_base: str = "") -> None:
         super().__init__(rel, root)
@@ -137,6 +138,9 @@ class CgroupV2(Cgroup):
             )
         except FileNotFoundError:
             return False
+
+    def nest_pids_writes(self) -> list[LimitWrite]:
+        return [LimitWrite("", "cgroup.subtree_control", "+pids")]
 
     def _kill_signal(self) -> bool:
         try:

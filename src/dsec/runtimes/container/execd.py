@@ -69,10 +69,14 @@ _F_SETPIPE_SZ = 1031
 class SetupStage:
     """Steps of the exec'd child before its command runs (``dsec_execd.c``)."""
 
-    OK, CGROUP, SETSID, RLIMIT, BOUNDING, GROUPS, GID, UID, CAPSET, NNP, CHDIR, SECCOMP, EXEC = (
-        range(13)
-    )
-    NAMES = "ok cgroup setsid rlimit bounding groups gid uid capset no_new_privs chdir seccomp exec".split()
+    (
+        OK, CGROUP, SETSID, RLIMIT, BOUNDING, GROUPS, GID, UID, CAPSET, NNP, CHDIR, SECCOMP, EXEC,
+        LANDLOCK,
+    ) = range(14)  # fmt: skip
+    NAMES = (
+        "ok cgroup setsid rlimit bounding groups gid uid capset no_new_privs chdir seccomp exec"
+        " landlock"
+    ).split()
 
 
 @dataclass

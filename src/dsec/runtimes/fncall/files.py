@@ -1,7 +1,7 @@
 """Host-side file access to one fncall worker's filesystem view, confined to it.
 
 The worker's root is reached through ``/proc/<pid>/root`` (its mount namespace: the
-read-only image plus its private ``/work``, ``/tmp`` and ``/dev/shm`` tmpfs). The root is
+read-only image plus its private scratch tmpfs at ``/work``, ``/tmp`` and ``/dev/shm``). The root is
 opened ``O_PATH`` once and the worker's pidfd is checked *after* the open, so a recycled pid
 can never hand us another process's root. Every path is then resolved by the kernel with
 ``openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)``: ``..`` and absolute symlinks stay inside

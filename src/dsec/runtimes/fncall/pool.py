@@ -55,16 +55,25 @@ from dsec.errors import (
 )
 from dsec.privileged import landlock as landlock_module
 from dsec.privileged.cgroups import Cgroup, cgroup
-from dsec.privileged.mount import erofs_mount_sources
+from dsec.privileged.mount import erofs_mount_sources, reconfigure
+from dsec.runtimes.container.native import build_native
 from dsec.runtimes.fncall import seccomp as seccomp_module
 from dsec.runtimes.fncall import zygote as zygote_module
 
 log = logging.getLogger("dsec.fncall")
 
-__all__ = ["PoolConfig", "Worker", "WorkerPool", "build_launcher"]
+__all__ = ["PoolConfig", "ScratchSize", "Worker", "WorkerPool", "build_launcher"]
 
 ZYGOTE_PYTHON = "/usr/bin/python3"
 """The interpreter every pool's zygote runs, inside the pool's image."""
+AGENT_CGROUP = "agent"
+"""The child of a worker's cgroup (in the pids hierarchy) its agent lives in. Each command the
+agent runs gets a child of its own, ``c<N>``, whose ``pids.max`` leaves the worker a reserve
+(:func:`~dsec.runtimes.fncall.zygote.command_pids_max`): a fork bomb a command leaves behind
+cannot take the processes the next command (a ``kill -9 -1``) needs."""
+SPAWN_PATH = "/dev/.dsec-spawn"
+"""Where ``fncall_launch`` binds the spawn helper (``native/fncall_spawn.c``) in a pool's root:
+every command of a worker's agent execs through it."""
 LAUNCH_NO_PROGRAM = 127
 """Exit status of ``fncall_launch`` when the image has no ``ZYGOTE_PYTHON``."""
 
@@ -112,8 +121,9 @@ class PoolConfig:
     """Limits and sizes of one pool. Units: MiB, cores, seconds.
 
     ``memory_mb``/``pids``/``cpu`` are each worker's cgroup limits (a call may lower the
-    memory limit); ``work_mb`` and ``tmp_mb`` size the worker's private tmpfs mounts
-    (``/work``; ``/tmp`` and ``/dev/shm``).
+    memory limit); ``work_mb`` is the most the worker's scratch tmpfs holds, the one
+    filesystem ``/work``, ``/tmp``, ``/dev/shm`` and ``/mnt`` share, within what
+    :func:`scratch_limits` leaves of ``memory_mb``.
     """
 
     min_ready: int = 2
@@ -123,7 +133,6 @@ class PoolConfig:
     pids: int = 256
     cpu: float = 1.0
     work_mb: int = 512
-    tmp_mb: int = 128
     nofile: int = 1024
     fsize_mb: int = 512
     uid: int = 1000
@@ -179,14 +188,48 @@ class PoolConfig:
     )
 
 
+@dataclass(frozen=True)
+class ScratchSize:
+    """A worker's scratch tmpfs (``/work``, ``/tmp``, ``/dev/shm`` and ``/mnt``: one
+    filesystem): ``mb`` MiB of files and ``inodes`` files and directories.
+
+    Both are charged to the worker's memory cgroup (a tmpfs page to the process that wrote
+    it, an inode, ~1 KiB of kernel memory, 0.97 KiB measured on 6.18, to the one that made
+    it), and neither can be reclaimed without swap: were they allowed past the memory limit,
+    filling the disk would end in the OOM killer instead of ENOSPC. So :meth:`fit` keeps
+    them together within the memory limit less a reserve for the agent and the kernel (an
+    eighth, at least 16 MiB, at most half): seven eighths of that room for files (and at
+    most ``disk_mb``), one eighth for inodes. And the commands run at ``oom_score_adj``
+    1000 (the agent at 0, or -1000 where root may), so a command that needs memory while
+    the disk is full is what dies, not the agent.
+    """
+
+    mb: int
+    inodes: int
+
+    @classmethod
+    def fit(cls, memory_mb: int, disk_mb: int) -> ScratchSize:
+        """The scratch of a worker with ``memory_mb`` MiB of memory, at most ``disk_mb``."""
+        reserve = max(16, memory_mb // 8)
+        room = max(memory_mb // 2, memory_mb - reserve)
+        return cls(mb=max(1, min(disk_mb, room - room // 8)), inodes=max(1024, room // 8 * 1024))
+
+    def mount_options(self) -> dict[str, str]:
+        """tmpfs options (``size``, ``nr_inodes``) that give this size."""
+        return {"size": f"{self.mb}m", "nr_inodes": str(self.inodes)}
+
+
 def worker_cgroup_plan(pool_cgroup: Cgroup, config: PoolConfig) -> dict[str, Any]:
     """How the zygote makes each worker's cgroup below ``pool_cgroup`` (it sees no cgroup file
     system, only descriptors of the pool's directories), computed once per pool:
     ``hierarchies`` to open, in the order of the descriptors the zygote gets (v1: those the
     limits are in, so no ``cpuacct``: a worker's CPU time comes from its processes; v2:
     ``""``), ``writes`` ``[hierarchy, file, value]`` in order into a fresh, unlimited cgroup,
-    and ``procs_file``, the file a process joins by (the zygote's
-    :func:`~dsec.runtimes.fncall.zygote.cgroup_steps` turns it into system calls)."""
+    ``procs_file``, the file a process joins by, and the pids hierarchy (``pids_hierarchy``)
+    with the ``nest_writes`` that let a worker's cgroup have children there: the agent
+    lives in the child ``agent_cgroup`` of it and each command in a child of its own
+    (:data:`AGENT_CGROUP`). The zygote's :func:`~dsec.runtimes.fncall.zygote.cgroup_steps`
+    turns it into system calls."""
     writes = pool_cgroup.limit_writes(
         cpu=config.cpu,
         memory_bytes=config.memory_mb << 20,
@@ -201,6 +244,9 @@ def worker_cgroup_plan(pool_cgroup: Cgroup, config: PoolConfig) -> dict[str, Any
         "hierarchies": hierarchies,
         "writes": [[w.hierarchy, w.file, w.value] for w in writes],
         "procs_file": pool_cgroup.PROCS_FILE,
+        "pids_hierarchy": pool_cgroup.PIDS_HIERARCHY,
+        "nest_writes": [[w.hierarchy, w.file, w.value] for w in pool_cgroup.nest_pids_writes()],
+        "agent_cgroup": AGENT_CGROUP,
     }
 
 
@@ -253,6 +299,7 @@ class Worker:
         self.ready_at: float | None = None
         self.cgroup = pool.cgroup.child(f"w{wid}")
         self.memory_limit_bytes = pool.config.memory_mb << 20
+        self.scratch = ScratchSize.fit(pool.config.memory_mb, pool.config.work_mb)
         self.inbox: asyncio.Queue[tuple[dict[str, Any], bytes] | None] = asyncio.Queue()
         self.sink: ChunkSink | None = None
         self.exit_status: int | None = None
@@ -344,6 +391,24 @@ class Worker:
             raise SandboxError(f"cannot set the memory limit of worker {self.wid}: {e}") from e
         self.memory_limit_bytes = limit_bytes
 
+    def fit_scratch(self, memory_mb: int, disk_mb: int) -> None:
+        """Size the worker's scratch for ``memory_mb`` of memory and at most ``disk_mb``
+        (:meth:`ScratchSize.fit`): a fresh worker's is the pool's. Changed in place, from the
+        host (:func:`~dsec.privileged.mount.reconfigure` through ``/proc/<pid>/root``: a few
+        system calls), only when it differs; a tmpfs holding more than its new size refuses
+        (raises :class:`SandboxError`)."""
+        want = ScratchSize.fit(memory_mb, disk_mb)
+        if want == self.scratch:
+            return
+        try:
+            reconfigure(f"/proc/{self.pid}/root/work", want.mount_options())
+        except OSError as e:
+            raise SandboxError(
+                f"cannot size worker {self.wid}'s scratch to {want.mb} MiB, {want.inodes}"
+                f" inodes: {e}"
+            ) from e
+        self.scratch = want
+
     def kill(self) -> None:
         """SIGKILL the worker (its pid namespace dies with it). Idempotent, never raises."""
         if not self.killed:
@@ -416,6 +481,7 @@ class WorkerPool:
         """Assemble the pool root, start the zygote and the first ``min_ready`` workers."""
         self._loop = asyncio.get_running_loop()
         launcher = await asyncio.to_thread(build_launcher, self.bin_dir)
+        spawn = await asyncio.to_thread(build_native, self.bin_dir, "fncall_spawn")
         for f in self.layer_files:
             if not f.is_file():
                 raise SandboxError(f"layer file {f} is missing")
@@ -451,6 +517,8 @@ class WorkerPool:
                 self._proc = subprocess.Popen(
                     [
                         str(launcher),
+                        "--spawn",
+                        str(spawn),
                         str(self.scratch),
                         "64",
                         *layer_sources,
@@ -529,11 +597,11 @@ class WorkerPool:
             "warm": self.warm,
             "bash_script": self.bash_script,
             "preload": list(c.preload) if self.warm == "python" else ["subprocess"],
-            "work_mb": c.work_mb,
-            "tmp_mb": c.tmp_mb,
+            "scratch": ScratchSize.fit(c.memory_mb, c.work_mb).mount_options(),
             "nofile": c.nofile,
             "fsize_bytes": c.fsize_mb << 20,
             "env": c.env,
+            "spawn": SPAWN_PATH,
         }
 
     async def close(self) -> None:

@@ -18,8 +18,6 @@ import base64
 import hashlib
 import logging
 import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,6 +243,9 @@ class FncallRuntime:
         w = await pool.claim()
         try:
             await asyncio.to_thread(self._apply_limits, w, spec)
+            # the agent starts the first command's helper now (no answer): it is in its
+            # cgroup by the time the first exec comes
+            await w.send({"op": "prepare"})
         except BaseException:
             pool.discard(w)
             raise
@@ -262,7 +263,7 @@ class FncallRuntime:
             cg.set_cpu(spec.cpu)
         except OSError as e:
             raise SandboxError(f"cannot apply limits to worker {w.wid}: {e}") from e
-        shrink_scratch(w.pid, w.pool.config, spec.disk_mb)
+        w.fit_scratch(spec.memory_mb, spec.disk_mb)
 
     def _worker(self, handle: Handle) -> Worker:
         w = self._handles.get(handle.id)
@@ -321,8 +322,7 @@ class FncallRuntime:
     async def usage(self, handle: Handle) -> SandboxUsage:
         """:class:`dsec.runtimes.base.Measurable`: the worker's memory and pids cgroup, CPU
         time of its processes (workers are in no ``cpuacct`` hierarchy: attaching one costs
-        every claim), and the fill of its private ``/work`` and ``/tmp`` tmpfs mounts (no
-        network on this tier)."""
+        every claim), and the fill of its private scratch tmpfs (no network on this tier)."""
         w = self._worker(handle)
         group, pid = w.cgroup, w.pid
 
@@ -333,9 +333,9 @@ class FncallRuntime:
                 raise SandboxStopped(f"fncall sandbox {handle.id} has stopped") from None
             cpu_ns = cg.cpu_usage_ns
             if cpu_ns is None:
-                cpu_ns = processes_cpu_ns(group.procs() or [pid])
-            try:  # the worker's mounts, seen through its root
-                used, total = disk_usage([f"/proc/{pid}/root/work", f"/proc/{pid}/root/tmp"])
+                cpu_ns = processes_cpu_ns(group.procs_below() or [pid])
+            try:  # the worker's scratch (/work, /tmp, ... share it), seen through its root
+                used, total = disk_usage([f"/proc/{pid}/root/work"])
             except OSError:
                 used, total = 0, 0
             return SandboxUsage(
@@ -399,49 +399,3 @@ def result_from_agent(
         duration_ms=float(res.get("duration_s", 0.0)) * 1000.0,
         oom_killed=oom,
     )
-
-
-def scratch_sizes(config: PoolConfig, disk_mb: int) -> dict[str, int]:
-    """The worker's writable tmpfs mounts that ``disk_mb`` must shrink, with their new size in
-    MiB: each writable filesystem of a fncall sandbox (``/work``; ``/tmp``, ``/dev/shm`` and
-    ``/mnt``) holds at most ``disk_mb``, as a container's writable layer does (the pool's
-    sizes when they are smaller)."""
-    sizes = {"/work": config.work_mb, "/tmp": config.tmp_mb, "/dev/shm": config.tmp_mb}
-    sizes["/mnt"] = config.tmp_mb
-    return {mp: disk_mb for mp, size in sizes.items() if disk_mb < size}
-
-
-_RESIZE = """
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-fd = os.open(f"/proc/{sys.argv[1]}/ns/mnt", os.O_RDONLY)
-if libc.setns(fd, 0x00020000) != 0:
-    sys.exit(f"setns: {os.strerror(ctypes.get_errno())}")
-for arg in sys.argv[2:]:
-    mp, size = arg.rsplit("=", 1)
-    if mp == "/mnt" and not os.path.ismount(mp):
-        continue  # only where the image has a /mnt
-    # MS_REMOUNT | MS_NOSUID | MS_NODEV: the flags the zygote mounted them with
-    if libc.mount(b"tmpfs", mp.encode(), b"tmpfs", 0x20 | 0x2 | 0x4, f"size={size}m".encode()):
-        sys.exit(f"remount {mp}: {os.strerror(ctypes.get_errno())}")
-"""
-
-
-def shrink_scratch(pid: int, config: PoolConfig, disk_mb: int) -> None:
-    """Remount a fresh worker's scratch mounts at ``disk_mb`` (:func:`scratch_sizes`) from
-    its mount namespace (a helper joins it: the worker has dropped its privileges, and the
-    image may have no ``mount``). Nothing to do, and no process started, when the pool's
-    sizes are within ``disk_mb`` (the default)."""
-    resize = scratch_sizes(config, disk_mb)
-    if not resize:
-        return
-    argv = [sys.executable, "-I", "-S", "-c", _RESIZE, str(pid)]
-    argv += [f"{mp}={mb}" for mp, mb in resize.items()]
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise SandboxError(f"cannot size the worker's scratch to {disk_mb} MiB: {e}") from e
-    if proc.returncode != 0:
-        raise SandboxError(
-            f"cannot size the worker's scratch to {disk_mb} MiB: {proc.stderr.strip()[-300:]}"
-        )

@@ -46,6 +46,7 @@ from dsec.models import (
     RunStatus,
 )
 from dsec.runtimes.fncall.languages import CLASSPATH, LanguageSpec, resolve_language
+from dsec.runtimes.fncall.pool import ScratchSize
 from dsec.runtimes.fncall.runtime import FncallRuntime, result_from_agent
 
 log = logging.getLogger("dsec.fncall.service")
@@ -376,8 +377,8 @@ class RunCodeService:
 
     @staticmethod
     def _check_fits(job: CodeJob, work_mb: int, fsize_mb: int) -> None:
-        """Refuse files the worker's ``/work`` (a ``work_mb`` MiB tmpfs, ``RLIMIT_FSIZE`` of
-        ``fsize_mb`` MiB) cannot hold, before a worker is claimed."""
+        """Refuse files the worker's ``/work`` (a ``work_mb`` MiB tmpfs for this call,
+        ``RLIMIT_FSIZE`` of ``fsize_mb`` MiB) cannot hold, before a worker is claimed."""
         total = len(job.code) + sum(len(d) for _, d in job.files)
         if total > work_mb << 20:
             raise PayloadTooLarge(
@@ -393,12 +394,15 @@ class RunCodeService:
         """Run one job in a fresh worker; the worker is killed afterwards whatever happens."""
         t0 = time.monotonic()
         pool = await self.runtime.pool_for_language(job.lang)
-        self._check_fits(job, pool.config.work_mb, pool.config.fsize_mb)
+        memory_mb = job.memory_mb if job.memory_mb is not None else pool.config.memory_mb
+        scratch = ScratchSize.fit(memory_mb, pool.config.work_mb)
+        self._check_fits(job, scratch.mb, pool.config.fsize_mb)
         w = await pool.claim()
         answered = False
         try:
-            if job.memory_mb is not None and job.memory_mb != pool.config.memory_mb:
-                w.set_memory_limit(job.memory_mb << 20)
+            if memory_mb != pool.config.memory_mb:
+                w.set_memory_limit(memory_mb << 20)
+                w.fit_scratch(memory_mb, pool.config.work_mb)  # files stay within it
             lang = job.lang
             files = [{"path": lang.source_file, "size": len(job.code)}]
             blobs = [job.code]

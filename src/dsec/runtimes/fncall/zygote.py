@@ -37,6 +37,7 @@ import gc
 import json
 import os
 import resource
+import select
 import selectors
 import signal
 import socket
@@ -64,7 +65,8 @@ CLONE_NEWNET = 0x40000000
 SYS_CLONE = 56
 SYS_CLOSE_RANGE = 436
 SYS_OPENAT2 = 437
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND = 0x2, 0x4, 0x8, 0x1000
+MNT_DETACH = 2
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -340,16 +342,8 @@ class Zygote:
             _, status = os.waitpid(pid, 0)
         except ChildProcessError:
             status = -1
-        name = f"w{wid}"
         for fd in self.cg_fds:
-            for _ in range(200):
-                try:
-                    os.rmdir(name, dir_fd=fd)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # EBUSY: a task is still leaving
-                    time.sleep(0.001)
+            _rmdir_tree(fd, f"w{wid}")
         self.ctl.send(json.dumps({"op": "exited", "wid": wid, "status": status}).encode())
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
@@ -391,8 +385,58 @@ def cgroup_steps(plan: dict[str, Any], name: str) -> list[tuple[int, str, str | 
     fd_of = {h: int(fds[i]) for i, h in enumerate(plan["hierarchies"])}
     steps: list[tuple[int, str, str | None]] = [(fd, name, None) for fd in fd_of.values()]
     steps += [(fd_of[h], f"{name}/{file}", str(value)) for h, file, value in plan["writes"]]
-    steps += [(fd, f"{name}/{plan['procs_file']}", "0") for fd in fd_of.values()]
+    joined = dict.fromkeys(fd_of, name)
+    pids = plan.get("pids_hierarchy")
+    if pids in fd_of and plan.get("agent_cgroup"):
+        # the agent in a child of the worker's cgroup in the pids hierarchy, its commands in
+        # children of their own (Agent.command_cgroup)
+        steps += [(fd_of[h], f"{name}/{file}", str(v)) for h, file, v in plan["nest_writes"]]
+        joined[pids] = f"{name}/{plan['agent_cgroup']}"
+        steps.append((fd_of[pids], joined[pids], None))
+    steps += [(fd, f"{joined[h]}/{plan['procs_file']}", "0") for h, fd in fd_of.items()]
     return steps
+
+
+def command_pids_max(worker_pids_max: int) -> int:
+    """The ``pids.max`` of one command's cgroup in a worker whose limit is
+    ``worker_pids_max``: that less a reserve (a quarter, at most 8, at least 1), so that a fork
+    bomb a command left running (``setsid``, daemonised: it stays in its cgroup) still leaves
+    the next command room to run, ``kill -9 -1`` and ``ps`` say (the VM tiers' guest agent
+    keeps the same reserve)."""
+    reserve = max(1, min(8, worker_pids_max // 4))
+    return max(1, worker_pids_max - reserve)
+
+
+def _rmdir_tree(dir_fd: int, name: str) -> None:
+    """Remove cgroup ``name`` below ``dir_fd`` and its child cgroups, waiting out EBUSY (a
+    task still leaving) for a moment. Missing is fine."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        for child in os.listdir(fd):
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(os.stat(child, dir_fd=fd, follow_symlinks=False).st_mode):
+                    _rmdir_tree(fd, child)
+    finally:
+        os.close(fd)
+    for _ in range(200):
+        try:
+            os.rmdir(name, dir_fd=dir_fd)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY: a task is still leaving
+            time.sleep(0.001)
+
+
+def _read_at(dir_fd: int, name: str) -> str:
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        return os.read(fd, 4096).decode().strip()
+    finally:
+        os.close(fd)
 
 
 def _write_at(dir_fd: int, name: str, value: str) -> None:
@@ -401,6 +445,50 @@ def _write_at(dir_fd: int, name: str, value: str) -> None:
         os.write(fd, value.encode())
     finally:
         os.close(fd)
+
+
+def _mount_scratch(options: dict[str, str], uid: int, gid: int) -> None:
+    """The worker's scratch: one tmpfs (``options``: its size and inodes,
+    :class:`~dsec.runtimes.fncall.pool.ScratchSize`) shown at ``/work`` (the worker's user's),
+    ``/tmp``, ``/dev/shm`` and ``/mnt`` (sticky, for all; ``/mnt`` where the image has one,
+    SandboxFusion's programs write there). It is mounted on ``/proc`` first (nothing is
+    mounted there yet, and nothing else runs), a directory of it is bound to each place, and
+    it is detached from ``/proc`` again: its root is nowhere to be seen."""
+    opts = ",".join(f"{k}={v}" for k, v in options.items())
+    _mount("tmpfs", "/proc", "tmpfs", MS_NOSUID | MS_NODEV, f"{opts},mode=0755")
+    places = {"work": "/work", "tmp": "/tmp", "shm": "/dev/shm"}
+    if os.path.isdir("/mnt"):
+        places["mnt"] = "/mnt"
+    for sub, target in places.items():
+        d = f"/proc/{sub}"
+        os.mkdir(d)
+        if sub == "work":
+            os.chown(d, uid, gid)
+            os.chmod(d, 0o755)
+        else:
+            os.chmod(d, 0o1777)
+        _mount(d, target, "", MS_BIND, None)  # a bind keeps the mount's nosuid, nodev
+    if _libc.umount2(b"/proc", MNT_DETACH) != 0:
+        raise _oserror("detach the scratch from /proc")
+
+
+COMMAND_OOM_SCORE_ADJ = 1000
+"""The ``oom_score_adj`` every process of a call or command starts with (``fncall_spawn``,
+the warm interpreter's fork): the OOM killer takes any of them before the agent (0, or
+-1000: :func:`_protect_from_oom`), whose death would take the sandbox with it. Raising it
+needs no privilege; a command may lower its own back to 0, not below."""
+
+
+def _protect_from_oom() -> None:
+    """Take the agent out of the OOM killer's reach where the node lets root do so
+    (CAP_SYS_RESOURCE; this kind of VM withholds it): ``oom_score_adj`` -1000, written as the
+    legacy ``oom_adj`` -17, which unlike ``oom_score_adj`` leaves the floor an unprivileged
+    process may lower itself to at 0 (the commands inherit -1000, raise theirs to
+    :data:`COMMAND_OOM_SCORE_ADJ` and cannot go below 0 again). Without it the commands'
+    1000 alone puts them first, and the scratch's sizing (ScratchSize) keeps the agent's
+    room free. The kernel logs once per boot that ``oom_adj`` is deprecated."""
+    with contextlib.suppress(OSError), open("/proc/self/oom_adj", "w") as f:
+        f.write("-17")
 
 
 def _on_sigchld(_signo: int, _frame: object) -> None:
@@ -479,6 +567,8 @@ class _Proc:
         self.stderr_r = stderr_r
         # the warm interpreter's status channel (_status_channel): its exit code, then it stops
         self.status_r = status_r
+        # (wait status, rusage) once reaped by Agent._reap_children
+        self.reaped: tuple[int, Any] | None = None
 
 
 class Agent:
@@ -489,11 +579,24 @@ class Agent:
         self.sock = sock
         self.warm: _Proc | None = None
         self.warm_ctl = -1
+        # each exec'd command enters a Landlock domain of its own (-1: no Landlock here)
+        self.domain_fd = -1
+        # the worker's cgroup in the pids hierarchy (delegated to the agent's user): each
+        # exec'd command gets a child cgroup of its own there (-1: none)
+        self.cg_fd = -1
+        self.procs_file = "cgroup.procs"
+        self.command_cgroups: list[str] = []  # made and not removed yet
+        self.command_seq = 0
+        # the next exec'd command's helper, waiting: (process, request pipe, cgroup)
+        self.prepared: tuple[_Proc, int, str] | None = None
 
     # setup runs as root, before anything untrusted exists in these namespaces
     def setup(self) -> None:
         cfg = self.cfg
-        for fd, path, value in cgroup_steps(cfg["cgroup"], f"w{self.wid}"):
+        uid, gid = int(cfg["uid"]), int(cfg["gid"])
+        plan = cfg["cgroup"]
+        name = f"w{self.wid}"
+        for fd, path, value in cgroup_steps(plan, name):
             if value is not None:
                 _write_at(fd, path, value)
                 continue
@@ -501,27 +604,23 @@ class Agent:
                 os.mkdir(path, 0o755, dir_fd=fd)
             except FileExistsError:
                 pass
+        if plan.get("agent_cgroup") and plan.get("pids_hierarchy") in plan["hierarchies"]:
+            # delegated to the agent's user, as a systemd unit's cgroup is to its user: the
+            # directory (to make the commands' cgroups) and cgroup.procs (v2 moves a process
+            # only where the mover may write the common parent's); pids.max stays root's
+            pids_fd = int(plan["fds"][plan["hierarchies"].index(plan["pids_hierarchy"])])
+            self.procs_file = plan["procs_file"]
+            os.chown(name, uid, gid, dir_fd=pids_fd)
+            os.chown(f"{name}/{self.procs_file}", uid, gid, dir_fd=pids_fd)
+            self.cg_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pids_fd)
         for fd in self.z.cg_fds:
             os.close(fd)
         os.close(int(self.cfg["ctl_fd"])) if int(self.cfg["ctl_fd"]) != self.sock.fileno() else None
         _mark("cgroup")
-        uid, gid = int(cfg["uid"]), int(cfg["gid"])
+        _mount_scratch(cfg["scratch"], uid, gid)
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-        _mount(
-            "tmpfs",
-            "/work",
-            "tmpfs",
-            MS_NOSUID | MS_NODEV,
-            f"size={cfg['work_mb']}m,mode=0755,uid={uid},gid={gid}",
-        )
-        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_mb']}m,mode=1777")
-        _mount(
-            "tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_mb']}m,mode=1777"
-        )
-        if os.path.isdir("/mnt"):  # scratch that SandboxFusion's programs write (and fetch)
-            _mount(
-                "tmpfs", "/mnt", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_mb']}m,mode=1777"
-            )
+        if cfg.get("spawn"):  # every command raises its own (fncall_spawn)
+            _protect_from_oom()
         _mark("mounts")
         host = cfg.get("hostname", "sandbox").encode()
         if _libc.sethostname(host, len(host)) != 0:
@@ -534,10 +633,12 @@ class Agent:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 16, 1 << 16))
         if self.z.landlock_abi:
             # per worker: a rule on a mount point does not cover what is mounted on it later
+            # (and the worker's delegated cgroup, by descriptor: the commands' cgroups)
             _landlock.confine(
                 read_only=["/"],
                 writable=["/work", "/tmp", "/dev/shm", "/proc"]
-                + (["/mnt"] if os.path.isdir("/mnt") else []),
+                + (["/mnt"] if os.path.isdir("/mnt") else [])
+                + ([self.cg_fd] if self.cg_fd >= 0 else []),
                 devices=["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"],
                 abi=self.z.landlock_abi,
             )
@@ -548,7 +649,12 @@ class Agent:
         devnull = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
-        _close_from(4)
+        if self.cg_fd > 4:  # kept, as fd 4 (not inherited)
+            os.dup2(self.cg_fd, 4, inheritable=False)
+            self.cg_fd = 4
+        _close_from(5 if self.cg_fd >= 0 else 4)
+        if self.z.landlock_abi:
+            self.domain_fd = _landlock.new_domain_ruleset(self.z.landlock_abi)
         _mark("rlimit+fds")
         os.chdir("/work")
         os.environ.clear()
@@ -586,6 +692,8 @@ class Agent:
                 _close_from(5 if st_w >= 0 else 4)
                 _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
                 _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+                with open("/proc/self/oom_score_adj", "w") as f:  # above the agent's
+                    f.write(str(COMMAND_OOM_SCORE_ADJ))
                 if kind == "bash":
                     script = self.cfg["bash_script"]
                     os.execv(
@@ -676,12 +784,35 @@ class Agent:
             elif op == "exec":
                 header, out = self.exec(req, blob)
                 send_frame(self.sock, header, out)
+                self.prepare_command()
+            elif op == "prepare":  # the server claimed this worker for a sandbox: no answer
+                self.prepare_command()
             else:
                 send_frame(self.sock, {"op": "error", "message": f"unknown op {op!r}"})
 
     # --- running things --------------------------------------------------------------
 
-    def _spawn(self, argv: list[str], cwd: str, env: dict[str, str], new_session: bool) -> _Proc:
+    def _through_spawn(self, argv: list[str], procs_fd: int = -1) -> list[str]:
+        """``argv`` run through the spawn helper (``native/fncall_spawn.c``, at
+        ``cfg["spawn"]``), which, before it execs the command, makes it a Landlock domain of
+        its own (no other command's processes can open its ``/proc/<pid>/mem``, nor it theirs:
+        docs/design/tenancy.md), moves it into its cgroup by ``procs_fd`` (when >= 0) and
+        raises its ``oom_score_adj`` to :data:`COMMAND_OOM_SCORE_ADJ`. The agent's own fork would
+        copy its address space (~2-4 ms here); the helper is one small static exec after a
+        vfork. As is without one."""
+        spawn = self.cfg.get("spawn")
+        if not spawn:
+            return argv
+        return [spawn, str(self.domain_fd), str(procs_fd), "--", *argv]
+
+    def _spawn(
+        self,
+        argv: list[str],
+        cwd: str,
+        env: dict[str, str],
+        new_session: bool,
+        keep_fds: tuple[int, ...] = (),
+    ) -> _Proc:
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -694,6 +825,7 @@ class Agent:
                 cwd=cwd,
                 env=env,
                 close_fds=True,
+                pass_fds=[fd for fd in (self.domain_fd, *keep_fds) if fd >= 0],
                 start_new_session=new_session,
             )
         except OSError:
@@ -713,8 +845,11 @@ class Agent:
         cap: int,
         kill_all: bool,
         stream_id: int | None = None,
+        group: str = "",
     ) -> tuple[dict[str, Any], bytes, bytes]:
-        """Feed stdin, collect capped output, enforce the wall timeout, reap."""
+        """Feed stdin, collect capped output, enforce the wall timeout, reap. At the timeout
+        every process of the call goes (``kill_all``), else the command's process group and
+        everything in its cgroup ``group`` (:meth:`command_cgroup`), setsid'ed ones too."""
         t0 = time.monotonic()
         deadline = t0 + timeout
         sel = selectors.DefaultSelector()
@@ -728,12 +863,16 @@ class Agent:
         status_sock = socket.socket(fileno=proc.status_r) if proc.status_r >= 0 else None
         stop_wake: tuple[int, int] | None = None
         restore: tuple[Any, int] | None = None
+        # an exec (its processes may outlive it): what earlier commands left comes back to the
+        # agent, pid 1, and is reaped as it exits (_reap_children)
+        reap_orphans = not kill_all
         if status_sock is not None:
             # The interpreter reports, then stops. The agent does not wait on the report (it
             # would wake twice); SIGCHLD, sent when a child stops too, wakes the loop through
             # this pipe, and once the kernel shows the interpreter stopped its reports are all
             # queued: the last well-formed one it sent counts (_read_reports).
             status_sock.setblocking(False)
+        if status_sock is not None or reap_orphans:
             stop_wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             restore = (
                 signal.signal(signal.SIGCHLD, _on_sigchld),
@@ -781,6 +920,8 @@ class Agent:
             if exited_at is None and now >= deadline:
                 timed_out = True
                 self._kill(proc, kill_all)
+                if group and not kill_all:
+                    self._kill_command_cgroup(group)
                 deadline = now + 5.0
                 continue
             wait = (deadline - now) if exited_at is None else max(0.0, exited_at + 0.02 - now)
@@ -793,7 +934,7 @@ class Agent:
                 if fd == proc.pidfd:
                     sel.unregister(fd)
                     if reported is None or exited_at is None:
-                        _, status, rusage = os.wait4(proc.pid, 0)
+                        status, rusage = self._wait(proc)
                         reported = None
                         exited_at = time.monotonic()
                         if kill_all:  # a call ends when its main process ends
@@ -801,7 +942,9 @@ class Agent:
                 elif stop_wake is not None and fd == stop_wake[0]:
                     with contextlib.suppress(BlockingIOError):
                         os.read(fd, 512)
-                    check_stop = True  # a child changed state: look again
+                    check_stop = status_sock is not None  # a child changed state: look again
+                    if reap_orphans:
+                        self._reap_children(proc)
                 elif fd == proc.stdin_w:
                     try:
                         n = os.write(fd, pending[:65536])
@@ -850,7 +993,7 @@ class Agent:
             if fd >= 0:
                 os.close(fd)
         if exited_at is None:  # killed after the grace period and still not reaped
-            _, status, rusage = os.wait4(proc.pid, 0)
+            status, rusage = self._wait(proc)
             exited_at = time.monotonic()
         if reported is not None:
             status = (int(reported["rc"]) & 0xFF) << 8
@@ -873,6 +1016,31 @@ class Agent:
                 if isinstance(v := reported.get(k), (int, float))
             }
         return res, bytes(bufs[proc.stdout_r]), bytes(bufs[proc.stderr_r])
+
+    @staticmethod
+    def _reap_children(proc: _Proc | None = None) -> None:
+        """Reap every child that has exited. A process a command left behind is the agent's
+        child once that command has exited (the agent is pid 1 of the worker), and unreaped
+        it would hold one of the worker's pids for good: a sandbox running background jobs
+        would run out of processes. ``proc``'s own exit, if reaped here, is kept for
+        :meth:`_wait`."""
+        while True:
+            try:
+                pid, status, rusage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if proc is not None and pid == proc.pid:
+                proc.reaped = (status, rusage)
+
+    @staticmethod
+    def _wait(proc: _Proc) -> tuple[int, Any]:
+        """(wait status, rusage) of ``proc``, waiting for it unless already reaped."""
+        if proc.reaped is None:
+            _, status, rusage = os.wait4(proc.pid, 0)
+            proc.reaped = (status, rusage)
+        return proc.reaped
 
     @staticmethod
     def _stopped(pid: int) -> bool:
@@ -989,7 +1157,7 @@ class Agent:
         outs: list[bytes] = []
         comp = req.get("compile")
         if comp:
-            proc = self._spawn(comp["argv"], "/work", env, new_session=False)
+            proc = self._spawn(self._through_spawn(comp["argv"]), "/work", env, new_session=False)
             self._limit_cpu(proc.pid, comp["cpu_s"])
             res, o, e = self._drain(proc, b"", float(comp["timeout_s"]), cap, kill_all=True)
             res["stdout_len"], res["stderr_len"] = len(o), len(e)
@@ -1019,7 +1187,7 @@ class Agent:
                 os.write(self.warm_ctl, struct.pack("<I", len(msg)) + msg)
             os.close(self.warm_ctl)
         else:
-            proc = self._spawn(run["argv"], "/work", env, new_session=False)
+            proc = self._spawn(self._through_spawn(run["argv"]), "/work", env, new_session=False)
             self._limit_cpu(proc.pid, run["cpu_s"])
         res, o, e = self._drain(proc, stdin, float(run["timeout_s"]), cap, kill_all=True)
         res["stdout_len"], res["stderr_len"] = len(o), len(e)
@@ -1049,26 +1217,45 @@ class Agent:
             pass
 
     def exec(self, req: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
-        """One command of a long-lived fncall sandbox (its processes may outlive the call)."""
+        """One command of a long-lived fncall sandbox (its processes may outlive the call).
+        It starts in the helper prepared for it (:meth:`prepare_command`) if there is one
+        still waiting, else in a new one."""
         env = dict(self.cfg["env"])
         env.update(req.get("env", {}))
         rid = int(req["id"])
-        try:
-            proc = self._spawn(req["argv"], req.get("cwd") or "/work", env, new_session=True)
-        except OSError as e:
-            res = {
-                "exit_code": 127 if e.errno == 2 else 126,
-                "signal": None,
-                "timed_out": False,
-                "duration_s": 0.0,
-                "cpu_s": 0.0,
-                "stdout_truncated": False,
-                "stderr_truncated": False,
-                "stdout_len": 0,
-                "stderr_len": 0,
-                "spawn_error": f"{req['argv'][0]}: {e.strerror}",
-            }
-            return {"op": "exit", "id": rid, "result": res}, b""
+        argv, cwd = [str(a) for a in req["argv"]], req.get("cwd") or "/work"
+        self._reap_children()
+        started = self._start_prepared(argv, cwd, env)
+        if started is not None:
+            proc, group = started
+        else:
+            group, procs_fd = self.command_cgroup()
+            try:
+                proc = self._spawn(
+                    self._through_spawn(argv, procs_fd),
+                    cwd,
+                    env,
+                    new_session=True,
+                    keep_fds=(procs_fd,),
+                )
+            except OSError as e:
+                self._remove_command_cgroups()
+                res = {
+                    "exit_code": 127 if e.errno == 2 else 126,
+                    "signal": None,
+                    "timed_out": False,
+                    "duration_s": 0.0,
+                    "cpu_s": 0.0,
+                    "stdout_truncated": False,
+                    "stderr_truncated": False,
+                    "stdout_len": 0,
+                    "stderr_len": 0,
+                    "spawn_error": f"{argv[0]}: {e.strerror}",
+                }
+                return {"op": "exit", "id": rid, "result": res}, b""
+            finally:
+                if procs_fd >= 0:
+                    os.close(procs_fd)
         res, out_b, err_b = self._drain(
             proc,
             blob,
@@ -1076,9 +1263,147 @@ class Agent:
             int(req["max_output"]),
             kill_all=False,
             stream_id=rid if req.get("stream") else None,
+            group=group,
         )
         res["stdout_len"], res["stderr_len"] = len(out_b), len(err_b)
+        self._reap_children()
+        self._remove_command_cgroups()
         return {"op": "exit", "id": rid, "result": res}, out_b + err_b
+
+    def prepare_command(self) -> None:
+        """Start the next exec'd command's spawn helper now, between commands (after an
+        answer, or when the server claims the worker): it enters its Landlock domain, moves
+        into its own pids cgroup (up to ~14 ms on v1 when no cgroup move happened lately,
+        an RCU grace period) and waits for the command on a pipe (:meth:`_start_prepared`).
+        Nothing when one already waits or there is no helper."""
+        spawn = self.cfg.get("spawn")
+        if self.prepared is not None or not spawn:
+            return
+        group, procs_fd = self.command_cgroup()
+        ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            proc = self._spawn(
+                [spawn, str(self.domain_fd), str(procs_fd), str(ctl_r)],
+                "/",
+                {},
+                new_session=True,
+                keep_fds=(procs_fd, ctl_r),
+            )
+        except OSError:
+            os.close(ctl_w)
+            self._remove_command_cgroups()
+            return
+        finally:
+            os.close(ctl_r)
+            if procs_fd >= 0:
+                os.close(procs_fd)
+        self.prepared = (proc, ctl_w, group)
+
+    def _start_prepared(
+        self, argv: list[str], cwd: str, env: dict[str, str]
+    ) -> tuple[_Proc, str] | None:
+        """Hand the command to the helper :meth:`prepare_command` started: ``(its process,
+        its cgroup)``, or None when there is none or it is gone (killed by something a
+        command left running)."""
+        if self.prepared is None:
+            return None
+        proc, ctl_w, group = self.prepared
+        self.prepared = None
+        if group:  # the worker's limit may have changed since (a claim sets the sandbox's)
+            with contextlib.suppress(OSError):
+                limit = _read_at(self.cg_fd, "pids.max")
+                if limit.isdigit():
+                    _write_at(self.cg_fd, f"{group}/pids.max", str(command_pids_max(int(limit))))
+        request = struct.pack("<II", len(argv), len(env)) + b"".join(
+            x.encode("utf-8", "surrogateescape") + b"\0"
+            for x in [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
+        )
+        try:
+            if select.select([proc.pidfd], [], [], 0)[0]:
+                raise BrokenPipeError  # it exited: it was killed while it waited
+            view = memoryview(request)
+            while view.nbytes:
+                view = view[os.write(ctl_w, view) :]
+        except OSError:
+            self._discard(proc)
+            return None
+        finally:
+            os.close(ctl_w)
+        return proc, group
+
+    def _discard(self, proc: _Proc) -> None:
+        """Kill and forget a started helper that will not run a command."""
+        with contextlib.suppress(OSError):
+            os.kill(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            self._wait(proc)
+        for fd in (proc.stdin_w, proc.stdout_r, proc.stderr_r, proc.pidfd):
+            if fd >= 0:
+                os.close(fd)
+        self._remove_command_cgroups()
+
+    def command_cgroup(self) -> tuple[str, int]:
+        """A pids cgroup of its own for the next exec'd command, below the worker's, with
+        :func:`command_pids_max` of the worker's limit: ``(name, descriptor of its
+        cgroup.procs)`` for the spawn helper to join it, or ``("", -1)`` when the worker has
+        no delegated cgroup. Commands that ended with nothing left running are removed first."""
+        if self.cg_fd < 0:
+            return "", -1
+        self._remove_command_cgroups()
+        self.command_seq += 1
+        name = f"c{self.command_seq}"
+        try:
+            os.mkdir(name, 0o755, dir_fd=self.cg_fd)
+        except OSError:
+            return "", -1  # the command runs in the agent's (the worker's limit holds)
+        self.command_cgroups.append(name)
+        try:
+            limit = _read_at(self.cg_fd, "pids.max")
+            if limit.isdigit():
+                _write_at(self.cg_fd, f"{name}/pids.max", str(command_pids_max(int(limit))))
+            procs = os.open(
+                f"{name}/{self.procs_file}", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.cg_fd
+            )
+        except OSError:
+            self._remove_command_cgroups()
+            return "", -1
+        return name, procs
+
+    def _remove_command_cgroups(self) -> None:
+        """Remove the commands' cgroups with no process left (the others stay, EBUSY)."""
+        for name in list(self.command_cgroups):
+            try:
+                os.rmdir(name, dir_fd=self.cg_fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            self.command_cgroups.remove(name)
+
+    def _kill_command_cgroup(self, name: str) -> None:
+        """SIGKILL every process in command cgroup ``name``: at once where the kernel can
+        (v2 ``cgroup.kill``), else by pid until it is empty (a fork bomb forks on while its
+        processes are read; at most ~0.5 s)."""
+        with contextlib.suppress(OSError):
+            _write_at(self.cg_fd, f"{name}/cgroup.kill", "1")
+            return
+        for _ in range(500):
+            try:
+                fd = os.open(
+                    f"{name}/{self.procs_file}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.cg_fd
+                )
+                try:
+                    pids = [int(p) for p in os.read(fd, 1 << 20).split()]
+                finally:
+                    os.close(fd)
+            except OSError:
+                return
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.001)
 
 
 # --- the warm Python interpreter (B) ---------------------------------------------------
