@@ -320,6 +320,16 @@ def test_mount_table_shows_no_path_of_the_node(sandbox: Sandbox, sdk_env: Any) -
     assert not shown, shown
 
 
+def test_files_move_and_link_across_directories(sandbox: Sandbox) -> None:
+    """A command renames and hard-links files from one directory to another, as apt, pip
+    and git do (a Landlock domain refuses it with EXDEV unless it grants REFER)."""
+    r = sandbox.commands.run(
+        "mkdir -p /tmp/a/x /tmp/b && echo hi > /tmp/a/f && mv /tmp/a/f /tmp/b/f "
+        "&& ln /tmp/b/f /tmp/a/g && mv /tmp/a/x /tmp/b/x && cat /tmp/b/f /tmp/a/g"
+    )
+    assert r.exit_code == 0 and r.stdout == "hi\nhi\n", (r.exit_code, r.stdout, r.stderr)
+
+
 def test_isolation_between_sandboxes(make_sandbox: Callable[..., Sandbox]) -> None:
     a, b = make_sandbox(), make_sandbox()
     a.files.write("/tmp/secret", "only-a")

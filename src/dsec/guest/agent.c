@@ -898,10 +898,36 @@ static void kill_command(struct exec_state *e) {
  * command may do: it handles only the making of block devices, which the guard forbids anyway.
  * -1: the kernel has no Landlock (the agent says so on the console). */
 static int command_domain_fd = -1;
+static int command_domain_refer = 0; /* the ruleset handles REFER (ABI 2+): granted per command */
+
+/* From Landlock ABI 2 a domain refuses every link or rename across directories (EXDEV: apt,
+ * pip, mv) unless its ruleset handles REFER and grants it: granted beneath ROOT_FD (the
+ * root the commands see). */
+static int add_refer_beneath_root(int ruleset_fd) {
+    struct {
+        uint64_t allowed_access;
+        int32_t parent_fd;
+    } __attribute__((packed)) rule;
+    int root = open("/", O_PATH | O_CLOEXEC);
+    if (root < 0) return -1;
+    rule.allowed_access = 1ull << 13; /* LANDLOCK_ACCESS_FS_REFER (ABI 2) */
+    rule.parent_fd = root;
+    long rc = syscall(445 /* SYS_landlock_add_rule */, ruleset_fd, 1 /* PATH_BENEATH */, &rule, 0);
+    close(root);
+    return rc < 0 ? -1 : 0;
+}
+
+static int landlock_abi_version(void) {
+    long v = syscall(SYS_landlock_create_ruleset, NULL, 0, 1 /* CREATE_RULESET_VERSION */);
+    return v > 0 ? (int)v : 0;
+}
 
 static void make_command_domain(void) {
+    int abi = landlock_abi_version();
     uint64_t handled_access_fs = 1ull << 11; /* LANDLOCK_ACCESS_FS_MAKE_BLOCK (ABI 1) */
+    if (abi >= 2) handled_access_fs |= 1ull << 13; /* REFER, granted beneath / */
     long fd = syscall(SYS_landlock_create_ruleset, &handled_access_fs, sizeof handled_access_fs, 0);
+    command_domain_refer = abi >= 2;
     if (fd < 0)
         fprintf(stderr, "dsec-agent: landlock: %s (commands are not kept out of each other's memory)\n",
                 strerror(errno));
@@ -1531,6 +1557,10 @@ static int command_child(void *arg) {
         if (syscall(SYS_capset, &h, d) < 0) return child_fail("guard: capset");
         prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) return child_fail("guard: no_new_privs");
+        /* REFER beneath this command's own root (the agent's "/" when it made the ruleset
+         * was the initramfs: renames and links in the sandbox root were refused, EXDEV) */
+        if (command_domain_fd >= 0 && command_domain_refer && add_refer_beneath_root(command_domain_fd) < 0)
+            return child_fail("guard: landlock rule");
         if (command_domain_fd >= 0 && syscall(SYS_landlock_restrict_self, command_domain_fd, 0) < 0)
             return child_fail("guard: landlock");
         if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &guard_filter, 0, 0) < 0) return child_fail("guard: seccomp");

@@ -649,6 +649,28 @@ static void serve(void) {
 /* Wait for the ATTACH request (the server is started while the OCI runtime is still
  * creating the container, so its own start-up and policy compilation cost nothing on
  * the creation path), then enter the container. */
+/* From Landlock ABI 2 a domain refuses every link or rename across directories (EXDEV: apt,
+ * pip, mv) unless its ruleset handles REFER and grants it: granted beneath ROOT_FD (the
+ * root the commands see). */
+static int add_refer_beneath_root(int ruleset_fd) {
+    struct {
+        uint64_t allowed_access;
+        int32_t parent_fd;
+    } __attribute__((packed)) rule;
+    int root = open("/", O_PATH | O_CLOEXEC);
+    if (root < 0) return -1;
+    rule.allowed_access = 1ull << 13; /* LANDLOCK_ACCESS_FS_REFER (ABI 2) */
+    rule.parent_fd = root;
+    long rc = syscall(445 /* SYS_landlock_add_rule */, ruleset_fd, 1 /* PATH_BENEATH */, &rule, 0);
+    close(root);
+    return rc < 0 ? -1 : 0;
+}
+
+static int landlock_abi_version(void) {
+    long v = syscall(SYS_landlock_create_ruleset, NULL, 0, 1 /* CREATE_RULESET_VERSION */);
+    return v > 0 ? (int)v : 0;
+}
+
 static void attach(void) {
     char cbuf[CMSG_SPACE(sizeof(int) * 8)];
     struct iovec iov = {msgbuf, MAX_MSG};
@@ -728,7 +750,9 @@ int main(int argc, char **argv) {
     msgbuf = malloc(MAX_MSG);
     if (!msgbuf) die("malloc");
     load_policy(argv[2], bpf_path);
+    int ll_abi = landlock_abi_version();
     uint64_t handled_access_fs = 1ull << 11; /* LANDLOCK_ACCESS_FS_MAKE_BLOCK (ABI 1) */
+    if (ll_abi >= 2) handled_access_fs |= 1ull << 13; /* REFER: granted below, after attach */
     command_domain_fd = (int)syscall(SYS_landlock_create_ruleset, &handled_access_fs, sizeof handled_access_fs, 0);
     FILE *f = fopen("/proc/sys/kernel/cap_last_cap", "re");
     if (f) {
@@ -736,6 +760,11 @@ int main(int argc, char **argv) {
         fclose(f);
     }
     attach();
+    /* in the container's mount namespace now: its root is what the commands see */
+    if (command_domain_fd >= 0 && ll_abi >= 2 && add_refer_beneath_root(command_domain_fd) < 0) {
+        close(command_domain_fd);
+        command_domain_fd = -1; /* a domain refusing renames would break commands: none */
+    }
     serve();
     return 0;
 }

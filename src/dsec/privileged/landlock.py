@@ -201,11 +201,22 @@ def new_domain_ruleset(abi: int | None = None) -> int:
     abi = landlock_abi() if abi is None else abi
     if abi < 1:
         raise LandlockError(95, "landlock is not supported by this kernel")
-    attr = ctypes.create_string_buffer(struct.pack("=Q", ACCESS_FS_MAKE_BLOCK), 8)
-    return _check(
+    # from ABI 2 every domain refuses linking or renaming across directories (EXDEV: apt,
+    # pip, mv) unless the ruleset handles REFER and grants it: granted beneath "/" (this
+    # process's root: call it in the mount namespace the commands run in)
+    handled = ACCESS_FS_MAKE_BLOCK | (ACCESS_FS_REFER if abi >= 2 else 0)
+    attr = ctypes.create_string_buffer(struct.pack("=Q", handled), 8)
+    fd = _check(
         int(_libc.syscall(SYS_LANDLOCK_CREATE_RULESET, attr, ctypes.c_size_t(8), 0)),
         "create_ruleset",
     )
+    if abi >= 2:
+        try:
+            _add_path_rule(fd, "/", ACCESS_FS_REFER)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
 
 
 def restrict_self(ruleset_fd: int) -> None:

@@ -53,6 +53,7 @@ from dsec.errors import (
     SandboxTimeout,
     ServiceUnavailable,
 )
+from dsec.layers.rootfs import mount_init_dir, release_init_dir
 from dsec.privileged import landlock as landlock_module
 from dsec.privileged.cgroups import Cgroup, cgroup
 from dsec.privileged.mount import erofs_mount_sources, reconfigure
@@ -466,6 +467,7 @@ class WorkerPool:
         self.last_error: str | None = None
         self.landlock_abi = 0
         self.stats = {"spawned": 0, "claimed": 0, "waited": 0, "failed": 0, "exited": 0}
+        self._spawn_dir = self.scratch.with_name(self.scratch.name + ".spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._zygote_ready: asyncio.Future[dict[str, Any]] | None = None
         self._retire_task: asyncio.Task[None] | None = None
@@ -482,6 +484,8 @@ class WorkerPool:
         self._loop = asyncio.get_running_loop()
         launcher = await asyncio.to_thread(build_launcher, self.bin_dir)
         spawn = await asyncio.to_thread(build_native, self.bin_dir, "fncall_spawn")
+        # bound into the pool's root from a tmpfs of its own: no node path in its mountinfo
+        spawn = await asyncio.to_thread(mount_init_dir, self._spawn_dir, spawn)
         for f in self.layer_files:
             if not f.is_file():
                 raise SandboxError(f"layer file {f} is missing")
@@ -641,6 +645,9 @@ class WorkerPool:
         await asyncio.to_thread(self._remove_cgroups)
         with contextlib.suppress(OSError):  # empty: its mounts lived in the zygote's namespace
             self.scratch.rmdir()
+        await asyncio.to_thread(release_init_dir, self._spawn_dir)
+        with contextlib.suppress(OSError):
+            self._spawn_dir.rmdir()
 
     def _remove_cgroups(self) -> None:
         try:  # the workers' leaves first, killing what is left in them
