@@ -223,8 +223,9 @@ async def test_fork_bomb_leaves_room_for_the_next_command(svc: RunCodeService) -
         f" {count}"
     )
     try:
-        # (exec: once the bomb fills its cgroup, a `sleep` would find no process to fork)
-        r = await rt.exec(h, ExecRequest(cmd="b() { b | b & }; b; exec sleep 60", timeout_s=3))
+        # (exec: once the bomb fills its cgroup, a `sleep` would find no process to fork; the
+        # bomb in a subshell: a shell whose fork fails exits, and this one must wait on)
+        r = await rt.exec(h, ExecRequest(cmd="(b() { b | b & }; b); exec sleep 60", timeout_s=3))
         assert r.timed_out, r
         r = await rt.exec(h, ExecRequest(cmd=wait_gone))
         assert r.stdout.strip() == "0", r  # the timeout took its whole cgroup
