@@ -21,3 +21,12 @@ def host_probe_s() -> float:
         hashlib.sha256(_DATA).digest()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def mem_available_kib() -> int:
+    """The host's ``MemAvailable`` (/proc/meminfo), KiB; 0 if it cannot be read."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1])
+    return 0

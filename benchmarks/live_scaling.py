@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsec import AsyncSandbox
 from dsec.sdk.jobs import AsyncJobs
 from dsec.server import ServeProcess
-from hostprobe import host_probe_s
+from hostprobe import host_probe_s, mem_available_kib
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -99,14 +99,6 @@ async def measure_step(
         "server_total_ms": med("total"),
         "host_probe_s": host_probe_s(),
     }
-
-
-def mem_available_kib() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1])
-    return 0
 
 
 async def run(

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dsec import AsyncClient, AsyncSandbox
 from dsec.server import ServeProcess
-from hostprobe import host_probe_s
+from hostprobe import host_probe_s, mem_available_kib
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -61,14 +61,6 @@ def pct(xs: list[float], p: float) -> float:
     if not s:
         return float("nan")
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
-
-
-def mem_available_kib() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1])
-    return 0
 
 
 def cpu_times() -> tuple[int, int]:
