@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from tests.browser_net import BrowserNet
 from tests.timing import budget
 
 from dsec.server import BackgroundServer
@@ -154,7 +155,7 @@ def test_e2b_desktop_stream_in_chromium(desktop: object, e2b_env: BackgroundServ
 
     token = sbx.traffic_access_token  # type: ignore[attr-defined]
     assert token
-    with _browser(token) as page:
+    with _browser(token, url) as page, _explained(sbx, page):
         shot = _connected(page, url)
         EVIDENCE.mkdir(exist_ok=True)
         (EVIDENCE / "e2b-desktop-novnc-stream.png").write_bytes(shot)
@@ -176,24 +177,30 @@ def test_e2b_desktop_stream_with_an_auth_key(desktop: object) -> None:
     key = sbx.stream.get_auth_key()  # type: ignore[attr-defined]
     assert len(key) == 16
     token = sbx.traffic_access_token  # type: ignore[attr-defined]
-    with _browser(token) as page:
-        _connected(page, sbx.stream.get_url(auth_key=key))  # type: ignore[attr-defined]
-    with _browser(token) as page:
-        answer = _goto(page, sbx.stream.get_url())  # type: ignore[attr-defined]
+    url = sbx.stream.get_url(auth_key=key)  # type: ignore[attr-defined]
+    with _browser(token, url) as page, _explained(sbx, page):
+        _connected(page, url)
+    with _browser(token, url) as page, _explained(sbx, page):
+        answer = page.goto(sbx.stream.get_url(), timeout=budget(60) * 1000)  # type: ignore[attr-defined]
         assert answer is not None and answer.status == 200
         page.wait_for_selector("#noVNC_credentials_dlg.noVNC_open", timeout=budget(60) * 1000)
     sbx.stream.stop()  # type: ignore[attr-defined]
 
 
 @contextmanager
-def _browser(token: str) -> Iterator[Any]:
+def _browser(token: str, url: str) -> Iterator[Any]:
     """A page of Debian's headless Chromium that resolves the proxy's host routes to this
-    node and sends the sandbox's traffic token, as a viewer of the stream would."""
+    node and sends the sandbox's traffic token, as a viewer of the stream would; in a network
+    namespace of its own (tests/browser_net.py), off the node whose sandboxes' addresses come
+    and go, with the port of ``url`` relayed to the node."""
     from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as p:
+    with sync_playwright() as p, BrowserNet() as net:
+        port = urlsplit(url).port
+        assert port is not None, url
+        net.forward(port)
         browser = p.chromium.launch(
-            executable_path=CHROMIUM,
+            executable_path=net.executable(CHROMIUM),
             headless=True,
             args=[f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1", "--no-sandbox"],
         )
@@ -209,9 +216,34 @@ def _browser(token: str) -> Iterator[Any]:
             browser.close()
 
 
+@contextmanager
+def _explained(sbx: Any, page: Any) -> Iterator[None]:
+    """On a failure inside, add what the page and the sandbox's VNC servers said to it: the
+    page's console and WebSocket events, x11vnc's and noVNC's logs."""
+    events: list[str] = []
+    page.on("console", lambda m: events.append(f"console {m.type}: {m.text}"))
+    page.on(
+        "websocket",
+        lambda ws: (
+            events.append(f"websocket open {ws.url}"),
+            ws.on("close", lambda _ws: events.append("websocket closed")),
+            ws.on("socketerror", lambda err: events.append(f"websocket error {err}")),
+        ),
+    )
+    try:
+        yield
+    except BaseException as e:
+        logs = sbx.commands.run(
+            "pgrep -a x11vnc; pgrep -af novnc; tail -n 30 /tmp/x11vnc_stderr.log /tmp/novnc.log; true",
+            timeout=60,
+        )
+        note = "\n".join(events[-40:]) + "\n" + logs.stdout + logs.stderr
+        raise AssertionError(f"{e}\n--- what the page and the sandbox said:\n{note}") from e
+
+
 def _connected(page: Any, url: str) -> bytes:
     """Load the noVNC page at ``url`` and return a screenshot once it shows the desktop."""
-    answer = _goto(page, url)
+    answer = page.goto(url, timeout=budget(60) * 1000)
     assert answer is not None and answer.status == 200
     assert "noVNC" in page.title()
     # connected: noVNC hides its status bar and draws the remote screen on a canvas
@@ -252,18 +284,3 @@ def test_e2b_desktop_resolution_restarts_the_desktop(e2b_env: BackgroundServer) 
         assert off.value.details == {"width": 1280, "height": 720}
     finally:
         sbx.kill()
-
-
-def _goto(page: Any, url: str) -> Any:
-    """``page.goto(url)``, again if Chromium aborted it with ERR_NETWORK_CHANGED: on a node
-    that makes and removes other sandboxes' network interfaces, Chromium drops a navigation
-    in flight whenever the host's interfaces change."""
-    from playwright.sync_api import Error
-
-    for attempt in range(3):
-        try:
-            return page.goto(url, wait_until="load", timeout=budget(60) * 1000)
-        except Error as e:
-            if "ERR_NETWORK_CHANGED" not in str(e) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")

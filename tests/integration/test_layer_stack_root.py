@@ -90,6 +90,9 @@ def test_bad_stack_is_refused_before_mounting(
             api_key=server.api_key,
         )
     assert exc.value.details["layer"] == digest
-    assert mount_points(server.home) == mounts_before
+    # nothing mounted for the refused request (the warm pool refills and other sandboxes of
+    # this server come and go meanwhile: only mounts that appeared outside the pool count)
+    made = set(mount_points(server.home)) - set(mounts_before)
+    assert [m for m in made if not m.parent.name.startswith("wp-")] == []
     with Client(url=server.url, api_key=server.api_key) as client:
         assert len(client.list_sandboxes(include_stopped=True)) == rows_before  # no row made
