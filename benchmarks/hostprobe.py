@@ -6,6 +6,7 @@ record a probe before each batch and report it with the batch."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 
@@ -23,10 +24,17 @@ def host_probe_s() -> float:
     return best
 
 
-def mem_available_kib() -> int:
-    """The host's ``MemAvailable`` (/proc/meminfo), KiB; 0 if it cannot be read."""
+def meminfo_kib() -> dict[str, int]:
+    """Every field of /proc/meminfo, KiB (page counts as they are)."""
+    out: dict[str, int] = {}
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1])
-    return 0
+            name, _, rest = line.partition(":")
+            with contextlib.suppress(ValueError, IndexError):
+                out[name] = int(rest.split()[0])
+    return out
+
+
+def mem_available_kib() -> int:
+    """The host's ``MemAvailable`` (/proc/meminfo), KiB; 0 if it cannot be read."""
+    return meminfo_kib().get("MemAvailable", 0)

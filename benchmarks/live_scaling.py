@@ -13,6 +13,7 @@ and the host memory each idle sandbox holds (MemAvailable's drop since the first
 sandbox added).
 
 Usage: python benchmarks/live_scaling.py [--steps 0,250,500] [--k 10] [--clients 8] [--home DIR]
+       [--profile DIR]  (perf record -a -g and py-spy of the server around each step)
 Targets (issue 38): creation rate with 5,000 idle >= 0.8x the empty node's, 10,000 >= 0.6x;
 <= 1 MiB of host memory each; exec p50 <= 5 ms and p99 <= 30 ms among them; kill <= 5 ms;
 a batch kill of 10,000 in <= 60 s.
@@ -24,7 +25,9 @@ import argparse
 import asyncio
 import json
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,9 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsec import AsyncSandbox
 from dsec.sdk.jobs import AsyncJobs
 from dsec.server import ServeProcess
-from hostprobe import host_probe_s, mem_available_kib
+from hostprobe import host_probe_s, meminfo_kib
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MEMINFO_KINDS = (
+    "AnonPages", "Shmem", "Cached", "SUnreclaim", "SReclaimable", "KernelStack", "PageTables",
+    "Percpu",
+)  # fmt: skip
 
 
 def sandbox_state(home: Path, sandbox_id: str) -> dict[str, Any]:
@@ -101,8 +108,41 @@ async def measure_step(
     }
 
 
+class Profiler:
+    """``perf record -a -g`` of the whole machine (the kernel's share) and ``py-spy record``
+    of the server (dsec's), around one step's measurement; files in ``out_dir``."""
+
+    def __init__(self, out_dir: Path, server_pid: int) -> None:
+        self.out_dir, self.server_pid = out_dir, server_pid
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, live: int) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        perf = ["perf", "record", "-a", "-g", "-o", str(self.out_dir / f"perf-{live}.data")]
+        self.procs = [subprocess.Popen(perf, stderr=subprocess.DEVNULL)]
+        spy = shutil.which("py-spy")
+        if spy:
+            raw = self.out_dir / f"py-spy-{live}.txt"
+            cmd = [spy, "record", "--pid", str(self.server_pid), "--format", "raw", "--nonblocking"]
+            self.procs.append(subprocess.Popen([*cmd, "-o", str(raw)], stderr=subprocess.DEVNULL))
+        time.sleep(1)  # both attached
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGINT)
+        for p in self.procs:
+            p.wait(timeout=120)
+        self.procs = []
+
+
 async def run(
-    home: Path, url: str, key: str, steps: list[int], k: int, clients: int
+    home: Path,
+    url: str,
+    key: str,
+    steps: list[int],
+    k: int,
+    clients: int,
+    profiler: Profiler | None = None,
 ) -> dict[str, Any]:
     kw: dict[str, Any] = {
         "tier": "container",
@@ -124,7 +164,7 @@ async def run(
 
     out: dict[str, Any] = {"steps": [], "clients": clients}
     probe = await AsyncSandbox.create(**kw)
-    mem0: tuple[int, int] | None = None  # (live, MemAvailable KiB) at the first step
+    mem0: tuple[int, dict[str, int]] | None = None  # (live, /proc/meminfo) at the first step
     try:
         for n in steps:
             t0 = time.perf_counter()
@@ -133,14 +173,26 @@ async def run(
             grow_s = time.perf_counter() - t0
             print(f"  {len(crowd)} live ...", flush=True)
             await asyncio.sleep(2)  # the pool's refill and the kills' teardowns settle
-            avail = mem_available_kib()
+            mem = meminfo_kib()
             if mem0 is None:
-                mem0 = (len(crowd), avail)
+                mem0 = (len(crowd), mem)
+            if profiler:
+                profiler.start(len(crowd))
             step = await measure_step(home, k, kw, probe)
+            if profiler:
+                profiler.stop()
             step["live"] = len(crowd)
             step["grow_per_s"] = need / grow_s if need > 0 else None
             added = len(crowd) - mem0[0]
-            step["host_mib_per_sandbox"] = (mem0[1] - avail) / 1024 / added if added else None
+            step["host_mib_per_sandbox"] = (
+                (mem0[1]["MemAvailable"] - mem["MemAvailable"]) / 1024 / added if added else None
+            )
+            # where it goes: KiB per sandbox added, by /proc/meminfo's kind
+            step["host_kib_per_sandbox_by_kind"] = {
+                kind: (mem.get(kind, 0) - mem0[1].get(kind, 0)) / added
+                for kind in MEMINFO_KINDS
+                if added
+            }
             out["steps"].append(step)
         t0 = time.perf_counter()
         n_crowd = len(crowd)
@@ -181,6 +233,11 @@ def main() -> None:
     ap.add_argument("--home", default=None)
     ap.add_argument("--out", default=str(RESULTS / "live_scaling.json"))
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server")
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="record perf (whole machine) and py-spy (server) around each step's measurement",
+    )
     args = ap.parse_args()
     steps = sorted(int(x) for x in args.steps.split(","))
     home = Path(args.home or tempfile.mkdtemp(prefix="dsec-bench-scale-"))
@@ -191,7 +248,8 @@ def main() -> None:
         **dict(e.split("=", 1) for e in args.env),
     }
     with ServeProcess(home, env=env) as srv:
-        res = asyncio.run(run(home, srv.url, srv.api_key, steps, args.k, args.clients))
+        profiler = Profiler(Path(args.profile), srv.proc.pid) if args.profile else None
+        res = asyncio.run(run(home, srv.url, srv.api_key, steps, args.k, args.clients, profiler))
     res["server_env"] = env
     rows = res["steps"]
     base = rows[0]
@@ -214,6 +272,12 @@ def main() -> None:
             f"{r['kill_p50_ms']:>5.1f}/{r['kill_p99_ms']:<5.1f}ms "
             f"{r['exec_p50_ms']:>6.2f}/{r['exec_p99_ms']:<6.2f} {mib:>9} "
             f"{r['host_probe_s'] * 1000:>5.1f}ms"
+        )
+    last = rows[-1].get("host_kib_per_sandbox_by_kind") or {}
+    if last:
+        print(
+            f"host memory per idle sandbox at {rows[-1]['live']} (KiB, /proc/meminfo): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in last.items())
         )
     jk = res["job_kill"]
     print(f"job kill: {jk['sandboxes']} sandboxes in {jk['seconds']:.2f} s = {jk['per_s']:.0f}/s")

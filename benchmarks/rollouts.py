@@ -17,8 +17,9 @@ p50/mean/p99 latency under load, on the idle node, and what fair processor shari
 give at that load; failures by cause; creations and kills per second; host memory
 (``MemAvailable`` drop), CPU busy share and ``dsec serve``'s own CPU each second; and a probe
 of the platform's own latency from a process of its own (a 10-byte file read through the
-API, an ``echo`` in an idle sandbox and a ``GET`` of it, twice a second) against the idle
-node. Then the same load with ``pause`` between turns, unless ``--no-pause``.
+API, an ``echo`` in an idle sandbox and a ``GET`` of it, and a new sandbox created to its first
+exec and killed, twice a second) against the idle node. Then the same load with ``pause``
+between turns, unless ``--no-pause``.
 
 Usage: python benchmarks/rollouts.py [--n 500] [--think 2] [--duration 60] [--procs 4]
        [--image e2b-base] [--quick]
@@ -430,6 +431,13 @@ def table(
     for cause, k in sorted(res["failures_by_cause"].items(), key=lambda kv: -kv[1]):
         print(f"  failed: {k} x {cause}")
     print("platform probe (p50 / p99 under load; idle p50; p50 ratio):")
+    if res["platform_ms"].get("create") and idle_probe.get("create"):
+        load_rate = 1000 / pct(res["platform_ms"]["create"], 50)
+        idle_rate = 1000 / idle_probe["create"]
+        print(
+            f"  one client's creations (to first exec): {load_rate:.1f}/s under load, "
+            f"{idle_rate:.1f}/s idle: {load_rate / idle_rate:.2f}x"
+        )
     for name, xs in res["platform_ms"].items():
         idle = idle_probe.get(name, float("nan"))
         print(
@@ -441,11 +449,15 @@ def table(
 
 async def probe_main(url: str, image: str, seconds: float) -> dict[str, list[float]]:
     """Twice a second for ``seconds``: a 10-byte file read through the API, an ``echo`` in
-    an otherwise idle sandbox, and a ``GET`` of the sandbox (ms each)."""
-    out: dict[str, list[float]] = {"api_file_read": [], "echo": [], "info": []}
+    an otherwise idle sandbox, a ``GET`` of the sandbox, and a creation of a new sandbox to
+    its first exec (``create``, one client's sequential creation rate is 1000 / its p50)
+    followed by its kill (ms each)."""
+    names = ("api_file_read", "echo", "info", "create", "kill")
+    out: dict[str, list[float]] = {name: [] for name in names}
     stop = time.monotonic() + seconds
     async with AsyncClient(url, os.environ["DSEC_API_KEY"]) as client:
-        sb = await AsyncSandbox.create(**sandbox_kw(image, client))
+        kw = sandbox_kw(image, client)
+        sb = await AsyncSandbox.create(**kw)
         try:
             await sb.files.write("/tmp/probe.txt", "0123456789")
             while time.monotonic() < stop:
@@ -456,10 +468,16 @@ async def probe_main(url: str, image: str, seconds: float) -> dict[str, list[flo
                 t2 = time.perf_counter()
                 await sb.refresh()
                 t3 = time.perf_counter()
-                out["api_file_read"].append((t1 - t0) * 1000)
-                out["echo"].append((t2 - t1) * 1000)
-                out["info"].append((t3 - t2) * 1000)
-                await asyncio.sleep(max(0.0, 0.5 - (t3 - t0)))
+                fresh = await AsyncSandbox.create(**kw)
+                await fresh.commands.run("true")
+                t4 = time.perf_counter()
+                await fresh.kill()
+                t5 = time.perf_counter()
+                for name, ms in zip(
+                    names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True
+                ):
+                    out[name].append(ms * 1000)
+                await asyncio.sleep(max(0.0, 0.5 - (t5 - t0)))
         finally:
             await sb.kill()
     return out
