@@ -106,6 +106,7 @@ def test_layer_mounts_per_scope(
     sharing: Any,
 ) -> None:
     from dsec.layers.mounts import LayerMounts, mountinfo_entries
+    from dsec.privileged.loop import attach_loop
     from dsec.privileged.mount import erofs_directio_supported
 
     monkeypatch.setenv(EROFS_MOUNT_ENV, erofs_mount)
@@ -125,6 +126,8 @@ def test_layer_mounts_per_scope(
         assert ea.source_file == eb.source_file == str(blob)
         if erofs_mount == "loop":  # a loop device each: one device is one superblock
             assert ea.source != eb.source and ea.source.startswith("/dev/loop")
+            with attach_loop(blob) as shared:  # what the fncall tier asks for: never a key's
+                assert shared.path not in (ea.source, eb.source) and not shared.shared
     if erofs_mount == "file" and erofs_directio_supported():
         assert "directio" in super_options(a)
     assert host_probe("evict", a / "data")[0] == 0
