@@ -6,7 +6,7 @@
       state.db            SQLite registry (sandboxes, keys)
       api_key             the key generated at first start (mode 0600)
       layers/             content-addressed EROFS files + layers.db
-      mnt/layers/<hex>    each layer mounted once per node
+      mnt/layers/<hex>    each layer mounted once per key (<scope>-<hex>) or node (<hex>)
       sandboxes/<id>/     per-sandbox upper (tmpfs), overlay rootfs, OCI bundle
       run/                crun state root, sockets
       bin/                native helpers compiled for this node
@@ -18,9 +18,13 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 DEFAULT_HOME = "/var/lib/dsec"
 DEFAULT_URL = "http://127.0.0.1:7070"
@@ -36,6 +40,23 @@ def host_memory_mb() -> int:
     except OSError:
         pass
     return 0
+
+
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """Environment variable ``name`` as one of ``choices`` (case and surrounding spaces
+    ignored); the first choice, the default, when it is unset or anything else (logged once
+    per value), e.g. ``env_choice("DSEC_LAYER_SHARING", ("key", "node"))``."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in choices:
+        return value
+    if value:
+        _warn_choice(name, value, choices)
+    return choices[0]
+
+
+@functools.cache
+def _warn_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    log.warning("%s=%r is not one of %s: using %s", name, value, ", ".join(choices), choices[0])
 
 
 def dsec_home() -> Path:

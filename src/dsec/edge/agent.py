@@ -808,6 +808,7 @@ class EdgeAgent:
             allow_setuid=req.allow_setuid,
             cpu_group=owner if self.limits.key_cpu_groups else "",
             cpu_group_weight=self.key_quotas.quota(owner).cpu_weight,
+            owner=owner,
         )
         try:
             async with lv.lock, self.creations.slot(owner):

@@ -1,10 +1,10 @@
-"""dsec layers: the node's content-addressed EROFS store, node-wide layer mounts and
-per-sandbox overlay root filesystems.
+"""dsec layers: the node's content-addressed EROFS store, layer mounts (one per key by
+default) and per-sandbox overlay root filesystems.
 
 * :class:`LayerStore` (``store.py``): layers (EROFS files named by sha256) and images (named
   layer lists); builds layers from directories and tarballs; builds built-in images.
-* :class:`LayerMounts` (``mounts.py``): each layer mounted once per node from its file,
-  reference-counted.
+* :class:`LayerMounts` (``mounts.py``): each layer mounted from its file once per API key
+  (its own page cache; ``DSEC_LAYER_SHARING=node``: once per node), reference-counted.
 * :func:`assemble_rootfs` / :func:`teardown_rootfs` (``rootfs.py``): layers + a tmpfs upper
   of ``disk_mb`` MiB stacked by overlayfs.
 * :func:`mkfs_erofs` (``erofs.py``), ``BUILTIN_IMAGES`` (``builtin.py``).

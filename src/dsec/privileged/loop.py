@@ -22,9 +22,14 @@ between leaks nothing: its descriptor closes with it.
 One device per file: before binding a new device, :func:`attach_loop` looks for a device
 already bound read-only to the same file (same path in ``/sys/block/loop*/loop/backing_file``,
 same device and inode in ``LOOP_GET_STATUS64``) and shares it. Every mount of one loop device
-is the same EROFS superblock, so sandboxes of all tiers share one page cache per layer. The
-search and the binding run under an exclusive ``flock`` on the file, so two processes
-attaching the same file at once end up on one device.
+is the same EROFS superblock, so its mounts share one page cache. The search and the binding
+run under an exclusive ``flock`` on the file, so two processes attaching the same file at once
+end up on one device.
+
+A device of its own: ``attach_loop(file, share=False)`` binds a new device whatever is bound
+to the file already, and marks it (its ``lo_file_name`` starts with :data:`OWN_DEVICE_MARK`)
+so that no shared attach ever picks it up: a superblock, and so a page cache, that only its
+own mounts use (one key's layer mounts, :mod:`dsec.layers.mounts`).
 
 Example::
 
@@ -75,6 +80,9 @@ TMPFS_MAGIC = 0x01021994
 OVERLAYFS_SUPER_MAGIC = 0x794C7630
 
 _ATTEMPTS = 64
+OWN_DEVICE_MARK = b"dsec-own:"
+"""How ``lo_file_name`` starts on a device bound with ``share=False`` (the rest is the end of
+the file's path): such a device is never shared."""
 
 
 class _LoopInfo64(ctypes.Structure):
@@ -186,7 +194,9 @@ def attached_loops() -> dict[str, str]:
     return out
 
 
-def attach_loop(file: str | os.PathLike[str], *, direct_io: bool | None = None) -> LoopDevice:
+def attach_loop(
+    file: str | os.PathLike[str], *, direct_io: bool | None = None, share: bool = True
+) -> LoopDevice:
     """Bind ``file`` to a read-only AUTOCLEAR loop device, or share the one already bound to
     it. Returns it open; mount ``.path``, then :meth:`~LoopDevice.close` it (or use ``with``).
 
@@ -194,6 +204,8 @@ def attach_loop(file: str | os.PathLike[str], *, direct_io: bool | None = None) 
         file: the image file (any regular file the kernel can read).
         direct_io: read the file with O_DIRECT; default: yes unless it lies on FUSE.
             Falls back to buffered reads if the kernel refuses direct I/O for the file.
+        share: share a device already bound to the file (and let later attaches share this
+            one); False: always a new device of the caller's own, never shared.
 
     Takes ~0.1-1 ms (one free-device query, one open, one ioctl).
 
@@ -209,11 +221,13 @@ def attach_loop(file: str | os.PathLike[str], *, direct_io: bool | None = None) 
             raise OSError(errno.EINVAL, f"{path}: not a regular file")
         if direct_io is None:
             direct_io = fs_magic(ffd) != FUSE_SUPER_MAGIC
+        if not share:  # nothing to search for: no flock needed
+            return _bind_new(ffd, path, direct_io, own=True)
         with _attach_lock, _flocked(ffd):
             found = _find_bound(path, st)
             if found is not None:
                 return found
-            return _bind_new(ffd, path, direct_io)
+            return _bind_new(ffd, path, direct_io, own=False)
     finally:
         os.close(ffd)
 
@@ -256,6 +270,7 @@ def _find_bound(path: str, st: os.stat_result) -> LoopDevice | None:
             and info.lo_offset == 0
             and info.lo_sizelimit == 0
             and info.lo_flags & LO_FLAGS_READ_ONLY
+            and not bytes(info.lo_file_name).startswith(OWN_DEVICE_MARK)
         ):
             dio = bool(info.lo_flags & LO_FLAGS_DIRECT_IO)
             return LoopDevice(number, path, shared=True, direct_io=dio, fd=lfd)
@@ -269,7 +284,7 @@ def _status(lfd: int) -> _LoopInfo64:
     return _LoopInfo64.from_buffer_copy(buf)
 
 
-def _bind_new(ffd: int, path: str, direct_io: bool) -> LoopDevice:
+def _bind_new(ffd: int, path: str, direct_io: bool, *, own: bool) -> LoopDevice:
     ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
     try:
         for _ in range(_ATTEMPTS):
@@ -282,7 +297,7 @@ def _bind_new(ffd: int, path: str, direct_io: bool) -> LoopDevice:
                     continue
                 raise
             try:
-                dio = _configure(lfd, number, ffd, path, direct_io)
+                dio = _configure(lfd, number, ffd, path, direct_io, own=own)
             except OSError as e:
                 os.close(lfd)
                 if e.errno == errno.EBUSY:  # another process bound it first
@@ -306,11 +321,12 @@ def _open_loop(number: int) -> int:
         return os.open(dev, os.O_RDONLY | os.O_CLOEXEC)
 
 
-def _configure(lfd: int, number: int, ffd: int, path: str, direct_io: bool) -> bool:
+def _configure(lfd: int, number: int, ffd: int, path: str, direct_io: bool, *, own: bool) -> bool:
     """LOOP_CONFIGURE; returns whether direct I/O was asked for and accepted."""
     cfg = _LoopConfig()
     cfg.fd = ffd
-    cfg.info.lo_file_name = os.fsencode(path)[-(LO_NAME_SIZE - 1) :]
+    mark = OWN_DEVICE_MARK if own else b""
+    cfg.info.lo_file_name = mark + os.fsencode(path)[-(LO_NAME_SIZE - 1 - len(mark)) :]
     flags = LO_FLAGS_READ_ONLY | LO_FLAGS_AUTOCLEAR
     if direct_io:
         cfg.info.lo_flags = flags | LO_FLAGS_DIRECT_IO

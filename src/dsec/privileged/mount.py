@@ -12,6 +12,20 @@ files on tmpfs or overlayfs). ``DSEC_EROFS_MOUNT`` chooses (read at each mount):
   mount namespaces and tiers);
 * ``file``: always the file (errors are not retried).
 
+Each mount of a file is an EROFS superblock of its own, with its own page cache; every mount
+of one loop device is the same superblock. ``own_device=True`` gives a mount made through a
+loop device a device of its own (:func:`dsec.privileged.loop.attach_loop` with
+``share=False``), so that it too has a page cache no other mount shares.
+
+Direct I/O: a mount from the file asks for EROFS's ``directio`` option (Linux 6.13+): EROFS
+reads the file with O_DIRECT, so its blocks are cached once, in the mount's own page cache,
+and not a second time in the file's, which every mount of the file shares (loop devices read
+their files with O_DIRECT too, see ``loop.py``). A kernel that does not know the option
+(``EINVAL``, and the mount works without it) gets mounts without it from then on, for the
+life of the process, for files on that filesystem; files on FUSE (lazily served layers) never use it: their reads must go
+through the FUSE page cache the lazy server warms. :func:`erofs_directio_supported` says
+what this kernel did.
+
 :func:`erofs_mount_mode` and :func:`erofs_mount_reason` say which this process uses and why
 (``dsec doctor``); :func:`erofs_file_mount_supported` is the kernel probe behind them.
 """
@@ -34,7 +48,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
-from dsec.privileged.loop import OVERLAYFS_SUPER_MAGIC, TMPFS_MAGIC, attach_loop, fs_magic
+from dsec.config import env_choice
+from dsec.privileged.loop import (
+    FUSE_SUPER_MAGIC,
+    OVERLAYFS_SUPER_MAGIC,
+    TMPFS_MAGIC,
+    attach_loop,
+    fs_magic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -192,23 +213,13 @@ ErofsMountMode = Literal["file", "loop"]
 
 _file_mount_ok: dict[int, bool] = {}  # st_dev -> can the kernel mount EROFS from files there
 _file_mount_lock = threading.Lock()
+_directio_ok: dict[int, bool] = {}  # st_dev -> did the kernel take EROFS's directio
 
 
 def erofs_mount_setting() -> Literal["file", "loop", "auto"]:
     """``DSEC_EROFS_MOUNT`` as set (``auto`` if unset or unknown, with a warning)."""
-    value = os.environ.get(EROFS_MOUNT_ENV, "").strip().lower() or "auto"
-    if value == "file":
-        return "file"
-    if value == "loop":
-        return "loop"
-    if value != "auto":
-        _warn_setting(value)
-    return "auto"
-
-
-@functools.cache
-def _warn_setting(value: str) -> None:
-    log.warning("%s=%r is not file, loop or auto: using auto", EROFS_MOUNT_ENV, value)
+    value = env_choice(EROFS_MOUNT_ENV, ("auto", "file", "loop"))
+    return "file" if value == "file" else "loop" if value == "loop" else "auto"
 
 
 @functools.cache
@@ -322,17 +333,66 @@ def _learn(file: str, ok: bool) -> None:
         )
 
 
+def erofs_directio_supported() -> bool | None:
+    """Whether this kernel took EROFS's ``directio`` option for a mount from a file (Linux
+    6.13+); None until this process has mounted a file (not on FUSE) with it asked for."""
+    with _file_mount_lock:
+        known = set(_directio_ok.values())
+    return (True in known) if known else None
+
+
+def _mount_file(src: str, target: str | os.PathLike[str], flags: int) -> None:
+    """mount(2) of an EROFS file, with ``directio`` unless the kernel refused it for a file
+    on the same filesystem before or the file lies on FUSE (see the module doc)."""
+    try:
+        st_dev = os.stat(src).st_dev
+    except OSError:
+        st_dev = -1  # the mount reports the real error
+    if _directio_ok.get(st_dev) is False or _on_fuse(src):
+        mount(src, target, "erofs", flags)
+        return
+    try:
+        mount(src, target, "erofs", flags, "directio")
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise  # ENOTBLK (the file's filesystem cannot back EROFS), ...
+        mount(src, target, "erofs", flags)  # EINVAL again: no EROFS image at all
+        ok = False
+    else:
+        ok = True
+    with _file_mount_lock:
+        if st_dev != -1 and st_dev not in _directio_ok:
+            _directio_ok[st_dev] = ok
+            if not ok:
+                log.info("EROFS: no directio option for %s: its blocks are cached twice", src)
+
+
+def _on_fuse(file: str) -> bool:
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False  # the mount reports the real error
+    try:
+        return fs_magic(fd) == FUSE_SUPER_MAGIC
+    finally:
+        os.close(fd)
+
+
 def mount_erofs(
     file: str | os.PathLike[str],
     target: str | os.PathLike[str],
     flags: int = MS_RDONLY,
+    *,
+    own_device: bool = False,
 ) -> str:
     """Mount the EROFS image ``file`` read-only at ``target``, from the file or through a loop
     device (see the module doc). ``flags`` should include ``MS_RDONLY``.
 
     A loop device is AUTOCLEAR: unmounting the last mount of it (in any mount namespace) frees
-    it. One device per file: a device already bound to the file is shared. ``file`` may also
-    be a block device (a loop device bound by the caller), mounted as it is.
+    it. One device per file: a device already bound to the file is shared, unless
+    ``own_device``: then the mount gets a device of its own, which nothing else shares (a
+    mount from the file is a superblock of its own anyway). ``file`` may also be a block
+    device (a loop device bound by the caller), mounted as it is.
 
     Returns:
         The mount's source: ``file`` or ``/dev/loopN``.
@@ -352,7 +412,7 @@ def mount_erofs(
     plan = _plan(src)
     if plan != "loop":
         try:
-            mount(src, target, "erofs", flags)
+            _mount_file(src, target, flags)
         except OSError as e:
             if plan == "file" or e.errno != errno.ENOTBLK:
                 raise
@@ -361,7 +421,7 @@ def mount_erofs(
             if plan == "try":
                 _learn(src, True)
             return src
-    with attach_loop(src) as dev:
+    with attach_loop(src, share=not own_device) as dev:
         try:
             mount(dev.path, target, "erofs", flags)
         except OSError as e:

@@ -72,6 +72,10 @@ class SandboxSpec:
     # busy sandboxes share what one key gets next to another key's busy ones
     cpu_group: str = ""
     cpu_group_weight: int = 100
+    # the owning API key's owner id ("" for none: embedded and internal use): a tier that
+    # can keeps what one key's sandboxes share (the container tier's layer mounts, and with
+    # them their page cache) apart from other keys'
+    owner: str = ""
 
 
 @dataclass

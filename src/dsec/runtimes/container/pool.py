@@ -2,8 +2,9 @@
 
 ``crun run --detach`` is most of a container's creation (14-60 ms here, growing with the
 node's live count: namespace and cgroup set-up in the kernel). The pool runs it ahead of
-demand: per **pool key** (the layer stack, the writable layer's size and the hostname: what
-is fixed once a container runs) it keeps a few containers made with an empty environment,
+demand: per **pool key** (the layer stack, the writable layer's size, the hostname, the CPU
+group and the layer mounts' scope, i.e. the owning key unless ``DSEC_LAYER_SHARING=node``:
+what is fixed once a container runs) it keeps a few containers made with an empty environment,
 no network (a network namespace with only ``lo``), and their exec server attached. A
 create whose spec has that key *claims* one: the runtime renames it to the new sandbox's
 id, writes the sandbox's CPU, memory and pids limits into its cgroups and records its

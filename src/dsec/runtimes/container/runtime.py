@@ -135,9 +135,9 @@ class _Warm:
     live: _Live
 
 
-# (layer digests, layer files, writable layer MiB, hostname, setuid allowed, CPU group): what
-# a running container keeps
-_PoolKey = tuple[tuple[str, ...], tuple[str, ...], int, str, bool, str]
+# (layer digests, layer files, writable layer MiB, hostname, setuid allowed, CPU group, layer
+# mount scope): what a running container keeps
+_PoolKey = tuple[tuple[str, ...], tuple[str, ...], int, str, bool, str, str]
 _GROUP_PREFIX = "key-"
 """Names the cgroup of a CPU share group (a key's sandboxes) under the install's parent:
 ``<dsec-HASH>/key-<owner>/<sandbox>``; sandbox ids never start with it."""
@@ -260,7 +260,7 @@ class ContainerRuntime:
 
     Args:
         paths: the node's directories (``DSEC_HOME``).
-        layer_mounts: node-wide reference-counted EROFS mounts.
+        layer_mounts: reference-counted EROFS mounts, per key (see ``layers/mounts.py``).
         oci_runtime: ``crun``, ``runc`` or a path; default: crun, runc if crun cannot work.
         pool: the warm pool's sizes (default :meth:`PoolConfig.from_env`; see ``pool.py``).
         idle_cpu_shares: the ``cpu.shares`` of a sandbox with no command running (default
@@ -307,7 +307,8 @@ class ContainerRuntime:
         self._node_size: tuple[float, int] | None = None  # (cores, MiB) of this node
         self._watch_hub = WatchHub()
         """The node's one inotify instance, shared by every directory watch (``watch.py``)."""
-        self._acquired: dict[str, list[str]] = {}  # sandbox id -> layer digests we hold
+        # sandbox id -> the layers we hold for it, (scope, digest)
+        self._acquired: dict[str, list[tuple[str, str]]] = {}
         self._netns_sockets: NetnsSockets | None = None  # made on the first port connection
         self.pool: WarmPool[_PoolKey, SandboxSpec, _Warm] = WarmPool(
             pool or PoolConfig.from_env(), make=self._make_warm, discard=self._discard_warm
@@ -671,7 +672,7 @@ class ContainerRuntime:
         if spec.network is not None:
             self._require_network()  # before a warm container is spent on it
         if not spec.id.startswith(_WARM_PREFIX):
-            warm = self.pool.take(_pool_key(spec), spec)
+            warm = self.pool.take(_pool_key(spec, self.layer_mounts.scope_of(spec.owner)), spec)
             if warm is not None:
                 return await self._claim(warm, spec, sandbox_dir)
         return await self._create_fresh(spec, sandbox_dir)
@@ -700,9 +701,11 @@ class ContainerRuntime:
         os.makedirs(sandbox_dir, mode=0o700)
         self._acquired[spec.id] = []
         lowers: list[Path] = []
+        # the owner's own mounts (page cache) of the layers, or the node's: see layers/mounts.py
+        scope = self.layer_mounts.scope_of(spec.owner)
         for digest, layer_file in zip(spec.layer_digests, spec.layer_paths, strict=True):
-            lowers.append(self.layer_mounts.acquire(digest, Path(layer_file)))
-            self._acquired[spec.id].append(digest)
+            lowers.append(self.layer_mounts.acquire(digest, Path(layer_file), scope))
+            self._acquired[spec.id].append((scope, digest))
         group = _group_dir(spec.cpu_group)
         self._join_group(spec.id, group, spec.cpu_group_weight)
         state: dict[str, Any] = {
@@ -712,6 +715,7 @@ class ContainerRuntime:
             "cpu_group": group,
             "layers": list(spec.layer_digests),
             "layer_paths": list(spec.layer_paths),
+            "layer_scope": scope,
             "hostname": spec.hostname,
             "env": dict(spec.env),
             "user": spec.user,
@@ -1177,16 +1181,17 @@ class ContainerRuntime:
         # server restarted, or this process is the subreaper above the old edge)
         REAPER.expect(int(state["init_pid"]), int(state["init_start"]))
         if handle.id not in self._acquired:
-            acquired: list[str] = []
+            acquired: list[tuple[str, str]] = []
+            scope = str(state.get("layer_scope") or "")  # none: made by an older dsec
             for digest, layer_file in zip(
                 state.get("layers", []), state.get("layer_paths", []), strict=False
             ):
                 try:
-                    self.layer_mounts.acquire(digest, Path(layer_file))
+                    self.layer_mounts.acquire(digest, Path(layer_file), scope)
                 except DsecError as e:
                     log.warning("recover %s: layer %s: %s", handle.id, digest, e)
                     continue
-                acquired.append(digest)
+                acquired.append((scope, digest))
             self._acquired[handle.id] = acquired
         group = str(state.get("cpu_group") or "")
         if group:
@@ -1257,9 +1262,9 @@ class ContainerRuntime:
                 await self.network.teardown(handle.id)
             except DsecError as e:
                 errors.append(str(e))
-        for digest in self._acquired.pop(handle.id, []):
+        for scope, digest in self._acquired.pop(handle.id, []):
             try:
-                self.layer_mounts.release(digest)
+                self.layer_mounts.release(digest, scope)
             except DsecError as e:
                 errors.append(str(e))
         if not keep_live:
@@ -1644,9 +1649,10 @@ def _compile_seccomp(execd_bin: Path, policy_file: Path) -> bytes | None:
     return proc.stdout
 
 
-def _pool_key(spec: SandboxSpec) -> _PoolKey:
+def _pool_key(spec: SandboxSpec, layer_scope: str) -> _PoolKey:
     # allow_setuid is fixed when the exec server starts: a warm container has the template's;
-    # so is its cgroup, under its CPU group's
+    # so is its cgroup, under its CPU group's, and its root, stacked on its scope's layer
+    # mounts (a key's pool never hands out a container on another key's page cache)
     return (
         tuple(spec.layer_digests),
         tuple(spec.layer_paths),
@@ -1654,6 +1660,7 @@ def _pool_key(spec: SandboxSpec) -> _PoolKey:
         spec.hostname,
         spec.allow_setuid,
         _group_dir(spec.cpu_group),
+        layer_scope,
     )
 
 
