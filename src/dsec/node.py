@@ -173,6 +173,10 @@ def build_runtimes(
     from dsec.layers.mounts import LayerMounts
 
     mounts = LayerMounts(paths.layer_mounts)
+    # layers an earlier edge mounted (they outlive it): known with no user, so that the
+    # sandboxes recovered take them over and the container tier unmounts the rest once the
+    # edge has reconciled (ContainerRuntime.reconciled)
+    mounts.adopt_existing()
     runtimes: dict[str, Runtime] = {}
     wanted = [t for t in tiers or ["container", "fncall", "microvm", "vm"] if t not in skip]
     if "container" in wanted:

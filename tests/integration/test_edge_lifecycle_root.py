@@ -13,7 +13,9 @@ import pytest
 from tests.timing import budget
 
 from dsec import AsyncSandbox, Sandbox
+from dsec.apiserver.auth import KeyStore, owner_id
 from dsec.errors import SandboxStopped
+from dsec.layers.mounts import scope_name
 from dsec.privileged.mount import mount_points
 
 pytestmark = [pytest.mark.root]
@@ -140,7 +142,8 @@ def test_500_sandboxes_leave_nothing_behind(live_server) -> None:  # type: ignor
 
 def test_restart_reconcile_real_process(tmp_path: Path, shared_layers: Path) -> None:
     """Run `dsec serve` as a real process, SIGKILL it, restart it: live sandboxes stay usable,
-    a sandbox whose processes died meanwhile is reported stopped and cleaned up."""
+    a sandbox whose processes died meanwhile is reported stopped and cleaned up, and so are
+    the layer mounts only it used (those of its key, which has no other sandbox)."""
     import subprocess
     import sys
 
@@ -188,7 +191,11 @@ def test_restart_reconcile_real_process(tmp_path: Path, shared_layers: Path) -> 
         key = (home / "api_key").read_text().strip()
         kw = {"tier": "container", "image": "busybox", "url": url, "api_key": key}
         alive = Sandbox.create(**kw)
-        doomed = Sandbox.create(**kw)
+        other = KeyStore(home).create_key("restart-other")
+        doomed = Sandbox.create(**{**kw, "api_key": other})
+        # with layer mounts per key (the default), the doomed key's own
+        scope = scope_name(owner_id(other))
+        assert list((home / "mnt" / "layers").glob(f"{scope}-*"))
         alive.files.write("/tmp/state.txt", "survives restart")
         # by its cgroups (named by its id, or labelled with it when it came from the pool)
         doomed_pids = _processes_mentioning({doomed.id})
@@ -206,11 +213,12 @@ def test_restart_reconcile_real_process(tmp_path: Path, shared_layers: Path) -> 
         assert again.info.state == "running"
         assert again.files.read("/tmp/state.txt") == b"survives restart"
         assert again.commands.run("echo after-restart").stdout == "after-restart\n"
-        gone = Sandbox.connect(doomed.id, url=url, api_key=key)
+        gone = Sandbox.connect(doomed.id, url=url, api_key=other)
         assert gone.info.state == "stopped"
         with pytest.raises(SandboxStopped):
             gone.commands.run("true")
         assert not (home / "sandboxes" / doomed.id).exists()
+        assert list((home / "mnt" / "layers").glob(f"{scope}-*")) == []  # unmounted, removed
         again.kill()  # answers before its teardown (cgroups, mounts) has finished
         assert wait_until(lambda: _cgroup_dirs_mentioning({alive.id, doomed.id}) == [])
     finally:

@@ -114,6 +114,7 @@ from dsec.runtimes.base import (
     Networked,
     Pausable,
     PortConnectable,
+    Reconciling,
     Runtime,
     SandboxFiles,
     SandboxSpec,
@@ -348,6 +349,12 @@ class EdgeAgent:
                 rt.on_exit(self._sandbox_ended)
             await rt.start()
         await self.reconcile()
+        for rt in self.runtimes.values():
+            if isinstance(rt, Reconciling):
+                try:
+                    await rt.reconciled()
+                except Exception as e:  # a leftover must not stop the edge
+                    log.warning("%s: releasing what no sandbox uses failed: %s", rt.tier, e)
         if self.network is not None and self.network.started:
             await self.network.reconcile(set(self._live))
         self._reaper = asyncio.create_task(self._reap_loop(), name="dsec-edge-reaper")

@@ -19,8 +19,9 @@ changes while it runs), ``Snapshottable`` (``pack_diff`` of the
 writable layer), ``MemoryStateful`` (RAM and device state to a file: suspend, memory forks,
 migration with processes), ``Interactive`` (processes whose stdin stays open, terminals),
 ``Display`` (screen, pointer, keyboard), ``PortConnectable`` (TCP connections to ports
-inside the sandbox, for the port proxy), ``Measurable`` (resource usage counters) and
-``ExitReporting`` (sandboxes that can end by themselves, reported when they do). The
+inside the sandbox, for the port proxy), ``Measurable`` (resource usage counters),
+``ExitReporting`` (sandboxes that can end by themselves, reported when they do) and
+``Reconciling`` (node state to drop once the edge has matched its registry after a start). The
 edge checks them with ``isinstance`` and raises
 ``CapabilityNotSupported`` for a tier without one; the capability table a node publishes is
 derived from them by :func:`capabilities_of`, so it cannot disagree with what the code can
@@ -312,6 +313,16 @@ class ExitReporting(Protocol):
     def on_exit(self, listener: Callable[[str, str], None]) -> None:
         """Call ``listener(sandbox_id, why)``, on the runtime's event loop, for each such end;
         a later call replaces the listener."""
+
+
+@runtime_checkable
+class Reconciling(Protocol):
+    """A tier that holds node state shared by its sandboxes (layer mounts) which outlives
+    the edge: after a restart the edge calls :meth:`reconciled` once, when every sandbox it
+    recovered has been recovered and every orphan destroyed, so that what no sandbox uses
+    any more (sandboxes lost while the edge was down) is released."""
+
+    async def reconciled(self) -> None: ...
 
 
 def capabilities_of(rt: Runtime) -> Capabilities:

@@ -1459,6 +1459,14 @@ class ContainerRuntime:
         return await asyncio.to_thread(read)
 
     # ------------------------------------------------------------------ orphans
+    async def reconciled(self) -> None:
+        """Unmount the layers no recovered sandbox stacks (:class:`Reconciling`): those of
+        sandboxes lost while the edge was down, adopted at :func:`dsec.node.build_runtimes`
+        with no user."""
+        n = await asyncio.to_thread(self.layer_mounts.unmount_unused)
+        if n:
+            log.info("container tier: unmounted %d layer mounts no sandbox uses", n)
+
     async def list_orphans(self, known: set[str]) -> list[str]:
         """Sandboxes of this install on this node that ``known`` does not list: a sandbox
         directory, an OCI runtime state entry or a cgroup under this install's parent."""
