@@ -71,6 +71,13 @@ def pct(xs: list[float], p: float) -> float:
 async def measure_step(
     home: Path, k: int, kw: dict[str, Any], probe: AsyncSandbox
 ) -> dict[str, Any]:
+    # the execs first: among the idle crowd, not beside the teardowns and the pool refills
+    # the creates and kills below start
+    execs = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        await probe.commands.run("true")
+        execs.append((time.perf_counter() - t0) * 1000)
     create, kill, breakdown = [], [], []
     for _ in range(k):
         t0 = time.perf_counter()
@@ -83,11 +90,6 @@ async def measure_step(
         t0 = time.perf_counter()
         await sb.kill()
         kill.append((time.perf_counter() - t0) * 1000)
-    execs = []
-    for _ in range(30):
-        t0 = time.perf_counter()
-        await probe.commands.run("true")
-        execs.append((time.perf_counter() - t0) * 1000)
 
     def med(key: str) -> float:
         vals = [b[key] for b in breakdown if key in b]
