@@ -39,11 +39,10 @@ from typing import Any
 
 from minisweagent.exceptions import Submitted
 from minisweagent.utils.serialize import recursive_merge
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from dsec.errors import DsecError, SandboxNotFound, SandboxStopped
-from dsec.models import Tier
-from dsec.network.policy import NetworkPolicy
+from dsec.integrations._fields import SandboxFields
 from dsec.sdk import Sandbox
 from dsec.sdk.sandbox import CREATE_TIMEOUT_S
 
@@ -53,9 +52,10 @@ _MAX_OUTPUT_BYTES = 64 << 20
 _UNAME_KEYS = ("system", "node", "release", "version", "machine")
 
 
-class DsecEnvironmentConfig(BaseModel):
+class DsecEnvironmentConfig(SandboxFields):
     """mini's ``DockerEnvironmentConfig`` fields (``image``, ``cwd``, ``env``,
-    ``forward_env``, ``timeout``, ``interpreter``) plus the sandbox's. Sizes in MiB."""
+    ``forward_env``, ``timeout``, ``interpreter``) plus the sandbox's
+    (:class:`~dsec.integrations._fields.SandboxFields`). Sizes in MiB."""
 
     image: str = "debian"
     """dsec image name (``debian``, or one built with ``dsec image build``)."""
@@ -69,15 +69,6 @@ class DsecEnvironmentConfig(BaseModel):
     """Default timeout of a command, seconds."""
     interpreter: list[str] = ["bash", "-lc"]
     """The command is appended to this argv."""
-    tier: Tier = "container"
-    layers: list[str] = []
-    cpu: float = 1.0
-    memory_mb: int = 1024
-    disk_mb: int = 2048
-    pids: int = 1024
-    network: NetworkPolicy | None = None
-    """None: no network. Else a dsec network policy (dict form, see docs/network.md)."""
-    labels: dict[str, str] = {}
     job: str | None = None
     ttl_s: float | None = 3600.0
     """Idle seconds before dsec kills the sandbox (if cleanup never happens)."""

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 from swerex.deployment.abstract import AbstractDeployment
 from swerex.deployment.hooks.abstract import CombinedDeploymentHook, DeploymentHook
 from swerex.exceptions import (
@@ -86,6 +86,7 @@ from swerex.runtime.abstract import (
 from swerex.utils.log import get_logger
 
 from dsec.errors import DsecError, InvalidRequest, SandboxNotFound, SandboxStopped
+from dsec.integrations._fields import SandboxFields
 from dsec.integrations._session import (
     DEFAULT_SESSION_ROOT,
     NO_TIMEOUT_S,
@@ -94,8 +95,6 @@ from dsec.integrations._session import (
     Terminal,
     printable,
 )
-from dsec.models import Tier
-from dsec.network.policy import NetworkPolicy
 from dsec.sdk.sandbox import CREATE_TIMEOUT_S, AsyncSandbox
 
 __all__ = ["DsecDeployment", "DsecDeploymentConfig", "DsecRuntime"]
@@ -114,28 +113,18 @@ def clean(text: str) -> str:
     return _ANSI.sub("", printable(text)).replace("\r\n", "\n")
 
 
-class DsecDeploymentConfig(BaseModel):
-    """A dsec sandbox as a SWE-ReX deployment. Sizes in MiB, times in seconds."""
+class DsecDeploymentConfig(SandboxFields):
+    """A dsec sandbox as a SWE-ReX deployment (``tier``, sizes, ``network``, ``labels``:
+    :class:`~dsec.integrations._fields.SandboxFields`; ``fncall`` has no sessions). Sizes
+    in MiB, times in seconds."""
 
     type: Literal["dsec"] = "dsec"
     """Discriminator for (de)serialization/CLI. Do not change."""
 
     image: str = "debian"
     """dsec image name (``debian``, an image built with ``dsec image build``, ...)."""
-    tier: Tier = "container"
-    """Isolation tier: ``container``, ``microvm``, ``vm`` (``fncall`` has no sessions)."""
-    layers: list[str] = []
-    """Extra layers (workspaces, toolkits) stacked on the image."""
-    cpu: float = 1.0
-    memory_mb: int = 1024
-    disk_mb: int = 2048
-    pids: int = 1024
     env: dict[str, str] = {}
     """Environment of every command (and of the session shells)."""
-    network: NetworkPolicy | None = None
-    """None: no network at all. Else a dsec network policy (its dict form:
-    ``{"allow_domains": ["pypi.org"], "presets": ["pypi"]}``, see docs/network.md)."""
-    labels: dict[str, str] = {}
     job: str | None = None
     """Training-job id (``dsec job pause JOB`` acts on every sandbox of the job)."""
     user: str | None = None
