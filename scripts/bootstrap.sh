@@ -57,6 +57,18 @@ if [[ ! -f $ui_out ]] || [[ -n $(find ui/src ui/build.mjs ui/package-lock.json -
   (cd ui && node build.mjs)
 fi
 
+# verifiers (Prime Intellect's RL environments; tests/integrations/
+# test_docker_cli_verifiers_root.py runs its docker runtime on dsec-docker) cannot share
+# .venv: its prime-sandboxes needs connectrpc<0.12, dsec's e2b 2.63 needs >=0.12.1. It only
+# shells out to `docker`, so a venv of its own, .venv-verifiers, holds it.
+vstamp=.venv-verifiers/.dsec-installed
+if [[ ! -f $vstamp || pyproject.toml -nt $vstamp ]]; then
+  [[ -x .venv-verifiers/bin/python ]] || "$PY" -m venv .venv-verifiers
+  .venv-verifiers/bin/pip install -q --upgrade pip
+  .venv-verifiers/bin/pip install -q -e '.[verifiers]'
+  touch "$vstamp"
+fi
+
 # Harbor (the Terminal-Bench harness: tests/integrations/test_harbor_root.py) needs Python
 # >= 3.12: a venv of its own, .venv-harbor, from the first such Python found (Debian 13's
 # python3 is 3.13; Debian 12 has 3.11 only, and neither Debian nor PyPI ships a standalone

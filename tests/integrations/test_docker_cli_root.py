@@ -1,13 +1,18 @@
 """``dsec-docker`` (and ``dsec docker``) against a real server: every verb, docker's exit
-codes and output formats, bad input, and names scoped to the API key."""
+codes and output formats, bad input, and names scoped to the API key; ``-p`` host ports
+carried to a server in the sandbox, ``--network``, capability and security options as a
+sandbox really runs them."""
 
 from __future__ import annotations
 
 import io
 import json
+import socket
 import subprocess
 import sys
 import tarfile
+import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,8 +106,8 @@ def test_run_errors(docker: Docker) -> None:
     assert r.returncode == 126 and "permission denied" in r.stderr
     r = docker("run", "--rm", "no-such-image", "true")
     assert r.returncode == 125 and "Unable to find image 'no-such-image'" in r.stderr
-    r = docker("run", "--publish", "80:80", "busybox", "true")
-    assert r.returncode == 125 and "--publish" in r.stderr
+    r = docker("run", "-v", "/tmp:/tmp", "busybox", "true")
+    assert r.returncode == 125 and "unsupported flag: -v" in r.stderr
     r = docker("run", "-t", "busybox", "true")
     assert r.returncode == 125 and "-t" in r.stderr
     r = docker("run", "-x", "busybox")
@@ -212,7 +217,7 @@ def test_ps_formats(docker: Docker, container: str) -> None:
     r = docker("ps", "--format", "table {{.Names}}\\t{{.Status}}")
     assert r.stdout.splitlines()[0].split() == ["NAMES", "STATUS"]
     r = docker("ps", "--format", "{{.Nope}}")
-    assert r.returncode == 125 and "{{.Nope}}" in r.stderr
+    assert r.returncode == 125 and "<.Nope>: can't evaluate field Nope" in r.stderr
     r = docker("ps", "--filter", "name=x")
     assert r.returncode == 125 and "--filter" in r.stderr
 
@@ -349,3 +354,142 @@ def test_dsec_docker_subcommand(child_env: dict[str, str], container: str) -> No
         timeout=120,
     )
     assert r.returncode == 0 and "docker exec" in r.stdout
+
+
+def _fetch(url: str) -> str:
+    """The body at ``url`` once the sandbox's server answers (started in the background)."""
+    deadline = time.monotonic() + budget(30)
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=budget(10)) as r:
+                return str(r.read().decode())
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _closed(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture
+def published(docker: Docker, tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """A debian container serving /srv on 8000, published at 127.0.0.1:<any>."""
+    docker.env["DSEC_DOCKER_STATE"] = str(tmp_path / "state")
+    name = f"web-{uuid.uuid4().hex[:8]}"
+    r = docker(
+        "run", "-d", "--name", name, "-p", "127.0.0.1::8000", "--entrypoint", "sh", "debian",
+        "-c", "mkdir -p /srv && echo served > /srv/i.txt && exec python3 -m http.server -d /srv 8000",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = docker("port", name, "8000/tcp")
+    assert r.returncode == 0, r.stderr
+    host, _, port = r.stdout.strip().partition(":")
+    assert host == "127.0.0.1" and port.isdigit()
+    yield name, int(port)
+    docker("rm", "-f", name)
+
+
+def test_publish_port_and_inspect(docker: Docker, published: tuple[str, int]) -> None:
+    name, port = published
+    assert _fetch(f"http://127.0.0.1:{port}/i.txt") == "served\n"
+    assert docker("port", name).stdout == f"8000/tcp -> 127.0.0.1:{port}\n"
+    r = docker("port", name, "9000")
+    assert r.returncode == 1 and f"No public port '9000/tcp' published for {name}" in r.stderr
+    fmt = '{{(index (index .NetworkSettings.Ports "8000/tcp") 0).HostPort}} {{.State.Running}} {{.Path}}'
+    assert docker("inspect", "-f", fmt, name).stdout == f"{port} true sh\n"
+    assert f"127.0.0.1:{port}->8000/tcp" in docker("ps", "--format", "{{.Ports}}").stdout
+    # the host port is taken: a second run asking for it fails as docker's, makes nothing
+    other = f"busy-{uuid.uuid4().hex[:8]}"
+    r = docker("run", "-d", "--name", other, "-p", f"127.0.0.1:{port}:80", "busybox", "sleep", "60")
+    assert r.returncode == 125 and "port is already allocated" in r.stderr
+    assert other not in docker("ps", "-a", "--format", "{{.Names}}").stdout
+    # rm: the sandbox and its forwarder end, the port is free when rm returns
+    assert docker("rm", "-f", name).returncode == 0
+    assert _closed(port)
+    assert not list(Path(docker.env["DSEC_DOCKER_STATE"]).iterdir())  # pid file, empty log
+    assert docker("port", name).stdout == ""  # an exited container publishes nothing
+    assert docker("port", name, "8000").returncode == 1
+
+
+def test_published_port_ends_with_a_sandbox_killed_elsewhere(
+    docker: Docker, published: tuple[str, int]
+) -> None:
+    """Killed by the SDK (or a TTL): the forwarder sees the sandbox stopped and exits."""
+    name, port = published
+    [info] = Sandbox.list(labels={"docker.name": name})
+    Sandbox.connect(info.id).kill()
+    deadline = time.monotonic() + budget(30)
+    while not _closed(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _closed(port)
+
+
+def test_run_network_capabilities_and_entrypoint(docker: Docker, sdk_env: LiveServer) -> None:
+    name = f"n-{uuid.uuid4().hex[:8]}"
+    r = docker(
+        "run", "--rm", "--name", name, "--network", "bridge", "--cap-drop", "NET_RAW",
+        "--cap-add", "CHOWN", "--security-opt", "no-new-privileges", "--sysctl",
+        "net.ipv6.conf.all.disable_ipv6=1", "--entrypoint", "sh", "busybox", "-c",
+        "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; ip -o link | grep -c eth0",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    caps = dict(line.split(":\t") for line in r.stdout.splitlines()[:2])
+    held = int(caps["CapEff"], 16)
+    assert held and not held & (1 << 13)  # CAP_NET_RAW (13) absent, as asked
+    assert held & (1 << 0)  # CAP_CHOWN held, as asked
+    assert caps["NoNewPrivs"].strip() == "1"
+    assert r.stdout.splitlines()[2] == "1"  # bridge: a network interface of its own
+    r = docker("run", "--rm", "--entrypoint", "sh", "busybox", "-c", "ip -o link | grep -c eth0")
+    assert r.stdout.strip() == "0"  # no --network: no network at all (dsec's default)
+    # what sandboxes do not give is refused (every case: test_docker_cli_units.py)
+    r = docker("run", "--rm", "--network", "host", "--cap-add", "SYS_ADMIN", "busybox", "true")
+    assert r.returncode == 125 and "network mode host is not supported by dsec" in r.stderr
+    r = docker("run", "--rm", "--privileged", "busybox", "true")
+    assert r.returncode == 125 and "--privileged is not supported by dsec" in r.stderr
+
+
+def test_version_info_images(docker: Docker) -> None:
+    r = docker("version", "--format", "{{.Server.Version}} {{.Client.Version}}")
+    assert r.returncode == 0 and r.stdout.split() == ["27.5.1", "27.5.1"]
+    doc = json.loads(docker("version", "--format", "json").stdout)
+    assert doc["Server"]["Components"][1]["Name"] == "dsec"
+    r = docker("info", "--format", "{{.ServerVersion}} {{.OSType}} {{.NCPU}}")
+    assert r.returncode == 0 and r.stdout.startswith("27.5.1 linux ")
+    assert docker("pull", "-q", "busybox").returncode == 0
+    assert "busybox" in docker("images", "--format", "{{.Repository}}").stdout.split()
+    r = docker("image", "inspect", "-f", "{{index .RepoTags 0}} {{.Os}}", "busybox")
+    assert (r.returncode, r.stdout) == (0, "busybox:latest linux\n")
+    r = docker("image", "inspect", "no-such-image")
+    assert (r.returncode, r.stdout, r.stderr) == (
+        1,
+        "[]\n",
+        "Error: No such image: no-such-image\n",
+    )
+    r = docker("rmi", "busybox")  # a built-in image: read-only to keys
+    assert r.returncode == 1 and "Error response from daemon" in r.stderr
+
+
+def test_new_verbs_see_only_the_keys_containers(
+    docker: Docker, container: str, sdk_env: LiveServer
+) -> None:
+    other = {"DSEC_API_KEY": sdk_env.keys.create_key("docker-cli-inspect-test")}
+    assert docker("inspect", "-f", "{{.State.Running}}", container).stdout == "true\n"
+    for args in (
+        ("inspect", container),
+        ("container", "inspect", container),
+        ("port", container),
+        ("kill", container),
+    ):
+        r = docker(*args, env=other)
+        assert r.returncode == 1, args
+        assert (
+            f"No such object: {container}" in r.stderr
+            or f"No such container: {container}" in r.stderr
+        )
+    assert docker("info", "--format", "{{.Containers}}", env=other).stdout == "0\n"
+    assert docker("inspect", "-f", "{{.State.Running}}", container).stdout == "true\n"
+    assert docker("kill", container).stdout == f"{container}\n"
+    assert docker("inspect", "-f", "{{.State.Status}}", container).stdout == "exited\n"

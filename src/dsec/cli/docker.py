@@ -4,16 +4,25 @@ A "container" is a dsec sandbox of the caller's API key; its name is the sandbox
 ``docker.name`` (names are per key). Supported::
 
     run  [-d] [--rm] [-i] [--name N] [-w DIR] [-e K=V|K]... [-l K=V]... [-u USER]
-         [--cpus N] [-m SIZE] [--network none] [--runtime TIER] IMAGE [CMD [ARG...]]
+         [--cpus N] [-m SIZE] [--network none|bridge] [--runtime TIER] [--entrypoint CMD]
+         [-p [IP:][HOST_PORT:]PORT[/tcp]]... [--cap-add C]... [--cap-drop C]...
+         [--security-opt OPT]... [--sysctl K=V]... IMAGE [CMD [ARG...]]
     exec [-i] [-d] [-w DIR] [-e K=V|K]... [-u USER] CONTAINER CMD [ARG...]
     ps   [-a] [-q] [--no-trunc] [--format TEMPLATE]
-    stop [-t SECONDS] CONTAINER...        rm [-f] CONTAINER...
+    stop [-t SECONDS] CONTAINER...        rm [-f] CONTAINER...        kill CONTAINER...
     pull [-q] IMAGE                       cp [-q] SRC DEST   (one side CONTAINER:PATH, or -)
+    version [-f FORMAT]                   info [-f FORMAT]
+    inspect [-f FORMAT] [--type container|image] NAME...
+    port CONTAINER [PORT[/tcp]]           images [-a] [-q] [--no-trunc] [--format F] [REPO]
+    rmi [-f] IMAGE...                     image inspect|ls|rm|pull ...   container VERB ...
+
+``--format`` takes Go templates (:mod:`dsec.cli.gotemplate`) or ``json``.
 
 Exit codes as docker's: a command's own exit code (128+N when killed by signal N); 125
 for a bad flag or argument (the message names it) and for ``run``'s daemon errors; 126 and
 127 for a command that cannot be started (``run``: 127 not found, 126 not executable;
-``exec``: 126, as dockerd answers); 1 for other daemon errors ("No such container").
+``exec``: 126, as dockerd answers); 1 for other daemon errors ("No such container",
+"Error: No such object").
 
 What differs from docker (docs/integrations.md has the full table): a container lives
 until ``stop``/``rm`` or its idle TTL, not until its command exits; ``run`` without
@@ -21,7 +30,11 @@ until ``stop``/``rm`` or its idle TTL, not until its command exits; ``run`` with
 server forgets it; ``rm`` of an exited container does nothing); names are unique among
 live containers only; the images are dsec's (``busybox``, ``debian``, built or pulled
 ones); output is text (invalid UTF-8 is replaced); ``-i`` sends all of stdin at once
-(no interactive streaming, no ``-t``); there are no ports, volumes or logs.
+(no interactive streaming, no ``-t``); no volumes or logs; ``-p`` binds on this machine
+and carries connections through the server's port proxy (:mod:`dsec.cli.docker_ports`);
+``--network bridge`` is dsec's open network policy (every public IPv4 address), no
+``--network`` is no network at all; capability and security options are accepted where
+dsec's sandboxes are already at least as confined, refused otherwise.
 
 Connection: ``$DSEC_URL`` and ``$DSEC_API_KEY`` / ``$DSEC_HOME/api_key`` (``dsec --url U
 --api-key K docker ...`` too). ``$DSEC_DOCKER_TIER`` picks the default tier (``container``).
@@ -29,6 +42,7 @@ Connection: ``$DSEC_URL`` and ``$DSEC_API_KEY`` / ``$DSEC_HOME/api_key`` (``dsec
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -48,6 +62,25 @@ from typing import Any, NoReturn
 
 import httpx
 
+from dsec.cli import docker_ports
+from dsec.cli.docker_inspect import (
+    AUTOREMOVE_LABEL,
+    COMMAND_LABEL,
+    CONFIG_LABEL,
+    DOCKER_VERSION,
+    NAME_LABEL,
+    container_document,
+    get_config,
+    image_document,
+    image_id,
+    info_document,
+    info_text,
+    put_config,
+    repo_tag,
+    version_document,
+    version_text,
+)
+from dsec.cli.gotemplate import GoStruct, Template, TemplateError
 from dsec.errors import (
     DsecError,
     FileNotFound,
@@ -58,7 +91,8 @@ from dsec.errors import (
     SandboxStopped,
     ServiceUnavailable,
 )
-from dsec.models import SandboxInfo
+from dsec.images.config import ImageConfig
+from dsec.models import ImageInfo, SandboxInfo
 
 __all__ = ["EXIT_CANNOT_INVOKE", "EXIT_DAEMON", "EXIT_NOT_FOUND", "main"]
 
@@ -69,10 +103,6 @@ EXIT_CANNOT_INVOKE = 126
 EXIT_NOT_FOUND = 127
 """The command was not found (``run``)."""
 
-NAME_LABEL = "docker.name"
-COMMAND_LABEL = "docker.command"
-AUTOREMOVE_LABEL = "docker.autoremove"
-"""Set by ``run --rm``: once stopped, the container is gone for ``ps -a``, ``rm``, ``cp``."""
 _NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
 _MAX_S = 24 * 3600.0 - 60  # an exec lives at most 24 hours
 _TIERS = ("container", "microvm", "vm", "fncall")
@@ -106,6 +136,20 @@ class _Spec:
     refused: dict[str, str] = field(default_factory=dict)  # flag -> why
 
 
+_NO_MOUNTS = (
+    "no bind mounts or volumes: the container runs on the dsec server, which cannot see "
+    "this machine's files; copy them in and out with 'docker cp'"
+)
+_NO_SHARING = "a sandbox never shares a namespace with the host or another container"
+
+_LISTING_BOOLS = {
+    "-a": "all",
+    "--all": "all",
+    "-q": "quiet",
+    "--quiet": "quiet",
+    "--no-trunc": "no_trunc",
+}
+
 _SPECS: dict[str, _Spec] = {
     "run": _Spec(
         bools={
@@ -114,6 +158,7 @@ _SPECS: dict[str, _Spec] = {
             "--rm": "rm",
             "-i": "interactive",
             "--interactive": "interactive",
+            "--privileged": "privileged",
         },
         values={
             "--name": "name",
@@ -131,10 +176,37 @@ _SPECS: dict[str, _Spec] = {
             "--network": "network",
             "--net": "network",
             "--runtime": "runtime",
+            "--entrypoint": "entrypoint",
+            "-p": "publish",
+            "--publish": "publish",
+            "--cap-add": "cap_add",
+            "--cap-drop": "cap_drop",
+            "--security-opt": "security_opt",
+            "--sysctl": "sysctl",
         },
-        multi=frozenset({"env", "label"}),
+        multi=frozenset(
+            {"env", "label", "publish", "cap_add", "cap_drop", "security_opt", "sysctl"}
+        ),
         interspersed=False,
-        refused={"-t": "no terminals", "--tty": "no terminals"},
+        refused={
+            "-t": "no terminals",
+            "--tty": "no terminals",
+            "-v": _NO_MOUNTS,
+            "--volume": _NO_MOUNTS,
+            "--mount": _NO_MOUNTS,
+            "--volumes-from": _NO_MOUNTS,
+            "--gpus": "no GPUs or host devices in dsec sandboxes",
+            "--device": "no GPUs or host devices in dsec sandboxes",
+            "--add-host": "no host entries: a sandbox cannot reach this machine (-p reaches "
+            "the sandbox from here)",
+            "-P": "name each port to publish with -p",
+            "--publish-all": "name each port to publish with -p",
+            "--pid": _NO_SHARING,
+            "--ipc": _NO_SHARING,
+            "--uts": _NO_SHARING,
+            "--userns": _NO_SHARING,
+            "--cgroupns": _NO_SHARING,
+        },
     ),
     "exec": _Spec(
         bools={
@@ -155,22 +227,25 @@ _SPECS: dict[str, _Spec] = {
         interspersed=False,
         refused={"-t": "no terminals", "--tty": "no terminals"},
     ),
-    "ps": _Spec(
-        bools={
-            "-a": "all",
-            "--all": "all",
-            "-q": "quiet",
-            "--quiet": "quiet",
-            "--no-trunc": "no_trunc",
-        },
-        values={"--format": "format"},
-    ),
+    "ps": _Spec(bools=_LISTING_BOOLS, values={"--format": "format"}),
     "stop": _Spec(
         bools={}, values={"-t": "time", "--time": "time", "-s": "signal", "--signal": "signal"}
     ),
     "rm": _Spec(bools={"-f": "force", "--force": "force"}, values={}),
     "pull": _Spec(bools={"-q": "quiet", "--quiet": "quiet"}, values={}),
     "cp": _Spec(bools={"-q": "quiet", "--quiet": "quiet"}, values={}),
+    "kill": _Spec(bools={}, values={"-s": "signal", "--signal": "signal"}),
+    "version": _Spec(bools={}, values={"-f": "format", "--format": "format"}),
+    "info": _Spec(bools={}, values={"-f": "format", "--format": "format"}),
+    "inspect": _Spec(
+        bools={"-s": "size", "--size": "size"},
+        values={"-f": "format", "--format": "format", "--type": "type"},
+    ),
+    "port": _Spec(bools={}, values={}),
+    "images": _Spec(
+        bools={**_LISTING_BOOLS, "--digests": "digests"}, values={"--format": "format"}
+    ),
+    "rmi": _Spec(bools={"-f": "force", "--force": "force", "--no-prune": "no_prune"}, values={}),
 }
 
 _HELP = {
@@ -179,9 +254,16 @@ _HELP = {
     "ps": "Usage:  docker ps [OPTIONS]",
     "stop": "Usage:  docker stop [OPTIONS] CONTAINER [CONTAINER...]",
     "rm": "Usage:  docker rm [OPTIONS] CONTAINER [CONTAINER...]",
+    "kill": "Usage:  docker kill [OPTIONS] CONTAINER [CONTAINER...]",
     "pull": "Usage:  docker pull [OPTIONS] NAME[:TAG]",
     "cp": "Usage:  docker cp [OPTIONS] CONTAINER:SRC_PATH DEST_PATH|-\n"
     "        docker cp [OPTIONS] SRC_PATH|- CONTAINER:DEST_PATH",
+    "version": "Usage:  docker version [OPTIONS]",
+    "info": "Usage:  docker info [OPTIONS]",
+    "inspect": "Usage:  docker inspect [OPTIONS] NAME|ID [NAME|ID...]",
+    "port": "Usage:  docker port CONTAINER [PRIVATE_PORT[/PROTO]]",
+    "images": "Usage:  docker images [OPTIONS] [REPOSITORY[:TAG]]",
+    "rmi": "Usage:  docker rmi [OPTIONS] IMAGE [IMAGE...]",
 }
 
 _TOP_HELP = (
@@ -189,8 +271,15 @@ _TOP_HELP = (
     "Commands:\n  run     Create and run a new container from an image\n"
     "  exec    Execute a command in a running container\n  ps      List containers\n"
     "  stop    Stop one or more running containers\n  rm      Remove one or more containers\n"
+    "  kill    Kill one or more running containers\n"
     "  pull    Check that an image is available\n"
     "  cp      Copy files/folders between a container and the local filesystem\n"
+    "  inspect Return low-level information on containers and images\n"
+    "  port    List port mappings or a specific mapping for the container\n"
+    "  images  List images\n  rmi     Remove one or more images\n"
+    "  version Show the docker and dsec version information\n"
+    "  info    Display system-wide information\n"
+    "  image   inspect|ls|rm|pull   container  run|exec|ls|inspect|port|stop|kill|rm|cp\n"
 )
 
 
@@ -327,12 +416,14 @@ def _image_name(ref: str) -> str:
     return ref
 
 
-def _resolve_image(client: Any, ref: str) -> str:
+def _resolve_image(client: Any, ref: str) -> ImageInfo:
+    """The image ``ref`` names (a docker reference or a dsec name); ``ImageNotFound``."""
     name = _image_name(ref)
     candidates = [name] + ([name.removesuffix(":latest")] if name.endswith(":latest") else [])
     for candidate in candidates:
         try:
-            return str(client.get_image(candidate).name)
+            image: ImageInfo = client.get_image(candidate)
+            return image
         except (NotFound, InvalidRequest):  # NotFound: also a name no route matches
             continue
     raise ImageNotFound(f"image {ref!r} not found")
@@ -432,6 +523,146 @@ def _read_stdin() -> bytes:
 # -- verbs -----------------------------------------------------------------------------
 
 
+# Linux capabilities by docker's names (linux/capability.h, without CAP_)
+_CAPABILITIES = frozenset(
+    "CHOWN DAC_OVERRIDE DAC_READ_SEARCH FOWNER FSETID KILL SETGID SETUID SETPCAP "
+    "LINUX_IMMUTABLE NET_BIND_SERVICE NET_BROADCAST NET_ADMIN NET_RAW IPC_LOCK IPC_OWNER "
+    "SYS_MODULE SYS_RAWIO SYS_CHROOT SYS_PTRACE SYS_PACCT SYS_ADMIN SYS_BOOT SYS_NICE "
+    "SYS_RESOURCE SYS_TIME SYS_TTY_CONFIG MKNOD LEASE AUDIT_WRITE AUDIT_CONTROL SETFCAP "
+    "MAC_OVERRIDE MAC_ADMIN SYSLOG WAKE_ALARM BLOCK_SUSPEND AUDIT_READ PERFMON BPF "
+    "CHECKPOINT_RESTORE".split()
+)
+SANDBOX_CAPABILITIES = (
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "NET_BIND_SERVICE",
+    "SYS_CHROOT",
+)
+"""What a root command in a container sandbox holds (and under the VM tiers' guard):
+``dsec.runtimes.container.bundle.CAPABILITIES``; a non-root command holds none."""
+OPEN_NETWORK: dict[str, Any] = {"allow_cidrs": ["0.0.0.0/0"], "protocols": ["tcp", "udp", "icmp"]}
+"""``--network bridge``: every public IPv4 address, DNS for every name (dsec's resolver);
+never the node, other sandboxes, link-local or the operator's protected networks."""
+_IPV6_OFF = ("net.ipv6.conf.all.disable_ipv6", "net.ipv6.conf.default.disable_ipv6")
+
+
+def _refuse(message: str) -> NoReturn:
+    """A ``run`` option dsec does not serve, as the daemon's refusal (exit 125)."""
+    raise DockerError(f"docker: Error response from daemon: {message}.", EXIT_DAEMON)
+
+
+def _network_policy(mode: str | None) -> tuple[str, dict[str, Any] | None]:
+    """``--network`` as (docker's mode name, dsec network policy or None: no network)."""
+    if mode in (None, "none"):
+        return "none", None
+    if mode in ("bridge", "default"):
+        return "bridge", OPEN_NETWORK
+    if mode == "host":
+        _refuse(
+            "network mode host is not supported by dsec: a sandbox never shares the host's "
+            "network namespace (--network bridge reaches the internet, -p publishes ports)"
+        )
+    if mode.startswith("container:"):
+        _refuse(f"network mode {mode} is not supported by dsec: {_NO_SHARING}")
+    _refuse(f"network {mode} not found")
+
+
+def _cap_name(raw: str, which: str) -> str:
+    name = raw.strip().upper().removeprefix("CAP_")
+    if name != "ALL" and name not in _CAPABILITIES:
+        _refuse(f'invalid {which}: unknown capability: "CAP_{name}"')
+    return name
+
+
+def _capabilities(adds: list[str], drops: list[str]) -> tuple[list[str], list[str]]:
+    """``--cap-add``/``--cap-drop`` checked against what sandboxes hold: adding one they
+    hold and dropping one they lack change nothing and are accepted; the rest is refused."""
+    held = ", ".join(SANDBOX_CAPABILITIES)
+    add = [_cap_name(c, "CapAdd") for c in adds]
+    drop = [_cap_name(c, "CapDrop") for c in drops]
+    for cap in add:
+        if cap not in SANDBOX_CAPABILITIES:
+            _refuse(
+                f"--cap-add {cap} is not supported by dsec: a sandbox's root commands hold "
+                f"at most {held} (adding one of those is accepted: it changes nothing)"
+            )
+    for cap in drop:
+        if cap == "ALL" or cap in SANDBOX_CAPABILITIES:
+            _refuse(
+                f"--cap-drop {cap} is not supported by dsec: a sandbox's root commands hold "
+                f"{held} and dsec cannot drop them per container (a non-root --user holds "
+                "none; dropping any other capability is accepted: sandboxes lack it)"
+            )
+    return add, drop
+
+
+def _security_options(options: list[str]) -> list[str]:
+    """``--security-opt`` values dsec already meets; the others are refused."""
+    for raw in options:
+        m = re.fullmatch(r"([^=:]*)(?:[=:](.*))?", raw, re.S)
+        key, value = (m.group(1), m.group(2) or "") if m else (raw, "")
+        if key == "no-new-privileges" and value in ("", "true", "false"):
+            continue  # dsec sets no_new_privs on every command, whatever is asked
+        if (key, value) in (("apparmor", "unconfined"), ("label", "disable")):
+            continue  # dsec nodes use no AppArmor or SELinux: that is what is asked
+        if key == "seccomp":
+            _refuse(
+                f"--security-opt {raw} is not supported by dsec: every sandbox runs under "
+                "dsec's own seccomp filter"
+            )
+        if key in ("apparmor", "label"):
+            _refuse(
+                f"--security-opt {raw} is not supported by dsec: its nodes use no AppArmor "
+                "or SELinux (sandboxes are confined by namespaces, seccomp and Landlock)"
+            )
+        if key == "systempaths":
+            _refuse(f"--security-opt {raw} is not supported by dsec: /proc and /sys stay masked")
+        _refuse(f'invalid --security-opt: "{raw}"')
+    return list(options)
+
+
+def _check_sysctls(items: list[str]) -> None:
+    for item in items:
+        key, _, value = item.partition("=")
+        if key in _IPV6_OFF and value == "1":
+            continue  # sandboxes are IPv4-only: IPv6 is off in their namespace
+        _refuse(
+            f"sysctl {item!r} is not supported by dsec (sandboxes are IPv4-only: only "
+            f"{_IPV6_OFF[0]}=1 is accepted)"
+        )
+
+
+def _credentials(client: Any) -> tuple[str, str]:
+    """The server URL and API key ``client`` uses (for the ``-p`` forwarder)."""
+    http = client.async_client._http
+    return str(client.url), str(http.api_key or "")
+
+
+def _publish(specs: list[str]) -> list[docker_ports.PortBinding]:
+    out = []
+    for spec in specs:
+        try:
+            out.append(docker_ports.parse_publish(spec))
+        except docker_ports.PublishError as e:
+            _usage("run", f'docker: invalid argument "{spec}" for "-p, --publish" flag: {e}')
+    return out
+
+
+def _port_map(bound: list[docker_ports.PortBinding]) -> dict[str, list[dict[str, str]]]:
+    ports: dict[str, list[dict[str, str]]] = {}
+    for b in bound:
+        ports.setdefault(b.key, []).append(
+            {"HostIp": b.host_ip, "HostPort": str(b.host_port) if b.host_port else ""}
+        )
+    return ports
+
+
 def cmd_run(client: Any, args: list[str]) -> int:
     try:
         opts, pos = parse("run", args)
@@ -439,14 +670,17 @@ def cmd_run(client: Any, args: list[str]) -> int:
         raise DockerError(f"docker: {e.message}", e.code) from None
     if not pos:
         _usage("run", "docker: 'docker run' requires at least 1 argument.")
-    image, command = pos[0], pos[1:] or ["/bin/sh"]
-    network = opts["network"]
-    if network not in (None, "none"):
-        _usage(
-            "run",
-            f"docker: unsupported network {network!r} (dsec docker: only --network none; "
-            "sandboxes have no network)",
+    image, args_given = pos[0], pos[1:]
+    network_mode, policy = _network_policy(opts["network"])
+    if opts["privileged"]:
+        _refuse(
+            "--privileged is not supported by dsec: a sandbox never gets the host's devices "
+            "or every capability (a whole VM of its own: dsec's microvm tier with full_guest)"
         )
+    cap_add, cap_drop = _capabilities(opts["cap_add"], opts["cap_drop"])
+    security_opt = _security_options(opts["security_opt"])
+    _check_sysctls(opts["sysctl"])
+    bindings = _publish(opts["publish"])
     tier = opts["runtime"] or os.environ.get("DSEC_DOCKER_TIER", "container")
     if tier not in _TIERS:
         _usage("run", f"docker: unknown runtime {tier!r} (dsec tiers: {', '.join(_TIERS)})")
@@ -472,10 +706,11 @@ def cmd_run(client: Any, args: list[str]) -> int:
             )
     memory_mb = _memory_mb(opts["memory"]) if opts["memory"] is not None else 512
     env = _env_pairs(opts["env"], "run")
-    workdir = opts["workdir"] or "/"
+    workdir = opts["workdir"]
     stdin = _read_stdin() if opts["interactive"] else None
     from dsec.sdk import Sandbox
 
+    bound: list[tuple[docker_ports.PortBinding, Any]] = []
     try:
         if name is not None and any(
             s.labels.get(NAME_LABEL) == name for s in client.list_sandboxes()
@@ -488,7 +723,7 @@ def cmd_run(client: Any, args: list[str]) -> int:
                 EXIT_DAEMON,
             )
         try:
-            image_name = _resolve_image(client, image)
+            image_info = _resolve_image(client, image)
         except ImageNotFound:
             raise DockerError(
                 f"Unable to find image '{image}' locally\ndocker: Error response from daemon: "
@@ -496,29 +731,69 @@ def cmd_run(client: Any, args: list[str]) -> int:
                 "'docker login'.",
                 EXIT_DAEMON,
             ) from None
+        image_cfg = ImageConfig.from_meta(image_info.meta)
+        if opts["entrypoint"] is not None:  # docker: a new entrypoint drops the image's Cmd
+            entrypoint = [opts["entrypoint"]] if opts["entrypoint"] else []
+            cmd = args_given
+        else:
+            entrypoint = image_cfg.Entrypoint or []
+            cmd = args_given or image_cfg.Cmd or []
+        command = [*entrypoint, *cmd] or ["/bin/sh"]
         labels[NAME_LABEL] = name or f"dsec_{secrets.token_hex(4)}"
         labels[COMMAND_LABEL] = shlex.join(command)[:1024]
         if opts["rm"]:
             labels[AUTOREMOVE_LABEL] = "true"
+        try:
+            bound = docker_ports.bind(bindings)
+        except docker_ports.PublishError as e:
+            _refuse(
+                "driver failed programming external connectivity on endpoint "
+                f"{labels[NAME_LABEL]}: {e}"
+            )
+        put_config(
+            labels,
+            {
+                "Image": image,
+                "Entrypoint": entrypoint or None,
+                "Cmd": cmd or None,
+                "Env": [f"{k}={v}" for k, v in env.items()],
+                "NetworkMode": network_mode,
+                "PortBindings": _port_map(bindings),
+                "Ports": _port_map([b for b, _ in bound]),
+                "CapAdd": cap_add or None,
+                "CapDrop": cap_drop or None,
+                "SecurityOpt": security_opt or None,
+            },
+        )
         sb = Sandbox.create(
             tier=tier,
-            image=image_name,
+            image=image_info.name,
             cpu=cpu,
             memory_mb=memory_mb,
             env=env,
             labels=labels,
             user=opts["user"],
             workdir=workdir,
+            network=policy,
             client=client,
         )
     except DockerError:
+        _close(bound)
         raise
     except DsecError as e:
+        _close(bound)
         raise DockerError(
             f"docker: Error response from daemon: {e.message}.", EXIT_DAEMON
         ) from None
+    started = False
     try:
-        if workdir != "/":
+        if bound:
+            url, key = _credentials(client)
+            try:
+                docker_ports.start_forwarder(sb.id, url, key, bound)
+            except (OSError, docker_ports.PublishError) as e:
+                _refuse(f"cannot start the port forwarder of {sb.id}: {e}")
+        if workdir is not None and workdir != "/":
             sb.files.make_dir(workdir)  # docker creates the working directory
         if opts["detach"]:
             # the command in the background, outliving this exec (own process group)
@@ -532,6 +807,7 @@ def cmd_run(client: Any, args: list[str]) -> int:
                     f"docker: Error response from daemon: {r.stderr.strip()}.", EXIT_DAEMON
                 )
             print(sb.id)
+            started = True
             return 0
         result, unstreamed = _stream(
             sb, command, cwd=workdir, stdin=stdin, timeout=_MAX_S, max_output_bytes=64 << 20
@@ -551,11 +827,16 @@ def cmd_run(client: Any, args: list[str]) -> int:
             f"docker: Error response from daemon: {e.message}.", EXIT_DAEMON
         ) from None
     finally:
-        if not opts["detach"]:
-            try:
+        if not started:  # ended (foreground), or a detached start failed: nothing stays
+            with contextlib.suppress(DsecError):
                 sb.kill()
-            except DsecError:
-                pass
+            if bound:
+                docker_ports.stop_forwarder(sb.id)
+
+
+def _close(bound: list[tuple[docker_ports.PortBinding, Any]]) -> None:
+    for _, sock in bound:
+        sock.close()
 
 
 def cmd_exec(client: Any, args: list[str]) -> int:
@@ -654,14 +935,22 @@ def _row(info: SandboxInfo, now: datetime, no_trunc: bool) -> dict[str, str]:
     shown = f'"{command}"'
     if not no_trunc and len(command) > 20:
         shown = f'"{command[:19]}…"'
-    labels = ",".join(f"{k}={v}" for k, v in sorted(info.labels.items()))
+    labels = ",".join(
+        f"{k}={v}" for k, v in sorted(info.labels.items()) if not k.startswith(CONFIG_LABEL + ".")
+    )
+    ports = ", ".join(
+        f"{b['HostIp']}:{b['HostPort']}->{key}"
+        for key, binds in (get_config(info.labels).get("Ports") or {}).items()
+        for b in binds
+        if state in ("running", "paused")
+    )
     return {
         "ID": info.id,
         "Image": info.image,
         "Command": shown,
         "CreatedAt": info.created_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S +0000 UTC"),
         "RunningFor": f"{_human(age)} ago",
-        "Ports": "",
+        "Ports": ports,
         "State": state,
         "Status": status,
         "Size": "0B",
@@ -689,38 +978,33 @@ _HEADERS = {
     "Networks": "NETWORKS",
     "LocalVolumes": "LOCAL VOLUMES",
 }
-_FIELD = re.compile(r"\{\{\s*(?:(json)\s+)?\.(\w*)(?:\s+\"([^\"]*)\")?\s*\}\}")
-_ANY_ACTION = re.compile(r"\{\{.*?\}\}")
 
 
-def _render(template: str, row: dict[str, str], labels: dict[str, str]) -> str:
-    def one(m: re.Match[str]) -> str:
-        as_json, name, arg = m.group(1), m.group(2), m.group(3)
-        if name == "" and as_json:
-            return json.dumps(row, sort_keys=True, ensure_ascii=False)
-        if name == "Label" and arg is not None:
-            return labels.get(arg, "")
-        value = row[name]
-        return json.dumps(value) if as_json else value
-
-    return _FIELD.sub(one, template)
+def _template(text: str) -> Template:
+    """``--format`` as a Go template (``json``: the whole object as JSON)."""
+    if text == "json":
+        text = "{{json .}}"
+    try:
+        return Template(text.replace("\\t", "\t").replace("\\n", "\n"))
+    except TemplateError as e:
+        raise DockerError(f"template parsing error: {e}", EXIT_DAEMON) from None
 
 
-def _check_template(template: str) -> None:
-    for action in _ANY_ACTION.findall(template):
-        m = _FIELD.fullmatch(action)
-        ok = m is not None and (
-            (m.group(1) and m.group(2) == "" and m.group(3) is None)
-            or (m.group(2) == "Label" and m.group(3) is not None)
-            or (m.group(2) in _HEADERS and m.group(3) is None)
-        )
-        if not ok:
-            raise DockerError(
-                f"template parsing error: unsupported action {action} (dsec docker supports "
-                '{{.Field}}, {{json .}}, {{json .Field}} and {{.Label "key"}} with the fields '
-                f"{', '.join(_HEADERS)})",
-                EXIT_DAEMON,
-            )
+def _listing(fmt: str | None, default: str, rows: list[GoStruct], header: GoStruct) -> str:
+    """``ps``/``images`` output: ``fmt`` (a template, ``table TEMPLATE`` or ``json``) per
+    row, or docker's table; a template error exits 125 with Go's message."""
+    if fmt in (None, "", "table"):
+        fmt = default
+    assert fmt is not None
+    table = fmt.startswith("table")
+    tmpl = _template(fmt[len("table") :].lstrip(" ") if table else fmt)
+    try:
+        if table:
+            lines = [tmpl.execute(header, strict=False)] + [tmpl.execute(r) for r in rows]
+            return _table([line.split("\t") for line in lines])
+        return "".join(tmpl.execute(r) + "\n" for r in rows)
+    except TemplateError as e:
+        raise DockerError(str(e), EXIT_DAEMON) from None
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -735,37 +1019,39 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_PS_TYPE = "*formatter.ContainerContext"
+
+
 def cmd_ps(client: Any, args: list[str]) -> int:
     opts, pos = parse("ps", args)
     if pos:
         _usage("ps", '"docker ps" accepts no arguments.')
-    fmt = opts["format"]
-    if fmt is not None:
-        fmt = fmt.replace("\\t", "\t").replace("\\n", "\n")
-        _check_template(fmt)
+    if opts["format"] not in (None, "", "table", "json"):
+        _template(opts["format"])  # a bad template fails before the server is asked
     sandboxes = [s for s in client.list_sandboxes(include_stopped=opts["all"]) if not _removed(s)]
     sandboxes.sort(key=lambda s: s.created_at, reverse=True)
     now = datetime.now(UTC)
-    rows = [(_row(s, now, opts["no_trunc"]), s.labels) for s in sandboxes]
-    if opts["quiet"]:
-        sys.stdout.write("".join(f"{r['ID']}\n" for r, _ in rows))
-        return 0
-    if fmt is None or fmt == "table":
-        fmt = "table {{.ID}}\t{{.Image}}\t{{.Command}}\t{{.RunningFor}}\t{{.Status}}\t{{.Ports}}\t{{.Names}}"
-    if fmt.startswith("table"):
-        body = fmt[len("table") :].lstrip(" ")
-        header = _FIELD.sub(
-            lambda m: (
-                ""
-                if m.group(2) == ""
-                else (m.group(3).upper() if m.group(2) == "Label" else _HEADERS[m.group(2)])
-            ),
-            body,
+    rows = [
+        GoStruct(
+            _PS_TYPE,
+            _row(s, now, opts["no_trunc"]),
+            {"Label": lambda key, labels=s.labels: labels.get(key, "")},
         )
-        lines = [header] + [_render(body, r, labels) for r, labels in rows]
-        sys.stdout.write(_table([line.split("\t") for line in lines]))
+        for s in sandboxes
+    ]
+    if opts["quiet"]:
+        sys.stdout.write("".join(f"{r.fields['ID']}\n" for r in rows))
         return 0
-    sys.stdout.write("".join(_render(fmt, r, labels) + "\n" for r, labels in rows))
+    header = GoStruct(_PS_TYPE, dict(_HEADERS), {"Label": lambda key: key.upper()})
+    sys.stdout.write(
+        _listing(
+            opts["format"],
+            "table {{.ID}}\t{{.Image}}\t{{.Command}}\t{{.RunningFor}}\t{{.Status}}\t"
+            "{{.Ports}}\t{{.Names}}",
+            rows,
+            header,
+        )
+    )
     return 0
 
 
@@ -778,12 +1064,15 @@ def cmd_stop(client: Any, args: list[str]) -> int:
             "stop",
             f'invalid argument "{opts["time"]}" for "-t, --time" flag: strconv.ParseInt: parsing "{opts["time"]}": invalid syntax',
         )
+    return _each(pos, lambda ref: _kill(client, _find(client, ref)))
+
+
+def _each(refs: list[str], act: Callable[[str], None]) -> int:
+    """``act`` on every reference, printing each done; docker's errors on stderr, exit 1."""
     code = 0
-    for ref in pos:
+    for ref in refs:
         try:
-            info = _find(client, ref)
-            if info.state != "stopped":
-                _kill(client, info.id)
+            act(ref)
             print(ref)
         except DockerError as e:
             sys.stderr.write(e.message + "\n")
@@ -791,35 +1080,54 @@ def cmd_stop(client: Any, args: list[str]) -> int:
     return code
 
 
-def _kill(client: Any, sandbox_id: str) -> None:
+def _kill(client: Any, info: SandboxInfo) -> None:
+    """Kill the sandbox (if it runs) and end its ``-p`` forwarder: the host ports are free
+    once this returns."""
     from dsec.sdk import Sandbox
 
-    try:
-        Sandbox.connect(sandbox_id, client=client).kill()
-    except (SandboxNotFound, SandboxStopped):
-        pass
+    if info.state != "stopped":
+        try:
+            Sandbox.connect(info.id, client=client).kill()
+        except (SandboxNotFound, SandboxStopped):
+            pass
+    docker_ports.stop_forwarder(info.id)
+
+
+def cmd_kill(client: Any, args: list[str]) -> int:
+    opts, pos = parse("kill", args)
+    if not pos:
+        _usage("kill", "docker: 'docker kill' requires at least 1 argument.")
+    sig = (opts["signal"] or "KILL").upper().removeprefix("SIG")
+    if sig not in ("KILL", "9"):
+        _usage("kill", f"dsec docker kill: only SIGKILL can be sent (not {opts['signal']})")
+
+    def kill(ref: str) -> None:
+        info = _find(client, ref)
+        if info.state == "stopped":
+            raise DockerError(
+                f"Error response from daemon: cannot kill container: {ref}: container "
+                f"{info.id} is not running"
+            )
+        _kill(client, info)
+
+    return _each(pos, kill)
 
 
 def cmd_rm(client: Any, args: list[str]) -> int:
     opts, pos = parse("rm", args)
     if not pos:
         _usage("rm", "docker: 'docker rm' requires at least 1 argument.")
-    code = 0
-    for ref in pos:
-        try:
-            info = _find(client, ref)
-            if info.state != "stopped":
-                if not opts["force"]:
-                    raise DockerError(
-                        f'Error response from daemon: cannot remove container "/{_name_of(info)}": '
-                        "container is running: stop the container before removing or force remove"
-                    )
-                _kill(client, info.id)
-            print(ref)
-        except DockerError as e:
-            sys.stderr.write(e.message + "\n")
-            code = 1
-    return code
+
+    def remove(ref: str) -> None:
+        info = _find(client, ref)
+        if info.state != "stopped" and not opts["force"]:
+            raise DockerError(
+                f'Error response from daemon: cannot remove container "/{_name_of(info)}": '
+                "container is running: stop the container before removing or force remove"
+            )
+        _kill(client, info)
+
+    return _each(pos, remove)
 
 
 def cmd_pull(client: Any, args: list[str]) -> int:
@@ -828,7 +1136,7 @@ def cmd_pull(client: Any, args: list[str]) -> int:
         _usage("pull", "docker: 'docker pull' requires 1 argument.")
     ref = pos[0]
     try:
-        name = _resolve_image(client, ref)
+        name = _resolve_image(client, ref).name
     except ImageNotFound:
         first, slash, _ = ref.partition("/")
         registry = ref.startswith("oci://") or (
@@ -1014,14 +1322,257 @@ def _cp_to(sb: Any, src: str, dst: str, ref: str) -> int:
     return len(data)
 
 
+def _format_or_none(text: str | None, parse_code: int) -> Template | None:
+    if not text:
+        return None
+    try:
+        return _template(text)
+    except DockerError as e:
+        raise DockerError(e.message, parse_code) from None
+
+
+def _execute(tmpl: Template, doc: Any) -> str:
+    """One object through ``--format``; an execution error ends the command (exit 1)."""
+    try:
+        return tmpl.execute(doc) + "\n"
+    except TemplateError as e:
+        raise DockerError(str(e), 1) from None
+
+
+def cmd_version(client: Any, args: list[str]) -> int:
+    opts, pos = parse("version", args)
+    if pos:
+        _usage("version", '"docker version" accepts no arguments.')
+    tmpl = _format_or_none(opts["format"], 64)  # docker: a bad template exits 64
+    node, failed = None, None
+    try:
+        node = client.node_info()
+    except DsecError as e:
+        failed = e
+    doc = version_document(node, str(client.url))
+    try:
+        sys.stdout.write(version_text(doc) if tmpl is None else _execute(tmpl, doc))
+    except DockerError:
+        if failed is None:
+            raise
+    if failed is not None:
+        raise failed
+    return 0
+
+
+def cmd_info(client: Any, args: list[str]) -> int:
+    opts, pos = parse("info", args)
+    if pos:
+        _usage("info", '"docker info" accepts no arguments.')
+    tmpl = _format_or_none(opts["format"], 64)
+    node = client.node_info()
+    sandboxes = [s for s in client.list_sandboxes(include_stopped=True) if not _removed(s)]
+    images = sum(1 for i in client.list_images() if i.status == "ready")
+    doc = info_document(node, sandboxes, images, str(client.url))
+    sys.stdout.write(info_text(doc) if tmpl is None else _execute(tmpl, doc))
+    return 0
+
+
+def _image_of(client: Any, name: str) -> ImageInfo | None:
+    try:
+        image: ImageInfo = client.get_image(name)
+        return image
+    except DsecError:  # gone, or not this key's any more
+        return None
+
+
+def cmd_inspect(client: Any, args: list[str], kind: str | None = None) -> int:
+    opts, pos = parse("inspect", args)
+    if not pos:
+        _usage("inspect", "docker: 'docker inspect' requires at least 1 argument.")
+    kind = kind or opts["type"]
+    if kind not in (None, "container", "image"):
+        _usage(
+            "inspect", f'"{kind}" is not a valid value for --type (dsec docker: container, image)'
+        )
+    tmpl = _format_or_none(opts["format"], 1)
+    machine: list[str] = []
+    docs: list[dict[str, Any]] = []
+    code = 0
+    for ref in pos:
+        doc = None
+        if kind in (None, "container"):
+            try:
+                info = _find(client, ref)
+                doc = container_document(info, _image_of(client, info.image))
+            except DockerError as e:
+                if "No such container" not in e.message:
+                    raise
+        if doc is None and kind in (None, "image"):
+            try:
+                image = _resolve_image(client, ref)
+                if not machine:
+                    host = client.node_info().host
+                    machine.append(host.architecture if host else "")
+                doc = image_document(image, machine[0])
+            except ImageNotFound:
+                pass
+        if doc is None:
+            sys.stderr.write(f"Error: No such {kind or 'object'}: {ref}\n")
+            code = 1
+            continue
+        docs.append(doc)
+    if tmpl is None:
+        sys.stdout.write(json.dumps(docs, indent=4, ensure_ascii=False) + "\n")
+    else:
+        sys.stdout.write("".join(_execute(tmpl, doc) for doc in docs))
+    return code
+
+
+def _host_port(binding: dict[str, str]) -> str:
+    ip = binding.get("HostIp", "")
+    return (
+        f"[{ip}]:{binding.get('HostPort', '')}"
+        if ":" in ip
+        else f"{ip}:{binding.get('HostPort', '')}"
+    )
+
+
+def cmd_port(client: Any, args: list[str]) -> int:
+    opts, pos = parse("port", args)
+    del opts
+    if not 1 <= len(pos) <= 2:
+        _usage("port", '"docker port" requires at least 1 and at most 2 arguments.')
+    info = _find(client, pos[0])
+    ports: dict[str, list[dict[str, str]]] = {}
+    if info.state in ("running", "paused"):
+        ports = get_config(info.labels).get("Ports") or {}
+    if len(pos) == 2:
+        port, _, proto = pos[1].partition("/")
+        key = f"{port}/{proto or 'tcp'}"
+        if not ports.get(key):
+            raise DockerError(f"Error: No public port '{key}' published for {pos[0]}")
+        sys.stdout.write("".join(_host_port(b) + "\n" for b in ports[key]))
+        return 0
+    for key in sorted(ports, key=lambda k: int(k.partition("/")[0])):
+        sys.stdout.write("".join(f"{key} -> {_host_port(b)}\n" for b in ports[key]))
+    return 0
+
+
+_IMAGE_HEADERS = {
+    "ID": "IMAGE ID",
+    "Repository": "REPOSITORY",
+    "Tag": "TAG",
+    "Digest": "DIGEST",
+    "CreatedSince": "CREATED",
+    "CreatedAt": "CREATED AT",
+    "Size": "SIZE",
+    "Containers": "CONTAINERS",
+    "SharedSize": "SHARED SIZE",
+    "UniqueSize": "UNIQUE SIZE",
+    "VirtualSize": "VIRTUAL SIZE",
+}
+_IMAGES_TYPE = "*formatter.imageContext"
+
+
+def cmd_images(client: Any, args: list[str]) -> int:
+    opts, pos = parse("images", args)
+    if len(pos) > 1:
+        _usage("images", '"docker images" requires at most 1 argument.')
+    if opts["format"] not in (None, "", "table", "json"):
+        _template(opts["format"])
+    now = datetime.now(UTC)
+    rows: list[GoStruct] = []
+    for image in sorted(client.list_images(), key=lambda i: i.created_at, reverse=True):
+        if image.status != "ready" and not opts["all"]:
+            continue
+        repo, tag = repo_tag(image.name)
+        if pos and pos[0] not in (repo, f"{repo}:{tag}", image.name):
+            continue
+        full = image_id(image.layers)
+        rows.append(
+            GoStruct(
+                _IMAGES_TYPE,
+                {
+                    "ID": full if opts["no_trunc"] else full.removeprefix("sha256:")[:12],
+                    "Repository": repo,
+                    "Tag": tag,
+                    "Digest": "<none>",
+                    "CreatedSince": f"{_human((now - image.created_at).total_seconds())} ago",
+                    "CreatedAt": image.created_at.astimezone(UTC).strftime(
+                        "%Y-%m-%d %H:%M:%S +0000 UTC"
+                    ),
+                    "Size": _size_text(image.size),
+                    "Containers": "N/A",
+                    "SharedSize": "N/A",
+                    "UniqueSize": "N/A",
+                    "VirtualSize": _size_text(image.size),
+                },
+            )
+        )
+    if opts["quiet"]:
+        ids = dict.fromkeys(r.fields["ID"] for r in rows)
+        sys.stdout.write("".join(f"{i}\n" for i in ids))
+        return 0
+    header = GoStruct(_IMAGES_TYPE, dict(_IMAGE_HEADERS))
+    default = "table {{.Repository}}\t{{.Tag}}\t{{.ID}}\t{{.CreatedSince}}\t{{.Size}}"
+    sys.stdout.write(_listing(opts["format"], default, rows, header))
+    return 0
+
+
+def cmd_rmi(client: Any, args: list[str]) -> int:
+    opts, pos = parse("rmi", args)
+    del opts  # -f: dsec keeps an image's layers while sandboxes use them
+    if not pos:
+        _usage("rmi", "docker: 'docker rmi' requires at least 1 argument.")
+    code = 0
+    for ref in pos:
+        try:
+            image = _resolve_image(client, ref)
+            client.delete_image(image.name)
+        except ImageNotFound:
+            sys.stderr.write(f"Error response from daemon: No such image: {ref}\n")
+            code = 1
+            continue
+        except DsecError as e:
+            sys.stderr.write(f"Error response from daemon: {e.message}\n")
+            code = 1
+            continue
+        repo, tag = repo_tag(image.name)
+        print(f"Untagged: {repo}:{tag}\nDeleted: {image_id(image.layers)}")
+    return code
+
+
 _VERBS: dict[str, Callable[[Any, list[str]], int]] = {
     "run": cmd_run,
     "exec": cmd_exec,
     "ps": cmd_ps,
     "stop": cmd_stop,
     "rm": cmd_rm,
+    "kill": cmd_kill,
     "pull": cmd_pull,
     "cp": cmd_cp,
+    "version": cmd_version,
+    "info": cmd_info,
+    "inspect": cmd_inspect,
+    "port": cmd_port,
+    "images": cmd_images,
+    "rmi": cmd_rmi,
+    "container-inspect": lambda client, args: cmd_inspect(client, args, "container"),
+    "image-inspect": lambda client, args: cmd_inspect(client, args, "image"),
+}
+# docker container VERB / docker image VERB: the verb they stand for
+_GROUPS: dict[str, dict[str, str]] = {
+    "container": {
+        **{v: v for v in ("run", "exec", "stop", "rm", "kill", "cp", "port")},
+        "ls": "ps",
+        "list": "ps",
+        "ps": "ps",
+        "inspect": "container-inspect",
+    },
+    "image": {
+        "inspect": "image-inspect",
+        "ls": "images",
+        "list": "images",
+        "rm": "rmi",
+        "remove": "rmi",
+        "pull": "pull",
+    },
 }
 
 
@@ -1033,22 +1584,37 @@ def main(
     if not args or args[0] in ("-h", "--help", "help"):
         sys.stdout.write(_TOP_HELP)
         return 0
+    if args[0] in ("-v", "--version"):
+        sys.stdout.write(f"Docker version {DOCKER_VERSION}, build dsec\n")
+        return 0
     if args[0].startswith("-"):
         sys.stderr.write(f"unknown flag: {args[0]}\nSee 'docker --help'.\n")
         return EXIT_DAEMON
     verb, rest = args[0], args[1:]
-    if verb == "container" and rest:  # docker container run|exec|ls|stop|rm|cp
-        verb, rest = ("ps" if rest[0] in ("ls", "list") else rest[0]), rest[1:]
-    if verb not in _VERBS:
+    hidden = "-" in verb  # container-inspect etc.: reached as "container inspect" only
+    if verb in _GROUPS:
+        group = _GROUPS[verb]
+        if not rest or rest[0] in ("-h", "--help"):
+            sys.stdout.write(f"Usage:  docker {verb} COMMAND\n\nCommands: {', '.join(group)}\n")
+            return 0
+        if rest[0] not in group:
+            sys.stderr.write(
+                f"docker: '{verb} {rest[0]}' is not a docker command (dsec docker supports "
+                f"{verb} {', '.join(group)}).\nSee 'docker {verb} --help'\n"
+            )
+            return 1
+        verb, rest = group[rest[0]], rest[1:]
+    if verb not in _VERBS or hidden:
         sys.stderr.write(
             f"docker: '{verb}' is not a docker command (dsec docker supports "
-            f"{', '.join(_VERBS)}).\nSee 'docker --help'\n"
+            f"{', '.join(v for v in [*_VERBS, *_GROUPS] if '-' not in v)}).\n"
+            "See 'docker --help'\n"
         )
         return 1
     try:
         return _VERBS[verb](_client(url, api_key), rest)
     except _Help:
-        sys.stdout.write(_HELP[verb] + "\n")
+        sys.stdout.write(_HELP[verb.rpartition("-")[2]] + "\n")
         return 0
     except DockerError as e:
         sys.stderr.write(e.message.rstrip("\n") + "\n")

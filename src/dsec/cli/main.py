@@ -31,7 +31,7 @@ Commands::
     dsec port-forward ID [LOCAL:]PORT... [--address A]   (local ports to ports in a sandbox)
     dsec info
     dsec doctor [--json] [--tiers T,...]   (this host's kernel, cgroups and tiers; no server)
-    dsec docker run|exec|ps|stop|rm|pull|cp ...   (a docker CLI subset: dsec/cli/docker.py)
+    dsec docker run|exec|ps|inspect|port|... (a docker CLI subset: dsec/cli/docker.py)
     dsec key create [--name N] [--operator] [--max-sandboxes N] [--max-cpu C]
                     [--max-memory-mb M] [--creations-per-s R] [--cpu-weight W]
     dsec key set OWNER [--max-sandboxes N|none] [...]   (change a key's quota)
@@ -114,8 +114,9 @@ app.command("doctor")(doctor)
     add_help_option=False,
 )
 def docker(ctx: typer.Context) -> None:
-    """A docker-compatible subset on sandboxes: run, exec, ps, stop, rm, pull, cp
-    (``dsec docker --help``; docs/integrations.md). Same as the ``dsec-docker`` command."""
+    """A docker-compatible subset on sandboxes: run, exec, ps, stop, kill, rm, pull, cp,
+    inspect, port, images, rmi, version, info (``dsec docker --help``;
+    docs/integrations.md). Same as the ``dsec-docker`` command."""
     from dsec.cli.docker import main as docker_main
 
     raise typer.Exit(docker_main(ctx.args, url=_connection["url"], api_key=_connection["api_key"]))
