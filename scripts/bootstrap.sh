@@ -57,6 +57,16 @@ if [[ ! -f $ui_out ]] || [[ -n $(find ui/src ui/build.mjs ui/package-lock.json -
   (cd ui && node build.mjs)
 fi
 
+# openai-agents' E2B sandboxes (tests/e2b/test_openai_agents_root.py) pin e2b 2.31, which the
+# server's e2b 2.63 excludes: a venv of their own, .venv-openai-agents
+ostamp=.venv-openai-agents/.dsec-installed
+if [[ ! -f $ostamp || pyproject.toml -nt $ostamp ]]; then
+  [[ -x .venv-openai-agents/bin/python ]] || "$PY" -m venv .venv-openai-agents
+  .venv-openai-agents/bin/pip install -q --upgrade pip
+  .venv-openai-agents/bin/pip install -q -e '.[openai-agents]'
+  touch "$ostamp"
+fi
+
 # Harbor (the Terminal-Bench harness: tests/integrations/test_harbor_root.py) needs Python
 # >= 3.12: a venv of its own, .venv-harbor, from the first such Python found (Debian 13's
 # python3 is 3.13; Debian 12 has 3.11 only, and neither Debian nor PyPI ships a standalone

@@ -572,13 +572,16 @@ def _forward_headers(
 
 
 _DSEC_BEARER = re.compile(
-    rb"^\s*bearer\s+(dsec_[A-Za-z0-9_-]{20,}|[A-Za-z0-9_-]{1,256}\.[0-9a-f]{64})\s*$", re.I
+    rb"^\s*bearer\s+(dsec_[A-Za-z0-9_-]{20,}|e2b_647365635f(?:[0-9a-f]{2}){20,}"
+    rb"|[A-Za-z0-9_-]{1,256}\.[0-9a-f]{64})\s*$",
+    re.I,
 )
 
 
 def _is_dsec_bearer(value: bytes) -> bool:
-    """Whether an Authorization header carries a dsec key or port token (never forwarded;
-    any other Authorization is the sandbox app's own and passes)."""
+    """Whether an Authorization header carries a dsec key (also in its E2B form,
+    ``e2b_`` + the hex of ``dsec_...``) or port token (never forwarded; any other
+    Authorization is the sandbox app's own and passes)."""
     return _DSEC_BEARER.match(value) is not None
 
 
