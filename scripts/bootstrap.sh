@@ -10,6 +10,9 @@ APT_PACKAGES=(
   iproute2 nftables fuse3 libfuse3-dev pkg-config curl ca-certificates util-linux
   qemu-system-x86 qemu-utils lz4 e2fsprogs cpio docker-registry openssl
   libfuse3-3 git postgresql chromium
+  # *.localhost resolves to this machine for every program (glibc alone does not): the
+  # port proxy's default host routes, https://<port>-<id>.dsec.localhost:7443
+  libnss-myhostname
   # the code-interpreter server's stack (tests run it under /usr/bin/python3, as the image does)
   python3-ipykernel python3-jupyter-client python3-tornado python3-matplotlib python3-numpy
   python3-pandas python3-pil python3-pexpect nodejs

@@ -566,7 +566,9 @@ async def test_host_route_of_the_envd_port_is_the_e2b_api() -> None:
         transport=httpx.ASGITransport(app=app), base_url="http://x", timeout=10
     ) as c:
         r = await c.post(
-            "/e2b/sandboxes", json={"templateID": "busybox"}, headers={"x-api-key": KEY}
+            "/e2b/sandboxes",
+            json={"templateID": "busybox", "network": {"allowPublicTraffic": False}},
+            headers={"x-api-key": KEY},
         )
         assert r.status_code == 201, r.text
         body = r.json()
