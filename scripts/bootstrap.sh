@@ -10,6 +10,9 @@ APT_PACKAGES=(
   iproute2 nftables fuse3 libfuse3-dev pkg-config curl ca-certificates util-linux
   qemu-system-x86 qemu-utils lz4 e2fsprogs cpio docker-registry openssl
   libfuse3-3 git postgresql chromium
+  # *.localhost resolves to this machine for every program (glibc alone does not): the
+  # port proxy's default host routes, https://<port>-<id>.dsec.localhost:7443
+  libnss-myhostname
   # the code-interpreter server's stack (tests run it under /usr/bin/python3, as the image does)
   python3-ipykernel python3-jupyter-client python3-tornado python3-matplotlib python3-numpy
   python3-pandas python3-pil python3-pexpect nodejs
@@ -57,17 +60,24 @@ if [[ ! -f $ui_out ]] || [[ -n $(find ui/src ui/build.mjs ui/package-lock.json -
   (cd ui && node build.mjs)
 fi
 
+# Clients whose pins the server's own exclude get a venv of their own each (they only talk
+# to dsec over HTTP or shell out to dsec-docker): made once, again when pyproject.toml changes.
+side_venv() {  # side_venv DIR EXTRA
+  local stamp=$1/.dsec-installed
+  if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
+    [[ -x $1/bin/python ]] || "$PY" -m venv "$1"
+    "$1/bin/pip" install -q --upgrade pip
+    "$1/bin/pip" install -q -e ".[$2]"
+    touch "$stamp"
+  fi
+}
 # verifiers (Prime Intellect's RL environments; tests/integrations/
-# test_docker_cli_verifiers_root.py runs its docker runtime on dsec-docker) cannot share
-# .venv: its prime-sandboxes needs connectrpc<0.12, dsec's e2b 2.63 needs >=0.12.1. It only
-# shells out to `docker`, so a venv of its own, .venv-verifiers, holds it.
-vstamp=.venv-verifiers/.dsec-installed
-if [[ ! -f $vstamp || pyproject.toml -nt $vstamp ]]; then
-  [[ -x .venv-verifiers/bin/python ]] || "$PY" -m venv .venv-verifiers
-  .venv-verifiers/bin/pip install -q --upgrade pip
-  .venv-verifiers/bin/pip install -q -e '.[verifiers]'
-  touch "$vstamp"
-fi
+# test_docker_cli_verifiers_root.py runs its docker runtime on dsec-docker): its
+# prime-sandboxes needs connectrpc<0.12, dsec's e2b 2.63 needs >=0.12.1
+side_venv .venv-verifiers verifiers
+# openai-agents' E2B sandboxes (tests/e2b/test_openai_agents_root.py) pin e2b 2.31, which the
+# server's e2b 2.63 excludes
+side_venv .venv-openai-agents openai-agents
 
 # Harbor (the Terminal-Bench harness: tests/integrations/test_harbor_root.py) needs Python
 # >= 3.12: a venv of its own, .venv-harbor, from the first such Python found (Debian 13's

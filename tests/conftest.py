@@ -308,6 +308,23 @@ def _seed_layers(home: Path, cache: Path) -> None:
         layers.symlink_to(cache, target_is_directory=True)
 
 
+@contextlib.contextmanager
+def container_server(home: Path, cache: Path, image: str, **options: Any) -> Iterator[Any]:
+    """A :class:`dsec.server.BackgroundServer` at ``home`` (layers from ``cache``) with the
+    container tier and ``image`` ready; ``options`` go to the server (``network_options``);
+    a skip when this node has no container tier. The home is removed afterwards."""
+    from dsec.server import BackgroundServer
+
+    _seed_layers(home, cache)
+    with BackgroundServer(home, tiers=["container"], **options) as bg:
+        assert bg.edge is not None
+        if "container" not in bg.edge.runtimes:
+            pytest.skip("the container tier is not available on this node")
+        bg.call(bg.edge.layers.ensure_image(image), timeout=3600)
+        yield bg
+    shutil.rmtree(home, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def live_server(dsec_home_root: Path, shared_layers: Path) -> Iterator[LiveServer]:
     if not _is_root():

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsec.server")
 
 
+DEFAULT_PORTS_DOMAIN = "dsec.localhost"
+"""The ports domain of a ``dsec serve`` without ``DSEC_PORTS_DOMAIN``: host routes are
+``{port}-{id}.dsec.localhost:<TLS port>``, names that browsers (Chromium, Firefox), curl
+and any resolver with ``nss-myhostname`` (Debian: ``libnss-myhostname``) resolve to the
+machine itself (RFC 6761), so E2B's ``get_host()`` and e2b-desktop's stream URL work on the
+node with no DNS set-up. Two labels, not ``localhost`` alone: a certificate for
+``*.localhost`` is refused by OpenSSL and Chromium (a wildcard directly under a top-level
+name), one for ``*.dsec.localhost`` is not."""
+DEFAULT_TLS_PORT = 7443
+"""The TLS listener's port when neither ``DSEC_PORTS_DOMAIN`` nor ``DSEC_PORTS_TLS_PORT``
+is set (any free port when another program holds it; the ports domain names the one
+taken)."""
+_OFF = ("off", "none", "no", "0")
+
+
 @dataclass
 class PortsSettings:
     """How the port proxy is reached (``docs/network.md``, "Ports").
@@ -44,28 +61,97 @@ class PortsSettings:
         tls: its certificate (the operator's, ``DSEC_PORTS_TLS_CERT``/``_KEY``, or the
             node's own from :func:`dsec.apiserver.tls.node_certificate`).
         home: where the port token secret lives (``$DSEC_HOME/ports_secret``).
+        tls_socket: the TLS listener's socket when :meth:`from_env` bound it already (the
+            default port, or a free one); None: the listener binds ``tls_port`` itself.
     """
 
     domain: str | None = None
     tls_port: int | None = None
     tls: TlsFiles | None = None
     home: Path | None = None
+    tls_socket: socket.socket | None = None
 
     @classmethod
-    def from_env(cls, home: Path) -> PortsSettings:
+    def from_env(cls, home: Path, *, host: str = "127.0.0.1", port: int = 7070) -> PortsSettings:
         """From ``DSEC_PORTS_DOMAIN``, ``DSEC_PORTS_TLS_PORT``, ``DSEC_PORTS_TLS_CERT`` and
-        ``DSEC_PORTS_TLS_KEY``."""
+        ``DSEC_PORTS_TLS_KEY``; ``host`` and ``port`` are the server's own listener.
+
+        With neither ``DSEC_PORTS_DOMAIN`` nor ``DSEC_PORTS_TLS_PORT`` set (a node nobody
+        configured), the TLS listener is on: its socket is bound here, on ``host`` at
+        :data:`DEFAULT_TLS_PORT` or, when that is taken, any free port, and the domain is
+        :data:`DEFAULT_PORTS_DOMAIN` with that port (``dsec.localhost:7443``), certified by
+        the node's own authority. ``DSEC_PORTS_DOMAIN=off`` turns host routes off,
+        ``DSEC_PORTS_TLS_PORT=off`` the TLS listener (the default domain then names the
+        plain port). An operator's ``DSEC_PORTS_DOMAIN`` gets a TLS listener only where
+        ``DSEC_PORTS_TLS_PORT`` says so, as before."""
         from dsec.apiserver.ports import ports_domain_from_env
         from dsec.apiserver.tls import tls_files_from_env
 
-        domain = ports_domain_from_env()
-        raw = os.environ.get("DSEC_PORTS_TLS_PORT", "").strip()
+        raw_domain = os.environ.get("DSEC_PORTS_DOMAIN", "").strip().lower()
+        raw_tls = os.environ.get("DSEC_PORTS_TLS_PORT", "").strip().lower()
+        tls_port: int | None = None
+        tls_socket: socket.socket | None = None
+        if raw_tls in _OFF:
+            pass
+        elif raw_tls:
+            try:
+                tls_port = int(raw_tls)
+            except ValueError:
+                raise SystemExit(
+                    f"DSEC_PORTS_TLS_PORT must be a port number or 'off', not {raw_tls!r}"
+                ) from None
+        elif not raw_domain:  # nothing configured: E2B's URLs work on this node as they are
+            tls_socket = _listen(host, DEFAULT_TLS_PORT)
+            tls_port = int(tls_socket.getsockname()[1])
+            if tls_port != DEFAULT_TLS_PORT:
+                log.warning(
+                    "port proxy: port %d is taken; the TLS listener is on %d instead (set "
+                    "DSEC_PORTS_TLS_PORT to choose)",
+                    DEFAULT_TLS_PORT,
+                    tls_port,
+                )
+        domain: str | None
+        if raw_domain in _OFF:
+            domain = None
+        elif raw_domain:
+            domain = ports_domain_from_env()
+        else:
+            listener = tls_port if tls_port is not None else port
+            domain = DEFAULT_PORTS_DOMAIN + ("" if listener == 443 else f":{listener}")
         try:
-            tls_port = int(raw) if raw else None
-        except ValueError:
-            raise SystemExit(f"DSEC_PORTS_TLS_PORT must be a port number, not {raw!r}") from None
-        tls = tls_files_from_env(home, domain or "localhost") if tls_port else None
-        return cls(domain=domain, tls_port=tls_port, tls=tls, home=home)
+            tls = tls_files_from_env(home, domain or "localhost") if tls_port else None
+        except BaseException:
+            if tls_socket is not None:
+                tls_socket.close()
+            raise
+        return cls(domain=domain, tls_port=tls_port, tls=tls, home=home, tls_socket=tls_socket)
+
+
+def localhost_names_resolve(nsswitch: Path = Path("/etc/nsswitch.conf")) -> bool:
+    """Whether programs using the system resolver (Python's httpx, anything on glibc's
+    ``getaddrinfo``) find ``*.localhost`` names: the ``hosts:`` line of ``nsswitch``
+    names ``myhostname`` or ``resolve`` (glibc alone does not; browsers and curl resolve
+    them themselves)."""
+    try:
+        lines = nsswitch.read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        key, _, sources = line.partition(":")
+        if key.strip() == "hosts":
+            return bool({"myhostname", "resolve"} & set(sources.split()))
+    return False
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``: at ``port``, or any free port when it is taken."""
+    family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        return socket.create_server((host, 0), family=family)
 
 
 def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
@@ -98,11 +184,17 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
         raw = os.environ.get("DSEC_E2B_NETWORK_DEFAULT", "open")
         if raw not in ("open", "closed"):
             raise SystemExit("DSEC_E2B_NETWORK_DEFAULT must be 'open' or 'closed'")
+        # E2B's sandbox URLs are public by default (allow_public_traffic); dsec's own
+        # API keeps private ports by default (public_ports=False)
+        ports_default = os.environ.get("DSEC_E2B_PORTS_DEFAULT", "public")
+        if ports_default not in ("public", "private"):
+            raise SystemExit("DSEC_E2B_PORTS_DEFAULT must be 'public' or 'private'")
         home = getattr(getattr(edge, "paths", None), "home", None)
         e2b_app = make_e2b_app(
             edge,
             keys.verify,
             default_network="closed" if raw == "closed" else "open",
+            default_public_ports=ports_default == "public",
             sandbox_domain=ports.domain,
             traffic_tokens=tokens,
             template_files_dir=Path(home) / "e2b-template-files" if home is not None else None,
@@ -221,7 +313,16 @@ def serve(
         async with embedded_edge(paths.home, tiers=tiers) as edge:
             prebuild_images(edge.layers)
             keys = KeyStore(paths.home)
-            settings = PortsSettings.from_env(paths.home)
+            settings = PortsSettings.from_env(paths.home, host=host, port=port)
+            if (settings.domain or "").startswith(DEFAULT_PORTS_DOMAIN):
+                if not localhost_names_resolve():
+                    log.warning(
+                        "port proxy: host routes are on *.%s, which browsers and curl "
+                        "resolve to this machine but this system's resolver does not (Python "
+                        "clients such as httpx): install libnss-myhostname, or set "
+                        "DSEC_PORTS_DOMAIN",
+                        settings.domain,
+                    )
             app = build_app(edge, keys, settings)
             log.info(
                 "dsec serve on http://%s:%d (home %s, node %s)", host, port, paths.home, edge.node
@@ -298,12 +399,14 @@ async def _serve_http(
     import uvicorn
 
     servers = [uvicorn.Server(uvicorn_config(app, host, port, log_level))]
+    sockets: list[list[socket.socket] | None] = [None]
     if ports is not None and ports.tls_port and ports.tls is not None:
         servers.append(
             uvicorn.Server(
                 uvicorn_config(app, host, ports.tls_port, log_level, tls=ports.tls, lifespan="off")
             )
         )
+        sockets.append([ports.tls_socket] if ports.tls_socket is not None else None)
         log.info(
             "port proxy: TLS on %s:%d for %s (certificate %s%s)",
             host,
@@ -325,7 +428,10 @@ async def _serve_http(
         # the process before the edge closes its registry
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     try:
-        tasks = [asyncio.create_task(server.serve()) for server in servers]
+        tasks = [
+            asyncio.create_task(server.serve(sockets=socks))
+            for server, socks in zip(servers, sockets, strict=True)
+        ]
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stop()  # one listener stopped (a signal, or it could not bind): stop the others
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -448,7 +554,7 @@ def serve_cluster(
             keys: Any = PgKeyStore(key_state, paths.home)
         else:
             keys = KeyStore(paths.home)
-        settings = PortsSettings.from_env(paths.home)
+        settings = PortsSettings.from_env(paths.home, host=host, port=port)
         app = build_app(edge, keys, settings)
         log.info(
             "dsec serve on http://%s:%d: cluster %s, nodes %s",

@@ -5,14 +5,20 @@
 desktop), screenshots, clicks, ``write``, ``press``, ``open``, ``launch``, window queries, and
 ``stream.start()`` whose ``get_url()`` is loaded in headless Chromium (Debian's, driven by
 Playwright) through dsec's port proxy over TLS: the noVNC page connects and shows the
-desktop; its screenshot is kept in ``tests/desktop/evidence/``."""
+desktop; its screenshot is kept in ``tests/desktop/evidence/``. The stream is opened twice:
+from a private sandbox on a server with a ports domain, with the traffic token header, and
+from a ``dsec serve`` nobody configured, as it is (no header, no resolver rule: E2B's public
+default on ``*.dsec.localhost``)."""
 
 from __future__ import annotations
 
 import io
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,7 +26,7 @@ import pytest
 from tests.browser_net import BrowserNet
 from tests.timing import budget
 
-from dsec.server import BackgroundServer
+from dsec.server import BackgroundServer, ServeProcess
 
 from .conftest import BUTTON_RGB, DOMAIN, EVIDENCE, PAD_RGB, PAGE, find_color, wait_for
 
@@ -40,7 +46,8 @@ def e2b_env(server: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> Backgr
 
 @pytest.fixture
 def desktop(e2b_env: BackgroundServer) -> Iterator[object]:
-    sbx = e2b_desktop.Sandbox.create(timeout=600)
+    # private ports (E2B's are public by default): the stream needs the traffic token
+    sbx = e2b_desktop.Sandbox.create(timeout=600, network={"allow_public_traffic": False})
     try:
         yield sbx
     finally:
@@ -188,27 +195,29 @@ def test_e2b_desktop_stream_with_an_auth_key(desktop: object) -> None:
 
 
 @contextmanager
-def _browser(token: str, url: str) -> Iterator[Any]:
+def _browser(token: str | None, url: str) -> Iterator[Any]:
     """A page of Debian's headless Chromium that resolves the proxy's host routes to this
-    node and sends the sandbox's traffic token, as a viewer of the stream would; in a network
-    namespace of its own (tests/browser_net.py), off the node whose sandboxes' addresses come
-    and go, with the port of ``url`` relayed to the node."""
+    node and sends the sandbox's traffic token (None: no header at all, and no resolver
+    rule: Chromium resolves ``*.localhost`` itself), as a viewer of the stream would; in a
+    network namespace of its own (tests/browser_net.py), off the node whose sandboxes'
+    addresses come and go, with the port of ``url`` relayed to the node."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p, BrowserNet() as net:
         port = urlsplit(url).port
         assert port is not None, url
         net.forward(port)
+        rules = [f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1"] if token else []
         browser = p.chromium.launch(
             executable_path=net.executable(CHROMIUM),
             headless=True,
-            args=[f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1", "--no-sandbox"],
+            args=[*rules, "--no-sandbox"],
         )
         try:
             # the node's own authority is not in the browser's store (httpx tests check it)
             ctx = browser.new_context(
                 ignore_https_errors=True,
-                extra_http_headers={"E2B-Traffic-Access-Token": token},
+                extra_http_headers={"E2B-Traffic-Access-Token": token} if token else None,
                 viewport={"width": 1100, "height": 850},
             )
             yield ctx.new_page()
@@ -267,6 +276,58 @@ def _wait_drawn(page: object) -> bytes:
         return png if many and _has(png) else None
 
     return wait_for(drawn, "the desktop drawn in the noVNC canvas", 60)
+
+
+@pytest.fixture(scope="module")
+def plain_serve() -> Iterator[ServeProcess]:
+    """A ``dsec serve`` child with no port settings at all (its defaults: host routes on
+    ``*.dsec.localhost`` behind its own TLS listener), its E2B_* pointing the SDK at it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    if any(k.startswith("DSEC_PORTS_") for k in os.environ):
+        pytest.skip("this test is about a server without port settings")
+    home = Path(tempfile.mkdtemp(prefix="dsec-desktop-plain-", dir="/tmp")) / "home"
+    with ServeProcess(home) as srv:
+        yield srv
+    shutil.rmtree(home.parent, ignore_errors=True)
+
+
+def test_e2b_desktop_stream_url_opens_with_no_settings_and_no_header(
+    plain_serve: ServeProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """e2b-desktop's ``stream.get_url()`` from a server nobody configured opens in Chromium
+    as it is: no resolver rule, no header (E2B's sandboxes are public by default, so is
+    this one), the noVNC page connects and draws the desktop. Another key's credential
+    opens nothing of it."""
+    import httpx
+
+    from dsec.apiserver.auth import KeyStore
+    from dsec.server import DEFAULT_PORTS_DOMAIN
+
+    monkeypatch.setenv("E2B_API_URL", f"{plain_serve.url}/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", f"{plain_serve.url}/e2b/envd")
+    monkeypatch.setenv("E2B_API_KEY", plain_serve.api_key)
+    sbx = e2b_desktop.Sandbox.create(timeout=600)
+    try:
+        _page_on_screen(sbx)
+        sbx.stream.start()
+        url = sbx.stream.get_url()
+        parts = urlsplit(url)
+        assert parts.scheme == "https" and parts.path == "/vnc.html"
+        assert parts.hostname == f"6080-{sbx.sandbox_id}.{DEFAULT_PORTS_DOMAIN}"
+        assert sbx.traffic_access_token is None
+        with _browser(None, url) as page, _explained(sbx, page):
+            shot = _connected(page, url)
+            EVIDENCE.mkdir(exist_ok=True)
+            (EVIDENCE / "e2b-desktop-novnc-stream-no-settings.png").write_bytes(shot)
+        other = KeyStore(plain_serve.home).create_key("desktop-other")
+        r = httpx.get(
+            url, headers={"authorization": f"Bearer {other}"}, verify=False, timeout=budget(30)
+        )
+        assert r.status_code == 404 and r.json()["error"]["code"] == "sandbox_not_found"
+        sbx.stream.stop()
+    finally:
+        sbx.kill()
 
 
 def test_e2b_desktop_resolution_restarts_the_desktop(e2b_env: BackgroundServer) -> None:

@@ -13,14 +13,13 @@ snapshots listed and deleted per key. The same rows over the fake edge:
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.conftest import _seed_layers
+from tests.conftest import container_server
 from tests.isolation import worker_subnet
 from tests.timing import budget
 
@@ -44,19 +43,9 @@ class Real:
 def real(dsec_home_root: Path, shared_layers: Path) -> Iterator[Real]:
     if os.geteuid() != 0:
         pytest.skip("needs root")
-    from dsec.server import BackgroundServer
-
     home = dsec_home_root / "e2b-parity"
-    _seed_layers(home, shared_layers)
-    with BackgroundServer(
-        home,
-        tiers=["container"],
-        network_options={"subnet": SUBNET, "static_records": {OPEN_NAME: [OPEN_ADDR]}},
-    ) as bg:
-        assert bg.edge is not None
-        if "container" not in bg.edge.runtimes:
-            pytest.skip("the container tier is not available on this node")
-        bg.call(bg.edge.layers.ensure_image("e2b-base"))
+    network = {"subnet": SUBNET, "static_records": {OPEN_NAME: [OPEN_ADDR]}}
+    with container_server(home, shared_layers, "e2b-base", network_options=network) as bg:
         env = {
             "E2B_API_URL": f"{bg.url}/e2b",
             "E2B_SANDBOX_URL": f"{bg.url}/e2b/envd",
@@ -72,7 +61,6 @@ def real(dsec_home_root: Path, shared_layers: Path) -> Iterator[Real]:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-    shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ the edge's ``start_process`` and the container exec server.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 from e2b.sandbox.commands.command_handle import PtySize
-from tests.conftest import _seed_layers
+from tests.conftest import container_server
 from tests.timing import budget
 
 from conftest import pause_during_stream
@@ -52,15 +51,8 @@ class RealServer:
 def real(dsec_home_root: Path, shared_layers: Path) -> Iterator[RealServer]:
     if os.geteuid() != 0:
         pytest.skip("needs root")
-    from dsec.server import BackgroundServer
-
     home = dsec_home_root / "e2b-real"
-    _seed_layers(home, shared_layers)
-    with BackgroundServer(home, tiers=["container"]) as bg:
-        assert bg.edge is not None
-        if "container" not in bg.edge.runtimes:
-            pytest.skip("the container tier is not available on this node")
-        bg.call(bg.edge.layers.ensure_image("busybox"))
+    with container_server(home, shared_layers, "busybox") as bg:
         env = {
             "E2B_API_URL": f"{bg.url}/e2b",
             "E2B_SANDBOX_URL": f"{bg.url}/e2b/envd",
@@ -76,7 +68,6 @@ def real(dsec_home_root: Path, shared_layers: Path) -> Iterator[RealServer]:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-    shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

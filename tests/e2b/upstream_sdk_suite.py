@@ -82,7 +82,7 @@ CAUSES: list[Cause] = [
         ),
     ),
     Cause(
-        "get_host: ports private by default (E2B: public)",
+        "get_host without a traffic token (public by default since issue 34)",
         (
             r"/test_host::",
             r"::test_auto_resume_wakes_on_http_request",

@@ -10,7 +10,9 @@ import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from dsec import Sandbox
@@ -175,3 +177,109 @@ def _owner(node: BackgroundServer) -> str:
     from dsec.apiserver.auth import owner_id
 
     return owner_id(node.api_key)
+
+
+def test_e2b_default_user_and_pip(e2b_env: None, node: BackgroundServer) -> None:
+    """E2B's template: a command without ``user=`` runs as ``user`` in ``/home/user``, as
+    does the kernel server; ``pip`` is there. dsec's own API gives the image's user too (the
+    image is E2B-shaped), and stays root on ``debian`` (its default unchanged)."""
+    from e2b_code_interpreter import Sandbox as CodeInterpreter
+
+    with CodeInterpreter.create(timeout=600) as sbx:
+        r = sbx.commands.run("id -un; echo $HOME; pwd; command -v pip; sudo -n id -un")
+        assert r.stdout.split() == ["user", "/home/user", "/home/user", "/usr/bin/pip", "root"]
+        assert sbx.commands.run("id -un", user="root").stdout == "root\n"
+        assert sbx.run_code("import getpass\ngetpass.getuser()").text == "user"
+        sb = Sandbox.connect(sbx.sandbox_id, url=node.url, api_key=node.api_key)
+        assert sb.commands.run("id -un").stdout == "user\n"
+    with Sandbox.create(
+        tier="container", image="debian", ttl_s=300, url=node.url, api_key=node.api_key
+    ) as sb:
+        assert sb.commands.run("id -un").stdout == "root\n"
+
+
+def _wheel(dest: Path, name: str, version: str, module_text: str) -> Path:
+    """A pure-Python wheel of one module, ``name`` (what pip installs from a local index)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": module_text,
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: dsec-tests\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+
+    def digest(text: str) -> str:
+        raw = hashlib.sha256(text.encode()).digest()
+        return "sha256=" + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+    record = "".join(f"{p},{digest(t)},{len(t.encode())}\n" for p, t in files.items())
+    files[f"{dist}/RECORD"] = record + f"{dist}/RECORD,,\n"
+    path = dest / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for p, t in files.items():
+            z.writestr(p, t)
+    return path
+
+
+def test_smolagents_installs_an_extra_authorized_import(
+    e2b_env: None, node: BackgroundServer, tmp_path: Path
+) -> None:
+    """smolagents' CodeAgent on E2B with ``additional_authorized_imports``: its executor
+    runs ``!pip install <import>`` in the sandbox (E2B's code-interpreter has pip), from
+    the index pip is configured with: here a local one, a directory of wheels baked into an
+    image of the key (``PIP_FIND_LINKS``, ``PIP_NO_INDEX``: no network), then the agent's
+    code imports it. Another key cannot use that image or reach the sandbox."""
+    from e2b.exceptions import SandboxException
+    from e2b_code_interpreter import Sandbox as CodeInterpreter
+    from smolagents import CodeAgent
+    from smolagents.models import ChatMessage, MessageRole, Model
+
+    from dsec import Client, Image
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "dsec_probe", "1.0", "def answer():\n    return 6 * 7\n")
+    image = (
+        Image.from_image(ci.IMAGE_NAME)
+        .copy(wheels, "/opt/wheels/")
+        .env(PIP_FIND_LINKS="/opt/wheels", PIP_NO_INDEX="1")
+    )
+    with Client(node.url, node.api_key) as client:
+        image.build("ci-wheels:1", client=client)
+
+    class Scripted(Model):
+        """The model: one action that imports the package and answers."""
+
+        def generate(self, messages: Any, **kwargs: Any) -> ChatMessage:
+            code = "import dsec_probe\nfinal_answer(dsec_probe.answer())"
+            return ChatMessage(
+                role=MessageRole.ASSISTANT, content=f"Thought: use it.\n<code>\n{code}\n</code>"
+            )
+
+    agent = CodeAgent(
+        tools=[],
+        model=Scripted(),
+        executor_type="e2b",
+        executor_kwargs={"template": "ci-wheels:1", "timeout": 600},
+        additional_authorized_imports=["dsec_probe"],
+        verbosity_level=0,
+    )
+    try:
+        sandbox = agent.python_executor.sandbox  # type: ignore[attr-defined]
+        assert sandbox.commands.run("pip show dsec_probe").stdout.startswith("Name: dsec_probe")
+        assert agent.run("What does dsec_probe answer?") == 42
+        # a second key: the image is not its to use, the sandbox not its to see
+        other = node.keys.create_key("codeinterp-other")
+        with pytest.raises(SandboxException, match="template not found"):
+            CodeInterpreter.create(template="ci-wheels:1", api_key=other)
+        r = httpx.get(
+            f"{node.url}/v1/sandboxes/{sandbox.sandbox_id}",
+            headers={"authorization": f"Bearer {other}"},
+        )
+        assert r.status_code == 404
+    finally:
+        agent.cleanup()

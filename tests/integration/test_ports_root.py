@@ -120,7 +120,12 @@ def test_e2b_get_host_reaches_python_http_server(
     monkeypatch.setenv("E2B_API_URL", f"{server.url}/e2b")
     monkeypatch.setenv("E2B_SANDBOX_URL", f"{server.url}/e2b/envd")
     monkeypatch.setenv("E2B_API_KEY", server.api_key)
-    sbx = E2BSandbox.create("container/debian", timeout=300, allow_internet_access=False)
+    sbx = E2BSandbox.create(
+        "container/debian",
+        timeout=300,
+        allow_internet_access=False,
+        network={"allow_public_traffic": False},  # E2B's default is public: private here
+    )
     try:
         sbx.files.write("/srv/www/hello.txt", "hello from the sandbox\n")
         sbx.commands.run("cd /srv/www && python3 -m http.server 8000", background=True)

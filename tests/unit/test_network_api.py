@@ -555,7 +555,11 @@ def test_e2b_sdk_network(edge: FakeEdge, monkeypatch: pytest.MonkeyPatch) -> Non
             assert sent == NetworkPolicy(allow_domains=["pypi.org"], protocols=ALL_PROTOCOLS)
             info = sbx.get_info()
             assert info.allow_internet_access is False
-            assert info.network == {"allow_out": ["pypi.org"], "deny_out": [e2b.ALL_TRAFFIC]}
+            assert info.network == {
+                "allow_out": ["pypi.org"],
+                "deny_out": [e2b.ALL_TRAFFIC],
+                "allow_public_traffic": True,  # E2B's default
+            }
 
             sbx.update_network({"allow_out": ["github.com"], "deny_out": [e2b.ALL_TRAFFIC]})
             assert edge.calls_to("update_network")[-1]["policy"] == NetworkPolicy(

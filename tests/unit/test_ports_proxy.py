@@ -258,6 +258,50 @@ def test_every_kind_of_token_and_the_cookie_it_sets(h: Harness) -> None:
     assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
 
 
+def test_a_token_in_the_url_is_consumed_whatever_headers_come_with_it(h: Harness) -> None:
+    """A URL of ``sb.get_url()`` fetched by a client that also sends headers of its own (the
+    key, another credential, the app's own Authorization): the token is the credential and
+    never reaches the sandbox's server, which sees the path that was meant."""
+    sid = h.sandbox()
+    token = h.tokens.issue(sid, _owner(KEY))
+    base = f"/v1/sandboxes/{sid}/ports/8000"
+    with client(h) as c:
+        for headers in (
+            BEARER,
+            {"x-dsec-port-token": token},
+            {"authorization": f"Bearer {token}"},
+            {"authorization": "Basic dXNlcjpwdw=="},
+            {"cookie": f"dsec_port_token={token}"},
+        ):
+            r = c.get(f"{base}/_dsec_token/{token}/is_alive?x=1", headers=headers)
+            assert r.status_code == 201, (headers, r.text)
+            seen = r.json()
+            assert seen["target"] == "/is_alive?x=1", headers
+            assert token not in json.dumps(seen["headers"])
+            assert KEY not in json.dumps(seen["headers"])
+            r = c.get(f"{base}/page?dsec_token={token}&keep=1", headers=headers)
+            assert r.status_code == 201 and r.json()["target"] == "/page?keep=1", headers
+        r = c.get(f"{base}/_dsec_token/{token}/", headers={"authorization": "Basic dXNlcjpwdw=="})
+        assert r.json()["headers"]["authorization"] == "Basic dXNlcjpwdw=="  # the app's own
+        r = c.get(f"/p?dsec_token={token}", headers={"host": f"8000-{sid}.{DOMAIN}", **BEARER})
+        assert r.status_code == 201 and r.json()["target"] == "/p"
+    # a second key: its key, or the token of its own sandbox, opens nothing of this one
+    theirs = h.sandbox(OTHER)
+    their_token = h.tokens.issue(theirs, _owner(OTHER))
+    with client(h) as c:
+        other_key = {"authorization": f"Bearer {OTHER}"}
+        r = c.get(f"{base}/_dsec_token/{their_token}/x", headers=other_key)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "sandbox_not_found"
+        r = c.get(f"{base}/_dsec_token/{their_token}/x")
+        assert r.status_code == 401
+        r = c.get(f"/v1/sandboxes/{theirs}/ports/8000/_dsec_token/{token}/x", headers=BEARER)
+        assert r.status_code == 404
+        r = c.get("/x", headers={"host": f"8000-{sid}.{DOMAIN}", **other_key})
+        assert r.status_code == 404
+        r = c.get(f"/x?dsec_token={their_token}", headers={"host": f"8000-{sid}.{DOMAIN}"})
+        assert r.status_code == 403
+
+
 def test_bad_input_answers(h: Harness) -> None:
     sid = h.sandbox()
     fn = h.sandbox(tier="fncall")
@@ -522,7 +566,9 @@ async def test_host_route_of_the_envd_port_is_the_e2b_api() -> None:
         transport=httpx.ASGITransport(app=app), base_url="http://x", timeout=10
     ) as c:
         r = await c.post(
-            "/e2b/sandboxes", json={"templateID": "busybox"}, headers={"x-api-key": KEY}
+            "/e2b/sandboxes",
+            json={"templateID": "busybox", "network": {"allowPublicTraffic": False}},
+            headers={"x-api-key": KEY},
         )
         assert r.status_code == 201, r.text
         body = r.json()

@@ -5,6 +5,13 @@ a key, only its SHA-256 (keys are high-entropy, so an unsalted hash is safe: the
 nothing to brute-force). Each key has an *owner id*, ``k<first 16 hex of the hash>``:
 stable, short, and safe to log; the edge scopes every sandbox to it.
 
+Every key also has an *E2B form*, ``e2b_`` + the key's text in hexadecimal
+(:func:`e2b_form`), for E2B clients that refuse a key not shaped ``e2b_<hex>`` before
+sending anything (``e2b`` 2.31, which ``openai-agents[e2b]`` pins). It is the same key,
+not a second one: :func:`key_digest` reads it back to the key's text first, so it has
+the key's owner, quota and role, and revoking either form revokes both. It is exactly as
+secret (the two forms determine each other), so nothing about the check is weaker.
+
 Files under the state directory (``$DSEC_HOME``)::
 
     api_key         the key generated at first start, plaintext, mode 0600, so local
@@ -27,6 +34,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -44,6 +52,8 @@ __all__ = [
     "KeyStore",
     "KeyVerifier",
     "StaticKeys",
+    "canonical_key",
+    "e2b_form",
     "generate_key",
     "key_digest",
     "owner_id",
@@ -59,9 +69,39 @@ def generate_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
+MAX_KEY_CHARS = 256
+"""Longest key a server accepts (its E2B form is longer: ``e2b_`` + two hex digits a byte)."""
+E2B_PREFIX = "e2b_"
+_E2B_FORM = re.compile(r"e2b_(?:[0-9a-f]{2})+")
+
+
+def e2b_form(key: str) -> str:
+    """``key`` as E2B clients accept it: ``e2b_`` + its UTF-8 text in lower-case hex
+    (``e2b_647365635f...`` for a ``dsec_...`` key). The server takes it as ``key`` itself.
+
+    Example::
+
+        os.environ["E2B_API_KEY"] = e2b_form(os.environ["DSEC_API_KEY"])
+    """
+    return E2B_PREFIX + key.encode("utf-8", "surrogateescape").hex()
+
+
+def canonical_key(key: str) -> str:
+    """The key a presented text stands for: the text of an E2B form (:func:`e2b_form`),
+    else the text itself (a key that merely looks like one, e.g. an ``e2b_`` key an
+    operator provisioned whose hex is not UTF-8 text, stays as it is)."""
+    if key.startswith(E2B_PREFIX) and _E2B_FORM.fullmatch(key):
+        try:
+            return bytes.fromhex(key[len(E2B_PREFIX) :]).decode("utf-8")
+        except UnicodeDecodeError:
+            return key
+    return key
+
+
 def key_digest(key: str) -> str:
-    """What a key is stored as: the hex SHA-256 of its text (surrogates kept)."""
-    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+    """What a key is stored as: the hex SHA-256 of its text (surrogates kept); a key's E2B
+    form (:func:`e2b_form`) has the key's digest."""
+    return hashlib.sha256(canonical_key(key).encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def owner_id(key: str) -> str:
@@ -236,8 +276,11 @@ class KeyStore:
 
     # --- API ----------------------------------------------------------------
     def verify(self, key: str) -> str | None:
-        """The owner id of ``key``, or None if it is not a valid (unrevoked) key."""
-        if not key or len(key) > 256:
+        """The owner id of ``key`` (or of its E2B form), or None if it is not a valid
+        (unrevoked) key."""
+        if not key or len(key) > len(E2B_PREFIX) + 2 * MAX_KEY_CHARS:
+            return None
+        if len(canonical_key(key)) > MAX_KEY_CHARS:
             return None
         with self._lock:
             self._reload()

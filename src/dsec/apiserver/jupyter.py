@@ -247,6 +247,8 @@ class RunJupyterService:
                 memory_mb=memory,
                 ttl_s=req.total_timeout + 120.0,  # a backstop: the call kills it itself
                 labels={"dsec.sandboxfusion": "run_jupyter"},
+                # SandboxFusion's kernels run as root (the image's own user is E2B's `user`)
+                user="root",
             ),
             owner,
         )

@@ -22,16 +22,19 @@ A host-routed request for port 49983 (E2B's envd port) is the E2B in-sandbox API
 Credentials, any one of (checked in this order; whatever is dsec's is removed before the
 request reaches the sandbox):
 
-* ``Authorization: Bearer <API key>`` of the sandbox's owner;
-* the sandbox's access token (:class:`PortTokens`): ``Authorization: Bearer <token>``, an
-  ``X-Dsec-Port-Token`` or ``E2B-Traffic-Access-Token`` header, the ``dsec_port_token``
-  cookie, a ``dsec_token`` query parameter, or a ``/_dsec_token/<token>`` first path
-  segment (for clients that append paths to a base URL and send no headers of ours, such
-  as SWE-ReX's ``RemoteRuntime``). A token in the URL sets the cookie on the answer, so a
-  browser that opened ``get_url(6080, "/vnc.html")`` keeps access for the page's other
-  requests and its WebSocket (``HttpOnly``, ``SameSite=Lax``, ``Secure`` over TLS, scoped
-  to the host, or to the port's path prefix on path routes);
+* the sandbox's access token (:class:`PortTokens`) in the URL: a ``/_dsec_token/<token>``
+  first path segment (for clients that append paths to a base URL and send no headers of
+  ours, such as SWE-ReX's ``RemoteRuntime``) or a ``dsec_token`` query parameter. It is
+  taken off the URL whatever headers come with it (an ``Authorization`` of the client's
+  own does not make the sandbox's server see ``/_dsec_token/...``), and sets the cookie on
+  the answer, so a browser that opened ``get_url(6080, "/vnc.html")`` keeps access for the
+  page's other requests and its WebSocket (``HttpOnly``, ``SameSite=Lax``, ``Secure`` over
+  TLS, scoped to the host, or to the port's path prefix on path routes);
+* ``Authorization: Bearer <API key>`` of the sandbox's owner (or the key's E2B form);
+* the access token in a header: ``Authorization: Bearer <token>``, ``X-Dsec-Port-Token``
+  or ``E2B-Traffic-Access-Token``;
 * E2B's ``X-Access-Token`` (the ``envdAccessToken``) on E2B-routed requests;
+* the ``dsec_port_token`` cookie;
 * none, for a sandbox created with ``public_ports=True``: its id then carries 96 random
   bits and is the secret (anyone who has the URL reaches its ports).
 
@@ -331,8 +334,16 @@ class PortProxy:
     # ------------------------------------------------------------------ access
     def _credentials(self, scope: Scope, target: _Target) -> tuple[str | None, str | None, _Target]:
         """``(owner or None, a token that arrived in the URL (to set as a cookie) or None,
-        the target with dsec's URL credential removed)``."""
+        the target with dsec's URL credential removed)``.
+
+        A valid token in the URL comes first and is always taken off the path, whatever
+        else the request carries: a client that adds its own ``Authorization: Bearer
+        <key>`` to a URL of ``sb.get_url()`` reaches the path it meant, not
+        ``/_dsec_token/...`` (the URL is the credential it was given)."""
         sid = target.sandbox_id
+        owner, url_token, target = self._url_credential(sid, target)
+        if owner is not None:
+            return owner, url_token, target
         auth = _header(scope, b"authorization")
         if auth is not None:
             scheme, _, value = auth.decode("latin-1").partition(" ")
@@ -353,7 +364,19 @@ class PortProxy:
                 owner = self.envd_verify(sid, value_b.decode("latin-1").strip())
                 if owner is not None:
                     return owner, None, target
-        # a token in the URL: a first path segment, then the query string
+        cookie = _header(scope, b"cookie")
+        if cookie:
+            token = _cookie_value(cookie.decode("latin-1"), COOKIE_NAME)
+            if token:
+                owner = self.tokens.verify(sid, token)
+                if owner is not None:
+                    return owner, None, target
+        return None, None, target
+
+    def _url_credential(self, sid: str, target: _Target) -> tuple[str | None, str | None, _Target]:
+        """A valid token in the URL (a first ``/_dsec_token/<token>`` path segment, else a
+        ``dsec_token`` query parameter): ``(its owner, the token, the target without it)``;
+        ``(None, None, target)`` when there is none (an invalid one stays in the path)."""
         path, _, query = target.path.partition("?")
         m = _TOKEN_SEGMENT_RE.match(path)
         if m is not None:
@@ -370,13 +393,6 @@ class PortProxy:
                     rest = [(k, v) for k, v in pairs if k != TOKEN_QUERY]
                     new_path = path + (("?" + urlencode(rest)) if rest else "")
                     return owner, found[0], _replace(target, path=new_path)
-        cookie = _header(scope, b"cookie")
-        if cookie:
-            token = _cookie_value(cookie.decode("latin-1"), COOKIE_NAME)
-            if token:
-                owner = self.tokens.verify(sid, token)
-                if owner is not None:
-                    return owner, None, target
         return None, None, target
 
     async def _public_owner(self, sandbox_id: str) -> str | None:
@@ -572,13 +588,16 @@ def _forward_headers(
 
 
 _DSEC_BEARER = re.compile(
-    rb"^\s*bearer\s+(dsec_[A-Za-z0-9_-]{20,}|[A-Za-z0-9_-]{1,256}\.[0-9a-f]{64})\s*$", re.I
+    rb"^\s*bearer\s+(dsec_[A-Za-z0-9_-]{20,}|e2b_647365635f(?:[0-9a-f]{2}){20,}"
+    rb"|[A-Za-z0-9_-]{1,256}\.[0-9a-f]{64})\s*$",
+    re.I,
 )
 
 
 def _is_dsec_bearer(value: bytes) -> bool:
-    """Whether an Authorization header carries a dsec key or port token (never forwarded;
-    any other Authorization is the sandbox app's own and passes)."""
+    """Whether an Authorization header carries a dsec key (also in its E2B form,
+    ``e2b_`` + the hex of ``dsec_...``) or port token (never forwarded; any other
+    Authorization is the sandbox app's own and passes)."""
     return _DSEC_BEARER.match(value) is not None
 
 

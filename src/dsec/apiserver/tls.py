@@ -11,7 +11,9 @@ the node (:func:`node_certificate`):
   ``ca.key``, mode 0600, never leaves the node): what clients trust
   (``SSL_CERT_FILE``, ``httpx.Client(verify=...)``, a browser's authority list);
 * a server certificate for ``<domain>`` and ``*.<domain>`` signed by it
-  (``server.pem``, ``server.key``), made again when the domain changes or it nears its end.
+  (``server.pem``, ``server.key``), made again when the domain changes or it nears its end;
+  for a domain under ``localhost`` (the default, ``dsec.localhost``) also for
+  ``localhost``, ``127.0.0.1`` and ``::1``.
 
 ECDSA P-256 keys; the authority is valid for 10 years, the server certificate for 1.
 """
@@ -123,6 +125,12 @@ def node_certificate(home: Path, domain: str) -> TlsFiles:
     ca_cert, ca_key = loaded
 
     wanted = {name, f"*.{name}"}
+    addresses: list[str] = []
+    if name == "localhost" or name.endswith(".localhost"):
+        # the node's own names (the default ports domain, dsec.localhost): path routes on
+        # https://localhost:<port> and https://127.0.0.1:<port> verify too
+        wanted.add("localhost")
+        addresses = ["127.0.0.1", "::1"]
     try:
         current = x509.load_pem_x509_certificates(cert_pem.read_bytes())[0]
         sans = set(
@@ -137,10 +145,11 @@ def node_certificate(home: Path, domain: str) -> TlsFiles:
     if not fresh:
         key = ec.generate_private_key(ec.SECP256R1())
         alt: list[x509.GeneralName] = [x509.DNSName(n) for n in sorted(wanted)]
-        try:
-            alt.append(x509.IPAddress(ipaddress.ip_address(name)))
-        except ValueError:
-            pass
+        for address in [name, *addresses]:
+            try:
+                alt.append(x509.IPAddress(ipaddress.ip_address(address)))
+            except ValueError:
+                pass
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"*.{name}")]))

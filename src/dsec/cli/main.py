@@ -33,9 +33,9 @@ Commands::
     dsec doctor [--json] [--tiers T,...]   (this host's kernel, cgroups and tiers; no server)
     dsec docker run|exec|ps|inspect|port|... (a docker CLI subset: dsec/cli/docker.py)
     dsec key create [--name N] [--operator] [--max-sandboxes N] [--max-cpu C]
-                    [--max-memory-mb M] [--creations-per-s R] [--cpu-weight W]
+                    [--max-memory-mb M] [--creations-per-s R] [--cpu-weight W] [--e2b]
     dsec key set OWNER [--max-sandboxes N|none] [...]   (change a key's quota)
-    dsec key ls | dsec key revoke KEY_OR_OWNER
+    dsec key ls | dsec key revoke KEY_OR_OWNER | dsec key e2b [KEY]   (its e2b_<hex> form)
                        (the key store in $DSEC_HOME, or a cluster's with --database; no server)
 
 Sandboxes have no network unless a network option is given (``--allow-domain``,
@@ -1407,6 +1407,12 @@ def key_create(
     max_memory_mb: QuotaOption = None,
     creations_per_s: QuotaOption = None,
     cpu_weight: QuotaOption = None,
+    e2b: Annotated[
+        bool,
+        typer.Option(
+            "--e2b", help="print it in its E2B form, e2b_<hex> (the same key; `dsec key e2b`)"
+        ),
+    ] = False,
     home: HomeOption = None,
     database: DatabaseOption = None,
 ) -> None:
@@ -1424,7 +1430,38 @@ def key_create(
             key = keys.create_key(name, quota=quota)
         else:
             key = keys.create_key(name, operator=operator, quota=quota)
+    if e2b:
+        from dsec.apiserver.auth import e2b_form
+
+        key = e2b_form(key)
     stdout.print(key, soft_wrap=True)
+
+
+@key_app.command("e2b")
+@handle_errors
+def key_e2b(
+    key: Annotated[
+        str | None,
+        typer.Argument(
+            help="the key; '-' reads it from stdin (default: --api-key, $DSEC_API_KEY or "
+            "$DSEC_HOME/api_key)",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Print a key in its E2B form, e2b_<hex of the key>: the same key (same owner, quota
+    and role; revoking one revokes both), for E2B clients that refuse an E2B_API_KEY not
+    shaped e2b_<hex> (e2b 2.31, pinned by openai-agents[e2b]). Example: export
+    E2B_API_KEY=$(dsec key e2b)."""
+    from dsec.apiserver.auth import canonical_key, e2b_form
+    from dsec.sdk._http import resolve_api_key
+
+    if key == "-":
+        key = sys.stdin.read().strip()
+    key = key or resolve_api_key(_connection["api_key"])
+    if not key:
+        raise _fail("no key: give one, or set --api-key or $DSEC_API_KEY")
+    stdout.print(e2b_form(canonical_key(key)), soft_wrap=True)
 
 
 @key_app.command("set")
@@ -1447,7 +1484,7 @@ def key_set(
     given = (max_sandboxes, max_cpu, max_memory_mb, creations_per_s, cpu_weight)
     options = dict(zip(_QUOTA_FIELDS, given, strict=True))
     with _key_store(home, database) as keys:
-        if key_or_owner.startswith("dsec_"):
+        if key_or_owner.startswith(("dsec_", "e2b_")):
             from dsec.apiserver.auth import owner_id
 
             key_or_owner = owner_id(key_or_owner)

@@ -115,6 +115,7 @@ def make_e2b_app(
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
     watch_poll_interval_s: float = 0.25,
     default_network: NetworkDefault = "open",
+    default_public_ports: bool = True,
     template_files_dir: Path | None = None,
     max_build_context_bytes: int | None = None,
     sandbox_domain: str | None = None,
@@ -137,6 +138,11 @@ def make_e2b_app(
             (E2B's default: every public IPv4 address, where the tier has networking) or
             ``closed`` (dsec's default: no network). ``dsec serve`` reads
             ``DSEC_E2B_NETWORK_DEFAULT``.
+        default_public_ports: whether a sandbox created without
+            ``network.allow_public_traffic`` has public ports (E2B's default, True: its
+            ``get_host(port)`` URLs need no traffic token, its id is the secret) or private
+            ones (False: they need ``trafficAccessToken``). ``dsec serve`` reads
+            ``DSEC_E2B_PORTS_DEFAULT=public|private``.
         template_files_dir: where the files of templates' COPY steps are kept per key
             (``None``: a temporary directory removed at ``aclose()``; ``dsec serve`` uses
             ``$DSEC_HOME/e2b-template-files``).
@@ -186,6 +192,7 @@ def make_e2b_app(
         envd.filesystem,
         template_api,
         default_network=default_network,
+        default_public_ports=default_public_ports,
         sandbox_domain=sandbox_domain,
         traffic_tokens=traffic_tokens,
     )

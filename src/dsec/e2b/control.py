@@ -268,10 +268,12 @@ class ControlPlane:
         template_api: TemplateAPI | None = None,
         *,
         default_network: NetworkDefault = "open",
+        default_public_ports: bool = True,
         sandbox_domain: str | None = None,
         traffic_tokens: TrafficTokens | None = None,
     ) -> None:
         self.edge = edge
+        self.default_public_ports = default_public_ports
         self.template_api = template_api
         self.sandbox_domain = sandbox_domain or SANDBOX_DOMAIN
         self.traffic_tokens = traffic_tokens
@@ -449,7 +451,9 @@ class ControlPlane:
             alias=self._template(info),
             envd_access_token=self.tokens.issue(info.id, owner),
             allow_internet_access=internet,
-            network=SandboxNetworkConfig.from_dict(network) if network is not None else UNSET,
+            network=SandboxNetworkConfig.from_dict(
+                {**(network or {}), "allowPublicTraffic": info.public_ports}
+            ),
             domain=self.sandbox_domain,
             metadata=self._metadata(info),
             lifecycle=SandboxLifecycle(
@@ -490,19 +494,24 @@ class ControlPlane:
         if internet is not None and not isinstance(internet, bool):
             raise E2BError(400, "allow_internet_access must be a boolean")
         wire_network = _unset(new.network)
-        public = wire_network is not None and _unset(wire_network.allow_public_traffic) is True
+        # E2B's default: sandbox URLs are public unless the create says otherwise (the
+        # "project default", here the server's: DSEC_E2B_PORTS_DEFAULT)
+        asked = _unset(wire_network.allow_public_traffic) if wire_network is not None else None
+        if asked is not None and not isinstance(asked, bool):
+            raise E2BError(400, "network.allowPublicTraffic must be a boolean")
+        public = self.default_public_ports if asked is None else asked
         target = self.templates.resolve(new.template_id)
         sizes: dict[str, Any] = {}
         if self.template_api is not None:  # a template id, name:default; its cpu and memory
             target, sizes = await self.template_api.sandbox_target(owner, new.template_id, target)
-        if internet is None and wire_network is None and self.default_network == "open":
+        egress = E2BEgress.from_wire(wire_network) if wire_network is not None else None
+        if egress is not None and not egress.given:
+            egress = None  # e.g. network={"allow_public_traffic": False}: no egress setting
+        if internet is None and egress is None and self.default_network == "open":
             # E2B's default: the internet is open. Only where the tier can give a network
             # (a node without networking creates sandboxes without one, as before)
             internet = True if await self._tier_has_network(target.tier) else None
-        policy = policy_from_e2b(
-            internet,
-            E2BEgress.from_wire(wire_network) if wire_network is not None else None,
-        )
+        policy = policy_from_e2b(internet, egress)
 
         metadata = _unset(new.metadata) or {}
         envs = _unset(new.env_vars) or {}

@@ -109,6 +109,9 @@ class E2BEgress:
         refused = list(unsupported)
         if refused:
             raise E2BError(422, "not supported by dsec: network " + ", ".join(refused))
+        self.given = any(v is not None for v in (allow_out, deny_out, dns_servers))
+        """Whether any egress field was sent (a ``network`` of ``allow_public_traffic``
+        alone says nothing of egress)."""
         self.allow_out = _strings(allow_out, "network.allow_out")
         self.deny_out = _strings(deny_out, "network.deny_out")
         self.dns_servers = _strings(dns_servers, "network.dns_servers")

@@ -8,12 +8,16 @@ One definition, two consumers:
   --include=<APT_PACKAGES>`` and then :func:`apply_steps` on the tree; one layer;
 * later, the image builder: :func:`dockerfile` renders the same packages and steps as a
   Dockerfile (``FROM debian:bookworm-slim``, one ``RUN apt-get install``, one ``COPY`` of
-  the server, ``WORKDIR``, ``EXPOSE``, ``CMD``), whose build context is made by
+  the server, the user, ``USER``, ``WORKDIR``, ``EXPOSE``, ``CMD``), whose build context is made by
   :func:`write_build_context`.
 
 Everything comes from Debian (no PyPI, no npm at build time): the Python kernel is
 Debian's ipykernel; Debian has no bash or JavaScript kernel, so the server ships its own
 small ones (``bashkernel.py``, ``jskernel.py``) driving ``bash`` and Debian's ``nodejs``.
+
+As in E2B's code-interpreter template, the image's user is E2B's ``user`` (uid 1000, home
+``/home/user``, passwordless ``sudo``) and ``pip`` installs into the system Python for
+everyone (:class:`OpenPip`), from the index it is configured with, at run time.
 
 The server is the image's start command (:data:`START_CMD`, ``meta["start"]`` with the
 readiness check :data:`READY_CMD`): every sandbox of the image runs it from its creation,
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.guest import codeinterp
+from dsec.layers.users import PasswordlessSudo, RenameUser, passwordless_sudo, rename_user
 
 __all__ = [
     "APT_PACKAGES",
@@ -40,6 +45,7 @@ __all__ = [
     "SITE_DIR",
     "START_CMD",
     "STEPS",
+    "USER",
     "WORKDIR",
     "apply_steps",
     "dockerfile",
@@ -64,8 +70,16 @@ APT_PACKAGES: tuple[str, ...] = (
     "nodejs",
     "bash",
     "ca-certificates",
+    "python3-pip",
+    "sudo",
 )
-"""Debian bookworm packages of the image (their dependencies come along)."""
+"""Debian bookworm packages of the image (their dependencies come along). ``python3-pip``:
+``pip`` for code that installs what it imports (smolagents runs ``!pip install`` for its
+``additional_authorized_imports``); ``sudo``: E2B's user has it."""
+
+USER = "user"
+"""E2B's default user (uid 1000): the image's user, as in E2B's code-interpreter template
+(``set_user("user")``): commands without ``user=`` and the server run as it."""
 
 SITE_DIR = "/usr/lib/python3/dist-packages"
 """Where the server package goes: on the ``sys.path`` of every Debian ``python3`` version
@@ -104,20 +118,22 @@ class CopyServer:
 
 
 @dataclass(frozen=True)
-class MakeDir:
-    """Create ``path`` owned by ``uid:gid`` with ``mode`` (a ``RUN mkdir && chown`` step)."""
+class OpenPip:
+    """Let every user ``pip install`` into the system Python, as in E2B's templates (whose
+    Python is not Debian's): ``/usr/local`` writable by everyone (pip's target for
+    ``python3``), its ``dist-packages`` made so that it is on ``sys.path`` of a kernel
+    started before the first install, and Debian's ``EXTERNALLY-MANAGED`` marker (PEP 668,
+    which makes pip refuse) removed. pip installs from whatever index it is configured with
+    (``PIP_INDEX_URL``, ``PIP_FIND_LINKS``, ``/etc/pip.conf``; PyPI by default)."""
 
-    path: str
-    uid: int
-    gid: int
-    mode: int = 0o755
 
-
-Step = CopyServer | MakeDir
+Step = CopyServer | RenameUser | PasswordlessSudo | OpenPip
 
 STEPS: tuple[Step, ...] = (
     CopyServer(),
-    MakeDir(WORKDIR, 1000, 1000),
+    RenameUser("sandbox", USER, WORKDIR),
+    PasswordlessSudo(USER),
+    OpenPip(),
 )
 """What the image adds on top of the packages, in order."""
 
@@ -126,17 +142,34 @@ def _inside(root: Path, path: str) -> Path:
     return root / path.lstrip("/")
 
 
+def _open_pip(root: Path) -> None:
+    for marker in root.glob("usr/lib/python3.*/EXTERNALLY-MANAGED"):
+        marker.unlink()
+    local = _inside(root, "/usr/local")
+    for lib in root.glob("usr/lib/python3.*"):
+        if lib.is_dir() and (lib / "os.py").exists():  # a Python of the image
+            (local / "lib" / lib.name / "dist-packages").mkdir(parents=True, exist_ok=True)
+    if not local.is_dir():
+        return
+    for dirpath, dirnames, filenames in os.walk(local):
+        for entry in [*dirnames, *filenames]:
+            path = os.path.join(dirpath, entry)
+            if not os.path.islink(path):
+                os.chmod(path, 0o777 if entry in dirnames else os.stat(path).st_mode | 0o666)
+    os.chmod(local, 0o777)
+
+
 def apply_steps(root: Path, steps: tuple[Step, ...] = STEPS) -> None:
     """Apply :data:`STEPS` to the root filesystem at ``root`` (as root: ``chown``)."""
     for step in steps:
         if isinstance(step, CopyServer):
             codeinterp.install_into(_inside(root, step.site_dir))
+        elif isinstance(step, RenameUser):
+            rename_user(root, step)
+        elif isinstance(step, PasswordlessSudo):
+            passwordless_sudo(root, step)
         else:
-            target = _inside(root, step.path)
-            target.mkdir(parents=True, exist_ok=True)
-            os.chmod(target, step.mode)
-            if os.geteuid() == 0:
-                os.chown(target, step.uid, step.gid)
+            _open_pip(root)
 
 
 def dockerfile(base: str = "debian:bookworm-slim") -> str:
@@ -153,13 +186,28 @@ def dockerfile(base: str = "debian:bookworm-slim") -> str:
         if isinstance(step, CopyServer):
             dest = f"{step.site_dir.rstrip('/')}/{codeinterp.PACKAGE_NAME}/"
             lines.append(f"COPY {codeinterp.PACKAGE_NAME}/ {dest}")
+        elif isinstance(step, RenameUser):  # debian:bookworm-slim has no user to rename
+            lines.append(
+                f"RUN useradd --create-home --uid 1000 --shell /bin/bash --home-dir {step.home} {step.new}"
+            )
+        elif isinstance(step, PasswordlessSudo):
+            lines.append(
+                f"RUN echo '{step.user} ALL=(ALL:ALL) NOPASSWD: ALL' > /etc/sudoers.d/e2b-user"
+                " && chmod 440 /etc/sudoers.d/e2b-user"
+            )
         else:
             lines.append(
-                f"RUN mkdir -p {step.path} && chown {step.uid}:{step.gid} {step.path}"
-                f" && chmod {step.mode:o} {step.path}"
+                "RUN rm -f /usr/lib/python3.*/EXTERNALLY-MANAGED && mkdir -p"
+                ' "$(python3 -c \'import sysconfig; print(sysconfig.get_path("purelib"))\')"'
+                " && chmod -R a+rwX /usr/local"
             )
     lines += [f"ENV {k}={json.dumps(v)}" for k, v in ENV.items()]
-    lines += [f"WORKDIR {WORKDIR}", f"EXPOSE {PORT}", f"CMD {json.dumps(list(START_CMD))}"]
+    lines += [
+        f"USER {USER}",
+        f"WORKDIR {WORKDIR}",
+        f"EXPOSE {PORT}",
+        f"CMD {json.dumps(list(START_CMD))}",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -183,12 +231,13 @@ def image_meta() -> dict[str, object]:
     from dsec.images.config import ImageConfig, StartCommand
 
     recipe = json.dumps(
-        [list(APT_PACKAGES), [repr(s) for s in STEPS], list(START_CMD), ENV, WORKDIR],
+        [list(APT_PACKAGES), [repr(s) for s in STEPS], list(START_CMD), ENV, WORKDIR, USER],
         sort_keys=True,
     )
     fingerprint = hashlib.sha256(recipe.encode()).hexdigest()[:16] + "-" + codeinterp.fingerprint()
     config = ImageConfig(
         Env=[f"{k}={v}" for k, v in ENV.items()],
+        User=USER,
         WorkingDir=WORKDIR,
         ExposedPorts={f"{PORT}/tcp": {}},
     )

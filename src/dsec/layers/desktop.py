@@ -59,9 +59,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from dsec.layers.users import RenameUser, rename_user
 
 __all__ = [
     "APT_PACKAGES",
@@ -535,15 +536,6 @@ manager. A desktop whose start command fails ends the wait at once, whatever thi
 
 
 @dataclass(frozen=True)
-class RenameUser:
-    """Rename the base image's user ``old`` (uid 1000) to ``new`` with home ``home``."""
-
-    old: str
-    new: str
-    home: str
-
-
-@dataclass(frozen=True)
 class MakeDir:
     """Create ``path`` with ``mode`` (owned by root)."""
 
@@ -574,43 +566,6 @@ def _inside(root: Path, path: str) -> Path:
     return root / path.lstrip("/")
 
 
-def _rename_user(root: Path, step: RenameUser) -> None:
-    """``old`` becomes ``new`` in passwd, group, shadow and gshadow; the home directory is
-    recreated at ``home`` from ``/etc/skel`` (owned by uid/gid 1000)."""
-    for name in ("passwd", "group", "shadow", "gshadow"):
-        path = root / "etc" / name
-        if not path.exists():
-            continue
-        out = []
-        for line in path.read_text().splitlines():
-            fields = line.split(":")
-            if fields and fields[0] == step.old:
-                fields[0] = step.new
-                if name == "passwd" and len(fields) >= 7:
-                    fields[4] = step.new
-                    fields[5] = step.home
-            out.append(":".join(fields))
-        mode = path.stat().st_mode & 0o7777
-        path.write_text("\n".join(out) + "\n")
-        os.chmod(path, mode)
-    old_home = root / "home" / step.old
-    if old_home.is_dir() and not old_home.is_symlink():
-        shutil.rmtree(old_home)
-    home = _inside(root, step.home)
-    if not home.exists():
-        skel = root / "etc/skel"
-        if skel.is_dir():
-            shutil.copytree(skel, home, symlinks=True)
-        else:
-            home.mkdir(parents=True)
-    os.chmod(home, 0o755)
-    if os.geteuid() == 0:
-        for dirpath, dirnames, filenames in os.walk(home):
-            for entry in [*dirnames, *filenames]:
-                os.chown(os.path.join(dirpath, entry), 1000, 1000, follow_symlinks=False)
-        os.chown(home, 1000, 1000)
-
-
 def apply_steps(root: Path) -> None:
     """Write :data:`FILES` and :data:`SYMLINKS` and run :data:`STEPS` in the tree at ``root``
     (after the packages are installed)."""
@@ -629,7 +584,7 @@ def apply_steps(root: Path) -> None:
         os.symlink(dest, link)
     for step in STEPS:
         if isinstance(step, RenameUser):
-            _rename_user(root, step)
+            rename_user(root, step)
         else:
             target = _inside(root, step.path)
             target.mkdir(parents=True, exist_ok=True)
