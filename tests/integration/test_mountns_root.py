@@ -66,6 +66,11 @@ SCRIPT = textwrap.dedent(
         out["live"] = len(table())
         out["host_under_home"] = under_home(table())
         out["server_under_home"] = under_home(table(srv.proc.pid))
+        # what the server said of its namespace (read when an assertion below fails)
+        out["namespace_log"] = [
+            ln for ln in (home / "serve.log").read_text(errors="replace").splitlines()
+            if "mount namespace" in ln
+        ]
         # a container's masks (/proc/kcore, ...) must not be peers of a host mount
         out["shared_masks"] = [
             r["mp"] for p in inits for r in table(p)
@@ -116,7 +121,10 @@ def test_sandbox_mounts_stay_out_of_a_shared_host_table(tmp_path: Path) -> None:
     out = _run_shared(tmp_path, "own")
     assert out["inits"] >= 4  # and the warm pool's
     # the host sees the namespace's pin (on its private directory), no sandbox mount
-    assert all("/run/mntns" in m for m in out["host_under_home"]), out["host_under_home"]
+    assert all("/run/mntns" in m for m in out["host_under_home"]), (
+        out["namespace_log"],
+        out["host_under_home"],
+    )
     # the server's own namespace has them: an overlay and an upper per sandbox
     assert sum(m.endswith(" overlay") for m in out["server_under_home"]) >= 4
     assert out["shared_masks"] == []

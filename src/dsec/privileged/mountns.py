@@ -93,6 +93,8 @@ class NodeMountNamespace:
         if not self.own:
             return f"the host's ({self.reason})"
         how = "rejoined after a restart" if self.joined else "new"
+        if self.pin is None and self.reason:
+            how += f", {self.reason}"
         return f"dsec's own ({how}; host mounts are seen as slaves, nothing propagates back)"
 
     def release(self) -> None:
@@ -256,7 +258,26 @@ def enter_node_namespace(run_dir: Path) -> NodeMountNamespace:
         _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
         mount("none", "/", None, MS_REC | MS_SLAVE)
         me = os.getpid()
-        _in_host(host_fd, lambda: mount(f"/proc/{me}/ns/mnt", pin, None, MS_BIND))
+        try:
+            _in_host(host_fd, lambda: mount(f"/proc/{me}/ns/mnt", pin, None, MS_BIND))
+        except OSError as e:
+            # the kernel has refused the pin now and then (EINVAL, under a host whose mounts
+            # are shared, cause not found): the node keeps its own namespace, unpinned (it
+            # ends with this process, a restarted server makes a new one) rather than
+            # putting every sandbox mount in the host's table
+            if made_private:
+                with contextlib.suppress(OSError):
+                    _in_host(host_fd, lambda: umount(pin.parent, MNT_DETACH))
+            with contextlib.suppress(OSError):
+                pin.unlink()
+            _current = NodeMountNamespace(
+                True,
+                f"not pinned ({e}): a restarted dsec serve cannot rejoin it",
+                None,
+                host_fd=host_fd,
+            )
+            log.warning("the node's own mount namespace is %s", _current.reason)
+            return _current
     except OSError as e:
         _current = NodeMountNamespace(False, f"cannot make one: {e}")
         log.warning("the node stays in the host's mount namespace: %s", _current.reason)
