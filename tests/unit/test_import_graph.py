@@ -52,10 +52,6 @@ KNOWN_DEFERRED_CIRCLES: dict[frozenset[str], str] = {
         "classes) and each async object hands out its sync wrapper (``.sync``) and the "
         "sub-APIs it opens late, so that ``import dsec`` stays light"
     ),
-    frozenset({"dsec.layers.oci", "dsec.layers.publish", "dsec.layers.store"}): (
-        "layers: LayerStore is both the content store and the image catalogue, so the store "
-        "calls the publisher (attach) that pulls through oci, which builds into the store"
-    ),
     frozenset({"dsec.e2b.control", "dsec.e2b.templates"}): (
         "E2B: control mounts the template API and templates reads control's ENVD_VERSION "
         "when it answers; the constant belongs in a module of its own (left to the e2b work)"
@@ -255,7 +251,7 @@ def test_the_walker_on_a_small_package(tmp_path: Path) -> None:
 
 def test_no_import_circle() -> None:
     graph = import_graph()
-    assert "dsec.errors" in graph["dsec.layers.store"]  # the walker sees the package
+    assert len(graph) > 100 and "dsec.errors" in graph["dsec.edge.agent"]  # it sees dsec
     found = circles(graph)
     assert not found, "import circles under src/dsec:\n" + _report(graph, found)
 
