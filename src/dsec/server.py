@@ -156,8 +156,10 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
     """The full HTTP surface of one server: the dsec API, the E2B-compatible API under
-    ``/e2b`` (control plane) and ``/e2b/envd`` (in-sandbox API), SandboxFusion's
-    ``/run_code`` when the fncall tier is present, the port proxy
+    ``/e2b`` (control plane) and ``/e2b/envd`` (in-sandbox API), ``/run_code``
+    (SandboxFusion's) and ``/v1/run_code`` through the edge's
+    :class:`~dsec.edge.interface.CodeRuns` when it has the fncall tier (a cluster edge:
+    when a node has it, call by call), the port proxy
     (:mod:`dsec.apiserver.ports`) configured by ``ports``, and the dashboard under ``/ui``
     (sessions signed with ``ports.home/ui_secret``)."""
     from dsec.apiserver.app import create_app
@@ -207,13 +209,14 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
         app.router.routes.extend(e2b_app.state.e2b.envd.files_routes())
         app.state.closers.append(e2b_app.state.e2b.aclose)
 
-    # a cluster edge has no local runtimes: run_code is served by embedded nodes only
-    fncall = getattr(edge, "runtimes", {}).get("fncall")
-    if fncall is not None:
-        from dsec.apiserver.routes_runcode import make_runcode_router, request_api_key
-        from dsec.runtimes.fncall.service import RunCodeService
+    from dsec.edge.interface import CodeRuns
 
-        service = RunCodeService(fncall, pod_name=f"dsec-fncall@{edge.node}")
+    # an embedded edge runs code with its fncall tier; a cluster edge (no runtimes of its
+    # own) on a node that has one
+    runtimes = getattr(edge, "runtimes", None)
+    runs_code = isinstance(edge, CodeRuns) and (runtimes is None or "fncall" in runtimes)
+    if runs_code:
+        from dsec.apiserver.routes_runcode import make_runcode_router, request_api_key
 
         def authorize(request: Any) -> str | None:
             key = request_api_key(request)
@@ -234,7 +237,7 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
             )
         app.include_router(
             make_runcode_router(
-                lambda: service,
+                lambda: edge,
                 authorize,
                 keyless_networks=cidrs,
                 get_jupyter=(lambda: jupyter) if jupyter is not None else None,

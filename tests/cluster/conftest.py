@@ -12,7 +12,7 @@
   placer does not know: the "full node rejects, next admits" path.
 * ``dsec serve --cluster ADDR --database DSN`` as a child process: one edge actor per
   node, each with its own data dir under ``<base>/nodes/<node>``, layers from the shared
-  test cache.
+  test cache, the container and fncall tiers (``run_code`` is placed on a node).
 
 The fixtures also provide what the conformance suite expects of ``sdk_env`` so it runs
 unchanged against the cluster apiserver (container tier).
@@ -269,7 +269,12 @@ def cluster_server(
     base = Path(tempfile.mkdtemp(prefix="dsec-cl-"))
     home, node_root = base / "api", base / "nodes"
     proc, url = start_cluster_server(
-        home, node_root, ray_cluster.address, postgres.dsn, shared_layers
+        home,
+        node_root,
+        ray_cluster.address,
+        postgres.dsn,
+        shared_layers,
+        DSEC_TIERS="container,fncall",
     )
     srv = ClusterServer(
         url=url,

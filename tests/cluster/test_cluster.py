@@ -188,6 +188,39 @@ def test_tier_no_node_offers(cluster_server: ClusterServer) -> None:
         _create(cluster_server, tier="microvm")
 
 
+def test_run_code_runs_on_a_node_with_the_fncall_tier(
+    cluster_server: ClusterServer, tmp_path: Path
+) -> None:
+    """``run_code`` through the cluster edge (both shapes): run on a node that has the fncall
+    tier, and held by the key's quota, checked by the apiserver as for a creation."""
+    from typer.testing import CliRunner
+
+    from dsec import Client
+    from dsec.cli import main as cli
+
+    client = Client(url=cluster_server.url, api_key=cluster_server.api_key, timeout=budget(300))
+    try:
+        r = client.run_code("print(6 * 7)", "python")
+        assert r.outcome == "ok" and r.run is not None and r.run.stdout == "42\n", r
+    finally:
+        client.close()
+    sf = {"code": "print(6 * 7)", "language": "python"}
+    with cluster_server.client() as c:
+        body = c.post(f"/k/{cluster_server.api_key}/run_code", json=sf).json()
+        assert body["status"] == "Success" and body["run_result"]["stdout"] == "42\n", body
+    runner = CliRunner(env={"COLUMNS": "200"})
+    db = ["--database", cluster_server.dsn, "--home", str(tmp_path)]
+    made = runner.invoke(cli.app, ["key", "create", "--max-memory-mb", "512", *db])
+    assert made.exit_code == 0, made.output
+    key = made.stdout.strip()
+    with httpx.Client(base_url=cluster_server.url, timeout=budget(300)) as c:
+        refused = c.post(f"/k/{key}/run_code", json=sf)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["details"]["quota"] == "max_memory_mb"
+        ran = c.post(f"/k/{key}/run_code", json={**sf, "memory_limit_MB": 256})
+        assert ran.json()["run_result"]["stdout"] == "42\n", ran.text
+
+
 def test_pause_modes_reach_the_node(cluster_server: ClusterServer) -> None:
     sb = _create(cluster_server, labels={PREFER: "w2"})
     try:

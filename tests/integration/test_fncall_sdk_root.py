@@ -60,3 +60,36 @@ def test_sandboxfusion_route_without_key_is_refused(fncall_server) -> None:  # t
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["status"] == "Success" and body["run_result"]["stdout"] == "1\n"
+
+
+def test_run_code_counts_against_the_key_quota(fncall_server) -> None:  # type: ignore[no-untyped-def]
+    """A key's quota holds run_code as it holds creations (through the edge's admission):
+    a call without a memory limit counts as a default worker and does not fit 512 MiB, a
+    smaller one runs; SandboxFusion's route is refused with dsec's error, not an answer."""
+    import httpx
+
+    from dsec.errors import QuotaExceeded
+    from dsec.models import KeyQuota
+
+    key = fncall_server.keys.create_key("quota", quota=KeyQuota(max_memory_mb=512))
+    client = Client(url=fncall_server.url, api_key=key, timeout=budget(120))
+    try:
+        with pytest.raises(QuotaExceeded) as e:
+            client.run_code("print(1)", "python")
+        assert e.value.details["quota"] == "max_memory_mb"
+        r = client.run_code("print(1)", "python", memory_mb=256)
+        assert r.outcome == "ok" and r.run.stdout == "1\n"
+        refused = httpx.post(
+            f"{fncall_server.url}/k/{key}/run_code",
+            json={"code": "print(1)", "language": "python"},
+            timeout=60,
+        )
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "quota_exceeded"
+        ran = httpx.post(
+            f"{fncall_server.url}/k/{key}/run_code",
+            json={"code": "print(1)", "language": "python", "memory_limit_MB": 256},
+            timeout=60,
+        )
+        assert ran.status_code == 200 and ran.json()["run_result"]["stdout"] == "1\n"
+    finally:
+        client.close()

@@ -12,12 +12,18 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from dsec import AsyncClient, AsyncSandbox, CreationRateExceeded, QuotaExceeded
+from dsec import AsyncClient, AsyncSandbox, CreationRateExceeded, QuotaExceeded, TierUnavailable
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import KeyStore, owner_id
 from dsec.cli import main as cli
-from dsec.edge.quotas import UNLIMITED, QuotaGuard
-from dsec.models import KeyQuota, KeyUsage
+from dsec.edge.quotas import (
+    CODE_RUN_CPU,
+    CODE_RUN_MEMORY_MB,
+    UNLIMITED,
+    QuotaGuard,
+    code_run_size,
+)
+from dsec.models import CodeRunRequest, KeyQuota, KeyUsage, RunCodeRequest
 from dsec.testing import FakeEdge
 
 
@@ -201,3 +207,83 @@ def test_operator_sets_quotas_from_the_command_line(tmp_path: Path) -> None:
     missing = runner.invoke(cli.app, ["key", "set", "k0000000000000000", "--max-cpu", "1", *home])
     assert missing.exit_code == 1 and "no such key" in missing.output
     assert KeyStore(tmp_path).quota_of(owner) == KeyQuota(max_cpu=8, creations_per_s=5)
+
+
+async def test_run_code_is_refused_by_the_key_quota_like_a_creation(tmp_path: Path) -> None:
+    """``run_code`` (dsec's /v1/run_code and SandboxFusion's /run_code) goes through the
+    edge's admission: a call the key's quota cannot hold is refused with the typed error,
+    before any worker is claimed; SandboxFusion's route answers it with dsec's error and
+    status (not a 200 ``SandboxError``); another key is not refused. The fncall tier under
+    the edge is one that was never started: a call that passes admission ends there."""
+    from dsec.config import Paths
+    from dsec.runtimes.fncall.runtime import FncallRuntime
+    from dsec.runtimes.fncall.service import RunCodeService
+    from dsec.server import PortsSettings, build_app, close_app
+
+    edge = FakeEdge()
+    keys = KeyStore(tmp_path)
+    edge.code_runner = RunCodeService(FncallRuntime(Paths(tmp_path / "node")))
+    app = build_app(edge, keys, PortsSettings(home=tmp_path))
+    full = keys.create_key("full", quota=KeyQuota(max_sandboxes=1))
+    small = keys.create_key("small", quota=KeyQuota(max_memory_mb=512))
+    slow = keys.create_key("slow", quota=KeyQuota(creations_per_s=0.001))  # one, then none
+    free = keys.create_key("free")
+    sf = {"code": "echo hi", "language": "bash"}
+    try:
+        async with _client(app, full) as cf, _client(app, small) as cs, _client(app, free) as c:
+            held = await AsyncSandbox.create(client=cf, memory_mb=64)
+            with pytest.raises(QuotaExceeded) as e:
+                await cf.run_code("echo hi", "bash")
+            assert e.value.details["quota"] == "max_sandboxes" and e.value.details["used"] == 1
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+            async with http:
+                for r in (
+                    await http.post(f"/k/{full}/run_code", json=sf),
+                    await http.post(
+                        "/run_code", json=sf, headers={"authorization": f"Bearer {full}"}
+                    ),
+                ):
+                    assert r.status_code == 429, r.text
+                    assert r.json()["error"]["code"] == "quota_exceeded"
+                # bad input is still SandboxFusion's answer, and spends none of the rate:
+                # one call passes admission, the next is refused with when to retry
+                bad = {"code": "x", "language": "cobol"}
+                r = await http.post(f"/k/{slow}/run_code", json=bad)
+                assert r.status_code == 200 and r.json()["status"] == "SandboxError"
+                r = await http.post(f"/k/{slow}/run_code", json=sf)
+                assert r.status_code == 200 and "no layer store" in r.json()["message"]
+                r = await http.post(f"/k/{slow}/run_code", json=sf)
+                assert r.status_code == 429
+                assert r.json()["error"]["code"] == "creation_rate_exceeded"
+                assert r.json()["error"]["details"]["retry_after_s"] > 0
+            # memory: a call without a limit counts as a default worker (1024 MiB)
+            with pytest.raises(QuotaExceeded) as e:
+                await cs.run_code("echo hi", "bash")
+            assert e.value.details["quota"] == "max_memory_mb"
+            assert e.value.details["requested"] == 1024
+            with pytest.raises(TierUnavailable, match="no layer store"):  # admitted
+                await cs.run_code("echo hi", "bash", memory_mb=256)
+            # freed: the key's sandbox is gone, so is the refusal; another key was never held
+            await held.kill()
+            with pytest.raises(TierUnavailable):
+                await cf.run_code("echo hi", "bash")
+            with pytest.raises(TierUnavailable):
+                await c.run_code("echo hi", "bash")
+            # nothing was made, nothing is left held
+            assert [s.id for s in edge.sandboxes.values() if s.state != "stopped"] == []
+            assert (await cs.key_info()).usage == KeyUsage()
+            assert len(edge.calls_to("run_code")) == 5
+            assert len(edge.calls_to("run_code_sandboxfusion")) == 5
+    finally:
+        await close_app(app)
+        await edge.close()
+
+
+def test_a_code_run_counts_as_an_fncall_worker() -> None:
+    from dsec.runtimes.fncall.pool import PoolConfig
+
+    assert (CODE_RUN_CPU, CODE_RUN_MEMORY_MB) == (PoolConfig().cpu, PoolConfig().memory_mb)
+    assert code_run_size(CodeRunRequest(code="", language="c")) == (1.0, 1024)
+    assert code_run_size(CodeRunRequest(code="", language="c", memory_mb=300)) == (1.0, 300)
+    assert code_run_size(RunCodeRequest(code="", language="c")) == (1.0, 1024)  # -1: none
+    assert code_run_size(RunCodeRequest(code="", language="c", memory_limit_MB=300)) == (1.0, 300)

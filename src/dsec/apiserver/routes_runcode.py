@@ -18,11 +18,20 @@ an operator may list client networks in ``keyless_networks`` (CIDRs, e.g. ``10.0
 calls from those addresses without a key run as the owner ``keyless``. Everything else
 without a valid key gets 401.
 
+Who runs the code: ``get_service()`` returns the server's edge, whose
+:class:`~dsec.edge.interface.CodeRuns` verbs run each call as the caller's (admitted like a
+sandbox creation of its key: the key's quota, the node's creation gate; in a cluster on a
+node with the fncall tier), or a bare :class:`RunCodeService` (a private server, tests),
+which runs every call as nobody's.
+
 Errors: on the SandboxFusion routes every problem with the request's content (unknown
 language, bad base64, a path outside ``/work``, too large) is answered 200 with
 ``status: "SandboxError"`` and a message, as SandboxFusion does; an unparseable body is a
-400. The dsec route answers dsec's error shape (``{"error": {code, message, details}}``) with
-the error's status. No route answers 500 for bad input.
+400; a call the key's quota or the node refuses (``QuotaExceeded``, ``CreationRateExceeded``:
+429; ``NodeBusy``: 503; no fncall tier: 422) is answered with dsec's error shape and status,
+as a missing key is (SandboxFusion's client retries what is not a 200). The dsec route
+answers dsec's error shape (``{"error": {code, message, details}}``) with the error's
+status. No route answers 500 for bad input.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from pydantic import ValidationError
 
 from dsec.apiserver.deps import ERROR_RESPONSES
 from dsec.apiserver.jupyter import RunJupyterService
+from dsec.edge.interface import CodeRuns
 from dsec.errors import (
     AuthenticationError,
     DsecError,
@@ -70,6 +80,12 @@ SANDBOXFUSION_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 """What the SandboxFusion routes answer besides 200: a body that is not JSON, no valid key,
 a body over the limit (everything else is a 200 with ``status: "SandboxError"``)."""
+RUN_CODE_ERRORS: dict[int | str, dict[str, Any]] = {
+    **SANDBOXFUSION_ERRORS,
+    **{status: ERROR_RESPONSES[status] for status in (422, 429, 503)},
+}
+"""What SandboxFusion's ``/run_code`` answers besides those: no fncall tier (422), the key's
+quota (429) or the node (503) refusing the call."""
 
 Authorize = Callable[[Request], "Awaitable[str | None] | str | None"]
 
@@ -110,7 +126,7 @@ class LeanRoute(APIRoute):
 
 
 def make_runcode_router(
-    get_service: Callable[[], RunCodeService],
+    get_service: Callable[[], CodeRuns | RunCodeService],
     authorize: Authorize | None = None,
     *,
     keyless_networks: Sequence[str] = (),
@@ -120,7 +136,8 @@ def make_runcode_router(
     """The run_code routes (and ``/run_jupyter`` when ``get_jupyter`` is given).
 
     Args:
-        get_service: returns the :class:`RunCodeService` (called per request).
+        get_service: returns the edge (:class:`~dsec.edge.interface.CodeRuns`: each call
+            runs as its caller's) or a bare :class:`RunCodeService` (called per request).
         authorize: ``authorize(request) -> owner | None`` (sync or async). None accepts every
             caller as ``keyless`` (for a private, loopback-only server).
         keyless_networks: client CIDRs allowed to call without a key.
@@ -174,7 +191,7 @@ def make_runcode_router(
 
     async def sandboxfusion(request: Request) -> Response:
         try:
-            await owner_of(request)
+            owner = await owner_of(request)
             data = await body_json(request)
         except DsecError as e:
             return _error(e)
@@ -187,7 +204,14 @@ def make_runcode_router(
             return _json(
                 RunCodeResponse(status=RunStatus.SandboxError, message=f"invalid request: {msg}")
             )
-        resp = await get_service().run_code(req)
+        runner = get_service()
+        try:
+            if isinstance(runner, CodeRuns):
+                resp = await runner.run_code_sandboxfusion(owner, req)
+            else:
+                resp = await runner.run_code(req)
+        except DsecError as e:  # refused by the key's quota or the node: not an answer
+            return _error(e)
         return _json(resp)
 
     router.add_api_route(
@@ -197,7 +221,7 @@ def make_runcode_router(
         response_model=RunCodeResponse,
         summary="Run code (SandboxFusion-compatible)",
         openapi_extra={"requestBody": _body_schema(RunCodeRequest)},
-        responses=SANDBOXFUSION_ERRORS,
+        responses=RUN_CODE_ERRORS,
         route_class_override=LeanRoute,
     )
     router.add_api_route(
@@ -218,13 +242,13 @@ def make_runcode_router(
                 }
             ],
         },
-        responses=SANDBOXFUSION_ERRORS,
+        responses=RUN_CODE_ERRORS,
         route_class_override=LeanRoute,
     )
 
     async def native(request: Request) -> Response:
         try:
-            await owner_of(request)
+            owner = await owner_of(request)
             data = await body_json(request)
             try:
                 req = CodeRunRequest.model_validate(data)
@@ -232,7 +256,11 @@ def make_runcode_router(
                 # without the inputs: they may be megabytes (a file's base64) or deeply nested
                 errors = json.loads(e.json(include_url=False, include_input=False))[:16]
                 raise InvalidRequest("invalid run_code request", errors=errors) from None
-            result = await get_service().run(req)
+            runner = get_service()
+            if isinstance(runner, CodeRuns):
+                result = await runner.run_code(owner, req)
+            else:
+                result = await runner.run(req)
         except DsecError as e:
             return _error(e)
         except Exception as e:

@@ -649,7 +649,7 @@ class ImageBuilder:
     ) -> AsyncGenerator[Any, None]:
         step: Copy = ps.step
         with contextlib.ExitStack() as slots:
-            work = self.store.scratch / f"layer-{slots.enter_context(self.store._build_slot())}"
+            work = self.store.scratch / f"layer-{slots.enter_context(self.store.build_slot())}"
             tree = LayerTree()
             async with self._sandbox(b, ps, stack, None, small=True) as sid:
 

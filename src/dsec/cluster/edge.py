@@ -45,7 +45,7 @@ from dsec.cluster.relay import (
 )
 from dsec.edge.interface import SANDBOX_VERBS, STREAM_VERBS, PortStream, PortTicket
 from dsec.edge.ports import redeem_ticket
-from dsec.edge.quotas import QuotaGuard
+from dsec.edge.quotas import QuotaGuard, code_run_size
 from dsec.errors import (
     DsecError,
     InvalidRequest,
@@ -60,6 +60,8 @@ from dsec.models import (
     BatchItemError,
     BuildImageRequest,
     Capabilities,
+    CodeRunRequest,
+    CodeRunResult,
     CreateSandboxRequest,
     ExecEvent,
     ExecRequest,
@@ -74,9 +76,11 @@ from dsec.models import (
     LayerInfo,
     MigrateResult,
     NodeInfo,
+    RunCodeRequest,
+    RunCodeResponse,
     SandboxInfo,
 )
-from dsec.placement import Placer
+from dsec.placement import PlacementRequest, Placer
 from dsec.version import __version__
 
 if TYPE_CHECKING:
@@ -799,6 +803,39 @@ class ClusterEdge:
         """Registered on every live node (each reads the layers from the registry)."""
         out: ImageInfo = await self._on_every_node("attach_image", ref, name, lazy, owner)
         return out
+
+    # ------------------------------------------------------------------ run_code
+    async def run_code(self, owner: str, req: CodeRunRequest) -> CodeRunResult:
+        """:class:`~dsec.edge.interface.CodeRuns` on a node with the fncall tier."""
+        out: CodeRunResult = await self._run_code("run_code", owner, req)
+        return out
+
+    async def run_code_sandboxfusion(self, owner: str, req: RunCodeRequest) -> RunCodeResponse:
+        """:class:`~dsec.edge.interface.CodeRuns` (SandboxFusion's shape) on a node with the
+        fncall tier."""
+        out: RunCodeResponse = await self._run_code("run_code_sandboxfusion", owner, req)
+        return out
+
+    async def _run_code(self, verb: str, owner: str, req: CodeRunRequest | RunCodeRequest) -> Any:
+        """Check ``owner``'s quota here against the registry, as for a creation (the run
+        counts as one live sandbox of :func:`code_run_size` until it returns), then run the
+        call on the placer's fncall nodes in turn: a node that refuses it (its pool or its
+        creation gate full, lost, restarting) passes it to the next. Nothing is reserved:
+        the run is over when the call returns."""
+        cpu, memory_mb = code_run_size(req)
+        await self._key_room(owner, cpu, memory_mb, 1)
+        preq = PlacementRequest(tier="fncall", cpu=cpu, memory_bytes=memory_mb << 20)
+        last: DsecError | None = None
+        with self.key_quotas.admitted(owner, cpu=cpu, memory_mb=memory_mb):
+            for node in self.placement.candidates(preq):
+                try:
+                    return await self.relay.call(
+                        node, verb, owner, req, timeout=self.options.create_timeout_s
+                    )
+                except (QuotaExceeded, NodeLost, ServiceUnavailable) as e:
+                    log.info("node %s did not run a code call: %s", node, e.message)
+                    last = e
+        raise last if last is not None else QuotaExceeded("no node of the cluster runs code now")
 
     # ------------------------------------------------------------------ node
     async def capabilities(self) -> list[Capabilities]:

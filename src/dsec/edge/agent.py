@@ -19,7 +19,7 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,7 +44,7 @@ from dsec.edge.live import LiveTable
 from dsec.edge.logs import SandboxLogs, log_bytes_from_env
 from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.ports import PortGateway, TrackedStream, check_port
-from dsec.edge.quotas import QuotaGuard
+from dsec.edge.quotas import QuotaGuard, code_run_size
 from dsec.edge.references import ImageReferences, short_name_registry_from_env
 from dsec.edge.registry import Registry, SandboxRow
 from dsec.edge.start import StartProcess, start_command_of, with_image_defaults
@@ -75,6 +75,8 @@ from dsec.models import (
     BatchCreateResult,
     BuildImageRequest,
     Capabilities,
+    CodeRunRequest,
+    CodeRunResult,
     CpuMetrics,
     CreateSandboxRequest,
     DiskMetrics,
@@ -99,6 +101,8 @@ from dsec.models import (
     NodeInfo,
     PauseReport,
     PushImageResult,
+    RunCodeRequest,
+    RunCodeResponse,
     SandboxInfo,
     SandboxMetrics,
     SnapshotRequest,
@@ -128,6 +132,7 @@ from dsec.version import __version__
 if TYPE_CHECKING:
     from dsec.builds.engine import ImageBuilder
     from dsec.builds.wire import BuildEvent, BuildRequest
+    from dsec.runtimes.fncall.service import CodeRunAdmission, RunCodeService
 
 log = logging.getLogger("dsec.edge")
 
@@ -316,6 +321,9 @@ class EdgeAgent:
             self.metrics.add_lazy_layers(layer_store.lazy_stats)
         self._live: LiveTable[_Live] = LiveTable()  # with the running totals of requests
         self._builder: ImageBuilder | None = None
+        self.code_runner: RunCodeService | None = None
+        """The node's run_code service over its fncall tier (made on first use; a test edge
+        may set its own, e.g. over a tier that is never started)."""
         self.build_records = BuildRecords()
         self.references = ImageReferences(layer_store, short_names=short_name_registry_from_env())
         self.port_gateway: PortGateway | None = None
@@ -2079,6 +2087,56 @@ class EdgeAgent:
             return
         async for line in lv.logs.read(follow=follow):
             yield line
+
+    # ------------------------------------------------------------------ run_code
+    async def run_code(self, owner: str, req: CodeRunRequest) -> CodeRunResult:
+        """:class:`~dsec.edge.interface.CodeRuns`: ``req`` in a fresh fncall worker, admitted
+        as a creation of ``owner``'s (``POST /v1/run_code``)."""
+        return await self._code_runs().run(req, self._code_run_admission(owner, req))
+
+    async def run_code_sandboxfusion(self, owner: str, req: RunCodeRequest) -> RunCodeResponse:
+        """:class:`~dsec.edge.interface.CodeRuns`: SandboxFusion's ``/run_code``, admitted as
+        a creation of ``owner``'s."""
+        return await self._code_runs().run_code(req, self._code_run_admission(owner, req))
+
+    def _code_runs(self) -> RunCodeService:
+        """The node's run_code service over its fncall tier, made on first use."""
+        rt = self._runtime("fncall")
+        if self.code_runner is None:
+            from dsec.runtimes.fncall.runtime import FncallRuntime
+            from dsec.runtimes.fncall.service import RunCodeService
+
+            if not isinstance(rt, FncallRuntime):
+                raise CapabilityNotSupported(
+                    f"the fncall tier of node {self.node} does not run code", tier="fncall"
+                )
+            self.code_runner = RunCodeService(rt, pod_name=f"dsec-fncall@{self.node}")
+        return self.code_runner
+
+    def _code_run_admission(
+        self, owner: str, req: CodeRunRequest | RunCodeRequest
+    ) -> CodeRunAdmission:
+        """What a creation of ``owner``'s passes, for one code run: the key's quota (the run
+        counts as one live sandbox of :func:`code_run_size` while it runs, and spends one
+        creation of the key's rate) and the node's creation gate around the worker's claim.
+        The node's own caps are the fncall pool's (``max_workers``)."""
+        from dsec.runtimes.fncall.service import CodeRunAdmission
+
+        cpu, memory_mb = code_run_size(req)
+
+        @contextlib.contextmanager
+        def hold() -> Iterator[None]:
+            try:
+                usage = self.key_usage_now(owner)
+                self.key_quotas.check(owner, usage, cpu=cpu, memory_mb=memory_mb)
+                self.key_quotas.take(owner)
+            except DsecError as e:
+                self.metrics.errors.labels(e.code).inc()
+                raise
+            with self.key_quotas.admitted(owner, cpu=cpu, memory_mb=memory_mb):
+                yield
+
+        return CodeRunAdmission(hold=hold, claim_slot=lambda: self.creations.slot(owner))
 
     # ------------------------------------------------------------------ builds
     def image_builder(self) -> ImageBuilder:

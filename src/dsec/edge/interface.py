@@ -24,7 +24,7 @@ with ``isinstance`` and answers ``unsupported`` / ``capability_not_supported`` o
 :class:`PauseModes`, :class:`ImageBuilds`, :class:`ImagePublisher`, :class:`InteractiveExec`,
 :class:`DisplayEdge`, :class:`MetricsEdge`, :class:`SandboxMigration`,
 :class:`MemoryMigration`, :class:`PortForwarding`, :class:`FileXattrs`,
-:class:`DirectoryWatch` and :class:`NodeReports`. Every verb is declared here once;
+:class:`DirectoryWatch`, :class:`CodeRuns` and :class:`NodeReports`. Every verb is declared here once;
 :func:`edge_verbs`, :data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive from these classes
 what a remote edge (a cluster node) may be asked, which calls route by sandbox id and which
 answer with a stream.
@@ -42,6 +42,8 @@ from dsec.models import (
     BatchCreateResult,
     BuildImageRequest,
     Capabilities,
+    CodeRunRequest,
+    CodeRunResult,
     CreateSandboxRequest,
     ExecEvent,
     ExecRequest,
@@ -58,6 +60,8 @@ from dsec.models import (
     MigrateResult,
     NodeInfo,
     PushImageResult,
+    RunCodeRequest,
+    RunCodeResponse,
     SandboxInfo,
     SandboxMetrics,
     SnapshotRequest,
@@ -71,6 +75,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SANDBOX_VERBS",
     "STREAM_VERBS",
+    "CodeRuns",
     "DirectoryWatch",
     "DirectoryWatcher",
     "DisplayEdge",
@@ -504,6 +509,30 @@ class FileXattrs(Protocol):
 
 
 @runtime_checkable
+class CodeRuns(Protocol):
+    """Optional edge ability: ``run_code``, one program in a fresh ``fncall`` worker that
+    is gone when the call returns (``POST /v1/run_code``; SandboxFusion's ``/run_code``).
+
+    A call is admitted like a sandbox creation of ``owner``: it counts against the key's
+    quota as one live sandbox for as long as it runs (the fncall worker's core and the
+    call's memory limit, :func:`dsec.edge.quotas.code_run_size`) and spends one creation of
+    its rate, and its worker is claimed under the node's creation gate
+    (:mod:`dsec.edge.admission`). Refusals are raised, in both shapes: ``QuotaExceeded``,
+    ``CreationRateExceeded`` (the key), ``NodeBusy`` (the node), ``TierUnavailable`` (no
+    fncall tier). A cluster runs the call on a node that has the fncall tier. What the
+    program did, and a request the worker cannot run, is the answer (SandboxFusion's shape:
+    ``status: SandboxError`` with a message; dsec's: ``InvalidRequest`` and the like)."""
+
+    async def run_code(self, owner: str, req: CodeRunRequest) -> CodeRunResult:
+        """dsec's shape: ``req`` run as ``owner``'s; request and dsec errors are raised."""
+        ...
+
+    async def run_code_sandboxfusion(self, owner: str, req: RunCodeRequest) -> RunCodeResponse:
+        """SandboxFusion's shape, answered as SandboxFusion does, run as ``owner``'s."""
+        ...
+
+
+@runtime_checkable
 class MetricsEdge(Protocol):
     """Optional edge ability: a sandbox's resource usage (``GET /v1/sandboxes/{id}/metrics``,
     ``sb.metrics()``, E2B's ``get_metrics``). Checks that ``owner`` owns the sandbox
@@ -664,6 +693,7 @@ _ABILITIES: tuple[type, ...] = (
     PortForwarding,
     FileXattrs,
     DirectoryWatch,
+    CodeRuns,
 )
 
 

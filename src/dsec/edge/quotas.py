@@ -19,6 +19,9 @@ A cluster's apiserver replicas each keep their own buckets and in-flight counts:
 replicas a key may briefly exceed ``creations_per_s`` R-fold and its live limits by what
 the replicas admit at the same moment (the registry catches up within one creation).
 
+A ``run_code`` call (:class:`dsec.edge.interface.CodeRuns`) is checked the same way: it
+counts as one live sandbox of :func:`code_run_size` while it runs and spends one creation.
+
 ``cpu_weight`` is not checked here: the container tier puts each key's sandboxes under one
 cgroup with that weight (:mod:`dsec.runtimes.container.runtime`), so a key's 500 busy
 sandboxes share what one busy key gets when another key's 10 want CPU too.
@@ -33,11 +36,33 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from dsec.errors import CreationRateExceeded, QuotaExceeded
-from dsec.models import KeyQuota, KeyUsage
+from dsec.models import CodeRunRequest, KeyQuota, KeyUsage, RunCodeRequest
 
-__all__ = ["UNLIMITED", "KeyQuotas", "QuotaGuard"]
+__all__ = [
+    "CODE_RUN_CPU",
+    "CODE_RUN_MEMORY_MB",
+    "UNLIMITED",
+    "KeyQuotas",
+    "QuotaGuard",
+    "code_run_size",
+]
 
 UNLIMITED = KeyQuota()
+
+CODE_RUN_CPU = 1.0
+"""Cores a ``run_code`` call counts as: an fncall worker's (``PoolConfig.cpu``)."""
+CODE_RUN_MEMORY_MB = 1024
+"""MiB a ``run_code`` call without a memory limit of its own counts as: an fncall worker's
+default (``PoolConfig.memory_mb``)."""
+
+
+def code_run_size(req: CodeRunRequest | RunCodeRequest) -> tuple[float, int]:
+    """``(cores, MiB)`` a ``run_code`` call counts as against its key's quota while it runs:
+    the worker's core and the call's memory limit (``memory_mb``; SandboxFusion's
+    ``memory_limit_MB`` when positive), else the worker's default. One rule on a node and
+    in a cluster, whose apiserver checks before it knows which node runs the call."""
+    asked = req.memory_mb if isinstance(req, CodeRunRequest) else req.memory_limit_MB
+    return CODE_RUN_CPU, asked if asked is not None and asked > 0 else CODE_RUN_MEMORY_MB
 
 
 @runtime_checkable

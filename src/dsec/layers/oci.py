@@ -24,8 +24,9 @@ How a pull goes:
    zstd, detected by magic bytes; the uncompressed sha256 is checked against the config's
    ``diff_ids``), extract it with :func:`dsec.layers.tarball.extract_tarball`, convert OCI
    whiteouts to overlay form, and merge it into the group tree with overlay semantics.
-4. Build each group tree into an EROFS layer (``LayerStore.build_layer``, kind ``base``) and
-   record the image with ``LayerStore.put_image`` (meta: source ref, manifest, config and
+4. Build each group tree into an EROFS layer in the content store
+   (``ContentStore.build_layer``, kind ``base``) and record the image in the catalogue with
+   ``ImageCatalogue.put_image`` (meta: source ref, manifest, config and
    blob digests, the image config's ``Env``/``Entrypoint``/``Cmd``/``WorkingDir``/``User``).
 
 Whiteouts: an OCI ``.wh.<name>`` entry becomes a 0:0 character device ``<name>`` and
@@ -34,9 +35,9 @@ in its layers, and what ``mkfs.erofs`` keeps (as :mod:`dsec.layers.snapshot` rel
 need root (``CAP_MKNOD``, ``CAP_SYS_ADMIN`` for ``trusted.*``): without it a layer that has a
 whiteout raises :class:`~dsec.errors.Unsupported`.
 
-All scratch files of a pull live under ``scratch/layer-<build id>`` with the store's build lock
-held: they are removed when the pull ends (success or failure), and by the next
-``LayerStore()`` open if the process crashed. A half-written layer is never published.
+All scratch files of a pull live under ``scratch/layer-<build id>`` in a build slot of the
+content store (``ContentStore.build_slot``): they are removed when the pull ends (success or
+failure), and by the next open of the store if the process crashed. A half-written layer is never published.
 
 References, manifests, blobs and registry authentication: :mod:`dsec.layers.registry`.
 
@@ -76,6 +77,8 @@ from dsec.errors import (
     Unsupported,
 )
 from dsec.images.reference import is_reference_name
+from dsec.layers.catalogue import ImageCatalogue
+from dsec.layers.content import ContentStore
 from dsec.layers.registry import (
     _CHUNK_BYTES,
     _DIGEST_RE,
@@ -86,7 +89,6 @@ from dsec.layers.registry import (
     parse_ref,
     select_platform,
 )
-from dsec.layers.store import LayerStore
 from dsec.layers.tarball import extract_tarball
 from dsec.layers.workspace import detect_provides
 from dsec.models import SYSTEM_OWNER, ImageInfo, LayerInfo
@@ -369,10 +371,10 @@ def _decompress_layer(blob: Path, tar_out: Path, diff_id: str | None, blob_diges
 # --- the pull --------------------------------------------------------------------------------
 
 
-def _find_built_group(store: LayerStore, blobs: tuple[str, ...], *, bottom: bool) -> str | None:
+def _find_built_group(content: ContentStore, blobs: tuple[str, ...], *, bottom: bool) -> str | None:
     """The digest of a stored layer built from exactly these OCI blobs (at the same
     position: bottom or not), if any."""
-    for layer in store.list_layers():
+    for layer in content.list_layers():
         meta = layer.meta
         if (
             meta.get("source") == "oci"
@@ -410,7 +412,7 @@ def _resolve_manifest(
 
 
 def pull_image(
-    store: LayerStore,
+    store: ImageCatalogue,
     ref: str,
     *,
     name: str | None = None,
@@ -426,7 +428,9 @@ def pull_image(
     as ``owner``'s (default: a system image).
 
     Args:
-        store: the node's layer store (scratch files go under ``store.scratch``).
+        store: the node's image catalogue (a :class:`dsec.layers.store.LayerStore`): the
+            layers go to its content store (scratch files under ``content.scratch``), the
+            image to the catalogue.
         ref: ``[registry/]repo[:tag][@sha256:...]``.
         name: the image name in the store (default :func:`default_image_name`).
         credentials: ``(user, password)`` for Basic auth or the token service.
@@ -453,6 +457,7 @@ def pull_image(
         raise InvalidRequest(f"invalid image name {image_name!r}", name=image_name)
     if merge_threshold_bytes < 0:
         raise InvalidRequest("merge_threshold_bytes must be >= 0")
+    content = store.content
     started = time.monotonic()
     with RegistryClient(
         parsed,
@@ -480,16 +485,18 @@ def pull_image(
         fetched = 0
         for group in plan_groups(layers, merge_threshold_bytes):
             bottom = group.indexes[0] == 0
-            built = _find_built_group(store, group.blobs, bottom=bottom)
+            built = _find_built_group(content, group.blobs, bottom=bottom)
             if built is not None:
                 digests.append(built)
                 continue
             try:
-                layer = _build_group(store, client, parsed, layers, diff_ids, group, bottom=bottom)
+                layer = _build_group(
+                    content, client, parsed, layers, diff_ids, group, bottom=bottom
+                )
             except DsecError:
                 raise
             except OSError as e:  # a full disk, a permission problem in the scratch dir
-                log.error("pull of %s failed writing under %s: %s", parsed, store.scratch, e)
+                log.error("pull of %s failed writing under %s: %s", parsed, content.scratch, e)
                 raise SandboxError(
                     f"pull of {parsed} failed writing to the node's disk: {e.strerror}",
                     errno=e.errno,
@@ -526,7 +533,7 @@ def pull_image(
 
 
 def _build_group(
-    store: LayerStore,
+    content: ContentStore,
     client: RegistryClient,
     ref: ImageRef,
     layers: list[dict[str, Any]],
@@ -537,8 +544,8 @@ def _build_group(
 ) -> LayerInfo:
     """Download, convert and merge one group's layers, then build its EROFS layer."""
     # The store's build slot: scratch/layer-<id> is removed on exit and after a crash.
-    with store._build_slot() as build_id:
-        work = store.scratch / f"layer-{build_id}"
+    with content.build_slot() as build_id:
+        work = content.scratch / f"layer-{build_id}"
         tree = work / "tree"
         tree.mkdir(parents=True)
         counts = {"whiteouts": 0, "opaque_dirs": 0}
@@ -577,6 +584,6 @@ def _build_group(
             "provides": detect_provides(tree),
             **counts,
         }
-        return store.build_layer(
+        return content.build_layer(
             tree, "base", name=f"{ref.repository}@{group.blobs[-1][7:19]}", meta=meta
         )

@@ -512,7 +512,7 @@ def _fetch_into_store(
     store: Any, remote: RegistryBlobStore, layer: PublishedLayer, meta: dict[str, Any]
 ) -> int:
     """Download one layer blob into the store's scratch and import it; returns bytes."""
-    with store._build_slot() as build_id:  # scratch/layer-<id> is removed on exit or crash
+    with store.build_slot() as build_id:  # scratch/layer-<id> is removed on exit or crash
         work = store.scratch / f"layer-{build_id}"
         work.mkdir(parents=True)
         blob = work / "layer.erofs"

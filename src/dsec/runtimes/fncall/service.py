@@ -18,6 +18,12 @@ inside ``/work`` that the worker can create, environment that ``execve`` accepts
 :meth:`RunCodeService.execute`: claim a warm worker of the language's pool, lower its memory
 limit if asked, send code + files + stdin, wait (bounded by compile + run timeouts + grace),
 kill the worker. Bad input never reaches a worker; a worker that misbehaves is killed.
+
+Served by a node's edge (:class:`dsec.edge.interface.CodeRuns`), a call also passes the
+edge's admission (:class:`CodeRunAdmission`): the caller's key quota for the whole call,
+the node's creation gate around the claim of its worker. Those refusals are raised in both
+shapes, never turned into a SandboxFusion answer: the request was fine, the key or the node
+is full, and a retry may pass.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import logging
 import os
 import posixpath
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsec.errors import DsecError, InvalidRequest, PayloadTooLarge, SandboxError
+from dsec.errors import DsecError, InvalidRequest, NodeBusy, PayloadTooLarge, SandboxError
 from dsec.models import (
     CodeRunRequest,
     CodeRunResult,
@@ -53,6 +61,7 @@ log = logging.getLogger("dsec.fncall.service")
 
 __all__ = [
     "CodeJob",
+    "CodeRunAdmission",
     "CodeRunRequest",
     "CodeRunResult",
     "CommandRunResult",
@@ -110,6 +119,22 @@ class CodeJob:
     env: dict[str, str] = field(default_factory=dict)
     fetch_names: dict[str, list[str]] = field(default_factory=dict)
     """path under ``/work`` -> every name the caller asked for it by, in request order"""
+
+
+@dataclass(frozen=True)
+class CodeRunAdmission:
+    """How an edge admits one call, as it admits a sandbox creation (see the module doc).
+
+    Attributes:
+        hold: entered once the request is valid, left when the call is over: the key's
+            quota (raises ``QuotaExceeded`` / ``CreationRateExceeded`` before any worker
+            is claimed).
+        claim_slot: held while the call's worker is claimed, the call's creation: the
+            node's creation gate (raises ``NodeBusy``).
+    """
+
+    hold: Callable[[], AbstractContextManager[Any]]
+    claim_slot: Callable[[], AbstractAsyncContextManager[Any]]
 
 
 @dataclass
@@ -390,14 +415,20 @@ class RunCodeService:
                     f"files[{rel!r}] is {len(data)} bytes; at most {fsize_mb} MiB per file"
                 )
 
-    async def execute(self, job: CodeJob) -> JobOutcome:
-        """Run one job in a fresh worker; the worker is killed afterwards whatever happens."""
+    async def execute(
+        self,
+        job: CodeJob,
+        claim_slot: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+    ) -> JobOutcome:
+        """Run one job in a fresh worker; the worker is killed afterwards whatever happens.
+        ``claim_slot``: held while the worker is claimed (:class:`CodeRunAdmission`)."""
         t0 = time.monotonic()
         pool = await self.runtime.pool_for_language(job.lang)
         memory_mb = job.memory_mb if job.memory_mb is not None else pool.config.memory_mb
         scratch = ScratchSize.fit(memory_mb, pool.config.work_mb)
         self._check_fits(job, scratch.mb, pool.config.fsize_mb)
-        w = await pool.claim()
+        async with claim_slot() if claim_slot is not None else nullcontext():
+            w = await pool.claim()
         answered = False
         try:
             if memory_mb != pool.config.memory_mb:
@@ -540,25 +571,34 @@ class RunCodeService:
 
     # --- the two wire shapes --------------------------------------------------------------
 
-    async def run_code(self, req: RunCodeRequest) -> RunCodeResponse:
+    def _sandbox_error(self, e: Exception) -> RunCodeResponse:
+        """A failed call in SandboxFusion's shape: ``status=SandboxError`` with a message."""
+        if isinstance(e, DsecError):
+            message = e.public_message
+        else:  # a bug: still answer in the client's shape
+            log.exception("run_code failed", exc_info=e)
+            message = f"internal error: {type(e).__name__}"
+        return RunCodeResponse(
+            status=RunStatus.SandboxError, message=message, executor_pod_name=self.pod_name
+        )
+
+    async def run_code(
+        self, req: RunCodeRequest, admission: CodeRunAdmission | None = None
+    ) -> RunCodeResponse:
         """SandboxFusion semantics. Errors of the request or of dsec come back as
-        ``status=SandboxError`` with a message (never raised)."""
+        ``status=SandboxError`` with a message (never raised); ``admission``'s refusals
+        are raised."""
         try:
             job = self.job_from_sandboxfusion(req)
-            out = await self.execute(job)
-        except DsecError as e:
-            return RunCodeResponse(
-                status=RunStatus.SandboxError,
-                message=e.public_message,
-                executor_pod_name=self.pod_name,
-            )
-        except Exception as e:  # a bug: still answer in the client's shape
-            log.exception("run_code failed")
-            return RunCodeResponse(
-                status=RunStatus.SandboxError,
-                message=f"internal error: {type(e).__name__}",
-                executor_pod_name=self.pod_name,
-            )
+        except Exception as e:
+            return self._sandbox_error(e)
+        with admission.hold() if admission is not None else nullcontext():
+            try:
+                out = await self.execute(job, admission.claim_slot if admission else None)
+            except NodeBusy:  # only the creation gate says so here: a refusal, not an answer
+                raise
+            except Exception as e:
+                return self._sandbox_error(e)
         compile_cr = (
             _command_result(out.compile, out.compile_result) if out.compile is not None else None
         )
@@ -591,9 +631,14 @@ class RunCodeService:
             files={p: base64.b64encode(d).decode() for p, d in out.files.items()},
         )
 
-    async def run(self, req: CodeRunRequest) -> CodeRunResult:
-        """dsec semantics: request and dsec errors are raised as :class:`DsecError`."""
-        out = await self.execute(self.job_from_dsec(req))
+    async def run(
+        self, req: CodeRunRequest, admission: CodeRunAdmission | None = None
+    ) -> CodeRunResult:
+        """dsec semantics: request and dsec errors are raised as :class:`DsecError`, and so
+        are ``admission``'s refusals."""
+        job = self.job_from_dsec(req)
+        with admission.hold() if admission is not None else nullcontext():
+            out = await self.execute(job, admission.claim_slot if admission else None)
         outcome: Outcome = "ok"
         if out.oom:
             outcome = "oom"
