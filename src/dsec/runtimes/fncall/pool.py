@@ -307,6 +307,7 @@ class Worker:
         self.dead = asyncio.Event()
         self.killed = False
         self.eof = False
+        self._oom_seen = 0  # OOM kills counted while the cgroup was there to read
         self._reader = _FrameReader()
         self._loop = asyncio.get_running_loop()
         sock.setblocking(False)
@@ -325,6 +326,7 @@ class Worker:
             data = b""
         if not data:
             self._close_reader()
+            self.oom_kills()  # read now: the pool may remove the dead worker's cgroup first
             self.inbox.put_nowait(None)
             return
         try:
@@ -379,11 +381,14 @@ class Worker:
         return item
 
     def oom_kills(self) -> int:
-        """Processes of the worker the kernel's OOM killer killed (0 once its cgroup is gone)."""
+        """Processes of the worker the kernel's OOM killer killed: read from its cgroup, or
+        what was read when its socket closed once the cgroup is gone (under load the pool
+        may remove a dead worker's cgroup before the call asks why it died)."""
         try:
-            return self.cgroup.oom_kills()
+            self._oom_seen = max(self._oom_seen, self.cgroup.oom_kills())
         except (OSError, ValueError):
-            return 0
+            pass
+        return self._oom_seen
 
     def set_memory_limit(self, limit_bytes: int) -> None:
         try:  # the direction from what was set last: no read of the current limit per call
