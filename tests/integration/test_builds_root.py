@@ -461,9 +461,13 @@ async def test_sdk_image_build_through_the_wire(node: Node, tmp_path: Path) -> N
                 .build_async("sdk:bad", client=client)
             )
         assert failed.value.details["step"] == 2 and "nope" in failed.value.details["output_tail"]
-        (tmp_path / "Dockerfile").write_text("FROM busybox\nVOLUME /data\n")
+        # a context of its own (tmp_path also holds the node's home, whose sandboxes change)
+        (tmp_path / "df").mkdir()
+        (tmp_path / "df" / "Dockerfile").write_text("FROM busybox\nVOLUME /data\n")
         with pytest.raises(InvalidRequest) as refused:
-            await Image.from_dockerfile(tmp_path / "Dockerfile").build_async("df", client=client)
+            await Image.from_dockerfile(tmp_path / "df" / "Dockerfile").build_async(
+                "df", client=client
+            )
         assert refused.value.details["line"] == 2
     # the key's builds are listed, newest first: the failed one, the cached rebuild, the first
     # (a refusal before the start is no build); another key sees none of them

@@ -392,7 +392,13 @@ def _included(root: Path, ignore: DockerIgnore | None, rel: str = "") -> list[st
     directory is walked only when a ``!`` line could re-include something in it, and is
     kept only if something in it is."""
     out: list[str] = []
-    for child in sorted(os.listdir(root / rel if rel else root)):
+    try:
+        children = sorted(os.listdir(root / rel if rel else root))
+    except (FileNotFoundError, NotADirectoryError):
+        if not rel:
+            raise
+        return out  # removed while the context was walked: as if it had not been there
+    for child in children:
         child_rel = f"{rel}/{child}" if rel else child
         full = root / child_rel
         excluded = ignore is not None and ignore.excluded(child_rel)
