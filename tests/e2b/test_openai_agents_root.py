@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import container_server
 from tests.isolation import worker_subnet
+from tests.side_venv import side_venv_python
 from tests.timing import budget
 
 from dsec.apiserver.auth import e2b_form, owner_id
@@ -34,19 +35,9 @@ PROBE = Path(__file__).with_name("openai_agents_probe.py")
 
 def agents_python() -> Path:
     """The Python of the openai-agents venv, or a skip saying why there is none."""
-    given = os.environ.get("DSEC_OPENAI_AGENTS_PYTHON")
-    exe = Path(given) if given else ROOT / ".venv-openai-agents" / "bin" / "python"
-    if not exe.exists():
-        pytest.skip(f"no openai-agents venv at {exe} (scripts/bootstrap.sh makes it)")
-    probe = subprocess.run(
-        [str(exe), "-c", "import agents.extensions.sandbox.e2b"],
-        capture_output=True,
-        text=True,
-        timeout=budget(120),
+    return side_venv_python(
+        ".venv-openai-agents", "DSEC_OPENAI_AGENTS_PYTHON", "agents.extensions.sandbox.e2b"
     )
-    if probe.returncode != 0:
-        pytest.skip(f"{exe} cannot import openai-agents' E2B sandbox: {probe.stderr[-300:]}")
-    return exe
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 from tests.conftest import LiveServer
+from tests.side_venv import side_venv_python
 from tests.timing import budget
 
 from dsec import Sandbox
@@ -45,19 +46,9 @@ CHECKS = Path(__file__).with_name("verifiers_checks.py")
 
 def verifiers_python() -> Path:
     """The Python of the verifiers venv, or a skip saying why there is none."""
-    given = os.environ.get("DSEC_VERIFIERS_PYTHON")
-    exe = Path(given) if given else ROOT / ".venv-verifiers" / "bin" / "python"
-    if not exe.exists():
-        pytest.skip(f"no verifiers venv at {exe}: scripts/bootstrap.sh makes .venv-verifiers")
-    probe = subprocess.run(
-        [str(exe), "-c", "import verifiers.v1.runtimes.docker"],
-        capture_output=True,
-        text=True,
-        timeout=budget(120),
+    return side_venv_python(
+        ".venv-verifiers", "DSEC_VERIFIERS_PYTHON", "verifiers.v1.runtimes.docker"
     )
-    if probe.returncode != 0:
-        pytest.skip(f"{exe} cannot import verifiers: {probe.stderr.strip()[-300:]}")
-    return exe
 
 
 @pytest.fixture
