@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.privileged.mount import MNT_DETACH, umount
-from dsec.privileged.mountns import _is_mount_point, _private_dir
+from dsec.privileged.mountns import _is_mount_point, _private_dir, pin_attempts
 
 __all__ = ["LaunchNamespace", "open_launch_namespace"]
 
@@ -125,26 +125,31 @@ def open_launch_namespace(
         if _is_mount_point(pin):  # a previous start's: this one's replaces it
             umount(pin, MNT_DETACH)
         pin.touch()
-        proc = subprocess.run(
-            [
-                "unshare",
-                f"--mount={pin}",
-                "--propagation",
-                "private",
-                "--",
-                sys.executable,
-                "-I",
-                "-S",
-                "-c",
-                _PRUNE,
-                *(str(p) for p in prune),
-            ],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        command = [
+            "unshare",
+            f"--mount={pin}",
+            "--propagation",
+            "private",
+            "--",
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            _PRUNE,
+            *(str(p) for p in prune),
+        ]
+        for cpu in pin_attempts():  # the pin's bind is refused when the ids are out of order
+            on_cpu = [] if cpu is None else ["taskset", "--cpu-list", str(cpu)]
+            proc = subprocess.run(
+                [*on_cpu, *command],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            if proc.returncode == 0 or "Invalid argument" not in proc.stderr:
+                break
         if proc.returncode != 0:
             raise OSError(errno.EIO, (proc.stderr or "").strip()[-300:] or "unshare failed")
         ns = LaunchNamespace(pin, launcher)

@@ -23,6 +23,14 @@ crash joins it and finds its sandboxes' mounts (an edge restart recovers live sa
 At a clean exit with no sandbox left, :meth:`NodeMountNamespace.release` unpins it, and it
 disappears with the process: no mount of the node survives it.
 
+Pinning a namespace (a bind mount of its nsfs file) is refused with EINVAL when the kernel
+cannot rule out a loop: ``mnt_ns_loop`` requires the pinned namespace's id to be greater than
+the id of the namespace the bind is made in. Linux 6.18 hands mount namespace ids out of
+per-CPU batches, so a namespace made later on another CPU can have the smaller id (seen here
+in about one pin of three). :func:`pin_attempts` gives the CPUs to make the namespace on, one
+after another, until the pin takes: on the CPU that made the binder's namespace the ids only
+grow, so one of them does.
+
 ``DSEC_MOUNT_NAMESPACE=host`` keeps the host's namespace (embedders, debugging with plain
 ``mount``); an in-process node (tests, Ray's edge actors) runs in its process's namespace, as
 this cannot be changed once threads run. ``nsenter -t <pid of dsec serve> -m`` shows the
@@ -37,6 +45,7 @@ import ctypes.util
 import errno
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +65,7 @@ __all__ = [
     "NodeMountNamespace",
     "current",
     "enter_node_namespace",
+    "pin_attempts",
     "root_propagation",
 ]
 
@@ -174,6 +184,31 @@ def _pinned_namespace(pin: Path) -> int | None:
         return None
 
 
+def pin_attempts() -> list[int | None]:
+    """The CPUs to make a namespace on, in turn, while its pin is refused with EINVAL (see
+    the module's doc): first wherever the scheduler runs the process (None), then each CPU
+    the process may use."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except OSError:
+        cpus = []
+    return [None, *cpus]
+
+
+@contextlib.contextmanager
+def _on_cpu(cpu: int | None) -> Iterator[None]:
+    """Run this (single-threaded) process on ``cpu`` only, for the ``with`` block."""
+    if cpu is None:
+        yield
+        return
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
 def _private_dir(path: Path) -> bool:
     """``path`` as a private bind mount of itself (in this namespace): a pin below it is
     neither propagated into the namespace it pins (the kernel refuses such a loop) nor into
@@ -255,16 +290,26 @@ def enter_node_namespace(run_dir: Path) -> NodeMountNamespace:
             return _current
         made_private = _private_dir(pin.parent)
         pin.touch()
-        _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-        mount("none", "/", None, MS_REC | MS_SLAVE)
         me = os.getpid()
-        try:
-            _in_host(host_fd, lambda: mount(f"/proc/{me}/ns/mnt", pin, None, MS_BIND))
-        except OSError as e:
-            # the kernel has refused the pin now and then (EINVAL, under a host whose mounts
-            # are shared, cause not found): the node keeps its own namespace, unpinned (it
-            # ends with this process, a restarted server makes a new one) rather than
-            # putting every sandbox mount in the host's table
+        refused: OSError | None = None
+        for cpu in pin_attempts():
+            if refused is not None:  # back to the host's, to make another namespace
+                _check(_libc.setns(host_fd, CLONE_NEWNS), "setns(host mount namespace)")
+            with _on_cpu(cpu):  # the new namespace's id comes from this CPU's batch
+                _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+            mount("none", "/", None, MS_REC | MS_SLAVE)
+            try:
+                _in_host(host_fd, lambda: mount(f"/proc/{me}/ns/mnt", pin, None, MS_BIND))
+                refused = None
+                break
+            except OSError as e:
+                refused = e
+                if e.errno != errno.EINVAL:
+                    break
+        if refused is not None:
+            # refused on every CPU, or for another reason: the node keeps its own namespace,
+            # unpinned (it ends with this process, a restarted server makes a new one)
+            # rather than putting every sandbox mount in the host's table
             if made_private:
                 with contextlib.suppress(OSError):
                     _in_host(host_fd, lambda: umount(pin.parent, MNT_DETACH))
@@ -272,7 +317,7 @@ def enter_node_namespace(run_dir: Path) -> NodeMountNamespace:
                 pin.unlink()
             _current = NodeMountNamespace(
                 True,
-                f"not pinned ({e}): a restarted dsec serve cannot rejoin it",
+                f"not pinned ({refused}): a restarted dsec serve cannot rejoin it",
                 None,
                 host_fd=host_fd,
             )
