@@ -741,11 +741,13 @@ class ContainerRuntime:
             pids=spec.pids,
             env=spec.env,
             memsw=self._memsw,
-            # its full weight while it starts: crun's set-up inside the cgroup and the exec
-            # server's attach ran at the idle weight (2) before, so beside sandboxes running
-            # commands they got almost no CPU (next to 40 busy sandboxes a create took up to
-            # 29 s, and 0.24 s at the full weight). Lowered once the server answers.
-            cpu_shares=_full_shares(spec.cpu) if self.idle_cpu_shares else None,
+            # the highest weight while it starts: crun's set-up inside the cgroup and the
+            # exec server's attach are the platform's work, not the tenant's (no tenant code
+            # runs yet). At the idle weight (2) beside 40 sandboxes running commands a create
+            # took up to 29 s; at the full weight (1024) beside 500 agents' commands (with
+            # their exec boost) crun run took 0.3-1.4 s and the creation rate fell to 6/s.
+            # Set to the idle weight once the server answers.
+            cpu_shares=START_SHARES if self.idle_cpu_shares else None,
             boot_id_file=_new_boot_id(sandbox_dir),
             seccomp_bpf=self._seccomp_bpf,
         )
@@ -1626,6 +1628,12 @@ def _replace_file(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+START_SHARES = 262_144
+"""A starting container's ``cpu.shares`` (the most v1 allows; v2: ``cpu.weight`` 10000),
+until its exec server answers: among its key's sandboxes it goes first (the key's own weight
+bounds it against other keys)."""
 
 
 def _full_shares(cpu: float) -> int:
