@@ -15,7 +15,9 @@ requests itself; how late the loops woke is reported). Reported: the offered CPU
 kind's CPU time measured from its sandbox's cgroup on the idle node); per command kind the
 p50/mean/p99 latency under load, on the idle node, and what fair processor sharing would
 give at that load; failures by cause; creations and kills per second; host memory
-(``MemAvailable`` drop), CPU busy share and ``dsec serve``'s own CPU each second; and a probe
+(``MemAvailable`` drop), CPU busy share and ``dsec serve``'s own CPU each second; where a
+creation's time went in the server (admission, the creation gate's queue, the runtime, the
+start command: the ``/metrics`` histogram); and a probe
 of the platform's own latency from a process of its own (a 10-byte file read through the
 API, an ``echo`` in an idle sandbox and a ``GET`` of it, and a new sandbox created to its first
 exec and killed, twice a second) against the idle node. Then the same load with ``pause``
@@ -275,6 +277,41 @@ async def _child_json(argv: list[str], key: str) -> dict[str, Any]:
         raise RuntimeError(f"{argv[0]}: the process exited {proc.returncode}") from None
 
 
+PHASES = ("admit", "queue", "runtime", "start")
+
+
+async def create_phases(url: str) -> dict[str, tuple[float, float]]:
+    """The server's creation phases so far (``dsec_sandbox_create_phase_seconds`` of
+    ``/metrics``, which answers loopback without a key): phase -> (sum in s, count)."""
+    import httpx
+
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{url}/metrics", timeout=30)).text
+    out: dict[str, list[float]] = {phase: [0.0, 0.0] for phase in PHASES}
+    for line in text.splitlines():
+        if not line.startswith("dsec_sandbox_create_phase_seconds_"):
+            continue
+        name, _, value = line.rpartition(" ")
+        for phase in PHASES:
+            if f'phase="{phase}"' in name:
+                if name.startswith("dsec_sandbox_create_phase_seconds_sum"):
+                    out[phase][0] += float(value)
+                elif name.startswith("dsec_sandbox_create_phase_seconds_count"):
+                    out[phase][1] += float(value)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def phase_means_ms(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Each phase's mean (ms) over the creations between two :func:`create_phases`."""
+    means = {}
+    for phase in PHASES:
+        n = after[phase][1] - before[phase][1]
+        means[phase] = (after[phase][0] - before[phase][0]) / n * 1000 if n else float("nan")
+    return means
+
+
 async def load(
     url: str,
     key: str,
@@ -314,6 +351,7 @@ async def load(
             )
             busy0, tot0, srv0, t0 = busy, tot, srv, t
 
+    phases_before = await create_phases(url)
     t0 = time.monotonic()
     probe_before = host_probe_s()
     probe_argv = ["--probe-url", url, "--probe-seconds", str(duration), "--image", args.image]
@@ -324,6 +362,7 @@ async def load(
         return_exceptions=True,
     )
     took = time.monotonic() - t0
+    phases = phase_means_ms(phases_before, await create_phases(url))
     lat: dict[str, list[float]] = {k: [] for k, _ in MIX}
     counts = {"creates": 0, "kills": 0, "errors": 0, "turns": 0}
     causes: dict[str, int] = {}
@@ -363,6 +402,7 @@ async def load(
         "errors_sample": errors[:10],
         "failures_by_cause": causes,
         "platform_ms": platform,
+        "create_phases_mean_ms": phases,
     }
 
 
@@ -427,6 +467,12 @@ def table(
         f"dsec serve's own CPU: {res['server_cores_mean']:.2f} cores on average, "
         f"{res['server_cores_max']:.2f} at most (1 s samples); the load processes' event "
         f"loops woke up to {res['client_lag_s_max'] * 1000:.0f} ms late"
+    )
+    phases = res.get("create_phases_mean_ms") or {}
+    print(
+        "a creation's time in the server (mean): "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in phases.items())
+        + " (queue: waiting for the node's creation gate)"
     )
     for cause, k in sorted(res["failures_by_cause"].items(), key=lambda kv: -kv[1]):
         print(f"  failed: {k} x {cause}")

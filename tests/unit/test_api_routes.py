@@ -470,3 +470,19 @@ async def test_metrics_count_routes_by_template(client: httpx.AsyncClient) -> No
     assert 'dsec_api_errors_total{code="sandbox_not_found"} 1.0' in text
     assert "dsec_api_request_duration_seconds_bucket" in text
     assert sid not in text  # raw paths never become labels
+
+
+async def test_metrics_split_a_creation_into_its_phases(client: httpx.AsyncClient) -> None:
+    """``dsec_sandbox_create_phase_seconds``: one observation per phase of each creation
+    (admission, the creation gate's queue, the runtime, the start command)."""
+    await _sandbox(client)
+    await _sandbox(client)
+    text = (await client.get("/metrics")).text
+    for phase in ("admit", "queue", "runtime", "start"):
+        counts = [
+            line
+            for line in text.splitlines()
+            if line.startswith("dsec_sandbox_create_phase_seconds_count")
+            and f'phase="{phase}"' in line
+        ]
+        assert len(counts) == 1 and counts[0].endswith(" 2.0"), (phase, counts)

@@ -825,8 +825,10 @@ class EdgeAgent:
             cpu_group_weight=self.key_quotas.quota(owner).cpu_weight,
             owner=owner,
         )
+        t_admitted = time.perf_counter()
         try:
             async with lv.lock, self.creations.slot(owner):
+                t_slot = time.perf_counter()
                 handle = await (maker(spec) if maker is not None else rt.create(spec))
                 lv.handle = handle
                 row.state = "running"
@@ -835,6 +837,7 @@ class EdgeAgent:
                 self.registry.set_state(
                     sid, "running", handle=handle.state, last_active=row.last_active
                 )
+            t_made = time.perf_counter()
         except BaseException as e:
             self._live.pop(sid)
             with contextlib.suppress(Exception):
@@ -860,7 +863,13 @@ class EdgeAgent:
                     self.metrics.errors.labels(e.code).inc()
                 raise
         self.metrics.creations.labels(tier, "ok").inc()
-        self.metrics.create_seconds.labels(tier).observe(time.perf_counter() - t0)
+        t_end = time.perf_counter()
+        self.metrics.create_seconds.labels(tier).observe(t_end - t0)
+        phases = self.metrics.create_phase_seconds
+        phases.labels(tier, "admit").observe(t_admitted - t0)
+        phases.labels(tier, "queue").observe(t_slot - t_admitted)
+        phases.labels(tier, "runtime").observe(t_made - t_slot)
+        phases.labels(tier, "start").observe(t_end - t_made)
         return self._info(row)
 
     async def _image(self, name: str, owner: str, wait_s: float | None) -> ImageInfo:

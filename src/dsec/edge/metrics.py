@@ -72,6 +72,15 @@ class EdgeMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.create_phase_seconds = Histogram(
+            "dsec_sandbox_create_phase_seconds",
+            "Where a successful creation's time went: admit (checks, image, layers), queue "
+            "(waiting for a slot of the node's creation gate), runtime (the tier's create), "
+            "start (the image's start command to ready)",
+            ["tier", "phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.kills = Counter(
             "dsec_sandbox_kills",
             "Sandboxes stopped, by reason",
