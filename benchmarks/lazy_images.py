@@ -4,7 +4,7 @@ benchmarks/results/lazy_images.json.
 The image (>= 1 GiB): the Debian base layer + the gcc toolchain layer from the shared test
 cache (``/var/cache/dsec-test-layers``; built on first use otherwise) + a data layer holding
 one large incompressible file. Its blobs are served from a loopback HTTP range server
-(:class:`dsec.layers.blobstore.BlobHTTPServer`) throttled to ``--rate`` (100 MB/s) by a token
+(:class:`dsec.layers.blobserver.BlobHTTPServer`) throttled to ``--rate`` (100 MB/s) by a token
 bucket. Each measured phase runs ``dsec serve`` as a child process with a fresh DSEC_HOME
 whose layer store has the image's layers recorded as *remote*; page cache is dropped
 (``echo 3 > /proc/sys/vm/drop_caches``) before each phase.
@@ -49,7 +49,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from dsec import AsyncSandbox
-from dsec.layers.blobstore import BlobHTTPServer, LocalDirStore, copy_into_dir_store
+from dsec.layers.blobserver import BlobHTTPServer, copy_into_dir_store
+from dsec.layers.blobstore import LocalDirStore
 from dsec.layers.chunktable import publish_chunk_table
 from dsec.layers.erofs import mkfs_erofs
 from dsec.layers.lazy import LazyServer

@@ -23,7 +23,8 @@ import pytest
 from tests.timing import budget
 
 from dsec.errors import BlobDigestMismatch
-from dsec.layers.blobstore import BlobHTTPServer, LocalDirStore
+from dsec.layers.blobserver import BlobHTTPServer
+from dsec.layers.blobstore import LocalDirStore
 from dsec.layers.chunktable import publish_chunk_table
 from dsec.layers.erofs import mkfs_erofs
 from dsec.layers.mounts import LayerMounts, mountinfo_entries

@@ -21,14 +21,15 @@ from dsec.errors import (
     RegistryUnavailable,
     SandboxError,
 )
+from dsec.layers.blobserver import BlobHTTPServer, TokenBucket
 from dsec.layers.blobstore import (
-    BlobHTTPServer,
     BlobStore,
     HttpBlobStore,
     LocalDirStore,
     SharedFsStore,
-    TokenBucket,
+    blob_store_schemes,
     open_blob_store,
+    register_blob_store,
 )
 from dsec.layers.erofs import mkfs_erofs
 from dsec.layers.lazy import (
@@ -95,6 +96,30 @@ def test_open_blob_store_schemes(tmp_path: Path) -> None:
     for bad in ("ftp://x/y", "dir://relative", "nonsense"):
         with pytest.raises(InvalidRequest):
             open_blob_store(bad)
+    assert {"dir", "fs", "http", "https", "oci"} <= set(blob_store_schemes())
+
+
+def test_a_blob_store_is_added_by_registration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new scheme is a registration (or a package's ``dsec.blob_stores`` entry point), not
+    an edit of :func:`open_blob_store`."""
+    from dsec.layers import blobstore
+
+    monkeypatch.setattr(blobstore, "_FACTORIES", dict(blobstore._FACTORIES))
+    with pytest.raises(InvalidRequest, match="unknown blob store URL"):
+        open_blob_store("mem://bucket")
+    opened: list[str] = []
+
+    def open_mem(url: str) -> BlobStore:
+        opened.append(url)
+        return LocalDirStore(tmp_path / "mem")
+
+    register_blob_store("mem", open_mem)
+    assert isinstance(open_blob_store("mem://bucket"), LocalDirStore)
+    assert opened == ["mem://bucket"] and "mem" in blob_store_schemes()
+    with pytest.raises(ValueError):
+        register_blob_store("not a scheme", open_mem)
 
 
 def test_dir_store_round_trip(tmp_path: Path, dir_store: LocalDirStore) -> None:

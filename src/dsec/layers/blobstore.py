@@ -7,13 +7,14 @@ lazy FUSE server calls for each chunk), give me all of it, verified (:meth:`~Blo
 the "full pull"), store one (:meth:`~BlobStore.put`) and do you have it (:meth:`~BlobStore.has`).
 Implementations are synchronous and thread-safe: FUSE worker threads call them directly.
 
-Backends, chosen by URL scheme in :func:`open_blob_store`:
+Backends, registered by URL scheme (:func:`register_blob_store`; other packages add theirs
+under the ``dsec.blob_stores`` entry-point group) and opened by :func:`open_blob_store`:
 
     dir:///abs/path          LocalDirStore: a local directory (the embedded default)
     fs:///mnt/shared/dsec    SharedFsStore: the same layout on a mounted shared filesystem
                              (3FS, CephFS, NFS); safe for many writers (temp + fsync + rename)
     http://host:port/prefix  HttpBlobStore: any HTTP server serving ``<prefix>/sha256/<hex>``
-                             with Range support (e.g. :class:`BlobHTTPServer`)
+                             with Range support (e.g. :mod:`dsec.layers.blobserver`)
     oci://host:port/repo     RegistryBlobStore (dsec.layers.registry_store, imported lazily):
                              layers as OCI artifacts, read with HTTP range requests
 
@@ -37,22 +38,15 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
-import http.server
 import logging
 import os
 import re
 import secrets
-import shutil
-import socket
-import socketserver
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
 import httpx
@@ -66,13 +60,15 @@ from dsec.errors import (
 )
 
 __all__ = [
-    "BlobHTTPServer",
+    "ENTRY_POINT_GROUP",
     "BlobStore",
+    "BlobStoreFactory",
     "HttpBlobStore",
     "LocalDirStore",
     "SharedFsStore",
-    "TokenBucket",
+    "blob_store_schemes",
     "open_blob_store",
+    "register_blob_store",
 ]
 
 log = logging.getLogger(__name__)
@@ -415,235 +411,70 @@ class HttpBlobStore:
         _with_retries(f"PUT {digest} to {self.url}", attempt)
 
 
+BlobStoreFactory = Callable[[str], BlobStore]
+"""Opens the store of a URL of its scheme (raises ``InvalidRequest`` for a malformed one)."""
+
+ENTRY_POINT_GROUP = "dsec.blob_stores"
+"""Packages add blob stores under this entry-point group: name = the URL scheme, value = a
+:data:`BlobStoreFactory` (``module:callable``), loaded the first time the scheme is used."""
+
+_FACTORIES: dict[str, BlobStoreFactory] = {}
+
+
+def register_blob_store(scheme: str, factory: BlobStoreFactory) -> None:
+    """Make :func:`open_blob_store` open ``scheme://`` URLs with ``factory`` (a later
+    registration of the same scheme replaces the earlier one)."""
+    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+        raise ValueError(f"not a URL scheme: {scheme!r}")
+    _FACTORIES[scheme] = factory
+
+
+def blob_store_schemes() -> list[str]:
+    """The schemes registered so far (built-in ones and plugins already loaded)."""
+    return sorted(_FACTORIES)
+
+
+def _plugin_factory(scheme: str) -> BlobStoreFactory | None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == scheme:
+            factory: BlobStoreFactory = ep.load()
+            _FACTORIES[scheme] = factory
+            return factory
+    return None
+
+
 def open_blob_store(url: str) -> BlobStore:
-    """The store behind ``url``: ``dir://`` LocalDirStore, ``fs://`` SharedFsStore,
-    ``http(s)://`` HttpBlobStore, ``oci://`` RegistryBlobStore (imported lazily from
-    :mod:`dsec.layers.registry_store`). Raises InvalidRequest for any other scheme."""
+    """The store behind ``url``, opened by the factory registered for its scheme
+    (:func:`register_blob_store`, or a package's ``dsec.blob_stores`` entry point). Built in:
+    ``dir://`` LocalDirStore, ``fs://`` SharedFsStore, ``http(s)://`` HttpBlobStore,
+    ``oci://`` RegistryBlobStore. Raises InvalidRequest for any other scheme."""
+    scheme = urlsplit(url).scheme
+    factory = _FACTORIES.get(scheme) or (_plugin_factory(scheme) if scheme else None)
+    if factory is None:
+        known = ", ".join(f"{s}://" for s in blob_store_schemes())
+        raise InvalidRequest(f"unknown blob store URL {url!r}: expected {known}", url=url)
+    return factory(url)
+
+
+def _local_path(url: str) -> Path:
     parts = urlsplit(url)
-    if parts.scheme in ("dir", "fs"):
-        path = (parts.netloc + parts.path) if parts.netloc else parts.path
-        if not path.startswith("/"):
-            raise InvalidRequest(f"blob store URL {url!r} needs an absolute path")
-        return LocalDirStore(Path(path)) if parts.scheme == "dir" else SharedFsStore(Path(path))
-    if parts.scheme in ("http", "https"):
-        return HttpBlobStore(url)
-    if parts.scheme == "oci":
-        from dsec.layers.registry_store import RegistryBlobStore
-
-        store: BlobStore = RegistryBlobStore(url, auth=None)
-        return store
-    raise InvalidRequest(
-        f"unknown blob store URL {url!r}: expected dir://, fs://, http(s):// or oci://", url=url
-    )
+    path = (parts.netloc + parts.path) if parts.netloc else parts.path
+    if not path.startswith("/"):
+        raise InvalidRequest(f"blob store URL {url!r} needs an absolute path")
+    return Path(path)
 
 
-# --- a throttled HTTP range server (tests, benchmarks, a simple blob server) ---------------
+def _open_registry(url: str) -> BlobStore:
+    from dsec.layers.registry_store import RegistryBlobStore  # its client loads on use
+
+    store: BlobStore = RegistryBlobStore(url, auth=None)
+    return store
 
 
-class TokenBucket:
-    """Bandwidth limiter shared by all connections: ``take(n)`` blocks until ``n`` bytes of
-    budget are available. ``rate`` in bytes/s (0 = unlimited); the burst is 1/10 s of rate."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = float(rate)
-        self._capacity = max(self.rate / 10.0, 1.0)
-        self._tokens = self._capacity
-        self._stamp = time.monotonic()
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> None:
-        """Consume ``n`` bytes of budget, sleeping as needed."""
-        if self.rate <= 0:
-            return
-        while n > 0:
-            with self._lock:
-                now = time.monotonic()
-                self._tokens = min(self._capacity, self._tokens + (now - self._stamp) * self.rate)
-                self._stamp = now
-                grant = min(n, self._tokens) if self._tokens >= 1 else 0
-                self._tokens -= grant
-                wait = 0.0 if grant else (min(n, self._capacity) - self._tokens) / self.rate
-            n -= int(grant)
-            if wait:
-                time.sleep(wait)
-
-
-class _ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    """Threaded HTTP server that can also cut its open keep-alive connections."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-    live: set[socket.socket]
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        self.live.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: Any) -> None:
-        self.live.discard(request)
-        super().shutdown_request(request)
-
-    def close_connections(self) -> None:
-        for conn in list(self.live):
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-
-
-class BlobHTTPServer:
-    """Serve a :class:`LocalDirStore` over HTTP on loopback with Range support and a shared
-    bandwidth limit (token bucket). Counts bytes sent and requests. Runs in a thread.
-
-    Args:
-        root: the store directory (``<root>/sha256/<hex>``).
-        rate: bandwidth limit in bytes/s over all connections (0 = unlimited).
-        host, port: where to listen (port 0 = any free port; see :attr:`url`).
-
-    Example::
-
-        with BlobHTTPServer(Path("/srv/blobs"), rate=100e6) as srv:
-            store = open_blob_store(srv.url)
-    """
-
-    def __init__(self, root: Path, *, rate: float = 0, host: str = "127.0.0.1", port: int = 0):
-        self.root = Path(root)
-        self.bucket = TokenBucket(rate)
-        self.bytes_sent = 0
-        self.requests = 0
-        self.fail_after_bytes: int | None = None  # test hook: cut connections after N bytes
-        self._stats_lock = threading.Lock()
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: object) -> None:
-                return
-
-            def _blob(self) -> Path | None:
-                m = re.fullmatch(r"/(?:.*/)?sha256/([0-9a-f]{64})", self.path)
-                return outer.root / "sha256" / m.group(1) if m else None
-
-            def do_HEAD(self) -> None:
-                self._serve(body=False)
-
-            def do_GET(self) -> None:
-                self._serve(body=True)
-
-            def _serve(self, body: bool) -> None:
-                with outer._stats_lock:
-                    outer.requests += 1
-                path = self._blob()
-                if path is None or not path.is_file():
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                size = path.stat().st_size
-                start, end = 0, size - 1
-                rng = self.headers.get("Range")
-                status = 200
-                if rng:
-                    m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
-                    if m is None or int(m.group(1)) >= size:
-                        self.send_response(416)
-                        self.send_header("Content-Range", f"bytes */{size}")
-                        self.send_header("Content-Length", "0")
-                        self.end_headers()
-                        return
-                    start = int(m.group(1))
-                    end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
-                    status = 206
-                length = end - start + 1
-                self.send_response(status)
-                self.send_header("Content-Length", str(length))
-                self.send_header("Accept-Ranges", "bytes")
-                if status == 206:
-                    self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-                self.end_headers()
-                if not body:
-                    return
-                with open(path, "rb") as f:
-                    f.seek(start)
-                    left = length
-                    while left > 0:
-                        piece = f.read(min(left, 256 * 1024))
-                        if not piece:
-                            break
-                        outer.bucket.take(len(piece))
-                        with outer._stats_lock:
-                            cut = outer.fail_after_bytes is not None and (
-                                outer.bytes_sent + len(piece) > outer.fail_after_bytes
-                            )
-                            if not cut:
-                                outer.bytes_sent += len(piece)
-                        if cut:
-                            self.close_connection = True
-                            with contextlib.suppress(OSError):
-                                self.connection.shutdown(2)
-                            return
-                        try:
-                            self.wfile.write(piece)
-                        except OSError as e:
-                            if e.errno in (errno.EPIPE, errno.ECONNRESET):
-                                return
-                            raise
-                        left -= len(piece)
-
-            def do_PUT(self) -> None:
-                path = self._blob()
-                left = int(self.headers.get("Content-Length", "0"))
-                tmp = outer.root / "sha256" / f".put.{secrets.token_hex(6)}"
-                h = hashlib.sha256()
-                with open(tmp, "wb") as out:  # streamed and hashed, never held in memory
-                    while left > 0:
-                        piece = self.rfile.read(min(left, _COPY_BUFFER))
-                        if not piece:
-                            break
-                        h.update(piece)
-                        out.write(piece)
-                        left -= len(piece)
-                if path is None or left or h.hexdigest() != path.name:
-                    tmp.unlink(missing_ok=True)
-                    self.send_response(400)
-                else:
-                    os.rename(tmp, path)
-                    self.send_response(201)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        (self.root / "sha256").mkdir(parents=True, exist_ok=True)
-        self._server = _ThreadingServer((host, port), Handler)
-        self._server.live = set()
-        self.port = self._server.server_address[1]
-        self.url = f"http://{host}:{self.port}"
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="dsec-blob-http", daemon=True
-        )
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop serving and close the socket."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._server.close_connections()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> BlobHTTPServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def copy_into_dir_store(store: LocalDirStore, path: Path, digest: str) -> None:
-    """Hard-link (or copy) a verified file into a dir store without re-hashing (the caller
-    vouches for the digest, e.g. a LayerStore blob). Used by benchmarks and tests."""
-    dest = store.blob_path(digest)
-    if dest.exists():
-        return
-    try:
-        os.link(path, dest)
-    except OSError:
-        tmp = dest.parent / f".{dest.name}.{secrets.token_hex(4)}"
-        shutil.copyfile(path, tmp)
-        os.rename(tmp, dest)
+register_blob_store("dir", lambda url: LocalDirStore(_local_path(url)))
+register_blob_store("fs", lambda url: SharedFsStore(_local_path(url)))
+register_blob_store("http", HttpBlobStore)
+register_blob_store("https", HttpBlobStore)
+register_blob_store("oci", _open_registry)
