@@ -192,6 +192,43 @@ async def test_the_boot_id_cannot_be_written_from_inside(
     assert_gone(runtime, h.id)  # the immutable file did not keep the directory
 
 
+async def test_few_superblocks_masks_still_hold(runtime: ContainerRuntime, make: Factory) -> None:
+    """Every superblock on the host costs every memory cgroup the kernel makes
+    (``bundle.SUPERBLOCKS_NOTE``): a container adds only its /proc, /sys, /dev, /dev/pts and
+    mqueue (besides its root and writable layer). The masked directories are read-only binds
+    of one empty directory, and /dev/shm is a sticky, writable directory of /dev."""
+    h = await make()
+    r = await run(
+        runtime,
+        h,
+        "cat /proc/self/mountinfo; echo ==; "
+        "stat -c %a /dev/shm; echo x > /dev/shm/f && cat /dev/shm/f; "
+        "for d in /proc/acpi /sys/firmware /sys/kernel/debug; do "
+        "[ -d $d ] || continue; echo $d:$(ls -A $d | wc -l); touch $d/x 2>/dev/null && echo W; "
+        "done",
+    )
+    mountinfo, _, checks = r.stdout.partition("==\n")
+    # (fs type, mount point) of each mount of a filesystem's root (a bind of a directory
+    # shows that directory as its root): one per superblock the container made
+    roots = [
+        (line.split(" - ")[1].split()[0], line.split()[4])
+        for line in mountinfo.splitlines()
+        if line.split()[3] == "/" and line.split()[4] != "/"
+    ]
+    assert sorted(roots) == [
+        ("devpts", "/dev/pts"),
+        ("mqueue", "/dev/mqueue"),
+        ("proc", "/proc"),
+        ("sysfs", "/sys"),
+        ("tmpfs", "/dev"),
+    ], roots  # no tmpfs per mask, none for /dev/shm
+    lines = checks.split()
+    assert lines[:2] == ["1777", "x"], r
+    masked = [ln for ln in lines[2:] if ":" in ln]
+    assert masked and all(ln.endswith(":0") for ln in masked), r  # empty
+    assert "W" not in lines, r  # and read-only
+
+
 async def test_env_cwd_user_stdin(runtime: ContainerRuntime, make: Factory) -> None:
     h = await make(env={"FROM_SPEC": "spec", "OVERRIDE": "spec"}, workdir="/tmp", user="sandbox")
     r = await run(runtime, h, "id -u; id -g; pwd; echo $FROM_SPEC $OVERRIDE $HOME; echo $PATH")

@@ -128,7 +128,7 @@ INIT_DIR_SOURCE = "dsec-init"
 
 def mount_init_dir(where: Path, binary: Path) -> Path:
     """Put a copy of the containers' init ``binary`` alone on a small tmpfs at ``where``
-    and return the copy's path (``where/init``). Idempotent: a tmpfs left by an earlier
+    (with the empty :func:`mask_dir`) and return the copy's path (``where/init``). Idempotent: a tmpfs left by an earlier
     start is used again (a changed binary replaces the copy by a rename, so running inits
     keep theirs).
 
@@ -150,6 +150,8 @@ def mount_init_dir(where: Path, binary: Path) -> Path:
             log.warning("cannot mount a tmpfs at %s (the init's path shows in sandboxes): %s",
                         where, e)  # fmt: skip
             return binary
+    mask = mask_dir(where)
+    mask.mkdir(mode=0o555, exist_ok=True)
     dest = where / "init"
     with open(binary, "rb") as f:
         data = f.read()
@@ -191,6 +193,12 @@ def upper_dir(sandbox_dir: Path) -> Path:
     """The overlay upperdir: every file the sandbox created or changed, with whiteouts
     (0:0 character devices) for deletions. ``pack_diff`` turns this into a layer."""
     return _upper_mount(sandbox_dir) / "data"
+
+
+def mask_dir(init_dir: Path) -> Path:
+    """An empty read-only directory on the init's tmpfs (``where`` of
+    :func:`mount_init_dir`): the containers' masked directories are bind mounts of it."""
+    return Path(init_dir) / "mask"
 
 
 def work_dir(sandbox_dir: Path) -> Path:

@@ -713,6 +713,10 @@ static void attach(void) {
                               CLONE_NEWCGROUP) < 0)
         die("setns into the container");
     close(init_pidfd);
+    /* /dev/shm is a directory of the container's /dev tmpfs, not a tmpfs of its own: every
+     * superblock on the host costs every memory cgroup (bundle.py, SUPERBLOCKS_NOTE). Made
+     * here, before READY, so that no command ever runs without it. */
+    if (mkdir("/dev/shm", 01777) == 0) chmod("/dev/shm", 01777);
 }
 
 /* dsec_execd --bpf POLICY_FILE: write the policy's compiled seccomp program (raw

@@ -66,6 +66,7 @@ from dsec.errors import (
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import (
     assemble_rootfs,
+    mask_dir,
     mount_init_dir,
     mount_sandbox_root,
     release_init_dir,
@@ -760,6 +761,8 @@ class ContainerRuntime:
             cpu_shares=START_SHARES if self.idle_cpu_shares else None,
             boot_id_file=_new_boot_id(sandbox_dir),
             seccomp_bpf=self._seccomp_bpf,
+            # binds, not a tmpfs each: fewer superblocks (bundle.SUPERBLOCKS_NOTE)
+            mask_dir=mask_dir(self._init_dir) if init_bin.parent == self._init_dir else None,
         )
         netns_fd: int | None = None
         if netns is not None:
