@@ -327,6 +327,7 @@ def serve(
                         settings.domain,
                     )
             app = build_app(edge, keys, settings)
+            settle_heap()
             log.info(
                 "dsec serve on http://%s:%d (home %s, node %s)", host, port, paths.home, edge.node
             )
@@ -365,6 +366,26 @@ def prebuild_images(store: Any) -> None:
         )
     if store.prebuild_builtins(names) is not None:
         log.info("building the built-in images %s in the background", ", ".join(names))
+
+
+GC_THRESHOLD0 = 20_000
+"""Allocations between two young garbage collections in ``dsec serve`` (Python's default:
+700). See :func:`settle_heap`."""
+
+
+def settle_heap() -> None:
+    """Keep the cyclic garbage collector off what lives as long as the server: what the
+    imports and the start made (the app, the routes, the models: ~100k objects) is moved to
+    the permanent generation, never scanned again; young collections run every
+    :data:`GC_THRESHOLD0` allocations, so a request's objects are freed by their reference
+    counts before a collection can promote them towards the full collections that scan every
+    object (at 3,000 live sandboxes the collector took 15% of the node's CPU samples)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_THRESHOLD0, gen1, gen2)
 
 
 def uvicorn_config(
