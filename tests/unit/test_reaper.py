@@ -249,3 +249,26 @@ def test_proc_stat_parses_a_name_with_parentheses_and_spaces(tmp_path: Any) -> N
         p.kill()
         p.wait()
     assert proc_stat(p.pid) is None
+
+
+def test_a_crowded_reaper_gathers_exits_into_one_pass() -> None:
+    """With more announced orphans alive than ``crowd``, the exit that wakes the reaper is
+    followed by ``crowd_gather_s`` before its pass: a burst of exits costs one visit of
+    every child, not one per exit. Every orphan is still reaped."""
+    r = run_scenario(
+        """
+        REAPER.crowd, REAPER.crowd_gather_s = 0, 0.4
+        passes = []
+        sweep = REAPER.sweep
+        REAPER.sweep = lambda: passes.append(1) or sweep()
+        kids = [subprocess.Popen(["sleep", "0.3"], process_group=0) for _ in range(8)]
+        for kid in kids:
+            REAPER.expect(kid.pid, proc_stat(kid.pid).start)
+        become_subreaper()
+        reaped = wait_until(lambda: all(gone(k.pid) for k in kids), 10)
+        print(json.dumps({"reaped": reaped, "passes": len(passes),
+                          "expected": REAPER.expected_count()}))
+        """
+    )
+    assert r["reaped"] and r["expected"] == 0
+    assert r["passes"] <= 4, r  # the first, then one or two for eight exits at once
