@@ -171,7 +171,8 @@ async def kill_all(sandboxes: list[AsyncSandbox]) -> None:
 
 async def write_change(sb: AsyncSandbox, mib: int) -> None:
     r = await sb.commands.run(
-        f"mkdir -p /data && head -c {mib}M /dev/urandom > /data/blob && sync", timeout=600
+        f"mkdir -p /data && dd if=/dev/urandom of=/data/blob bs=1048576 count={mib} 2>/dev/null",
+        timeout=600,
     )
     assert r.exit_code == 0, r.stderr
 
