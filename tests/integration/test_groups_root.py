@@ -22,6 +22,7 @@ SETUP = [
     "head -c 1048576 /dev/urandom > /data/blob && md5sum /data/blob > /data/blob.md5",
     "rm /bin/ls",  # a whiteout in the frozen layer: the image's file stays deleted
     "mkdir -p /srv/opaque && echo new > /srv/opaque/f",
+    "echo 0123456789abcdef0123456789abcdef > /etc/machine-id",
 ]
 
 
@@ -75,8 +76,11 @@ def test_group_children_are_independent(live_server: Any) -> None:
         hosts = [_out(sb, "hostname") for sb in group]
         boots = [_out(sb, "cat /proc/sys/kernel/random/boot_id") for sb in group]
         rand = [_out(sb, "head -c 16 /dev/urandom | od -An -tx1") for sb in group]
-        for values in (hosts, boots, rand):
+        ids_ = [_out(sb, "cat /etc/machine-id") for sb in group]  # the image has one now
+        for values in (hosts, boots, rand, ids_):
             assert len(set(values)) == 4, values
+        assert "0123456789abcdef0123456789abcdef\n" not in ids_
+        assert _out(parent, "cat /etc/machine-id") == "0123456789abcdef0123456789abcdef\n"
         assert len(_frozen_after_settle(live_server)[0]) == len(before) + 1
     frozen, mounts = _frozen_after_settle(live_server)
     assert frozen == before and not mounts, (frozen, mounts)
