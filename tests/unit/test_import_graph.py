@@ -42,6 +42,7 @@ KNOWN_DEFERRED_CIRCLES: dict[frozenset[str], str] = {
         {
             "dsec.sdk.client",
             "dsec.sdk.display",
+            "dsec.sdk.group",
             "dsec.sdk.image",
             "dsec.sdk.jobs",
             "dsec.sdk.sandbox",
@@ -50,7 +51,7 @@ KNOWN_DEFERRED_CIRCLES: dict[frozenset[str], str] = {
     ): (
         "the SDK: the sync API is generated from the async one (sync_api imports the async "
         "classes) and each async object hands out its sync wrapper (``.sync``) and the "
-        "sub-APIs it opens late, so that ``import dsec`` stays light"
+        "sub-APIs and results (a group) it opens late, so that ``import dsec`` stays light"
     ),
     frozenset({"dsec.e2b.control", "dsec.e2b.templates"}): (
         "E2B: control mounts the template API and templates reads control's ENVD_VERSION "

@@ -13,18 +13,7 @@ import dsec.errors as E
 from dsec import AsyncSandbox, Client, CommandResult, Sandbox
 from dsec.sdk import Commands, Files
 from dsec.sdk.sync import runner
-from dsec.testing import FakeEdge, app_transport
-
-
-@pytest.fixture
-def edge() -> FakeEdge:
-    return FakeEdge()
-
-
-@pytest.fixture
-def conn(edge: FakeEdge) -> dict[str, Any]:
-    transport, key = app_transport(edge)
-    return {"transport": transport, "api_key": key}
+from dsec.testing import FakeEdge
 
 
 def test_sync_sandbox_end_to_end(edge: FakeEdge, conn: dict[str, Any], tmp_path: Path) -> None:

@@ -754,8 +754,10 @@ class ControlPlane:
         if body.get("timeout") is not None:
             self._seconds(body, "timeout")
         info = await self._live(sandbox_id, owner)
+        # packed, not shared: E2B's fork leaves the source running with its processes (a
+        # shared fork stops them: the source restarts on a fresh layer)
         result = await self.edge.fork_sandbox(
-            sandbox_id, owner, ForkRequest(n=count, labels=dict(info.labels))
+            sandbox_id, owner, ForkRequest(n=count, labels=dict(info.labels), method="pack")
         )
         out: list[dict[str, Any]] = []
         for child in result.sandboxes:

@@ -123,6 +123,7 @@ from dsec.runtimes.base import (
     SandboxFiles,
     SandboxSpec,
     Snapshottable,
+    UpperForkable,
     WatchableFiles,
     XattrFiles,
     capabilities_of,
@@ -805,26 +806,7 @@ class EdgeAgent:
         self.registry.insert(row)
         lv = _Live(row, Handle(sid), desktop=desktop_spec(image), desktop_known=True)
         self._add_live(lv)
-        spec = SandboxSpec(
-            id=sid,
-            tier=tier,
-            layer_paths=layer_paths,
-            layer_digests=digests,
-            cpu=req.cpu,
-            memory_mb=req.memory_mb,
-            disk_mb=req.disk_mb,
-            pids=req.pids,
-            env=dict(req.env),
-            user=req.user,
-            workdir=req.workdir or "/",
-            labels=dict(req.labels),
-            network=req.network,
-            full_guest=req.full_guest,
-            allow_setuid=req.allow_setuid,
-            cpu_group=owner if self.limits.key_cpu_groups else "",
-            cpu_group_weight=self.key_quotas.quota(owner).cpu_weight,
-            owner=owner,
-        )
+        spec = self._spec(sid, req, owner, digests, layer_paths, forked=forked_from is not None)
         t_admitted = time.perf_counter()
         try:
             async with lv.lock, self.creations.slot(owner):
@@ -871,6 +853,41 @@ class EdgeAgent:
         phases.labels(tier, "runtime").observe(t_made - t_slot)
         phases.labels(tier, "start").observe(t_end - t_made)
         return self._info(row)
+
+    def _spec(
+        self,
+        sid: str,
+        req: CreateSandboxRequest,
+        owner: str,
+        digests: list[str],
+        layer_paths: list[str],
+        *,
+        forked: bool = False,
+    ) -> SandboxSpec:
+        """What the runtime gets to make sandbox ``sid`` of ``req`` over ``digests``. A
+        fork's child is named by its id (its siblings and parent are other machines; a
+        sandbox created otherwise is ``sandbox``, as the warm pool makes them)."""
+        return SandboxSpec(
+            id=sid,
+            hostname=sid[:63] if forked else "sandbox",
+            tier=req.tier,
+            layer_paths=layer_paths,
+            layer_digests=digests,
+            cpu=req.cpu,
+            memory_mb=req.memory_mb,
+            disk_mb=req.disk_mb,
+            pids=req.pids,
+            env=dict(req.env),
+            user=req.user,
+            workdir=req.workdir or "/",
+            labels=dict(req.labels),
+            network=req.network,
+            full_guest=req.full_guest,
+            allow_setuid=req.allow_setuid,
+            cpu_group=owner if self.limits.key_cpu_groups else "",
+            cpu_group_weight=self.key_quotas.quota(owner).cpu_weight,
+            owner=owner,
+        )
 
     async def _image(self, name: str, owner: str, wait_s: float | None) -> ImageInfo:
         """The image ``owner`` means by ``name``: its own, a system one (a built-in is built
@@ -1472,6 +1489,9 @@ class EdgeAgent:
 
     async def _resume(self, lv: _Live) -> None:
         rt = self._pausable(lv)
+        if isinstance(rt, UpperForkable) and rt.upper_frozen(lv.handle):
+            await self._restart_frozen(lv, rt)  # its layer is its children's: never thawed
+            return
         async with lv.lock:
             if lv.row.state != "paused":
                 return
@@ -1554,12 +1574,34 @@ class EdgeAgent:
         return await self._use(sandbox_id, owner, run)
 
     async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult:
+        """``req.n`` new sandboxes from this one's files (see :class:`ForkRequest` for the
+        methods), made concurrently; if any fails, none is left."""
         lv = self._live_for(sandbox_id, owner)
         base = CreateSandboxRequest.model_validate(lv.row.request)
+        rt = self._runtime(base.tier)
+        shared = req.method == "shared" or (
+            req.method == "auto" and not req.scrub and req.parent != "keep"
+        )
+        if req.method == "shared" and req.scrub:
+            raise InvalidRequest("a shared fork keeps every file: scrub needs method=pack")
+        if req.method == "shared" and req.parent == "keep":
+            raise InvalidRequest(
+                "a shared fork gives the parent's writable layer to the children: "
+                "parent=pause or parent=continue (parent=keep needs method=pack)"
+            )
+        if shared and not req.memory and not isinstance(rt, UpperForkable):
+            if req.method == "shared":
+                raise CapabilityNotSupported(
+                    f"tier {base.tier} cannot share a frozen writable layer (use method=pack)",
+                    tier=base.tier,
+                )
+            shared = False
         # admission for all n first, so a fork that cannot fit creates nothing
-        self._check_admission(base, capabilities_of(self._runtime(base.tier)), owner, count=req.n)
+        self._check_admission(base, capabilities_of(rt), owner, count=req.n)
         if req.memory:
             return await self._fork_memory(sandbox_id, owner, base, req)
+        if shared and isinstance(rt, UpperForkable):
+            return await self._fork_shared(lv, owner, base, req, rt)
         layer = await self._use(
             sandbox_id, owner, lambda lv: self._snapshot(lv, SnapshotRequest(scrub=req.scrub))
         )
@@ -1569,16 +1611,103 @@ class EdgeAgent:
                 "labels": {**base.labels, **req.labels},
             }
         )
-        created: list[SandboxInfo] = []
-        try:
-            for _ in range(req.n):
-                created.append(await self.create_sandbox(child_req, owner, forked_from=sandbox_id))
-        except DsecError:
-            for info in created:  # nothing half-done: undo the ones already made
+        created = await self._create_all(
+            req.n, owner, lambda: self.create_sandbox(child_req, owner, forked_from=sandbox_id)
+        )
+        return ForkResult(layer=layer, sandboxes=created, method="pack")
+
+    async def _create_all(
+        self, n: int, owner: str, make: Callable[[], Awaitable[SandboxInfo]]
+    ) -> list[SandboxInfo]:
+        """``n`` creations at once; if any fails, the others are killed and its error raised."""
+        results = await asyncio.gather(*(make() for _ in range(n)), return_exceptions=True)
+        created = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for info in created:  # nothing half-done: undo the ones made
                 with contextlib.suppress(Exception):
                     await self.kill_sandbox(info.id, owner)
+            raise failed[0]
+        return created
+
+    async def _fork_shared(
+        self,
+        lv: _Live,
+        owner: str,
+        base: CreateSandboxRequest,
+        req: ForkRequest,
+        rt: UpperForkable,
+    ) -> ForkResult:
+        """Children stacked on the parent's frozen writable layer (O(1) in its size)."""
+        async with lv.lock:
+            if lv.row.state not in ("running", "paused"):
+                raise SandboxStopped(f"sandbox {lv.row.id} is {lv.row.state}", sandbox_id=lv.row.id)
+            await rt.freeze_upper(lv.handle)
+            now = time.time()
+            if lv.row.state == "running":
+                lv.row.state = "paused"
+                lv.row.paused_at = now
+                self.metrics.pauses.labels(lv.row.tier).inc()
+            self.registry.set_state(lv.row.id, "paused", handle=lv.handle.state)
+            self.registry.set_paused(lv.row.id, lv.row.paused_at or now)
+            # the children read the frozen layers from this copy: the parent may restart
+            # (and its handle change) while they are made
+            parent = Handle(lv.handle.id, dict(lv.handle.state))
+        child_req = base.model_copy(update={"labels": {**base.labels, **req.labels}})
+
+        def make() -> Awaitable[SandboxInfo]:
+            return self.create_sandbox(
+                child_req,
+                owner,
+                maker=lambda spec: rt.create_forked(parent, spec),
+                forked_from=lv.row.id,
+            )
+
+        children = self._create_all(req.n, owner, make)
+        if req.parent == "continue":
+            restarted, created = await asyncio.gather(
+                self._restart_frozen(lv, rt), children, return_exceptions=True
+            )
+            if isinstance(created, BaseException):
+                raise created
+            if isinstance(restarted, BaseException):  # the children stand on their own
+                log.warning("fork of %s: the parent did not restart: %s", lv.row.id, restarted)
+        else:
+            created = await children
+        return ForkResult(layer=None, sandboxes=created, method="shared")
+
+    async def _restart_frozen(self, lv: _Live, rt: UpperForkable) -> None:
+        """Start a sandbox whose writable layer a shared fork froze again, on a fresh one
+        (:meth:`UpperForkable.restart_on_frozen`); it is stopped if that fails."""
+        try:
+            async with lv.lock:
+                if lv.row.state != "paused" or not rt.upper_frozen(lv.handle):
+                    return  # restarted by a request that came first, or gone
+                row = lv.row
+                req = CreateSandboxRequest.model_validate(row.request)
+                paths = await asyncio.to_thread(
+                    lambda: [str(self.layers.layer_path(d)) for d in row.image_layers]
+                )
+                spec = self._spec(
+                    row.id,
+                    req,
+                    row.owner,
+                    list(row.image_layers),
+                    paths,
+                    forked=row.forked_from is not None,
+                )
+                lv.handle = await rt.restart_on_frozen(lv.handle, spec)
+                row.state = "running"
+                row.paused_at = None
+                row.last_active = time.time()
+                self.registry.set_state(
+                    row.id, "running", handle=lv.handle.state, last_active=row.last_active
+                )
+                self.registry.set_paused(row.id, None)
+                self.metrics.resumes.labels(row.tier).inc()
+        except DsecError as e:
+            await self._destroy(lv, f"restart after a fork failed: {e}"[:500])
             raise
-        return ForkResult(layer=layer, sandboxes=created)
 
     # --- migration primitives (cluster mode: dsec.cluster.migrate moves sandboxes) ---
     async def export_sandbox(self, sandbox_id: str, owner: str) -> dict[str, Any]:
@@ -1764,7 +1893,7 @@ class EdgeAgent:
         child_req = base.model_copy(update={"labels": {**base.labels, **req.labels}})
         created: list[SandboxInfo] = []
         try:
-            for _ in range(req.n):
+            for _ in range(req.n):  # one after another: each restore is CPU-bound already
                 created.append(
                     await self.create_sandbox(
                         child_req,
@@ -1780,7 +1909,7 @@ class EdgeAgent:
             raise
         finally:
             await rt.drop_memory_snapshot(snap)
-        return ForkResult(layer=None, sandboxes=created)
+        return ForkResult(layer=None, sandboxes=created, method="memory")
 
     async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult:
         rows = self.registry.select(owner=owner, states=("creating", "running", "paused"), job=job)

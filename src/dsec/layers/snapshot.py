@@ -58,6 +58,12 @@ Limits (checked while walking the diff, before anything is read or written):
   (scrub or remove them, e.g. with the files API's recursive remove). mkfs.erofs walks
   scrubbed directories too (it only leaves them out), so the limits apply there as well.
 
+Stacked uppers: a sandbox made by a shared fork stacks on *frozen uppers* (its parent's
+former writable layers, see :class:`dsec.runtimes.base.UpperForkable`). Its snapshot is still
+one layer: :func:`merge_uppers` writes the frozen uppers and its own, bottom first, into one
+upper directory of the same meaning (a copy: what a snapshot costs besides the pack), which
+``pack_diff`` then packs.
+
 Not supported (typed errors): ``metacopy`` uppers (their files hold no data; dsec does not
 mount with ``metacopy=on``). ``redirect`` xattrs (``redirect_dir=on``) are kept and work when
 the layer sits on the same lowers (``redirect_always_follow``). ``trusted.overlay.origin`` /
@@ -97,6 +103,7 @@ __all__ = [
     "DiffStats",
     "LayerImporter",
     "SecretInSnapshot",
+    "merge_uppers",
     "pack_diff",
     "scrub_regex",
 ]
@@ -497,3 +504,62 @@ def pack_diff(
         {"mkfs_ms": stats.mkfs_ms, "import_ms": stats.import_ms, "total_ms": stats.total_ms}
     )
     return info
+
+
+def merge_uppers(uppers: Sequence[Path], dest: Path) -> None:
+    """Write into ``dest`` (which must not exist) one overlay upper directory that means what
+    ``uppers`` (overlay upper directories, **bottom first**) mean stacked: the bottom one is
+    copied, then each next one applied as overlayfs would read it above the others. An
+    entry of the upper one replaces what is below (a whiteout stays a whiteout: it must hide
+    the image's file too); a directory that is not opaque in both is merged, the upper's
+    owner, mode and xattrs on it; an opaque directory replaces what is below. Copies keep
+    owners, modes, times, xattrs (``trusted.overlay.*`` included) and device nodes (``cp
+    -a``). The uppers must not change meanwhile (their sandboxes are frozen).
+
+    Raises:
+        SandboxError: a copy failed (``dest`` is removed).
+    """
+    if not uppers:
+        raise InvalidRequest("nothing to merge")
+    dest = Path(dest)
+    try:
+        _cp(["--no-target-directory", str(uppers[0]), str(dest)])
+        for upper in uppers[1:]:
+            _apply_upper(str(upper), str(dest))
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+
+
+def _cp(args: list[str]) -> None:
+    proc = subprocess.run(
+        ["cp", "-a", *args], stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise SandboxError(f"merging writable layers failed: {proc.stderr.strip()[-500:]}")
+
+
+def _apply_upper(src: str, dst: str) -> None:
+    """Apply upper directory ``src`` onto merged directory ``dst`` (see :func:`merge_uppers`)."""
+    replace: list[str] = []
+    for entry in os.scandir(src):
+        target = os.path.join(dst, entry.name)
+        st = entry.stat(follow_symlinks=False)
+        merge = (
+            stat.S_ISDIR(st.st_mode)
+            and not _has_xattr(entry.path, "trusted.overlay.opaque")
+            and os.path.isdir(target)
+            and not os.path.islink(target)
+        )
+        if merge:
+            _apply_upper(entry.path, target)
+            os.chown(target, st.st_uid, st.st_gid, follow_symlinks=False)
+            shutil.copystat(entry.path, target, follow_symlinks=False)  # mode, times, xattrs
+            continue
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        elif os.path.lexists(target):
+            os.unlink(target)
+        replace.append(entry.path)
+    if replace:  # one cp per directory, not per entry
+        _cp(["--target-directory", dst, "--", *replace])

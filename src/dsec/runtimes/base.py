@@ -16,7 +16,8 @@ alive; it returns False if the sandbox is gone so the edge can clean up.
 Optional abilities are separate protocols: ``Pausable`` (freeze and give memory back),
 ``FilesystemPause`` (a pause that keeps only the files), ``Networked`` (a policy that
 changes while it runs), ``Snapshottable`` (``pack_diff`` of the
-writable layer), ``MemoryStateful`` (RAM and device state to a file: suspend, memory forks,
+writable layer), ``UpperForkable`` (forks that share the frozen writable layer instead of
+packing it), ``MemoryStateful`` (RAM and device state to a file: suspend, memory forks,
 migration with processes), ``Interactive`` (processes whose stdin stays open, terminals),
 ``Display`` (screen, pointer, keyboard), ``PortConnectable`` (TCP connections to ports
 inside the sandbox, for the port proxy), ``Measurable`` (resource usage counters),
@@ -213,6 +214,31 @@ class Snapshottable(Protocol):
 
 
 @runtime_checkable
+class UpperForkable(Protocol):
+    """Forks in O(1) of the size of the change: the parent's writable layer is *frozen*
+    (its processes stopped, the layer never written again) and shared read-only, as a lower
+    layer, by every child; nothing is copied or packed.
+
+    Vocabulary: a **frozen layer** is a former writable layer of a sandbox on this node,
+    kept (refcounted) while a sandbox stacks on it or still has it as its writable layer;
+    its id names it in the runtime's state only (it is not a content-addressed layer).
+
+    States of the parent: ``freeze_upper`` leaves it paused with its writable layer frozen
+    (:meth:`upper_frozen` is True). From there it must never resume in place (its writes
+    would show in the children): :meth:`restart_on_frozen` gives it a fresh writable layer
+    over the frozen one and starts it again (same id, hostname and network policy; its
+    processes are gone). ``create_forked(parent, spec)`` makes a child over the parent's
+    frozen layer (legal while the parent's layer is frozen). ``snapshot`` of a sandbox that
+    stacks on frozen layers packs them with its own writable layer into one layer, so a
+    snapshot stays a single portable layer on top of the image's."""
+
+    def upper_frozen(self, handle: Handle) -> bool: ...
+    async def freeze_upper(self, handle: Handle) -> None: ...
+    async def create_forked(self, parent: Handle, spec: SandboxSpec) -> Handle: ...
+    async def restart_on_frozen(self, handle: Handle, spec: SandboxSpec) -> Handle: ...
+
+
+@runtime_checkable
 class MemoryStateful(Protocol):
     """VM tiers: a sandbox's RAM and device state written to a file.
 
@@ -349,6 +375,7 @@ def capabilities_of(rt: Runtime) -> Capabilities:
         persistent=f.persistent,
         suspend=memory,
         memory_fork=memory,
+        fork_shared=snapshots and isinstance(rt, UpperForkable),
         ports=isinstance(rt, PortConnectable),
         max_cpu=f.max_cpu,
         max_memory_mb=f.max_memory_mb,

@@ -2,6 +2,7 @@
 
 from dsec.sdk import jobs
 from dsec.sdk.client import AsyncClient
+from dsec.sdk.group import AsyncSandboxGroup
 from dsec.sdk.image import Image
 from dsec.sdk.jobs import AsyncJobs
 from dsec.sdk.sandbox import (
@@ -12,7 +13,16 @@ from dsec.sdk.sandbox import (
     AsyncSandboxBatch,
     CommandResult,
 )
-from dsec.sdk.sync_api import Client, Commands, Files, Jobs, Network, Sandbox, SandboxBatch
+from dsec.sdk.sync_api import (
+    Client,
+    Commands,
+    Files,
+    Jobs,
+    Network,
+    Sandbox,
+    SandboxBatch,
+    SandboxGroup,
+)
 
 __all__ = [
     "AsyncClient",
@@ -22,6 +32,7 @@ __all__ = [
     "AsyncNetwork",
     "AsyncSandbox",
     "AsyncSandboxBatch",
+    "AsyncSandboxGroup",
     "Client",
     "CommandResult",
     "Commands",
@@ -31,5 +42,6 @@ __all__ = [
     "Network",
     "Sandbox",
     "SandboxBatch",
+    "SandboxGroup",
     "jobs",
 ]

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import contextlib
 import heapq
 import inspect
 import io
@@ -54,11 +55,12 @@ import json
 import os
 import posixpath
 import re
+import secrets
 import tarfile
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote
 
 import httpx
@@ -77,9 +79,11 @@ from dsec.errors import (
     SandboxStopped,
     SandboxTimeout,
     SequenceConflict,
+    StartFailed,
     error_from_wire,
 )
 from dsec.models import (
+    MAX_FORK,
     BatchCreateRequest,
     BatchCreateResult,
     BatchItemError,
@@ -109,6 +113,7 @@ from dsec.wire import ANSWER
 
 if TYPE_CHECKING:
     from dsec.sdk.display import AsyncDisplay
+    from dsec.sdk.group import AsyncSandboxGroup
     from dsec.sdk.ports import AsyncPortForward
 
 __all__ = [
@@ -120,6 +125,9 @@ __all__ = [
     "AsyncNetwork",
     "AsyncSandbox",
     "CommandResult",
+    "ForkMethod",
+    "ForkParent",
+    "GroupSetup",
     "NetworkPolicyLike",
     "OutputCallback",
 ]
@@ -132,6 +140,10 @@ without running the command)."""
 REPLAYED_HEADER = "X-Dsec-Replayed"
 """Response header, ``1`` when the edge answered from the trajectory log."""
 
+ForkMethod = Literal["auto", "shared", "pack"]
+ForkParent = Literal["keep", "pause", "continue"]
+GroupSetup = str | Sequence[str] | Callable[[Any], Awaitable[None] | None]
+"""A group's set-up: commands, or a function of the set-up sandbox (see create_group)."""
 FORK_TIMEOUT_S = 600.0
 """Default wait for a fork (one snapshot plus n creations), seconds."""
 
@@ -690,6 +702,74 @@ class AsyncSandbox:
         return AsyncSandboxBatch(result.requested, sandboxes, result.errors, conn, owned)
 
     @classmethod
+    async def create_group(
+        cls,
+        n: int,
+        *,
+        setup: GroupSetup | None = None,
+        keep_parent: bool = False,
+        method: ForkMethod = "auto",
+        url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = CREATE_TIMEOUT_S,
+        transport: httpx.AsyncBaseTransport | None = None,
+        client: AsyncClient | None = None,
+        **sandbox: Any,
+    ) -> AsyncSandboxGroup:
+        """Set an environment up once and fork it ``n`` ways: create one sandbox, run
+        ``setup`` in it, fork it ``n`` ways (:meth:`fork`, ``method``) and return the
+        group. The set-up is paid once; on a tier that can (``fork_shared``) the fork costs
+        the same whatever the set-up wrote.
+
+        Args:
+            n: how many sandboxes (1..256; else ``InvalidRequest``, a ``ValueError``).
+            setup: shell commands run in order (the first that exits non-zero stops the
+                group: ``StartFailed`` with ``exit_code`` and ``output_tail``), or a
+                function of the set-up sandbox: a coroutine function gets the
+                :class:`AsyncSandbox`; a plain function (for the sync API,
+                ``Sandbox.create_group``) gets the sync :class:`dsec.Sandbox`, in a worker
+                thread.
+            keep_parent: keep the set-up sandbox (paused, in the group's job) instead of
+                killing it once the group exists.
+            method: the fork's method (see :meth:`fork`).
+            timeout: how long to wait for the set-up sandbox's creation, seconds.
+            sandbox: the same keyword arguments as :meth:`create` (``tier``, ``image``,
+                ``cpu``, ``env``, ``job``...). The group's job is ``job`` if given, else a
+                new ``grp-...`` id.
+
+        Returns:
+            an :class:`AsyncSandboxGroup` (``async with`` kills every sandbox of it).
+        """
+        from dsec.sdk.group import AsyncSandboxGroup
+
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORK:
+            raise InvalidRequest(f"a group has 1..{MAX_FORK} sandboxes, not {n!r}", n=str(n))
+        job = sandbox.pop("job", None) or f"grp-{secrets.token_hex(6)}"
+        # every argument checked before anything is made
+        cls._request(job=job, **sandbox)
+        fork = _validated(ForkRequest, n=n, method=method, parent="pause")
+        conn, owned = cls._client_for(client, url, api_key, transport)
+        try:
+            parent = await cls.create(job=job, client=conn, timeout=timeout, **sandbox)
+            try:
+                await _run_setup(parent, setup)
+                used, children = await parent._fork(fork, FORK_TIMEOUT_S)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await parent.kill()
+                raise
+        except BaseException:
+            if owned:
+                await conn.close()
+            raise
+        if not keep_parent:  # the children hold its frozen layer, not the parent itself
+            with contextlib.suppress(SandboxNotFound, SandboxStopped):
+                await parent.kill()
+        return AsyncSandboxGroup(
+            job, children, parent if keep_parent else None, conn, owned, method=used
+        )
+
+    @classmethod
     async def connect(
         cls,
         sandbox_id: str,
@@ -999,28 +1079,59 @@ class AsyncSandbox:
         labels: dict[str, str] | None = None,
         scrub: builtins.list[str] | None = None,
         memory: bool = False,
+        method: ForkMethod = "auto",
+        parent: ForkParent = "keep",
         timeout: float = FORK_TIMEOUT_S,
     ) -> builtins.list[AsyncSandbox]:
-        """Make ``n`` new sandboxes from one snapshot of this one (same image, limits, job;
-        the snapshot as their top layer; ``labels`` merged over this one's).
+        """Make ``n`` new sandboxes from this one's files (same image, limits, job;
+        ``labels`` merged over this one's), created concurrently.
 
-        The server admits all ``n`` first (``QuotaExceeded``: nothing is created). The new
-        sandboxes share this object's connection pool and number their calls from 1.
+        The server admits all ``n`` first (``QuotaExceeded``: nothing is created; if one
+        creation fails, none is left). The new sandboxes share this object's connection
+        pool and number their calls from 1. Each has its own id, hostname, boot id, entropy
+        and network identity.
 
         Args:
             n: how many (1..256).
             labels: labels added to (or overriding) this sandbox's.
-            scrub: extra paths left out of the snapshot (see :meth:`snapshot`).
+            scrub: extra paths left out (``pack`` forks, see :meth:`snapshot`).
             memory: VM tiers: fork from a memory snapshot instead (running processes carry
                 over; each new sandbox gets its own copy-on-write disk, RNG seed and clock).
+            method: ``"shared"``: the new sandboxes stack on this one's frozen writable
+                layer, nothing is copied (the cost does not grow with what this sandbox
+                wrote; tiers whose capabilities say ``fork_shared``); ``"pack"``: the layer
+                is packed first (``pack_diff``, ~4 ms per MiB; scrubbed like a snapshot);
+                ``"auto"``: ``shared`` where the tier can, ``parent`` is not ``"keep"``
+                and no ``scrub`` is given.
+            parent: ``"keep"`` (default): this sandbox runs on as it was, its processes
+                too (the fork packs its writable layer). ``"pause"`` / ``"continue"``: its
+                writable layer becomes the new ones' (a shared fork: O(1) in what it
+                wrote); it stays paused, and its next request restarts it on a fresh
+                writable layer over the frozen one (files kept, processes gone), or it is
+                restarted so at once.
             timeout: how long to wait for the snapshot and every creation, seconds.
         """
-        req = _validated(ForkRequest, n=n, labels=labels or {}, scrub=scrub or [], memory=memory)
+        req = _validated(
+            ForkRequest,
+            n=n,
+            labels=labels or {},
+            scrub=scrub or [],
+            memory=memory,
+            method=method,
+            parent=parent,
+        )
+        return (await self._fork(req, timeout))[1]
+
+    async def _fork(
+        self, req: ForkRequest, timeout: float
+    ) -> tuple[str, builtins.list[AsyncSandbox]]:
+        """POST the fork; (the method the server used, the new sandboxes)."""
         r = await self._client._http.request(
             "POST", self._path("/fork"), json=req.model_dump(mode="json"), timeout=timeout
         )
         result = ForkResult.model_validate(r.json(), context=ANSWER)
-        return [type(self)(info, self._client, owns_client=False) for info in result.sandboxes]
+        new = [type(self)(info, self._client, owns_client=False) for info in result.sandboxes]
+        return result.method, new
 
     async def migrate(
         self, node: str | None = None, *, timeout: float = SNAPSHOT_TIMEOUT_S
@@ -1183,9 +1294,13 @@ class AsyncSandboxBatch:
             return 1
 
         try:
-            return sum(await asyncio.gather(*(one(sb) for sb in self._sandboxes)))
+            return sum(await asyncio.gather(*(one(sb) for sb in self._owned())))
         finally:
             await self.close()
+
+    def _owned(self) -> builtins.list[AsyncSandbox]:
+        """What :meth:`kill_all` kills."""
+        return self._sandboxes
 
     async def close(self) -> None:
         """Release connections without killing the sandboxes."""
@@ -1203,6 +1318,30 @@ class AsyncSandboxBatch:
         tb: TracebackType | None,
     ) -> None:
         await self.kill_all()
+
+
+async def _run_setup(sb: AsyncSandbox, setup: GroupSetup | None) -> None:
+    """Run a group's set-up in ``sb`` (see :meth:`AsyncSandbox.create_group`)."""
+    if setup is None:
+        return
+    if callable(setup):
+        if inspect.iscoroutinefunction(setup):
+            await setup(sb)
+        else:
+            from dsec.sdk.sync import _wrap
+
+            await asyncio.to_thread(setup, _wrap(sb))
+        return
+    for cmd in [setup] if isinstance(setup, str) else setup:
+        r = await sb.commands.run(cmd)
+        if r.exit_code != 0:
+            tail = (r.stdout + r.stderr)[-2000:]
+            raise StartFailed(
+                f"group set-up command {cmd!r} exited with {r.exit_code}: {tail[-300:]}",
+                sandbox_id=sb.id,
+                exit_code=r.exit_code,
+                output_tail=tail,
+            )
 
 
 def _dump(model: Any) -> Any:

@@ -36,6 +36,7 @@ _LOOKUP_ORDER = (
     "dsec.network.policy",
     "dsec.errors",
     "dsec.sdk.sandbox",
+    "dsec.sdk.group",
     "dsec.sdk.client",
     "dsec.sdk.jobs",
     "dsec.sdk.display",

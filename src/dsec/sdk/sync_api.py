@@ -18,6 +18,7 @@ import httpx
 from dsec.sdk._http import DEFAULT_TIMEOUT_S
 from dsec.sdk.client import AsyncClient
 from dsec.sdk.display import AsyncDisplay
+from dsec.sdk.group import AsyncSandboxGroup
 from dsec.sdk.jobs import JOB_TIMEOUT_S, AsyncJobs
 from dsec.sdk.ports import AsyncPortForward
 from dsec.sdk.sandbox import (
@@ -39,6 +40,7 @@ __all__ = [
     "PortForward",
     "Sandbox",
     "SandboxBatch",
+    "SandboxGroup",
 ]
 
 
@@ -95,6 +97,23 @@ class SandboxBatch(SyncWrapper):
 
     def __len__(self) -> int:
         return len(self._impl.sandboxes)
+
+
+@synchronize(AsyncSandboxGroup)
+class SandboxGroup(SyncWrapper):
+    """What :meth:`Sandbox.create_group` made (sync): ``n`` sandboxes forked from one
+    set-up, list-like, one job: ``pause()``, ``resume()``, ``kill()``; ``with`` kills them
+    all on exit. See :class:`dsec.sdk.group.AsyncSandboxGroup`."""
+
+    def __iter__(self) -> Iterator[Sandbox]:
+        return iter(self.sandboxes)
+
+    def __len__(self) -> int:
+        return len(self._impl.sandboxes)
+
+    def __getitem__(self, index: int) -> Sandbox:
+        sandboxes: list[Sandbox] = self.sandboxes
+        return sandboxes[index]
 
 
 @synchronize(AsyncJobs)

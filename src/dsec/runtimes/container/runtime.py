@@ -66,9 +66,12 @@ from dsec.errors import (
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import (
     assemble_rootfs,
+    freeze_upper,
+    frozen_data,
     mask_dir,
     mount_init_dir,
     mount_sandbox_root,
+    release_frozen,
     release_init_dir,
     release_sandbox_root,
     rootfs_path,
@@ -323,6 +326,9 @@ class ContainerRuntime:
         (reclaimed, every command after it read its programs from the layers again: 500
         agents pausing between turns ran their commands 2-3x slower than without pauses)."""
         self._reclaims: set[asyncio.Task[None]] = set()
+        # frozen uppers (shared forks): id -> the sandboxes that stack on it or have it as
+        # their frozen writable layer; released when none is left
+        self._frozen_refs: dict[str, set[str]] = {}
         self.exec_boost, self.exec_boost_s = _exec_boost_from_env()
         """A command starting in an idle sandbox runs at ``exec_boost`` times the sandbox's
         weight for its first ``exec_boost_s`` seconds (``DSEC_EXEC_BOOST``, default 8, 1 for
@@ -688,12 +694,16 @@ class ContainerRuntime:
                 return await self._claim(warm, spec, sandbox_dir)
         return await self._create_fresh(spec, sandbox_dir)
 
-    async def _create_fresh(self, spec: SandboxSpec, sandbox_dir: Path) -> Handle:
+    async def _create_fresh(
+        self, spec: SandboxSpec, sandbox_dir: Path, frozen: list[str] | None = None
+    ) -> Handle:
         live = _Live()
         self._live[spec.id] = live
         async with live.lock:
             try:
-                handle = await self._create(spec, sandbox_dir, live)
+                handle = await self._create(
+                    spec, sandbox_dir, live, frozen or [], new_machine_id=bool(frozen)
+                )
             except BaseException as e:
                 try:
                     await self._destroy(Handle(spec.id), keep_live=True)
@@ -706,7 +716,19 @@ class ContainerRuntime:
                 raise SandboxError(f"creating sandbox {spec.id} failed: {e}") from e
         return handle
 
-    async def _create(self, spec: SandboxSpec, sandbox_dir: Path, live: _Live) -> Handle:
+    async def _create(
+        self,
+        spec: SandboxSpec,
+        sandbox_dir: Path,
+        live: _Live,
+        frozen: list[str],
+        *,
+        new_machine_id: bool = False,
+    ) -> Handle:
+        """Create ``spec`` in ``sandbox_dir``; ``frozen``: frozen uppers (ids, bottom first)
+        stacked above the layers (shared forks); ``new_machine_id``: a non-empty
+        ``/etc/machine-id`` of the root gets a new random id (a fork's child is another
+        machine than its parent)."""
         oci, init_bin, execd_bin = self._require_available()
         t0 = time.monotonic()
         os.makedirs(sandbox_dir, mode=0o700)
@@ -717,6 +739,9 @@ class ContainerRuntime:
         for digest, layer_file in zip(spec.layer_digests, spec.layer_paths, strict=True):
             lowers.append(self.layer_mounts.acquire(digest, Path(layer_file), scope))
             self._acquired[spec.id].append((scope, digest))
+        for fid in frozen:
+            self._hold_frozen(fid, spec.id)
+            lowers.append(frozen_data(self._frozen_dir(fid)))
         group = _group_dir(spec.cpu_group)
         self._join_group(spec.id, group, spec.cpu_group_weight)
         state: dict[str, Any] = {
@@ -733,9 +758,15 @@ class ContainerRuntime:
             "workdir": spec.workdir,
             "limits": {"cpu": spec.cpu, "memory_mb": spec.memory_mb, "pids": spec.pids},
             "allow_setuid": spec.allow_setuid,
+            "disk_mb": spec.disk_mb,
         }
+        if frozen:
+            state["frozen"] = list(frozen)  # held (released at destroy)
+            state["frozen_lowers"] = list(frozen)  # stacked, bottom first
         self._write_state(spec.id, state)  # destroy_orphan needs it from here on
-        rootfs = assemble_rootfs(sandbox_dir, lowers, spec.disk_mb)
+        rootfs = assemble_rootfs(sandbox_dir, lowers, spec.disk_mb, frozen_lowers=len(frozen))
+        if new_machine_id and (self._read_rootfs_file(rootfs, "/etc/machine-id") or "").strip():
+            RootedFiles(rootfs).replace_now("/etc/machine-id", f"{uuid.uuid4().hex}\n".encode())
         t_rootfs = time.monotonic()
         default_user = self._resolve_user(rootfs, spec.user)
         state["uid"], state["gid"] = default_user.uid, default_user.gid
@@ -1208,6 +1239,8 @@ class ContainerRuntime:
                     continue
                 acquired.append((scope, digest))
             self._acquired[handle.id] = acquired
+            for fid in state.get("frozen") or []:
+                self._frozen_refs.setdefault(str(fid), set()).add(handle.id)
         group = str(state.get("cpu_group") or "")
         if group:
             self._groups.setdefault(group, set()).add(handle.id)
@@ -1244,7 +1277,7 @@ class ContainerRuntime:
         else:
             await self._destroy(handle, keep_live=False)
 
-    async def _destroy(self, handle: Handle, *, keep_live: bool) -> None:
+    async def _destroy(self, handle: Handle, *, keep_live: bool, keep_frozen: bool = False) -> None:
         sandbox_dir = self._sandbox_dir(handle.id)
         state = self._load_state(handle)
         cg = cgroup(state.get("cgroup") or self._cgroup_rel(handle.id))
@@ -1282,6 +1315,12 @@ class ContainerRuntime:
                 self.layer_mounts.release(digest, scope)
             except DsecError as e:
                 errors.append(str(e))
+        if not keep_frozen:
+            for fid in state.get("frozen") or []:
+                try:
+                    self._drop_frozen(str(fid), handle.id)
+                except DsecError as e:
+                    errors.append(str(e))
         if not keep_live:
             self._leave_group(handle.id, str(state.get("cpu_group") or ""))
         if errors:
@@ -1419,15 +1458,26 @@ class ContainerRuntime:
         self, handle: Handle, store: Any, req: SnapshotRequest, meta: dict[str, Any]
     ) -> LayerInfo:
         """``pack_diff``: the writable layer, frozen for a consistent view, as a new layer."""
-        from dsec.layers.snapshot import pack_diff
+        from dsec.layers.snapshot import merge_uppers, pack_diff
 
         cg = self._cgroup(handle)
         was_frozen = cg.is_frozen()
         if not was_frozen:
             self._weigh(handle, active=True)  # every task must run to reach the freezer
             await pausing.pause(cg, reclaim=False)
+        state = self._load_state(handle)
+        frozen = [str(f) for f in state.get("frozen_lowers") or []]
+        merged: Path | None = None
         try:
             upper = upper_dir(self._sandbox_dir(handle.id))
+            max_bytes: int | None = None
+            if frozen:  # a shared fork's stack: its frozen uppers and its own, as one layer
+                merged = Path(store.scratch) / f"merge-{handle.id}-{secrets.token_hex(4)}"
+                uppers = [*(frozen_data(self._frozen_dir(f)) for f in frozen), upper]
+                await asyncio.to_thread(merge_uppers, uppers, merged)
+                upper = merged
+                disk_mb = int(state.get("disk_mb") or 0)
+                max_bytes = disk_mb * (len(frozen) + 1) << 20 if disk_mb else None
             return await asyncio.to_thread(
                 pack_diff,
                 upper,
@@ -1437,12 +1487,110 @@ class ContainerRuntime:
                 meta=meta,
                 secret_values=req.secret_values,
                 compress="lz4" if req.compress else None,
+                max_bytes=max_bytes,
             )
         finally:
+            if merged is not None:
+                await asyncio.to_thread(shutil.rmtree, merged, True)
             if not was_frozen:
                 await pausing.resume(cg, prefetch=False)
                 live = self._live.get(handle.id)
                 self._weigh(handle, active=live is not None and live.active > 0)
+
+    # ------------------------------------------------------------------ shared forks
+    def _frozen_root(self) -> Path:
+        return self.paths.run / "frozen"
+
+    def _frozen_dir(self, fid: str) -> Path:
+        return self._frozen_root() / fid
+
+    def _hold_frozen(self, fid: str, sandbox_id: str) -> None:
+        if not self._frozen_dir(fid).is_dir():
+            raise SandboxError(f"frozen layer {fid} is gone from this node")
+        self._frozen_refs.setdefault(fid, set()).add(sandbox_id)
+
+    def _drop_frozen(self, fid: str, sandbox_id: str) -> None:
+        """``sandbox_id`` no longer uses frozen layer ``fid``: released with the last user."""
+        users = self._frozen_refs.get(fid)
+        if users is not None:
+            users.discard(sandbox_id)
+            if users:
+                return
+            del self._frozen_refs[fid]
+        release_frozen(self._frozen_dir(fid))
+
+    def frozen_layers(self) -> dict[str, int]:
+        """Frozen layers on this node: id -> how many sandboxes hold it (for tests and
+        ``doctor``-like reports)."""
+        return {fid: len(users) for fid, users in self._frozen_refs.items()}
+
+    def upper_frozen(self, handle: Handle) -> bool:
+        """Whether the sandbox's writable layer was frozen by :meth:`freeze_upper` (it must
+        then be restarted by :meth:`restart_on_frozen`, never thawed)."""
+        return bool(self._load_state(handle).get("upper_frozen"))
+
+    async def freeze_upper(self, handle: Handle) -> None:
+        """Freeze the sandbox's processes (cgroup freezer; no memory reclaim) and keep its
+        writable layer as a frozen layer (a read-only bind of its tmpfs: nothing copied,
+        ~0.2 ms). Idempotent: a second fork of a parent whose layer is frozen shares it."""
+        state = self._load_state(handle)
+        if state.get("upper_frozen"):
+            return
+        cg = self._cgroup(handle)
+        if not cg.is_frozen():
+            self._weigh(handle, active=True)  # every task must run to reach the freezer
+            await pausing.pause(cg, reclaim=False)
+        fid = f"fz-{secrets.token_hex(8)}"
+        freeze_upper(self._sandbox_dir(handle.id), self._frozen_dir(fid))
+        self._frozen_refs.setdefault(fid, set()).add(handle.id)
+        state["upper_frozen"] = fid
+        state["frozen"] = [*(state.get("frozen") or []), fid]
+        self._write_state(handle.id, state)
+        handle.state = state
+
+    async def create_forked(self, parent: Handle, spec: SandboxSpec) -> Handle:
+        """Create ``spec`` over the frozen layers of ``parent`` (its frozen writable layer on
+        top of those it stacks itself): a fresh container, no warm one (a warm container's
+        root is mounted already and cannot take another lower layer)."""
+        self._require_available()
+        pstate = self._load_state(parent)
+        fid = pstate.get("upper_frozen")
+        if not fid:
+            raise Conflict(f"sandbox {parent.id}'s writable layer is not frozen")
+        sandbox_dir = self._sandbox_dir(spec.id)
+        if sandbox_dir.exists() or spec.id in self._live:
+            raise InvalidRequest(f"sandbox {spec.id} already exists on this node")
+        if spec.network is not None:
+            self._require_network()
+        frozen = [*(str(f) for f in pstate.get("frozen_lowers") or []), str(fid)]
+        return await self._create_fresh(spec, sandbox_dir, frozen)
+
+    async def restart_on_frozen(self, handle: Handle, spec: SandboxSpec) -> Handle:
+        """Start a sandbox whose writable layer was frozen again, on a fresh writable layer
+        over the frozen one (same id, hostname, limits and network policy; a new boot id;
+        every process of before is gone). On failure the sandbox is destroyed."""
+        state = self._load_state(handle)
+        fid = state.get("upper_frozen")
+        if not fid:
+            raise Conflict(f"sandbox {handle.id}'s writable layer is not frozen")
+        frozen = [*(str(f) for f in state.get("frozen_lowers") or []), str(fid)]
+        live = self._live.setdefault(handle.id, _Live())
+        async with live.lock:
+            try:
+                await self._destroy(Handle(handle.id, state), keep_live=True, keep_frozen=True)
+                return await self._create(spec, self._sandbox_dir(handle.id), live, frozen)
+            except BaseException as e:
+                try:
+                    await self._destroy(Handle(handle.id), keep_live=False, keep_frozen=True)
+                except Exception as cleanup_error:
+                    log.error("cleanup of restarted %s failed: %s", handle.id, cleanup_error)
+                self._live.pop(handle.id, None)
+                for f in state.get("frozen") or []:
+                    with contextlib.suppress(DsecError):
+                        self._drop_frozen(str(f), handle.id)
+                if isinstance(e, DsecError | asyncio.CancelledError):
+                    raise
+                raise SandboxError(f"restarting sandbox {handle.id} failed: {e}") from e
 
     async def network_update(self, handle: Handle, policy: Any) -> None:
         if self.network is None or not self._load_state(handle).get("network"):
@@ -1512,6 +1660,14 @@ class ContainerRuntime:
         n = await asyncio.to_thread(self.layer_mounts.unmount_unused)
         if n:
             log.info("container tier: unmounted %d layer mounts no sandbox uses", n)
+        root = self._frozen_root()
+        for d in sorted(root.iterdir()) if root.is_dir() else []:
+            if d.name not in self._frozen_refs:
+                log.info("container tier: releasing frozen layer %s no sandbox uses", d.name)
+                try:
+                    await asyncio.to_thread(release_frozen, d)
+                except DsecError as e:
+                    log.warning("%s", e)
 
     async def list_orphans(self, known: set[str]) -> list[str]:
         """Sandboxes of this install on this node that ``known`` does not list: a sandbox
