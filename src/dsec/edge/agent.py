@@ -12,14 +12,24 @@ embedded mode (``dsec serve``) and through a remote transport in cluster mode.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import json
 import logging
 import os
 import re
 import secrets
 import socket
+import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+)
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,6 +39,7 @@ from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.config import Paths, host_memory_mb
 from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
 from dsec.edge.admission import CreationGate
+from dsec.edge.audit import EdgeAudit
 from dsec.edge.desktop import (
     STOP_SCRIPT,
     ConsoleScreen,
@@ -72,6 +83,9 @@ from dsec.layers.workspace import check_stack
 from dsec.models import (
     SYSTEM_OWNER,
     TIERS,
+    AuditEntry,
+    AuditReport,
+    AuditSummary,
     BatchCreateResult,
     BuildImageRequest,
     Capabilities,
@@ -91,6 +105,7 @@ from dsec.models import (
     ImageInfo,
     JobAction,
     JobActionResult,
+    JobAudit,
     JobOutcome,
     KeyUsage,
     LayerInfo,
@@ -224,6 +239,7 @@ class _Live:
     ports_opening: int = 0
     # the previous usage sample (monotonic seconds, cumulative CPU ns): rates between samples
     last_usage: tuple[float, int] | None = None
+    audit: AuditSummary | None = None  # its refusals, once it stopped (dsec.edge.audit)
 
 
 def node_name() -> str:
@@ -343,6 +359,8 @@ class EdgeAgent:
         """Admission of creations into the runtimes (:mod:`dsec.edge.admission`)."""
         self.key_quotas = QuotaGuard()
         """Each key's quota (:mod:`dsec.edge.quotas`; its ``source`` is set by the server)."""
+        self.audit = EdgeAudit()
+        """The refusals made on each sandbox's behalf (:mod:`dsec.edge.audit`)."""
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -356,6 +374,7 @@ class EdgeAgent:
             if isinstance(rt, ExitReporting):
                 rt.on_exit(self._sandbox_ended)
             await rt.start()
+        self.audit.start(any(getattr(rt, "log_denials", False) for rt in self.runtimes.values()))
         await self.reconcile()
         for rt in self.runtimes.values():
             if isinstance(rt, Reconciling):
@@ -391,6 +410,7 @@ class EdgeAgent:
                 await self.network.close()
         if self._builder is not None:
             self._builder.close()
+        self.audit.close()
         self.registry.close()
         self.trajectory.close()
         self._closed = True
@@ -493,6 +513,7 @@ class EdgeAgent:
                 if now - last_purge > 60:
                     for sid in self.registry.purge_stopped(now - self.limits.stopped_retention_s):
                         self.trajectory.purge(sid)
+                        self.audit.recorder.forget((sid,))
                     last_purge = now
             except Exception:
                 log.exception("reaper iteration failed")
@@ -592,6 +613,7 @@ class EdgeAgent:
             return await fn(lv)
         except DsecError as e:
             self.metrics.errors.labels(e.code).inc()
+            self.audit.refusal(sandbox_id, owner, e)
             # a runtime's SandboxStopped too: the sandbox must not stay "running" after it
             if not await self._still_alive(lv) and not isinstance(e, SandboxStopped):
                 raise SandboxStopped(f"sandbox {sandbox_id} died", sandbox_id=sandbox_id) from e
@@ -630,6 +652,10 @@ class EdgeAgent:
 
     def _add_live(self, lv: _Live) -> None:
         req = lv.row.request
+        row = lv.row
+        self.audit.sandbox_added(
+            row.id, row.owner, row.tier, row.job, self.runtimes.get(row.tier), lv.handle
+        )
         self._live.add(
             lv.row.id,
             lv,
@@ -704,6 +730,7 @@ class EdgeAgent:
                 return
             rt = self.runtimes.get(lv.row.tier)
             background = not wait and rt is not None and rt.facts().teardown_in_background
+            lv.audit = await self.audit.sandbox_stopping(lv.row.id, rt, lv.handle)
             if rt is not None and not background:
                 await self._teardown(rt, lv)
             lv.row.state = "stopped"
@@ -963,7 +990,10 @@ class EdgeAgent:
         if lv is not None:
             await self._destroy(lv, "killed by request", wait=False)
             row = lv.row
-        return self._info(self.registry.get(sandbox_id) or row)
+        info = self._info(self.registry.get(sandbox_id) or row)
+        if self.audit.enabled:
+            info.audit = self.audit.recorder.summary(sandbox_id, row.tier, row.job)
+        return info
 
     async def set_ttl(self, sandbox_id: str, owner: str, ttl_s: float) -> SandboxInfo:
         """Set the idle timeout to ``ttl_s`` seconds from now; ``InvalidRequest`` unless
@@ -1101,6 +1131,7 @@ class EdgeAgent:
                     self.metrics.execs.labels(lv.row.tier, "error").inc()
                     raise
                 self.metrics.exec_seconds.labels(lv.row.tier).observe(time.perf_counter() - t0)
+                self.audit.exec_result(lv.row.id, res, req.cmd)
                 outcome = (
                     "timeout" if res.timed_out else ("ok" if res.exit_code == 0 else "nonzero")
                 )
@@ -1175,7 +1206,7 @@ class EdgeAgent:
 
     # ------------------------------------------------------------------ files
     async def read_file(self, sandbox_id: str, owner: str, path: str) -> bytes:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("read").inc()
         return await self._use(
             sandbox_id, owner, lambda lv: self._files(lv).read(path, self.limits.max_read_bytes)
@@ -1214,7 +1245,7 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> FileInfo:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         if not 0 <= mode <= 0o7777:
             raise InvalidRequest(f"mode {mode:o} is not a permission mode")
         return await self._logged_file_op(
@@ -1247,7 +1278,7 @@ class EdgeAgent:
         if len(paths) > MAX_XATTR_PATHS:
             raise InvalidRequest(f"at most {MAX_XATTR_PATHS} paths per call")
         for path in paths:
-            check_path(path)
+            self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("get_xattrs").inc()
         return await self._use(
             sandbox_id, owner, lambda lv: self._xattr_files(lv).get_xattrs(paths, prefix)
@@ -1265,7 +1296,7 @@ class EdgeAgent:
         idem_key: str | None = None,
     ) -> None:
         """See :class:`dsec.edge.interface.FileXattrs`."""
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         _check_xattrs(values, clear_prefix)
 
         async def run(lv: _Live) -> None:
@@ -1289,7 +1320,7 @@ class EdgeAgent:
     ) -> DirectoryWatcher:
         """See :class:`dsec.edge.interface.DirectoryWatch`: the tier's kernel watch, opened
         without resuming the sandbox or counting as its activity."""
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         lv = self._live_for(sandbox_id, owner)
         files = self._files(lv)
         if not isinstance(files, WatchableFiles):
@@ -1302,14 +1333,14 @@ class EdgeAgent:
     async def list_files(
         self, sandbox_id: str, owner: str, path: str, depth: int = 1
     ) -> list[FileInfo]:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("list").inc()
         if not 1 <= depth <= 32:
             raise InvalidRequest("depth must be between 1 and 32")
         return await self._use(sandbox_id, owner, lambda lv: self._files(lv).list(path, depth))
 
     async def stat_file(self, sandbox_id: str, owner: str, path: str) -> FileInfo:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("stat").inc()
         return await self._use(sandbox_id, owner, lambda lv: self._files(lv).stat(path))
 
@@ -1323,7 +1354,7 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> None:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         await self._logged_file_op(
             sandbox_id,
             owner,
@@ -1345,7 +1376,7 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> FileInfo:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         return await self._logged_file_op(
             sandbox_id,
             owner,
@@ -1368,8 +1399,8 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> FileInfo:
-        check_path(src)
-        check_path(dst)
+        self._check_path(sandbox_id, owner, src)
+        self._check_path(sandbox_id, owner, dst)
         return await self._logged_file_op(
             sandbox_id,
             owner,
@@ -1394,8 +1425,12 @@ class EdgeAgent:
     ) -> int:
         if len(data) > self.limits.max_tar_bytes:
             raise PayloadTooLarge(f"tar upload is larger than {self.limits.max_tar_bytes} bytes")
-        check_path(path)
-        await asyncio.to_thread(check_tar, data)
+        self._check_path(sandbox_id, owner, path)
+        try:
+            await asyncio.to_thread(check_tar, data)
+        except DsecError as e:
+            self.audit.refusal(sandbox_id, owner, e)
+            raise
         return await self._logged_file_op(
             sandbox_id,
             owner,
@@ -1409,7 +1444,7 @@ class EdgeAgent:
         )
 
     async def download_tar(self, sandbox_id: str, owner: str, path: str) -> bytes:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("download_tar").inc()
         return await self._use(
             sandbox_id,
@@ -2069,12 +2104,83 @@ class EdgeAgent:
             ),
             pids=u.pids,
             source=u.source,
+            audit=await self._audit_summary(lv) if self.audit.enabled else None,
         )
 
     async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
         row = self._lookup_row(sandbox_id, owner)
         header = {"node": self.node, "create": row.request, "image_layers": row.image_layers}
-        return "".join(self.trajectory.export_jsonl(sandbox_id, header=header))
+        lines = self.trajectory.export_jsonl(sandbox_id, header=header)
+        if not self.audit.enabled:
+            return "".join(lines)
+        lv = self._live.get(sandbox_id)
+        if lv is not None:
+            await self.audit.sample(sandbox_id, self.runtimes.get(row.tier), lv.handle)
+        entries = self.audit.recorder.report(sandbox_id, row.tier, row.job).entries
+        return "".join(interleave_audit(lines, entries))
+
+    # ------------------------------------------------------------------ audit
+    def _check_path(self, sandbox_id: str, owner: str, path: str) -> str:
+        """:func:`check_path`, its refusals recorded as the sandbox's (:mod:`dsec.edge.audit`)."""
+        try:
+            return check_path(path)
+        except DsecError as e:
+            self.audit.refusal(sandbox_id, owner, e)
+            raise
+
+    async def _audit_summary(self, lv: _Live) -> AuditSummary:
+        await self.audit.sample(lv.row.id, self.runtimes.get(lv.row.tier), lv.handle)
+        return self.audit.recorder.summary(lv.row.id, lv.row.tier, lv.row.job)
+
+    async def sandbox_audit(self, sandbox_id: str, owner: str, after: int = 0) -> AuditReport:
+        """:class:`dsec.edge.interface.SandboxAudits`: the sandbox's refusals (live or
+        stopped while the node remembers it); never resumes it nor extends its TTL."""
+        row = self._lookup_row(sandbox_id, owner)
+        if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+            raise InvalidRequest(f"after={after!r} must be an entry number >= 0")
+        lv = self._live.get(sandbox_id)
+        if lv is not None:
+            await self.audit.sample(sandbox_id, self.runtimes.get(row.tier), lv.handle)
+        report = self.audit.recorder.report(sandbox_id, row.tier, row.job, after=after)
+        report.sources = self.audit.sources(self.runtimes.get(row.tier))
+        _place_entries(report.entries, self.trajectory.starts(sandbox_id))
+        return report
+
+    async def follow_audit(
+        self, sandbox_id: str, owner: str, after: int = 0
+    ) -> AsyncGenerator[AuditEntry, None]:
+        """:class:`dsec.edge.interface.SandboxAudits`: entries numbered above ``after`` as
+        they are recorded, until the sandbox stops (sampled sources are read every 2 s)."""
+        row = self._lookup_row(sandbox_id, owner)
+        if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+            raise InvalidRequest(f"after={after!r} must be an entry number >= 0")
+        rt = self.runtimes.get(row.tier)
+
+        async def poll() -> None:
+            while (lv := self._live.get(sandbox_id)) is not None:
+                await self.audit.sample(sandbox_id, rt, lv.handle)
+                await asyncio.sleep(2.0)
+
+        poller = asyncio.create_task(poll())
+        try:
+            async for entry in self.audit.recorder.follow(sandbox_id, after):
+                yield entry
+        finally:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+
+    async def job_audit(self, owner: str, job: str) -> JobAudit:
+        """:class:`dsec.edge.interface.SandboxAudits`: the summary of every sandbox of
+        ``owner``'s ``job`` this node has (live, and stopped ones it remembers)."""
+        out: dict[str, AuditSummary] = {}
+        for row in self.registry.select(owner=owner, job=job):
+            lv = self._live.get(row.id)
+            if lv is not None:
+                out[row.id] = await self._audit_summary(lv)
+            else:
+                out[row.id] = self.audit.recorder.summary(row.id, row.tier, row.job)
+        return JobAudit(job=job, sandboxes=out)
 
     async def sandbox_logs(
         self, sandbox_id: str, owner: str, *, follow: bool = False
@@ -2572,3 +2678,40 @@ def _pause_report(raw: dict[str, Any]) -> PauseReport:
 
 def _dump(model: Any) -> dict[str, Any]:
     return model.model_dump(mode="json")
+
+
+def _place_entries(entries: list[AuditEntry], starts: list[tuple[float, int]]) -> None:
+    """Set each entry's ``seq``: the last call of the trajectory begun before it
+    (``starts``: ``(begun_at, seq)`` of the calls)."""
+    starts = sorted(starts)
+    for e in entries:
+        i = bisect.bisect_right(starts, (e.ts, sys.maxsize))
+        e.seq = starts[i - 1][1] if i else None
+
+
+def interleave_audit(lines: Iterable[str], entries: list[AuditEntry]) -> Iterator[str]:
+    """A trajectory export (header, then entry lines in seq order) with each audit entry as
+    a ``{"type": "audit", ...}`` line after the last call begun before it (its ``seq``)."""
+    pending = sorted(entries, key=lambda e: e.ts)
+    i = 0
+    last_seq: int | None = None
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = {}
+        if obj.get("type") == "entry":
+            begun = float(obj.get("begun_at") or 0)
+            while i < len(pending) and pending[i].ts < begun:
+                pending[i].seq = last_seq
+                yield _audit_line(pending[i])
+                i += 1
+            last_seq = obj.get("seq")
+        yield line
+    for e in pending[i:]:
+        e.seq = last_seq
+        yield _audit_line(e)
+
+
+def _audit_line(e: AuditEntry) -> str:
+    return json.dumps({"type": "audit", **e.model_dump(mode="json")}, separators=(",", ":")) + "\n"

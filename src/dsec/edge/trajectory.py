@@ -460,6 +460,15 @@ class TrajectoryLog:
                     out[sid] = int(last) + 1
         return out
 
+    def starts(self, sandbox_id: str) -> list[tuple[float, int]]:
+        """``(begun_at, seq)`` of the sandbox's entries, in ``seq`` order (no payloads read)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT begun_at, seq FROM trajectory WHERE sandbox_id=? ORDER BY seq",
+                (sandbox_id,),
+            ).fetchall()
+        return [(float(r[0] or 0), int(r[1])) for r in rows]
+
     def entries(self, sandbox_id: str) -> Iterator[dict[str, Any]]:
         """The sandbox's entries in ``seq`` order, as stored (full results)."""
         with self._lock:
