@@ -263,6 +263,7 @@ class AuditEntry(_Model):
     pid: int | None = Field(None, description="the process id inside the sandbox, if known")
     comm: str | None = Field(None, description="the process's name, if known")
     cmdline: str | None = Field(None, description="its command line, if it was still running")
+    exe: str | None = Field(None, description="the program file, if the mechanism says")
     seq: int | None = Field(
         None, description="the trajectory seq of the last call before it (its place in the log)"
     )

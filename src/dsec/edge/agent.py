@@ -856,6 +856,7 @@ class EdgeAgent:
             async with lv.lock, self.creations.slot(owner):
                 handle = await (maker(spec) if maker is not None else rt.create(spec))
                 lv.handle = handle
+                self.audit.bind(sid, rt, handle)
                 row.state = "running"
                 row.last_active = time.time()
                 # one commit: the state, the handle and the activity time
@@ -864,6 +865,7 @@ class EdgeAgent:
                 )
         except BaseException as e:
             self._live.pop(sid)
+            self.audit.discard(sid)
             with contextlib.suppress(Exception):
                 await rt.destroy(lv.handle)
             reason = f"creation failed: {e}"[:500]

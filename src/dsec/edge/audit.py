@@ -208,6 +208,7 @@ class AuditRecorder:
         pid: int | None = None,
         comm: str | None = None,
         cmdline: str | None = None,
+        exe: str | None = None,
         count: int = 1,
         ts: float | None = None,
     ) -> None:
@@ -230,6 +231,7 @@ class AuditRecorder:
             pid=pid,
             comm=_clip(comm),
             cmdline=_clip(cmdline),
+            exe=_clip(exe),
             count=count,
         )
         rec.next_id += 1
@@ -365,14 +367,31 @@ class EdgeAudit:
         if not self.enabled:
             return
         self.recorder.open(sandbox_id, owner, tier, job)
-        if isinstance(rt, Audited):
-            try:
-                auid = rt.audit_id(handle)
-            except Exception:  # a sandbox without state: nothing to map
-                auid = None
-            if auid is not None:
-                self._by_auid[auid] = sandbox_id
-                self._auid_of[sandbox_id] = auid
+        if handle.state:
+            self.bind(sandbox_id, rt, handle)
+
+    def bind(self, sandbox_id: str, rt: Runtime | None, handle: Handle) -> None:
+        """Map the audit id the tier gave the sandbox's processes to it (once it is made)."""
+        if not self.enabled or not isinstance(rt, Audited):
+            return
+        try:
+            auid = rt.audit_id(handle)
+        except Exception:  # a sandbox without state: nothing to map
+            auid = None
+        if auid is not None:
+            self._by_auid[auid] = sandbox_id
+            self._auid_of[sandbox_id] = auid
+
+    def _unbind(self, sandbox_id: str) -> None:
+        auid = self._auid_of.pop(sandbox_id, None)
+        if auid is not None and self._by_auid.get(auid) == sandbox_id:
+            del self._by_auid[auid]
+
+    def discard(self, sandbox_id: str) -> None:
+        """A creation that failed: nothing is kept of it."""
+        self._unbind(sandbox_id)
+        self.recorder.close(sandbox_id)
+        self.recorder.forget((sandbox_id,))
 
     async def sandbox_stopping(
         self,
@@ -388,9 +407,7 @@ class EdgeAudit:
             return None
         with contextlib.suppress(Exception):
             await self.sample(sandbox_id, rt, handle)
-        auid = self._auid_of.pop(sandbox_id, None)
-        if auid is not None and self._by_auid.get(auid) == sandbox_id:
-            del self._by_auid[auid]
+        self._unbind(sandbox_id)
         return self.recorder.close(sandbox_id)
 
     # ---------------------------------------------------------------- sources
@@ -507,7 +524,8 @@ class EdgeAudit:
                 f"{name}() refused by the seccomp filter ({why})",
                 pid=pid,
                 comm=d.comm or None,
-                cmdline=cmdline or (d.exe or None),
+                cmdline=cmdline,
+                exe=d.exe or None,
                 count=d.count,
             )
 
