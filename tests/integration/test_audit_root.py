@@ -12,6 +12,7 @@ import io
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
 import uuid
@@ -245,3 +246,13 @@ def test_owner_job_summary_kill_and_trajectory(server: BackgroundServer) -> None
     finally:
         clean.kill()
         cheat.kill()
+
+
+def test_reward_example_zeroes_the_cheating_rollout(server: BackgroundServer) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "reward_with_evidence.py"
+    env = {**os.environ, "DSEC_URL": server.url, "DSEC_API_KEY": server.api_key}
+    res = subprocess.run(
+        [sys.executable, str(example)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "cheat=True reward=0.0" in res.stdout and "flagged: ['sb-" in res.stdout
