@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -256,3 +257,34 @@ def test_reward_example_zeroes_the_cheating_rollout(server: BackgroundServer) ->
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "cheat=True reward=0.0" in res.stdout and "flagged: ['sb-" in res.stdout
+
+
+def test_follow_streams_entries_and_bad_input_is_the_callers(server: BackgroundServer) -> None:
+    with _create(server) as sb:
+        got: list[str] = []
+
+        watcher = Sandbox.connect(sb.id, url=server.url, api_key=server.api_key)
+
+        def follow() -> None:  # its own connection: sb.kill() closes sb's
+            for entry in watcher.follow_audit(timeout=60):
+                got.append(f"{entry.category}.{entry.kind}")
+
+        reader = threading.Thread(target=follow)
+        reader.start()
+        time.sleep(0.3)
+        with pytest.raises(E.PathOutsideSandbox):
+            sb.files.read("/../grader/answers")
+        sb.commands.run("mount -t tmpfs none /mnt")
+        _wait_for(sb, "syscall.mount")
+        time.sleep(0.3)
+        sb.kill()  # ends the stream
+        reader.join(30)
+        assert not reader.is_alive() and got[:1] == ["files.dotdot"] and "syscall.mount" in got
+        headers = {"authorization": f"Bearer {server.api_key}"}
+        for query in ("after=-1", "after=x", "follow=maybe", f"after={2**60}"):
+            r = httpx.get(f"{server.url}/v1/sandboxes/{sb.id}/audit?{query}", headers=headers)
+            assert r.status_code in (400, 422), (query, r.status_code, r.text)
+        r = httpx.get(f"{server.url}/v1/sandboxes/sb-nope-123/audit", headers=headers)
+        assert r.status_code == 404
+        r = httpx.get(f"{server.url}/v1/jobs/bad%20job/audit", headers=headers)
+        assert r.status_code in (400, 404, 422)

@@ -2106,7 +2106,8 @@ class EdgeAgent:
             ),
             pids=u.pids,
             source=u.source,
-            audit=await self._audit_summary(lv) if self.audit.enabled else None,
+            # the cgroup's counters only: a dashboard polls metrics every second
+            audit=await self._audit_summary(lv, network=False) if self.audit.enabled else None,
         )
 
     async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
@@ -2130,8 +2131,9 @@ class EdgeAgent:
             self.audit.refusal(sandbox_id, owner, e)
             raise
 
-    async def _audit_summary(self, lv: _Live) -> AuditSummary:
-        await self.audit.sample(lv.row.id, self.runtimes.get(lv.row.tier), lv.handle)
+    async def _audit_summary(self, lv: _Live, *, network: bool = True) -> AuditSummary:
+        rt = self.runtimes.get(lv.row.tier)
+        await self.audit.sample(lv.row.id, rt, lv.handle, network=network)
         return self.audit.recorder.summary(lv.row.id, lv.row.tier, lv.row.job)
 
     async def sandbox_audit(self, sandbox_id: str, owner: str, after: int = 0) -> AuditReport:

@@ -441,9 +441,12 @@ class EdgeAudit:
                 cmdline=argv,
             )
 
-    async def sample(self, sandbox_id: str, rt: Runtime | None, handle: Handle) -> None:
-        """Read the sampled sources of a live sandbox now (limit counters, network drops,
-        DNS refusals); increases become entries."""
+    async def sample(
+        self, sandbox_id: str, rt: Runtime | None, handle: Handle, *, network: bool = True
+    ) -> None:
+        """Read the sampled sources of a live sandbox now (limit counters and, with
+        ``network``, the packet filter's drops and the resolver's refusals); increases
+        become entries."""
         if not self.recorder.is_live(sandbox_id) or rt is None:
             return
         if isinstance(rt, Audited):
@@ -455,7 +458,7 @@ class EdgeAudit:
                 self.recorder.sample(
                     sandbox_id, "limits", kind, "", value, _LIMIT_TEXT.get(kind, kind)
                 )
-        if isinstance(rt, Networked):
+        if network and isinstance(rt, Networked):
             try:
                 stats = await rt.network_stats(handle)
             except Exception:
