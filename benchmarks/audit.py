@@ -4,8 +4,8 @@ Two ``dsec serve`` child processes run side by side, the same but for ``DSEC_AUD
 records refusals (the exec server installs each command's seccomp filter with
 ``SECCOMP_FILTER_FLAG_LOG`` and a per-sandbox loginuid, the edge listens on the audit
 netlink log group), the other does not. Driven through the public async SDK, alternating
-between the two block by block (the order swapped every round) so that the noise of this
-shared machine falls on both alike:
+between the two call by call (A B, then B A) so that the noise of this shared machine
+falls on both alike:
 
   * exec round trip: ``sb.commands.run("true")`` on a live busybox sandbox, p50/p90
   * create -> first exec: ``AsyncSandbox.create(image="busybox")`` then ``run("true")``,
@@ -109,13 +109,15 @@ async def run(servers: dict[str, ServeProcess], rounds: int, per_block: int) -> 
             await create_block(servers[m].url, servers[m].api_key, 3)
         for r in range(rounds):
             probes.append(host_probe_s())
-            order = MODES if r % 2 == 0 else MODES[::-1]
-            for m in order:
-                execs[m] += await exec_block(live[m], per_block)
-            for m in order:
-                creates[m] += await create_block(
-                    servers[m].url, servers[m].api_key, max(2, per_block // 10)
-                )
+            # call by call, A B then B A: the noise of a shared machine falls on both alike
+            for i in range(per_block):
+                order = MODES if (r + i) % 2 == 0 else MODES[::-1]
+                for m in order:
+                    execs[m] += await exec_block(live[m], 1)
+            for i in range(max(2, per_block // 10)):
+                order = MODES if (r + i) % 2 == 0 else MODES[::-1]
+                for m in order:
+                    creates[m] += await create_block(servers[m].url, servers[m].api_key, 1)
     finally:
         for sb in live.values():
             await sb.kill()

@@ -185,3 +185,15 @@ def test_entries_sit_between_the_calls_they_happened_between() -> None:
     fresh = [AuditEntry(id=1, ts=15.0, category="syscall", kind="mount")]
     _place_entries(fresh, [(10.0, 1), (20.0, 2)])
     assert fresh[0].seq == 1
+
+
+def test_destinations_are_named_by_what_they_are() -> None:
+    from dsec.edge.audit import _destination_kind, node_addresses
+
+    assert "127.0.0.1" in node_addresses()
+    assert _destination_kind("10.203.0.1", "10.203.0.1") == "node"  # the sandbox's gateway
+    assert _destination_kind("127.0.0.1", "") == "node"
+    assert _destination_kind("169.254.169.254", "") == "metadata"
+    assert _destination_kind("10.9.8.7", "10.203.0.1") == "private"
+    assert _destination_kind("203.0.113.9", "") in ("private", "blocked")  # documentation net
+    assert _destination_kind("not-an-ip", "") == "blocked"

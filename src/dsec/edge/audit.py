@@ -560,16 +560,41 @@ _LIMIT_TEXT = {
 }
 
 
+_node_addresses: tuple[float, frozenset[str]] = (0.0, frozenset())
+
+
+def node_addresses(max_age_s: float = 60.0) -> frozenset[str]:
+    """The node's own IPv4 addresses (the kernel's LOCAL routes), read at most once a
+    ``max_age_s``."""
+    global _node_addresses
+    at, known = _node_addresses
+    if time.monotonic() - at < max_age_s:
+        return known
+    found: set[str] = set()
+    try:
+        with open("/proc/net/fib_trie") as f:
+            last = ""
+            for line in f:
+                text = line.strip()
+                if text.startswith("|-- "):
+                    last = text[4:]
+                elif text.startswith("/32 host LOCAL") and last:
+                    found.add(last)
+    except OSError:
+        pass
+    _node_addresses = (time.monotonic(), frozenset(found))
+    return _node_addresses[1]
+
+
 def _destination_kind(dest: str, gateway: str) -> str:
-    """``node`` (the node's own address on the sandbox's link), ``metadata`` (link-local,
-    cloud metadata services), ``private`` (RFC 1918, other sandboxes), ``blocked`` else."""
+    """``node`` (an address of the node itself: the sandbox's gateway, loopback, any local
+    address), ``metadata`` (link-local: cloud metadata services), ``private`` (RFC 1918 and
+    other non-public ranges: other sandboxes, internal services), ``blocked`` else."""
     try:
         ip = ipaddress.ip_address(dest)
     except ValueError:
         return "blocked"
-    if gateway and dest == gateway:
-        return "node"
-    if ip.is_loopback:
+    if (gateway and dest == gateway) or ip.is_loopback or dest in node_addresses():
         return "node"
     if ip.is_link_local:
         return "metadata"
