@@ -1,11 +1,12 @@
 """Audit of refusals (issue 36), its cost: prints a table, writes benchmarks/results/audit.json.
 
-Two ``dsec serve`` child processes run side by side, the same but for ``DSEC_AUDIT``: one
+Three ``dsec serve`` child processes run side by side, the same but for ``DSEC_AUDIT``: one
 records refusals (the exec server installs each command's seccomp filter with
 ``SECCOMP_FILTER_FLAG_LOG`` and a per-sandbox loginuid, the edge listens on the audit
-netlink log group), the other does not. Driven through the public async SDK, alternating
-between the two call by call (A B, then B A) so that the noise of this shared machine
-falls on both alike:
+netlink log group), the two others do not (``off``, and ``control``: the A/A comparison
+that shows how far two identical servers differ here). Driven through the public async SDK,
+rotating among the three call by call so that the noise of this shared machine falls on all
+alike:
 
   * exec round trip: ``sb.commands.run("true")`` on a live busybox sandbox, p50/p90
   * create -> first exec: ``AsyncSandbox.create(image="busybox")`` then ``run("true")``,
@@ -13,7 +14,7 @@ falls on both alike:
   * refusals: one command making ``REFUSED`` refused ``mount`` calls (busybox ``mount`` in a
     shell loop: a fork and exec each), its wall time, and what the audit counted
 
-The verdict compares the p50s: auditing on is within 5% of off.
+The verdict compares the p50s: auditing on is within 5% of off (read it beside control vs off).
 
 Usage: .venv/bin/python benchmarks/audit.py [--rounds N] [--quick]   (root)
 """
@@ -42,7 +43,9 @@ from hostprobe import host_probe_s
 RESULTS = Path(__file__).resolve().parent / "results"
 SMALL = {"cpu": 0.1, "memory_mb": 64, "disk_mb": 32}
 REFUSED = 200
-MODES = ("on", "off")
+MODES = ("on", "off", "control")
+"""``control``: a second server without auditing, to show how far two identical servers
+differ on this machine (an A/A comparison beside the A/B one)."""
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -111,11 +114,11 @@ async def run(servers: dict[str, ServeProcess], rounds: int, per_block: int) -> 
             probes.append(host_probe_s())
             # call by call, A B then B A: the noise of a shared machine falls on both alike
             for i in range(per_block):
-                order = MODES if (r + i) % 2 == 0 else MODES[::-1]
+                order = MODES[(r + i) % 3 :] + MODES[: (r + i) % 3]
                 for m in order:
                     execs[m] += await exec_block(live[m], 1)
             for i in range(max(2, per_block // 10)):
-                order = MODES if (r + i) % 2 == 0 else MODES[::-1]
+                order = MODES[(r + i) % 3 :] + MODES[: (r + i) % 3]
                 for m in order:
                     creates[m] += await create_block(servers[m].url, servers[m].api_key, 1)
     finally:
@@ -127,28 +130,37 @@ async def run(servers: dict[str, ServeProcess], rounds: int, per_block: int) -> 
         for m in MODES:
             row[m] = {"n": len(data[m]), "p50": pct(data[m], 50), "p90": pct(data[m], 90)}
         row["p50_on_vs_off_pct"] = round(100 * (row["on"]["p50"] / row["off"]["p50"] - 1), 2)
+        row["p50_control_vs_off_pct"] = round(
+            100 * (row["control"]["p50"] / row["off"]["p50"] - 1), 2
+        )
         row["within_5pct"] = abs(row["p50_on_vs_off_pct"]) <= 5.0
         out[name] = row
-    out["refusals"] = {m: await refusals(s.url, s.api_key) for m, s in servers.items()}
+    out["refusals"] = {
+        m: await refusals(s.url, s.api_key) for m, s in servers.items() if m != "control"
+    }
     out["mean_exec_ms"] = {m: round(statistics.fmean(execs[m]), 3) for m in MODES}
     return out
 
 
 def print_table(res: dict[str, Any]) -> None:
-    print(f"{'what':<34}{'audit on':>12}{'audit off':>12}{'on vs off':>12}  verdict")
-    for key, label in (("exec_ms", "exec round trip p50 ms"), ("create_to_first_exec_ms", "create -> first exec p50 ms")):  # fmt: skip
+    print(f"{'what':<30}{'on':>9}{'off':>9}{'control':>9}{'on/off':>9}{'ctl/off':>9}  verdict")
+    rows = (
+        ("exec_ms", "exec round trip p50 ms"),
+        ("create_to_first_exec_ms", "create -> 1st exec p50 ms"),
+    )
+    for key, label in rows:
         row = res[key]
         verdict = "ok (<= 5%)" if row["within_5pct"] else "OVER 5%"
         print(
-            f"{label:<34}{row['on']['p50']:>12}{row['off']['p50']:>12}"
-            f"{row['p50_on_vs_off_pct']:>+11.2f}%  {verdict}"
+            f"{label:<30}{row['on']['p50']:>9}{row['off']['p50']:>9}{row['control']['p50']:>9}"
+            f"{row['p50_on_vs_off_pct']:>+8.2f}%{row['p50_control_vs_off_pct']:>+8.2f}%  {verdict}"
         )
-        print(f"{'  p90':<34}{row['on']['p90']:>12}{row['off']['p90']:>12}")
+        print(f"{'  p90':<30}{row['on']['p90']:>9}{row['off']['p90']:>9}{row['control']['p90']:>9}")
     ref = res["refusals"]
     print(
-        f"{f'{REFUSED} refused mounts, wall ms':<34}{ref['on']['wall_ms']:>12}{ref['off']['wall_ms']:>12}"
+        f"{f'{REFUSED} refused mounts, wall ms':<30}{ref['on']['wall_ms']:>9}{ref['off']['wall_ms']:>9}"
     )
-    print(f"{'  counted by the audit':<34}{ref['on']['counted']:>12}{ref['off']['counted']:>12}")
+    print(f"{'  counted by the audit':<30}{ref['on']['counted']:>9}{ref['off']['counted']:>9}")
     print(
         f"(rounds {res['rounds']}, host probe {res['host_probe_ms']} ms; total {res['total_s']} s)"
     )
@@ -169,8 +181,10 @@ def main() -> None:
         with (
             ServeProcess(base / "on", env={"DSEC_AUDIT": "on"}) as on,
             ServeProcess(base / "off", env={"DSEC_AUDIT": "off"}) as off,
+            ServeProcess(base / "control", env={"DSEC_AUDIT": "off"}) as control,
         ):
-            results = asyncio.run(run({"on": on, "off": off}, rounds, per_block))
+            servers = {"on": on, "off": off, "control": control}
+            results = asyncio.run(run(servers, rounds, per_block))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     results["total_s"] = round(time.perf_counter() - t0, 1)

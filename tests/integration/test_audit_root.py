@@ -119,13 +119,15 @@ def test_red_team_probe_leaves_evidence_of_every_refusal(
         sb.files.write("/probe", exe.read_bytes(), mode=0o755)
         res = sb.commands.run(["/probe"], env={"DSEC_PROBE_IN_SANDBOX": "1"})
         assert res.exit_code == 0, res.stderr
-        refused = sum(1 for v in EXPECTED.values() if v != 0)
+        # clone3's ENOSYS is a fallback every libc takes (dsec.edge.audit.FALLBACK_SYSCALLS)
+        refused = sum(1 for k, v in EXPECTED.items() if v != 0 and k != "clone3")
         deadline = time.monotonic() + 10
         while (rep := sb.audit()).category("syscall") < refused and time.monotonic() < deadline:
             time.sleep(0.05)
         # one record per refused call: every one the probe met is there, none it did not
         assert rep.category("syscall") == refused, rep.counts
-        for name in ("ioctl", "ptrace", "mount", "umount2", "unshare", "clone", "clone3"):
+        assert "syscall.clone3" not in rep.counts
+        for name in ("ioctl", "ptrace", "mount", "umount2", "unshare", "clone"):
             assert rep.counts.get(f"syscall.{name}", 0) >= 1, (name, rep.counts)
         assert rep.counts.get("syscall.socket", 0) == 2 and rep.counts["syscall.ioctl"] == 7
         assert all(e.comm == "probe" for e in rep.entries if e.category == "syscall")

@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from dsec.edge.agent import _place_entries, interleave_audit
-from dsec.edge.audit import AuditRecorder, AuditSettings, EdgeAudit
+from dsec.edge.audit import AuditRecorder, AuditSettings, EdgeAudit, interleave_audit, place_entries
 from dsec.errors import PathOutsideSandbox
 from dsec.models import AuditEntry, ExecResult
 from dsec.privileged.seccomp_log import audit_id_of, parse_record, syscall_name
@@ -165,8 +164,8 @@ def test_record_parsing_and_names() -> None:
 def test_entries_sit_between_the_calls_they_happened_between() -> None:
     lines = [
         json.dumps({"type": "header"}) + "\n",
-        json.dumps({"type": "entry", "seq": 1, "begun_at": 10.0}) + "\n",
-        json.dumps({"type": "entry", "seq": 2, "begun_at": 20.0}) + "\n",
+        json.dumps({"type": "entry", "seq": 1, "begun_at": 10.0, "committed_at": 11.0}) + "\n",
+        json.dumps({"type": "entry", "seq": 2, "begun_at": 20.0, "committed_at": 21.0}) + "\n",
     ]
     entries = [
         AuditEntry(id=1, ts=15.0, category="syscall", kind="mount"),
@@ -182,18 +181,26 @@ def test_entries_sit_between_the_calls_they_happened_between() -> None:
         ("entry", 2, None),
         ("audit", 2, 2),
     ]
-    fresh = [AuditEntry(id=1, ts=15.0, category="syscall", kind="mount")]
-    _place_entries(fresh, [(10.0, 1), (20.0, 2)])
-    assert fresh[0].seq == 1
+    fresh = [
+        AuditEntry(id=1, ts=15.0, category="files", kind="dotdot"),
+        # a kernel record stamped just before call 2 began, while call 1 had ended: call 2's
+        AuditEntry(id=2, ts=19.998, category="syscall", kind="mount"),
+        # ... and one stamped while call 1 still ran, though call 2 began within the slack
+        AuditEntry(id=3, ts=29.999, category="syscall", kind="mount"),
+    ]
+    place_entries(fresh, [(1, 10.0, 19.0), (2, 20.0, 29.9995), (3, 30.001, None)])
+    assert [e.seq for e in fresh] == [1, 2, 2]
 
 
-def test_destinations_are_named_by_what_they_are() -> None:
-    from dsec.edge.audit import _destination_kind, node_addresses
+def test_kernel_records_are_placed_by_their_stamp_and_arrival() -> None:
+    from dsec.edge.audit import place_record
 
-    assert "127.0.0.1" in node_addresses()
-    assert _destination_kind("10.203.0.1", "10.203.0.1") == "node"  # the sandbox's gateway
-    assert _destination_kind("127.0.0.1", "") == "node"
-    assert _destination_kind("169.254.169.254", "") == "metadata"
-    assert _destination_kind("10.9.8.7", "10.203.0.1") == "private"
-    assert _destination_kind("203.0.113.9", "") in ("private", "blocked")  # documentation net
-    assert _destination_kind("not-an-ip", "") == "blocked"
+    calls = [(1, 10.000, 10.006), (2, 10.009, 10.015)]
+    # stamped after call 1 ended: call 2's, whatever the arrival
+    assert place_record(10.007, 10.012, calls) == 2
+    # stamped while call 1 ran, arrived before call 2 began: call 1's
+    assert place_record(10.004, 10.0065, calls) == 1
+    # stamped just before call 1 ended (the clock lags a tick), arrived well into call 2
+    assert place_record(10.0055, 10.013, calls) == 2
+    assert place_record(9.0, 9.5, calls) is None
+    assert place_record(10.020, 10.021, calls + [(3, 10.018, None)]) == 3

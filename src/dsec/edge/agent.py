@@ -12,22 +12,18 @@ embedded mode (``dsec serve``) and through a remote transport in cluster mode.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
-import json
 import logging
 import os
 import re
 import secrets
 import socket
-import sys
 import time
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
     Awaitable,
     Callable,
-    Iterable,
     Iterator,
 )
 from dataclasses import dataclass, field
@@ -39,7 +35,7 @@ from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.config import Paths, host_memory_mb
 from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
 from dsec.edge.admission import CreationGate
-from dsec.edge.audit import EdgeAudit
+from dsec.edge.audit import EdgeAudit, interleave_audit, place_entries
 from dsec.edge.desktop import (
     STOP_SCRIPT,
     ConsoleScreen,
@@ -361,6 +357,7 @@ class EdgeAgent:
         """Each key's quota (:mod:`dsec.edge.quotas`; its ``source`` is set by the server)."""
         self.audit = EdgeAudit()
         """The refusals made on each sandbox's behalf (:mod:`dsec.edge.audit`)."""
+        self.audit.calls = lambda sid: self.trajectory.starts(sid, last=3)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -2147,7 +2144,7 @@ class EdgeAgent:
             await self.audit.sample(sandbox_id, self.runtimes.get(row.tier), lv.handle)
         report = self.audit.recorder.report(sandbox_id, row.tier, row.job, after=after)
         report.sources = self.audit.sources(self.runtimes.get(row.tier))
-        _place_entries(report.entries, self.trajectory.starts(sandbox_id))
+        place_entries(report.entries, self.trajectory.starts(sandbox_id))
         return report
 
     async def follow_audit(
@@ -2682,40 +2679,3 @@ def _pause_report(raw: dict[str, Any]) -> PauseReport:
 
 def _dump(model: Any) -> dict[str, Any]:
     return model.model_dump(mode="json")
-
-
-def _place_entries(entries: list[AuditEntry], starts: list[tuple[float, int]]) -> None:
-    """Set each entry's ``seq``: the last call of the trajectory begun before it
-    (``starts``: ``(begun_at, seq)`` of the calls)."""
-    starts = sorted(starts)
-    for e in entries:
-        i = bisect.bisect_right(starts, (e.ts, sys.maxsize))
-        e.seq = starts[i - 1][1] if i else None
-
-
-def interleave_audit(lines: Iterable[str], entries: list[AuditEntry]) -> Iterator[str]:
-    """A trajectory export (header, then entry lines in seq order) with each audit entry as
-    a ``{"type": "audit", ...}`` line after the last call begun before it (its ``seq``)."""
-    pending = sorted(entries, key=lambda e: e.ts)
-    i = 0
-    last_seq: int | None = None
-    for line in lines:
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = {}
-        if obj.get("type") == "entry":
-            begun = float(obj.get("begun_at") or 0)
-            while i < len(pending) and pending[i].ts < begun:
-                pending[i].seq = last_seq
-                yield _audit_line(pending[i])
-                i += 1
-            last_seq = obj.get("seq")
-        yield line
-    for e in pending[i:]:
-        e.seq = last_seq
-        yield _audit_line(e)
-
-
-def _audit_line(e: AuditEntry) -> str:
-    return json.dumps({"type": "audit", **e.model_dump(mode="json")}, separators=(",", ":")) + "\n"

@@ -35,14 +35,16 @@ with ``loop.call_soon_threadsafe(recorder.record, ...)``.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import errno
 import ipaddress
+import json
 import logging
 import os
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,11 +65,21 @@ from dsec.privileged.seccomp_log import (
 )
 from dsec.runtimes.base import Audited, Handle, Networked, Runtime
 
-__all__ = ["AuditRecorder", "AuditSettings", "EdgeAudit"]
+__all__ = [
+    "AuditRecorder",
+    "AuditSettings",
+    "EdgeAudit",
+    "interleave_audit",
+    "place_entries",
+    "place_record",
+]
 
 log = logging.getLogger("dsec.audit")
 
 _TEXT_MAX = 256  # characters kept of a detail or command line
+
+Call = tuple[int, float, float | None]
+"""One trajectory call for placement: ``(seq, begun_at, committed_at or None)``."""
 
 
 def _clip(text: str | None) -> str | None:
@@ -211,16 +223,17 @@ class AuditRecorder:
         exe: str | None = None,
         count: int = 1,
         ts: float | None = None,
-    ) -> None:
+    ) -> AuditEntry | None:
         """Count ``count`` events of ``category.kind`` for a live sandbox and keep one entry
-        (within the cap). A sandbox this node does not record is counted as unattributed."""
+        (within the cap; returned). A sandbox this node does not record is counted as
+        unattributed."""
         rec = self._live.get(sandbox_id)
         if rec is None:
             if self.enabled:
                 self.unattributed += count
-            return
+            return None
         if count <= 0:
-            return
+            return None
         rec.counts[f"{category}.{kind}"] += count
         entry = AuditEntry(
             id=rec.next_id,
@@ -238,6 +251,7 @@ class AuditRecorder:
         rec.add(entry)
         if rec.changed is not None:
             rec.changed.set()
+        return entry
 
     def sample(
         self,
@@ -329,6 +343,11 @@ class EdgeAudit:
         self._by_auid: dict[int, str] = {}
         self._auid_of: dict[str, int] = {}
         self._seccomp: SeccompRecords | None = None
+        self.calls: Callable[[str], list[Call]] | None = None
+        """The last calls of a sandbox's trajectory (set by the edge): a kernel record is
+        placed among them when it arrives."""
+        self.fallbacks = 0
+        """Refusals of :data:`FALLBACK_SYSCALLS` seen (not recorded: no evidence)."""
         self.seccomp_status = "off" if not self.recorder.enabled else "not started"
         """``listening`` or why the node gets no seccomp records."""
 
@@ -518,9 +537,12 @@ class EdgeAudit:
                 self.recorder.unattributed += d.count
                 continue
             name = syscall_name(d.arch, d.syscall)
+            if name in FALLBACK_SYSCALLS:
+                self.fallbacks += d.count
+                continue
             pid, cmdline = process_facts(d.pid, d.auid)
             why = errno.errorcode.get(d.errno, str(d.errno)) if d.errno else "refused"
-            self.recorder.record(
+            entry = self.recorder.record(
                 sid,
                 "syscall",
                 name,
@@ -530,7 +552,11 @@ class EdgeAudit:
                 cmdline=cmdline,
                 exe=d.exe or None,
                 count=d.count,
+                ts=d.ts,
             )
+            if entry is not None and self.calls is not None:
+                with contextlib.suppress(Exception):
+                    entry.seq = place_record(d.ts, time.time(), self.calls(sid))
 
     def sources(self, rt: Runtime | None) -> dict[str, str]:
         """Per category, what the tier of ``rt`` records it from ('' : it cannot)."""
@@ -552,6 +578,13 @@ class EdgeAudit:
             "limits": "exec time-outs and output caps"
             + (", cgroup OOM kills and pids limit (sampled)" if isinstance(rt, Audited) else ""),
         }
+
+
+FALLBACK_SYSCALLS: frozenset[str] = frozenset({"clone3"})
+"""Refused on purpose so that the C library falls back to a call the filter can inspect
+(``clone3`` fails with ENOSYS: glibc's ``posix_spawn``, Python's ``subprocess``, Go and Rust
+runtimes try it first and use ``clone``): every ordinary program makes them, so they are no
+evidence and are not recorded (:attr:`EdgeAudit.fallbacks` counts them)."""
 
 
 _LIMIT_TEXT = {
@@ -601,3 +634,87 @@ def _destination_kind(dest: str, gateway: str) -> str:
     if ip.is_private:
         return "private"
     return "blocked"
+
+
+# ----------------------------------------------------------------------------- the trajectory
+KERNEL_CLOCK_SLACK_S = 0.005
+"""How far a kernel record's time may lag the event: the audit clock is the coarse real-time
+clock, which advances once a tick (4 ms at HZ=250)."""
+
+
+def place_record(lower: float, upper: float, calls: list[Call]) -> int | None:
+    """The call a kernel record happened after (None: before the first), its event known to
+    lie between ``lower`` (its stamp: the coarse clock, which lags) and ``upper`` (when it
+    arrived, or the stamp plus :data:`KERNEL_CLOCK_SLACK_S`, whichever is earlier). When it
+    could be the previous call's (still running at ``lower``) or the next one's (begun
+    before ``upper``), the larger share of the interval decides."""
+    upper = max(lower, min(upper, lower + KERNEL_CLOCK_SLACK_S))
+    ordered = sorted(calls, key=lambda c: c[1])
+    i = bisect.bisect_right([c[1] for c in ordered], upper) - 1
+    if i < 0:
+        return None
+    begun = ordered[i][1]
+    if i > 0 and begun > lower:
+        committed = ordered[i - 1][2]
+        if committed is None or committed >= lower:
+            prev_share = (upper if committed is None else min(committed, upper)) - lower
+            if prev_share >= upper - begun:
+                return ordered[i - 1][0]
+    return ordered[i][0]
+
+
+def place_entries(entries: list[AuditEntry], calls: list[Call]) -> None:
+    """Set each entry's ``seq``: the call it happened after (None: before the first).
+
+    That is the last call begun before the entry's time; a kernel record (category
+    ``syscall``) may lag its event by :data:`KERNEL_CLOCK_SLACK_S`, so a call begun within
+    that slack after it counts as begun before it, unless the call before it was still
+    running at the record's time (then the event was that call's)."""
+    ordered = sorted(calls, key=lambda c: c[1])
+    begins = [c[1] for c in ordered]
+    for e in entries:
+        if e.seq is not None:  # placed when it was recorded
+            continue
+        slack = KERNEL_CLOCK_SLACK_S if e.category == "syscall" else 0.0
+        i = bisect.bisect_right(begins, e.ts + slack) - 1
+        while i > 0 and ordered[i][1] > e.ts:
+            committed = ordered[i - 1][2]
+            if committed is not None and committed < e.ts:
+                break
+            i -= 1
+        e.seq = ordered[i][0] if i >= 0 else None
+
+
+def interleave_audit(lines: Iterable[str], entries: list[AuditEntry]) -> Iterator[str]:
+    """A trajectory export (header, then entry lines in seq order) with each audit entry as
+    a ``{"type": "audit", ...}`` line after the call it happened after (its ``seq``, see
+    :func:`place_entries`)."""
+    parsed: list[tuple[str, dict[str, Any]]] = []
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = {}
+        parsed.append((line, obj if isinstance(obj, dict) else {}))
+    calls: list[Call] = [
+        (int(o["seq"]), float(o.get("begun_at") or 0), o.get("committed_at"))
+        for _, o in parsed
+        if o.get("type") == "entry" and o.get("seq") is not None
+    ]
+    place_entries(entries, calls)
+    after: dict[int | None, list[AuditEntry]] = {}
+    for e in sorted(entries, key=lambda e: (e.ts, e.id)):
+        after.setdefault(e.seq, []).append(e)
+    placed = {c[0] for c in calls}
+    for line, obj in parsed:
+        if obj.get("type") == "entry":
+            yield from (_audit_line(e) for e in after.pop(None, []))
+        yield line
+        if obj.get("type") == "entry" and obj.get("seq") in placed:
+            yield from (_audit_line(e) for e in after.pop(obj["seq"], []))
+    for rest in after.values():
+        yield from (_audit_line(e) for e in rest)
+
+
+def _audit_line(e: AuditEntry) -> str:
+    return json.dumps({"type": "audit", **e.model_dump(mode="json")}, separators=(",", ":")) + "\n"

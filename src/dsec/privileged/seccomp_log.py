@@ -41,6 +41,7 @@ import logging
 import re
 import socket
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -81,9 +82,11 @@ def audit_id_of(sandbox_id: str) -> int:
 @dataclass(frozen=True)
 class SeccompDenial:
     """Refusals of one system call to processes of one audit id, read in one batch:
-    ``count`` of them, the first one's process (node pid, name, executable)."""
+    ``count`` of them, the first one's time (the kernel's coarse clock: Unix seconds, to a
+    tick) and process (node pid, name, executable)."""
 
     auid: int
+    ts: float
     syscall: int
     arch: int
     errno: int
@@ -94,6 +97,7 @@ class SeccompDenial:
 
 
 _FIELD = re.compile(rb'(\w+)=("[^"]*"|\S+)')
+_STAMP = re.compile(rb"audit\((\d+\.\d+):\d+\)")
 
 
 def _text(raw: bytes) -> str:
@@ -112,8 +116,10 @@ def parse_record(payload: bytes) -> SeccompDenial | None:
     fields = dict(_FIELD.findall(payload))
     try:
         code = int(fields.get(b"code", b"0"), 16)
+        stamp = _STAMP.search(payload)
         return SeccompDenial(
             auid=int(fields[b"auid"]),
+            ts=float(stamp.group(1)) if stamp else time.time(),
             syscall=int(fields[b"syscall"]),
             arch=int(fields.get(b"arch", b"0"), 16),
             errno=code & 0xFFFF if code & 0x7FFF0000 == 0x00050000 else 0,
