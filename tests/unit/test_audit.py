@@ -203,4 +203,4 @@ def test_kernel_records_are_placed_by_their_stamp_and_arrival() -> None:
     # stamped just before call 1 ended (the clock lags a tick), arrived well into call 2
     assert place_record(10.0055, 10.013, calls) == 2
     assert place_record(9.0, 9.5, calls) is None
-    assert place_record(10.020, 10.021, calls + [(3, 10.018, None)]) == 3
+    assert place_record(10.020, 10.021, [*calls, (3, 10.018, None)]) == 3
