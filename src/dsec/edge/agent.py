@@ -19,13 +19,7 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Iterator,
-)
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -235,7 +229,6 @@ class _Live:
     ports_opening: int = 0
     # the previous usage sample (monotonic seconds, cumulative CPU ns): rates between samples
     last_usage: tuple[float, int] | None = None
-    audit: AuditSummary | None = None  # its refusals, once it stopped (dsec.edge.audit)
 
 
 def node_name() -> str:
@@ -727,7 +720,7 @@ class EdgeAgent:
                 return
             rt = self.runtimes.get(lv.row.tier)
             background = not wait and rt is not None and rt.facts().teardown_in_background
-            lv.audit = await self.audit.sandbox_stopping(lv.row.id, rt, lv.handle)
+            await self.audit.sandbox_stopping(lv.row.id, rt, lv.handle)  # its last samples
             if rt is not None and not background:
                 await self._teardown(rt, lv)
             lv.row.state = "stopped"
