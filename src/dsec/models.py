@@ -238,6 +238,86 @@ class CreateSandboxRequest(_Model):
         return v
 
 
+# --- audit: the refusals the platform made on a sandbox's behalf (dsec.edge.audit) ------
+AUDIT_CATEGORIES: tuple[str, ...] = ("syscall", "files", "network", "dns", "guard", "limits")
+"""What an audit entry can be about: ``syscall`` (a seccomp filter refused a system call),
+``files`` (the files API refused a path: a symlink out of the root, a protected path),
+``network`` (packets the policy dropped, by destination), ``dns`` (names the resolver refused
+or queries it rate-limited), ``guard`` (the VM tiers' in-guest guard refused a request),
+``limits`` (a resource limit was hit: OOM kill, pids limit, full disk, output cap, time-out).
+Every category but ``limits`` is an attempt to get past a boundary (see ``evidence``)."""
+
+EVIDENCE_CATEGORIES: frozenset[str] = frozenset({"syscall", "files", "network", "dns", "guard"})
+
+
+class AuditEntry(_Model):
+    """One refusal (``GET /v1/sandboxes/{id}/audit``): when, by which process where the
+    mechanism says, and what was refused. Entries are numbered per sandbox (``id``: 1, 2,
+    3...); an entry can stand for several events of one sampled counter (``count``)."""
+
+    id: int = Field(description="per-sandbox entry number, from 1 (follow with after=)")
+    ts: float = Field(description="when it happened (or was sampled), Unix seconds")
+    category: str = Field(description="syscall | files | network | dns | guard | limits")
+    kind: str = Field(description="what within the category, e.g. ptrace, outside_root")
+    detail: str = Field("", description="what was refused, in words")
+    pid: int | None = Field(None, description="the process id inside the sandbox, if known")
+    comm: str | None = Field(None, description="the process's name, if known")
+    cmdline: str | None = Field(None, description="its command line, if it was still running")
+    exe: str | None = Field(None, description="the program file, if the mechanism says")
+    seq: int | None = Field(
+        None, description="the trajectory seq of the last call before it (its place in the log)"
+    )
+    count: int = Field(1, description="events this entry stands for (sampled counters)")
+
+
+class AuditSummary(_Model):
+    """A sandbox's refusals in numbers (exact, whatever the detail cap dropped)."""
+
+    sandbox_id: str
+    tier: str = ""
+    job: str | None = None
+    enabled: bool = Field(True, description="False: the node records no audit")
+    evidence: bool = Field(
+        False, description="any refusal of a boundary (every category but limits)"
+    )
+    total: int = Field(0, description="events counted, all categories")
+    counts: dict[str, int] = Field(
+        default_factory=dict, description="exact counts by 'category.kind'"
+    )
+    dropped: int = Field(0, description="entries counted but whose details were not kept")
+    stopped: bool = False
+
+    def category(self, name: str) -> int:
+        """Events of one category (``syscall``, ``files``, ...)."""
+        return sum(n for k, n in self.counts.items() if k.split(".", 1)[0] == name)
+
+
+class AuditReport(AuditSummary):
+    """``GET /v1/sandboxes/{id}/audit``: the counts and the kept details of a sandbox's
+    refusals. Details are capped per sandbox (``cap``: the first half of it kept, then the
+    newest); counts stay exact (``dropped`` says how many details were not kept)."""
+
+    entries: list[AuditEntry] = Field(default_factory=list)
+    cap: int = Field(0, description="details kept per sandbox at most")
+    sources: dict[str, str] = Field(
+        default_factory=dict,
+        description="per category, what this tier records it from ('' : it cannot)",
+    )
+
+
+class JobAudit(_Model):
+    """``GET /v1/jobs/{job}/audit``: every sandbox of a job (live and stopped ones the node
+    still remembers) with its audit summary."""
+
+    job: str
+    sandboxes: dict[str, AuditSummary] = Field(default_factory=dict)
+
+    @property
+    def flagged(self) -> list[str]:
+        """The ids of the sandboxes with evidence."""
+        return sorted(s for s, a in self.sandboxes.items() if a.evidence)
+
+
 class SandboxInfo(_Model):
     """What the edge knows about one sandbox."""
 
@@ -268,6 +348,9 @@ class SandboxInfo(_Model):
     network: NetworkPolicy | None = None
     forked_from: str | None = Field(None, description="the sandbox this one was forked from")
     public_ports: bool = Field(False, description="its ports need no credential")
+    audit: AuditSummary | None = Field(
+        None, description="its refusals in numbers (in the answer to a kill; dsec.edge.audit)"
+    )
 
     @field_serializer("stopped_reason")
     def _public_reason(self, reason: str | None) -> str | None:
@@ -860,6 +943,9 @@ class SandboxMetrics(_Model):
     network: NetworkMetrics | None = Field(None, description="None: the sandbox has no network")
     pids: int | None = Field(None, description="processes (threads) in the sandbox now")
     source: str = Field("", description="where the numbers come from, e.g. 'cgroup v1'")
+    audit: AuditSummary | None = Field(
+        None, description="its refusals so far in numbers (None: the node records none)"
+    )
 
 
 class RemoveRequest(_Model):

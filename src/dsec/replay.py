@@ -145,6 +145,8 @@ def _parse(lines: Iterable[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             header = obj
         elif obj.get("type") == "entry":
             entries.append(obj)
+        elif obj.get("type") == "audit":
+            continue  # a refusal recorded between calls (dsec.edge.audit): nothing to replay
         else:
             raise InvalidRequest(f"line {n}: unknown record type {obj.get('type')!r}", line=n)
     if header and not str(header.get("format", "")).startswith("dsec-trajectory/"):

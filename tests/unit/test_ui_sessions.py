@@ -264,6 +264,7 @@ async def test_features_follow_the_routes(app: object) -> None:
             "port_proxy": False,
             "builds": True,
             "metrics": True,
+            "audit": True,
         }
         extra = APIRouter()
 

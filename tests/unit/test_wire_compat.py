@@ -23,7 +23,9 @@ from dsec.models import SandboxInfo
 from dsec.testing import FakeEdge, app_transport
 from dsec.wire import ANSWER
 
-_MAPS = frozenset({"labels", "env", "meta", "details", "outcomes", "config", "by_tier_state"})
+_MAPS = frozenset(
+    {"labels", "env", "meta", "details", "outcomes", "config", "by_tier_state", "counts", "sources"}
+)
 """Keys whose value is a map of the user's (not an object of the API's)."""
 
 

@@ -25,6 +25,7 @@ from dsec.apiserver.errors import install_error_handlers
 from dsec.apiserver.metrics import ApiMetrics
 from dsec.apiserver.middleware import ApiMiddleware, access_log_mode
 from dsec.apiserver.ports import PortProxy, PortsDispatch, PortTokens
+from dsec.apiserver.routes_audit import router as audit_router
 from dsec.apiserver.routes_display import router as display_router
 from dsec.apiserver.routes_images import router as images_router
 from dsec.apiserver.routes_jobs import router as jobs_router
@@ -110,6 +111,7 @@ def create_app(
     app.include_router(keys_router)
     app.include_router(display_router)
     app.include_router(ports_router)
+    app.include_router(audit_router)
     proxy = PortProxy(
         edge,
         keys,

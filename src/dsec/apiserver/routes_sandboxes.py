@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -72,7 +72,7 @@ from dsec.models import (
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
 
-__all__ = ["UPLOAD_ROUTES", "NetworkStats", "Sequencing", "router", "sequencing"]
+__all__ = ["UPLOAD_ROUTES", "NetworkStats", "Sequencing", "ndjson_response", "router", "sequencing"]
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -535,14 +535,19 @@ async def sandbox_logs(
     info = await edge.get_sandbox(sandbox_id, owner)
     if info.state == "stopped":
         raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
-    lines = edge.sandbox_logs(sandbox_id, owner, follow=follow)
+    return ndjson_response(edge.sandbox_logs(sandbox_id, owner, follow=follow))
+
+
+def ndjson_response(items: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
+    """An NDJSON response of ``items`` (one model per line), ended quietly when the sandbox
+    goes away while they are followed; the generator is closed with the response."""
 
     async def body() -> AsyncIterator[bytes]:
-        async with contextlib.aclosing(lines):
+        async with contextlib.aclosing(items):
             try:
-                async for line in lines:
-                    yield line.model_dump_json().encode() + b"\n"
-            except DsecError:  # the sandbox went away while the logs were followed
+                async for item in items:
+                    yield item.model_dump_json().encode() + b"\n"
+            except DsecError:  # the sandbox went away while followed
                 return
 
     return StreamingResponse(

@@ -71,6 +71,7 @@ from dsec.models import (
     ImageInfo,
     JobAction,
     JobActionResult,
+    JobAudit,
     JobOutcome,
     KeyUsage,
     LayerInfo,
@@ -654,6 +655,22 @@ class ClusterEdge:
                         ok=False, state=info.state, error=err2.to_wire()["error"]
                     )
         return JobActionResult(job=job, action=action, outcomes=outcomes)
+
+    async def job_audit(self, owner: str, job: str) -> JobAudit:
+        """Fan out to every live node; a node that does not answer leaves its sandboxes out."""
+
+        async def one(h: NodeHandle) -> JobAudit | None:
+            try:
+                res: JobAudit = await self.relay.call(h.name, "job_audit", owner, job)
+                return res
+            except DsecError:
+                return None
+
+        merged = JobAudit(job=job)
+        for a in await asyncio.gather(*(one(h) for h in self._alive())):
+            if a is not None:
+                merged.sandboxes.update(a.sandboxes)
+        return merged
 
     # ------------------------------------------------------------------ network
     # ------------------------------------------------------------------ display (vm tier)

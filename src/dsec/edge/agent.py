@@ -29,6 +29,7 @@ from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.config import Paths, host_memory_mb
 from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
 from dsec.edge.admission import CreationGate
+from dsec.edge.audit import EdgeAudit, interleave_audit, place_entries
 from dsec.edge.desktop import (
     STOP_SCRIPT,
     ConsoleScreen,
@@ -72,6 +73,9 @@ from dsec.layers.workspace import check_stack
 from dsec.models import (
     SYSTEM_OWNER,
     TIERS,
+    AuditEntry,
+    AuditReport,
+    AuditSummary,
     BatchCreateResult,
     BuildImageRequest,
     Capabilities,
@@ -91,6 +95,7 @@ from dsec.models import (
     ImageInfo,
     JobAction,
     JobActionResult,
+    JobAudit,
     JobOutcome,
     KeyUsage,
     LayerInfo,
@@ -344,6 +349,9 @@ class EdgeAgent:
         """Admission of creations into the runtimes (:mod:`dsec.edge.admission`)."""
         self.key_quotas = QuotaGuard()
         """Each key's quota (:mod:`dsec.edge.quotas`; its ``source`` is set by the server)."""
+        self.audit = EdgeAudit()
+        """The refusals made on each sandbox's behalf (:mod:`dsec.edge.audit`)."""
+        self.audit.calls = lambda sid: self.trajectory.starts(sid, last=3)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -357,6 +365,7 @@ class EdgeAgent:
             if isinstance(rt, ExitReporting):
                 rt.on_exit(self._sandbox_ended)
             await rt.start()
+        self.audit.start(any(getattr(rt, "log_denials", False) for rt in self.runtimes.values()))
         await self.reconcile()
         for rt in self.runtimes.values():
             if isinstance(rt, Reconciling):
@@ -392,6 +401,7 @@ class EdgeAgent:
                 await self.network.close()
         if self._builder is not None:
             self._builder.close()
+        self.audit.close()
         self.registry.close()
         self.trajectory.close()
         self._closed = True
@@ -494,6 +504,7 @@ class EdgeAgent:
                 if now - last_purge > 60:
                     for sid in self.registry.purge_stopped(now - self.limits.stopped_retention_s):
                         self.trajectory.purge(sid)
+                        self.audit.recorder.forget((sid,))
                     last_purge = now
             except Exception:
                 log.exception("reaper iteration failed")
@@ -593,6 +604,7 @@ class EdgeAgent:
             return await fn(lv)
         except DsecError as e:
             self.metrics.errors.labels(e.code).inc()
+            self.audit.refusal(sandbox_id, owner, e)
             # a runtime's SandboxStopped too: the sandbox must not stay "running" after it
             if not await self._still_alive(lv) and not isinstance(e, SandboxStopped):
                 raise SandboxStopped(f"sandbox {sandbox_id} died", sandbox_id=sandbox_id) from e
@@ -631,6 +643,10 @@ class EdgeAgent:
 
     def _add_live(self, lv: _Live) -> None:
         req = lv.row.request
+        row = lv.row
+        self.audit.sandbox_added(
+            row.id, row.owner, row.tier, row.job, self.runtimes.get(row.tier), lv.handle
+        )
         self._live.add(
             lv.row.id,
             lv,
@@ -705,6 +721,7 @@ class EdgeAgent:
                 return
             rt = self.runtimes.get(lv.row.tier)
             background = not wait and rt is not None and rt.facts().teardown_in_background
+            await self.audit.sandbox_stopping(lv.row.id, rt, lv.handle)  # its last samples
             if rt is not None and not background:
                 await self._teardown(rt, lv)
             lv.row.state = "stopped"
@@ -813,6 +830,7 @@ class EdgeAgent:
                 t_slot = time.perf_counter()
                 handle = await (maker(spec) if maker is not None else rt.create(spec))
                 lv.handle = handle
+                self.audit.bind(sid, rt, handle)
                 row.state = "running"
                 row.last_active = time.time()
                 # one commit: the state, the handle and the activity time
@@ -822,6 +840,7 @@ class EdgeAgent:
             t_made = time.perf_counter()
         except BaseException as e:
             self._live.pop(sid)
+            self.audit.discard(sid)
             with contextlib.suppress(Exception):
                 await rt.destroy(lv.handle)
             reason = f"creation failed: {e}"[:500]
@@ -989,7 +1008,10 @@ class EdgeAgent:
         if lv is not None:
             await self._destroy(lv, "killed by request", wait=False)
             row = lv.row
-        return self._info(self.registry.get(sandbox_id) or row)
+        info = self._info(self.registry.get(sandbox_id) or row)
+        if self.audit.enabled:
+            info.audit = self.audit.recorder.summary(sandbox_id, row.tier, row.job)
+        return info
 
     async def set_ttl(self, sandbox_id: str, owner: str, ttl_s: float) -> SandboxInfo:
         """Set the idle timeout to ``ttl_s`` seconds from now; ``InvalidRequest`` unless
@@ -1127,6 +1149,7 @@ class EdgeAgent:
                     self.metrics.execs.labels(lv.row.tier, "error").inc()
                     raise
                 self.metrics.exec_seconds.labels(lv.row.tier).observe(time.perf_counter() - t0)
+                self.audit.exec_result(lv.row.id, res, req.cmd)
                 outcome = (
                     "timeout" if res.timed_out else ("ok" if res.exit_code == 0 else "nonzero")
                 )
@@ -1201,7 +1224,7 @@ class EdgeAgent:
 
     # ------------------------------------------------------------------ files
     async def read_file(self, sandbox_id: str, owner: str, path: str) -> bytes:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("read").inc()
         return await self._use(
             sandbox_id, owner, lambda lv: self._files(lv).read(path, self.limits.max_read_bytes)
@@ -1240,7 +1263,7 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> FileInfo:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         if not 0 <= mode <= 0o7777:
             raise InvalidRequest(f"mode {mode:o} is not a permission mode")
         return await self._logged_file_op(
@@ -1273,7 +1296,7 @@ class EdgeAgent:
         if len(paths) > MAX_XATTR_PATHS:
             raise InvalidRequest(f"at most {MAX_XATTR_PATHS} paths per call")
         for path in paths:
-            check_path(path)
+            self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("get_xattrs").inc()
         return await self._use(
             sandbox_id, owner, lambda lv: self._xattr_files(lv).get_xattrs(paths, prefix)
@@ -1291,7 +1314,7 @@ class EdgeAgent:
         idem_key: str | None = None,
     ) -> None:
         """See :class:`dsec.edge.interface.FileXattrs`."""
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         _check_xattrs(values, clear_prefix)
 
         async def run(lv: _Live) -> None:
@@ -1315,7 +1338,7 @@ class EdgeAgent:
     ) -> DirectoryWatcher:
         """See :class:`dsec.edge.interface.DirectoryWatch`: the tier's kernel watch, opened
         without resuming the sandbox or counting as its activity."""
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         lv = self._live_for(sandbox_id, owner)
         files = self._files(lv)
         if not isinstance(files, WatchableFiles):
@@ -1328,14 +1351,14 @@ class EdgeAgent:
     async def list_files(
         self, sandbox_id: str, owner: str, path: str, depth: int = 1
     ) -> list[FileInfo]:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("list").inc()
         if not 1 <= depth <= 32:
             raise InvalidRequest("depth must be between 1 and 32")
         return await self._use(sandbox_id, owner, lambda lv: self._files(lv).list(path, depth))
 
     async def stat_file(self, sandbox_id: str, owner: str, path: str) -> FileInfo:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("stat").inc()
         return await self._use(sandbox_id, owner, lambda lv: self._files(lv).stat(path))
 
@@ -1349,7 +1372,7 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> None:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         await self._logged_file_op(
             sandbox_id,
             owner,
@@ -1371,7 +1394,7 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> FileInfo:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         return await self._logged_file_op(
             sandbox_id,
             owner,
@@ -1394,8 +1417,8 @@ class EdgeAgent:
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> FileInfo:
-        check_path(src)
-        check_path(dst)
+        self._check_path(sandbox_id, owner, src)
+        self._check_path(sandbox_id, owner, dst)
         return await self._logged_file_op(
             sandbox_id,
             owner,
@@ -1420,8 +1443,12 @@ class EdgeAgent:
     ) -> int:
         if len(data) > self.limits.max_tar_bytes:
             raise PayloadTooLarge(f"tar upload is larger than {self.limits.max_tar_bytes} bytes")
-        check_path(path)
-        await asyncio.to_thread(check_tar, data)
+        self._check_path(sandbox_id, owner, path)
+        try:
+            await asyncio.to_thread(check_tar, data)
+        except DsecError as e:
+            self.audit.refusal(sandbox_id, owner, e)
+            raise
         return await self._logged_file_op(
             sandbox_id,
             owner,
@@ -1435,7 +1462,7 @@ class EdgeAgent:
         )
 
     async def download_tar(self, sandbox_id: str, owner: str, path: str) -> bytes:
-        check_path(path)
+        self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("download_tar").inc()
         return await self._use(
             sandbox_id,
@@ -2207,12 +2234,85 @@ class EdgeAgent:
             ),
             pids=u.pids,
             source=u.source,
+            # the cgroup's counters only: a dashboard polls metrics every second
+            audit=await self._audit_summary(lv, network=False) if self.audit.enabled else None,
         )
 
     async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
         row = self._lookup_row(sandbox_id, owner)
         header = {"node": self.node, "create": row.request, "image_layers": row.image_layers}
-        return "".join(self.trajectory.export_jsonl(sandbox_id, header=header))
+        lines = self.trajectory.export_jsonl(sandbox_id, header=header)
+        if not self.audit.enabled:
+            return "".join(lines)
+        lv = self._live.get(sandbox_id)
+        if lv is not None:
+            await self.audit.sample(sandbox_id, self.runtimes.get(row.tier), lv.handle)
+        entries = self.audit.recorder.report(sandbox_id, row.tier, row.job).entries
+        return "".join(interleave_audit(lines, entries))
+
+    # ------------------------------------------------------------------ audit
+    def _check_path(self, sandbox_id: str, owner: str, path: str) -> str:
+        """:func:`check_path`, its refusals recorded as the sandbox's (:mod:`dsec.edge.audit`)."""
+        try:
+            return check_path(path)
+        except DsecError as e:
+            self.audit.refusal(sandbox_id, owner, e)
+            raise
+
+    async def _audit_summary(self, lv: _Live, *, network: bool = True) -> AuditSummary:
+        rt = self.runtimes.get(lv.row.tier)
+        await self.audit.sample(lv.row.id, rt, lv.handle, network=network)
+        return self.audit.recorder.summary(lv.row.id, lv.row.tier, lv.row.job)
+
+    async def sandbox_audit(self, sandbox_id: str, owner: str, after: int = 0) -> AuditReport:
+        """:class:`dsec.edge.interface.SandboxAudits`: the sandbox's refusals (live or
+        stopped while the node remembers it); never resumes it nor extends its TTL."""
+        row = self._lookup_row(sandbox_id, owner)
+        if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+            raise InvalidRequest(f"after={after!r} must be an entry number >= 0")
+        lv = self._live.get(sandbox_id)
+        if lv is not None:
+            await self.audit.sample(sandbox_id, self.runtimes.get(row.tier), lv.handle)
+        report = self.audit.recorder.report(sandbox_id, row.tier, row.job, after=after)
+        report.sources = self.audit.sources(self.runtimes.get(row.tier))
+        place_entries(report.entries, self.trajectory.starts(sandbox_id))
+        return report
+
+    async def follow_audit(
+        self, sandbox_id: str, owner: str, after: int = 0
+    ) -> AsyncGenerator[AuditEntry, None]:
+        """:class:`dsec.edge.interface.SandboxAudits`: entries numbered above ``after`` as
+        they are recorded, until the sandbox stops (sampled sources are read every 2 s)."""
+        row = self._lookup_row(sandbox_id, owner)
+        if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+            raise InvalidRequest(f"after={after!r} must be an entry number >= 0")
+        rt = self.runtimes.get(row.tier)
+
+        async def poll() -> None:
+            while (lv := self._live.get(sandbox_id)) is not None:
+                await self.audit.sample(sandbox_id, rt, lv.handle)
+                await asyncio.sleep(2.0)
+
+        poller = asyncio.create_task(poll())
+        try:
+            async for entry in self.audit.recorder.follow(sandbox_id, after):
+                yield entry
+        finally:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+
+    async def job_audit(self, owner: str, job: str) -> JobAudit:
+        """:class:`dsec.edge.interface.SandboxAudits`: the summary of every sandbox of
+        ``owner``'s ``job`` this node has (live, and stopped ones it remembers)."""
+        out: dict[str, AuditSummary] = {}
+        for row in self.registry.select(owner=owner, job=job):
+            lv = self._live.get(row.id)
+            if lv is not None:
+                out[row.id] = await self._audit_summary(lv)
+            else:
+                out[row.id] = self.audit.recorder.summary(row.id, row.tier, row.job)
+        return JobAudit(job=job, sandboxes=out)
 
     async def sandbox_logs(
         self, sandbox_id: str, owner: str, *, follow: bool = False

@@ -24,7 +24,7 @@ with ``isinstance`` and answers ``unsupported`` / ``capability_not_supported`` o
 :class:`PauseModes`, :class:`ImageBuilds`, :class:`ImagePublisher`, :class:`InteractiveExec`,
 :class:`DisplayEdge`, :class:`MetricsEdge`, :class:`SandboxMigration`,
 :class:`MemoryMigration`, :class:`PortForwarding`, :class:`FileXattrs`,
-:class:`DirectoryWatch`, :class:`CodeRuns` and :class:`NodeReports`. Every verb is declared here once;
+:class:`DirectoryWatch`, :class:`CodeRuns`, :class:`SandboxAudits` and :class:`NodeReports`. Every verb is declared here once;
 :func:`edge_verbs`, :data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive from these classes
 what a remote edge (a cluster node) may be asked, which calls route by sandbox id and which
 answer with a stream.
@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from dsec.edge.quotas import QuotaGuard
 from dsec.models import (
+    AuditEntry,
+    AuditReport,
     BatchCreateResult,
     BuildImageRequest,
     Capabilities,
@@ -54,6 +56,7 @@ from dsec.models import (
     ImageInfo,
     JobAction,
     JobActionResult,
+    JobAudit,
     KeyUsage,
     LayerInfo,
     LogLine,
@@ -98,6 +101,7 @@ __all__ = [
     "PortStream",
     "PortTicket",
     "PtySize",
+    "SandboxAudits",
     "SandboxMigration",
     "StreamName",
     "edge_verbs",
@@ -547,6 +551,29 @@ class MetricsEdge(Protocol):
 
 
 @runtime_checkable
+class SandboxAudits(Protocol):
+    """Optional edge ability: the refusals made on a sandbox's behalf, its evidence of
+    cheating (:mod:`dsec.edge.audit`; ``GET /v1/sandboxes/{id}/audit``, ``sb.audit()``,
+    ``GET /v1/jobs/{job}/audit``). Checks that ``owner`` owns the sandbox
+    (``SandboxNotFound`` otherwise); answers for a stopped sandbox while the node remembers
+    it; never resumes a paused sandbox nor extends its TTL."""
+
+    async def sandbox_audit(self, sandbox_id: str, owner: str, after: int = 0) -> AuditReport:
+        """Exact counts and the kept entries numbered above ``after``."""
+        ...
+
+    def follow_audit(
+        self, sandbox_id: str, owner: str, after: int = 0
+    ) -> AsyncGenerator[AuditEntry, None]:
+        """Entries numbered above ``after`` as they are recorded, until the sandbox stops."""
+        ...
+
+    async def job_audit(self, owner: str, job: str) -> JobAudit:
+        """The audit summary of every sandbox of ``owner``'s ``job``."""
+        ...
+
+
+@runtime_checkable
 class SandboxMigration(Protocol):
     """Optional edge ability: move a sandbox's files to another node (``pack_diff``). Its
     processes are not kept; see :class:`MemoryMigration` for VM tiers."""
@@ -694,6 +721,7 @@ _ABILITIES: tuple[type, ...] = (
     FileXattrs,
     DirectoryWatch,
     CodeRuns,
+    SandboxAudits,
 )
 
 

@@ -460,6 +460,20 @@ class TrajectoryLog:
                     out[sid] = int(last) + 1
         return out
 
+    def starts(
+        self, sandbox_id: str, last: int | None = None
+    ) -> list[tuple[int, float, float | None]]:
+        """``(seq, begun_at, committed_at)`` of the sandbox's entries (the ``last`` ones
+        only, if given), in ``seq`` order (no payloads read; ``committed_at`` None while one
+        runs)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT seq, begun_at, committed_at FROM trajectory WHERE sandbox_id=? "
+                "ORDER BY seq DESC LIMIT ?",
+                (sandbox_id, -1 if last is None else last),
+            ).fetchall()
+        return [(int(r[0]), float(r[1] or 0), r[2]) for r in reversed(rows)]
+
     def entries(self, sandbox_id: str) -> Iterator[dict[str, Any]]:
         """The sandbox's entries in ``seq`` order, as stored (full results)."""
         with self._lock:

@@ -13,7 +13,7 @@
  * dsec.runtimes.container.seccomp into the policy file), chdir()s and execs.
  * stdin/stdout/stderr are pipes the edge made and passed with SCM_RIGHTS.
  *
- * Usage: dsec_execd SOCK_FD POLICY_FILE [bpf=BPF_FILE] [setuid]
+ * Usage: dsec_execd SOCK_FD POLICY_FILE [bpf=BPF_FILE] [setuid] [log] [auid=N]
  *        dsec_execd --bpf POLICY_FILE   (the compiled filter, raw, on stdout)
  *
  * With bpf=BPF_FILE (what --bpf wrote for the same policy) the server installs that
@@ -25,6 +25,13 @@
  * installed while the child is still privileged (the kernel requires either
  * no_new_privs or CAP_SYS_ADMIN for that), before it drops to the command's user.
  * Such a program gains at most the capability set kept here (the bounding set).
+ *
+ * With "log" each command's filter is installed with SECCOMP_FILTER_FLAG_LOG: the kernel
+ * reports every refused system call as an audit record (type 1326: pid, comm, syscall),
+ * at no cost to the calls it allows. With "auid=N" the server sets its own loginuid to N
+ * before it enters the container; every command inherits it, the records carry it as
+ * auid=N, and the edge maps them to the sandbox even after the process has exited. A
+ * command cannot change it (that takes CAP_AUDIT_CONTROL, never kept).
  *
  * Wire protocol (host byte order, one request or reply per datagram):
  *   request  = u32 type, u32 reserved, u64 id, body
@@ -129,6 +136,9 @@ static int init_pidfd = -1;         /* pidfd of the container's init */
 static struct sock_fprog filter;
 static uint64_t keep_caps;          /* bit N set: keep capability N */
 static int allow_setuid;            /* argument "setuid": no no_new_privs (sudo works) */
+static unsigned seccomp_flags;      /* argument "log": SECCOMP_FILTER_FLAG_LOG (denials audited) */
+static const char *audit_id;        /* argument "auid=N": this server's loginuid, inherited by
+                                     * every command: the kernel's seccomp records name it */
 /* The Landlock ruleset every command enters as a domain of its own (-1: the kernel has none):
  * the kernel lets a process open /proc/<pid>/mem (or ptrace) only of processes in its own
  * domain or one nested in it, so what one command leaves running cannot rewrite the memory
@@ -297,6 +307,13 @@ static void load_policy(const char *path, const char *bpf_path) {
     malloc_trim(0);
 }
 
+/* The seccomp filter of a command: with "log", every refusal is also reported to the
+ * kernel's audit stream (type 1326 records naming the loginuid set by "auid="), which the
+ * edge reads (dsec.privileged.seccomp_log); without it, as prctl(PR_SET_SECCOMP) does. */
+static int install_filter(void) {
+    return (int)syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, seccomp_flags, &filter);
+}
+
 /* ---- the child ------------------------------------------------------------- */
 
 static void child_fail(int errfd, int stage) {
@@ -392,7 +409,7 @@ static void run_child(int errfd, const int fds[3], uint32_t flags, uid_t uid, gi
             child_fail(errfd, STAGE_BOUNDING);
     /* without no_new_privs only a privileged process may install the filter: do it now,
      * while the child is still root with its effective capabilities */
-    if (allow_setuid && filter.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter, 0, 0) < 0)
+    if (allow_setuid && filter.len && install_filter() < 0)
         child_fail(errfd, STAGE_SECCOMP);
     if (setgroups(ngroups, groups) < 0) child_fail(errfd, STAGE_GROUPS);
     if (setresgid(gid, gid, gid) < 0) child_fail(errfd, STAGE_GID);
@@ -407,7 +424,7 @@ static void run_child(int errfd, const int fds[3], uint32_t flags, uid_t uid, gi
     prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
     if (!allow_setuid && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) child_fail(errfd, STAGE_NNP);
     if (chdir(cwd) < 0) child_fail(errfd, STAGE_CHDIR);
-    if (!allow_setuid && filter.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter, 0, 0) < 0)
+    if (!allow_setuid && filter.len && install_filter() < 0)
         child_fail(errfd, STAGE_SECCOMP);
     sigprocmask(SIG_SETMASK, &none, NULL);
     exec_path(argv, envp);
@@ -743,10 +760,12 @@ int main(int argc, char **argv) {
     for (int i = 3; i < argc; i++) {
         if (strcmp(argv[i], "setuid") == 0) allow_setuid = 1;
         else if (strncmp(argv[i], "bpf=", 4) == 0 && argv[i][4]) bpf_path = argv[i] + 4;
+        else if (strcmp(argv[i], "log") == 0) seccomp_flags |= SECCOMP_FILTER_FLAG_LOG;
+        else if (strncmp(argv[i], "auid=", 5) == 0 && argv[i][5]) audit_id = argv[i] + 5;
         else usage = 1;
     }
     if (usage) {
-        fprintf(stderr, "usage: %s SOCK_FD POLICY_FILE [bpf=BPF_FILE] [setuid]\n", argv[0]);
+        fprintf(stderr, "usage: %s SOCK_FD POLICY_FILE [bpf=BPF_FILE] [setuid] [log] [auid=N]\n", argv[0]);
         return 2;
     }
     sock_fd = atoi(argv[1]);
@@ -754,6 +773,12 @@ int main(int argc, char **argv) {
     msgbuf = malloc(MAX_MSG);
     if (!msgbuf) die("malloc");
     load_policy(argv[2], bpf_path);
+    if (audit_id) { /* still in the node's mount namespace: its /proc */
+        int fd = open("/proc/self/loginuid", O_WRONLY | O_CLOEXEC);
+        if (fd < 0 || write(fd, audit_id, strlen(audit_id)) < 0)
+            logmsg("cannot set the audit id (denials are then found by process): %s", strerror(errno));
+        if (fd >= 0) close(fd);
+    }
     int ll_abi = landlock_abi_version();
     uint64_t handled_access_fs = 1ull << 11; /* LANDLOCK_ACCESS_FS_MAKE_BLOCK (ABI 1) */
     if (ll_abi >= 2) handled_access_fs |= 1ull << 13; /* REFER: granted below, after attach */

@@ -563,6 +563,7 @@ class NetworkManager:
         return {
             "sandbox_id": sandbox_id,
             "ip": sb.ip,
+            "gateway": self.gateway,
             "policy": sb.policy.model_dump(),
             "allowed": [
                 {

@@ -329,6 +329,20 @@ class Measurable(Protocol):
 
 
 @runtime_checkable
+class Audited(Protocol):
+    """What a tier can tell the edge's audit of refusals (:mod:`dsec.edge.audit`) beyond what
+    the edge sees itself: the audit id its sandbox's processes carry in the kernel's seccomp
+    records, and the cumulative counters of limits its sandbox hit. Cheap reads; a sandbox
+    that is gone reports zeros."""
+
+    def audit_id(self, handle: Handle) -> int | None:
+        """The loginuid every process of the sandbox inherits (None: not set)."""
+
+    def limit_counters(self, handle: Handle) -> dict[str, int]:
+        """Cumulative ``kind -> count`` of limits hit: ``oom_kill``, ``pids_max``."""
+
+
+@runtime_checkable
 class ExitReporting(Protocol):
     """A tier whose sandboxes can end by themselves (a VM whose guest kernel panicked or
     powered off: its QEMU exits) and that says so when it happens, not at the next call.

@@ -16,6 +16,8 @@ Sync, module level (what a preemption handler calls)::
     for info in jobs.list("run-42"):
         print(info.id, info.state, info.paused_at)
     jobs.kill("run-42")
+    report = jobs.audit("run-42")          # JobAudit: which sandboxes tried what
+    print(report.flagged)                  # ids of the sandboxes with evidence of cheating
 
 The functions take ``url=``, ``api_key=`` (default ``$DSEC_URL``, ``$DSEC_API_KEY``) and
 ``transport=``, like :class:`dsec.Client`. Async, or to reuse a connection pool::
@@ -42,12 +44,12 @@ import httpx
 from pydantic import TypeAdapter
 
 from dsec.errors import InvalidRequest
-from dsec.models import JobAction, JobActionResult, SandboxInfo
+from dsec.models import JobAction, JobActionResult, JobAudit, SandboxInfo
 from dsec.sdk.client import AsyncClient
 from dsec.sdk.sync import runner
 from dsec.wire import ANSWER
 
-__all__ = ["JOB_TIMEOUT_S", "AsyncJobs", "kill", "list", "pause", "resume"]
+__all__ = ["JOB_TIMEOUT_S", "AsyncJobs", "audit", "kill", "list", "pause", "resume"]
 
 JOB_TIMEOUT_S = 600.0
 """Default wait for a job action, seconds (a job may have thousands of sandboxes)."""
@@ -120,6 +122,15 @@ class AsyncJobs:
         )
         return _SANDBOXES.validate_python(r.json()["sandboxes"], context=ANSWER)
 
+    async def audit(self, job: str, *, timeout: float | None = None) -> JobAudit:
+        """Which sandboxes of ``job`` tried what: each one's audit summary (exact counts by
+        ``category.kind``, ``evidence``); ``result.flagged`` lists those with evidence.
+        Stopped sandboxes are included while their nodes remember them."""
+        path = f"/v1/jobs/{quote(_check_job(job), safe=':')}/audit"
+        t = self.timeout if timeout is None else timeout
+        r = await self._client._http.request("GET", path, timeout=t)
+        return JobAudit.model_validate(r.json(), context=ANSWER)
+
     async def close(self) -> None:
         """Close pooled connections if this object opened them."""
         if self._owns_client:
@@ -181,6 +192,17 @@ def kill(
 ) -> JobActionResult:
     """Kill every sandbox of ``job`` (sync)."""
     return _once(lambda api: api.kill(job), url, api_key, transport)
+
+
+def audit(
+    job: str,
+    *,
+    url: str | None = None,
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> JobAudit:
+    """Which sandboxes of ``job`` tried what (sync): see :meth:`AsyncJobs.audit`."""
+    return _once(lambda api: api.audit(job), url, api_key, transport)
 
 
 def list(

@@ -84,6 +84,8 @@ from dsec.errors import (
 )
 from dsec.models import (
     MAX_FORK,
+    AuditEntry,
+    AuditReport,
     BatchCreateRequest,
     BatchCreateResult,
     BatchItemError,
@@ -1192,6 +1194,31 @@ class AsyncSandbox:
         extends its TTL. ``CapabilityNotSupported`` on a tier that cannot measure."""
         r = await self._client._http.request("GET", self._path("/metrics"))
         return SandboxMetrics.model_validate(r.json(), context=ANSWER)
+
+    async def audit(self, *, after: int = 0) -> AuditReport:
+        """The refusals the platform made on this sandbox's behalf: its evidence of cheating
+        (``report.evidence``: any refusal of a boundary; ``report.counts``: exact counts by
+        ``category.kind``; ``report.entries``: the kept details, numbered, with time,
+        process and what was refused; ``after``: only entries numbered above it). Works
+        after the sandbox stopped while the node remembers it. See ``docs/cheating.md``."""
+        r = await self._client._http.request(
+            "GET", self._path("/audit"), params={"after": str(int(after))}
+        )
+        return AuditReport.model_validate(r.json(), context=ANSWER)
+
+    async def follow_audit(
+        self, *, after: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[AuditEntry]:
+        """The audit entries numbered above ``after`` as they are recorded, until the
+        sandbox stops. ``timeout``: seconds for the whole call (default a day)."""
+        async with self._client._http.stream(
+            "GET",
+            self._path(f"/audit?follow=true&after={int(after)}"),
+            timeout=timeout if timeout is not None else FOLLOW_TIMEOUT_S,
+        ) as response:
+            async for line in response.aiter_lines():
+                if line.strip():
+                    yield AuditEntry.model_validate_json(line, context=ANSWER)
 
     async def kill(self) -> SandboxInfo:
         """Kill the sandbox (idempotent) and release this object's connections."""

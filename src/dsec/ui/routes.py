@@ -143,6 +143,7 @@ def features(request: Request) -> dict[str, bool]:
         "port_proxy": _serves(request, "GET", f"{_PROBE}/ports/6080/vnc.html"),
         "builds": _serves(request, "GET", "/v1/builds"),
         "metrics": _serves(request, "GET", f"{_PROBE}/metrics"),
+        "audit": _serves(request, "GET", f"{_PROBE}/audit"),
     }
 
 

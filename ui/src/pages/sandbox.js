@@ -1,6 +1,7 @@
 // One sandbox: its request and limits, live CPU and memory, the trajectory log (each
 // command, its output and exit code, replayed or not), a file browser, the start command's
-// logs (where the server keeps them) and, for a desktop, its screen.
+// logs (where the server keeps them), its audit (the refusals made on its behalf: evidence of
+// cheating) and, for a desktop, its screen.
 import { html } from "htm/preact";
 import { useEffect, useMemo, useRef, useState } from "preact/hooks";
 import { ApiError, get, getText, streamLines } from "../api.js";
@@ -156,6 +157,50 @@ function Trajectory({ id }) {
   </div>`;
 }
 
+function Audit({ id }) {
+  const [data, error] = usePoll(() => get(`/v1/sandboxes/${encodeURIComponent(id)}/audit`), 3000, [id]);
+  const rows = (data ? data.entries : []).map((e) => ({
+    id: e.id,
+    when: new Date(e.ts * 1000).toLocaleTimeString(),
+    after_seq: e.seq ?? "",
+    what: `${e.category}.${e.kind}`,
+    count: e.count,
+    process: [e.pid !== null && e.pid !== undefined ? `pid ${e.pid}` : "", e.comm || "", e.cmdline || e.exe || ""]
+      .filter(Boolean)
+      .join(" · "),
+    detail: e.detail,
+  }));
+  const columns = useMemo(
+    () => [
+      { title: "#", field: "id", width: 60 },
+      { title: "when", field: "when", width: 100 },
+      { title: "after seq", field: "after_seq", width: 90 },
+      { title: "what", field: "what", width: 170 },
+      { title: "count", field: "count", width: 70, hozAlign: "right" },
+      { title: "process", field: "process", width: 220 },
+      { title: "refused", field: "detail" },
+    ],
+    [],
+  );
+  if (error) return html`<p class="error">${error.message}</p>`;
+  if (!data) return html`<p>loading…</p>`;
+  if (!data.enabled) return html`<p class="muted" data-testid="audit-off">this node records no audit (DSEC_AUDIT=off)</p>`;
+  const counts = Object.entries(data.counts || {});
+  return html`<div data-testid="audit">
+    <p data-testid="audit-verdict">
+      ${data.evidence ? html`<b class="error">evidence of cheating</b>` : "no evidence"} ·
+      ${data.total} refusal${data.total === 1 ? "" : "s"}${data.dropped ? ` · ${data.dropped} details not kept (cap ${data.cap})` : ""}
+    </p>
+    ${counts.length
+      ? html`<table class="kv" data-testid="audit-counts">
+          ${counts.map(([k, v]) => html`<tr><th>${k}</th><td>${v}</td></tr>`)}
+        </table>`
+      : null}
+    <${Table} testid="audit-table" index="id" columns=${columns} data=${rows}
+      options=${{ pagination: true, paginationSize: 25, placeholder: "nothing refused" }} />
+  </div>`;
+}
+
 function Files({ id, state }) {
   const [path, setPath] = useState("/");
   const [entries, setEntries] = useState(null);
@@ -271,6 +316,7 @@ export function SandboxPage({ id, session }) {
     ["trajectory", "trajectory"],
     ["files", "files"],
     ...(session.features.logs ? [["logs", "logs"]] : []),
+    ...(session.features.audit ? [["audit", "audit"]] : []),
     ...(caps.display ? [["screen", "screen"]] : []),
   ];
   return html`<section data-testid="sandbox-page">
@@ -296,6 +342,7 @@ export function SandboxPage({ id, session }) {
     ${tab === "files" && live ? html`<${Files} id=${id} state=${data.state} />` : null}
     ${tab === "files" && !live ? html`<p class="muted">the sandbox is stopped</p>` : null}
     ${tab === "logs" ? html`<${Logs} id=${id} />` : null}
+    ${tab === "audit" ? html`<${Audit} id=${id} />` : null}
     ${tab === "screen" ? html`<${Screen} id=${id} session=${session} running=${data.state === "running"} />` : null}
   </section>`;
 }

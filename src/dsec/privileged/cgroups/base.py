@@ -389,6 +389,11 @@ class Cgroup(ABC):
         return parse_flat_keyed(text).get("oom_kill", 0)
 
     @abstractmethod
+    def pids_max_events(self) -> int:
+        """Forks the pids limit refused in this cgroup (``pids.events``' ``max``; 0 if it is
+        gone or the kernel does not count them)."""
+
+    @abstractmethod
     def cpu_usage_ns(self) -> int | None: ...
 
     # --- freezing ------------------------------------------------------------------------

@@ -188,6 +188,12 @@ class CgroupV1(Cgroup):
         except FileNotFoundError:
             return 0
 
+    def pids_max_events(self) -> int:
+        try:
+            return parse_flat_keyed((self.path("pids") / "pids.events").read_text()).get("max", 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
     def cpu_usage_ns(self) -> int | None:
         return int_or_none(self.path("cpuacct") / "cpuacct.usage")
 

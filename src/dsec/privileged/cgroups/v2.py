@@ -212,6 +212,12 @@ class CgroupV2(Cgroup):
         except FileNotFoundError:
             return 0
 
+    def pids_max_events(self) -> int:
+        try:
+            return parse_flat_keyed((self.dir / "pids.events").read_text()).get("max", 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
     def cpu_usage_ns(self) -> int | None:
         try:
             return parse_flat_keyed((self.dir / "cpu.stat").read_text()).get("usage_usec", 0) * 1000

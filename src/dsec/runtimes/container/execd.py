@@ -163,14 +163,18 @@ class ExecServer:
         *,
         bpf_file: Path | None = None,
         allow_setuid: bool = False,
+        audit_id: int | None = None,
     ) -> ExecServer:
         """Start the server process; it waits for :meth:`attach`. Takes ~0.5 ms.
 
         ``bpf_file``: the policy's seccomp program as ``dsec_execd --bpf`` wrote it; the
         server installs it instead of compiling the policy's rules (most of its start-up
         CPU). ``allow_setuid``: its commands run without no_new_privs (setuid programs such
-        as sudo work; see ``dsec_execd.c``). Its stderr is the edge's (it only writes there
-        when it dies, and then also sends the reason over the socket)."""
+        as sudo work; see ``dsec_execd.c``). ``audit_id``: the commands' seccomp refusals are
+        logged by the kernel (``SECCOMP_FILTER_FLAG_LOG``) under this loginuid, which they
+        inherit and cannot change (:mod:`dsec.privileged.seccomp_log` reads them); None:
+        not logged. Its stderr is the edge's (it only writes there when it dies, and then
+        also sends the reason over the socket)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             try:
@@ -184,6 +188,7 @@ class ExecServer:
                     str(policy_file),
                     *([f"bpf={bpf_file}"] if bpf_file is not None else []),
                     *(["setuid"] if allow_setuid else []),
+                    *(["log", f"auid={audit_id}"] if audit_id is not None else []),
                 ],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
@@ -263,9 +268,16 @@ class ExecServer:
         *,
         bpf_file: Path | None = None,
         allow_setuid: bool = False,
+        audit_id: int | None = None,
     ) -> ExecServer:
         """Spawn and attach in one go (e.g. for a recovered sandbox)."""
-        server = cls.spawn(binary, policy_file, bpf_file=bpf_file, allow_setuid=allow_setuid)
+        server = cls.spawn(
+            binary,
+            policy_file,
+            bpf_file=bpf_file,
+            allow_setuid=allow_setuid,
+            audit_id=audit_id,
+        )
         await server.attach(init_pid, cgroup_procs)
         return server
 

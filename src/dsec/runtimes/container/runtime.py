@@ -85,6 +85,7 @@ from dsec.privileged.launchns import LaunchNamespace, open_launch_namespace
 from dsec.privileged.netns import NetnsSockets
 from dsec.privileged.nodesetup import NodeReport, oci_timeout_s, prepare_node
 from dsec.privileged.reaper import REAPER, reap_pid, where_are
+from dsec.privileged.seccomp_log import audit_id_of, audit_on
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 
 if TYPE_CHECKING:
@@ -298,6 +299,8 @@ class ContainerRuntime:
         self._init_bin: Path | None = None
         self._init_dir = self.paths.run / "container-init"  # mount_init_dir's tmpfs
         self._execd_bin: Path | None = None
+        self.log_denials = audit_on()
+        """Commands' seccomp refusals go to the kernel's audit stream (``DSEC_AUDIT``)."""
         self._live: dict[str, _Live] = {}
         self._launch: LaunchNamespace | None = None  # where crun runs (privileged/launchns.py)
         self._groups: dict[str, set[str]] = {}  # CPU share group -> its sandboxes (warm too)
@@ -763,6 +766,8 @@ class ContainerRuntime:
         if frozen:
             state["frozen"] = list(frozen)  # held (released at destroy)
             state["frozen_lowers"] = list(frozen)  # stacked, bottom first
+        if self.log_denials:
+            state["auid"] = audit_id_of(spec.id)
         self._write_state(spec.id, state)  # destroy_orphan needs it from here on
         rootfs = assemble_rootfs(sandbox_dir, lowers, spec.disk_mb, frozen_lowers=len(frozen))
         if new_machine_id and (self._read_rootfs_file(rootfs, "/etc/machine-id") or "").strip():
@@ -807,7 +812,11 @@ class ContainerRuntime:
         # the exec server starts (and loads its seccomp program) while the OCI runtime works
         assert self._policy_file is not None
         live.server = ExecServer.spawn(
-            execd_bin, self._policy_file, bpf_file=self._bpf_file, allow_setuid=spec.allow_setuid
+            execd_bin,
+            self._policy_file,
+            bpf_file=self._bpf_file,
+            allow_setuid=spec.allow_setuid,
+            audit_id=state.get("auid"),
         )
         pid_file = sandbox_dir / "init.pid"
         try:
@@ -977,7 +986,12 @@ class ContainerRuntime:
         return Handle(spec.id, state)
 
     async def _start_server(
-        self, sandbox_id: str, init_pid: int, *, allow_setuid: bool = False
+        self,
+        sandbox_id: str,
+        init_pid: int,
+        *,
+        allow_setuid: bool = False,
+        audit_id: int | None = None,
     ) -> ExecServer:
         _, _, execd_bin = self._require_available()
         assert self._policy_file is not None
@@ -988,7 +1002,21 @@ class ContainerRuntime:
             cgroup_procs_files(init_pid, self._cgroup_mounts, confining_only=True),
             bpf_file=self._bpf_file,
             allow_setuid=allow_setuid,
+            audit_id=audit_id,
         )
+
+    # ------------------------------------------------------------------ audit
+    def audit_id(self, handle: Handle) -> int | None:
+        """:class:`dsec.runtimes.base.Audited`: the loginuid the sandbox's commands carry."""
+        state = self._load_state(handle)
+        auid = state.get("auid")
+        return int(auid) if auid is not None else None
+
+    def limit_counters(self, handle: Handle) -> dict[str, int]:
+        """:class:`dsec.runtimes.base.Audited`: OOM kills and refused forks of its cgroup."""
+        state = self._load_state(handle)
+        cg = cgroup(state.get("cgroup") or self._cgroup_rel(handle.id))
+        return {"oom_kill": cg.oom_kills(), "pids_max": cg.pids_max_events()}
 
     # ------------------------------------------------------------------ exec
     async def exec(
@@ -1257,6 +1285,7 @@ class ContainerRuntime:
                         handle.id,
                         int(state["init_pid"]),
                         allow_setuid=bool(state.get("allow_setuid")),
+                        audit_id=state.get("auid"),
                     )
                 except (SandboxError, NodeBusy) as e:
                     log.warning("recover %s: %s", handle.id, e)

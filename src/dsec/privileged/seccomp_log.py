@@ -1,0 +1,263 @@
+"""The kernel's reports of system calls a seccomp filter refused, read by the edge.
+
+A filter installed with ``SECCOMP_FILTER_FLAG_LOG`` (``dsec_execd``'s ``log`` argument)
+makes the kernel emit one audit record of type 1326 (``AUDIT_SECCOMP``) for every call it
+refuses (``/proc/sys/kernel/seccomp/actions_logged`` must name ``errno``, the default)::
+
+    audit(1796641434.782:1): auid=1234567 uid=0 gid=0 ses=1 pid=15452 comm="python3"
+    exe="/usr/bin/python3.11" sig=0 arch=c000003e syscall=101 compat=0 ip=0x... code=0x50001
+
+``auid`` is the loginuid ``dsec_execd`` set for the sandbox (``auid=N``), inherited by every
+command it starts and unchangeable without ``CAP_AUDIT_CONTROL`` (never kept): the record
+names its sandbox even when the process is gone. ``pid`` is the node's pid; the pid inside
+the sandbox and the command line are read from ``/proc`` while the process still runs.
+
+Where the records are read: the audit netlink socket's multicast group
+``AUDIT_NLGRP_READLOG``, a read-only listener (``CAP_AUDIT_READ``) that needs no auditd and
+does not replace one; the kernel audit subsystem need not be enabled. The kernel log also
+gets them without auditd, but rate-limited by printk (10 per 5 s for the whole node): not
+used.
+
+What can be lost, and how it shows: the kernel drops records past its backlog
+(``audit_backlog_limit``, 64 by default on a node without auditd; kauditd drains the
+queue at once, so only a burst of thousands in a few milliseconds loses some) and counts
+them in ``/proc``-visible ``audit_lost``; a full receive buffer here (4 MiB) loses records
+too, counted in :attr:`SeccompRecords.overruns`. A flooding process pays for its records
+itself (the kernel formats them in its context).
+
+Cost: nothing for the calls a filter allows (the flag is only read when a call is refused);
+the listener sleeps until a record comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import hashlib
+import logging
+import re
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from dsec.config import env_choice
+
+__all__ = [
+    "SeccompDenial",
+    "SeccompRecords",
+    "audit_id_of",
+    "audit_on",
+    "parse_record",
+    "process_facts",
+    "syscall_name",
+]
+
+log = logging.getLogger("dsec.audit")
+
+NETLINK_AUDIT = 9
+AUDIT_NLGRP_READLOG = 1
+AUDIT_SECCOMP = 1326
+_RCVBUF_BYTES = 4 << 20
+_BATCH = 1024  # records read per wake-up at most (the loop gets control back between)
+_NO_AUID = 4294967295
+
+
+def audit_on() -> bool:
+    """``DSEC_AUDIT`` (``on``, the default, or ``off``): does the node record refusals."""
+    return env_choice("DSEC_AUDIT", ("on", "off")) == "on"
+
+
+def audit_id_of(sandbox_id: str) -> int:
+    """The loginuid of a sandbox's processes: 2^30 + 30 bits of a hash of its id (far above
+    any real user's uid, never the unset value)."""
+    h = int.from_bytes(hashlib.sha256(sandbox_id.encode()).digest()[:4], "big")
+    return (1 << 30) | (h & ((1 << 30) - 1))
+
+
+@dataclass(frozen=True)
+class SeccompDenial:
+    """Refusals of one system call to processes of one audit id, read in one batch:
+    ``count`` of them, the first one's time (the kernel's coarse clock: Unix seconds, to a
+    tick) and process (node pid, name, executable)."""
+
+    auid: int
+    ts: float
+    syscall: int
+    arch: int
+    errno: int
+    pid: int
+    comm: str
+    exe: str
+    count: int = 1
+
+
+_FIELD = re.compile(rb'(\w+)=("[^"]*"|\S+)')
+_STAMP = re.compile(rb"audit\((\d+\.\d+):\d+\)")
+
+
+def _text(raw: bytes) -> str:
+    """A field value: quoted text, or hex (the kernel's form for odd characters)."""
+    if raw.startswith(b'"'):
+        return raw[1:-1].decode(errors="replace")
+    try:
+        return bytes.fromhex(raw.decode()).decode(errors="replace")
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def parse_record(payload: bytes) -> SeccompDenial | None:
+    """One type-1326 record's text (``audit(...): auid=... syscall=...``), or None when it
+    is not one of a filter's refusals."""
+    fields = dict(_FIELD.findall(payload))
+    try:
+        code = int(fields.get(b"code", b"0"), 16)
+        stamp = _STAMP.search(payload)
+        return SeccompDenial(
+            auid=int(fields[b"auid"]),
+            ts=float(stamp.group(1)) if stamp else time.time(),
+            syscall=int(fields[b"syscall"]),
+            arch=int(fields.get(b"arch", b"0"), 16),
+            errno=code & 0xFFFF if code & 0x7FFF0000 == 0x00050000 else 0,
+            pid=int(fields[b"pid"]),
+            comm=_text(fields.get(b"comm", b'""')),
+            exe=_text(fields.get(b"exe", b'""')),
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+_names: dict[tuple[int, int], str] = {}
+_libseccomp: list[ctypes.CDLL | None] = []  # loaded on first use: [library or None]
+
+
+def _resolver() -> ctypes.CDLL | None:
+    if not _libseccomp:
+        found = ctypes.util.find_library("seccomp")
+        lib = ctypes.CDLL(found) if found else None
+        if lib is not None:
+            fn = lib.seccomp_syscall_resolve_num_arch
+            fn.restype = ctypes.c_void_p
+            fn.argtypes = [ctypes.c_uint32, ctypes.c_int]
+        _libseccomp.append(lib)
+    return _libseccomp[0]
+
+
+def syscall_name(arch: int, nr: int) -> str:
+    """The name of system call ``nr`` of audit architecture ``arch`` (libseccomp's table;
+    ``syscall_<nr>`` without it)."""
+    key = (arch, nr)
+    if key in _names:
+        return _names[key]
+    name = f"syscall_{nr}"
+    lib = _resolver()
+    if lib is not None:
+        ptr = lib.seccomp_syscall_resolve_num_arch(arch, nr)
+        if ptr:
+            name = ctypes.string_at(ptr).decode()
+            ctypes.CDLL(None).free(ctypes.c_void_p(ptr))
+    if len(_names) < 4096:
+        _names[key] = name
+    return name
+
+
+def process_facts(pid: int, auid: int) -> tuple[int | None, str | None]:
+    """``(pid inside its sandbox, command line)`` of node process ``pid`` if it still runs
+    and still carries ``auid`` (a reused pid is not taken for it); ``(None, None)`` else."""
+    try:
+        with open(f"/proc/{pid}/loginuid", "rb") as f:
+            if int(f.read() or b"-1") != auid:
+                return None, None
+        with open(f"/proc/{pid}/status", "rb") as f:
+            inner: int | None = None
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    inner = int(line.split()[-1])
+                    break
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read(4096).rstrip(b"\0").split(b"\0")
+        cmdline = " ".join(a.decode(errors="replace") for a in argv if a) or None
+        return inner, cmdline
+    except (OSError, ValueError):
+        return None, None
+
+
+class SeccompRecords:
+    """Listens to the kernel's seccomp records on the audit multicast group and hands them,
+    grouped per batch by ``(auid, syscall)``, to ``deliver`` on the event loop."""
+
+    def __init__(self, deliver: Callable[[list[SeccompDenial]], None]) -> None:
+        self._deliver = deliver
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.records = 0
+        """Records read."""
+        self.overruns = 0
+        """Times the receive buffer overflowed (records were lost; how many is not known)."""
+
+    def start(self) -> str | None:
+        """Start listening; returns why it cannot (None: listening)."""
+        try:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_AUDIT)
+        except OSError as e:
+            return f"no audit netlink socket: {e.strerror}"
+        try:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, 33, _RCVBUF_BYTES)  # SO_RCVBUFFORCE
+            sock.bind((0, AUDIT_NLGRP_READLOG))
+            sock.setblocking(False)
+        except OSError as e:
+            sock.close()
+            return f"cannot join the audit log group (CAP_AUDIT_READ?): {e.strerror}"
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(sock.fileno(), self._on_readable)
+        return None
+
+    def close(self) -> None:
+        if self._sock is None:
+            return
+        if self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        self._sock = None
+
+    def _on_readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        grouped: dict[tuple[int, int], SeccompDenial] = {}
+        for _ in range(_BATCH):
+            try:
+                data = sock.recv(65536)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                if e.errno == errno.ENOBUFS:
+                    self.overruns += 1
+                    continue
+                log.warning("audit socket: %s", e)
+                break
+            off = 0
+            while off + 16 <= len(data):
+                length, kind = struct.unpack_from("=IH", data, off)
+                if length < 16:
+                    break
+                if kind == AUDIT_SECCOMP:
+                    self.records += 1
+                    rec = parse_record(data[off + 16 : off + length].rstrip(b"\0"))
+                    if rec is not None and rec.auid != _NO_AUID:
+                        key = (rec.auid, rec.syscall)
+                        had = grouped.get(key)
+                        grouped[key] = rec if had is None else replace(had, count=had.count + 1)
+                off += (length + 3) & ~3
+        if grouped:
+            try:
+                self._deliver(list(grouped.values()))
+            except Exception:
+                log.exception("delivering seccomp records failed")

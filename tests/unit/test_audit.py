@@ -1,0 +1,206 @@
+"""The audit recorder (dsec.edge.audit) without a kernel: exact counts, the per-sandbox cap
+on details (first half kept, then the newest), sampled counters, the bounded memory of
+stopped sandboxes, following, the placement of entries in a trajectory export, and the
+parsing of the kernel's seccomp records."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from dsec.edge.audit import AuditRecorder, AuditSettings, EdgeAudit, interleave_audit, place_entries
+from dsec.errors import PathOutsideSandbox
+from dsec.models import AuditEntry, ExecResult
+from dsec.privileged.seccomp_log import audit_id_of, parse_record, syscall_name
+from dsec.runtimes.base import Handle
+
+RECORD = (
+    b"audit(1796641437.214:2): auid=1234567 uid=0 gid=0 ses=1 pid=15452 "
+    b'comm="python3" exe="/usr/bin/python3.11" sig=0 arch=c000003e syscall=101 '
+    b"compat=0 ip=0x7f717a91f829 code=0x50000"
+)
+
+
+def _recorder(cap: int = 8, kept: int = 4) -> AuditRecorder:
+    return AuditRecorder(AuditSettings(enabled=True, entries_cap=cap, stopped_kept=kept))
+
+
+def test_counts_stay_exact_when_details_are_capped() -> None:
+    rec = _recorder(cap=8)
+    rec.open("sb-a", "k1", "container")
+    for i in range(10_000):
+        rec.record("sb-a", "syscall", "ptrace", f"attempt {i}")
+    rep = rec.report("sb-a")
+    assert rep.counts == {"syscall.ptrace": 10_000}
+    assert rep.total == 10_000 and rep.evidence
+    assert len(rep.entries) == 8 and rep.dropped == 10_000 - 8 and rep.cap == 8
+    ids = [e.id for e in rep.entries]
+    assert ids == [1, 2, 3, 4, 9997, 9998, 9999, 10_000]  # the first half, then the newest
+    assert rep.entries[0].detail == "attempt 0"
+
+
+def test_long_texts_are_clipped_and_limits_are_no_evidence() -> None:
+    rec = _recorder()
+    rec.open("sb-a", "k1", "container")
+    rec.record("sb-a", "limits", "exec_timeout", "x" * 10_000, cmdline="y" * 10_000)
+    rep = rec.report("sb-a")
+    assert not rep.evidence and rep.total == 1
+    assert len(rep.entries[0].detail) == 256 and len(rep.entries[0].cmdline or "") == 256
+
+
+def test_sampled_counters_record_increases_only() -> None:
+    rec = _recorder()
+    rec.open("sb-a", "k1", "container")
+    rec.sample("sb-a", "network", "blocked", "1.2.3.4:80/tcp", 3, "dropped")
+    rec.sample("sb-a", "network", "blocked", "1.2.3.4:80/tcp", 3, "dropped")
+    rec.sample("sb-a", "network", "blocked", "1.2.3.4:80/tcp", 5, "dropped")
+    rec.sample("sb-a", "network", "blocked", "5.6.7.8:53/udp", 1, "dropped")
+    rep = rec.report("sb-a")
+    assert rep.counts == {"network.blocked": 6}
+    assert [e.count for e in rep.entries] == [3, 2, 1]
+
+
+def test_stopped_sandboxes_are_remembered_within_a_bound() -> None:
+    rec = _recorder(kept=2)
+    for n in range(4):
+        rec.open(f"sb-{n}", "k1", "container", job="j")
+        rec.record(f"sb-{n}", "files", "dotdot", "..")
+        summary = rec.close(f"sb-{n}")
+        assert summary is not None and summary.stopped and summary.total == 1
+    assert rec.summary("sb-0").total == 0  # forgotten: the oldest beyond the bound
+    assert rec.summary("sb-3").total == 1
+    rec.record("sb-3", "files", "dotdot", "..")  # stopped: no more records
+    assert rec.summary("sb-3").total == 1
+    rec.forget(["sb-3"])
+    assert rec.summary("sb-3").total == 0
+
+
+def test_disabled_recorder_keeps_nothing() -> None:
+    rec = AuditRecorder(AuditSettings(enabled=False))
+    rec.open("sb-a", "k1", "container")
+    rec.record("sb-a", "syscall", "ptrace")
+    rep = rec.report("sb-a")
+    assert not rep.enabled and rep.total == 0 and rep.entries == []
+
+
+def test_follow_yields_new_entries_until_the_sandbox_stops() -> None:
+    async def go() -> list[int]:
+        rec = _recorder(cap=100)
+        rec.open("sb-a", "k1", "container")
+        rec.record("sb-a", "syscall", "mount")
+        got: list[int] = []
+
+        async def reader() -> None:
+            async for e in rec.follow("sb-a", after=0):
+                got.append(e.id)
+
+        task = asyncio.create_task(reader())
+        await asyncio.sleep(0.01)
+        rec.record("sb-a", "syscall", "bpf")
+        await asyncio.sleep(0.01)
+        rec.close("sb-a")
+        await asyncio.wait_for(task, 5)
+        return got
+
+    assert asyncio.run(go()) == [1, 2]
+
+
+class _Rt:
+    """A runtime that only answers the audit's questions."""
+
+    def audit_id(self, handle: Handle) -> int | None:
+        return 1234567
+
+    def limit_counters(self, handle: Handle) -> dict[str, int]:
+        return {"oom_kill": 1, "pids_max": 0}
+
+
+def test_seccomp_records_map_to_their_sandbox_by_audit_id() -> None:
+    async def go() -> None:
+        audit = EdgeAudit(AuditSettings(enabled=True, entries_cap=8))
+        audit.sandbox_added("sb-a", "k1", "container", None, _Rt(), Handle("sb-a", {"auid": 1}))  # type: ignore[arg-type]
+        rec = parse_record(RECORD)
+        assert rec is not None
+        audit._on_seccomp([rec])
+        other = parse_record(RECORD.replace(b"auid=1234567", b"auid=7"))
+        assert other is not None
+        audit._on_seccomp([other])
+        rep = audit.recorder.report("sb-a")
+        assert rep.counts == {"syscall.ptrace": 1}
+        assert rep.entries[0].comm == "python3" and "seccomp" in rep.entries[0].detail
+        assert audit.recorder.unattributed == 1
+        audit.refusal("sb-a", "k2", PathOutsideSandbox("path '/..' contains '..'"))  # not theirs
+        audit.refusal("sb-a", "k1", PathOutsideSandbox("path '/..' contains '..'"))
+        audit.exec_result("sb-a", ExecResult(timed_out=True, stdout_truncated=True), ["sleep"])
+        summary = await audit.sandbox_stopping("sb-a", _Rt(), Handle("sb-a"))  # type: ignore[arg-type]
+        assert summary is not None
+        assert summary.counts == {
+            "files.dotdot": 1,
+            "limits.exec_timeout": 1,
+            "limits.oom_kill": 1,
+            "limits.output_cap": 1,
+            "syscall.ptrace": 1,
+        }
+
+    asyncio.run(go())
+
+
+def test_record_parsing_and_names() -> None:
+    rec = parse_record(RECORD)
+    assert rec is not None
+    assert (rec.auid, rec.pid, rec.syscall, rec.errno, rec.comm) == (
+        1234567,
+        15452,
+        101,
+        0,  # the record names the action, not the errno it returned
+        "python3",
+    )
+    assert parse_record(b"audit(1.2:3): nothing here") is None
+    assert syscall_name(0xC000003E, 101) in ("ptrace", "syscall_101")
+    assert audit_id_of("sb-x") == audit_id_of("sb-x") >= 1 << 30
+    assert audit_id_of("sb-x") != audit_id_of("sb-y")
+
+
+def test_entries_sit_between_the_calls_they_happened_between() -> None:
+    lines = [
+        json.dumps({"type": "header"}) + "\n",
+        json.dumps({"type": "entry", "seq": 1, "begun_at": 10.0, "committed_at": 11.0}) + "\n",
+        json.dumps({"type": "entry", "seq": 2, "begun_at": 20.0, "committed_at": 21.0}) + "\n",
+    ]
+    entries = [
+        AuditEntry(id=1, ts=15.0, category="syscall", kind="mount"),
+        AuditEntry(id=2, ts=25.0, category="files", kind="dotdot"),
+        AuditEntry(id=3, ts=5.0, category="limits", kind="oom_kill"),
+    ]
+    out = [json.loads(x) for x in interleave_audit(lines, entries)]
+    assert [(o["type"], o.get("seq"), o.get("id")) for o in out] == [
+        ("header", None, None),
+        ("audit", None, 3),
+        ("entry", 1, None),
+        ("audit", 1, 1),
+        ("entry", 2, None),
+        ("audit", 2, 2),
+    ]
+    fresh = [
+        AuditEntry(id=1, ts=15.0, category="files", kind="dotdot"),
+        # a kernel record stamped just before call 2 began, while call 1 had ended: call 2's
+        AuditEntry(id=2, ts=19.998, category="syscall", kind="mount"),
+        # ... and one stamped while call 1 still ran, though call 2 began within the slack
+        AuditEntry(id=3, ts=29.999, category="syscall", kind="mount"),
+    ]
+    place_entries(fresh, [(1, 10.0, 19.0), (2, 20.0, 29.9995), (3, 30.001, None)])
+    assert [e.seq for e in fresh] == [1, 2, 2]
+
+
+def test_kernel_records_are_placed_by_their_stamp_and_arrival() -> None:
+    from dsec.edge.audit import place_record
+
+    calls = [(1, 10.000, 10.006), (2, 10.009, 10.015)]
+    # stamped after call 1 ended: call 2's, whatever the arrival
+    assert place_record(10.007, 10.012, calls) == 2
+    # stamped while call 1 ran, arrived before call 2 began: call 1's
+    assert place_record(10.004, 10.0065, calls) == 1
+    # stamped just before call 1 ended (the clock lags a tick), arrived well into call 2
+    assert place_record(10.0055, 10.013, calls) == 2
+    assert place_record(9.0, 9.5, calls) is None
+    assert place_record(10.020, 10.021, [*calls, (3, 10.018, None)]) == 3
