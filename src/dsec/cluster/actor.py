@@ -43,6 +43,7 @@ __all__ = [
     "EdgeActor",
     "NodeConfig",
     "actor_name",
+    "edge_names_of",
     "ensure_edge_actor",
     "node_name_of",
 ]
@@ -72,6 +73,14 @@ class NodeConfig:
         network: give sandboxes networks (``DSEC_NETWORK`` on the node still applies).
         env: extra environment for the edge (e.g. ``DSEC_CPU_OVERCOMMIT``); the node's own
             environment (``ray start`` environment) applies first.
+        edge_factory: ``"module:function"`` building each node's ``EdgeAgent`` as
+            ``function(data dir, node name, this config)`` instead of the node's real
+            runtimes (None): e.g. ``"dsec.testing:memory_node_edge"``, in-memory sandboxes
+            for a simulated cell whose control plane alone is measured.
+        edges_per_node: edge actors per Ray node, each a dsec node of its own (named
+            ``<node>e<i>``, own data dir). 1 in production (one edge owns a host's
+            runtimes); more only with an ``edge_factory`` whose sandboxes share nothing,
+            to simulate more nodes than Ray nodes fit on one machine.
     """
 
     node_root: str = "/var/lib/dsec/nodes"
@@ -79,6 +88,8 @@ class NodeConfig:
     tiers: tuple[str, ...] | None = None
     network: bool = True
     env: dict[str, str] = field(default_factory=dict)
+    edge_factory: str | None = None
+    edges_per_node: int = 1
 
 
 def node_name_of(ray_node: dict[str, Any]) -> str:
@@ -87,6 +98,14 @@ def node_name_of(ray_node: dict[str, Any]) -> str:
     raw = str(labels.get(NODE_LABEL) or "")
     name = re.sub(r"[^a-z0-9]", "", raw.lower())[:12]
     return name or "n" + str(ray_node["NodeID"])[:11]
+
+
+def edge_names_of(ray_node: dict[str, Any], config: NodeConfig) -> list[str]:
+    """The dsec node names of the edges a Ray node runs: its :func:`node_name_of`, or with
+    ``config.edges_per_node`` k > 1 the k names ``<first 8 of it>e<i>``."""
+    base = node_name_of(ray_node)
+    k = max(1, config.edges_per_node)
+    return [base] if k == 1 else [f"{base[:8]}e{i}" for i in range(k)]
 
 
 def actor_name(node: str, ray_node_id: str, node_root: str) -> str:
@@ -149,12 +168,19 @@ class EdgeActor:
         self.home.mkdir(parents=True, exist_ok=True)
         if self.config.shared_layers and not (self.home / "layers").exists():
             (self.home / "layers").symlink_to(self.config.shared_layers, target_is_directory=True)
-        agent, _store = open_edge(
-            Paths(self.home),
-            tiers=list(self.config.tiers) if self.config.tiers else None,
-            network=self.config.network,
-            node=self.node,
-        )
+        if self.config.edge_factory:
+            import importlib
+
+            module, _, name = self.config.edge_factory.partition(":")
+            factory = getattr(importlib.import_module(module), name)
+            agent = factory(self.home, self.node, self.config)
+        else:
+            agent, _store = open_edge(
+                Paths(self.home),
+                tiers=list(self.config.tiers) if self.config.tiers else None,
+                network=self.config.network,
+                node=self.node,
+            )
         await agent.start()  # reconciles with what still runs on this node
         await self._start_port_gateway(agent)
         self._started_at = time.time()
@@ -550,13 +576,14 @@ class EdgeActor:
             self.agent = None
 
 
-def ensure_edge_actor(ray_node: dict[str, Any], config: NodeConfig) -> Any:
-    """The edge actor of ``ray_node`` (a ``ray.nodes()`` entry): the existing one with its
-    name, or a new one pinned to that node. Returns the actor handle."""
+def ensure_edge_actor(ray_node: dict[str, Any], config: NodeConfig, node: str | None = None) -> Any:
+    """The edge actor of ``ray_node`` (a ``ray.nodes()`` entry) for dsec node ``node``
+    (default: its :func:`node_name_of`): the existing one with its name, or a new one
+    pinned to that node. Returns the actor handle."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node = node_name_of(ray_node)
+    node = node or node_name_of(ray_node)
     remote_cls = ray.remote(EdgeActor)
     return remote_cls.options(
         name=actor_name(node, ray_node["NodeID"], config.node_root),

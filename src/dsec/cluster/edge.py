@@ -32,7 +32,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from dsec.builds.records import BuildList, BuildRecord, BuildRecords
-from dsec.cluster.actor import BURST_LABEL, NodeConfig, ensure_edge_actor, node_name_of
+from dsec.cluster.actor import BURST_LABEL, NodeConfig, edge_names_of, ensure_edge_actor
 from dsec.cluster.migrate import move_layers
 from dsec.cluster.relay import (
     BURSTABLE_LABEL,
@@ -196,29 +196,34 @@ class ClusterEdge:
         ray_nodes = await asyncio.to_thread(ray.nodes)
         seen: set[str] = set()
         for rn in ray_nodes:
-            name = node_name_of(rn)
-            h = self.nodes.get(name)
-            if not rn.get("Alive"):
-                if h is not None and h.ray_node_id == rn["NodeID"] and h.state == "alive":
-                    await self._mark_lost(h, "node lost (Ray reported the node dead)")
-                continue
-            seen.add(name)
-            if h is None or h.state == "lost" or h.ray_node_id != rn["NodeID"]:
-                if h is not None and h.state == "alive":
-                    await self._mark_lost(h, "node lost (replaced by a new Ray node)")
-                labels = rn.get("Labels") or {}
-                actor = await asyncio.to_thread(ensure_edge_actor, rn, self.config)
-                self.nodes[name] = NodeHandle(
-                    name=name,
-                    ray_node_id=rn["NodeID"],
-                    actor=actor,
-                    burst=str(labels.get(BURST_LABEL, "")).lower() in ("1", "true", "yes"),
-                )
+            for name in edge_names_of(rn, self.config):
+                await self._follow(rn, name, seen)
         for h in self._alive():
             if h.name not in seen:  # gone from Ray's table altogether
                 await self._mark_lost(h, "node lost (left the Ray cluster)")
         await asyncio.gather(*(self._collect(h) for h in self._alive()))
         self.placement.rebuild(self._alive())
+
+    async def _follow(self, rn: dict[str, Any], name: str, seen: set[str]) -> None:
+        """Track the edge ``name`` of Ray node ``rn``: lost with its node, started on a
+        new one."""
+        h = self.nodes.get(name)
+        if not rn.get("Alive"):
+            if h is not None and h.ray_node_id == rn["NodeID"] and h.state == "alive":
+                await self._mark_lost(h, "node lost (Ray reported the node dead)")
+            return
+        seen.add(name)
+        if h is None or h.state == "lost" or h.ray_node_id != rn["NodeID"]:
+            if h is not None and h.state == "alive":
+                await self._mark_lost(h, "node lost (replaced by a new Ray node)")
+            labels = rn.get("Labels") or {}
+            actor = await asyncio.to_thread(ensure_edge_actor, rn, self.config, name)
+            self.nodes[name] = NodeHandle(
+                name=name,
+                ray_node_id=rn["NodeID"],
+                actor=actor,
+                burst=str(labels.get(BURST_LABEL, "")).lower() in ("1", "true", "yes"),
+            )
 
     async def _collect(self, h: NodeHandle) -> None:
         try:
