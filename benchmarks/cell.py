@@ -140,7 +140,7 @@ class Accounting:
     postmaster: int = 0
     marker: str = ""  # a path in every Ray process's command line
 
-    def sample(self) -> dict[int, tuple[str, int]]:
+    def sample(self) -> dict[int, tuple[str, int, str]]:
         procs = _procs()
         children: dict[int, list[int]] = {}
         for pid, (ppid, _, _) in procs.items():
@@ -160,7 +160,7 @@ class Accounting:
         api: set[int] = set().union(*(tree(p) for p in self.replicas)) if self.replicas else set()
         cl: set[int] = set().union(*(tree(p) for p in self.clients)) if self.clients else set()
         mine = tree(self.me) - {self.me}
-        out: dict[int, tuple[str, int]] = {}
+        out: dict[int, tuple[str, int, str]] = {}
         for pid, (_, ticks, cmd) in procs.items():
             if pid in pg:
                 comp = "postgres"
@@ -174,17 +174,24 @@ class Accounting:
                 comp = "ray"
             else:
                 continue
-            out[pid] = (comp, ticks)
+            out[pid] = (comp, ticks, cmd[:60])
         return out
 
 
-def cpu_delta(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]]) -> dict:
-    """CPU seconds per component between two samples (new processes count from 0)."""
+def cpu_delta(
+    before: dict[int, tuple[str, int, str]], after: dict[int, tuple[str, int, str]]
+) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
+    """CPU seconds per component between two samples (new processes count from 0), and the
+    busiest processes (component, command line, seconds)."""
     out = dict.fromkeys((*COMPONENTS, "clients"), 0.0)
-    for pid, (comp, ticks) in after.items():
+    each: list[tuple[str, str, float]] = []
+    for pid, (comp, ticks, cmd) in after.items():
         prev = before.get(pid)
-        out[comp] += (ticks - (prev[1] if prev and prev[0] == comp else 0)) / CLK_TCK
-    return out
+        used = (ticks - (prev[1] if prev and prev[0] == comp else 0)) / CLK_TCK
+        out[comp] += used
+        each.append((comp, f"{pid} {cmd}", used))
+    each.sort(key=lambda x: -x[2])
+    return out, each[:8]
 
 
 # --- client processes ------------------------------------------------------------------------
@@ -458,7 +465,7 @@ class Meter:
 
     def __exit__(self, *exc: Any) -> None:
         self.wall = time.monotonic() - self.t0
-        self.cpu = cpu_delta(self.cpu0, self.acct.sample())
+        self.cpu, self.top = cpu_delta(self.cpu0, self.acct.sample())
         pg1 = pg_counters(self.pg)
         self.pgd = {k: pg1[k] - self.pg0[k] for k in pg1}
 
@@ -475,6 +482,7 @@ class Meter:
         out[f"{prefix}_pg_commits"] = self.pgd["commits"] / n
         out[f"{prefix}_wall_s"] = self.wall
         out[f"{prefix}_host_probe_s"] = self.probe
+        out[f"{prefix}_top_processes"] = [(c, cmd, round(t, 2)) for c, cmd, t in self.top]
         return out
 
 
@@ -577,8 +585,11 @@ def start_profile(args: argparse.Namespace, cell: Cell, name: str) -> list[Any]:
     out = Path(args.profile)
     out.mkdir(parents=True, exist_ok=True)
     procs = []
-    for i, p in enumerate(cell.replicas):
-        cmd = [args.py_spy, "record", "-p", str(p.pid), "-o", str(out / f"{name}-api{i}.txt")]
+    targets = [(f"api{i}", p.pid) for i, p in enumerate(cell.replicas)]
+    edges = sorted(pid for pid, (_, _, c) in _procs().items() if c.startswith("ray::EdgeActor"))
+    targets += [("edge0", edges[0])] if edges else []
+    for what, pid in targets:
+        cmd = [args.py_spy, "record", "-p", str(pid), "-o", str(out / f"{name}-{what}.txt")]
         cmd += ["-f", "raw", "-r", "200", "--nonblocking"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return procs

@@ -132,6 +132,10 @@ class EdgeActor:
     """The Ray actor body (decorated by :func:`ensure_edge_actor`). Its ``EdgeAgent`` is
     started on the first call (Ray actor constructors cannot await)."""
 
+    _KEEP_SNAPSHOTS = 16
+    """Generations :meth:`sandbox_changes` can answer a difference from (each replica
+    asks once a report interval; an older cursor gets the full list)."""
+
     def __init__(self, node: str, config: NodeConfig) -> None:
         self.node = node
         self.config = config
@@ -145,6 +149,11 @@ class EdgeActor:
         # the source's export description))
         self._exports: dict[str, tuple[str, Any, dict[str, int]]] = {}
         self._imports: dict[str, tuple[Path, dict[str, Any]]] = {}
+        # sandbox_changes: the live ids' states at the last few generations, and this
+        # incarnation's token (a restarted actor's cursors never match an older one's)
+        self._token = secrets.token_hex(8)
+        self._generation = 0
+        self._snapshots: list[tuple[int, dict[str, str]]] = []
         for k, v in config.env.items():
             os.environ[k] = v
         os.environ["DSEC_NODE"] = node
@@ -274,6 +283,37 @@ class EdgeActor:
             cores = max(0.0, (cpu_ns - self._cpu_sample[1]) / 1e9 / (now - self._cpu_sample[0]))
         self._cpu_sample = (now, cpu_ns)
         return cores, mem
+
+    async def sandbox_changes(self, since: tuple[str, int] | None) -> dict[str, Any]:
+        """What the registry needs to learn of this node since the answer whose
+        ``cursor`` was ``since``: ``{"cursor", "full", "changed", "gone"}``. ``changed``:
+        (owner, SandboxInfo) of sandboxes live here that are new or in another state since
+        then; ``gone``: ids live then and not now. ``full`` (first call, an unknown or too
+        old cursor, a restarted actor): ``changed`` holds every live sandbox and the
+        registry rows of this node absent from it are to be stopped. The work is that of
+        the changes, plus a scan of the live ids' states here: a report does not grow with
+        the sandboxes that did not change."""
+        agent = await self._agent()
+        now = agent.live_states()
+        last = self._snapshots[-1][1] if self._snapshots else None
+        if now != last:
+            self._generation += 1
+            self._snapshots.append((self._generation, now))
+            del self._snapshots[: -self._KEEP_SNAPSHOTS]
+        cursor = (self._token, self._generation)
+        before = None
+        if since is not None and since[0] == self._token:
+            before = next((snap for g, snap in self._snapshots if g == since[1]), None)
+        if before is None:
+            return {"cursor": cursor, "full": True, "changed": agent.owned_sandboxes(), "gone": []}
+        changed = []
+        for sid, st in now.items():
+            if before.get(sid) != st:
+                found = agent.owned_sandbox(sid)
+                if found is not None:
+                    changed.append(found)
+        gone = [sid for sid in before if sid not in now]
+        return {"cursor": cursor, "full": False, "changed": changed, "gone": gone}
 
     async def owned_sandboxes(self) -> list[tuple[str, Any]]:
         """(owner, SandboxInfo) of every live sandbox here (for the cluster registry)."""

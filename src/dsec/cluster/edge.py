@@ -130,6 +130,8 @@ class ClusterEdge:
         checked here against the registry: the nodes' edges check only their own room."""
         self._monitor: asyncio.Task[None] | None = None
         self._closing = False
+        self._pending_writes: list[tuple[str, SandboxInfo, asyncio.Future[None]]] = []
+        self._writer: asyncio.Task[None] | None = None
 
     @property
     def nodes(self) -> dict[str, NodeHandle]:
@@ -245,11 +247,18 @@ class ClusterEdge:
         h.report = report
         if self.state is not None:
             try:
-                owned = await asyncio.wait_for(
-                    _ray_await(h.actor.owned_sandboxes.remote()), self.options.probe_timeout_s
+                changes = await asyncio.wait_for(
+                    _ray_await(h.actor.sandbox_changes.remote(h.sync_cursor)),
+                    self.options.probe_timeout_s,
                 )
-                live = {info.id: (owner, info) for owner, info in owned}
-                await asyncio.to_thread(self.state.sync_node, h.name, live)
+                if changes["full"]:
+                    live = {info.id: (owner, info) for owner, info in changes["changed"]}
+                    await asyncio.to_thread(self.state.sync_node, h.name, live)
+                elif changes["changed"] or changes["gone"]:
+                    await asyncio.to_thread(
+                        self.state.apply_changes, h.name, changes["changed"], changes["gone"]
+                    )
+                h.sync_cursor = changes["cursor"]  # only once the registry has them
                 await asyncio.to_thread(
                     self.state.upsert_node,
                     h.name,
@@ -293,10 +302,19 @@ class ClusterEdge:
             n, cpu, mem = len(live), sum(i.cpu for i in live), sum(i.memory_mb for i in live)
         return KeyUsage(sandboxes=n, cpu=round(cpu, 6), memory_mb=mem)
 
+    async def _usage_for_quota(self, owner: str) -> KeyUsage:
+        """``owner``'s usage as its quota checks need it: none counted when its quota sets
+        no live limit (only its rate, or nothing), so those creations never query the
+        registry (a scan of the key's live sandboxes)."""
+        q = self.key_quotas.quota(owner)
+        if q.max_sandboxes is None and q.max_cpu is None and q.max_memory_mb is None:
+            return KeyUsage()
+        return await self.key_usage(owner)
+
     async def _key_room(self, owner: str, cpu: float, memory_mb: int, want: int) -> int:
         """How many of ``want`` creations ``owner``'s quota admits now (their rate spent);
         none: the refusal is raised."""
-        usage = await self.key_usage(owner)
+        usage = await self._usage_for_quota(owner)
         fits, refusal = self.key_quotas.room(owner, usage, cpu=cpu, memory_mb=memory_mb, want=want)
         if fits == 0 and refusal is not None:
             raise refusal
@@ -356,14 +374,14 @@ class ClusterEdge:
         preq = self.placement.request(req)
         self.placement.candidates(preq)  # TierUnavailable before anything else
         if all_or_nothing:
-            usage = await self.key_usage(owner)
+            usage = await self._usage_for_quota(owner)
             self.key_quotas.check(owner, usage, cpu=req.cpu, memory_mb=req.memory_mb, count=n)
             self.key_quotas.take(owner, n)
             allowed, refusal = n, None
         else:
             allowed, refusal = self.key_quotas.room(
                 owner,
-                await self.key_usage(owner),
+                await self._usage_for_quota(owner),
                 cpu=req.cpu,
                 memory_mb=req.memory_mb,
                 want=n,
@@ -472,11 +490,28 @@ class ClusterEdge:
         )
 
     async def _record(self, owner: str, info: SandboxInfo) -> None:
-        if self.state is not None:
+        """Write ``info`` to the registry before answering (group commit: the writes
+        queued while one is in flight go together as the next statement)."""
+        if self.state is None:
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending_writes.append((owner, info, done))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_pending(), name="dsec-registry-write")
+        await asyncio.shield(done)
+
+    async def _write_pending(self) -> None:
+        while self._pending_writes:
+            batch, self._pending_writes = self._pending_writes, []
             try:
-                await asyncio.to_thread(self.state.record_sandbox, owner, info)
-            except Exception as e:
-                log.warning("registry write of %s failed: %s", info.id, e)
+                await asyncio.to_thread(
+                    self.state.record_sandboxes, [(owner, info) for owner, info, _ in batch]
+                )
+            except Exception as e:  # the next report's sync writes them
+                log.warning("registry write of %d sandbox(es) failed: %s", len(batch), e)
+            for _, _, done in batch:
+                if not done.done():
+                    done.set_result(None)
 
     async def list_sandboxes(
         self,
@@ -602,7 +637,7 @@ class ClusterEdge:
         """Forks stay on the source's node (the snapshot layer is there)."""
         found = await asyncio.to_thread(self.state.sandbox, sandbox_id) if self.state else None
         cpu, mem = (found[1].cpu, found[1].memory_mb) if found and found[0] == owner else (0, 0)
-        usage = await self.key_usage(owner)
+        usage = await self._usage_for_quota(owner)
         self.key_quotas.check(owner, usage, cpu=cpu, memory_mb=mem, count=req.n)
         self.key_quotas.take(owner, req.n)
         res: ForkResult = await self.relay.on_sandbox(

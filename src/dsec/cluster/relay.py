@@ -143,6 +143,7 @@ class NodeHandle:
     report: dict[str, Any] | None = None
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_reason: str = ""
+    sync_cursor: Any = None  # the edge's sandbox_changes cursor the registry is synced to
 
 
 class NodeRelay:

@@ -135,6 +135,7 @@ class ClusterState:
         self.dsn = dsn
         self._connect_timeout_s = connect_timeout_s
         self._lock = threading.Lock()
+        self._jobs_seen: set[tuple[str, str]] = set()  # (owner, job) rows known to exist
         self._conn = connect_database(dsn, timeout_s=connect_timeout_s)
         with self._cursor() as cur:
             cur.execute("SELECT pg_advisory_lock(74210917)")  # replicas create the schema once
@@ -212,15 +213,20 @@ class ClusterState:
     # --- sandboxes ---------------------------------------------------------------------
     def record_sandbox(self, owner: str, info: SandboxInfo) -> None:
         """Insert or update one sandbox as an edge last described it."""
+        self.record_sandboxes([(owner, info)])
+
+    def record_sandboxes(self, items: list[tuple[str, SandboxInfo]]) -> None:
+        """Insert or update sandboxes as their edges last described them: one statement
+        for all of them (the last description of an id wins), and one more for jobs this
+        connection has not recorded yet."""
+        if not items:
+            return
         now = time.time()
-        with self._cursor() as cur:
-            cur.execute(
-                "INSERT INTO dsec_sandboxes (id, node, owner, tier, state, job, labels, info, "
-                "stopped_reason, created_at, updated_at) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, info = EXCLUDED.info, "
-                "labels = EXCLUDED.labels, stopped_reason = EXCLUDED.stopped_reason, "
-                "updated_at = EXCLUDED.updated_at",
+        rows = {info.id: (owner, info) for owner, info in items}
+        cols: list[list[Any]] = [[] for _ in range(11)]
+        for owner, info in rows.values():
+            for col, value in zip(
+                cols,
                 (
                     info.id,
                     info.node,
@@ -234,21 +240,41 @@ class ClusterState:
                     info.created_at.timestamp(),
                     now,
                 ),
+                strict=True,
+            ):
+                col.append(value)
+        jobs = {(owner, info.job) for owner, info in rows.values() if info.job}
+        with self._cursor() as cur:  # under the connection's lock: _jobs_seen too
+            cur.execute(
+                "INSERT INTO dsec_sandboxes (id, node, owner, tier, state, job, labels, info, "
+                "stopped_reason, created_at, updated_at) "
+                "SELECT i, n, o, t, s, j, l::jsonb, f::jsonb, r, c, u FROM unnest("
+                "%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
+                "%s::text[], %s::text[], %s::text[], %s::float8[], %s::float8[]) "
+                "AS x(i, n, o, t, s, j, l, f, r, c, u) "
+                "ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, info = EXCLUDED.info, "
+                "labels = EXCLUDED.labels, stopped_reason = EXCLUDED.stopped_reason, "
+                "updated_at = EXCLUDED.updated_at",
+                cols,
             )
-            if info.job:
+            jobs -= self._jobs_seen
+            if jobs:
+                owners, names = zip(*sorted(jobs), strict=True)
                 cur.execute(
-                    "INSERT INTO dsec_jobs (owner, job, created_at) VALUES (%s, %s, %s) "
+                    "INSERT INTO dsec_jobs (owner, job, created_at) "
+                    "SELECT o, j, %s FROM unnest(%s::text[], %s::text[]) AS x(o, j) "
                     "ON CONFLICT DO NOTHING",
-                    (owner, info.job, now),
+                    (now, list(owners), list(names)),
                 )
+                if len(self._jobs_seen) > 100_000:
+                    self._jobs_seen.clear()
+                self._jobs_seen |= jobs
 
     def sync_node(self, node: str, live: dict[str, tuple[str, SandboxInfo]]) -> int:
         """Reconcile the registry with a node's report: ``live`` maps sandbox id ->
         (owner, info) of what runs there now. Registry rows of that node that are live here
         but absent from the report are marked stopped. Returns rows changed."""
-        changed = 0
-        for owner, info in live.values():
-            self.record_sandbox(owner, info)
+        self.record_sandboxes(list(live.values()))
         now = time.time()
         with self._cursor() as cur:
             cur.execute(
@@ -257,8 +283,25 @@ class ClusterState:
                 "WHERE node = %s AND state = ANY(%s) AND NOT (id = ANY(%s))",
                 (now, node, list(_LIVE_STATES), list(live)),
             )
-            changed += int(cur.rowcount or 0)
-        return changed + len(live)
+            return int(cur.rowcount or 0) + len(live)
+
+    def apply_changes(
+        self, node: str, changed: list[tuple[str, SandboxInfo]], gone: list[str]
+    ) -> int:
+        """What changed on ``node`` since the last sync: ``changed`` (owner, info) of
+        sandboxes new or in another state there, ``gone`` ids no longer live there (marked
+        stopped unless already). Returns rows written."""
+        self.record_sandboxes(changed)
+        if not gone:
+            return len(changed)
+        with self._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_sandboxes SET state = 'stopped', "
+                "stopped_reason = COALESCE(stopped_reason, 'gone from its node'), updated_at = %s "
+                "WHERE node = %s AND id = ANY(%s) AND state = ANY(%s)",
+                (time.time(), node, gone, list(_LIVE_STATES)),
+            )
+            return int(cur.rowcount or 0) + len(changed)
 
     def mark_stopped(self, sandbox_id: str, reason: str) -> None:
         with self._cursor() as cur:
