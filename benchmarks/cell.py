@@ -27,6 +27,14 @@ For each N (``--nodes``) and each live count L (``--live``, grown with batch cre
 4. *exec*: one ``echo`` in each of them: p50/p99, CPU per exec;
 5. *kill*: each of them: p50/p99, CPU per kill (back to L live).
 
+Then, with ``--job K``, a training job of K sandboxes (``create_many`` batches from every
+client: time to all created, creations/s, CPU each), paused, resumed and killed as a job
+(one call each: time, failed outcomes). Last, the ``fill`` job is killed the same way.
+
+*Marginal* CPU per operation = the window's CPU minus what the idle cell spends in as
+long, per operation: what one more creation costs. Projected cores for 5,000
+creations/s = the idle cell's cores + 5,000 x marginal (single creations, and batched).
+
 CPU of a component = utime+stime of its processes (/proc/<pid>/stat) over the window:
 ``apiserver`` (the replicas), ``edges`` (the ``ray::EdgeActor`` workers), ``ray`` (raylets,
 GCS, Ray's agents and idle workers), ``postgres`` (the postmaster and its backends);
@@ -266,8 +274,9 @@ def client_main(conn: Any, url: str, api_key: str) -> None:
                             res = await AsyncSandbox.create_many(
                                 k, client=client, job=job, **SANDBOX
                             )
-                        except DsecError as e:
-                            errors[e.code] = errors.get(e.code, 0) + k
+                        except Exception as e:  # a fault run kills what answers
+                            code = e.code if isinstance(e, DsecError) else type(e).__name__
+                            errors[code] = errors.get(code, 0) + k
                             continue
                         count += len(res.sandboxes)
                         for err in res.errors:
@@ -285,6 +294,14 @@ def client_main(conn: Any, url: str, api_key: str) -> None:
                     "outcomes": len(res.outcomes),
                     "failed": bad,
                 }
+            if op == "joblist":
+                _, job = cmd
+                states: dict[str, int] = {}
+                for info in await client.jobs.list(job, include_stopped=True):
+                    lost = (info.stopped_reason or "").startswith("node lost")
+                    key = "lost" if lost else info.state
+                    states[key] = states.get(key, 0) + 1
+                return states
             raise ValueError(op)
 
     while True:
@@ -324,6 +341,23 @@ class Clients:
             out.append(value)
         return out
 
+    def send(self, idxs: list[int], cmds: list[tuple[Any, ...]]) -> None:
+        for i, cmd in zip(idxs, cmds, strict=True):
+            self.conns[i].send(cmd)
+
+    def recv(self, idxs: list[int]) -> list[Any]:
+        out = []
+        for i in idxs:
+            status, value = self.conns[i].recv()
+            if status != "ok":
+                raise RuntimeError(f"client failed: {value}")
+            out.append(value)
+        return out
+
+    def all_of(self, idxs: list[int], cmd: tuple[Any, ...]) -> list[Any]:
+        self.send(idxs, [cmd] * len(idxs))
+        return self.recv(idxs)
+
     def one(self, cmd: tuple[Any, ...]) -> Any:
         self.conns[0].send(cmd)
         status, value = self.conns[0].recv()
@@ -354,6 +388,7 @@ class Cell:
         self.per_node = max(1, edges // raylets)
         self.n_replicas = replicas
         self.cluster: Any = None
+        self.workers: dict[str, Any] = {}  # Ray worker nodes by label
         self.replicas: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
         self.api_key = ""
@@ -381,7 +416,7 @@ class Cell:
             },
         )
         for i in range(1, self.raylets):
-            self.cluster.add_node(
+            self.workers[f"r{i}"] = self.cluster.add_node(
                 num_cpus=1, labels={"dsec.io/node": f"r{i}"}, env_vars=dict(node_env)
             )
         self.cluster.wait_for_nodes()
@@ -577,6 +612,10 @@ def run_size(args: argparse.Namespace, pg: Postgres, edges: int, base: Path) -> 
             step["projected_cores_for_5000_per_s_batched"] = idle + 5 * step["fill_cpu_ms_marginal"]
             size["steps"].append(step)
             print_step(edges, step, flush=True)
+        if args.job and "stopped" not in size:
+            size["job"] = run_job(args, clients, acct, pg)
+        if args.faults and "stopped" not in size:
+            size["faults"] = run_faults(args, cell, clients, pg)
         if live:
             with Meter(acct, pg) as m:
                 out = clients.one(("job", "fill", "kill"))
@@ -588,6 +627,153 @@ def run_size(args: argparse.Namespace, pg: Postgres, edges: int, base: Path) -> 
         shutil.rmtree(base / "nodes", ignore_errors=True)
     size["wall_s"] = time.monotonic() - t_start
     return size
+
+
+def run_job(args: argparse.Namespace, clients: Clients, acct: Accounting, pg: Postgres) -> dict:
+    """A training job of ``--job`` sandboxes: created with ``create_many`` batches from
+    every client, then paused, resumed and killed as a job (one call each)."""
+    out: dict[str, Any] = {"n": args.job}
+    with Meter(acct, pg) as m:
+        res = clients.all(
+            [("fill", k, 2, args.batch, "job") for k in split(args.job, args.clients)]
+        )
+    made = sum(r["created"] for r in res)
+    out.update(created=made, create_s=m.wall, create_per_s=made / m.wall)
+    out["create_errors"] = {k: v for r in res for k, v in r["errors"].items()}
+    out.update(m.per(made, "create"))
+    for action in ("pause", "resume", "kill"):
+        with Meter(acct, pg) as m:
+            done = clients.one(("job", "job", action))
+        out[action] = {**done, **m.per(max(1, done["outcomes"]), action)}
+    print(
+        f"job of {args.job:,d}: created {made:,d} in {out['create_s']:.1f} s "
+        f"({out['create_per_s']:.0f}/s, {out['create_cpu_ms_total']:.2f} ms CPU each); "
+        + "; ".join(
+            f"{a} {out[a]['s']:.1f} s ({out[a]['failed']} failed)"
+            for a in ("pause", "resume", "kill")
+        ),
+        flush=True,
+    )
+    return out
+
+
+def _metric(url: str, prefix: str) -> float:
+    import httpx
+
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+            if line.startswith(prefix):
+                return float(line.split()[-1])
+    return float("nan")
+
+
+def _edges_live(url: str, api_key: str) -> int:
+    """Live sandboxes of the live edges, as their last reports say."""
+    import httpx
+
+    r = httpx.get(f"{url}/v1/node", headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
+    return int(r.json()["sandboxes"])
+
+
+def _registry_live(pg: Postgres) -> int:
+    with pg.connect() as c:
+        row = c.execute(
+            "SELECT count(*) FROM dsec_sandboxes WHERE state IN ('creating','running','paused')"
+        ).fetchone()
+    return int(row[0])
+
+
+def _errors(results: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in results:
+        for k, v in r["errors"].items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def run_faults(args: argparse.Namespace, cell: Cell, clients: Clients, pg: Postgres) -> dict:
+    """Faults while clients work: a Ray node (and its edges) killed during a job's
+    creation; an apiserver replica killed while the other one's clients create; PostgreSQL
+    restarted (immediate) during creations. Counts what the clients saw and what was lost
+    or duplicated."""
+    out: dict[str, Any] = {}
+    idxs = list(range(len(clients.conns)))
+    url0 = cell.urls[0]
+    # 1. a node lost during a job
+    name, victim = sorted(cell.workers.items())[-1]
+    n = args.fault_job
+    clients.send(idxs, [("fill", k, 2, 256, "faults") for k in split(n, len(idxs))])
+    time.sleep(args.fault_after_s)
+    t_kill = time.monotonic()
+    cell.cluster.remove_node(victim, allow_graceful=False)
+    del cell.workers[name]
+    res = clients.recv(idxs)
+    lost_s = float("nan")
+    while time.monotonic() - t_kill < 60:
+        if _metric(url0, 'dsec_cluster_nodes{state="lost"}') >= cell.per_node:
+            lost_s = time.monotonic() - t_kill
+            break
+        time.sleep(0.1)
+    time.sleep(args.settle_s + 2)
+    after = clients.all([("create", k, 4, "faults-after") for k in split(200, len(idxs))])
+    kills = clients.all([("kill", 4)] * len(idxs))
+    states = clients.one(("joblist", "faults"))
+    pause = clients.one(("job", "faults", "pause"))
+    out["node_loss"] = {
+        "ray_node": name,
+        "edges_on_it": cell.per_node,
+        "job_n": n,
+        "job_created": sum(r["created"] for r in res),
+        "job_errors": _errors(res),
+        "reported_lost_after_s": lost_s,
+        "job_states_after": states,
+        "job_pause_after": pause,
+        "creates_after_ok": sum(len(r["latencies_ms"]) for r in after),
+        "creates_after_errors": _errors(after),
+        "kills_after_errors": _errors(kills),
+    }
+    print(f"fault: node {name} lost: {out['node_loss']}", flush=True)
+    # 2. a replica killed: the clients of the other one see nothing
+    if len(cell.replicas) > 1:
+        mine = [i for i in idxs if i % len(cell.urls) == 0]
+        clients.send(mine, [("create", 300, 4, "faults-replica")] * len(mine))
+        time.sleep(1.0)
+        cell.replicas[1].kill()
+        res = clients.recv(mine)
+        kills = clients.all_of(mine, ("kill", 4))
+        out["replica_kill"] = {
+            "creates_ok": sum(len(r["latencies_ms"]) for r in res),
+            "create_errors_seen_by_the_other_replicas_clients": _errors(res),
+            "kill_errors": _errors(kills),
+        }
+        print(f"fault: replica killed: {out['replica_kill']}", flush=True)
+    # 3. PostgreSQL restarted during creations
+    mine = [i for i in idxs if i % len(cell.urls) == 0]
+    time.sleep(args.settle_s + 2)
+    live0, reg0 = _edges_live(url0, cell.api_key), _registry_live(pg)
+    clients.send(mine, [("create", 300, 4, "faults-pg")] * len(mine))
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    pg.pg_ctl("restart")
+    restart_s = time.monotonic() - t0
+    res = clients.recv(mine)
+    made = sum(len(r["latencies_ms"]) for r in res)
+    time.sleep(3 * 2.0 + args.settle_s)  # reports catch the registry up
+    live1, reg1 = _edges_live(url0, cell.api_key), _registry_live(pg)
+    out["postgres_restart"] = {
+        "restart_s": restart_s,
+        "creates_ok": made,
+        "create_errors": _errors(res),
+        "edges_live_before": live0,
+        "edges_live_after": live1,
+        "registry_live_before": reg0,
+        "registry_live_after": reg1,
+        "lost_or_duplicated_on_edges": live1 - live0 - made,
+        "registry_minus_edges_after": reg1 - live1,
+    }
+    print(f"fault: PostgreSQL restarted: {out['postgres_restart']}", flush=True)
+    clients.all_of(mine, ("kill", 4))
+    return out
 
 
 def start_profile(args: argparse.Namespace, cell: Cell, name: str) -> list[Any]:
@@ -643,6 +829,10 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight per client")
     ap.add_argument("--batch", type=int, default=1024, help="create_many batch while filling")
+    ap.add_argument("--job", type=int, default=0, help="a job of this many after the steps")
+    ap.add_argument("--faults", action="store_true", help="fault runs after the steps")
+    ap.add_argument("--fault-job", type=int, default=4000, help="the job a node loss hits")
+    ap.add_argument("--fault-after-s", type=float, default=1.0)
     ap.add_argument("--idle-s", type=float, default=6.0)
     ap.add_argument("--settle-s", type=float, default=3.0)
     ap.add_argument("--budget-s", type=float, default=780.0, help="wall time per size")
@@ -656,7 +846,7 @@ def main() -> None:
     if args.quick:
         args.nodes, args.live, args.window, args.raylets = "4", "200", 100, 2
         args.replicas, args.clients, args.concurrency = 1, 2, 4
-        args.idle_s, args.settle_s = 1.0, 0.5
+        args.idle_s, args.settle_s, args.job = 1.0, 0.5, 300
         if args.out == str(RESULTS / "cell.json"):
             args.out = str(RESULTS / "cell_quick.json")
     args.live = [int(x) for x in args.live.split(",")]

@@ -284,7 +284,9 @@ class EdgeActor:
         self._cpu_sample = (now, cpu_ns)
         return cores, mem
 
-    async def sandbox_changes(self, since: tuple[str, int] | None) -> dict[str, Any]:
+    async def sandbox_changes(
+        self, since: tuple[str, int] | None, live_ids: bool = False
+    ) -> dict[str, Any]:
         """What the registry needs to learn of this node since the answer whose
         ``cursor`` was ``since``: ``{"cursor", "full", "changed", "gone"}``. ``changed``:
         (owner, SandboxInfo) of sandboxes live here that are new or in another state since
@@ -292,7 +294,9 @@ class EdgeActor:
         old cursor, a restarted actor): ``changed`` holds every live sandbox and the
         registry rows of this node absent from it are to be stopped. The work is that of
         the changes, plus a scan of the live ids' states here: a report does not grow with
-        the sandboxes that did not change."""
+        the sandboxes that did not change. ``live_ids``: also ``"live"``, every live id
+        (for the registry's periodic reconcile, which catches sandboxes that started and
+        stopped between two reports)."""
         agent = await self._agent()
         now = agent.live_states()
         last = self._snapshots[-1][1] if self._snapshots else None
@@ -306,6 +310,7 @@ class EdgeActor:
             before = next((snap for g, snap in self._snapshots if g == since[1]), None)
         if before is None:
             return {"cursor": cursor, "full": True, "changed": agent.owned_sandboxes(), "gone": []}
+        extra = {"live": list(now)} if live_ids else {}
         changed = []
         for sid, st in now.items():
             if before.get(sid) != st:
@@ -313,7 +318,7 @@ class EdgeActor:
                 if found is not None:
                     changed.append(found)
         gone = [sid for sid in before if sid not in now]
-        return {"cursor": cursor, "full": False, "changed": changed, "gone": gone}
+        return {"cursor": cursor, "full": False, "changed": changed, "gone": gone, **extra}
 
     async def owned_sandboxes(self) -> list[tuple[str, Any]]:
         """(owner, SandboxInfo) of every live sandbox here (for the cluster registry)."""

@@ -247,8 +247,10 @@ class ClusterEdge:
         h.report = report
         if self.state is not None:
             try:
+                h.syncs += 1
+                reconcile = h.syncs % self.options.reconcile_every == 0
                 changes = await asyncio.wait_for(
-                    _ray_await(h.actor.sandbox_changes.remote(h.sync_cursor)),
+                    _ray_await(h.actor.sandbox_changes.remote(h.sync_cursor, reconcile)),
                     self.options.probe_timeout_s,
                 )
                 if changes["full"]:
@@ -258,6 +260,8 @@ class ClusterEdge:
                     await asyncio.to_thread(
                         self.state.apply_changes, h.name, changes["changed"], changes["gone"]
                     )
+                if "live" in changes:
+                    await asyncio.to_thread(self.state.stop_absent, h.name, changes["live"])
                 h.sync_cursor = changes["cursor"]  # only once the registry has them
                 await asyncio.to_thread(
                     self.state.upsert_node,
@@ -668,6 +672,12 @@ class ClusterEdge:
                 outcomes.update(a.outcomes)
             elif isinstance(a, InvalidRequest):
                 raise a
+        killed = [sid for sid, o in outcomes.items() if o.ok and o.state == "stopped"]
+        if self.state is not None and killed:  # the reports would learn it later
+            try:
+                await asyncio.to_thread(self.state.mark_stopped_many, killed, "killed")
+            except Exception as e:
+                log.warning("registry write of a job's %d kills failed: %s", len(killed), e)
         if self.state is not None:
             lost = [h.name for h in self.nodes.values() if h.state == "lost"]
             failed = [

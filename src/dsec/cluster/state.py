@@ -275,15 +275,7 @@ class ClusterState:
         (owner, info) of what runs there now. Registry rows of that node that are live here
         but absent from the report are marked stopped. Returns rows changed."""
         self.record_sandboxes(list(live.values()))
-        now = time.time()
-        with self._cursor() as cur:
-            cur.execute(
-                "UPDATE dsec_sandboxes SET state = 'stopped', "
-                "stopped_reason = COALESCE(stopped_reason, 'gone from its node'), updated_at = %s "
-                "WHERE node = %s AND state = ANY(%s) AND NOT (id = ANY(%s))",
-                (now, node, list(_LIVE_STATES), list(live)),
-            )
-            return int(cur.rowcount or 0) + len(live)
+        return self.stop_absent(node, list(live)) + len(live)
 
     def apply_changes(
         self, node: str, changed: list[tuple[str, SandboxInfo]], gone: list[str]
@@ -302,6 +294,33 @@ class ClusterState:
                 (time.time(), node, gone, list(_LIVE_STATES)),
             )
             return int(cur.rowcount or 0) + len(changed)
+
+    def stop_absent(self, node: str, live_ids: list[str]) -> int:
+        """Mark stopped the registry rows of ``node`` that are live here but not in
+        ``live_ids`` (what runs there now): the reconcile that catches stops no replica
+        recorded (a TTL, a stop between two reports). Returns rows changed."""
+        with self._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_sandboxes SET state = 'stopped', "
+                "stopped_reason = COALESCE(stopped_reason, 'gone from its node'), updated_at = %s "
+                "WHERE node = %s AND state = ANY(%s) "
+                "AND id NOT IN (SELECT unnest(%s::text[]))",  # a hashed anti-join
+                (time.time(), node, list(_LIVE_STATES), live_ids),
+            )
+            return int(cur.rowcount or 0)
+
+    def mark_stopped_many(self, sandbox_ids: list[str], reason: str) -> int:
+        """Mark these sandboxes stopped (one statement). Returns rows changed."""
+        if not sandbox_ids:
+            return 0
+        with self._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_sandboxes SET state = 'stopped', "
+                "stopped_reason = COALESCE(stopped_reason, %s), updated_at = %s "
+                "WHERE id = ANY(%s) AND state <> 'stopped'",
+                (reason, time.time(), sandbox_ids),
+            )
+            return int(cur.rowcount or 0)
 
     def mark_stopped(self, sandbox_id: str, reason: str) -> None:
         with self._cursor() as cur:
