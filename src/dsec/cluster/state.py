@@ -17,7 +17,10 @@ Tables (created on first connect, idempotent)::
                      started_at, finished_at, error
 
 One connection per :class:`ClusterState`, guarded by a lock (calls are short; the async
-callers run them in a thread with :func:`asyncio.to_thread`).
+callers run them in a thread with :func:`asyncio.to_thread`). Writes are batched
+(:meth:`ClusterState.record_sandboxes`: one statement for many sandboxes). A row's
+``info`` is the description of its last state change: the registry follows states
+(creations, pauses, stops), not every field of a live sandbox (docs/design/cluster.md).
 """
 
 from __future__ import annotations
@@ -218,7 +221,8 @@ class ClusterState:
     def record_sandboxes(self, items: list[tuple[str, SandboxInfo]]) -> None:
         """Insert or update sandboxes as their edges last described them: one statement
         for all of them (the last description of an id wins), and one more for jobs this
-        connection has not recorded yet."""
+        connection has not recorded yet. A row whose state, stop reason and labels are
+        already these is left as it is (the registry follows states, see the module doc)."""
         if not items:
             return
         now = time.time()
@@ -254,7 +258,12 @@ class ClusterState:
                 "AS x(i, n, o, t, s, j, l, f, r, c, u) "
                 "ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, info = EXCLUDED.info, "
                 "labels = EXCLUDED.labels, stopped_reason = EXCLUDED.stopped_reason, "
-                "updated_at = EXCLUDED.updated_at",
+                "updated_at = EXCLUDED.updated_at "
+                # a description the registry already has (the report of a creation this or
+                # another replica recorded) writes no row version
+                "WHERE (dsec_sandboxes.state, dsec_sandboxes.stopped_reason, "
+                "dsec_sandboxes.labels) IS DISTINCT FROM "
+                "(EXCLUDED.state, EXCLUDED.stopped_reason, EXCLUDED.labels)",
                 cols,
             )
             jobs -= self._jobs_seen
