@@ -819,6 +819,20 @@ def print_step(edges: int, s: dict[str, Any], flush: bool = False) -> None:
     )
 
 
+def write_result(args: argparse.Namespace, sizes: list[dict[str, Any]]) -> None:
+    result = {
+        "label": args.label,
+        "args": {k: v for k, v in vars(args).items() if k not in ("py_spy",)},
+        "sizes": sizes,
+        "target_cpu_ms_per_creation": 1.6,
+        "median_create_cpu_ms_total": statistics.median(
+            [s["create_cpu_ms_total"] for z in sizes for s in z["steps"]] or [float("nan")]
+        ),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default="16,32,64", help="edge counts, comma-separated")
@@ -861,23 +875,15 @@ def main() -> None:
             with pg.connect() as c:  # each size starts from an empty registry
                 c.execute(
                     "DO $$ BEGIN IF to_regclass('dsec_sandboxes') IS NOT NULL THEN "
-                    "TRUNCATE dsec_sandboxes, dsec_nodes, dsec_jobs; END IF; END $$"
+                    "TRUNCATE dsec_sandboxes, dsec_nodes, dsec_jobs, dsec_api_keys; "
+                    "END IF; END $$"
                 )
             sizes.append(run_size(args, pg, n, base / f"n{n}"))
+            write_result(args, sizes)  # what is measured is kept if a later size fails
     finally:
         pg.stop()
         shutil.rmtree(base, ignore_errors=True)
-    result = {
-        "label": args.label,
-        "args": {k: v for k, v in vars(args).items() if k not in ("py_spy",)},
-        "sizes": sizes,
-        "target_cpu_ms_per_creation": 1.6,
-        "median_create_cpu_ms_total": statistics.median(
-            [s["create_cpu_ms_total"] for z in sizes for s in z["steps"]] or [float("nan")]
-        ),
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_result(args, sizes)
     print(f"wrote {args.out}")
 
 
