@@ -249,19 +249,22 @@ class ClusterEdge:
             try:
                 h.syncs += 1
                 reconcile = h.syncs % self.options.reconcile_every == 0
+                asked_at = time.time()
                 changes = await asyncio.wait_for(
                     _ray_await(h.actor.sandbox_changes.remote(h.sync_cursor, reconcile)),
                     self.options.probe_timeout_s,
                 )
                 if changes["full"]:
                     live = {info.id: (owner, info) for owner, info in changes["changed"]}
-                    await asyncio.to_thread(self.state.sync_node, h.name, live)
+                    await asyncio.to_thread(self.state.sync_node, h.name, live, asked_at)
                 elif changes["changed"] or changes["gone"]:
                     await asyncio.to_thread(
                         self.state.apply_changes, h.name, changes["changed"], changes["gone"]
                     )
                 if "live" in changes:
-                    await asyncio.to_thread(self.state.stop_absent, h.name, changes["live"])
+                    await asyncio.to_thread(
+                        self.state.stop_absent, h.name, changes["live"], asked_at
+                    )
                 h.sync_cursor = changes["cursor"]  # only once the registry has them
                 await asyncio.to_thread(
                     self.state.upsert_node,

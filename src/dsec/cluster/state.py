@@ -279,12 +279,18 @@ class ClusterState:
                     self._jobs_seen.clear()
                 self._jobs_seen |= jobs
 
-    def sync_node(self, node: str, live: dict[str, tuple[str, SandboxInfo]]) -> int:
+    def sync_node(
+        self,
+        node: str,
+        live: dict[str, tuple[str, SandboxInfo]],
+        asked_at: float | None = None,
+    ) -> int:
         """Reconcile the registry with a node's report: ``live`` maps sandbox id ->
         (owner, info) of what runs there now. Registry rows of that node that are live here
-        but absent from the report are marked stopped. Returns rows changed."""
+        but absent from the report (and not written since ``asked_at``, see
+        :meth:`stop_absent`) are marked stopped. Returns rows changed."""
         self.record_sandboxes(list(live.values()))
-        return self.stop_absent(node, list(live)) + len(live)
+        return self.stop_absent(node, list(live), asked_at) + len(live)
 
     def apply_changes(
         self, node: str, changed: list[tuple[str, SandboxInfo]], gone: list[str]
@@ -304,17 +310,19 @@ class ClusterState:
             )
             return int(cur.rowcount or 0) + len(changed)
 
-    def stop_absent(self, node: str, live_ids: list[str]) -> int:
+    def stop_absent(self, node: str, live_ids: list[str], asked_at: float | None = None) -> int:
         """Mark stopped the registry rows of ``node`` that are live here but not in
         ``live_ids`` (what runs there now): the reconcile that catches stops no replica
-        recorded (a TTL, a stop between two reports). Returns rows changed."""
+        recorded (a TTL, a stop between two reports). ``asked_at`` (unix s): when the
+        node was asked; rows written since (a creation that answered meanwhile) are left
+        alone. Returns rows changed."""
         with self._cursor() as cur:
             cur.execute(
                 "UPDATE dsec_sandboxes SET state = 'stopped', "
                 "stopped_reason = COALESCE(stopped_reason, 'gone from its node'), updated_at = %s "
-                "WHERE node = %s AND state = ANY(%s) "
+                "WHERE node = %s AND state = ANY(%s) AND updated_at < %s "
                 "AND id NOT IN (SELECT unnest(%s::text[]))",  # a hashed anti-join
-                (time.time(), node, list(_LIVE_STATES), live_ids),
+                (time.time(), node, list(_LIVE_STATES), asked_at or time.time(), live_ids),
             )
             return int(cur.rowcount or 0)
 
