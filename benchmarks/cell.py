@@ -288,11 +288,16 @@ def client_main(conn: Any, url: str, api_key: str) -> None:
                 _, job, action = cmd
                 t0 = time.perf_counter()
                 res = await getattr(client.jobs, action)(job, timeout=600)
-                bad = sum(1 for o in res.outcomes.values() if not o.ok)
+                codes: dict[str, int] = {}
+                for o in res.outcomes.values():
+                    if not o.ok:
+                        code = str((o.error or {}).get("code", "?"))
+                        codes[code] = codes.get(code, 0) + 1
                 return {
                     "s": time.perf_counter() - t0,
                     "outcomes": len(res.outcomes),
-                    "failed": bad,
+                    "failed": sum(codes.values()),
+                    "failed_by_code": codes,
                 }
             if op == "joblist":
                 _, job = cmd
