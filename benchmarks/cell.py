@@ -82,6 +82,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 COMPONENTS = ("apiserver", "edges", "ray", "postgres")
 SANDBOX = {"cpu": 0.01, "memory_mb": 16, "disk_mb": 1, "ttl_s": None}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+RUN_START = time.monotonic()
 
 
 def free_port() -> int:
@@ -567,6 +568,9 @@ def run_size(args: argparse.Namespace, pg: Postgres, edges: int, base: Path) -> 
             if time.monotonic() - t_start > args.budget_s:
                 size["stopped"] = f"time budget of {args.budget_s:.0f} s spent"
                 break
+            if time.monotonic() - RUN_START > args.total_budget_s:
+                size["stopped"] = f"the run's time budget of {args.total_budget_s:.0f} s spent"
+                break
             if mem_available_kib() < args.min_free_mib * 1024:
                 size["stopped"] = f"less than {args.min_free_mib} MiB of memory available"
                 break
@@ -855,6 +859,12 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=6.0)
     ap.add_argument("--settle-s", type=float, default=3.0)
     ap.add_argument("--budget-s", type=float, default=780.0, help="wall time per size")
+    ap.add_argument(
+        "--total-budget-s",
+        type=float,
+        default=720.0,
+        help="no new step after this long (the run then tears down and writes its results)",
+    )
     ap.add_argument("--min-free-mib", type=int, default=4096)
     ap.add_argument("--profile", help="py-spy raw profiles of the replicas per create window")
     ap.add_argument("--py-spy", default=shutil.which("py-spy") or "/tmp/spy/bin/py-spy")
@@ -877,6 +887,9 @@ def main() -> None:
     sizes = []
     try:
         for n in (int(x) for x in args.nodes.split(",")):
+            if time.monotonic() - RUN_START > args.total_budget_s:
+                print(f"N={n} not run: the run's time budget is spent", flush=True)
+                break
             with pg.connect() as c:  # each size starts from an empty registry
                 c.execute(
                     "DO $$ BEGIN IF to_regclass('dsec_sandboxes') IS NOT NULL THEN "
