@@ -528,7 +528,9 @@ def serve_cluster(
 
     Settings from the environment: ``DSEC_CLUSTER_NODE_ROOT`` (each node's data dir is
     ``<root>/<node>``; default ``/var/lib/dsec/nodes``), ``DSEC_CLUSTER_SHARED_LAYERS`` (a
-    layer directory every node sees), ``DSEC_TIERS``, ``DSEC_NETWORK=off``, and the
+    layer directory every node sees), ``DSEC_TIERS``, ``DSEC_NETWORK=off``,
+    ``DSEC_CLUSTER_EDGE_FACTORY`` / ``DSEC_CLUSTER_EDGES_PER_NODE`` (simulated nodes, see
+    :class:`~dsec.cluster.actor.NodeConfig`), and the
     timings of :meth:`ClusterOptions.from_env <dsec.cluster.edge.ClusterOptions.from_env>`.
     """
 
@@ -555,6 +557,8 @@ def serve_cluster(
         shared_layers=os.environ.get("DSEC_CLUSTER_SHARED_LAYERS") or None,
         tiers=tuple(tiers) or None,
         network=os.environ.get("DSEC_NETWORK", "on") != "off",
+        edge_factory=os.environ.get("DSEC_CLUSTER_EDGE_FACTORY") or None,
+        edges_per_node=int(os.environ.get("DSEC_CLUSTER_EDGES_PER_NODE", "1") or 1),
     )
     hide_server_path(config.node_root, "$DSEC_NODE_ROOT")
     if config.shared_layers:

@@ -118,6 +118,7 @@ __all__ = [
     "MemoryPortRuntime",
     "MemoryRuntime",
     "app_transport",
+    "memory_node_edge",
 ]
 
 ExecHandler = Callable[[SandboxInfo, ExecRequest], "ExecResult | Awaitable[ExecResult]"]
@@ -821,6 +822,42 @@ class MemoryPortRuntime(MemoryRuntime):
             )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         return await connect_socket(sock, real, host=host)
+
+
+def memory_node_edge(home: Path, node: str, config: Any) -> EdgeAgent:
+    """A real :class:`~dsec.edge.agent.EdgeAgent` whose tiers are :class:`MemoryRuntime`
+    and whose layer store is a :class:`MemoryLayers`: a simulated node for cluster
+    benchmarks, where sandboxes cost nothing and the control plane is all that is measured.
+    The cluster's edge actor builds it when its ``NodeConfig.edge_factory`` is
+    ``"dsec.testing:memory_node_edge"`` (``DSEC_CLUSTER_EDGE_FACTORY`` of ``dsec serve
+    --cluster``).
+
+    The edge's registry and trajectory log are real (SQLite under ``home``); commands are
+    answered by the built-in interpreter (``echo``, ``true``, ...). Its size for admission:
+    ``DSEC_MEMORY_NODE_CPUS`` cores (default 256) and ``DSEC_MEMORY_NODE_MEMORY_MB`` MiB
+    (default 4 TiB); other limits from the node's environment (``DSEC_MAX_SANDBOXES``...).
+
+    Args:
+        home: the node's data dir.
+        node: the node name (sandbox ids ``sb-<node>-<random>``).
+        config: the cluster's ``NodeConfig`` (its ``tiers``; default ``container``).
+    """
+    layers = MemoryLayers()
+
+    async def answer(sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return _interpret(req)
+
+    tiers = tuple(getattr(config, "tiers", None) or ("container",))
+    runtimes: dict[str, Runtime] = {t: MemoryRuntime(t, layers, answer) for t in tiers}
+    return EdgeAgent(
+        Paths(home),
+        runtimes,
+        layers,
+        limits=EdgeLimits.from_env(),
+        node=node,
+        cpus=int(os.environ.get("DSEC_MEMORY_NODE_CPUS", "256")),
+        memory_mb=int(os.environ.get("DSEC_MEMORY_NODE_MEMORY_MB", str(1 << 22))),
+    )
 
 
 # --- the edge --------------------------------------------------------------------------------

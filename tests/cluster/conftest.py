@@ -2,8 +2,9 @@
 --cluster`` in front of them.
 
 * PostgreSQL 15 (Debian's ``postgresql`` package): ``initdb`` + ``pg_ctl`` as the
-  ``postgres`` user in a temp dir, a free port on 127.0.0.1, its socket in the temp dir.
-  The system cluster is never touched.
+  ``postgres`` user in a temp dir, a free port on 127.0.0.1, its socket in the temp dir
+  (``benchmarks/cluster_parts.py``, shared with ``benchmarks/cell.py``). The system cluster
+  is never touched.
 * Ray: ``ray.cluster_utils.Cluster``: a head and two worker nodes (separate raylets, each
   labelled ``dsec.io/node`` = ``head`` / ``w1`` / ``w2``) on this host (Ray binds the
   host's own address; nothing leaves the machine), with fast node
@@ -25,7 +26,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,19 +35,8 @@ from typing import Any
 
 import httpx
 import pytest
+from benchmarks.cluster_parts import PG_BIN, Postgres, serve_replica
 from tests.conftest import free_port
-
-PG_BIN = next(iter(sorted(Path("/usr/lib/postgresql").glob("*/bin"))), Path("/usr/bin"))
-
-
-def _as_postgres(*cmd: str) -> None:
-    subprocess.run(["runuser", "-u", "postgres", "--", *cmd], check=True, capture_output=True)
-
-
-@dataclass
-class Postgres:
-    dsn: str
-    base: Path
 
 
 @pytest.fixture(scope="session")
@@ -57,27 +46,11 @@ def postgres() -> Iterator[Postgres]:
     if not (PG_BIN / "initdb").exists():
         pytest.skip("PostgreSQL is not installed (apt install postgresql)")
     base = Path(tempfile.mkdtemp(prefix="dsec-cl-pg-"))
-    shutil.chown(base, "postgres", "postgres")
-    data = base / "data"
-    port = free_port()
-    _as_postgres(str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres")
-    opts = f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off"
-    _as_postgres(
-        str(PG_BIN / "pg_ctl"),
-        "-D",
-        str(data),
-        "-o",
-        opts,
-        "-l",
-        str(base / "pg.log"),
-        "-w",
-        "start",
-    )
+    pg = Postgres.start(base, port=free_port())
     try:
-        yield Postgres(dsn=f"postgresql://postgres@127.0.0.1:{port}/postgres", base=base)
+        yield pg
     finally:
-        with contextlib.suppress(Exception):
-            _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop")
+        pg.stop()
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -157,53 +130,22 @@ def start_cluster_server(
     home: Path, node_root: Path, address: str, dsn: str, layers: Path, **env: str
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``dsec serve --cluster`` as a child process; returns (process, url) once healthy."""
-    home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    full_env = {
-        **os.environ,
-        "DSEC_HOME": str(home),
-        "DSEC_TIERS": "container",
-        "DSEC_NETWORK": "off",
-        "DSEC_CLUSTER_SHARED_LAYERS": str(layers),
-        "DSEC_CLUSTER_REPORT_INTERVAL_S": "0.5",
-        "DSEC_CLUSTER_PROBE_TIMEOUT_S": "3",
-        "DSEC_CLUSTER_LOST_AFTER_S": "6",
-        **env,
-    }
-    log_file = open(home / "serve.log", "ab")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dsec.cli.main",
-            "serve",
-            "--port",
-            str(port),
-            "--home",
-            str(home),
-            "--cluster",
-            address,
-            "--database",
-            dsn,
-            "--node-root",
-            str(node_root),
-        ],
-        env=full_env,
-        stdout=log_file,
-        stderr=log_file,
+    return serve_replica(
+        home,
+        node_root,
+        address,
+        dsn,
+        free_port(),
+        {
+            "DSEC_TIERS": "container",
+            "DSEC_NETWORK": "off",
+            "DSEC_CLUSTER_SHARED_LAYERS": str(layers),
+            "DSEC_CLUSTER_REPORT_INTERVAL_S": "0.5",
+            "DSEC_CLUSTER_PROBE_TIMEOUT_S": "3",
+            "DSEC_CLUSTER_LOST_AFTER_S": "6",
+            **env,
+        },
     )
-    log_file.close()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc, url
-        if proc.poll() is not None:
-            raise RuntimeError(f"dsec serve --cluster exited: {(home / 'serve.log').read_text()}")
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"dsec serve --cluster not healthy: {(home / 'serve.log').read_text()}")
 
 
 def _shutdown_edges(address: str) -> None:

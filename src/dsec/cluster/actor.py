@@ -43,6 +43,7 @@ __all__ = [
     "EdgeActor",
     "NodeConfig",
     "actor_name",
+    "edge_names_of",
     "ensure_edge_actor",
     "node_name_of",
 ]
@@ -72,6 +73,14 @@ class NodeConfig:
         network: give sandboxes networks (``DSEC_NETWORK`` on the node still applies).
         env: extra environment for the edge (e.g. ``DSEC_CPU_OVERCOMMIT``); the node's own
             environment (``ray start`` environment) applies first.
+        edge_factory: ``"module:function"`` building each node's ``EdgeAgent`` as
+            ``function(data dir, node name, this config)`` instead of the node's real
+            runtimes (None): e.g. ``"dsec.testing:memory_node_edge"``, in-memory sandboxes
+            for a simulated cell whose control plane alone is measured.
+        edges_per_node: edge actors per Ray node, each a dsec node of its own (named
+            ``<node>e<i>``, own data dir). 1 in production (one edge owns a host's
+            runtimes); more only with an ``edge_factory`` whose sandboxes share nothing,
+            to simulate more nodes than Ray nodes fit on one machine.
     """
 
     node_root: str = "/var/lib/dsec/nodes"
@@ -79,6 +88,8 @@ class NodeConfig:
     tiers: tuple[str, ...] | None = None
     network: bool = True
     env: dict[str, str] = field(default_factory=dict)
+    edge_factory: str | None = None
+    edges_per_node: int = 1
 
 
 def node_name_of(ray_node: dict[str, Any]) -> str:
@@ -87,6 +98,14 @@ def node_name_of(ray_node: dict[str, Any]) -> str:
     raw = str(labels.get(NODE_LABEL) or "")
     name = re.sub(r"[^a-z0-9]", "", raw.lower())[:12]
     return name or "n" + str(ray_node["NodeID"])[:11]
+
+
+def edge_names_of(ray_node: dict[str, Any], config: NodeConfig) -> list[str]:
+    """The dsec node names of the edges a Ray node runs: its :func:`node_name_of`, or with
+    ``config.edges_per_node`` k > 1 the k names ``<first 8 of it>e<i>``."""
+    base = node_name_of(ray_node)
+    k = max(1, config.edges_per_node)
+    return [base] if k == 1 else [f"{base[:8]}e{i}" for i in range(k)]
 
 
 def actor_name(node: str, ray_node_id: str, node_root: str) -> str:
@@ -113,6 +132,10 @@ class EdgeActor:
     """The Ray actor body (decorated by :func:`ensure_edge_actor`). Its ``EdgeAgent`` is
     started on the first call (Ray actor constructors cannot await)."""
 
+    _KEEP_SNAPSHOTS = 16
+    """Generations :meth:`sandbox_changes` can answer a difference from (each replica
+    asks once a report interval; an older cursor gets the full list)."""
+
     def __init__(self, node: str, config: NodeConfig) -> None:
         self.node = node
         self.config = config
@@ -126,6 +149,11 @@ class EdgeActor:
         # the source's export description))
         self._exports: dict[str, tuple[str, Any, dict[str, int]]] = {}
         self._imports: dict[str, tuple[Path, dict[str, Any]]] = {}
+        # sandbox_changes: the live ids' states at the last few generations, and this
+        # incarnation's token (a restarted actor's cursors never match an older one's)
+        self._token = secrets.token_hex(8)
+        self._generation = 0
+        self._snapshots: list[tuple[int, dict[str, str]]] = []
         for k, v in config.env.items():
             os.environ[k] = v
         os.environ["DSEC_NODE"] = node
@@ -149,12 +177,19 @@ class EdgeActor:
         self.home.mkdir(parents=True, exist_ok=True)
         if self.config.shared_layers and not (self.home / "layers").exists():
             (self.home / "layers").symlink_to(self.config.shared_layers, target_is_directory=True)
-        agent, _store = open_edge(
-            Paths(self.home),
-            tiers=list(self.config.tiers) if self.config.tiers else None,
-            network=self.config.network,
-            node=self.node,
-        )
+        if self.config.edge_factory:
+            import importlib
+
+            module, _, name = self.config.edge_factory.partition(":")
+            factory = getattr(importlib.import_module(module), name)
+            agent = factory(self.home, self.node, self.config)
+        else:
+            agent, _store = open_edge(
+                Paths(self.home),
+                tiers=list(self.config.tiers) if self.config.tiers else None,
+                network=self.config.network,
+                node=self.node,
+            )
         await agent.start()  # reconciles with what still runs on this node
         await self._start_port_gateway(agent)
         self._started_at = time.time()
@@ -248,6 +283,42 @@ class EdgeActor:
             cores = max(0.0, (cpu_ns - self._cpu_sample[1]) / 1e9 / (now - self._cpu_sample[0]))
         self._cpu_sample = (now, cpu_ns)
         return cores, mem
+
+    async def sandbox_changes(
+        self, since: tuple[str, int] | None, live_ids: bool = False
+    ) -> dict[str, Any]:
+        """What the registry needs to learn of this node since the answer whose
+        ``cursor`` was ``since``: ``{"cursor", "full", "changed", "gone"}``. ``changed``:
+        (owner, SandboxInfo) of sandboxes live here that are new or in another state since
+        then; ``gone``: ids live then and not now. ``full`` (first call, an unknown or too
+        old cursor, a restarted actor): ``changed`` holds every live sandbox and the
+        registry rows of this node absent from it are to be stopped. The work is that of
+        the changes, plus a scan of the live ids' states here: a report does not grow with
+        the sandboxes that did not change. ``live_ids``: also ``"live"``, every live id
+        (for the registry's periodic reconcile, which catches sandboxes that started and
+        stopped between two reports)."""
+        agent = await self._agent()
+        now = agent.live_states()
+        last = self._snapshots[-1][1] if self._snapshots else None
+        if now != last:
+            self._generation += 1
+            self._snapshots.append((self._generation, now))
+            del self._snapshots[: -self._KEEP_SNAPSHOTS]
+        cursor = (self._token, self._generation)
+        before = None
+        if since is not None and since[0] == self._token:
+            before = next((snap for g, snap in self._snapshots if g == since[1]), None)
+        if before is None:
+            return {"cursor": cursor, "full": True, "changed": agent.owned_sandboxes(), "gone": []}
+        extra = {"live": list(now)} if live_ids else {}
+        changed = []
+        for sid, st in now.items():
+            if before.get(sid) != st:
+                found = agent.owned_sandbox(sid)
+                if found is not None:
+                    changed.append(found)
+        gone = [sid for sid in before if sid not in now]
+        return {"cursor": cursor, "full": False, "changed": changed, "gone": gone, **extra}
 
     async def owned_sandboxes(self) -> list[tuple[str, Any]]:
         """(owner, SandboxInfo) of every live sandbox here (for the cluster registry)."""
@@ -550,13 +621,14 @@ class EdgeActor:
             self.agent = None
 
 
-def ensure_edge_actor(ray_node: dict[str, Any], config: NodeConfig) -> Any:
-    """The edge actor of ``ray_node`` (a ``ray.nodes()`` entry): the existing one with its
-    name, or a new one pinned to that node. Returns the actor handle."""
+def ensure_edge_actor(ray_node: dict[str, Any], config: NodeConfig, node: str | None = None) -> Any:
+    """The edge actor of ``ray_node`` (a ``ray.nodes()`` entry) for dsec node ``node``
+    (default: its :func:`node_name_of`): the existing one with its name, or a new one
+    pinned to that node. Returns the actor handle."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node = node_name_of(ray_node)
+    node = node or node_name_of(ray_node)
     remote_cls = ray.remote(EdgeActor)
     return remote_cls.options(
         name=actor_name(node, ray_node["NodeID"], config.node_root),

@@ -32,7 +32,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from dsec.builds.records import BuildList, BuildRecord, BuildRecords
-from dsec.cluster.actor import BURST_LABEL, NodeConfig, ensure_edge_actor, node_name_of
+from dsec.cluster.actor import BURST_LABEL, NodeConfig, edge_names_of, ensure_edge_actor
 from dsec.cluster.migrate import move_layers
 from dsec.cluster.relay import (
     BURSTABLE_LABEL,
@@ -131,6 +131,8 @@ class ClusterEdge:
         checked here against the registry: the nodes' edges check only their own room."""
         self._monitor: asyncio.Task[None] | None = None
         self._closing = False
+        self._pending_writes: list[tuple[str, SandboxInfo, asyncio.Future[None]]] = []
+        self._writer: asyncio.Task[None] | None = None
 
     @property
     def nodes(self) -> dict[str, NodeHandle]:
@@ -197,29 +199,34 @@ class ClusterEdge:
         ray_nodes = await asyncio.to_thread(ray.nodes)
         seen: set[str] = set()
         for rn in ray_nodes:
-            name = node_name_of(rn)
-            h = self.nodes.get(name)
-            if not rn.get("Alive"):
-                if h is not None and h.ray_node_id == rn["NodeID"] and h.state == "alive":
-                    await self._mark_lost(h, "node lost (Ray reported the node dead)")
-                continue
-            seen.add(name)
-            if h is None or h.state == "lost" or h.ray_node_id != rn["NodeID"]:
-                if h is not None and h.state == "alive":
-                    await self._mark_lost(h, "node lost (replaced by a new Ray node)")
-                labels = rn.get("Labels") or {}
-                actor = await asyncio.to_thread(ensure_edge_actor, rn, self.config)
-                self.nodes[name] = NodeHandle(
-                    name=name,
-                    ray_node_id=rn["NodeID"],
-                    actor=actor,
-                    burst=str(labels.get(BURST_LABEL, "")).lower() in ("1", "true", "yes"),
-                )
+            for name in edge_names_of(rn, self.config):
+                await self._follow(rn, name, seen)
         for h in self._alive():
             if h.name not in seen:  # gone from Ray's table altogether
                 await self._mark_lost(h, "node lost (left the Ray cluster)")
         await asyncio.gather(*(self._collect(h) for h in self._alive()))
         self.placement.rebuild(self._alive())
+
+    async def _follow(self, rn: dict[str, Any], name: str, seen: set[str]) -> None:
+        """Track the edge ``name`` of Ray node ``rn``: lost with its node, started on a
+        new one."""
+        h = self.nodes.get(name)
+        if not rn.get("Alive"):
+            if h is not None and h.ray_node_id == rn["NodeID"] and h.state == "alive":
+                await self._mark_lost(h, "node lost (Ray reported the node dead)")
+            return
+        seen.add(name)
+        if h is None or h.state == "lost" or h.ray_node_id != rn["NodeID"]:
+            if h is not None and h.state == "alive":
+                await self._mark_lost(h, "node lost (replaced by a new Ray node)")
+            labels = rn.get("Labels") or {}
+            actor = await asyncio.to_thread(ensure_edge_actor, rn, self.config, name)
+            self.nodes[name] = NodeHandle(
+                name=name,
+                ray_node_id=rn["NodeID"],
+                actor=actor,
+                burst=str(labels.get(BURST_LABEL, "")).lower() in ("1", "true", "yes"),
+            )
 
     async def _collect(self, h: NodeHandle) -> None:
         try:
@@ -241,11 +248,25 @@ class ClusterEdge:
         h.report = report
         if self.state is not None:
             try:
-                owned = await asyncio.wait_for(
-                    _ray_await(h.actor.owned_sandboxes.remote()), self.options.probe_timeout_s
+                h.syncs += 1
+                reconcile = h.syncs % self.options.reconcile_every == 0
+                asked_at = time.time()
+                changes = await asyncio.wait_for(
+                    _ray_await(h.actor.sandbox_changes.remote(h.sync_cursor, reconcile)),
+                    self.options.probe_timeout_s,
                 )
-                live = {info.id: (owner, info) for owner, info in owned}
-                await asyncio.to_thread(self.state.sync_node, h.name, live)
+                if changes["full"]:
+                    live = {info.id: (owner, info) for owner, info in changes["changed"]}
+                    await asyncio.to_thread(self.state.sync_node, h.name, live, asked_at)
+                elif changes["changed"] or changes["gone"]:
+                    await asyncio.to_thread(
+                        self.state.apply_changes, h.name, changes["changed"], changes["gone"]
+                    )
+                if "live" in changes:
+                    await asyncio.to_thread(
+                        self.state.stop_absent, h.name, changes["live"], asked_at
+                    )
+                h.sync_cursor = changes["cursor"]  # only once the registry has them
                 await asyncio.to_thread(
                     self.state.upsert_node,
                     h.name,
@@ -289,10 +310,19 @@ class ClusterEdge:
             n, cpu, mem = len(live), sum(i.cpu for i in live), sum(i.memory_mb for i in live)
         return KeyUsage(sandboxes=n, cpu=round(cpu, 6), memory_mb=mem)
 
+    async def _usage_for_quota(self, owner: str) -> KeyUsage:
+        """``owner``'s usage as its quota checks need it: none counted when its quota sets
+        no live limit (only its rate, or nothing), so those creations never query the
+        registry (a scan of the key's live sandboxes)."""
+        q = self.key_quotas.quota(owner)
+        if q.max_sandboxes is None and q.max_cpu is None and q.max_memory_mb is None:
+            return KeyUsage()
+        return await self.key_usage(owner)
+
     async def _key_room(self, owner: str, cpu: float, memory_mb: int, want: int) -> int:
         """How many of ``want`` creations ``owner``'s quota admits now (their rate spent);
         none: the refusal is raised."""
-        usage = await self.key_usage(owner)
+        usage = await self._usage_for_quota(owner)
         fits, refusal = self.key_quotas.room(owner, usage, cpu=cpu, memory_mb=memory_mb, want=want)
         if fits == 0 and refusal is not None:
             raise refusal
@@ -352,14 +382,14 @@ class ClusterEdge:
         preq = self.placement.request(req)
         self.placement.candidates(preq)  # TierUnavailable before anything else
         if all_or_nothing:
-            usage = await self.key_usage(owner)
+            usage = await self._usage_for_quota(owner)
             self.key_quotas.check(owner, usage, cpu=req.cpu, memory_mb=req.memory_mb, count=n)
             self.key_quotas.take(owner, n)
             allowed, refusal = n, None
         else:
             allowed, refusal = self.key_quotas.room(
                 owner,
-                await self.key_usage(owner),
+                await self._usage_for_quota(owner),
                 cpu=req.cpu,
                 memory_mb=req.memory_mb,
                 want=n,
@@ -468,11 +498,28 @@ class ClusterEdge:
         )
 
     async def _record(self, owner: str, info: SandboxInfo) -> None:
-        if self.state is not None:
+        """Write ``info`` to the registry before answering (group commit: the writes
+        queued while one is in flight go together as the next statement)."""
+        if self.state is None:
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending_writes.append((owner, info, done))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_pending(), name="dsec-registry-write")
+        await asyncio.shield(done)
+
+    async def _write_pending(self) -> None:
+        while self._pending_writes:
+            batch, self._pending_writes = self._pending_writes, []
             try:
-                await asyncio.to_thread(self.state.record_sandbox, owner, info)
-            except Exception as e:
-                log.warning("registry write of %s failed: %s", info.id, e)
+                await asyncio.to_thread(
+                    self.state.record_sandboxes, [(owner, info) for owner, info, _ in batch]
+                )
+            except Exception as e:  # the next report's sync writes them
+                log.warning("registry write of %d sandbox(es) failed: %s", len(batch), e)
+            for _, _, done in batch:
+                if not done.done():
+                    done.set_result(None)
 
     async def list_sandboxes(
         self,
@@ -598,7 +645,7 @@ class ClusterEdge:
         """Forks stay on the source's node (the snapshot layer is there)."""
         found = await asyncio.to_thread(self.state.sandbox, sandbox_id) if self.state else None
         cpu, mem = (found[1].cpu, found[1].memory_mb) if found and found[0] == owner else (0, 0)
-        usage = await self.key_usage(owner)
+        usage = await self._usage_for_quota(owner)
         self.key_quotas.check(owner, usage, cpu=cpu, memory_mb=mem, count=req.n)
         self.key_quotas.take(owner, req.n)
         res: ForkResult = await self.relay.on_sandbox(
@@ -629,6 +676,12 @@ class ClusterEdge:
                 outcomes.update(a.outcomes)
             elif isinstance(a, InvalidRequest):
                 raise a
+        killed = [sid for sid, o in outcomes.items() if o.ok and o.state == "stopped"]
+        if self.state is not None and killed:  # the reports would learn it later
+            try:
+                await asyncio.to_thread(self.state.mark_stopped_many, killed, "killed")
+            except Exception as e:
+                log.warning("registry write of a job's %d kills failed: %s", len(killed), e)
         if self.state is not None:
             lost = [h.name for h in self.nodes.values() if h.state == "lost"]
             failed = [

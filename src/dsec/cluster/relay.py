@@ -87,6 +87,9 @@ class ClusterOptions:
         overcommit: the placer's overcommit caps (each edge still applies its own).
         burst_threshold: regular-pool utilisation (0..1) from which burstable sandboxes may
             go to nodes labelled ``dsec.io/burst``.
+        reconcile_every: every this many reports, a node's registry rows absent from its
+            live ids are stopped (catches stops no replica recorded; between them only
+            changes are synced).
     """
 
     report_interval_s: float = 2.0
@@ -99,6 +102,7 @@ class ClusterOptions:
     placement_k: int = 2
     overcommit: Overcommit = field(default_factory=Overcommit)
     burst_threshold: float = 0.8
+    reconcile_every: int = 5
 
     @classmethod
     def from_env(cls) -> ClusterOptions:
@@ -143,6 +147,8 @@ class NodeHandle:
     report: dict[str, Any] | None = None
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_reason: str = ""
+    sync_cursor: Any = None  # the edge's sandbox_changes cursor the registry is synced to
+    syncs: int = 0  # registry syncs asked of this edge (every reconcile_every-th reconciles)
 
 
 class NodeRelay:

@@ -17,7 +17,10 @@ Tables (created on first connect, idempotent)::
                      started_at, finished_at, error
 
 One connection per :class:`ClusterState`, guarded by a lock (calls are short; the async
-callers run them in a thread with :func:`asyncio.to_thread`).
+callers run them in a thread with :func:`asyncio.to_thread`). Writes are batched
+(:meth:`ClusterState.record_sandboxes`: one statement for many sandboxes). A row's
+``info`` is the description of its last state change: the registry follows states
+(creations, pauses, stops), not every field of a live sandbox (docs/design/cluster.md).
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ class ClusterState:
         self.dsn = dsn
         self._connect_timeout_s = connect_timeout_s
         self._lock = threading.Lock()
+        self._jobs_seen: set[tuple[str, str]] = set()  # (owner, job) rows known to exist
         self._conn = connect_database(dsn, timeout_s=connect_timeout_s)
         with self._cursor() as cur:
             cur.execute("SELECT pg_advisory_lock(74210917)")  # replicas create the schema once
@@ -212,15 +216,21 @@ class ClusterState:
     # --- sandboxes ---------------------------------------------------------------------
     def record_sandbox(self, owner: str, info: SandboxInfo) -> None:
         """Insert or update one sandbox as an edge last described it."""
+        self.record_sandboxes([(owner, info)])
+
+    def record_sandboxes(self, items: list[tuple[str, SandboxInfo]]) -> None:
+        """Insert or update sandboxes as their edges last described them: one statement
+        for all of them (the last description of an id wins), and one more for jobs this
+        connection has not recorded yet. A row whose state, stop reason and labels are
+        already these is left as it is (the registry follows states, see the module doc)."""
+        if not items:
+            return
         now = time.time()
-        with self._cursor() as cur:
-            cur.execute(
-                "INSERT INTO dsec_sandboxes (id, node, owner, tier, state, job, labels, info, "
-                "stopped_reason, created_at, updated_at) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, info = EXCLUDED.info, "
-                "labels = EXCLUDED.labels, stopped_reason = EXCLUDED.stopped_reason, "
-                "updated_at = EXCLUDED.updated_at",
+        rows = {info.id: (owner, info) for owner, info in items}
+        cols: list[list[Any]] = [[] for _ in range(11)]
+        for owner, info in rows.values():
+            for col, value in zip(
+                cols,
                 (
                     info.id,
                     info.node,
@@ -234,31 +244,100 @@ class ClusterState:
                     info.created_at.timestamp(),
                     now,
                 ),
+                strict=True,
+            ):
+                col.append(value)
+        jobs = {(owner, info.job) for owner, info in rows.values() if info.job}
+        with self._cursor() as cur:  # under the connection's lock: _jobs_seen too
+            cur.execute(
+                "INSERT INTO dsec_sandboxes (id, node, owner, tier, state, job, labels, info, "
+                "stopped_reason, created_at, updated_at) "
+                "SELECT i, n, o, t, s, j, l::jsonb, f::jsonb, r, c, u FROM unnest("
+                "%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
+                "%s::text[], %s::text[], %s::text[], %s::float8[], %s::float8[]) "
+                "AS x(i, n, o, t, s, j, l, f, r, c, u) "
+                "ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, info = EXCLUDED.info, "
+                "labels = EXCLUDED.labels, stopped_reason = EXCLUDED.stopped_reason, "
+                "updated_at = EXCLUDED.updated_at "
+                # a description the registry already has (the report of a creation this or
+                # another replica recorded) writes no row version
+                "WHERE (dsec_sandboxes.state, dsec_sandboxes.stopped_reason, "
+                "dsec_sandboxes.labels) IS DISTINCT FROM "
+                "(EXCLUDED.state, EXCLUDED.stopped_reason, EXCLUDED.labels)",
+                cols,
             )
-            if info.job:
+            jobs -= self._jobs_seen
+            if jobs:
+                owners, names = zip(*sorted(jobs), strict=True)
                 cur.execute(
-                    "INSERT INTO dsec_jobs (owner, job, created_at) VALUES (%s, %s, %s) "
+                    "INSERT INTO dsec_jobs (owner, job, created_at) "
+                    "SELECT o, j, %s FROM unnest(%s::text[], %s::text[]) AS x(o, j) "
                     "ON CONFLICT DO NOTHING",
-                    (owner, info.job, now),
+                    (now, list(owners), list(names)),
                 )
+                if len(self._jobs_seen) > 100_000:
+                    self._jobs_seen.clear()
+                self._jobs_seen |= jobs
 
-    def sync_node(self, node: str, live: dict[str, tuple[str, SandboxInfo]]) -> int:
+    def sync_node(
+        self,
+        node: str,
+        live: dict[str, tuple[str, SandboxInfo]],
+        asked_at: float | None = None,
+    ) -> int:
         """Reconcile the registry with a node's report: ``live`` maps sandbox id ->
         (owner, info) of what runs there now. Registry rows of that node that are live here
-        but absent from the report are marked stopped. Returns rows changed."""
-        changed = 0
-        for owner, info in live.values():
-            self.record_sandbox(owner, info)
-        now = time.time()
+        but absent from the report (and not written since ``asked_at``, see
+        :meth:`stop_absent`) are marked stopped. Returns rows changed."""
+        self.record_sandboxes(list(live.values()))
+        return self.stop_absent(node, list(live), asked_at) + len(live)
+
+    def apply_changes(
+        self, node: str, changed: list[tuple[str, SandboxInfo]], gone: list[str]
+    ) -> int:
+        """What changed on ``node`` since the last sync: ``changed`` (owner, info) of
+        sandboxes new or in another state there, ``gone`` ids no longer live there (marked
+        stopped unless already). Returns rows written."""
+        self.record_sandboxes(changed)
+        if not gone:
+            return len(changed)
         with self._cursor() as cur:
             cur.execute(
                 "UPDATE dsec_sandboxes SET state = 'stopped', "
                 "stopped_reason = COALESCE(stopped_reason, 'gone from its node'), updated_at = %s "
-                "WHERE node = %s AND state = ANY(%s) AND NOT (id = ANY(%s))",
-                (now, node, list(_LIVE_STATES), list(live)),
+                "WHERE node = %s AND id = ANY(%s) AND state = ANY(%s)",
+                (time.time(), node, gone, list(_LIVE_STATES)),
             )
-            changed += int(cur.rowcount or 0)
-        return changed + len(live)
+            return int(cur.rowcount or 0) + len(changed)
+
+    def stop_absent(self, node: str, live_ids: list[str], asked_at: float | None = None) -> int:
+        """Mark stopped the registry rows of ``node`` that are live here but not in
+        ``live_ids`` (what runs there now): the reconcile that catches stops no replica
+        recorded (a TTL, a stop between two reports). ``asked_at`` (unix s): when the
+        node was asked; rows written since (a creation that answered meanwhile) are left
+        alone. Returns rows changed."""
+        with self._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_sandboxes SET state = 'stopped', "
+                "stopped_reason = COALESCE(stopped_reason, 'gone from its node'), updated_at = %s "
+                "WHERE node = %s AND state = ANY(%s) AND updated_at < %s "
+                "AND id NOT IN (SELECT unnest(%s::text[]))",  # a hashed anti-join
+                (time.time(), node, list(_LIVE_STATES), asked_at or time.time(), live_ids),
+            )
+            return int(cur.rowcount or 0)
+
+    def mark_stopped_many(self, sandbox_ids: list[str], reason: str) -> int:
+        """Mark these sandboxes stopped (one statement). Returns rows changed."""
+        if not sandbox_ids:
+            return 0
+        with self._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_sandboxes SET state = 'stopped', "
+                "stopped_reason = COALESCE(stopped_reason, %s), updated_at = %s "
+                "WHERE id = ANY(%s) AND state <> 'stopped'",
+                (reason, time.time(), sandbox_ids),
+            )
+            return int(cur.rowcount or 0)
 
     def mark_stopped(self, sandbox_id: str, reason: str) -> None:
         with self._cursor() as cur:

@@ -2655,6 +2655,15 @@ class EdgeAgent:
         """:class:`dsec.edge.interface.NodeReports`: ``(owner, info)`` of every live sandbox."""
         return [(lv.row.owner, self._info(lv.row)) for lv in self._live.values()]
 
+    def live_states(self) -> dict[str, str]:
+        """Sandbox id -> state of every live sandbox (cheap: no descriptions are built)."""
+        return {lv.row.id: lv.row.state for lv in self._live.values()}
+
+    def owned_sandbox(self, sandbox_id: str) -> tuple[str, SandboxInfo] | None:
+        """``(owner, info)`` of the live sandbox ``sandbox_id``, or None."""
+        lv = self._live.get(sandbox_id)
+        return None if lv is None else (lv.row.owner, self._info(lv.row))
+
     async def stats(self) -> dict[str, Any]:
         return {
             "node": self.node,
