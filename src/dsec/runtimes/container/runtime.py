@@ -129,6 +129,7 @@ class _Live:
     active: int = 0  # commands running (exec and interactive processes)
     busy_since: int = 0  # bumped at each idle -> busy switch: a stale boost timer sees it
     paused: int = 0  # bumped at each pause and resume: a stale reclaim timer sees it
+    reclaimed: bool = False  # the memory of its current pause was given back
 
 
 @dataclass
@@ -1418,9 +1419,14 @@ class ContainerRuntime:
         fields."""
         self._weigh(handle, active=True)  # every task must run to reach the freezer
         delay = self.pause_reclaim_after_s
-        rep = await pausing.pause(self._cgroup(handle), reclaim=delay <= 0)
-        notes = list(rep.notes)
         live = self._live.get(handle.id)
+        if delay > 0:
+            rep = await pausing.freeze(self._cgroup(handle))
+        else:
+            rep = await pausing.pause(self._cgroup(handle))
+        if live is not None:
+            live.reclaimed = delay <= 0
+        notes = list(rep.notes)
         if delay > 0 and live is not None:
             live.paused += 1
             asyncio.get_running_loop().call_later(
@@ -1446,6 +1452,7 @@ class ContainerRuntime:
                 async with live.lock:  # not while it is being destroyed
                     if live.paused == generation and self._live.get(handle.id) is live:
                         await pausing.pause(self._cgroup(handle))  # frozen: reclaims only
+                        live.reclaimed = True
             except DsecError as e:  # gone meanwhile: nothing to give back
                 log.debug("reclaim of paused %s: %s", handle.id, e.message)
 
@@ -1457,7 +1464,12 @@ class ContainerRuntime:
         live = self._live.get(handle.id)
         if live is not None:
             live.paused += 1  # a reclaim still to come is void
-        await pausing.resume(self._cgroup(handle), prefetch=True)
+        if live is not None and not live.reclaimed:
+            await pausing.thaw(self._cgroup(handle))  # its memory is all there: no prefetch
+        else:
+            await pausing.resume(self._cgroup(handle), prefetch=True)
+        if live is not None:
+            live.reclaimed = False
         self._weigh(handle, active=live is not None and live.active > 0)
 
     async def pause_filesystem(self, handle: Handle) -> dict[str, Any]:
