@@ -30,6 +30,7 @@ from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import Cgroup, cgroup
 from dsec.privileged.mount import mount_points
 from dsec.runtimes.base import Handle, Runtime, SandboxSpec, capabilities_of
+from dsec.runtimes.container.bundle import MASKED_PATHS
 from dsec.runtimes.container.runtime import ContainerRuntime
 from dsec.runtimes.container.seccomp import RULES
 
@@ -192,11 +193,17 @@ async def test_the_boot_id_cannot_be_written_from_inside(
     assert_gone(runtime, h.id)  # the immutable file did not keep the directory
 
 
+def _proc_mask_dirs() -> list[str]:
+    """The masked paths under /proc that are directories on this host."""
+    return [p for p in MASKED_PATHS if p.startswith("/proc/") and os.path.isdir(p)]
+
+
 async def test_few_superblocks_masks_still_hold(runtime: ContainerRuntime, make: Factory) -> None:
     """Every superblock on the host costs every memory cgroup the kernel makes
     (``bundle.SUPERBLOCKS_NOTE``): a container adds only its /proc, /sys, /dev, /dev/pts and
-    mqueue (besides its root and writable layer). The masked directories are read-only binds
-    of one empty directory, and /dev/shm is a sticky, writable directory of /dev."""
+    mqueue (besides its root and writable layer) and a tmpfs per masked directory of /proc.
+    The masked directories of /sys are read-only binds of one empty directory, and /dev/shm
+    is a sticky, writable directory of /dev."""
     h = await make()
     r = await run(
         runtime,
@@ -208,6 +215,7 @@ async def test_few_superblocks_masks_still_hold(runtime: ContainerRuntime, make:
         "done",
     )
     mountinfo, _, checks = r.stdout.partition("==\n")
+
     # (fs type, mount point) of each mount of a filesystem's root (a bind of a directory
     # shows that directory as its root): one per superblock the container made
     roots = [
@@ -215,13 +223,19 @@ async def test_few_superblocks_masks_still_hold(runtime: ContainerRuntime, make:
         for line in mountinfo.splitlines()
         if line.split()[3] == "/" and line.split()[4] != "/"
     ]
-    assert sorted(roots) == [
-        ("devpts", "/dev/pts"),
-        ("mqueue", "/dev/mqueue"),
-        ("proc", "/proc"),
-        ("sysfs", "/sys"),
-        ("tmpfs", "/dev"),
-    ], roots  # no tmpfs per mask, none for /dev/shm
+    # the OCI runtime's own masks of directories under /proc (a tmpfs each: runc refuses
+    # binds on the container's procfs) are the only tmpfs besides /dev
+    proc_masks = [("tmpfs", p) for p in _proc_mask_dirs()]
+    assert sorted(roots) == sorted(
+        [
+            ("devpts", "/dev/pts"),
+            ("mqueue", "/dev/mqueue"),
+            ("proc", "/proc"),
+            ("sysfs", "/sys"),
+            ("tmpfs", "/dev"),
+            *proc_masks,
+        ]
+    ), roots  # no tmpfs per /sys mask, none for /dev/shm
     lines = checks.split()
     assert lines[:2] == ["1777", "x"], r
     masked = [ln for ln in lines[2:] if ":" in ln]

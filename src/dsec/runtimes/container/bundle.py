@@ -108,16 +108,19 @@ down until a reboot). A container with a tmpfs per masked directory, its own ``/
 ``/dev``, ``/dev/pts``, ``/proc``, ``/sys``, mqueue and a writable layer made 12 superblocks:
 at 5,000 live sandboxes each new sandbox's memory cgroup cost 1.1 MiB of unreclaimable slab
 (the whole crowd: O(live^2)), and each 64 new ids made the kernel grow the info of every
-memory cgroup on the host. Bind mounts make none: the masked directories are binds of one
-empty directory; ``/dev/shm`` is a directory of the container's ``/dev`` tmpfs (made by the
-exec server when it attaches)."""
+memory cgroup on the host. Bind mounts make none: the masked directories under ``/sys`` are
+binds of one empty directory (those under ``/proc`` stay a tmpfs each: see
+:func:`masked_dirs`); ``/dev/shm`` is a directory of the container's ``/dev`` tmpfs (made by
+the exec server when it attaches)."""
 
 
 @functools.cache
 def masked_dirs() -> tuple[str, ...]:
-    """The :data:`MASKED_PATHS` that are directories on this host (the others are files,
-    masked by a bind of ``/dev/null``, or absent)."""
-    return tuple(path for path in MASKED_PATHS if os.path.isdir(path))
+    """The :data:`MASKED_PATHS` under ``/sys`` that are directories on this host: masked by a
+    bind of one empty directory. The others stay the OCI runtime's (files: a bind of
+    ``/dev/null``; directories under ``/proc``: a tmpfs each, since runc, and maybe later
+    crun, refuse a bind mount on a path of the container's procfs)."""
+    return tuple(path for path in MASKED_PATHS if path.startswith("/sys/") and os.path.isdir(path))
 
 
 READONLY_PATHS: tuple[str, ...] = (
