@@ -266,8 +266,10 @@ class Cgroup(ABC):
         (idempotent)."""
         names: set[str] = set()
         for d in self.every_dir():
-            with contextlib.suppress(OSError):
-                names.update(p.name for p in d.iterdir() if p.is_dir())
+            # the entries' types from the directory listing itself: a stat of each of a
+            # cgroup's ~30 files in 11 v1 hierarchies halved the rate of a job kill
+            with contextlib.suppress(OSError), os.scandir(d) as entries:
+                names.update(e.name for e in entries if e.is_dir(follow_symlinks=False))
         for name in sorted(names):
             self.child(name).remove(timeout_s)
         self.kill_all(timeout_s)
