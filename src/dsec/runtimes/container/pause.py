@@ -176,6 +176,16 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
 
 
+def _not_frozen(cg: Cgroup, timeout_s: float) -> SandboxError:
+    """The error of a freeze that did not complete (the cgroup was thawed again)."""
+    return SandboxError(
+        f"cgroup {cg.rel} did not freeze within {timeout_s} s (a task in "
+        "uninterruptible sleep?); it was thawed again and keeps running",
+        cgroup=cg.rel,
+        timeout_s=timeout_s,
+    )
+
+
 def _wait_frozen(cg: Cgroup, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     delay = _FREEZE_POLL_S
@@ -183,12 +193,7 @@ def _wait_frozen(cg: Cgroup, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             with contextlib.suppress(OSError):
                 cg.thaw()
-            raise SandboxError(
-                f"cgroup {cg.rel} did not freeze within {timeout_s} s (a task in "
-                "uninterruptible sleep?); it was thawed again and keeps running",
-                cgroup=cg.rel,
-                timeout_s=timeout_s,
-            )
+            raise _not_frozen(cg, timeout_s)
         time.sleep(delay)
         delay = min(delay * 2, 0.01)
 
@@ -265,12 +270,7 @@ async def freeze(cg: Cgroup, *, freeze_timeout_s: float = 5.0) -> PauseReport:
         if time.monotonic() > deadline:
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(cg.thaw)
-            raise SandboxError(
-                f"cgroup {cg.rel} did not freeze within {freeze_timeout_s} s (a task in "
-                "uninterruptible sleep?); it was thawed again and keeps running",
-                cgroup=cg.rel,
-                timeout_s=freeze_timeout_s,
-            )
+            raise _not_frozen(cg, freeze_timeout_s)
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.01)
     ms = _ms(t0)
