@@ -49,6 +49,7 @@ from dsec.layers.oci import (
     RegistryUnavailable,
     pull_image,
 )
+from dsec.layers.publish import attach_image
 from dsec.layers.registry import MT_OCI_INDEX, MT_OCI_MANIFEST
 from dsec.privileged.mount import mount, mount_points, umount_quiet
 
@@ -749,4 +750,16 @@ def test_token_auth_with_distribution(
     before = len(tokens.issued)
     info = pull_image(node.store, ref, credentials=("user", "secret"), merge_threshold_bytes=0)
     assert tokens.issued[before:] == ["repository:dsec/private:pull"]  # one token, whole pull
+    assert node.mounted_tree(info.layers) == EXPECTED_TREE
+
+
+def test_attach_of_a_plain_image_pulls_it_with_the_same_credentials(node: Node) -> None:
+    """``attach_image`` of a reference that is no dsec artifact pulls it as a container
+    image, authenticated as the attach was (the session's public ``credentials``)."""
+    with fake_registry(sample_repo(), token_auth=True) as reg:
+        ref = f"{reg.host}/dsec/sample:v1"
+        with pytest.raises(RegistryUnauthorized):
+            attach_image(node.store, ref, name="plain", auth=("user", "wrong"))
+        info = attach_image(node.store, ref, name="plain", auth=("user", "secret"))
+    assert info.name == "plain"
     assert node.mounted_tree(info.layers) == EXPECTED_TREE

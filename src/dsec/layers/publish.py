@@ -40,7 +40,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -396,7 +395,7 @@ def attach_image(
                 store,
                 docker_ref,
                 name=name,
-                credentials=remote.session._credentials,
+                credentials=remote.session.credentials,
                 owner=owner,
             )
         published = parse_dsec_manifest(doc)
@@ -526,8 +525,8 @@ def _fetch_into_store(
             )
         info: LayerInfo = store.import_layer_file(blob, layer.kind, name=layer.name, meta=meta)
     if info.digest != layer.digest:  # impossible after fetch's sha256 check; kept as a guard
-        with contextlib.suppress(Exception):
-            store.remove_layer(info.digest)
+        # (the file stays in the content store under the digest it has: content-addressed,
+        # it names nothing and nobody refers to it)
         raise BlobDigestMismatch(
             f"imported layer hashes to {info.digest}, expected {layer.digest}",
             expected=layer.digest,

@@ -133,6 +133,12 @@ class RegistryClient:
             headers={"User-Agent": "dsec-image-pull"},
         )
 
+    @property
+    def credentials(self) -> tuple[str, str] | None:
+        """The (user, password) this session authenticates with, if any (to open another
+        session to the same registry, e.g. a pull of a plain image found under a dsec ref)."""
+        return self._credentials
+
     def close(self) -> None:
         """Close the HTTP connection pool."""
         self._client.close()
