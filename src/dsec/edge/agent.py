@@ -72,7 +72,6 @@ from dsec.layers.source import LayerSource, LazyLayers, RegistryLayers
 from dsec.layers.workspace import check_stack
 from dsec.models import (
     SYSTEM_OWNER,
-    TIERS,
     AuditEntry,
     AuditReport,
     AuditSummary,
@@ -133,6 +132,7 @@ from dsec.runtimes.base import (
     XattrFiles,
     capabilities_of,
 )
+from dsec.tiers import require_tier, tier_names
 from dsec.version import __version__
 
 if TYPE_CHECKING:
@@ -513,8 +513,7 @@ class EdgeAgent:
     def _runtime(self, tier: str) -> Runtime:
         rt = self.runtimes.get(tier)
         if rt is None:
-            if tier not in TIERS:
-                raise InvalidRequest(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
+            require_tier(tier)  # InvalidRequest: a tier no one registered
             if tier in self.unavailable:
                 raise TierUnavailable(
                     f"tier {tier!r} is not available: {self.unavailable[tier]}", tier=tier
@@ -2576,7 +2575,7 @@ class EdgeAgent:
     # ------------------------------------------------------------------ node
     async def capabilities(self) -> list[Capabilities]:
         out = []
-        for tier in TIERS:
+        for tier in tier_names():
             rt = self.runtimes.get(tier)
             if rt is None:
                 out.append(
