@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from tests.conformance.runtime_suite import RuntimeConformance, RuntimeHarness, spec_factory
 
 from dsec import AsyncSandbox
 from dsec.config import Paths
@@ -22,6 +23,7 @@ from dsec.models import CreateSandboxRequest, ExecRequest, ExecResult
 from dsec.node import build_runtimes
 from dsec.runtimes.base import Runtime, capabilities_of
 from dsec.testing import (
+    FAKE_BUSYBOX,
     FakeEdge,
     MemoryLayers,
     MemoryPortRuntime,
@@ -35,6 +37,7 @@ from dsec.tiers import (
     TierRegistration,
     TierTraits,
     get_tier,
+    load_factory,
     register_tier,
     require_tier,
     tier_has,
@@ -151,3 +154,18 @@ def test_build_runtimes_leaves_out_unregistered_names(tmp_path: Path) -> None:
 def test_register_tier_checks_the_name() -> None:
     with pytest.raises(ValueError, match="invalid tier name"):
         register_tier(TierRegistration("Bad Name", node_runtime))
+
+
+class TestScratchTierConformance(RuntimeConformance):
+    """The runtime conformance suite on the new tier: a few lines of wiring."""
+
+    @pytest.fixture
+    async def harness(
+        self, scratch_tier: TierRegistration, tmp_path: Path
+    ) -> AsyncIterator[RuntimeHarness]:
+        ctx = TierContext(Paths(tmp_path), None, MemoryLayers())
+        rt = load_factory(scratch_tier)(ctx)
+        await rt.start()
+        spec = spec_factory(TIER, [], [FAKE_BUSYBOX])
+        yield RuntimeHarness(rt, spec, traits=scratch_tier.traits, real_commands=False)
+        await rt.close()
