@@ -38,12 +38,10 @@ from dsec.serverpaths import scrub_server_paths
 from dsec.tiers import BUILTIN_TIERS, TIER_NAME, tier_traits, tiers_with
 from dsec.wire import WireModel
 
-Tier = Literal["fncall", "container", "microvm", "vm"]
-"""The built-in tiers (for typing dsec's own code). On the wire a tier is a string: a server
-may offer tiers an older SDK does not know (other packages register theirs, :mod:`dsec.tiers`);
-the server refuses unknown ones."""
 TIERS: tuple[str, ...] = BUILTIN_TIERS
-"""The built-in tiers; every registered one: :func:`dsec.tiers.tier_names`."""
+"""The built-in tiers; every registered one: :func:`dsec.tiers.tier_names`. On the wire a tier
+is a string: a server may offer tiers an older SDK does not know (other packages register
+theirs, :mod:`dsec.tiers`); the server refuses unknown ones."""
 _TIER_RE = TIER_NAME.pattern
 SandboxState = Literal["creating", "running", "paused", "stopped"]
 LayerKind = Literal["base", "workspace", "toolkit"]

@@ -38,10 +38,10 @@ that really ran in a sandbox (a fast-forwarded repeat does not). Pauses report
 ``method="fake"`` (nothing is frozen); a snapshot copies the sandbox's files (minus the
 ``scrub`` globs) into a layer whose content a new sandbox starts from; a file holding one of
 ``secret_values`` refuses it (``SecretInSnapshot``). Network policies are recorded, not
-enforced (fake sandboxes send no traffic). Ports (every tier whose traits say ``ports``, all
-but ``fncall``, :mod:`dsec.tiers`): a fake
-sandbox's port is whatever TCP address :meth:`FakeEdge.serve_port` maps it to (a server
-the test runs on loopback); unmapped ports are refused (``PortNotListening``).
+enforced (fake sandboxes send no traffic). Ports (every tier whose traits say ``ports``,
+:mod:`dsec.tiers`: all but ``fncall``): a fake sandbox's port is whatever TCP address
+:meth:`FakeEdge.serve_port` maps it to (a server the test runs on loopback); unmapped ports
+are refused (``PortNotListening``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ commands in and kills a sandbox of it through the real apiserver.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -169,3 +172,46 @@ class TestScratchTierConformance(RuntimeConformance):
         spec = spec_factory(TIER, [], [FAKE_BUSYBOX])
         yield RuntimeHarness(rt, spec, traits=scratch_tier.traits, real_commands=False)
         await rt.close()
+
+
+def test_a_package_registers_a_tier_by_entry_point(tmp_path: Path) -> None:
+    """A package's ``dsec.tiers`` entry point (a dist-info on the path, as pip installs one):
+    read on the first lookup, not by ``import dsec``; the factory's module only when a node
+    builds the tier."""
+    site = tmp_path / "site"
+    info = site / "dsec_plug-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dsec-plug\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[dsec.tiers]\nplug = dsec_plug:TIER\n")
+    (site / "dsec_plug.py").write_text(
+        "from dsec.tiers import TierRegistration, TierTraits\n"
+        "TIER = TierRegistration('plug', 'dsec_plug_runtime:node_runtime', TierTraits())\n"
+    )
+    (site / "dsec_plug_runtime.py").write_text(
+        "from dsec.testing import MemoryRuntime\n"
+        "async def _answer(sid, req): ...\n"
+        "def node_runtime(ctx):\n"
+        "    return MemoryRuntime('plug', ctx.layer_store, _answer)\n"
+    )
+    child = f"""
+import sys
+import dsec
+assert "dsec_plug" not in sys.modules, "import dsec read the entry points"
+from dsec.tiers import tier_names
+assert tier_names()[-1] == "plug", tier_names()
+assert "dsec_plug_runtime" not in sys.modules, "the factory was imported before use"
+from pathlib import Path
+from dsec.config import Paths
+from dsec.node import build_runtimes
+from dsec.testing import MemoryLayers
+paths = Paths(Path({str(tmp_path / "home")!r}))
+paths.ensure()
+print(sorted(build_runtimes(paths, MemoryLayers(), ["plug"])))
+"""
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "PYTHONPATH": f"{site}:{src}"}
+    out = subprocess.run(
+        [sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['plug']"
