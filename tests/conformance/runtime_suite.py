@@ -122,7 +122,6 @@ class RuntimeConformance:
         assert harness.runtime.facts().available
         h = await make()
         assert await harness.runtime.alive(h)
-        assert await harness.runtime.recover(h)
         assert h.id not in await harness.runtime.list_orphans({h.id})
 
     async def test_exec_output_and_exit_codes(self, harness: RuntimeHarness, make: Make) -> None:
