@@ -47,15 +47,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsec.config import Paths
-from dsec.models import TIERS, HostCgroups, HostFeature, HostReport, HostTier
+from dsec.models import HostCgroups, HostFeature, HostReport, HostTier
+from dsec.tiers import TierTraits, tier_names, tier_traits
 
 if TYPE_CHECKING:
     from dsec.privileged.cgroups import CgroupLayout
     from dsec.privileged.nodesetup import NodeReport
 
 __all__ = [
-    "CGROUP_TIERS",
-    "TIER_NEEDS",
     "LiveProbes",
     "cgroups_section",
     "erofs_feature",
@@ -71,17 +70,6 @@ __all__ = [
 
 ROOT = Path("/")
 
-CGROUP_TIERS = ("fncall", "container", "microvm", "vm")
-"""Tiers that confine their sandboxes with cgroups (``vm`` is a ``microvm`` subclass)."""
-
-TIER_NEEDS: dict[str, tuple[str, ...]] = {
-    "fncall": ("EROFS", "overlayfs", "seccomp", "pidfd", "openat2"),
-    "container": ("EROFS", "overlayfs", "seccomp", "pidfd", "openat2", "OCI runtime"),
-    "microvm": ("QEMU",),
-    "vm": ("QEMU",),
-}
-"""The features (by :attr:`~dsec.models.HostFeature.name`) without which a tier cannot run;
-besides these, every tier needs root and a usable cgroup layout (:data:`CGROUP_TIERS`)."""
 
 KVM_GET_API_VERSION = 0xAE00
 FUSE_PASSTHROUGH_SINCE = (6, 9)
@@ -694,13 +682,14 @@ def tier_blockers(
     goes). A feature counts only when known missing (``available is False``)."""
     by_name = {f.name: f for f in features}
     out: dict[str, str] = {}
-    for tier in TIERS:
+    for tier in tier_names():  # what each needs: its traits (dsec.tiers)
+        traits = tier_traits(tier) or TierTraits()
         reasons: list[str] = []
         if root is False:
             reasons.append("dsec runs its tiers as root")
-        if tier in CGROUP_TIERS and not cgroups.usable:
+        if traits.cgroups and not cgroups.usable:
             reasons.append(f"cgroups: {cgroups.reason or cgroups.description}")
-        for name in TIER_NEEDS.get(tier, ()):
+        for name in traits.host_needs:
             f = by_name.get(name)
             if f is not None and f.available is False:
                 reasons.append(f"{name}: {f.value}" + (f" ({f.note})" if f.note else ""))
@@ -710,11 +699,12 @@ def tier_blockers(
 
 
 def _tier_note(tier: str, by_name: dict[str, HostFeature], vm_accel: str | None) -> str | None:
-    if tier in ("microvm", "vm"):
+    traits = tier_traits(tier) or TierTraits()
+    if traits.guest_kernel:
         return vm_accel
-    if tier == "container":
-        oci = by_name.get("OCI runtime")
-        return oci.value if oci is not None and oci.available else None
+    if traits.host_note is not None:
+        f = by_name.get(traits.host_note)
+        return f.value if f is not None and f.available else None
     return None
 
 
@@ -737,7 +727,7 @@ def tier_verdicts(
             reason=blocked.get(tier) or _tier_note(tier, by_name, vm_accel),
             wanted=wanted is None or tier in wanted,
         )
-        for tier in TIERS
+        for tier in tier_names()
     ]
 
 

@@ -35,13 +35,14 @@ from dsec.errors import InvalidRequest
 from dsec.images.reference import parse_ref
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
+from dsec.tiers import BUILTIN_TIERS, TIER_NAME, tier_traits, tiers_with
 from dsec.wire import WireModel
 
-Tier = Literal["fncall", "container", "microvm", "vm"]
-"""The tiers this version knows (for typing its own code). On the wire a tier is a string:
-a server may offer tiers an older SDK does not know; the server refuses unknown ones."""
-TIERS: tuple[str, ...] = ("fncall", "container", "microvm", "vm")
-_TIER_RE = r"^[a-z][a-z0-9-]{0,31}$"
+TIERS: tuple[str, ...] = BUILTIN_TIERS
+"""The built-in tiers; every registered one: :func:`dsec.tiers.tier_names`. On the wire a tier
+is a string: a server may offer tiers an older SDK does not know (other packages register
+theirs, :mod:`dsec.tiers`); the server refuses unknown ones."""
+_TIER_RE = TIER_NAME.pattern
 SandboxState = Literal["creating", "running", "paused", "stopped"]
 LayerKind = Literal["base", "workspace", "toolkit"]
 OnTimeout = Literal["kill", "pause"]
@@ -174,12 +175,17 @@ class CreateSandboxRequest(_Model):
 
     @model_validator(mode="after")
     def _full_guest(self) -> CreateSandboxRequest:
-        if self.full_guest and self.tier not in ("microvm", "vm"):
-            raise ValueError(f"full_guest is for the microvm and vm tiers, not {self.tier}")
-        if self.allow_setuid and self.tier != "container":
+        # the tier's traits (dsec.tiers); a tier this process does not know: the server checks
+        traits = tier_traits(self.tier) if self.full_guest or self.allow_setuid else None
+        if traits is not None and self.full_guest and not traits.guest_kernel:
+            vms = " and ".join(tiers_with(lambda t: t.guest_kernel))
+            raise ValueError(f"full_guest is for the {vms} tiers, not {self.tier}")
+        if traits is not None and self.allow_setuid and not traits.allow_setuid:
+            setuid = " and ".join(tiers_with(lambda t: t.allow_setuid))
+            vms = " and ".join(tiers_with(lambda t: t.guest_kernel))
             raise ValueError(
-                f"allow_setuid is for the container tier, not {self.tier} (the microvm and "
-                "vm tiers have full_guest)"
+                f"allow_setuid is for the {setuid} tier, not {self.tier} (the {vms} tiers "
+                "have full_guest)"
             )
         return self
 

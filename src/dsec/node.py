@@ -106,11 +106,11 @@ def prepare_host(tiers: list[str] | None = None) -> dict[str, str]:
     edge reports them unavailable with that reason (``dsec doctor`` says the same without a
     node)."""
     from dsec.hostreport import erofs_feature, overlay_feature, tier_blockers
-    from dsec.models import TIERS
+    from dsec.tiers import tier_names
 
     cgroups = _prepare_cgroups()
     blocked = tier_blockers(cgroups, [erofs_feature(), overlay_feature()])
-    wanted = tiers or list(TIERS)
+    wanted = tiers or list(tier_names())
     out = {tier: why for tier, why in blocked.items() if tier in wanted}
     for tier, why in out.items():
         log.error("%s tier unavailable on this host: %s", tier, why)
@@ -167,9 +167,11 @@ def build_runtimes(
     network: Any = None,
     skip: Collection[str] = (),
 ) -> dict[str, Runtime]:
-    """Instantiate the runtimes this node can run. Unavailable tiers are left out
-    (the edge then answers ``TierUnavailable``) with a log line saying why; so are those of
-    ``skip`` (the tiers :func:`prepare_host` ruled out)."""
+    """Instantiate the runtimes this node can run: one per tier of ``tiers`` (None: every
+    registered tier, :mod:`dsec.tiers`), made by the tier's registered factory. Tiers whose
+    factory cannot be imported are left out (the edge then answers ``TierUnavailable``) with
+    a log line saying why; so are those of ``skip`` (the tiers :func:`prepare_host` ruled
+    out) and names no one registered."""
     from dsec.layers.mounts import LayerMounts
 
     mounts = LayerMounts(paths.layer_mounts)
@@ -177,33 +179,19 @@ def build_runtimes(
     # sandboxes recovered take them over and the container tier unmounts the rest once the
     # edge has reconciled (ContainerRuntime.reconciled)
     mounts.adopt_existing()
+    from dsec.tiers import TierContext, get_tier, load_factory, tier_names
+
+    ctx = TierContext(paths, mounts, layer_store, network)
     runtimes: dict[str, Runtime] = {}
-    wanted = [t for t in tiers or ["container", "fncall", "microvm", "vm"] if t not in skip]
-    if "container" in wanted:
-        from dsec.runtimes.container.runtime import ContainerRuntime
-
-        runtimes["container"] = ContainerRuntime(paths, mounts, network=network)
-    if "fncall" in wanted:
+    for tier in [t for t in tiers or tier_names() if t not in skip]:
+        reg = get_tier(tier)
+        if reg is None:
+            log.warning("%s tier not available: no such tier is registered", tier)
+            continue
         try:
-            from dsec.runtimes.fncall.runtime import FncallRuntime
-
-            runtimes["fncall"] = FncallRuntime(paths, mounts, layer_store)
+            runtimes[tier] = load_factory(reg)(ctx)
         except ImportError as e:
-            log.info("fncall tier not available: %s", e)
-    if "microvm" in wanted:
-        try:
-            from dsec.runtimes.microvm.runtime import MicroVMRuntime
-
-            runtimes["microvm"] = MicroVMRuntime(paths)
-        except ImportError as e:
-            log.info("microvm tier not available: %s", e)
-    if "vm" in wanted:
-        try:
-            from dsec.runtimes.vm.runtime import VMRuntime
-
-            runtimes["vm"] = VMRuntime(paths)
-        except ImportError as e:
-            log.info("vm tier not available: %s", e)
+            log.info("%s tier not available: %s", tier, e)
     return runtimes
 
 

@@ -38,9 +38,10 @@ that really ran in a sandbox (a fast-forwarded repeat does not). Pauses report
 ``method="fake"`` (nothing is frozen); a snapshot copies the sandbox's files (minus the
 ``scrub`` globs) into a layer whose content a new sandbox starts from; a file holding one of
 ``secret_values`` refuses it (``SecretInSnapshot``). Network policies are recorded, not
-enforced (fake sandboxes send no traffic). Ports (every tier but ``fncall``): a fake
-sandbox's port is whatever TCP address :meth:`FakeEdge.serve_port` maps it to (a server
-the test runs on loopback); unmapped ports are refused (``PortNotListening``).
+enforced (fake sandboxes send no traffic). Ports (every tier whose traits say ``ports``,
+:mod:`dsec.tiers`: all but ``fncall``): a fake sandbox's port is whatever TCP address
+:meth:`FakeEdge.serve_port` maps it to (a server the test runs on loopback); unmapped ports
+are refused (``PortNotListening``).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ from dsec.runtimes.base import (
     SandboxSpec,
 )
 from dsec.runtimes.usage import NetCounters, SandboxUsage
+from dsec.tiers import get_tier, tier_has
 
 if TYPE_CHECKING:
     import httpx
@@ -917,7 +919,8 @@ class FakeEdge(EdgeAgent):
         self.memory_layers = layers if layers is not None else MemoryLayers()
 
         def memory_runtime(tier: str) -> Runtime:
-            return (MemoryRuntime if tier == "fncall" else MemoryPortRuntime)(
+            ports = tier_has(tier, lambda t: t.ports) or get_tier(tier) is None
+            return (MemoryPortRuntime if ports else MemoryRuntime)(
                 tier,
                 self.memory_layers,
                 self._answer,

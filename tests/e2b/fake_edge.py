@@ -537,8 +537,12 @@ class BwrapRuntime:
             result = await proc.wait()
         finally:
             await proc.signal(signal.SIGKILL)
-        result.stdout = b"".join(out["stdout"]).decode("utf-8", "replace")
-        result.stderr = b"".join(out["stderr"]).decode("utf-8", "replace")
+        # the sink saw it all; the result keeps max_output_bytes of each stream, flagged
+        cap = req.max_output_bytes
+        stdout, stderr = b"".join(out["stdout"]), b"".join(out["stderr"])
+        result.stdout = stdout[:cap].decode("utf-8", "replace")
+        result.stderr = stderr[:cap].decode("utf-8", "replace")
+        result.stdout_truncated, result.stderr_truncated = len(stdout) > cap, len(stderr) > cap
         return result
 
     # --- pause: the processes stop, the tree stays

@@ -93,6 +93,7 @@ from dsec.errors import (
 )
 from dsec.images.config import ImageConfig
 from dsec.models import ImageInfo, SandboxInfo
+from dsec.tiers import get_tier, tier_names
 
 __all__ = ["EXIT_CANNOT_INVOKE", "EXIT_DAEMON", "EXIT_NOT_FOUND", "main"]
 
@@ -105,7 +106,6 @@ EXIT_NOT_FOUND = 127
 
 _NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
 _MAX_S = 24 * 3600.0 - 60  # an exec lives at most 24 hours
-_TIERS = ("container", "microvm", "vm", "fncall")
 
 transport_factory: Callable[[], httpx.AsyncBaseTransport] | None = None
 """Test hook, as :data:`dsec.cli.main.transport_factory`: every call goes to this transport."""
@@ -682,8 +682,8 @@ def cmd_run(client: Any, args: list[str]) -> int:
     _check_sysctls(opts["sysctl"])
     bindings = _publish(opts["publish"])
     tier = opts["runtime"] or os.environ.get("DSEC_DOCKER_TIER", "container")
-    if tier not in _TIERS:
-        _usage("run", f"docker: unknown runtime {tier!r} (dsec tiers: {', '.join(_TIERS)})")
+    if get_tier(tier) is None:
+        _usage("run", f"docker: unknown runtime {tier!r} (dsec tiers: {', '.join(tier_names())})")
     name = opts["name"]
     if name is not None and not _NAME.match(name):
         raise DockerError(

@@ -38,16 +38,16 @@ report_factory: Callable[[list[str] | None], HostReport] | None = None
 
 
 def _wanted(option: str | None) -> list[str] | None:
-    from dsec.models import TIERS
+    from dsec.tiers import tier_names
 
     raw = option if option is not None else os.environ.get("DSEC_TIERS", "")
     wanted = [t.strip() for t in raw.split(",") if t.strip()]
-    unknown = [t for t in wanted if t not in TIERS]
+    unknown = [t for t in wanted if t not in tier_names()]
     if unknown:
         where = "--tiers" if option is not None else "DSEC_TIERS"
         print(
             f"error: {where} names unknown tier(s) {', '.join(unknown)}; "
-            f"tiers are {', '.join(TIERS)}",
+            f"tiers are {', '.join(tier_names())}",
             file=sys.stderr,
         )
         raise typer.Exit(2)

@@ -55,7 +55,6 @@ from dsec.errors import (
     error_from_wire,
 )
 from dsec.models import (
-    TIERS,
     BatchCreateResult,
     BatchItemError,
     BuildImageRequest,
@@ -82,6 +81,7 @@ from dsec.models import (
     SandboxInfo,
 )
 from dsec.placement import PlacementRequest, Placer
+from dsec.tiers import require_tier, tier_names
 from dsec.version import __version__
 
 if TYPE_CHECKING:
@@ -329,8 +329,7 @@ class ClusterEdge:
         return fits
 
     async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
-        if req.tier not in TIERS:
-            raise InvalidRequest(f"unknown tier {req.tier!r}")
+        require_tier(req.tier)  # InvalidRequest: a tier no one registered
         await self._key_room(owner, req.cpu, req.memory_mb, 1)
         with self.key_quotas.admitted(owner, cpu=req.cpu, memory_mb=req.memory_mb):
             return await self._create_one(req, owner)
@@ -931,7 +930,7 @@ class ClusterEdge:
                 files=False,
                 streaming=False,
             )
-            for t in TIERS
+            for t in tier_names()
         ]
 
     async def node_info(self) -> NodeInfo:

@@ -82,6 +82,7 @@ from dsec.errors import (
     TierUnavailable,
 )
 from dsec.models import CreateSandboxRequest, LayerInfo, MigrateResult, SandboxInfo
+from dsec.tiers import tier_has
 
 if TYPE_CHECKING:
     from dsec.cluster.relay import ClusterPlacement, NodeRelay
@@ -177,7 +178,7 @@ async def migrate_sandbox(
     )
     candidates = _targets(relay, placement, info, base, target)
     method: Literal["pack_diff", "memory_snapshot"] = "pack_diff"
-    if info.tier in ("microvm", "vm"):
+    if tier_has(info.tier, lambda t: t.guest_kernel):
         caps = {c.tier: c for c in await relay.call(source, "capabilities")}
         tier_caps = caps.get(info.tier)
         if tier_caps is not None and tier_caps.memory_fork:

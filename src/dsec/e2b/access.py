@@ -35,7 +35,7 @@ import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from dsec.models import TIERS
+from dsec.tiers import get_tier
 
 __all__ = ["DEFAULT_TEMPLATE_ALIASES", "AccessTokens", "TemplateMap", "TemplateTarget"]
 
@@ -160,6 +160,6 @@ class TemplateMap:
         tier = self.default_tier
         name = template_id.strip()
         head, sep, rest = name.partition("/")
-        if sep and head in TIERS:
+        if sep and get_tier(head) is not None:
             tier, name = head, rest
         return TemplateTarget(tier=tier, image=self.aliases.get(name, name))

@@ -86,6 +86,7 @@ from dsec.errors import (
     ServiceUnavailable,
 )
 from dsec.models import CreateSandboxRequest, ForkRequest, SandboxInfo, SnapshotRequest
+from dsec.tiers import tier_has
 
 __all__ = [
     "AUTO_RESUME_LABEL",
@@ -536,7 +537,7 @@ class ControlPlane:
                 network=policy,
                 public_ports=public,
                 # E2B's user has passwordless sudo: setuid programs work (container tier)
-                allow_setuid=target.tier == "container",
+                allow_setuid=tier_has(target.tier, lambda t: t.allow_setuid),
             )
         except ValidationError as e:
             msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())

@@ -43,7 +43,6 @@ from dsec.errors import (
 from dsec.images.config import StartCommand
 from dsec.layers.source import LayerSource, LazyLayers
 from dsec.models import (
-    TIERS,
     Capabilities,
     CreateSandboxRequest,
     HostReport,
@@ -59,6 +58,7 @@ from dsec.runtimes.base import (
     SandboxFiles,
     SandboxSpec,
 )
+from dsec.tiers import require_tier
 
 if TYPE_CHECKING:
     from dsec.builds.engine import ImageBuilder
@@ -259,8 +259,7 @@ class EdgeCore:
     def _runtime(self, tier: str) -> Runtime:
         rt = self.runtimes.get(tier)
         if rt is None:
-            if tier not in TIERS:
-                raise InvalidRequest(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
+            require_tier(tier)  # InvalidRequest: a tier no one registered
             if tier in self.unavailable:
                 raise TierUnavailable(
                     f"tier {tier!r} is not available: {self.unavailable[tier]}", tier=tier

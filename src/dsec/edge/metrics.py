@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dsec.models import TIERS
+from dsec.tiers import tier_names
 
 _STATES = ("creating", "running", "paused", "stopped")
 _LATENCY_BUCKETS = (
@@ -46,7 +46,7 @@ class _SandboxGauge(Collector):
             labels=["node", "tier", "state"],
         )
         counts = self._counts()
-        for tier in TIERS:
+        for tier in tier_names():
             for state in _STATES:
                 g.add_metric([self._node, tier, state], counts.get((tier, state), 0))
         yield g

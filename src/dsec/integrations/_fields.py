@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from dsec.models import Tier
 from dsec.network.policy import NetworkPolicy
+from dsec.tiers import TIER_NAME
 
 __all__ = ["SandboxFields"]
 
@@ -14,8 +14,9 @@ class SandboxFields(BaseModel):
     """What a harness's sandbox is made of and may use. Sizes in MiB; each field as
     :meth:`dsec.AsyncSandbox.create` takes it."""
 
-    tier: Tier = "container"
-    """Isolation tier: ``container``, ``microvm``, ``vm`` (or ``fncall``)."""
+    tier: str = Field("container", pattern=TIER_NAME.pattern)
+    """Isolation tier: ``container``, ``microvm``, ``vm`` (or ``fncall``, or a tier another
+    package registered on the server, :mod:`dsec.tiers`)."""
     layers: list[str] = []
     """Extra layers (workspaces, toolkits) stacked on the image."""
     cpu: float = 1.0

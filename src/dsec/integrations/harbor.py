@@ -65,12 +65,12 @@ from dsec.network.policy import NetworkPolicy
 from dsec.sdk.client import AsyncClient
 from dsec.sdk.image import Image
 from dsec.sdk.sandbox import AsyncSandbox
+from dsec.tiers import tier_has, tiers_with
 
 __all__ = ["DsecEnvironment"]
 
 log = logging.getLogger(__name__)
 
-TIERS = ("container", "microvm", "vm")
 MAX_EXEC_S = 24 * 3600.0
 """Longest command (dsec's exec bound), seconds; Harbor's ``timeout_sec=None``."""
 _ALL = "0.0.0.0/0"
@@ -116,8 +116,9 @@ class DsecEnvironment(BaseEnvironment):
         disk_mb: Any = None,
         **kwargs: Any,
     ) -> None:
-        if tier not in TIERS:
-            raise ValueError(f"tier must be one of {', '.join(TIERS)}, not {tier!r}")
+        if not tier_has(tier, lambda t: t.persistent):  # a task's shell outlives one command
+            tiers = tiers_with(lambda t: t.persistent)
+            raise ValueError(f"tier must be one of {', '.join(tiers)}, not {tier!r}")
         self._tier = tier
         self._url = url
         self._api_key = api_key

@@ -8,8 +8,9 @@ from typing import Any
 
 from dsec.edge.core import EdgeCore
 from dsec.edge.interface import NodeUsage
-from dsec.models import TIERS, Capabilities, HostTier, KeyUsage, NodeInfo, SandboxInfo
+from dsec.models import Capabilities, HostTier, KeyUsage, NodeInfo, SandboxInfo
 from dsec.runtimes.base import capabilities_of
+from dsec.tiers import tier_names
 from dsec.version import __version__
 
 log = logging.getLogger("dsec.edge")
@@ -21,7 +22,7 @@ class NodeVerbs(EdgeCore):
     # ------------------------------------------------------------------ node
     async def capabilities(self) -> list[Capabilities]:
         out = []
-        for tier in TIERS:
+        for tier in tier_names():
             rt = self.runtimes.get(tier)
             if rt is None:
                 out.append(

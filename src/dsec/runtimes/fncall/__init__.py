@@ -10,12 +10,17 @@ Modules:
     testkit    a real runtime on a private DSEC_HOME for tests and benchmarks
 
 Names are imported lazily so that ``zygote`` and ``seccomp`` stay importable on their own.
+Registered in :mod:`dsec.tiers`; :func:`node_runtime` is its factory.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dsec.runtimes.fncall.runtime import FncallRuntime
+    from dsec.tiers import TierContext
 
 __all__ = [
     "FncallConfig",
@@ -24,6 +29,7 @@ __all__ = [
     "RunCodeLimits",
     "RunCodeService",
     "WorkerPool",
+    "node_runtime",
 ]
 
 _WHERE = {
@@ -41,3 +47,10 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'dsec.runtimes.fncall' has no attribute {name!r}")
     return getattr(importlib.import_module(f"dsec.runtimes.fncall.{module}"), name)
+
+
+def node_runtime(ctx: TierContext) -> FncallRuntime:
+    """The tier's runtime on a node (:data:`dsec.tiers.TierFactory`)."""
+    from dsec.runtimes.fncall.runtime import FncallRuntime
+
+    return FncallRuntime(ctx.paths, ctx.mounts, ctx.layer_store)
