@@ -255,7 +255,7 @@ def test_run_accepts_what_dsec_already_meets(cli: Cli) -> None:
 
 def test_sandbox_capabilities_are_the_container_tiers() -> None:
     """The caps the CLI says sandboxes hold are the ones the container tier grants."""
-    from dsec.runtimes.container.bundle import CAPABILITIES
+    from dsec.contract.isolation import CAPABILITIES
 
     assert {c.removeprefix("CAP_") for c in CAPABILITIES} == set(docker_cli.SANDBOX_CAPABILITIES)
 

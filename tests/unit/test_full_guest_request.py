@@ -13,11 +13,10 @@ from pydantic import ValidationError
 from dsec import AsyncSandbox
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys
+from dsec.contract.isolation import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, RULES
 from dsec.errors import InvalidRequest
 from dsec.guest.guard import guard_policy_text, seccomp_bpf
 from dsec.models import CreateSandboxRequest
-from dsec.runtimes.container.bundle import CAPABILITIES, MASKED_PATHS, READONLY_PATHS
-from dsec.runtimes.container.seccomp import RULES
 from dsec.testing import FakeEdge
 
 KEY = "dsec_full_guest_test"

@@ -36,14 +36,16 @@ import ctypes.util
 import os
 from functools import cache
 
-from dsec.errors import TierUnavailable
-from dsec.runtimes.container.bundle import (
+from dsec.contract.isolation import (
+    ARCHITECTURES,
     CAPABILITIES,
     MASKED_PATHS,
     READONLY_PATHS,
     RLIMITS,
+    RULES,
+    SeccompRule,
 )
-from dsec.runtimes.container.seccomp import ARCHITECTURES, RULES, SeccompRule
+from dsec.errors import TierUnavailable
 
 __all__ = ["GUARD_DEVICES", "guard_files", "guard_policy_text", "seccomp_bpf"]
 

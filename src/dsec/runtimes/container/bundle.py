@@ -17,14 +17,7 @@ The exec server's policy (this module's :func:`execd_policy_text`) is one file p
 and policy, ``paths.run/execd-<digest>.policy``; the state recover() needs is on the OCI
 state's tmpfs (see ``ContainerRuntime._state_file``).
 
-Capabilities: Docker's default set minus ``NET_RAW`` (raw sockets: packet
-spoofing, port scans; sandboxes have no network anyway), ``MKNOD`` (a device
-node in the upper layer would be opened by host-side file operations; the
-device cgroup denies device access inside anyway), ``AUDIT_WRITE`` (no auditd in
-a sandbox) and ``SETFCAP`` (file capabilities are only a way to smuggle
-privileges). Kept: ``CHOWN``, ``DAC_OVERRIDE``, ``FOWNER``, ``FSETID``, ``KILL``,
-``SETGID``, ``SETUID``, ``SETPCAP``, ``NET_BIND_SERVICE``, ``SYS_CHROOT``: what
-package managers, build tools and test suites run as root need.
+Capabilities, rlimits, masked and read-only paths: :mod:`dsec.contract.isolation`.
 """
 
 from __future__ import annotations
@@ -33,20 +26,16 @@ import base64
 import functools
 import hashlib
 import os
-import resource
 from pathlib import Path
 from typing import Any
 
+from dsec.contract.isolation import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, RLIMITS
 from dsec.runtimes.container.seccomp import execd_policy_lines, oci_seccomp
 
 __all__ = [
     "BOOT_ID_PATH",
-    "CAPABILITIES",
     "DEFAULT_PATH",
     "INIT_PATH_IN_CONTAINER",
-    "MASKED_PATHS",
-    "READONLY_PATHS",
-    "RLIMITS",
     "cgroup_parent",
     "execd_policy_text",
     "oci_config",
@@ -54,52 +43,6 @@ __all__ = [
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 """Where Linux shows its boot id; a sandbox sees its own there (see :func:`oci_config`)."""
-
-# name -> number (linux/capability.h)
-CAPABILITIES: dict[str, int] = {
-    "CAP_CHOWN": 0,
-    "CAP_DAC_OVERRIDE": 1,
-    "CAP_FOWNER": 3,
-    "CAP_FSETID": 4,
-    "CAP_KILL": 5,
-    "CAP_SETGID": 6,
-    "CAP_SETUID": 7,
-    "CAP_SETPCAP": 8,
-    "CAP_NET_BIND_SERVICE": 10,
-    "CAP_SYS_CHROOT": 18,
-}
-
-# (OCI name, resource number, soft, hard). -1 = unlimited.
-RLIMITS: tuple[tuple[str, int, int, int], ...] = (
-    ("RLIMIT_NOFILE", resource.RLIMIT_NOFILE, 4096, 16384),
-    ("RLIMIT_CORE", resource.RLIMIT_CORE, 0, 0),  # no core dumps filling the upper layer
-    ("RLIMIT_MSGQUEUE", resource.RLIMIT_MSGQUEUE, 819200, 819200),
-)
-
-MASKED_PATHS: tuple[str, ...] = (
-    "/proc/acpi",
-    "/proc/asound",
-    "/proc/kcore",
-    "/proc/keys",
-    "/proc/latency_stats",
-    "/proc/timer_list",
-    "/proc/timer_stats",
-    "/proc/sched_debug",
-    "/proc/scsi",
-    "/proc/kpagecgroup",
-    "/proc/kpageflags",
-    "/proc/kpagecount",
-    "/proc/sysrq-trigger",
-    "/proc/kmsg",
-    "/proc/vmallocinfo",
-    "/proc/pagetypeinfo",
-    "/proc/slabinfo",
-    "/proc/interrupts",
-    "/sys/firmware",
-    "/sys/devices/virtual/powercap",
-    "/sys/kernel/debug",
-    "/sys/kernel/tracing",
-)
 
 SUPERBLOCKS_NOTE = """Every superblock on the host registers a memcg-aware shrinker, and every
 memory cgroup the kernel makes then allocates ``shrinker_info`` for all the shrinker ids the
@@ -122,17 +65,6 @@ def masked_dirs() -> tuple[str, ...]:
     crun, refuse a bind mount on a path of the container's procfs)."""
     return tuple(path for path in MASKED_PATHS if path.startswith("/sys/") and os.path.isdir(path))
 
-
-READONLY_PATHS: tuple[str, ...] = (
-    "/proc/bus",
-    "/proc/fs",
-    "/proc/irq",
-    "/proc/sys",
-)
-"""Never a masked path too: a read-only rebind on top of a mask (crun binds ``/dev/null``
-there from the node's ``/dev``) propagated to the host's ``/dev/null`` and to every other
-container's masks on hosts whose ``/dev`` is shared (systemd), doubling the mount table with
-each container (:mod:`dsec.privileged.mountns`)."""
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

@@ -1,0 +1,6 @@
+"""The contract at the bottom: what the tiers, the edge and the guest share, and nothing that
+implements them. Nothing in this package imports a tier, the edge or the server.
+
+* :mod:`dsec.contract.isolation`: the isolation policy (seccomp rules, capabilities,
+  rlimits, masked and read-only paths) every tier that runs Linux processes enforces.
+"""
