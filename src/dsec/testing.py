@@ -814,7 +814,7 @@ class MemoryPortRuntime(MemoryRuntime):
     async def connect_port(self, handle: Handle, port: int) -> Any:
         import socket
 
-        from dsec.edge.ports import connect_socket
+        from dsec.runtimes.sockets import connect_socket
 
         self._get(handle)
         host, real = self.ports.get((handle.id, port), ("127.0.0.1", 0))

@@ -266,3 +266,49 @@ def test_no_new_circle_through_function_imports() -> None:
     )
     stale = [sorted(k) for k in KNOWN_DEFERRED_CIRCLES if sorted(k) not in found]
     assert not stale, f"circles that are gone: drop them from KNOWN_DEFERRED_CIRCLES: {stale}"
+
+
+FLOORS: dict[str, tuple[str, ...]] = {
+    # the contract at the bottom: what the tiers, the edge and the guest share
+    "dsec.contract": (
+        "dsec.edge",
+        "dsec.runtimes",
+        "dsec.guest",
+        "dsec.layers",
+        "dsec.apiserver",
+        "dsec.cluster",
+        "dsec.server",
+        "dsec.node",
+    ),
+    # a tier's runtime is below the edge that drives it
+    "dsec.runtimes": ("dsec.edge", "dsec.apiserver", "dsec.cluster", "dsec.server", "dsec.node"),
+    # the VM guest's guard reads the isolation policy from the contract, not from a tier
+    "dsec.guest": (
+        "dsec.runtimes.container",
+        "dsec.edge",
+        "dsec.apiserver",
+        "dsec.cluster",
+        "dsec.server",
+    ),
+}
+"""Package -> the packages its modules may not import, even inside a function."""
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_floors() -> None:
+    """Nothing imports upwards: the contract imports no tier, edge or server; a runtime no
+    edge; the guest's guard no tier (issue 33: the contract at the bottom)."""
+    graph = import_graph(deferred=True)
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for floor, forbidden in FLOORS.items()
+        if _within(module, floor)
+        for target in targets
+        if any(_within(target, up) for up in forbidden)
+    )
+    assert not wrong, "imports upwards:\n" + "\n".join(wrong)
+    assert any(_within(m, "dsec.contract") for m in graph)  # the floor exists

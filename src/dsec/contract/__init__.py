@@ -3,4 +3,6 @@ implements them. Nothing in this package imports a tier, the edge or the server.
 
 * :mod:`dsec.contract.isolation`: the isolation policy (seccomp rules, capabilities,
   rlimits, masked and read-only paths) every tier that runs Linux processes enforces.
+* :mod:`dsec.contract.streams`: the streams a runtime hands up through the edge (a
+  process's output and terminal, a watched directory's events, a TCP connection).
 """

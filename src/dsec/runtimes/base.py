@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from dsec.models import Capabilities, ExecRequest, ExecResult, FileInfo, LayerInfo, SnapshotRequest
 
 if TYPE_CHECKING:
+    from dsec.contract.streams import DirectoryWatcher, InteractiveProcess, PortStream, PtySize
     from dsec.display import DisplayAction
-    from dsec.edge.interface import DirectoryWatcher, InteractiveProcess, PortStream, PtySize
     from dsec.runtimes.usage import SandboxUsage
 
 # Called with ("stdout"|"stderr", chunk) while a command runs.

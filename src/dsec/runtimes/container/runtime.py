@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.config import Paths, host_memory_mb
-from dsec.edge.ports import connect_socket
 from dsec.errors import (
     CapabilityNotSupported,
     Conflict,
@@ -87,9 +86,10 @@ from dsec.privileged.nodesetup import NodeReport, oci_timeout_s, prepare_node
 from dsec.privileged.reaper import REAPER, reap_pid, where_are
 from dsec.privileged.seccomp_log import audit_id_of, audit_on
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
+from dsec.runtimes.sockets import connect_socket
 
 if TYPE_CHECKING:
-    from dsec.edge.interface import PortStream
+    from dsec.contract.streams import PortStream
 from dsec.runtimes.container import pause as pausing
 from dsec.runtimes.container.bundle import (
     DEFAULT_PATH,

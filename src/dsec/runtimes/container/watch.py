@@ -46,7 +46,7 @@ import struct
 from collections import deque
 from typing import TYPE_CHECKING
 
-from dsec.edge.interface import FileEvent, FileEventKind
+from dsec.contract.streams import FileEvent, FileEventKind
 from dsec.errors import (
     DsecError,
     FileNotFound,
