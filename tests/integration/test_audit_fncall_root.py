@@ -1,0 +1,89 @@
+"""Evidence of cheating on the fncall tier (root): a ``dsec serve`` with the fncall tier; each
+test makes a sandbox attempt one thing its worker's seccomp filter refuses and finds exactly
+that record in ``sb.audit()``. The worker was forked before its sandbox existed: its records
+carry the worker's own audit id, which the edge maps to the sandbox that claimed it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.integration.test_audit_root import _wait_for
+
+import dsec.errors as E
+from dsec import Sandbox
+from dsec.server import BackgroundServer
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.debian,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, cgroups, audit)"),
+]
+
+PTRACE_AND_LINGER = (
+    "import ctypes, time\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.syscall(101, 0, 0, 0, 0)\n"  # ptrace(PTRACE_TRACEME): refused by the filter
+    "time.sleep(2)\n"
+)
+"""Tries ptrace once, then stays: its record can name its pid and command line."""
+
+
+@pytest.fixture(scope="module")
+def server(shared_layers: Path) -> Iterator[BackgroundServer]:
+    home = Path(f"/tmp/dsec-audit-fncall-{os.getpid()}")
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    (home / "layers").symlink_to(shared_layers, target_is_directory=True)
+    try:
+        with BackgroundServer(home, tiers=["fncall"]) as srv:
+            yield srv
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _create(server: BackgroundServer) -> Sandbox:
+    return Sandbox.create(tier="fncall", image="debian", url=server.url, api_key=server.api_key)
+
+
+def test_clean_fncall_sandbox_has_no_evidence(server: BackgroundServer) -> None:
+    with _create(server) as sb:
+        assert sb.commands.run("echo hi; ls / > /dev/null; python3 -c 'import subprocess'").ok
+        rep = sb.audit()
+        assert rep.enabled and not rep.evidence and rep.total == 0, rep
+        assert rep.sources["syscall"], rep.sources
+
+
+def test_fncall_refused_syscalls_are_recorded(server: BackgroundServer) -> None:
+    with _create(server) as sb, _create(server) as neighbour:
+        assert sb.commands.run("echo before").ok
+        assert sb.commands.run("unshare -n true").exit_code != 0
+        rep = _wait_for(sb, "syscall.unshare")
+        assert rep.evidence
+        assert {k for k in rep.counts if k.startswith("syscall.")} == {"syscall.unshare"}, rep
+        entry = next(e for e in rep.entries if e.kind == "unshare")
+        assert entry.category == "syscall" and "seccomp" in entry.detail
+        assert entry.comm == "unshare" and entry.exe == "/usr/bin/unshare"
+        assert entry.seq == 2  # after the call that tried
+
+        # a process still running: its pid inside the worker and its command line
+        sb.files.write("/work/linger.py", PTRACE_AND_LINGER.encode())
+        assert sb.commands.run(["python3", "/work/linger.py"]).ok
+        rep = _wait_for(sb, "syscall.ptrace")
+        ptrace = next(e for e in rep.entries if e.kind == "ptrace")
+        assert ptrace.comm == "python3" and ptrace.pid is not None and ptrace.pid > 1
+        assert ptrace.cmdline == "python3 /work/linger.py"
+
+        # a socket family the filter refuses (AF_PACKET)
+        code = "import socket\ntry:\n socket.socket(17, 3, 0)\nexcept OSError as e: print(e.errno)"
+        assert sb.commands.run(["python3", "-c", code]).stdout.strip() == "97"
+        assert _wait_for(sb, "syscall.socket").counts["syscall.socket"] == 1
+
+        # the neighbour's record is clean, and another key does not see the audit at all
+        assert neighbour.audit().total == 0
+        other = server.keys.create_key("audit-fncall-other")
+        with pytest.raises(E.SandboxNotFound):
+            Sandbox.connect(sb.id, url=server.url, api_key=other).audit()
