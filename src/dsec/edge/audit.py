@@ -57,13 +57,15 @@ from dsec.models import (
     ExecResult,
 )
 from dsec.privileged.seccomp_log import (
+    GUARD_OTHER_NR,
+    GuardLog,
     SeccompDenial,
     SeccompRecords,
     audit_on,
     process_facts,
     syscall_name,
 )
-from dsec.runtimes.base import Audited, Handle, Networked, Runtime
+from dsec.runtimes.base import Audited, GuardAudited, Handle, Networked, Runtime
 
 __all__ = [
     "AuditRecorder",
@@ -350,6 +352,8 @@ class EdgeAudit:
         """Refusals of :data:`FALLBACK_SYSCALLS` seen (not recorded: no evidence)."""
         self.seccomp_status = "off" if not self.recorder.enabled else "not started"
         """``listening`` or why the node gets no seccomp records."""
+        self._guard_seen: dict[str, int] = {}
+        """Per sandbox of a guarded tier: the number of the last guard record read."""
 
     @property
     def enabled(self) -> bool:
@@ -402,6 +406,7 @@ class EdgeAudit:
             self._auid_of[sandbox_id] = auid
 
     def _unbind(self, sandbox_id: str) -> None:
+        self._guard_seen.pop(sandbox_id, None)
         auid = self._auid_of.pop(sandbox_id, None)
         if auid is not None and self._by_auid.get(auid) == sandbox_id:
             del self._by_auid[auid]
@@ -478,6 +483,13 @@ class EdgeAudit:
                 self.recorder.sample(
                     sandbox_id, "limits", kind, "", value, _LIMIT_TEXT.get(kind, kind)
                 )
+        if isinstance(rt, GuardAudited):
+            try:
+                guard = await rt.guard_log(handle, self._guard_seen.get(sandbox_id, 0))
+            except Exception:
+                guard = None
+            if guard is not None:
+                self._record_guard(sandbox_id, guard)
         if network and isinstance(rt, Networked):
             try:
                 stats = await rt.network_stats(handle)
@@ -531,6 +543,50 @@ class EdgeAudit:
                 "DNS queries dropped by the sandbox's rate limit",
             )
 
+    def _record_guard(self, sandbox_id: str, guard: GuardLog) -> None:
+        """A VM guard's refusals read from the guest: each system call's count is a sampled
+        counter (its increase is recorded exactly); the new records the guest kept give
+        that increase its processes (one entry per process and call), the rest of it is
+        one entry without one (a flood outran the guest's ring of details)."""
+        rec = self.recorder._live.get(sandbox_id)
+        if rec is None:
+            return
+        self._guard_seen[sandbox_id] = max(self._guard_seen.get(sandbox_id, 0), guard.next - 1)
+        shown: dict[int, Counter[tuple[int, str, str]]] = {}
+        first: dict[tuple[int, int, str, str], SeccompDenial] = {}
+        for _, d in guard.records:
+            nr = d.syscall if d.arch == _AUDIT_ARCH_X86_64 else GUARD_OTHER_NR
+            who = (d.pid, d.comm, d.exe)
+            shown.setdefault(nr, Counter())[who] += 1
+            first.setdefault((nr, *who), d)
+        for nr, total in sorted(guard.counts.items()):
+            slot = f"guard.{nr}"
+            before = rec.baselines.get(slot, 0)
+            rec.baselines[slot] = total
+            delta = total - before if total >= before else total
+            if delta <= 0:
+                continue
+            name = "foreign_arch" if nr == GUARD_OTHER_NR else syscall_name(_AUDIT_ARCH_X86_64, nr)
+            if name in FALLBACK_SYSCALLS:
+                self.fallbacks += delta
+                continue
+            why = f"{name}() refused by the guest's guard (its seccomp filter)"
+            for (pid, comm, exe), n in (shown.get(nr) or Counter()).items():
+                n = min(n, delta)
+                if n <= 0:
+                    break
+                d = first[(nr, pid, comm, exe)]
+                detail = f"{why}, guest pid {pid}"
+                self.recorder.record(
+                    sandbox_id, "guard", name, detail, comm=comm or None, exe=exe or None,
+                    count=n, ts=d.ts,
+                )  # fmt: skip
+                delta -= n
+            if delta > 0:
+                self.recorder.record(
+                    sandbox_id, "guard", name, f"{why}; the guest kept no details", count=delta
+                )
+
     def _on_seccomp(self, batch: list[SeccompDenial]) -> None:
         for d in batch:
             sid = self._by_auid.get(d.auid)
@@ -575,11 +631,15 @@ class EdgeAudit:
             if isinstance(rt, Networked)
             else "",
             "dns": "the resolver's refusals (sampled)" if isinstance(rt, Networked) else "",
-            "guard": "",
+            "guard": "the guest's seccomp records (sampled)"
+            if isinstance(rt, GuardAudited)
+            else "",
             "limits": "exec time-outs and output caps"
             + (", cgroup OOM kills and pids limit (sampled)" if isinstance(rt, Audited) else ""),
         }
 
+
+_AUDIT_ARCH_X86_64 = 0xC000003E
 
 FALLBACK_SYSCALLS: frozenset[str] = frozenset({"clone3"})
 """Refused on purpose so that the C library falls back to a call the filter can inspect

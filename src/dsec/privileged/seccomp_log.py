@@ -48,10 +48,13 @@ from dataclasses import dataclass, replace
 from dsec.config import env_choice
 
 __all__ = [
+    "GUARD_OTHER_NR",
+    "GuardLog",
     "SeccompDenial",
     "SeccompRecords",
     "audit_id_of",
     "audit_on",
+    "parse_guard_log",
     "parse_record",
     "process_facts",
     "syscall_name",
@@ -129,6 +132,48 @@ def parse_record(payload: bytes) -> SeccompDenial | None:
         )
     except (KeyError, ValueError):
         return None
+
+
+GUARD_OTHER_NR = 1024
+"""The guest agent's count slot for refusals of any other architecture (or number)."""
+
+
+@dataclass(frozen=True)
+class GuardLog:
+    """What a VM's guest agent kept of its guard's seccomp refusals (``agent.c``, "the
+    guard's refusals"; the guest kernel's own type-1326 records), as the host reads it:
+    ``counts`` the exact number per x86-64 system call number since the sandbox began
+    (:data:`GUARD_OTHER_NR`: other architectures), ``records`` the kept records numbered
+    above the ``after`` asked for, with their numbers, ``next`` the next record's number and
+    ``lost`` the times the agent's receive buffer overflowed. Pids are the guest's."""
+
+    next: int
+    total: int
+    lost: int
+    counts: dict[int, int]
+    records: list[tuple[int, SeccompDenial]]
+
+
+def parse_guard_log(args: list[bytes]) -> GuardLog:
+    """The guest agent's answer to ``AUDIT`` (three args: ``"next total lost"``, the counts
+    ``"nr=count ..."`` and the records, one ``"seq text"`` a line). Raises ValueError when
+    it is not one."""
+    if len(args) < 3:
+        raise ValueError("the guest agent's audit answer has fewer than 3 parts")
+    head = args[0].split()
+    if len(head) < 3:
+        raise ValueError(f"bad audit header {args[0][:80]!r}")
+    counts: dict[int, int] = {}
+    for item in args[1].split():
+        nr, _, n = item.partition(b"=")
+        counts[int(nr)] = int(n)
+    records: list[tuple[int, SeccompDenial]] = []
+    for line in args[2].splitlines():
+        seq, _, text = line.partition(b" ")
+        rec = parse_record(text)
+        if seq.isdigit() and rec is not None:
+            records.append((int(seq), rec))
+    return GuardLog(int(head[0]), int(head[1]), int(head[2]), counts, records)
 
 
 _names: dict[tuple[int, int], str] = {}
