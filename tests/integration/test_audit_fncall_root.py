@@ -15,6 +15,7 @@ from tests.integration.test_audit_root import _wait_for
 
 import dsec.errors as E
 from dsec import Sandbox
+from dsec.privileged.landlock import landlock_abi
 from dsec.server import BackgroundServer
 
 pytestmark = [
@@ -87,3 +88,22 @@ def test_fncall_refused_syscalls_are_recorded(server: BackgroundServer) -> None:
         other = server.keys.create_key("audit-fncall-other")
         with pytest.raises(E.SandboxNotFound):
             Sandbox.connect(sb.id, url=server.url, api_key=other).audit()
+
+
+@pytest.mark.skipif(landlock_abi() < 7, reason="Landlock's audit records need Linux 6.15+")
+def test_fncall_landlock_refusal_is_recorded(server: BackgroundServer) -> None:
+    """A device node made in the scratch (the worker's Landlock domain allows making none,
+    before the capability check would refuse it): the kernel's Landlock record names the
+    worker's domain, whose maker (the agent) names the sandbox."""
+    with _create(server) as sb:
+        code = (
+            "import os, stat\n"
+            "try:\n os.mknod('/tmp/evidence', stat.S_IFCHR | 0o600, os.makedev(1, 3))\n"
+            "except OSError as e: print(e.errno)"
+        )
+        assert sb.commands.run(["python3", "-c", code]).stdout.strip() == "13"  # EACCES
+        rep = _wait_for(sb, "landlock.fs.make_char")
+        assert rep.sources["landlock"], rep.sources
+        assert rep.evidence and rep.counts == {"landlock.fs.make_char": 1}, rep.counts
+        (entry,) = rep.entries
+        assert entry.category == "landlock" and "path=/tmp" in entry.detail, entry  # its directory

@@ -48,6 +48,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsec.config import env_choice
 from dsec.errors import DsecError, PathOutsideSandbox
 from dsec.models import (
     EVIDENCE_CATEGORIES,
@@ -56,12 +57,15 @@ from dsec.models import (
     AuditSummary,
     ExecResult,
 )
+from dsec.privileged.landlock import landlock_abi
 from dsec.privileged.seccomp_log import (
     GUARD_OTHER_NR,
     GuardLog,
+    LandlockDenial,
     SeccompDenial,
     SeccompRecords,
     audit_on,
+    enable_kernel_audit,
     process_facts,
     syscall_name,
 )
@@ -354,23 +358,44 @@ class EdgeAudit:
         """``listening`` or why the node gets no seccomp records."""
         self._guard_seen: dict[str, int] = {}
         """Per sandbox of a guarded tier: the number of the last guard record read."""
+        self.landlock_status = "off" if not self.recorder.enabled else "not started"
+        """``listening`` or why the node gets no Landlock records."""
+        self._domains: OrderedDict[int, str] = OrderedDict()
+        """Landlock domain id -> the sandbox whose process made it (newest 4096)."""
+        self._unplaced: deque[LandlockDenial] = deque(maxlen=256)
+        """Landlock refusals whose domain's record has not come yet."""
 
     @property
     def enabled(self) -> bool:
         return self.recorder.enabled
 
-    def start(self, wants_seccomp: bool) -> None:
-        """Start the seccomp listener if a tier logs its refusals (``wants_seccomp``)."""
+    def start(self, wants_seccomp: bool, landlock: bool = False) -> None:
+        """Start the seccomp listener if a tier logs its refusals (``wants_seccomp``), and
+        with ``landlock`` (a tier whose Landlock domains log theirs) take Landlock's records
+        too where the kernel has them (6.15+), enabling the kernel's audit if it is not
+        (:func:`~dsec.privileged.seccomp_log.enable_kernel_audit`; ``DSEC_AUDIT_LANDLOCK=off``
+        leaves the kernel's audit as it is and records none)."""
         if not self.enabled or not wants_seccomp or self._seccomp is not None:
             return
-        reader = SeccompRecords(self._on_seccomp)
+        reader = SeccompRecords(self._on_seccomp, self._on_landlock)
         why = reader.start()
         if why is not None:
-            self.seccomp_status = why
+            self.seccomp_status = self.landlock_status = why
             log.warning("seccomp refusals will not be recorded: %s", why)
             return
         self._seccomp = reader
         self.seccomp_status = "listening"
+        if not landlock:
+            self.landlock_status = "no tier logs Landlock refusals"
+        elif env_choice("DSEC_AUDIT_LANDLOCK", ("on", "off")) == "off":
+            self.landlock_status = "off (DSEC_AUDIT_LANDLOCK)"
+        elif landlock_abi() < 7:
+            self.landlock_status = "the kernel has no Landlock audit (Linux 6.15+, ABI 7)"
+        else:
+            why = enable_kernel_audit()
+            self.landlock_status = "listening" if why is None else why
+        if self.landlock_status != "listening" and landlock:
+            log.warning("Landlock refusals will not be recorded: %s", self.landlock_status)
 
     def close(self) -> None:
         if self._seccomp is not None:
@@ -587,6 +612,34 @@ class EdgeAudit:
                     sandbox_id, "guard", name, f"{why}; the guest kept no details", count=delta
                 )
 
+    def _on_landlock(self, batch: list[LandlockDenial]) -> None:
+        """Landlock's records: a domain's record names the process that made it (a worker's
+        agent, alive while its sandbox is), whose loginuid names the sandbox; a refusal
+        names only its domain. Refusals whose domain is not known yet wait (bounded)."""
+        for d in batch:
+            if d.kind != "domain":
+                continue
+            try:
+                with open(f"/proc/{d.pid}/loginuid", "rb") as f:
+                    sid = self._by_auid.get(int(f.read() or b"-1"))
+            except (OSError, ValueError):
+                sid = None
+            if sid is not None:
+                self._domains[d.domain] = sid
+                while len(self._domains) > 4096:
+                    self._domains.popitem(last=False)
+        pending = [*self._unplaced, *(d for d in batch if d.kind == "access")]
+        self._unplaced.clear()
+        for d in pending:
+            sid = self._domains.get(d.domain)
+            if sid is None:
+                self._unplaced.append(d)
+                continue
+            where = f": {d.object}" if d.object else ""
+            self.recorder.record(
+                sid, "landlock", d.blockers, f"{d.blockers} refused by Landlock{where}", ts=d.ts
+            )
+
     def _on_seccomp(self, batch: list[SeccompDenial]) -> None:
         for d in batch:
             sid = self._by_auid.get(d.auid)
@@ -624,8 +677,14 @@ class EdgeAudit:
             if isinstance(rt, Audited) and self.seccomp_status == "listening"
             else ""
         )
+        landlock = (
+            "kernel Landlock records (audit netlink)"
+            if getattr(rt, "log_landlock", False) and self.landlock_status == "listening"
+            else ""
+        )
         return {
             "syscall": seccomp,
+            "landlock": landlock,
             "files": "the files API's refusals",
             "network": "policy drops per destination (sampled)"
             if isinstance(rt, Networked)

@@ -96,6 +96,9 @@ class FncallRuntime:
         self.log_denials = audit_on()
         """The workers' seccomp filters report each refusal, under a loginuid per worker
         (:attr:`~dsec.runtimes.fncall.pool.Worker.audit_id`): ``DSEC_AUDIT``."""
+        self.log_landlock = self.log_denials
+        """The workers' Landlock domains report each refusal (kernel 6.15+, audit enabled:
+        :mod:`dsec.privileged.seccomp_log`)."""
 
     # --- lifecycle -----------------------------------------------------------------------
 

@@ -655,6 +655,7 @@ class Agent:
                 + ([self.cg_fd] if self.cg_fd >= 0 else []),
                 devices=["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"],
                 abi=self.z.landlock_abi,
+                log=cfg.get("audit_base") is not None,
             )
         # descriptors: only the server socket survives, as fd 3; 0-2 are /dev/null
         os.dup2(self.sock.fileno(), 3)
