@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,3 +108,60 @@ def test_fncall_landlock_refusal_is_recorded(server: BackgroundServer) -> None:
         assert rep.evidence and rep.counts == {"landlock.fs.make_char": 1}, rep.counts
         (entry,) = rep.entries
         assert entry.category == "landlock" and "path=/tmp" in entry.detail, entry  # its directory
+
+
+RED_TEAM = """\
+import ctypes, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+libc.syscall(321, 0, 0, 0)                       # bpf
+libc.syscall(250, 0, 0, 0, 0, 0)                 # keyctl
+libc.setns(os.open('/proc/self/ns/net', os.O_RDONLY), 0)
+libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)    # clone(CLONE_NEWUSER)
+libc.syscall(435, 0, 0)                          # clone3: the libc fallback, no evidence
+libc.syscall(246, 0, 0, 0, 0)                    # kexec_load
+libc.syscall(175, 0, 0, 0)                       # init_module
+libc.syscall(425, 1, 0)                          # io_uring_setup
+libc.syscall(298, 0, 0, -1, -1, 0)               # perf_event_open
+libc.ioctl(0, 0x5412, b'x')                      # TIOCSTI
+a = os.open('/work/a', os.O_CREAT | os.O_RDWR)
+b = os.open('/work/b', os.O_CREAT | os.O_RDWR)
+libc.ioctl(b, 0x40049409, a)                     # FICLONE
+libc.ioctl(a, 0xC0C0586D, 0)                     # XFS_IOC_SWAPEXT
+for family in (17, 40):                          # AF_PACKET, AF_VSOCK
+    try:
+        socket.socket(family, socket.SOCK_RAW if family == 17 else socket.SOCK_STREAM)
+    except OSError:
+        pass
+libc.sethostname(b'x', 1)
+try:
+    os.mknod('/work/dev', 0o20666, os.makedev(1, 3))  # Landlock: never MAKE_CHAR
+except OSError:
+    pass
+print('done')
+"""
+"""The seccomp and Landlock attempts of ``tests/security/test_fncall_escape.py``, in one
+program: each refused one must leave its evidence."""
+
+
+def test_fncall_red_team_attempts_each_leave_evidence(server: BackgroundServer) -> None:
+    with _create(server) as sb:
+        sb.files.write("/work/red_team.py", RED_TEAM.encode())
+        assert sb.commands.run(["python3", "/work/red_team.py"]).stdout == "done\n"
+        expected = {
+            f"syscall.{name}": 1
+            for name in (
+                "bpf", "keyctl", "setns", "clone", "kexec_load", "init_module",
+                "io_uring_setup", "perf_event_open", "sethostname",
+            )
+        }  # fmt: skip
+        expected |= {"syscall.ioctl": 3, "syscall.socket": 2}
+        if landlock_abi() >= 7:
+            expected["landlock.fs.make_char"] = 1
+        rep = _wait_for(sb, "syscall.sethostname")
+        deadline = time.monotonic() + 10
+        while rep.counts != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+            rep = sb.audit()
+        assert rep.counts == expected, rep.counts
+        assert all(e.comm == "python3" for e in rep.entries if e.category == "syscall")
