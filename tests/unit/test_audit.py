@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 from dsec.edge.audit import AuditRecorder, AuditSettings, EdgeAudit, interleave_audit, place_entries
 from dsec.errors import PathOutsideSandbox
@@ -15,6 +16,7 @@ from dsec.privileged.seccomp_log import (
     GuardLog,
     audit_id_of,
     parse_guard_log,
+    parse_landlock,
     parse_record,
     syscall_name,
 )
@@ -262,3 +264,38 @@ def test_guard_log_parsing() -> None:
     assert [(seq, d.syscall, d.pid) for seq, d in log.records] == [(1, 165, 7)]
     empty = parse_guard_log([b"1 0 0", b"", b""])
     assert empty.counts == {} and empty.records == []
+
+
+LL_ACCESS = (
+    b'audit(1796653301.214:77): domain=1a2b3c4d5 blockers=fs.make_char path="/tmp" '
+    b'dev="tmpfs" ino=1'
+)
+
+
+def test_landlock_records_map_by_the_domain_maker() -> None:
+    """A refusal names its domain only; the domain's record names the process that made it,
+    whose loginuid names the sandbox (here: this process's own)."""
+    with open("/proc/self/loginuid") as f:
+        own = int(f.read())
+    domain = f'audit(1796653301.214:78): domain=1a2b3c4d5 status=allocated mode=enforcing pid={os.getpid()} uid=0 exe="/x" comm="x"'.encode()
+    access = parse_landlock(1423, LL_ACCESS)
+    made = parse_landlock(1424, domain)
+    assert access is not None and made is not None
+    assert (access.kind, access.domain, access.blockers, access.object) == (
+        "access",
+        0x1A2B3C4D5,
+        "fs.make_char",
+        "path=/tmp",
+    )
+    assert (made.kind, made.pid) == ("domain", os.getpid())
+    assert parse_landlock(1424, b"audit(1.2:3): domain=1a status=deallocated denials=1") is None
+    audit = EdgeAudit(AuditSettings(enabled=True, entries_cap=8))
+    rt = _Rt()
+    rt.audit_id = lambda handle: own  # type: ignore[method-assign]
+    audit.sandbox_added("sb-l", "k1", "fncall", None, rt, Handle("sb-l", {"auid": own}))  # type: ignore[arg-type]
+    audit._on_landlock([access])  # its domain is not known yet: it waits
+    assert audit.recorder.summary("sb-l").total == 0
+    audit._on_landlock([made, access])
+    rep = audit.recorder.report("sb-l")
+    assert rep.counts == {"landlock.fs.make_char": 2} and rep.evidence
+    assert "path=/tmp" in rep.entries[0].detail
