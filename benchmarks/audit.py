@@ -17,7 +17,11 @@ alike:
 The verdict compares the p50s: auditing on is within 5% of the two servers without it,
 their samples pooled (``on/both``); ``ctl/off`` is how far two identical servers differ.
 
-Usage: .venv/bin/python benchmarks/audit.py [--rounds N] [--quick]   (root)
+``--tier fncall``: the same on the fncall tier (``debian`` sandboxes: a worker claimed from
+the warm pool, whose filter carries the log flag and whose agent set a loginuid of its own
+when it was made, and whose Landlock domain logs too); results in ``audit_fncall.json``.
+
+Usage: .venv/bin/python benchmarks/audit.py [--rounds N] [--quick] [--tier fncall]   (root)
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ from hostprobe import host_probe_s
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SMALL = {"cpu": 0.1, "memory_mb": 64, "disk_mb": 32}
+TIERS: dict[str, dict[str, Any]] = {
+    "container": {"image": "busybox", **SMALL},
+    "fncall": {"tier": "fncall", "image": "debian", "cpu": 0.1, "memory_mb": 256, "disk_mb": 32},
+}
+"""The sandbox each tier's run creates (``--tier``)."""
+SANDBOX: dict[str, Any] = dict(TIERS["container"])
 REFUSED = 200
 MODES = ("on", "off", "control")
 """``control``: a second server without auditing, to show how far two identical servers
@@ -68,7 +78,7 @@ async def create_block(url: str, key: str, n: int) -> list[float]:
     out = []
     for _ in range(n):
         t = time.perf_counter()
-        sb = await AsyncSandbox.create(image="busybox", url=url, api_key=key, **SMALL)
+        sb = await AsyncSandbox.create(url=url, api_key=key, **SANDBOX)
         try:
             res = await sb.commands.run("true")
             out.append((time.perf_counter() - t) * 1000)
@@ -83,7 +93,7 @@ async def refusals(url: str, key: str) -> dict[str, Any]:
         f"i=0; while [ $i -lt {REFUSED} ]; do mount -t tmpfs none /mnt 2>/dev/null; "
         "i=$((i+1)); done"
     )
-    async with await AsyncSandbox.create(image="busybox", url=url, api_key=key, **SMALL) as sb:
+    async with await AsyncSandbox.create(url=url, api_key=key, **SANDBOX) as sb:
         t = time.perf_counter()
         await sb.commands.run(loop, timeout=300)
         wall = (time.perf_counter() - t) * 1000
@@ -103,7 +113,7 @@ async def run(servers: dict[str, ServeProcess], rounds: int, per_block: int) -> 
     execs: dict[str, list[float]] = {m: [] for m in MODES}
     creates: dict[str, list[float]] = {m: [] for m in MODES}
     live = {
-        m: await AsyncSandbox.create(image="busybox", url=s.url, api_key=s.api_key, **SMALL)
+        m: await AsyncSandbox.create(url=s.url, api_key=s.api_key, **SANDBOX)
         for m, s in servers.items()
     }
     probes = []
@@ -179,7 +189,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="alternating rounds (default 10)")
     ap.add_argument("--per-block", type=int, default=50, help="execs per block (default 50)")
     ap.add_argument("--quick", action="store_true", help="3 rounds of 20")
+    ap.add_argument("--tier", choices=sorted(TIERS), default="container", help="the tier measured")
     args = ap.parse_args()
+    SANDBOX.clear()
+    SANDBOX.update(TIERS[args.tier])
+    tiers = {"DSEC_TIERS": args.tier}
     if os.geteuid() != 0:
         sys.exit("needs root (dsec serve runs containers)")
     rounds, per_block = (3, 20) if args.quick else (args.rounds, args.per_block)
@@ -187,9 +201,9 @@ def main() -> None:
     t0 = time.perf_counter()
     try:
         with (
-            ServeProcess(base / "on", env={"DSEC_AUDIT": "on"}) as on,
-            ServeProcess(base / "off", env={"DSEC_AUDIT": "off"}) as off,
-            ServeProcess(base / "control", env={"DSEC_AUDIT": "off"}) as control,
+            ServeProcess(base / "on", env={"DSEC_AUDIT": "on", **tiers}) as on,
+            ServeProcess(base / "off", env={"DSEC_AUDIT": "off", **tiers}) as off,
+            ServeProcess(base / "control", env={"DSEC_AUDIT": "off", **tiers}) as control,
         ):
             servers = {"on": on, "off": off, "control": control}
             results = asyncio.run(run(servers, rounds, per_block))
@@ -197,8 +211,10 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     results["total_s"] = round(time.perf_counter() - t0, 1)
     results["quick"] = args.quick
+    results["tier"] = args.tier
     RESULTS.mkdir(exist_ok=True)
-    name = "audit_quick.json" if args.quick else "audit.json"
+    suffix = "" if args.tier == "container" else f"_{args.tier}"
+    name = f"audit{suffix}_quick.json" if args.quick else f"audit{suffix}.json"
     (RESULTS / name).write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
     print(f"(wrote {RESULTS / name})")

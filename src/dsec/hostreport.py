@@ -363,6 +363,7 @@ _LANDLOCK_LATER = (
     (3, "TRUNCATE"),
     (5, "IOCTL_DEV"),
     (6, "scopes of abstract sockets and signals"),
+    (7, "audit records of their refusals (the audit's landlock category, Linux 6.15)"),
 )
 
 

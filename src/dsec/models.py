@@ -245,15 +245,26 @@ class CreateSandboxRequest(_Model):
 
 
 # --- audit: the refusals the platform made on a sandbox's behalf (dsec.edge.audit) ------
-AUDIT_CATEGORIES: tuple[str, ...] = ("syscall", "files", "network", "dns", "guard", "limits")
+AUDIT_CATEGORIES: tuple[str, ...] = (
+    "syscall",
+    "landlock",
+    "files",
+    "network",
+    "dns",
+    "guard",
+    "limits",
+)
 """What an audit entry can be about: ``syscall`` (a seccomp filter refused a system call),
+``landlock`` (Landlock refused a path or an IPC scope: the fncall tier, Linux 6.15+),
 ``files`` (the files API refused a path: a symlink out of the root, a protected path),
 ``network`` (packets the policy dropped, by destination), ``dns`` (names the resolver refused
 or queries it rate-limited), ``guard`` (the VM tiers' in-guest guard refused a request),
 ``limits`` (a resource limit was hit: OOM kill, pids limit, full disk, output cap, time-out).
 Every category but ``limits`` is an attempt to get past a boundary (see ``evidence``)."""
 
-EVIDENCE_CATEGORIES: frozenset[str] = frozenset({"syscall", "files", "network", "dns", "guard"})
+EVIDENCE_CATEGORIES: frozenset[str] = frozenset(
+    {"syscall", "landlock", "files", "network", "dns", "guard"}
+)
 
 
 class AuditEntry(_Model):
@@ -263,7 +274,7 @@ class AuditEntry(_Model):
 
     id: int = Field(description="per-sandbox entry number, from 1 (follow with after=)")
     ts: float = Field(description="when it happened (or was sampled), Unix seconds")
-    category: str = Field(description="syscall | files | network | dns | guard | limits")
+    category: str = Field(description="syscall | landlock | files | network | dns | guard | limits")
     kind: str = Field(description="what within the category, e.g. ptrace, outside_root")
     detail: str = Field("", description="what was refused, in words")
     pid: int | None = Field(None, description="the process id inside the sandbox, if known")

@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 from dsec.edge.audit import AuditRecorder, AuditSettings, EdgeAudit, interleave_audit, place_entries
 from dsec.errors import PathOutsideSandbox
 from dsec.models import AuditEntry, ExecResult
-from dsec.privileged.seccomp_log import audit_id_of, parse_record, syscall_name
+from dsec.privileged.seccomp_log import (
+    GuardLog,
+    audit_id_of,
+    parse_guard_log,
+    parse_landlock,
+    parse_record,
+    syscall_name,
+)
 from dsec.runtimes.base import Handle
 
 RECORD = (
@@ -204,3 +212,90 @@ def test_kernel_records_are_placed_by_their_stamp_and_arrival() -> None:
     assert place_record(10.0055, 10.013, calls) == 2
     assert place_record(9.0, 9.5, calls) is None
     assert place_record(10.020, 10.021, [*calls, (3, 10.018, None)]) == 3
+
+
+class _GuardRt:
+    """A VM tier's guard as the edge sees it: a fixed answer of the guest agent."""
+
+    def __init__(self, answer: list[bytes]) -> None:
+        self.answer = answer
+        self.asked: list[int] = []
+
+    async def guard_log(self, handle: Handle, after: int) -> GuardLog | None:
+        self.asked.append(after)
+        return parse_guard_log(self.answer)
+
+
+def _guard_line(seq: int, syscall: int, pid: int, arch: str = "c000003e") -> bytes:
+    return (
+        f"{seq} audit(1796641434.782:{seq}): auid=4294967295 uid=0 gid=0 ses=4294967295 "
+        f'pid={pid} comm="mount" exe="/bin/busybox" sig=0 arch={arch} syscall={syscall} '
+        "compat=0 ip=0x4b2f0e code=0x50001"
+    ).encode()
+
+
+def test_guard_refusals_from_the_guest_keep_exact_counts() -> None:
+    async def go() -> None:
+        audit = EdgeAudit(AuditSettings(enabled=True, entries_cap=8))
+        audit.recorder.open("sb-v", "k1", "microvm")
+        # 5 refused mounts, the guest kept the details of the last 2 (one process), and a
+        # clone3 (the libc fallback: no evidence)
+        rt = _GuardRt(
+            [b"9 6 0", b"165=5 435=1", _guard_line(7, 165, 42) + b"\n" + _guard_line(8, 165, 42)]
+        )
+        await audit.sample("sb-v", rt, Handle("sb-v"), network=False)  # type: ignore[arg-type]
+        rep = audit.recorder.report("sb-v")
+        assert rep.counts == {"guard.mount": 5} and rep.evidence
+        detailed = [e for e in rep.entries if e.comm == "mount"]
+        assert [e.count for e in detailed] == [2] and "guest pid 42" in detailed[0].detail
+        assert sum(e.count for e in rep.entries) == 5  # the rest: one entry without details
+        assert audit.fallbacks == 1
+        await audit.sample("sb-v", rt, Handle("sb-v"), network=False)  # type: ignore[arg-type]
+        assert audit.recorder.report("sb-v").counts == {"guard.mount": 5}  # not twice
+        assert rt.asked == [0, 8]  # the next read asks for what is newer
+        assert audit.sources(rt)["guard"]  # type: ignore[arg-type]
+
+    asyncio.run(go())
+
+
+def test_guard_log_parsing() -> None:
+    log = parse_guard_log([b"3 2 1", b"165=1 1024=1", _guard_line(1, 165, 7) + b"\njunk\n"])
+    assert (log.next, log.total, log.lost, log.counts) == (3, 2, 1, {165: 1, 1024: 1})
+    assert [(seq, d.syscall, d.pid) for seq, d in log.records] == [(1, 165, 7)]
+    empty = parse_guard_log([b"1 0 0", b"", b""])
+    assert empty.counts == {} and empty.records == []
+
+
+LL_ACCESS = (
+    b'audit(1796653301.214:77): domain=1a2b3c4d5 blockers=fs.make_char path="/tmp" '
+    b'dev="tmpfs" ino=1'
+)
+
+
+def test_landlock_records_map_by_the_domain_maker() -> None:
+    """A refusal names its domain only; the domain's record names the process that made it,
+    whose loginuid names the sandbox (here: this process's own)."""
+    with open("/proc/self/loginuid") as f:
+        own = int(f.read())
+    domain = f'audit(1796653301.214:78): domain=1a2b3c4d5 status=allocated mode=enforcing pid={os.getpid()} uid=0 exe="/x" comm="x"'.encode()
+    access = parse_landlock(1423, LL_ACCESS)
+    made = parse_landlock(1424, domain)
+    assert access is not None and made is not None
+    assert (access.kind, access.domain, access.blockers, access.object) == (
+        "access",
+        0x1A2B3C4D5,
+        "fs.make_char",
+        "path=/tmp",
+    )
+    assert (made.kind, made.pid) == ("domain", os.getpid())
+    assert parse_landlock(1424, b"audit(1.2:3): domain=1a status=deallocated denials=1") is None
+    audit = EdgeAudit(AuditSettings(enabled=True, entries_cap=8))
+    rt = _Rt()
+    rt.audit_id = lambda handle: own  # type: ignore[method-assign]
+    audit.sandbox_added("sb-l", "k1", "fncall", None, rt, Handle("sb-l", {"auid": own}))  # type: ignore[arg-type]
+    audit._on_landlock([access])  # its domain is not known yet: it waits
+    assert audit.recorder.summary("sb-l").total == 0
+    audit._on_landlock([made, access])
+    rep = audit.recorder.report("sb-l")
+    assert rep.counts == {"landlock.fs.make_char": 2} and rep.evidence
+    assert "path=/tmp" in rep.entries[0].detail

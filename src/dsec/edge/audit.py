@@ -48,6 +48,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsec.config import env_choice
 from dsec.errors import DsecError, PathOutsideSandbox
 from dsec.models import (
     EVIDENCE_CATEGORIES,
@@ -56,14 +57,19 @@ from dsec.models import (
     AuditSummary,
     ExecResult,
 )
+from dsec.privileged.landlock import landlock_abi
 from dsec.privileged.seccomp_log import (
+    GUARD_OTHER_NR,
+    GuardLog,
+    LandlockDenial,
     SeccompDenial,
     SeccompRecords,
     audit_on,
+    enable_kernel_audit,
     process_facts,
     syscall_name,
 )
-from dsec.runtimes.base import Audited, Handle, Networked, Runtime
+from dsec.runtimes.base import Audited, GuardAudited, Handle, Networked, Runtime
 
 __all__ = [
     "AuditRecorder",
@@ -350,23 +356,46 @@ class EdgeAudit:
         """Refusals of :data:`FALLBACK_SYSCALLS` seen (not recorded: no evidence)."""
         self.seccomp_status = "off" if not self.recorder.enabled else "not started"
         """``listening`` or why the node gets no seccomp records."""
+        self._guard_seen: dict[str, int] = {}
+        """Per sandbox of a guarded tier: the number of the last guard record read."""
+        self.landlock_status = "off" if not self.recorder.enabled else "not started"
+        """``listening`` or why the node gets no Landlock records."""
+        self._domains: OrderedDict[int, str] = OrderedDict()
+        """Landlock domain id -> the sandbox whose process made it (newest 4096)."""
+        self._unplaced: deque[LandlockDenial] = deque(maxlen=256)
+        """Landlock refusals whose domain's record has not come yet."""
 
     @property
     def enabled(self) -> bool:
         return self.recorder.enabled
 
-    def start(self, wants_seccomp: bool) -> None:
-        """Start the seccomp listener if a tier logs its refusals (``wants_seccomp``)."""
+    def start(self, wants_seccomp: bool, landlock: bool = False) -> None:
+        """Start the seccomp listener if a tier logs its refusals (``wants_seccomp``), and
+        with ``landlock`` (a tier whose Landlock domains log theirs) take Landlock's records
+        too where the kernel has them (6.15+), enabling the kernel's audit if it is not
+        (:func:`~dsec.privileged.seccomp_log.enable_kernel_audit`; ``DSEC_AUDIT_LANDLOCK=off``
+        leaves the kernel's audit as it is and records none)."""
         if not self.enabled or not wants_seccomp or self._seccomp is not None:
             return
-        reader = SeccompRecords(self._on_seccomp)
+        reader = SeccompRecords(self._on_seccomp, self._on_landlock)
         why = reader.start()
         if why is not None:
-            self.seccomp_status = why
+            self.seccomp_status = self.landlock_status = why
             log.warning("seccomp refusals will not be recorded: %s", why)
             return
         self._seccomp = reader
         self.seccomp_status = "listening"
+        if not landlock:
+            self.landlock_status = "no tier logs Landlock refusals"
+        elif env_choice("DSEC_AUDIT_LANDLOCK", ("on", "off")) == "off":
+            self.landlock_status = "off (DSEC_AUDIT_LANDLOCK)"
+        elif landlock_abi() < 7:
+            self.landlock_status = "the kernel has no Landlock audit (Linux 6.15+, ABI 7)"
+        else:
+            why = enable_kernel_audit()
+            self.landlock_status = "listening" if why is None else why
+        if self.landlock_status != "listening" and landlock:
+            log.warning("Landlock refusals will not be recorded: %s", self.landlock_status)
 
     def close(self) -> None:
         if self._seccomp is not None:
@@ -402,6 +431,7 @@ class EdgeAudit:
             self._auid_of[sandbox_id] = auid
 
     def _unbind(self, sandbox_id: str) -> None:
+        self._guard_seen.pop(sandbox_id, None)
         auid = self._auid_of.pop(sandbox_id, None)
         if auid is not None and self._by_auid.get(auid) == sandbox_id:
             del self._by_auid[auid]
@@ -478,6 +508,13 @@ class EdgeAudit:
                 self.recorder.sample(
                     sandbox_id, "limits", kind, "", value, _LIMIT_TEXT.get(kind, kind)
                 )
+        if isinstance(rt, GuardAudited):
+            try:
+                guard = await rt.guard_log(handle, self._guard_seen.get(sandbox_id, 0))
+            except Exception:
+                guard = None
+            if guard is not None:
+                self._record_guard(sandbox_id, guard)
         if network and isinstance(rt, Networked):
             try:
                 stats = await rt.network_stats(handle)
@@ -531,6 +568,78 @@ class EdgeAudit:
                 "DNS queries dropped by the sandbox's rate limit",
             )
 
+    def _record_guard(self, sandbox_id: str, guard: GuardLog) -> None:
+        """A VM guard's refusals read from the guest: each system call's count is a sampled
+        counter (its increase is recorded exactly); the new records the guest kept give
+        that increase its processes (one entry per process and call), the rest of it is
+        one entry without one (a flood outran the guest's ring of details)."""
+        rec = self.recorder._live.get(sandbox_id)
+        if rec is None:
+            return
+        self._guard_seen[sandbox_id] = max(self._guard_seen.get(sandbox_id, 0), guard.next - 1)
+        shown: dict[int, Counter[tuple[int, str, str]]] = {}
+        first: dict[tuple[int, int, str, str], SeccompDenial] = {}
+        for _, d in guard.records:
+            nr = d.syscall if d.arch == _AUDIT_ARCH_X86_64 else GUARD_OTHER_NR
+            who = (d.pid, d.comm, d.exe)
+            shown.setdefault(nr, Counter())[who] += 1
+            first.setdefault((nr, *who), d)
+        for nr, total in sorted(guard.counts.items()):
+            slot = f"guard.{nr}"
+            before = rec.baselines.get(slot, 0)
+            rec.baselines[slot] = total
+            delta = total - before if total >= before else total
+            if delta <= 0:
+                continue
+            name = "foreign_arch" if nr == GUARD_OTHER_NR else syscall_name(_AUDIT_ARCH_X86_64, nr)
+            if name in FALLBACK_SYSCALLS:
+                self.fallbacks += delta
+                continue
+            why = f"{name}() refused by the guest's guard (its seccomp filter)"
+            for (pid, comm, exe), n in (shown.get(nr) or Counter()).items():
+                n = min(n, delta)
+                if n <= 0:
+                    break
+                d = first[(nr, pid, comm, exe)]
+                detail = f"{why}, guest pid {pid}"
+                self.recorder.record(
+                    sandbox_id, "guard", name, detail, comm=comm or None, exe=exe or None,
+                    count=n, ts=d.ts,
+                )  # fmt: skip
+                delta -= n
+            if delta > 0:
+                self.recorder.record(
+                    sandbox_id, "guard", name, f"{why}; the guest kept no details", count=delta
+                )
+
+    def _on_landlock(self, batch: list[LandlockDenial]) -> None:
+        """Landlock's records: a domain's record names the process that made it (a worker's
+        agent, alive while its sandbox is), whose loginuid names the sandbox; a refusal
+        names only its domain. Refusals whose domain is not known yet wait (bounded)."""
+        for d in batch:
+            if d.kind != "domain":
+                continue
+            try:
+                with open(f"/proc/{d.pid}/loginuid", "rb") as f:
+                    sid = self._by_auid.get(int(f.read() or b"-1"))
+            except (OSError, ValueError):
+                sid = None
+            if sid is not None:
+                self._domains[d.domain] = sid
+                while len(self._domains) > 4096:
+                    self._domains.popitem(last=False)
+        pending = [*self._unplaced, *(d for d in batch if d.kind == "access")]
+        self._unplaced.clear()
+        for d in pending:
+            sid = self._domains.get(d.domain)
+            if sid is None:
+                self._unplaced.append(d)
+                continue
+            where = f": {d.object}" if d.object else ""
+            self.recorder.record(
+                sid, "landlock", d.blockers, f"{d.blockers} refused by Landlock{where}", ts=d.ts
+            )
+
     def _on_seccomp(self, batch: list[SeccompDenial]) -> None:
         for d in batch:
             sid = self._by_auid.get(d.auid)
@@ -568,18 +677,28 @@ class EdgeAudit:
             if isinstance(rt, Audited) and self.seccomp_status == "listening"
             else ""
         )
+        landlock = (
+            "kernel Landlock records (audit netlink)"
+            if getattr(rt, "log_landlock", False) and self.landlock_status == "listening"
+            else ""
+        )
         return {
             "syscall": seccomp,
+            "landlock": landlock,
             "files": "the files API's refusals",
             "network": "policy drops per destination (sampled)"
             if isinstance(rt, Networked)
             else "",
             "dns": "the resolver's refusals (sampled)" if isinstance(rt, Networked) else "",
-            "guard": "",
+            "guard": "the guest's seccomp records (sampled)"
+            if isinstance(rt, GuardAudited)
+            else "",
             "limits": "exec time-outs and output caps"
             + (", cgroup OOM kills and pids limit (sampled)" if isinstance(rt, Audited) else ""),
         }
 
+
+_AUDIT_ARCH_X86_64 = 0xC000003E
 
 FALLBACK_SYSCALLS: frozenset[str] = frozenset({"clone3"})
 """Refused on purpose so that the C library falls back to a call the filter can inspect

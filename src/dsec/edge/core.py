@@ -200,7 +200,10 @@ class EdgeCore:
             if isinstance(rt, ExitReporting):
                 rt.on_exit(self._sandbox_ended)
             await rt.start()
-        self.audit.start(any(getattr(rt, "log_denials", False) for rt in self.runtimes.values()))
+        self.audit.start(
+            any(getattr(rt, "log_denials", False) for rt in self.runtimes.values()),
+            landlock=any(getattr(rt, "log_landlock", False) for rt in self.runtimes.values()),
+        )
         await self.reconcile()
         for rt in self.runtimes.values():
             if isinstance(rt, Reconciling):

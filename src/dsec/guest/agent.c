@@ -57,6 +57,7 @@
 #include <limits.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
+#include <linux/netlink.h>
 #include <linux/random.h>
 #include <linux/sched.h> /* struct clone_args, CLONE_INTO_CGROUP, CLONE_NEW* */
 #include <linux/seccomp.h>
@@ -107,6 +108,7 @@ enum {
     OP_TCP_CLOSE = 23,
     OP_TCP_ACK = 24,
     OP_TCP_EOF = 25,
+    OP_AUDIT = 30,
     OP_OK = 100,
     OP_ERR = 101,
     OP_OUT = 102,
@@ -996,6 +998,135 @@ static void load_guard(void) {
     policy_error[0] = 0;
 }
 
+/* ------------------------------------------------------------------ the guard's refusals
+ *
+ * Evidence of cheating (docs/cheating.md): every guarded command's filter is installed with
+ * SECCOMP_FILTER_FLAG_LOG, so the guest kernel reports each call it refuses as an audit
+ * record (type 1326: pid, comm, exe, syscall, the action) on the audit netlink socket's
+ * read-only log group (no auditd, audit need not be enabled). The agent reads them and keeps,
+ * for the host, the exact number per system call and the text of the newest GUARD_LOG_MAX
+ * records, numbered from 1. AUDIT "after" answers OK with three args: "next total lost"
+ * (the number the next record gets, every record counted, receive-buffer overflows), the
+ * counts "nr=count ..." (the last slot, GUARD_NR_OTHER, any number above it), and the kept
+ * records numbered above "after", one a line: "seq text". A flood costs the guest a fixed
+ * amount of memory; the host reads the counts exactly and the details it has not seen. */
+#define GUARD_LOG_MAX 64
+#define GUARD_LOG_TEXT 480
+#define GUARD_NR_OTHER 1024
+#define AUDIT_SECCOMP_RECORD 1326
+static struct {
+    uint64_t seq;
+    char text[GUARD_LOG_TEXT];
+} guard_log[GUARD_LOG_MAX];
+static uint64_t guard_log_next = 1;
+static uint64_t guard_counts[GUARD_NR_OTHER + 1];
+static uint64_t guard_total, guard_lost;
+static int audit_fd = -1;
+
+static void open_guard_log(void) {
+    if (!guard_filter.len) return; /* no guard, no filter: nothing to report */
+    int fd = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC | SOCK_NONBLOCK, NETLINK_AUDIT);
+    if (fd < 0) {
+        fprintf(stderr, "dsec-agent: no audit socket, the guard's refusals are not reported: %s\n", strerror(errno));
+        return;
+    }
+    int size = 1 << 20;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &size, sizeof size);
+    struct sockaddr_nl sa = {.nl_family = AF_NETLINK, .nl_groups = 1 /* AUDIT_NLGRP_READLOG */};
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        fprintf(stderr, "dsec-agent: cannot join the audit log group: %s\n", strerror(errno));
+        close(fd);
+        return;
+    }
+    audit_fd = fd;
+}
+
+static void guard_log_record(const char *text, size_t n) {
+    const char *sc = memmem(text, n, " syscall=", 9);
+    long nr = sc ? strtol(sc + 9, NULL, 10) : -1;
+    if (!memmem(text, n, " arch=c000003e", 14)) nr = -1; /* another architecture: "other" */
+    guard_counts[nr >= 0 && nr < GUARD_NR_OTHER ? nr : GUARD_NR_OTHER]++;
+    guard_total++;
+    uint64_t seq = guard_log_next++;
+    size_t slot = (size_t)(seq % GUARD_LOG_MAX), k = n < GUARD_LOG_TEXT - 1 ? n : GUARD_LOG_TEXT - 1;
+    guard_log[slot].seq = seq;
+    memcpy(guard_log[slot].text, text, k);
+    guard_log[slot].text[k] = 0;
+    for (size_t i = 0; i < k; i++) /* one record a line */
+        if (guard_log[slot].text[i] == '\n') guard_log[slot].text[i] = ' ';
+}
+
+/* Read every record waiting on the audit socket. */
+static void read_guard_log(void) {
+    static char buf[16384];
+    if (audit_fd < 0) return;
+    for (int round = 0; round < 1024; round++) {
+        ssize_t got = recv(audit_fd, buf, sizeof buf - 1, 0);
+        if (got < 0) {
+            if (errno == ENOBUFS) {
+                guard_lost++;
+                continue;
+            }
+            return; /* EAGAIN: drained */
+        }
+        size_t off = 0;
+        while (off + NLMSG_HDRLEN <= (size_t)got) {
+            struct nlmsghdr h;
+            memcpy(&h, buf + off, sizeof h);
+            if (h.nlmsg_len < NLMSG_HDRLEN || off + h.nlmsg_len > (size_t)got) break;
+            if (h.nlmsg_type == AUDIT_SECCOMP_RECORD) {
+                size_t n = h.nlmsg_len - NLMSG_HDRLEN;
+                const char *text = buf + off + NLMSG_HDRLEN;
+                while (n > 0 && text[n - 1] == 0) n--;
+                guard_log_record(text, n);
+            }
+            off += NLMSG_ALIGN(h.nlmsg_len);
+        }
+    }
+}
+
+/* A new sandbox (SETUP's "new sandbox" flag): what a template or the parent of a fork
+ * was refused is not its evidence. Record numbers go on. */
+static void reset_guard_log(void) {
+    read_guard_log();
+    memset(guard_counts, 0, sizeof guard_counts);
+    guard_total = guard_lost = 0;
+    for (int i = 0; i < GUARD_LOG_MAX; i++) guard_log[i].seq = 0;
+}
+
+static void do_audit(uint32_t id, int nargs, struct arg *a) {
+    uint64_t after = nargs > 0 ? arg_num(&a[0], 0) : 0;
+    read_guard_log();
+    char head[96];
+    snprintf(head, sizeof head, "%llu %llu %llu", (unsigned long long)guard_log_next,
+             (unsigned long long)guard_total, (unsigned long long)guard_lost);
+    size_t cap = 64 + GUARD_LOG_MAX * (GUARD_LOG_TEXT + 24);
+    char *counts = malloc(cap), *records = malloc(cap);
+    if (!counts || !records) {
+        free(counts);
+        free(records);
+        send_err(id, ENOMEM, "audit");
+        return;
+    }
+    size_t cn = 0, rn = 0;
+    counts[0] = records[0] = 0;
+    for (int nr = 0; nr <= GUARD_NR_OTHER && cn + 48 < cap; nr++)
+        if (guard_counts[nr])
+            cn += (size_t)snprintf(counts + cn, cap - cn, "%s%d=%llu", cn ? " " : "", nr,
+                                   (unsigned long long)guard_counts[nr]);
+    uint64_t first = guard_log_next > GUARD_LOG_MAX ? guard_log_next - GUARD_LOG_MAX : 1;
+    if (first <= after) first = after + 1;
+    for (uint64_t seq = first; seq < guard_log_next && rn + GUARD_LOG_TEXT + 24 < cap; seq++) {
+        size_t slot = (size_t)(seq % GUARD_LOG_MAX);
+        if (guard_log[slot].seq != seq) continue;
+        rn += (size_t)snprintf(records + rn, cap - rn, "%llu %s\n", (unsigned long long)seq, guard_log[slot].text);
+    }
+    struct arg out[3] = {str_arg(head), {counts, (uint32_t)cn}, {records, (uint32_t)rn}};
+    send_frame(id, OP_OK, 3, out);
+    free(counts);
+    free(records);
+}
+
 /* What nsinit tells the agent once the namespaces are built (or why they are not). */
 struct ns_report {
     int err;     /* errno of the step that failed, 0 */
@@ -1302,7 +1433,8 @@ static void restart_tty(void);
 static void do_setup(uint32_t id, int nargs, struct arg *a) {
     /* args: unix time ns, random seed, hostname, writable layer MiB (0 = keep)
      *       [, pids limit of the commands (0 = keep) [, their memory limit in MiB (0 = keep)
-     *       [, full guest: "1" (commands without the guard), "0" (with it), "" (keep)]]] */
+     *       [, full guest: "1" (commands without the guard), "0" (with it), "" (keep)
+     *       [, new sandbox: "1" (the guard's refusals so far are forgotten)]]]] */
     if (nargs < 4) {
         send_err(id, EINVAL, "setup needs time, seed, hostname, disk_mb");
         return;
@@ -1322,6 +1454,7 @@ static void do_setup(uint32_t id, int nargs, struct arg *a) {
             restart_tty();
         }
     }
+    if (nargs > 7 && a[7].n > 0 && a[7].p[0] == '1') reset_guard_log();
     char *t = arg_str(&a[0]);
     long long ns = t ? strtoll(t, NULL, 10) : 0;
     free(t);
@@ -1563,7 +1696,9 @@ static int command_child(void *arg) {
             return child_fail("guard: landlock rule");
         if (command_domain_fd >= 0 && syscall(SYS_landlock_restrict_self, command_domain_fd, 0) < 0)
             return child_fail("guard: landlock");
-        if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &guard_filter, 0, 0) < 0) return child_fail("guard: seccomp");
+        /* logged: the guest kernel reports each refusal (the guard's refusals, above) */
+        if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, audit_fd >= 0 ? SECCOMP_FILTER_FLAG_LOG : 0, &guard_filter) < 0)
+            return child_fail("guard: seccomp");
     }
     int err;
     if (cx->exe_fd >= 0) {
@@ -2152,6 +2287,9 @@ static void dispatch(uint32_t id, uint16_t op, int nargs, struct arg *a) {
     case OP_EXEC:
         do_exec(id, nargs, a);
         break;
+    case OP_AUDIT:
+        do_audit(id, nargs, a);
+        break;
     case OP_SIGNAL: {
         if (nargs < 2) {
             send_err(id, EINVAL, "signal needs exec id, signo");
@@ -2380,6 +2518,7 @@ int main(int argc, char **argv) {
         }
     }
     load_guard();
+    open_guard_log();
     make_command_domain();
     loopback_up();
     for (int i = 0; i < MAX_STREAMS; i++) streams[i].fd = -1;
@@ -2403,15 +2542,21 @@ int main(int argc, char **argv) {
     }
     spawn_tty();
 
-    struct pollfd pfds[2 + 3 * MAX_EXECS + MAX_STREAMS];
-    struct exec_state *owner[2 + 3 * MAX_EXECS + MAX_STREAMS];
-    struct tcp_stream *stream_of[2 + 3 * MAX_EXECS + MAX_STREAMS];
-    int which[2 + 3 * MAX_EXECS + MAX_STREAMS];
+    struct pollfd pfds[3 + 3 * MAX_EXECS + MAX_STREAMS];
+    struct exec_state *owner[3 + 3 * MAX_EXECS + MAX_STREAMS];
+    struct tcp_stream *stream_of[3 + 3 * MAX_EXECS + MAX_STREAMS];
+    int which[3 + 3 * MAX_EXECS + MAX_STREAMS];
     int port_idle = 0;
     for (;;) {
         int n = 0;
         pfds[n] = (struct pollfd){sfd, POLLIN, 0};
         owner[n++] = NULL;
+        int audit_idx = -1;
+        if (audit_fd >= 0) {
+            audit_idx = n;
+            pfds[n] = (struct pollfd){audit_fd, POLLIN, 0};
+            owner[n++] = NULL;
+        }
         int port_idx = -1;
         if (!port_idle) {
             port_idx = n;
@@ -2471,6 +2616,8 @@ int main(int argc, char **argv) {
                 while (read(sfd, &si, sizeof si) > 0) {
                 }
                 reap();
+            } else if (i == audit_idx) {
+                read_guard_log();
             } else if (i == port_idx) {
                 if (pfds[i].revents & POLLIN) {
                     if (!read_port()) port_idle = 1;

@@ -14,7 +14,7 @@ Example::
     confine(read_only=["/"], writable=["/work", "/tmp"], abi=abi)
 
 ABI levels used: 1 (base fs rights), 2 (REFER), 3 (TRUNCATE), 5 (IOCTL_DEV),
-6 (scopes: abstract unix sockets, signals).
+6 (scopes: abstract unix sockets, signals), 7 (audit: ``log_new_exec``, Linux 6.15).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ ACCESS_FS_TRUNCATE = 1 << 14  # ABI 3
 ACCESS_FS_IOCTL_DEV = 1 << 15  # ABI 5
 SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
 SCOPE_SIGNAL = 1 << 1  # ABI 6
+RESTRICT_SELF_LOG_NEW_EXEC_ON = 1 << 1  # ABI 7
 
 FS_READ = ACCESS_FS_EXECUTE | ACCESS_FS_READ_FILE | ACCESS_FS_READ_DIR
 """Rights granted on read-only paths: execute, read files, list directories."""
@@ -219,10 +220,10 @@ def new_domain_ruleset(abi: int | None = None) -> int:
     return fd
 
 
-def restrict_self(ruleset_fd: int) -> None:
+def restrict_self(ruleset_fd: int, flags: int = 0) -> None:
     """Apply a ruleset to the calling thread (sets ``PR_SET_NO_NEW_PRIVS`` first)."""
     _check(int(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)), "no_new_privs")
-    _check(int(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, 0)), "restrict_self")
+    _check(int(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, flags)), "restrict_self")
 
 
 def confine(
@@ -231,16 +232,20 @@ def confine(
     devices: list[str] | None = None,
     abi: int | None = None,
     scope_ipc: bool = True,
+    log: bool = False,
 ) -> int:
     """Restrict the calling process (and its future children) to the given paths.
 
-    Same arguments as :func:`build_ruleset`. Returns the ABI used; raises
-    :class:`LandlockError` when Landlock is unavailable or a syscall fails.
+    Same arguments as :func:`build_ruleset`; with ``log`` (and ABI 7, Linux 6.15+) the
+    kernel's audit records every refusal, also of the programs executed later (by default
+    only those of the process that restricted itself are: ``LOG_NEW_EXEC_ON``), when the
+    kernel's audit is enabled. Returns the ABI used; raises :class:`LandlockError` when
+    Landlock is unavailable or a syscall fails.
     """
     abi = landlock_abi() if abi is None else abi
     fd = build_ruleset(read_only, writable, devices, abi, scope_ipc)
     try:
-        restrict_self(fd)
+        restrict_self(fd, RESTRICT_SELF_LOG_NEW_EXEC_ON if log and abi >= 7 else 0)
     finally:
         os.close(fd)
     return abi

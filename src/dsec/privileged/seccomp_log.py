@@ -27,6 +27,13 @@ itself (the kernel formats them in its context).
 
 Cost: nothing for the calls a filter allows (the flag is only read when a call is refused);
 the listener sleeps until a record comes.
+
+Landlock's refusals (Linux 6.15+, Landlock ABI 7) come on the same socket as records of
+type 1423 (``AUDIT_LANDLOCK_ACCESS``: the domain's id and what it refused, no process) and,
+at a domain's first refusal, 1424 (``AUDIT_LANDLOCK_DOMAIN``: the node pid of the process
+that made the domain). Unlike seccomp's, they come only while the kernel's audit is
+*enabled*: :func:`enable_kernel_audit` enables it, after a ``never,task`` rule so that no
+process pays for system-call auditing (what auditd's default rules do too).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import ctypes.util
 import errno
 import hashlib
 import logging
+import os
 import re
 import socket
 import struct
@@ -48,10 +56,17 @@ from dataclasses import dataclass, replace
 from dsec.config import env_choice
 
 __all__ = [
+    "GUARD_OTHER_NR",
+    "GuardLog",
+    "LandlockDenial",
     "SeccompDenial",
     "SeccompRecords",
     "audit_id_of",
     "audit_on",
+    "enable_kernel_audit",
+    "kernel_audit_enabled",
+    "parse_guard_log",
+    "parse_landlock",
     "parse_record",
     "process_facts",
     "syscall_name",
@@ -62,6 +77,10 @@ log = logging.getLogger("dsec.audit")
 NETLINK_AUDIT = 9
 AUDIT_NLGRP_READLOG = 1
 AUDIT_SECCOMP = 1326
+AUDIT_LANDLOCK_ACCESS = 1423
+AUDIT_LANDLOCK_DOMAIN = 1424
+_AUDIT_GET, _AUDIT_SET, _AUDIT_ADD_RULE = 1000, 1001, 1011
+_NLMSG_ERROR = 2
 _RCVBUF_BYTES = 4 << 20
 _BATCH = 1024  # records read per wake-up at most (the loop gets control back between)
 _NO_AUID = 4294967295
@@ -131,6 +150,141 @@ def parse_record(payload: bytes) -> SeccompDenial | None:
         return None
 
 
+GUARD_OTHER_NR = 1024
+"""The guest agent's count slot for refusals of any other architecture (or number)."""
+
+
+@dataclass(frozen=True)
+class GuardLog:
+    """What a VM's guest agent kept of its guard's seccomp refusals (``agent.c``, "the
+    guard's refusals"; the guest kernel's own type-1326 records), as the host reads it:
+    ``counts`` the exact number per x86-64 system call number since the sandbox began
+    (:data:`GUARD_OTHER_NR`: other architectures), ``records`` the kept records numbered
+    above the ``after`` asked for, with their numbers, ``next`` the next record's number and
+    ``lost`` the times the agent's receive buffer overflowed. Pids are the guest's."""
+
+    next: int
+    total: int
+    lost: int
+    counts: dict[int, int]
+    records: list[tuple[int, SeccompDenial]]
+
+
+def parse_guard_log(args: list[bytes]) -> GuardLog:
+    """The guest agent's answer to ``AUDIT`` (three args: ``"next total lost"``, the counts
+    ``"nr=count ..."`` and the records, one ``"seq text"`` a line). Raises ValueError when
+    it is not one."""
+    if len(args) < 3:
+        raise ValueError("the guest agent's audit answer has fewer than 3 parts")
+    head = args[0].split()
+    if len(head) < 3:
+        raise ValueError(f"bad audit header {args[0][:80]!r}")
+    counts: dict[int, int] = {}
+    for item in args[1].split():
+        nr, _, n = item.partition(b"=")
+        counts[int(nr)] = int(n)
+    records: list[tuple[int, SeccompDenial]] = []
+    for line in args[2].splitlines():
+        seq, _, text = line.partition(b" ")
+        rec = parse_record(text)
+        if seq.isdigit() and rec is not None:
+            records.append((int(seq), rec))
+    return GuardLog(int(head[0]), int(head[1]), int(head[2]), counts, records)
+
+
+@dataclass(frozen=True)
+class LandlockDenial:
+    """One Landlock record: a refusal (``kind`` ``access``: ``blockers`` such as
+    ``fs.write_file``, ``object`` the path or target) or a domain's first appearance
+    (``domain``: ``pid`` the node pid of the process that made it). Domains are the
+    kernel's 64-bit ids."""
+
+    kind: str
+    domain: int
+    ts: float
+    blockers: str = ""
+    object: str = ""
+    pid: int = 0
+
+
+def parse_landlock(kind: int, payload: bytes) -> LandlockDenial | None:
+    """A type-1423 or 1424 record's text, or None when it is not one we use (a domain's
+    deallocation)."""
+    fields = dict(_FIELD.findall(payload))
+    stamp = _STAMP.search(payload)
+    ts = float(stamp.group(1)) if stamp else time.time()
+    try:
+        domain = int(fields[b"domain"], 16)
+        if kind == AUDIT_LANDLOCK_ACCESS:
+            what = [
+                f"{k.decode()}={_text(fields[k])}"
+                for k in (b"path", b"name", b"opid", b"ocomm", b"daddr", b"dest", b"lport")
+                if k in fields
+            ]
+            return LandlockDenial("access", domain, ts, _text(fields[b"blockers"]), " ".join(what))
+        if kind == AUDIT_LANDLOCK_DOMAIN and fields.get(b"status") == b"allocated":
+            return LandlockDenial("domain", domain, ts, pid=int(fields[b"pid"]))
+    except (KeyError, ValueError):
+        pass
+    return None
+
+
+def _audit_request(kind: int, body: bytes) -> int:
+    """One request to the kernel's audit (root): 0 or the errno it answered."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_AUDIT)
+    try:
+        sock.bind((0, 0))
+        sock.settimeout(2.0)
+        sock.send(struct.pack("=IHHII", 16 + len(body), kind, 1 | 4, 1, 0) + body)  # REQUEST|ACK
+        for _ in range(4):
+            data = sock.recv(65536)
+            if struct.unpack_from("=H", data, 4)[0] == _NLMSG_ERROR:
+                return -struct.unpack_from("=i", data, 16)[0]
+        return 0
+    finally:
+        sock.close()
+
+
+def kernel_audit_enabled() -> bool | None:
+    """Is the kernel's audit enabled (None: it cannot be asked)."""
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_AUDIT)
+    except OSError:
+        return None
+    try:
+        sock.bind((0, 0))
+        sock.settimeout(2.0)
+        sock.send(struct.pack("=IHHII", 16, _AUDIT_GET, 1, 1, 0))
+        data = sock.recv(65536)
+        if struct.unpack_from("=H", data, 4)[0] != _AUDIT_GET:
+            return None
+        return struct.unpack_from("=I", data, 20)[0] != 0  # struct audit_status.enabled
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def enable_kernel_audit() -> str | None:
+    """Enable the kernel's audit (needed for Landlock's records), first adding a
+    ``never,task`` rule: no task gets a system-call audit context, so no process pays for
+    auditing. A node where it is enabled already (auditd) is left as it is. Returns why it
+    is not enabled (None: it is). It stays enabled after the edge stops (other edges of the
+    node may rely on it; disable it with ``auditctl -e 0``)."""
+    state = kernel_audit_enabled()
+    if state is None:
+        return "the kernel's audit cannot be asked (no CONFIG_AUDIT or no CAP_AUDIT_CONTROL)"
+    if state:
+        return None
+    # struct audit_rule_data: flags (AUDIT_FILTER_TASK), action (AUDIT_NEVER), no fields
+    rule = struct.pack("=III", 1, 0, 0) + bytes(4 * 64 * 4) + struct.pack("=I", 0)
+    err = _audit_request(_AUDIT_ADD_RULE, rule)
+    if err not in (0, errno.EEXIST):
+        return f"cannot add the never,task audit rule: {os.strerror(err)}"
+    err = _audit_request(_AUDIT_SET, struct.pack("=10I", 1, 1, 0, 0, 0, 0, 0, 0, 0, 0))
+    return f"cannot enable the kernel's audit: {os.strerror(err)}" if err else None
+
+
 _names: dict[tuple[int, int], str] = {}
 _libseccomp: list[ctypes.CDLL | None] = []  # loaded on first use: [library or None]
 
@@ -190,8 +344,13 @@ class SeccompRecords:
     """Listens to the kernel's seccomp records on the audit multicast group and hands them,
     grouped per batch by ``(auid, syscall)``, to ``deliver`` on the event loop."""
 
-    def __init__(self, deliver: Callable[[list[SeccompDenial]], None]) -> None:
+    def __init__(
+        self,
+        deliver: Callable[[list[SeccompDenial]], None],
+        deliver_landlock: Callable[[list[LandlockDenial]], None] | None = None,
+    ) -> None:
         self._deliver = deliver
+        self._deliver_landlock = deliver_landlock
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.records = 0
@@ -232,6 +391,7 @@ class SeccompRecords:
         if sock is None:
             return
         grouped: dict[tuple[int, int], SeccompDenial] = {}
+        landlock: list[LandlockDenial] = []
         for _ in range(_BATCH):
             try:
                 data = sock.recv(65536)
@@ -255,7 +415,18 @@ class SeccompRecords:
                         key = (rec.auid, rec.syscall)
                         had = grouped.get(key)
                         grouped[key] = rec if had is None else replace(had, count=had.count + 1)
+                elif (
+                    kind in (AUDIT_LANDLOCK_ACCESS, AUDIT_LANDLOCK_DOMAIN) and len(landlock) < 4096
+                ):
+                    ll = parse_landlock(kind, data[off + 16 : off + length].rstrip(b"\0"))
+                    if ll is not None:
+                        landlock.append(ll)
                 off += (length + 3) & ~3
+        if landlock and self._deliver_landlock is not None:
+            try:
+                self._deliver_landlock(landlock)
+            except Exception:
+                log.exception("delivering Landlock records failed")
         if grouped:
             try:
                 self._deliver(list(grouped.values()))

@@ -41,6 +41,7 @@ from dsec.models import Capabilities, ExecRequest, ExecResult, FileInfo, LayerIn
 if TYPE_CHECKING:
     from dsec.contract.streams import DirectoryWatcher, InteractiveProcess, PortStream, PtySize
     from dsec.display import DisplayAction
+    from dsec.privileged.seccomp_log import GuardLog
     from dsec.runtimes.usage import SandboxUsage
 
 # Called with ("stdout"|"stderr", chunk) while a command runs.
@@ -341,6 +342,18 @@ class Audited(Protocol):
     def limit_counters(self, handle: Handle) -> dict[str, int]:
         """Cumulative ``kind -> count`` of limits hit: ``oom_kill``, ``pids_max``. Cheap and
         non-blocking (read on the event loop, also at each kill)."""
+
+
+@runtime_checkable
+class GuardAudited(Protocol):
+    """A tier whose commands a guard inside a guest confines (the VM tiers): what the guard
+    refused, as the guest kept it (:class:`~dsec.privileged.seccomp_log.GuardLog`: exact
+    counts, the newest records in detail), read by the edge's audit when it samples. Must
+    not resume a paused sandbox nor count as activity."""
+
+    async def guard_log(self, handle: Handle, after: int) -> GuardLog | None:
+        """The guard's refusals with the records numbered above ``after``; None when the
+        guest cannot say now (paused, stopped, an agent without the op)."""
 
 
 @runtime_checkable

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -317,6 +318,13 @@ class Worker:
     def cgroup_rel(self) -> str:
         return self.cgroup.rel
 
+    @property
+    def audit_id(self) -> int | None:
+        """The loginuid the worker's processes carry in the kernel's seccomp records (None:
+        its pool does not log refusals)."""
+        base = self.pool.audit_base
+        return None if base is None else seccomp_module.worker_audit_id(base, self.wid)
+
     def _on_readable(self) -> None:
         try:
             data = self.sock.recv(65536)  # below malloc's mmap threshold: no fresh pages per call
@@ -447,6 +455,7 @@ class WorkerPool:
         bin_dir: Path,
         cgroup_prefix: str,
         bash_script: str = "/work/main.sh",
+        log_denials: bool = False,
     ) -> None:
         self.name = name
         self.layer_files = layer_files
@@ -476,6 +485,9 @@ class WorkerPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._zygote_ready: asyncio.Future[dict[str, Any]] | None = None
         self._retire_task: asyncio.Task[None] | None = None
+        self.audit_base: int | None = secrets.randbits(30) if log_denials else None
+        """With ``log_denials``: where the workers' audit ids start (:attr:`Worker.audit_id`;
+        their seccomp filters then report each refusal)."""
 
     @property
     def closed(self) -> bool:
@@ -611,6 +623,7 @@ class WorkerPool:
             "fsize_bytes": c.fsize_mb << 20,
             "env": c.env,
             "spawn": SPAWN_PATH,
+            "audit_base": self.audit_base,
         }
 
     async def close(self) -> None:

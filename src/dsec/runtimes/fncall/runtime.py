@@ -33,6 +33,7 @@ from dsec.errors import (
 )
 from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import cgroup, host_layout, prepare
+from dsec.privileged.seccomp_log import audit_on
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.fncall.files import WorkerFiles
 from dsec.runtimes.fncall.languages import LanguageSpec
@@ -92,6 +93,12 @@ class FncallRuntime:
         self._next_exec_id = 1
         self._unavailable: str | None = None
         self._started = False
+        self.log_denials = audit_on()
+        """The workers' seccomp filters report each refusal, under a loginuid per worker
+        (:attr:`~dsec.runtimes.fncall.pool.Worker.audit_id`): ``DSEC_AUDIT``."""
+        self.log_landlock = self.log_denials
+        """The workers' Landlock domains report each refusal (kernel 6.15+, audit enabled:
+        :mod:`dsec.privileged.seccomp_log`)."""
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -191,6 +198,7 @@ class FncallRuntime:
                 scratch=self.paths.home / "fncall" / "pools" / name,
                 bin_dir=self.paths.bin,
                 cgroup_prefix=self.cgroup_prefix,
+                log_denials=self.log_denials,
             )
             await pool.start()
             self._pools[key] = pool
@@ -252,7 +260,10 @@ class FncallRuntime:
         self._handles[spec.id] = w
         self._exec_locks[spec.id] = asyncio.Lock()
         self._env[spec.id] = dict(spec.env)
-        return Handle(id=spec.id, state={"pool": pool.name, "wid": w.wid, "pid": w.pid})
+        state: dict[str, Any] = {"pool": pool.name, "wid": w.wid, "pid": w.pid}
+        if w.audit_id is not None:
+            state["auid"] = w.audit_id
+        return Handle(id=spec.id, state=state)
 
     @staticmethod
     def _apply_limits(w: Worker, spec: SandboxSpec) -> None:
@@ -352,6 +363,22 @@ class FncallRuntime:
             )
 
         return await asyncio.to_thread(read)
+
+    # --- audit ----------------------------------------------------------------------------
+
+    def audit_id(self, handle: Handle) -> int | None:
+        """:class:`dsec.runtimes.base.Audited`: the loginuid of the sandbox's worker (set
+        when the worker was made, before any sandbox claimed it: one per worker)."""
+        auid = handle.state.get("auid")
+        return int(auid) if auid is not None else None
+
+    def limit_counters(self, handle: Handle) -> dict[str, int]:
+        """:class:`dsec.runtimes.base.Audited`: OOM kills and refused forks of the worker's
+        cgroup (zeros once the worker is gone)."""
+        w = self._handles.get(handle.id)
+        if w is None:
+            return {}
+        return {"oom_kill": w.oom_kills(), "pids_max": w.cgroup.pids_max_events()}
 
     def files(self, handle: Handle) -> SandboxFiles:
         w = self._worker(handle)

@@ -10,10 +10,17 @@ falls back to ``clone``); ``ioctl`` with ``TIOCSTI``/``TIOCLINUX``/``XFS_IOC_SWA
 to ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` and ``AF_NETLINK`` (the worker's network namespace
 has only loopback). Everything else is allowed.
 
+Refusals can be reported (evidence of cheating, :mod:`dsec.edge.audit`): installed with
+``log=True`` the filter carries ``SECCOMP_FILTER_FLAG_LOG`` and the kernel emits an audit
+record (type 1326) for every call it refuses, at no cost to the calls it allows. A worker is
+forked before its sandbox is known, so it cannot carry the sandbox's audit id: it carries
+one of its own, :func:`worker_audit_id` (its agent sets its loginuid while still root), and
+the edge maps that id to the sandbox that claims the worker.
+
 Example::
 
     prog = build_filter()          # bytes of struct sock_filter[]
-    install_filter(prog)           # PR_SET_NO_NEW_PRIVS + PR_SET_SECCOMP
+    install_filter(prog, log=True) # PR_SET_NO_NEW_PRIVS + seccomp(SECCOMP_FILTER_FLAG_LOG)
 """
 
 from __future__ import annotations
@@ -23,7 +30,13 @@ import errno
 import os
 import struct
 
-__all__ = ["DENIED_IOCTLS", "DENIED_SYSCALLS", "build_filter", "install_filter"]
+__all__ = [
+    "DENIED_IOCTLS",
+    "DENIED_SYSCALLS",
+    "build_filter",
+    "install_filter",
+    "worker_audit_id",
+]
 
 AUDIT_ARCH_X86_64 = 0xC000003E
 X32_SYSCALL_BIT = 0x40000000
@@ -175,14 +188,30 @@ def build_filter() -> bytes:
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_SECCOMP = 22
 SECCOMP_MODE_FILTER = 2
+SYS_SECCOMP = 317
+SECCOMP_SET_MODE_FILTER = 1
+SECCOMP_FILTER_FLAG_LOG = 2
+
+WORKER_AUDIT_IDS = 1 << 31
+"""Workers' audit ids lie in ``[2^31, 2^31 + 2^30)``: above any real user's uid, apart from
+the container tier's (``[2^30, 2^31)``, :func:`dsec.privileged.seccomp_log.audit_id_of`)
+and never the unset value (``2^32 - 1``)."""
+
+
+def worker_audit_id(base: int, wid: int) -> int:
+    """The loginuid of worker ``wid`` of a pool whose ids start at ``base`` (30 random bits
+    per pool: two servers on one node, each with its own pools, do not share ids)."""
+    return WORKER_AUDIT_IDS | ((base + wid) & ((1 << 30) - 1))
 
 
 class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def install_filter(prog: bytes) -> None:
-    """Load ``prog`` as a seccomp filter on the calling thread (inherited by children).
+def install_filter(prog: bytes, log: bool = False) -> None:
+    """Load ``prog`` as a seccomp filter on the calling thread (inherited by children);
+    with ``log``, every call it refuses is also reported to the kernel's audit stream
+    (``SECCOMP_FILTER_FLAG_LOG``, Linux 4.14+).
 
     Raises OSError when the kernel refuses it.
     """
@@ -192,6 +221,14 @@ def install_filter(prog: bytes) -> None:
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"PR_SET_NO_NEW_PRIVS: {os.strerror(err)}")
+    if log:
+        libc.syscall.restype = ctypes.c_long
+        flags = ctypes.c_uint(SECCOMP_FILTER_FLAG_LOG)
+        rc = libc.syscall(SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, flags, ctypes.byref(fprog))
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"seccomp(SECCOMP_FILTER_FLAG_LOG): {os.strerror(err)}")
+        return
     if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"PR_SET_SECCOMP: {os.strerror(err)}")

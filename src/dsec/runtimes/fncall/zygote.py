@@ -491,6 +491,18 @@ def _protect_from_oom() -> None:
         f.write("-17")
 
 
+def _set_audit_id(auid: int) -> None:
+    """Set this worker's loginuid (root's CAP_AUDIT_CONTROL, before the privileges go): the
+    kernel's records of the seccomp refusals of every process of the worker carry it, and
+    none of them can change it. Without it (an immutable loginuid on the node) the records
+    are not attributed; the worker runs as before."""
+    try:
+        with open("/proc/self/loginuid", "w") as f:
+            f.write(str(auid))
+    except OSError as e:
+        print(f"zygote: cannot set the worker's audit id: {e}", file=sys.stderr)
+
+
 def _on_sigchld(_signo: int, _frame: object) -> None:
     """SIGCHLD handler: nothing to do; the signal's wake-up fd byte is what matters."""
 
@@ -619,6 +631,8 @@ class Agent:
         _mark("cgroup")
         _mount_scratch(cfg["scratch"], uid, gid)
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        if cfg.get("audit_base") is not None:
+            _set_audit_id(_seccomp.worker_audit_id(int(cfg["audit_base"]), self.wid))
         if cfg.get("spawn"):  # every command raises its own (fncall_spawn)
             _protect_from_oom()
         _mark("mounts")
@@ -641,6 +655,7 @@ class Agent:
                 + ([self.cg_fd] if self.cg_fd >= 0 else []),
                 devices=["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"],
                 abi=self.z.landlock_abi,
+                log=cfg.get("audit_base") is not None,
             )
         # descriptors: only the server socket survives, as fd 3; 0-2 are /dev/null
         os.dup2(self.sock.fileno(), 3)
@@ -667,7 +682,7 @@ class Agent:
         _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
         _mark("drop+landlock")
         if self.z.seccomp_prog:
-            _seccomp.install_filter(self.z.seccomp_prog)
+            _seccomp.install_filter(self.z.seccomp_prog, log=cfg.get("audit_base") is not None)
         _mark("seccomp")
         warm = cfg.get("warm", "none")
         if warm in ("python", "bash"):

@@ -43,6 +43,7 @@ from dsec.errors import (
     SandboxTimeout,
 )
 from dsec.models import ExecResult, FileInfo
+from dsec.privileged.seccomp_log import GuardLog, parse_guard_log
 from dsec.runtimes.base import OutputSink
 
 __all__ = ["AgentClient", "AgentOp", "AgentStream", "VMFiles"]
@@ -79,6 +80,7 @@ class AgentOp:
     TCP_CLOSE = 23
     TCP_ACK = 24
     TCP_EOF = 25
+    AUDIT = 30
     OK = 100
     ERR = 101
     OUT = 102
@@ -366,12 +368,15 @@ class AgentClient:
         pids: int = 0,
         memory_mb: int = 0,
         full_guest: bool | None = None,
+        new_sandbox: bool = False,
     ) -> None:
         """Set the guest clock to now, reseed its RNG, set the hostname, resize the writable
         layer to ``disk_mb`` MiB, cap the commands (the guest cgroup every command runs in)
         at ``pids`` processes and ``memory_mb`` MiB. 0 keeps a value as it is.
         ``full_guest``: True runs the sandbox's commands without the guard (the whole guest;
-        the agent refuses to go back), False with it, None keeps the mode."""
+        the agent refuses to go back), False with it, None keeps the mode. ``new_sandbox``:
+        the guest now serves a new sandbox (a template's clone, a fork): the guard's
+        refusals recorded so far (:meth:`guard_log`) are not its own and are forgotten."""
         mode = b"" if full_guest is None else b"1" if full_guest else b"0"
         await self.request(
             AgentOp.SETUP,
@@ -383,9 +388,20 @@ class AgentClient:
                 str(pids).encode(),
                 str(memory_mb).encode(),
                 mode,
+                b"1" if new_sandbox else b"",
             ],
             timeout_s,
         )
+
+    async def guard_log(self, after: int = 0, timeout_s: float = 5.0) -> GuardLog:
+        """The guard's seccomp refusals the guest kept (:class:`GuardLog`: exact counts per
+        system call, the records numbered above ``after``). Raises :class:`DsecError` when
+        the agent cannot answer (an agent older than the op answers ERR)."""
+        args = await self.request(AgentOp.AUDIT, [str(after).encode()], timeout_s)
+        try:
+            return parse_guard_log(args)
+        except ValueError as e:
+            raise SandboxError(f"the guest agent's audit answer: {e}") from e
 
     async def exec_raw(
         self,

@@ -80,6 +80,7 @@ from dsec.errors import (
 from dsec.guest.build import GuestArtifacts, ensure_guest_artifacts, host_tsc_khz
 from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import Cgroup, CgroupUsage, cgroup, host_layout, prepare
+from dsec.privileged.seccomp_log import GuardLog
 from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.microvm.ksm import ksmd_acquire, ksmd_release
 from dsec.runtimes.microvm.protocol import AgentClient, AgentOp, AgentStream, VMFiles
@@ -934,7 +935,8 @@ class MicroVMRuntime:
                     await self._until_ready(proc, vm.agent, self.config.restore_timeout_s, "restore",
                                             vm.agent.setup(spec.hostname, self._setup_disk_mb(spec),
                                                            pids=spec.pids, memory_mb=spec.memory_mb,
-                                                           full_guest=spec.full_guest))  # fmt: skip
+                                                           full_guest=spec.full_guest,
+                                                           new_sandbox=True))  # fmt: skip
                     self._refill_pool(tpl, spec, vcpus)
                 else:
                     await self._until_ready(
@@ -942,7 +944,7 @@ class MicroVMRuntime:
                     )
                     await vm.agent.setup(
                         spec.hostname, self._setup_disk_mb(spec), pids=spec.pids,
-                        memory_mb=spec.memory_mb, full_guest=spec.full_guest,
+                        memory_mb=spec.memory_mb, full_guest=spec.full_guest, new_sandbox=True,
                     )  # fmt: skip
                 t_ready = time.perf_counter()
                 t2 = t_ready
@@ -1230,6 +1232,21 @@ class MicroVMRuntime:
             source=source,
             host_memory_bytes=host_mem,
         )
+
+    # ------------------------------------------------------------------ audit
+
+    async def guard_log(self, handle: Handle, after: int) -> GuardLog | None:
+        """:class:`dsec.runtimes.base.GuardAudited`: the guard's seccomp refusals the guest
+        agent kept (``agent.c``, "the guard's refusals"). A paused, suspended or stopped
+        sandbox cannot answer (None: read again when it runs; the guest keeps them)."""
+        vm = self._live.get(handle.id)
+        agent = vm.agent if vm is not None and not vm.dead and not vm.paused else None
+        if agent is None or agent.closed:
+            return None
+        try:
+            return await agent.guard_log(after)
+        except DsecError:  # an agent older than the op (a template built before it)
+            return None
 
     # ------------------------------------------------------------------ pause
 
@@ -1611,7 +1628,8 @@ class MicroVMRuntime:
                 await self._until_ready(proc, agent, self.config.restore_timeout_s, "fork",
                                         agent.setup(spec.hostname, self._setup_disk_mb(spec),
                                                     pids=spec.pids, memory_mb=spec.memory_mb,
-                                                    full_guest=spec.full_guest))  # fmt: skip
+                                                    full_guest=spec.full_guest,
+                                                    new_sandbox=True))  # fmt: skip
         except BaseException as e:
             await self.destroy(handle)
             if isinstance(e, TimeoutError) and not isinstance(e, DsecError):
