@@ -201,6 +201,20 @@ def test_limits_hit_are_recorded(server: BackgroundServer) -> None:
         assert metrics.audit is not None and metrics.audit.counts == rep.counts
 
 
+def test_a_full_writable_layer_is_recorded_each_time_it_fills(server: BackgroundServer) -> None:
+    with _create(server, disk_mb=8) as sb:
+        fill = "dd if=/dev/zero of=/tmp/fill bs=1M count=64"
+        assert sb.commands.run(fill).exit_code != 0  # No space left on device
+        assert sb.audit().counts.get("limits.disk_full") == 1
+        assert sb.audit().counts.get("limits.disk_full") == 1  # still full: the same time
+        sb.commands.run("rm /tmp/fill")
+        assert sb.commands.run(fill).exit_code != 0
+        rep = sb.audit()
+        assert rep.counts.get("limits.disk_full") == 2, rep.counts
+        assert any(e.kind == "disk_full" for e in rep.entries)
+        assert not rep.evidence  # a limit, no attempt at a boundary
+
+
 def test_flood_keeps_counts_exact_and_details_capped(server: BackgroundServer) -> None:
     with _create(server) as sb:
         for _ in range(100):

@@ -710,6 +710,7 @@ evidence and are not recorded (:attr:`EdgeAudit.fallbacks` counts them)."""
 _LIMIT_TEXT = {
     "oom_kill": "a process was killed for exceeding the memory limit",
     "pids_max": "a fork was refused at the pids limit",
+    "disk_full": "the writable layer was full (its disk_mb)",
 }
 
 

@@ -340,8 +340,9 @@ class Audited(Protocol):
         """The loginuid every process of the sandbox inherits (None: not set)."""
 
     def limit_counters(self, handle: Handle) -> dict[str, int]:
-        """Cumulative ``kind -> count`` of limits hit: ``oom_kill``, ``pids_max``. Cheap and
-        non-blocking (read on the event loop, also at each kill)."""
+        """Cumulative ``kind -> count`` of limits hit: ``oom_kill``, ``pids_max``,
+        ``disk_full`` (where the tier can tell). Cheap and non-blocking (read on the event
+        loop, also at each kill)."""
 
 
 @runtime_checkable

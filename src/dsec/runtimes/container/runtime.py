@@ -130,6 +130,8 @@ class _Live:
     busy_since: int = 0  # bumped at each idle -> busy switch: a stale boost timer sees it
     paused: int = 0  # bumped at each pause and resume: a stale reclaim timer sees it
     reclaimed: bool = False  # the memory of its current pause was given back
+    disk_full: int = 0  # times its writable layer was found full (after a command, a sample)
+    disk_was_full: bool = False  # ... and whether it still was at the last look
 
 
 @dataclass
@@ -1014,10 +1016,30 @@ class ContainerRuntime:
         return int(auid) if auid is not None else None
 
     def limit_counters(self, handle: Handle) -> dict[str, int]:
-        """:class:`dsec.runtimes.base.Audited`: OOM kills and refused forks of its cgroup."""
+        """:class:`dsec.runtimes.base.Audited`: OOM kills and refused forks of its cgroup, and
+        how often its writable layer was found full (:meth:`_look_at_disk`)."""
         state = self._load_state(handle)
         cg = cgroup(state.get("cgroup") or self._cgroup_rel(handle.id))
-        return {"oom_kill": cg.oom_kills(), "pids_max": cg.pids_max_events()}
+        counters = {"oom_kill": cg.oom_kills(), "pids_max": cg.pids_max_events()}
+        live = self._live.get(handle.id)
+        if live is not None:
+            counters["disk_full"] = self._look_at_disk(handle.id, live)
+        return counters
+
+    def _look_at_disk(self, sandbox_id: str, live: _Live) -> int:
+        """Count a full writable layer (no block left of its ``disk_mb``): once per time it
+        fills up, seen after a command or when the audit samples (a tmpfs that filled and
+        emptied again between two looks is not seen). One statfs(2) of the sandbox's tmpfs,
+        a few microseconds. Returns the count."""
+        try:
+            st = os.statvfs(upper_dir(self._sandbox_dir(sandbox_id)).parent)
+        except OSError:
+            return live.disk_full
+        full = st.f_blocks > 0 and st.f_bavail == 0
+        if full and not live.disk_was_full:
+            live.disk_full += 1
+        live.disk_was_full = full
+        return live.disk_full
 
     # ------------------------------------------------------------------ exec
     async def exec(
@@ -1059,6 +1081,9 @@ class ContainerRuntime:
             raise
         finally:
             self._busy(handle, -1)
+            live = self._live.get(handle.id)
+            if live is not None:
+                self._look_at_disk(handle.id, live)
         oom_after = _oom_kills(oom_file)
         return ExecResult(
             stdout=out.stdout.decode("utf-8", errors="replace"),
