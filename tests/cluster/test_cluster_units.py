@@ -134,3 +134,167 @@ async def test_a_node_reports_only_what_changed_since_a_cursor(tmp_path: Any) ->
         assert (await other.sandbox_changes(later["cursor"]))["full"]
     finally:
         await actor.agent.close(kill_sandboxes=True)
+
+
+class _FakeActor:
+    """A Ray actor handle over an in-process :class:`EdgeActor` (``actor.method.remote(...)``
+    answers an awaitable), recording every method called. ``dies`` lists methods that fail
+    as Ray fails a call to an actor whose node died (``ActorDiedError``)."""
+
+    def __init__(self, actor: Any, dies: frozenset[str] = frozenset()) -> None:
+        self.actor = actor
+        self.dies = dies
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        import asyncio
+        from types import SimpleNamespace
+
+        from ray.exceptions import ActorDiedError
+
+        def remote(*args: Any) -> Any:
+            self.calls.append(name if name != "call" else f"call:{args[0]}")
+
+            async def run() -> Any:
+                if name in self.dies:
+                    raise ActorDiedError()
+                return await getattr(self.actor, name)(*args)
+
+            return asyncio.ensure_future(run())
+
+        return SimpleNamespace(remote=remote)
+
+
+async def _cluster_of(tmp_path: Any, names: list[str], dies: dict[str, frozenset[str]]) -> Any:
+    """A :class:`ClusterEdge` (no Ray, no registry) over in-memory edges ``names``."""
+    from dsec.cluster.actor import EdgeActor, NodeConfig
+    from dsec.cluster.edge import ClusterEdge, ClusterOptions
+    from dsec.cluster.relay import NodeHandle
+    from dsec.testing import memory_node_edge
+
+    config = NodeConfig(node_root=str(tmp_path), edge_factory="dsec.testing:memory_node_edge")
+    edge = ClusterEdge(None, config, ClusterOptions(lost_after_s=5.0, report_interval_s=0.1))
+    for name in names:
+        actor = EdgeActor(name, config)
+        actor.agent = memory_node_edge(tmp_path / name, name, config)
+        await actor.agent.start()
+        fake = _FakeActor(actor, dies.get(name, frozenset()))
+        h = NodeHandle(name=name, ray_node_id=name * 8, actor=fake)
+        h.report = await actor.report()
+        edge.nodes[name] = h
+    edge.placement.rebuild(edge._alive())
+    return edge
+
+
+async def _close(edge: Any) -> None:
+    for h in edge.nodes.values():
+        await h.actor.actor.agent.close(kill_sandboxes=True)
+
+
+def _created(edge: Any) -> int:
+    return sum(
+        c in ("create_each", "call:create_sandbox", "call:create_sandboxes")
+        for h in edge.nodes.values()
+        for c in h.actor.calls
+    )
+
+
+async def test_concurrent_single_creations_share_actor_calls(tmp_path: Any) -> None:
+    """Single creations arriving while others are in flight go to the edges together (one
+    call per node for each group), each keeping its own answer: one asking for an image
+    nobody has fails alone."""
+    import asyncio
+
+    from dsec.errors import ImageNotFound
+
+    edge = await _cluster_of(tmp_path, ["m1", "m2", "m3"], {})
+    try:
+        owner = owner_id("dsec_key")
+        reqs = [CreateSandboxRequest(cpu=0.01) for _ in range(40)]
+        reqs[17] = CreateSandboxRequest(cpu=0.01, image="nosuchimage")
+        outs = await asyncio.gather(
+            *(edge.create_sandbox(r, owner) for r in reqs), return_exceptions=True
+        )
+        assert isinstance(outs[17], ImageNotFound)
+        made = [o for i, o in enumerate(outs) if i != 17]
+        assert all(not isinstance(o, BaseException) for o in made), made
+        assert len({o.id for o in made}) == 39  # type: ignore[union-attr]
+        assert _created(edge) <= 10  # 40 one by one before
+        live = sum(h.actor.actor.agent.usage().sandboxes for h in edge.nodes.values())
+        assert live == 39
+        lone = await edge.create_sandbox(CreateSandboxRequest(cpu=0.01), owner)  # not delayed
+        assert lone.state == "running"
+    finally:
+        await _close(edge)
+
+
+async def _dies_soon(edge: Any, name: str) -> None:
+    """What the monitor does when Ray's node table says ``name`` is dead."""
+    import asyncio
+
+    await asyncio.sleep(0.3)
+    h = edge.nodes[name]
+    h.ray_dead = True
+    await edge._mark_lost(h, "node lost (Ray reported the node dead)")
+
+
+async def test_a_batch_placed_on_a_node_that_dies_is_placed_again(tmp_path: Any) -> None:
+    """A node dies with a batch's call in flight (Ray fails the call, then reports the node
+    dead): its items are created on the remaining nodes, the client sees no error, and
+    nothing is made twice."""
+    import asyncio
+
+    dead = frozenset({"call", "create_each", "ping"})
+    edge = await _cluster_of(tmp_path, ["m1", "m2", "m3"], {"m3": dead})
+    try:
+        owner = owner_id("dsec_key")
+        death = asyncio.create_task(_dies_soon(edge, "m3"))
+        res = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 60, owner)
+        await death
+        assert res.errors == [] and len(res.sandboxes) == 60
+        assert {node_of_sandbox(i.id) for i in res.sandboxes} == {"m1", "m2"}
+        assert "call:create_sandboxes" in edge.nodes["m3"].actor.calls  # it was tried there
+        live = sum(edge.nodes[n].actor.actor.agent.usage().sandboxes for n in ("m1", "m2"))
+        assert live == 60 and len({i.id for i in res.sandboxes}) == 60
+        singles = await asyncio.gather(
+            *(edge.create_sandbox(CreateSandboxRequest(cpu=0.01), owner) for _ in range(10))
+        )
+        assert all(node_of_sandbox(i.id) != "m3" for i in singles)
+    finally:
+        await _close(edge)
+
+
+async def test_single_creations_on_a_node_that_dies_are_placed_again(tmp_path: Any) -> None:
+    import asyncio
+
+    from dsec.placement import NodeUsage
+
+    dead = frozenset({"call", "create_each", "ping"})
+    edge = await _cluster_of(tmp_path, ["m1", "m3"], {"m3": dead})
+    try:
+        edge.placer.observe("m1", NodeUsage(cpu_used=250.0, memory_used=0, sandboxes=0))
+        owner = owner_id("dsec_key")
+        death = asyncio.create_task(_dies_soon(edge, "m3"))
+        made = await asyncio.gather(
+            *(edge.create_sandbox(CreateSandboxRequest(cpu=0.01), owner) for _ in range(12))
+        )
+        await death
+        assert edge.nodes["m3"].actor.calls  # tried there first
+        assert {node_of_sandbox(i.id) for i in made} == {"m1"}
+        assert edge.nodes["m1"].actor.actor.agent.usage().sandboxes == 12
+    finally:
+        await _close(edge)
+
+
+async def test_a_call_to_a_restarting_edge_is_not_placed_again(tmp_path: Any) -> None:
+    """A call Ray failed on a node whose edge then answers (a restarted edge may have made
+    the sandboxes): its items fail with the retryable ``unavailable``, never made twice."""
+    edge = await _cluster_of(tmp_path, ["m1", "m3"], {"m3": frozenset({"call"})})
+    try:
+        owner = owner_id("dsec_key")
+        res = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 40, owner)
+        on_m3 = 40 - len(res.sandboxes)
+        assert on_m3 > 0 and {e.code for e in res.errors} == {"unavailable"}
+        assert edge.nodes["m1"].actor.actor.agent.usage().sandboxes == len(res.sandboxes)
+    finally:
+        await _close(edge)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.cluster.actor import BURST_LABEL, NodeConfig, edge_names_of, ensure_edge_actor
+from dsec.cluster.coalesce import CreationCoalescer
 from dsec.cluster.migrate import move_layers
 from dsec.cluster.relay import (
     BURSTABLE_LABEL,
@@ -102,6 +103,10 @@ PREFER_NODE_LABEL = "dsec.io/prefer-node"
 """Sandbox label naming a node to try first (soft: other nodes are tried if it rejects)."""
 
 
+class _Unanswered(Exception):
+    """A creation's call went unanswered by a node not known dead (not to be re-placed)."""
+
+
 class ClusterEdge:
     """The cluster's :class:`~dsec.edge.interface.EdgeAPI`. ``ray.init`` must have been
     called; construct, ``await start()``, use, ``await close()``.
@@ -133,6 +138,11 @@ class ClusterEdge:
         self._closing = False
         self._pending_writes: list[tuple[str, SandboxInfo, asyncio.Future[None]]] = []
         self._writer: asyncio.Task[None] | None = None
+        self.coalescer = (
+            CreationCoalescer(self, self._record, self._create_tried)
+            if self.options.coalesce
+            else None
+        )
 
     @property
     def nodes(self) -> dict[str, NodeHandle]:
@@ -203,6 +213,7 @@ class ClusterEdge:
                 await self._follow(rn, name, seen)
         for h in self._alive():
             if h.name not in seen:  # gone from Ray's table altogether
+                h.ray_dead = True
                 await self._mark_lost(h, "node lost (left the Ray cluster)")
         await asyncio.gather(*(self._collect(h) for h in self._alive()))
         self.placement.rebuild(self._alive())
@@ -213,6 +224,7 @@ class ClusterEdge:
         h = self.nodes.get(name)
         if not rn.get("Alive"):
             if h is not None and h.ray_node_id == rn["NodeID"] and h.state == "alive":
+                h.ray_dead = True
                 await self._mark_lost(h, "node lost (Ray reported the node dead)")
             return
         seen.add(name)
@@ -292,8 +304,10 @@ class ClusterEdge:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.state.mark_node_lost, h.name, reason)
         # release the pinned actor: a node coming back under this name gets a new edge
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(ray.kill, h.actor, no_restart=True)
+        # (never starting a Ray instance of its own to do it)
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(ray.kill, h.actor, no_restart=True)
 
     # ------------------------------------------------------------------ calls
     # ------------------------------------------------------------------ placement
@@ -336,8 +350,27 @@ class ClusterEdge:
             return await self._create_one(req, owner)
 
     async def _create_one(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
+        if self.coalescer is not None and not req.labels.get(PREFER_NODE_LABEL):
+            return await self.coalescer.create(req, owner)
+        return await self._create_tried(req, owner)
+
+    @property
+    def _settle_s(self) -> float:
+        """How long an unanswered creation waits to learn whether its node died."""
+        return self.options.lost_after_s + 2 * self.options.report_interval_s
+
+    async def _create_tried(
+        self, req: CreateSandboxRequest, owner: str, *, exclude: frozenset[str] = frozenset()
+    ) -> SandboxInfo:
+        """One creation tried on the candidates in turn (not ``exclude``): a node's refusal
+        moves on to the next; so does a call left unanswered by a node Ray then reports
+        dead (``NodeRelay.settle``). An unanswered call to a node not known dead is
+        ``ServiceUnavailable`` (its edge may have made the sandbox)."""
         preq = self.placement.request(req)
-        candidates = self.placement.candidates(preq, prefer=req.labels.get(PREFER_NODE_LABEL))
+        candidates = self.placement.candidates(
+            preq, prefer=req.labels.get(PREFER_NODE_LABEL), exclude=exclude
+        )
+        unanswered: list[DsecError] = []
 
         async def attempt(node: str) -> tuple[SandboxInfo, None]:
             try:
@@ -345,6 +378,11 @@ class ClusterEdge:
                     node, "create_sandbox", req, owner, timeout=self.options.create_timeout_s
                 )
             except (QuotaExceeded, NodeLost, ServiceUnavailable) as e:
+                if e.details.get("unreachable") and not await self.relay.settle(
+                    node, self._settle_s
+                ):
+                    unanswered.append(e)
+                    raise _Unanswered from None
                 self.rejections_retried += 1
                 log.info("node %s did not admit a %s sandbox: %s", node, req.tier, e.message)
                 raise
@@ -359,14 +397,21 @@ class ClusterEdge:
                 )
             return last
 
-        info, _ = await self.placement.first_admitting(
-            candidates,
-            preq,
-            attempt,
-            refusals=(QuotaExceeded, NodeLost, ServiceUnavailable),
-            none_admits=none_admits,
-            admitted=lambda info: self._record(owner, info),
-        )
+        try:
+            info, _ = await self.placement.first_admitting(
+                candidates,
+                preq,
+                attempt,
+                refusals=(QuotaExceeded, NodeLost, ServiceUnavailable),
+                none_admits=none_admits,
+                admitted=lambda info: self._record(owner, info),
+            )
+        except _Unanswered:
+            e = unanswered[0]
+            raise ServiceUnavailable(
+                f"{e.message} (the sandbox may have been made there: not tried elsewhere)",
+                **e.details,
+            ) from None
         return info
 
     async def create_sandboxes(
@@ -447,6 +492,14 @@ class ClusterEdge:
                 )
                 infos, errs = list(res.sandboxes), list(res.errors)
             except DsecError as e:
+                if e.details.get("unreachable") and await self.relay.settle(
+                    node, self._settle_s
+                ):  # the node died with the call: nothing it made lives; place them again
+                    log.info("node %s died with %d creation(s) in flight", node, len(items))
+                    for i, r in items:
+                        placer.abort(r)
+                        again.append(i)
+                    return
                 infos, errs = (
                     [],
                     [
@@ -464,7 +517,12 @@ class ClusterEdge:
                     0, {"error": {"code": err.code, "message": err.message}}
                 )
 
+        again: list[int] = []  # items of calls a dying node left unanswered
         await asyncio.gather(*(on_node(node, items) for node, items in by_node.items()))
+        replaced: BatchCreateResult | None = None
+        if again:  # recorded by the inner call
+            self.rejections_retried += len(again)
+            replaced = await self._create_many(req, len(again), owner, False, preq)
         retry = (
             [i for i, e in errors.items() if isinstance(e, QuotaExceeded)]
             if not all_or_nothing
@@ -472,12 +530,18 @@ class ClusterEdge:
         )
         for i in retry:  # the edge refused: the next candidate may admit
             try:
-                made[i] = await self._create_one(req, owner)
+                made[i] = await self._create_tried(req, owner)
                 self.rejections_retried += 1
                 del errors[i]
             except DsecError as e:
                 errors[i] = e
         await asyncio.gather(*(self._record(owner, info) for info in made.values()))
+        if replaced is not None:  # identical items: any order will do
+            made.update(zip(again, replaced.sandboxes, strict=False))
+            for i, err in zip(again[len(replaced.sandboxes) :], replaced.errors, strict=False):
+                errors[i] = error_from_wire(
+                    0, {"error": {"code": err.code, "message": err.message}}
+                )
         if all_or_nothing and errors:
             for info in made.values():
                 with contextlib.suppress(DsecError):
