@@ -654,9 +654,13 @@ def run_size(args: argparse.Namespace, pg: Postgres, edges: int, base: Path) -> 
             step["idle_pg_rows_per_s"] = m.pgd["rows_written"] / m.wall
             per_client = split(args.window, args.clients)
             profiler = start_profile(args, cell, f"n{edges}-l{target}")
+            calls0 = coalesced(cell.urls)
             with Meter(acct, pg) as m:
                 res = clients.all([("create", k, args.concurrency, "w") for k in per_client])
             stop_profile(profiler)
+            calls1 = coalesced(cell.urls)
+            if calls1[0] > calls0[0]:  # creations per edge call (the replicas coalesce them)
+                step["create_per_edge_call"] = (calls1[1] - calls0[1]) / (calls1[0] - calls0[0])
             step.update(latencies(res, "create"))
             step["create_per_s"] = step["create_ok"] / m.wall
             step.update(m.per(step["create_ok"], "create"))
@@ -737,6 +741,13 @@ def _metric(url: str, prefix: str) -> float:
             if line.startswith(prefix):
                 return float(line.split()[-1])
     return float("nan")
+
+
+def coalesced(urls: list[str]) -> tuple[float, float]:
+    """(calls, single creations they carried) of the replicas' coalescing so far."""
+    calls = sum(_metric(u, "dsec_cluster_coalesced_calls_total") for u in urls)
+    items = sum(_metric(u, "dsec_cluster_coalesced_creations_total") for u in urls)
+    return (calls, items) if calls == calls else (0.0, 0.0)  # NaN: not coalescing
 
 
 def _edges_live(url: str, api_key: str) -> int:
@@ -886,7 +897,8 @@ def print_step(edges: int, s: dict[str, Any], flush: bool = False) -> None:
         f"{s['kill_cpu_ms_total']:.2f} ms | marginal create {s['create_cpu_ms_marginal']:.2f} "
         f"fill {s['fill_cpu_ms_marginal']:.2f} ms | idle "
         f"{sum(s[f'idle_cpu_per_s_{c}'] for c in COMPONENTS):.2f} cores | probe "
-        f"{s['create_host_probe_s'] * 1000:.0f} ms",
+        f"{s['create_host_probe_s'] * 1000:.0f} ms | "
+        f"{s.get('create_per_edge_call', 1.0):.1f} creations per edge call",
         flush=flush,
     )
 

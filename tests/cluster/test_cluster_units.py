@@ -141,9 +141,12 @@ class _FakeActor:
     answers an awaitable), recording every method called. ``dies`` lists methods that fail
     as Ray fails a call to an actor whose node died (``ActorDiedError``)."""
 
-    def __init__(self, actor: Any, dies: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, actor: Any, dies: frozenset[str] = frozenset(), slow: frozenset[str] = frozenset()
+    ) -> None:
         self.actor = actor
         self.dies = dies
+        self.slow = slow  # methods that answer only after an hour (a busy edge)
         self.calls: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -158,6 +161,8 @@ class _FakeActor:
             async def run() -> Any:
                 if name in self.dies:
                     raise ActorDiedError()
+                if name in self.slow:
+                    await asyncio.sleep(3600)
                 return await getattr(self.actor, name)(*args)
 
             return asyncio.ensure_future(run())
@@ -165,7 +170,13 @@ class _FakeActor:
         return SimpleNamespace(remote=remote)
 
 
-async def _cluster_of(tmp_path: Any, names: list[str], dies: dict[str, frozenset[str]]) -> Any:
+async def _cluster_of(
+    tmp_path: Any,
+    names: list[str],
+    dies: dict[str, frozenset[str]],
+    slow: dict[str, frozenset[str]] | None = None,
+    options: Any = None,
+) -> Any:
     """A :class:`ClusterEdge` (no Ray, no registry) over in-memory edges ``names``."""
     from dsec.cluster.actor import EdgeActor, NodeConfig
     from dsec.cluster.edge import ClusterEdge, ClusterOptions
@@ -173,12 +184,13 @@ async def _cluster_of(tmp_path: Any, names: list[str], dies: dict[str, frozenset
     from dsec.testing import memory_node_edge
 
     config = NodeConfig(node_root=str(tmp_path), edge_factory="dsec.testing:memory_node_edge")
-    edge = ClusterEdge(None, config, ClusterOptions(lost_after_s=5.0, report_interval_s=0.1))
+    options = options or ClusterOptions(lost_after_s=5.0, report_interval_s=0.1)
+    edge = ClusterEdge(None, config, options)
     for name in names:
         actor = EdgeActor(name, config)
         actor.agent = memory_node_edge(tmp_path / name, name, config)
         await actor.agent.start()
-        fake = _FakeActor(actor, dies.get(name, frozenset()))
+        fake = _FakeActor(actor, dies.get(name, frozenset()), (slow or {}).get(name, frozenset()))
         h = NodeHandle(name=name, ray_node_id=name * 8, actor=fake)
         h.report = await actor.report()
         edge.nodes[name] = h
@@ -296,5 +308,42 @@ async def test_a_call_to_a_restarting_edge_is_not_placed_again(tmp_path: Any) ->
         on_m3 = 40 - len(res.sandboxes)
         assert on_m3 > 0 and {e.code for e in res.errors} == {"unavailable"}
         assert edge.nodes["m1"].actor.actor.agent.usage().sandboxes == len(res.sandboxes)
+    finally:
+        await _close(edge)
+
+
+async def test_a_busy_edge_is_not_lost_and_a_failing_one_is(tmp_path: Any) -> None:
+    """An edge whose reports go unanswered while Ray has its node alive is busy, not lost
+    (losing it kills its actor and every sandbox there: the N=64 cell's job lost ~13,000
+    so): it leaves placement and keeps its sandboxes. One whose reports fail is lost after
+    ``lost_after_s``."""
+    import asyncio
+    import time
+
+    from dsec.cluster.edge import ClusterOptions
+
+    options = ClusterOptions(probe_timeout_s=0.05, lost_after_s=0.2, hung_after_s=60.0)
+    edge = await _cluster_of(
+        tmp_path,
+        ["m1", "m2", "m3"],
+        {"m3": frozenset({"report"})},
+        slow={"m2": frozenset({"report"})},
+        options=options,
+    )
+    try:
+        owner = owner_id("dsec_key")
+        on_m2 = await edge.nodes["m2"].actor.actor.agent.create_sandbox(
+            CreateSandboxRequest(cpu=0.01), owner
+        )
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.6:
+            await asyncio.gather(*(edge._collect(h) for h in edge._alive()))
+        assert edge.nodes["m2"].state == "alive" and edge.nodes["m3"].state == "lost"
+        edge.placement.rebuild(edge._alive())
+        assert [x.node_id for x in edge.placer.nodes if not x.dead] == ["m1"]
+        made = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 10, owner)
+        assert {node_of_sandbox(i.id) for i in made.sandboxes} == {"m1"}
+        info = await edge.get_sandbox(on_m2.id, owner)  # its sandboxes still answer
+        assert info.state == "running"
     finally:
         await _close(edge)

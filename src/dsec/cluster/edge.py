@@ -16,9 +16,10 @@ of its own (any number of apiserver replicas can run):
 A monitor task (every ``report_interval_s``) follows Ray's node table, starts an edge
 actor on every new node, collects each edge's usage report (actual CPU and memory used,
 sandboxes, layers present, tiers) into a fresh placer view, and syncs the registry. A
-node is *lost* when Ray reports it dead or its edge has not answered for
-``lost_after_s``: calls to its sandboxes then raise :class:`NodeLost` at once (in-flight
-ones too), its registry rows are marked stopped, and its actor is released so a node
+node is *lost* when Ray reports it dead, its edge's reports have failed for
+``lost_after_s``, or (on a node Ray has alive) gone unanswered for ``hung_after_s``; a
+busy edge, whose reports are late, only leaves placement meanwhile. Calls to a lost node's
+sandboxes raise :class:`NodeLost` at once (in-flight ones too), its registry rows are marked stopped, and its actor is released so a node
 that comes back under the same name gets a new edge, which reconciles its data dir.
 """
 
@@ -246,17 +247,33 @@ class ClusterEdge:
                 _ray_await(h.actor.report.remote()), self.options.probe_timeout_s
             )
         except Exception as e:
+            h.answering = False  # out of placement until it answers again
             silent = time.monotonic() - h.last_ok
-            # a new edge starts (and reconciles) on its first call: give it longer
-            limit = (
-                self.options.lost_after_s if h.report is not None else self.options.start_grace_s
-            )
+            # a new edge starts (and reconciles) on its first call: give it longer. A report
+            # merely not answered yet, from a node Ray still has alive (a dead one was marked
+            # lost by _follow), is a busy edge: losing it would kill its actor and every
+            # sandbox there, so only a silence of hung_after_s counts (a hung edge)
+            if h.report is None:
+                limit = self.options.start_grace_s
+            elif isinstance(e, TimeoutError):
+                limit = self.options.hung_after_s
+            else:
+                limit = self.options.lost_after_s
             if silent > limit:
                 await self._mark_lost(
                     h, f"node lost (its edge did not answer for {silent:.0f} s: {e!r})"[:300]
                 )
+            elif silent > self.options.lost_after_s and not h.busy_logged:
+                h.busy_logged = True
+                log.warning(
+                    "node %s: its edge has not answered for %.0f s (busy?): no new sandboxes "
+                    "go there until it does",
+                    h.name,
+                    silent,
+                )
             return
         h.last_ok = time.monotonic()
+        h.answering, h.busy_logged = True, False
         h.report = report
         if self.state is not None:
             try:
@@ -1023,6 +1040,17 @@ class ClusterEdge:
             "# TYPE dsec_cluster_create_retries_total counter",
             f"dsec_cluster_create_retries_total {self.rejections_retried}",
         ]
+        if self.coalescer is not None:
+            lines += [
+                "# HELP dsec_cluster_coalesced_calls_total Calls carrying coalesced single "
+                "creations to the edges.",
+                "# TYPE dsec_cluster_coalesced_calls_total counter",
+                f"dsec_cluster_coalesced_calls_total {self.coalescer.calls}",
+                "# HELP dsec_cluster_coalesced_creations_total Single creations those calls "
+                "carried.",
+                "# TYPE dsec_cluster_coalesced_creations_total counter",
+                f"dsec_cluster_coalesced_creations_total {self.coalescer.items}",
+            ]
         return ("\n".join(lines) + "\n").encode()
 
     async def stats(self) -> dict[str, Any]:

@@ -77,7 +77,11 @@ class ClusterOptions:
     Attributes:
         report_interval_s: how often node reports are collected and the placer refreshed.
         probe_timeout_s: how long one report may take before it counts as a miss.
-        lost_after_s: an edge that has not answered for this long is declared lost.
+        lost_after_s: an edge whose reports have failed (not merely not answered yet) for
+            this long is declared lost.
+        hung_after_s: an edge on a node Ray has alive whose reports have gone unanswered
+            for this long is declared lost (hung); before that it is busy: out of
+            placement, its sandboxes untouched.
         start_grace_s: the same for a new edge that has not reported once yet (its first
             call starts the ``EdgeAgent``, which reconciles its node).
         call_timeout_s: default timeout of one call to an edge.
@@ -98,6 +102,7 @@ class ClusterOptions:
     start_grace_s: float = 180.0
     probe_timeout_s: float = 5.0
     lost_after_s: float = 15.0
+    hung_after_s: float = 300.0
     call_timeout_s: float = 120.0
     create_timeout_s: float = 600.0
     exec_margin_s: float = 30.0
@@ -110,7 +115,8 @@ class ClusterOptions:
     @classmethod
     def from_env(cls) -> ClusterOptions:
         """Defaults overridden by ``DSEC_CLUSTER_REPORT_INTERVAL_S``,
-        ``DSEC_CLUSTER_LOST_AFTER_S``, ``DSEC_CLUSTER_CALL_TIMEOUT_S``,
+        ``DSEC_CLUSTER_LOST_AFTER_S``, ``DSEC_CLUSTER_HUNG_AFTER_S``,
+        ``DSEC_CLUSTER_CALL_TIMEOUT_S``,
         ``DSEC_CLUSTER_PROBE_TIMEOUT_S``, ``DSEC_CLUSTER_K``, ``DSEC_CPU_OVERCOMMIT``,
         ``DSEC_MEMORY_OVERCOMMIT``, ``DSEC_BURST_THRESHOLD`` and ``DSEC_CLUSTER_COALESCE``
         (``off`` to send each single creation on its own)."""
@@ -121,6 +127,8 @@ class ClusterOptions:
                 o.report_interval_s = float(env["DSEC_CLUSTER_REPORT_INTERVAL_S"])
             if "DSEC_CLUSTER_LOST_AFTER_S" in env:
                 o.lost_after_s = float(env["DSEC_CLUSTER_LOST_AFTER_S"])
+            if "DSEC_CLUSTER_HUNG_AFTER_S" in env:
+                o.hung_after_s = float(env["DSEC_CLUSTER_HUNG_AFTER_S"])
             if "DSEC_CLUSTER_CALL_TIMEOUT_S" in env:
                 o.call_timeout_s = float(env["DSEC_CLUSTER_CALL_TIMEOUT_S"])
             if "DSEC_CLUSTER_PROBE_TIMEOUT_S" in env:
@@ -153,6 +161,8 @@ class NodeHandle:
     report: dict[str, Any] | None = None
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_reason: str = ""
+    answering: bool = True  # its last report came back (False: out of placement meanwhile)
+    busy_logged: bool = False
     ray_dead: bool = False  # Ray reported the node dead (not merely silent): its processes are gone
     sync_cursor: Any = None  # the edge's sandbox_changes cursor the registry is synced to
     syncs: int = 0  # registry syncs asked of this edge (every reconcile_every-th reconciles)
@@ -395,9 +405,12 @@ class ClusterPlacement:
             overcommit=self.options.overcommit,
             burst_threshold=self.options.burst_threshold,
         )
+        answering = [h for h in alive if h.answering and h.report is not None]
         for h in alive:
             r = h.report
             if r is None or not r.get("tiers"):
+                continue
+            if not h.answering and answering:  # busy: new sandboxes go to the others
                 continue
             live = int(r["sandboxes"])
             placer.add_node(
