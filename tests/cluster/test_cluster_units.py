@@ -347,3 +347,56 @@ async def test_a_busy_edge_is_not_lost_and_a_failing_one_is(tmp_path: Any) -> No
         assert info.state == "running"
     finally:
         await _close(edge)
+
+
+class _Registry:
+    """The registry's writes a replica makes (``ClusterState``'s, in memory): rows by id."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[str, str, str | None]] = {}  # id -> node, state, reason
+
+    def record_sandboxes(self, items: list[tuple[str, Any]]) -> None:
+        for _owner, info in items:
+            self.rows[info.id] = (info.node, info.state, info.stopped_reason)
+
+    def mark_node_lost(self, name: str, reason: str) -> int:
+        live = [k for k, (n, st, _) in self.rows.items() if n == name and st != "stopped"]
+        for k in live:
+            self.rows[k] = (name, "stopped", reason)
+        return len(live)
+
+
+async def test_a_creation_answered_by_a_node_lost_before_its_write_is_written_stopped(
+    tmp_path: Any,
+) -> None:
+    """m2 answers its part of a batch, then dies with m3 while the batch waits to learn
+    m3's fate: m2's sandboxes reach the registry after the loss stopped m2's rows, and
+    are written stopped (written running, they outlived their node in the registry: the
+    N=16 fault run's 59 rows)."""
+    import asyncio
+
+    dead = frozenset({"call", "create_each", "ping"})
+    edge = await _cluster_of(tmp_path, ["m1", "m2", "m3"], {"m3": dead})
+    edge.state = registry = _Registry()
+    edge.relay.state = None  # unknown nodes: no registry lookup
+
+    async def both_die() -> None:
+        await asyncio.sleep(0.3)
+        for name in ("m2", "m3"):
+            h = edge.nodes[name]
+            h.ray_dead = True
+            await edge._mark_lost(h, "node lost (Ray reported the node dead)")
+
+    try:
+        owner = owner_id("dsec_key")
+        death = asyncio.create_task(both_die())
+        res = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 60, owner)
+        await death
+        on_m2 = [i.id for i in res.sandboxes if node_of_sandbox(i.id) == "m2"]
+        assert on_m2 and not res.errors
+        assert {registry.rows[i][1] for i in on_m2} == {"stopped"}
+        assert all((registry.rows[i][2] or "").startswith("node lost") for i in on_m2)
+        others = [i.id for i in res.sandboxes if node_of_sandbox(i.id) == "m1"]
+        assert {registry.rows[i][1] for i in others} == {"running"}
+    finally:
+        await _close(edge)

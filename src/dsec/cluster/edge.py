@@ -580,9 +580,15 @@ class ClusterEdge:
 
     async def _record(self, owner: str, info: SandboxInfo) -> None:
         """Write ``info`` to the registry before answering (group commit: the writes
-        queued while one is in flight go together as the next statement)."""
+        queued while one is in flight go together as the next statement). A sandbox of a
+        node this replica has lost meanwhile (its creation answered, then the node died
+        before the write) is written stopped as the node's loss stopped its other rows:
+        written running, it would outlive the node in the registry."""
         if self.state is None:
             return
+        h = self.nodes.get(info.node or "")
+        if h is not None and h.state == "lost" and info.state != "stopped":
+            info = info.model_copy(update={"state": "stopped", "stopped_reason": h.lost_reason})
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending_writes.append((owner, info, done))
         if self._writer is None or self._writer.done():
