@@ -31,10 +31,10 @@ Then, with ``--job K``, a training job of K sandboxes (``create_many`` batches f
 client: time to all created, creations/s, CPU each), paused, resumed and killed as a job
 (one call each: time, failed outcomes). Last, the ``fill`` job is killed the same way.
 
-With ``--burst``, the last raylet's edges are the burst pool (``dsec.io/burst=true``), the
-job's sandboxes are burstable (``dsec.io/burstable=true``) and every node is sized
-(``DSEC_MEMORY_NODE_MEMORY_MB``) so that the regular pool reaches the placer's burst
-threshold (0.8) about halfway through the job: the job's overflow past it goes to the
+With ``--burst``, the last raylet's edges are the burst pool (``dsec.io/burst=true``, of
+the default size), the job's sandboxes are burstable (``dsec.io/burstable=true``) and the
+regular nodes are sized (``DSEC_MEMORY_NODE_MEMORY_MB``) so that the regular pool reaches
+the placer's burst threshold (0.8) about halfway through the job: the job's overflow past it goes to the
 burst pool (counted in the job's ``placed``), and the node a fault run kills is a regular one.
 
 *Marginal* CPU per operation = the window's CPU minus what the idle cell spends in as
@@ -456,12 +456,11 @@ class Cell:
             },
         )
         for i in range(1, self.raylets):
-            labels = {"dsec.io/node": f"r{i}"}
-            if self.burst_at and i == self.raylets - 1:
+            labels, env = {"dsec.io/node": f"r{i}"}, dict(node_env)
+            if self.burst_at and i == self.raylets - 1:  # large: it takes all the overflow
                 labels["dsec.io/burst"] = "true"
-            self.workers[f"r{i}"] = self.cluster.add_node(
-                num_cpus=1, labels=labels, env_vars=dict(node_env)
-            )
+                env.pop("DSEC_MEMORY_NODE_MEMORY_MB", None)
+            self.workers[f"r{i}"] = self.cluster.add_node(num_cpus=1, labels=labels, env_vars=env)
         self.cluster.wait_for_nodes()
         for i in range(self.n_replicas):
             self._start_replica(i)
