@@ -640,7 +640,7 @@ def run_size(args: argparse.Namespace, pg: Postgres, edges: int, base: Path) -> 
             made = sum(r["created"] for r in res)
             live += made
             step["fill_created"] = made
-            step["fill_errors"] = {k: v for r in res for k, v in r["errors"].items()}
+            step["fill_errors"] = _errors(res)
             step["fill_per_s"] = made / m.wall if m.wall else None
             step.update(m.per(made, "fill"))
             time.sleep(args.settle_s)  # the reports and the registry sync catch up
@@ -713,7 +713,7 @@ def run_job(args: argparse.Namespace, clients: Clients, acct: Accounting, pg: Po
     out.update(created=made, create_s=m.wall, create_per_s=made / m.wall)
     if args.burst:  # the burst raylet's edges are named r<last>e<i>
         out["placed"] = clients.one(("jobnodes", "job", f"r{args.raylets - 1}e"))
-    out["create_errors"] = {k: v for r in res for k, v in r["errors"].items()}
+    out["create_errors"] = _errors(res)
     out.update(m.per(made, "create"))
     for action in ("pause", "resume", "kill"):
         with Meter(acct, pg) as m:
