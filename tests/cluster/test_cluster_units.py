@@ -400,3 +400,29 @@ async def test_a_creation_answered_by_a_node_lost_before_its_write_is_written_st
         assert {registry.rows[i][1] for i in others} == {"running"}
     finally:
         await _close(edge)
+
+
+async def test_coalesced_creations_a_node_refuses_go_elsewhere(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Coalesced creations the chosen node's edge refuses (its own caps: here it admits
+    nothing) are created on another node, each once; the refusals are counted."""
+    import asyncio
+
+    monkeypatch.setenv("DSEC_MAX_SANDBOXES", "0")  # the edges built now: m2 below
+    edge = await _cluster_of(tmp_path, ["m2"], {})
+    monkeypatch.delenv("DSEC_MAX_SANDBOXES")
+    other = await _cluster_of(tmp_path, ["m1"], {})
+    edge.nodes["m1"] = other.nodes["m1"]
+    edge.nodes["m2"].report["max_sandboxes"] = 1000  # the placer believes it has room
+    edge.placement.rebuild(edge._alive())
+    try:
+        owner = owner_id("dsec_key")
+        made = await asyncio.gather(
+            *(edge.create_sandbox(CreateSandboxRequest(cpu=0.01), owner) for _ in range(30))
+        )
+        assert {node_of_sandbox(i.id) for i in made} == {"m1"} and len({i.id for i in made}) == 30
+        assert edge.nodes["m1"].actor.actor.agent.usage().sandboxes == 30
+        assert "create_each" in edge.nodes["m2"].actor.calls and edge.rejections_retried > 0
+    finally:
+        await _close(edge)
