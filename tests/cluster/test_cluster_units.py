@@ -426,3 +426,31 @@ async def test_coalesced_creations_a_node_refuses_go_elsewhere(
         assert "create_each" in edge.nodes["m2"].actor.calls and edge.rejections_retried > 0
     finally:
         await _close(edge)
+
+
+async def test_a_coalesced_call_that_breaks_answers_every_creation(tmp_path: Any) -> None:
+    """A coalesced call whose answer cannot be read fails each of its creations with an
+    internal error: none waits forever."""
+    import asyncio
+
+    from dsec.errors import InternalError
+
+    edge = await _cluster_of(tmp_path, ["m1"], {})
+    actor = edge.nodes["m1"].actor.actor
+
+    async def garbled(items: list[Any]) -> Any:
+        return ("ok", "not a list of answers")
+
+    actor.create_each = garbled
+    try:
+        owner = owner_id("dsec_key")
+        outs = await asyncio.wait_for(
+            asyncio.gather(
+                *(edge.create_sandbox(CreateSandboxRequest(cpu=0.01), owner) for _ in range(6)),
+                return_exceptions=True,
+            ),
+            10,
+        )
+        assert all(isinstance(o, InternalError) for o in outs), outs
+    finally:
+        await _close(edge)

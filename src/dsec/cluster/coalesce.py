@@ -29,7 +29,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsec.errors import DsecError, NodeLost, QuotaExceeded, ServiceUnavailable, error_from_wire
+from dsec.errors import (
+    DsecError,
+    InternalError,
+    NodeLost,
+    QuotaExceeded,
+    ServiceUnavailable,
+    error_from_wire,
+)
 from dsec.models import CreateSandboxRequest, SandboxInfo
 from dsec.placement import PlacementRequest
 
@@ -111,13 +118,23 @@ class CreationCoalescer:
         self._kick()
 
     async def _flush(self, batch: list[_Item]) -> None:
-        groups: dict[PlacementRequest, list[_Item]] = {}
+        try:
+            groups: dict[PlacementRequest, list[_Item]] = {}
+            for item in batch:
+                groups.setdefault(item.preq, []).append(item)
+            sends: list[Awaitable[None]] = []
+            for preq, items in groups.items():
+                sends += self._place(preq, items)
+            failures = await asyncio.gather(*sends, return_exceptions=True)
+            failure = next((f for f in failures if isinstance(f, BaseException)), None)
+        except BaseException as e:  # never leave a creation waiting for an answer
+            failure = e
         for item in batch:
-            groups.setdefault(item.preq, []).append(item)
-        sends: list[Awaitable[None]] = []
-        for preq, items in groups.items():
-            sends += self._place(preq, items)
-        await asyncio.gather(*sends)
+            if not item.done.done():
+                log.error("coalesced creation left unanswered: %r", failure)
+                item.done.set_exception(
+                    InternalError(f"creation failed: {type(failure).__name__}: {failure}")
+                )
 
     def _place(self, preq: PlacementRequest, items: list[_Item]) -> list[Awaitable[None]]:
         """One decision per node for ``items`` (all of ``preq``): as many as the chosen
