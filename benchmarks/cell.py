@@ -31,6 +31,12 @@ Then, with ``--job K``, a training job of K sandboxes (``create_many`` batches f
 client: time to all created, creations/s, CPU each), paused, resumed and killed as a job
 (one call each: time, failed outcomes). Last, the ``fill`` job is killed the same way.
 
+With ``--burst``, the last raylet's edges are the burst pool (``dsec.io/burst=true``, of
+the default size), the job's sandboxes are burstable (``dsec.io/burstable=true``) and the
+regular nodes are sized (``DSEC_MEMORY_NODE_MEMORY_MB``) so that the regular pool reaches
+the placer's burst threshold (0.8) about halfway through the job: the job's overflow past it goes to the
+burst pool (counted in the job's ``placed``), and the node a fault run kills is a regular one.
+
 *Marginal* CPU per operation = the window's CPU minus what the idle cell spends in as
 long, per operation: what one more creation costs. Projected cores for 5,000
 creations/s = the idle cell's cores + 5,000 x marginal (single creations, and batched).
@@ -59,8 +65,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -262,7 +270,8 @@ def client_main(conn: Any, url: str, api_key: str) -> None:
 
                 return await timed(kill, len(sbs), conc)
             if op == "fill":
-                _, n, conc, batch, job = cmd
+                _, n, conc, batch, job, *more = cmd
+                labels = more[0] if more else {}
                 count = 0
                 errors: dict[str, int] = {}
                 todo = [min(batch, n - i) for i in range(0, n, batch)]
@@ -273,7 +282,7 @@ def client_main(conn: Any, url: str, api_key: str) -> None:
                         k = todo.pop()
                         try:
                             res = await AsyncSandbox.create_many(
-                                k, client=client, job=job, **SANDBOX
+                                k, client=client, job=job, labels=labels, **SANDBOX
                             )
                         except Exception as e:  # a fault run kills what answers
                             code = e.code if isinstance(e, DsecError) else type(e).__name__
@@ -290,16 +299,25 @@ def client_main(conn: Any, url: str, api_key: str) -> None:
                 t0 = time.perf_counter()
                 res = await getattr(client.jobs, action)(job, timeout=600)
                 codes: dict[str, int] = {}
+                samples: dict[str, str] = {}  # one message per code: what failed, and why
                 for o in res.outcomes.values():
                     if not o.ok:
                         code = str((o.error or {}).get("code", "?"))
                         codes[code] = codes.get(code, 0) + 1
+                        samples.setdefault(code, str((o.error or {}).get("message", ""))[:300])
                 return {
                     "s": time.perf_counter() - t0,
                     "outcomes": len(res.outcomes),
                     "failed": sum(codes.values()),
                     "failed_by_code": codes,
+                    "failed_samples": samples,
                 }
+            if op == "jobnodes":
+                _, job, prefix = cmd
+                where = {"burst": 0, "regular": 0}
+                for info in await client.jobs.list(job):
+                    where["burst" if (info.node or "").startswith(prefix) else "regular"] += 1
+                return where
             if op == "joblist":
                 _, job = cmd
                 states: dict[str, int] = {}
@@ -386,8 +404,20 @@ class Cell:
     """Ray (``raylets`` nodes), ``edges`` in-memory edge actors spread over them, and
     ``replicas`` apiserver replicas, against ``pg``."""
 
-    def __init__(self, base: Path, pg: Postgres, *, raylets: int, edges: int, replicas: int):
+    def __init__(
+        self,
+        base: Path,
+        pg: Postgres,
+        *,
+        raylets: int,
+        edges: int,
+        replicas: int,
+        burst_at: int = 0,
+    ):
+        """``burst_at``: with a burst pool (the last raylet's edges), the live sandboxes
+        (16 MiB each) at which the regular pool reaches the burst threshold (0.8)."""
         self.base = base
+        self.burst_at = burst_at
         self.pg = pg
         self.raylets = raylets
         self.edges = edges
@@ -406,6 +436,10 @@ class Cell:
 
         os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
         node_env = {"DSEC_MAX_SANDBOXES": "1000000", "DSEC_CREATE_QUEUE": "100000"}
+        if self.burst_at:  # requested memory over 1.5x the node's memory reaches 0.8 there
+            regular = (self.raylets - 1) * self.per_node
+            mib = math.ceil(self.burst_at * SANDBOX["memory_mb"] / 0.8 / 1.5 / regular)
+            node_env["DSEC_MEMORY_NODE_MEMORY_MB"] = str(mib)
         self.cluster = Cluster(
             initialize_head=True,
             connect=False,
@@ -422,9 +456,11 @@ class Cell:
             },
         )
         for i in range(1, self.raylets):
-            self.workers[f"r{i}"] = self.cluster.add_node(
-                num_cpus=1, labels={"dsec.io/node": f"r{i}"}, env_vars=dict(node_env)
-            )
+            labels, env = {"dsec.io/node": f"r{i}"}, dict(node_env)
+            if self.burst_at and i == self.raylets - 1:  # large: it takes all the overflow
+                labels["dsec.io/burst"] = "true"
+                env.pop("DSEC_MEMORY_NODE_MEMORY_MB", None)
+            self.workers[f"r{i}"] = self.cluster.add_node(num_cpus=1, labels=labels, env_vars=env)
         self.cluster.wait_for_nodes()
         for i in range(self.n_replicas):
             self._start_replica(i)
@@ -465,6 +501,26 @@ class Cell:
                             return
             time.sleep(1)
         raise RuntimeError(f"{url}: fewer than {want} edges alive after 600 s")
+
+    def notes(self) -> list[str]:
+        """What the cell's logs say went wrong: edge actors killed or restarted (Ray's
+        memory monitor, a dead worker), nodes declared lost by a replica (at most 40
+        lines)."""
+        pattern = re.compile(
+            r"memory monitor|low on memory|OutOfMemory|Killing worker|restarting actor|"
+            r"worker.*(died|exited)|node lost|did not answer",
+            re.I,
+        )
+        files = sorted(self.ray_tmp.glob("session_*/logs/raylet*.out"))
+        files += sorted(self.ray_tmp.glob("session_*/logs/gcs_server.out"))
+        files += sorted(self.base.glob("api*/serve.log"))
+        out: list[str] = []
+        for f in files:
+            with contextlib.suppress(OSError):
+                for line in f.read_text(errors="replace").splitlines():
+                    if pattern.search(line) and len(out) < 40:
+                        out.append(f"{f.name}: {line[:300]}")
+        return out
 
     def close(self) -> None:
         for p in self.replicas:
@@ -550,7 +606,8 @@ def latencies(results: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
 
 def run_size(args: argparse.Namespace, pg: Postgres, edges: int, base: Path) -> dict[str, Any]:
     raylets = min(args.raylets, edges)
-    cell = Cell(base, pg, raylets=raylets, edges=edges, replicas=args.replicas)
+    burst_at = max(args.live) + args.job // 2 if args.burst else 0
+    cell = Cell(base, pg, raylets=raylets, edges=edges, replicas=args.replicas, burst_at=burst_at)
     acct = Accounting(me=os.getpid(), postmaster=pg.postmaster_pid(), marker=str(cell.ray_tmp))
     size: dict[str, Any] = {"nodes": raylets * cell.per_node, "raylets": raylets, "steps": []}
     clients: Clients | None = None
@@ -583,7 +640,7 @@ def run_size(args: argparse.Namespace, pg: Postgres, edges: int, base: Path) -> 
             made = sum(r["created"] for r in res)
             live += made
             step["fill_created"] = made
-            step["fill_errors"] = {k: v for r in res for k, v in r["errors"].items()}
+            step["fill_errors"] = _errors(res)
             step["fill_per_s"] = made / m.wall if m.wall else None
             step.update(m.per(made, "fill"))
             time.sleep(args.settle_s)  # the reports and the registry sync catch up
@@ -596,9 +653,13 @@ def run_size(args: argparse.Namespace, pg: Postgres, edges: int, base: Path) -> 
             step["idle_pg_rows_per_s"] = m.pgd["rows_written"] / m.wall
             per_client = split(args.window, args.clients)
             profiler = start_profile(args, cell, f"n{edges}-l{target}")
+            calls0 = coalesced(cell.urls)
             with Meter(acct, pg) as m:
                 res = clients.all([("create", k, args.concurrency, "w") for k in per_client])
             stop_profile(profiler)
+            calls1 = coalesced(cell.urls)
+            if calls1[0] > calls0[0]:  # creations per edge call (the replicas coalesce them)
+                step["create_per_edge_call"] = (calls1[1] - calls0[1]) / (calls1[0] - calls0[0])
             step.update(latencies(res, "create"))
             step["create_per_s"] = step["create_ok"] / m.wall
             step.update(m.per(step["create_ok"], "create"))
@@ -632,6 +693,7 @@ def run_size(args: argparse.Namespace, pg: Postgres, edges: int, base: Path) -> 
     finally:
         if clients is not None:
             clients.close()
+        size["notes"] = cell.notes()
         cell.close()
         shutil.rmtree(base / "nodes", ignore_errors=True)
     size["wall_s"] = time.monotonic() - t_start
@@ -642,13 +704,16 @@ def run_job(args: argparse.Namespace, clients: Clients, acct: Accounting, pg: Po
     """A training job of ``--job`` sandboxes: created with ``create_many`` batches from
     every client, then paused, resumed and killed as a job (one call each)."""
     out: dict[str, Any] = {"n": args.job}
+    labels = {"dsec.io/burstable": "true"} if args.burst else {}
     with Meter(acct, pg) as m:
         res = clients.all(
-            [("fill", k, 2, args.batch, "job") for k in split(args.job, args.clients)]
+            [("fill", k, 2, args.batch, "job", labels) for k in split(args.job, args.clients)]
         )
     made = sum(r["created"] for r in res)
     out.update(created=made, create_s=m.wall, create_per_s=made / m.wall)
-    out["create_errors"] = {k: v for r in res for k, v in r["errors"].items()}
+    if args.burst:  # the burst raylet's edges are named r<last>e<i>
+        out["placed"] = clients.one(("jobnodes", "job", f"r{args.raylets - 1}e"))
+    out["create_errors"] = _errors(res)
     out.update(m.per(made, "create"))
     for action in ("pause", "resume", "kill"):
         with Meter(acct, pg) as m:
@@ -656,7 +721,8 @@ def run_job(args: argparse.Namespace, clients: Clients, acct: Accounting, pg: Po
         out[action] = {**done, **m.per(max(1, done["outcomes"]), action)}
     print(
         f"job of {args.job:,d}: created {made:,d} in {out['create_s']:.1f} s "
-        f"({out['create_per_s']:.0f}/s, {out['create_cpu_ms_total']:.2f} ms CPU each); "
+        + (f"(burst pool {out['placed']['burst']:,d}) " if args.burst else "")
+        + f"({out['create_per_s']:.0f}/s, {out['create_cpu_ms_total']:.2f} ms CPU each); "
         + "; ".join(
             f"{a} {out[a]['s']:.1f} s ({out[a]['failed']} failed)"
             for a in ("pause", "resume", "kill")
@@ -674,6 +740,13 @@ def _metric(url: str, prefix: str) -> float:
             if line.startswith(prefix):
                 return float(line.split()[-1])
     return float("nan")
+
+
+def coalesced(urls: list[str]) -> tuple[float, float]:
+    """(calls, single creations they carried) of the replicas' coalescing so far."""
+    calls = sum(_metric(u, "dsec_cluster_coalesced_calls_total") for u in urls)
+    items = sum(_metric(u, "dsec_cluster_coalesced_creations_total") for u in urls)
+    return (calls, items) if calls == calls else (0.0, 0.0)  # NaN: not coalescing
 
 
 def _edges_live(url: str, api_key: str) -> int:
@@ -709,7 +782,7 @@ def run_faults(args: argparse.Namespace, cell: Cell, clients: Clients, pg: Postg
     idxs = list(range(len(clients.conns)))
     url0 = cell.urls[0]
     # 1. a node lost during a job
-    name, victim = sorted(cell.workers.items())[-1]
+    name, victim = sorted(cell.workers.items())[0 if args.burst else -1]  # not the burst pool
     n = args.fault_job
     clients.send(idxs, [("fill", k, 2, 256, "faults") for k in split(n, len(idxs))])
     time.sleep(args.fault_after_s)
@@ -823,7 +896,8 @@ def print_step(edges: int, s: dict[str, Any], flush: bool = False) -> None:
         f"{s['kill_cpu_ms_total']:.2f} ms | marginal create {s['create_cpu_ms_marginal']:.2f} "
         f"fill {s['fill_cpu_ms_marginal']:.2f} ms | idle "
         f"{sum(s[f'idle_cpu_per_s_{c}'] for c in COMPONENTS):.2f} cores | probe "
-        f"{s['create_host_probe_s'] * 1000:.0f} ms",
+        f"{s['create_host_probe_s'] * 1000:.0f} ms | "
+        f"{s.get('create_per_edge_call', 1.0):.1f} creations per edge call",
         flush=flush,
     )
 
@@ -854,6 +928,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024, help="create_many batch while filling")
     ap.add_argument("--job", type=int, default=0, help="a job of this many after the steps")
     ap.add_argument("--faults", action="store_true", help="fault runs after the steps")
+    ap.add_argument(
+        "--burst", action="store_true", help="the last raylet a burst pool the job overflows to"
+    )
     ap.add_argument("--fault-job", type=int, default=4000, help="the job a node loss hits")
     ap.add_argument("--fault-after-s", type=float, default=1.0)
     ap.add_argument("--idle-s", type=float, default=6.0)

@@ -134,3 +134,323 @@ async def test_a_node_reports_only_what_changed_since_a_cursor(tmp_path: Any) ->
         assert (await other.sandbox_changes(later["cursor"]))["full"]
     finally:
         await actor.agent.close(kill_sandboxes=True)
+
+
+class _FakeActor:
+    """A Ray actor handle over an in-process :class:`EdgeActor` (``actor.method.remote(...)``
+    answers an awaitable), recording every method called. ``dies`` lists methods that fail
+    as Ray fails a call to an actor whose node died (``ActorDiedError``)."""
+
+    def __init__(
+        self, actor: Any, dies: frozenset[str] = frozenset(), slow: frozenset[str] = frozenset()
+    ) -> None:
+        self.actor = actor
+        self.dies = dies
+        self.slow = slow  # methods that answer only after an hour (a busy edge)
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        import asyncio
+        from types import SimpleNamespace
+
+        from ray.exceptions import ActorDiedError
+
+        def remote(*args: Any) -> Any:
+            self.calls.append(name if name != "call" else f"call:{args[0]}")
+
+            async def run() -> Any:
+                if name in self.dies:
+                    raise ActorDiedError()
+                if name in self.slow:
+                    await asyncio.sleep(3600)
+                return await getattr(self.actor, name)(*args)
+
+            return asyncio.ensure_future(run())
+
+        return SimpleNamespace(remote=remote)
+
+
+async def _cluster_of(
+    tmp_path: Any,
+    names: list[str],
+    dies: dict[str, frozenset[str]],
+    slow: dict[str, frozenset[str]] | None = None,
+    options: Any = None,
+) -> Any:
+    """A :class:`ClusterEdge` (no Ray, no registry) over in-memory edges ``names``."""
+    from dsec.cluster.actor import EdgeActor, NodeConfig
+    from dsec.cluster.edge import ClusterEdge, ClusterOptions
+    from dsec.cluster.relay import NodeHandle
+    from dsec.testing import memory_node_edge
+
+    config = NodeConfig(node_root=str(tmp_path), edge_factory="dsec.testing:memory_node_edge")
+    options = options or ClusterOptions(lost_after_s=5.0, report_interval_s=0.1)
+    edge = ClusterEdge(None, config, options)
+    for name in names:
+        actor = EdgeActor(name, config)
+        actor.agent = memory_node_edge(tmp_path / name, name, config)
+        await actor.agent.start()
+        fake = _FakeActor(actor, dies.get(name, frozenset()), (slow or {}).get(name, frozenset()))
+        h = NodeHandle(name=name, ray_node_id=name * 8, actor=fake)
+        h.report = await actor.report()
+        edge.nodes[name] = h
+    edge.placement.rebuild(edge._alive())
+    return edge
+
+
+async def _close(edge: Any) -> None:
+    for h in edge.nodes.values():
+        await h.actor.actor.agent.close(kill_sandboxes=True)
+
+
+def _created(edge: Any) -> int:
+    return sum(
+        c in ("create_each", "call:create_sandbox", "call:create_sandboxes")
+        for h in edge.nodes.values()
+        for c in h.actor.calls
+    )
+
+
+async def test_concurrent_single_creations_share_actor_calls(tmp_path: Any) -> None:
+    """Single creations arriving while others are in flight go to the edges together (one
+    call per node for each group), each keeping its own answer: one asking for an image
+    nobody has fails alone."""
+    import asyncio
+
+    from dsec.errors import ImageNotFound
+
+    edge = await _cluster_of(tmp_path, ["m1", "m2", "m3"], {})
+    try:
+        owner = owner_id("dsec_key")
+        reqs = [CreateSandboxRequest(cpu=0.01) for _ in range(40)]
+        reqs[17] = CreateSandboxRequest(cpu=0.01, image="nosuchimage")
+        outs = await asyncio.gather(
+            *(edge.create_sandbox(r, owner) for r in reqs), return_exceptions=True
+        )
+        assert isinstance(outs[17], ImageNotFound)
+        made = [o for i, o in enumerate(outs) if i != 17]
+        assert all(not isinstance(o, BaseException) for o in made), made
+        assert len({o.id for o in made}) == 39  # type: ignore[union-attr]
+        assert _created(edge) <= 10  # 40 one by one before
+        live = sum(h.actor.actor.agent.usage().sandboxes for h in edge.nodes.values())
+        assert live == 39
+        lone = await edge.create_sandbox(CreateSandboxRequest(cpu=0.01), owner)  # not delayed
+        assert lone.state == "running"
+    finally:
+        await _close(edge)
+
+
+async def _dies_soon(edge: Any, name: str) -> None:
+    """What the monitor does when Ray's node table says ``name`` is dead."""
+    import asyncio
+
+    await asyncio.sleep(0.3)
+    h = edge.nodes[name]
+    h.ray_dead = True
+    await edge._mark_lost(h, "node lost (Ray reported the node dead)")
+
+
+async def test_a_batch_placed_on_a_node_that_dies_is_placed_again(tmp_path: Any) -> None:
+    """A node dies with a batch's call in flight (Ray fails the call, then reports the node
+    dead): its items are created on the remaining nodes, the client sees no error, and
+    nothing is made twice."""
+    import asyncio
+
+    dead = frozenset({"call", "create_each", "ping"})
+    edge = await _cluster_of(tmp_path, ["m1", "m2", "m3"], {"m3": dead})
+    try:
+        owner = owner_id("dsec_key")
+        death = asyncio.create_task(_dies_soon(edge, "m3"))
+        res = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 60, owner)
+        await death
+        assert res.errors == [] and len(res.sandboxes) == 60
+        assert {node_of_sandbox(i.id) for i in res.sandboxes} == {"m1", "m2"}
+        assert "call:create_sandboxes" in edge.nodes["m3"].actor.calls  # it was tried there
+        live = sum(edge.nodes[n].actor.actor.agent.usage().sandboxes for n in ("m1", "m2"))
+        assert live == 60 and len({i.id for i in res.sandboxes}) == 60
+        singles = await asyncio.gather(
+            *(edge.create_sandbox(CreateSandboxRequest(cpu=0.01), owner) for _ in range(10))
+        )
+        assert all(node_of_sandbox(i.id) != "m3" for i in singles)
+    finally:
+        await _close(edge)
+
+
+async def test_single_creations_on_a_node_that_dies_are_placed_again(tmp_path: Any) -> None:
+    import asyncio
+
+    from dsec.placement import NodeUsage
+
+    dead = frozenset({"call", "create_each", "ping"})
+    edge = await _cluster_of(tmp_path, ["m1", "m3"], {"m3": dead})
+    try:
+        edge.placer.observe("m1", NodeUsage(cpu_used=250.0, memory_used=0, sandboxes=0))
+        owner = owner_id("dsec_key")
+        death = asyncio.create_task(_dies_soon(edge, "m3"))
+        made = await asyncio.gather(
+            *(edge.create_sandbox(CreateSandboxRequest(cpu=0.01), owner) for _ in range(12))
+        )
+        await death
+        assert edge.nodes["m3"].actor.calls  # tried there first
+        assert {node_of_sandbox(i.id) for i in made} == {"m1"}
+        assert edge.nodes["m1"].actor.actor.agent.usage().sandboxes == 12
+    finally:
+        await _close(edge)
+
+
+async def test_a_call_to_a_restarting_edge_is_not_placed_again(tmp_path: Any) -> None:
+    """A call Ray failed on a node whose edge then answers (a restarted edge may have made
+    the sandboxes): its items fail with the retryable ``unavailable``, never made twice."""
+    edge = await _cluster_of(tmp_path, ["m1", "m3"], {"m3": frozenset({"call"})})
+    try:
+        owner = owner_id("dsec_key")
+        res = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 40, owner)
+        on_m3 = 40 - len(res.sandboxes)
+        assert on_m3 > 0 and {e.code for e in res.errors} == {"unavailable"}
+        assert edge.nodes["m1"].actor.actor.agent.usage().sandboxes == len(res.sandboxes)
+    finally:
+        await _close(edge)
+
+
+async def test_a_busy_edge_is_not_lost_and_a_failing_one_is(tmp_path: Any) -> None:
+    """An edge whose reports go unanswered while Ray has its node alive is busy, not lost
+    (losing it kills its actor and every sandbox there: the N=64 cell's job lost ~13,000
+    so): it leaves placement and keeps its sandboxes. One whose reports fail is lost after
+    ``lost_after_s``."""
+    import asyncio
+    import time
+
+    from dsec.cluster.edge import ClusterOptions
+
+    options = ClusterOptions(probe_timeout_s=0.05, lost_after_s=0.2, hung_after_s=60.0)
+    edge = await _cluster_of(
+        tmp_path,
+        ["m1", "m2", "m3"],
+        {"m3": frozenset({"report"})},
+        slow={"m2": frozenset({"report"})},
+        options=options,
+    )
+    try:
+        owner = owner_id("dsec_key")
+        on_m2 = await edge.nodes["m2"].actor.actor.agent.create_sandbox(
+            CreateSandboxRequest(cpu=0.01), owner
+        )
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.6:
+            await asyncio.gather(*(edge._collect(h) for h in edge._alive()))
+        assert edge.nodes["m2"].state == "alive" and edge.nodes["m3"].state == "lost"
+        edge.placement.rebuild(edge._alive())
+        assert [x.node_id for x in edge.placer.nodes if not x.dead] == ["m1"]
+        made = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 10, owner)
+        assert {node_of_sandbox(i.id) for i in made.sandboxes} == {"m1"}
+        info = await edge.get_sandbox(on_m2.id, owner)  # its sandboxes still answer
+        assert info.state == "running"
+    finally:
+        await _close(edge)
+
+
+class _Registry:
+    """The registry's writes a replica makes (``ClusterState``'s, in memory): rows by id."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[str, str, str | None]] = {}  # id -> node, state, reason
+
+    def record_sandboxes(self, items: list[tuple[str, Any]]) -> None:
+        for _owner, info in items:
+            self.rows[info.id] = (info.node, info.state, info.stopped_reason)
+
+    def mark_node_lost(self, name: str, reason: str) -> int:
+        live = [k for k, (n, st, _) in self.rows.items() if n == name and st != "stopped"]
+        for k in live:
+            self.rows[k] = (name, "stopped", reason)
+        return len(live)
+
+
+async def test_a_creation_answered_by_a_node_lost_before_its_write_is_written_stopped(
+    tmp_path: Any,
+) -> None:
+    """m2 answers its part of a batch, then dies with m3 while the batch waits to learn
+    m3's fate: m2's sandboxes reach the registry after the loss stopped m2's rows, and
+    are written stopped (written running, they outlived their node in the registry: the
+    N=16 fault run's 59 rows)."""
+    import asyncio
+
+    dead = frozenset({"call", "create_each", "ping"})
+    edge = await _cluster_of(tmp_path, ["m1", "m2", "m3"], {"m3": dead})
+    edge.state = registry = _Registry()
+    edge.relay.state = None  # unknown nodes: no registry lookup
+
+    async def both_die() -> None:
+        await asyncio.sleep(0.3)
+        for name in ("m2", "m3"):
+            h = edge.nodes[name]
+            h.ray_dead = True
+            await edge._mark_lost(h, "node lost (Ray reported the node dead)")
+
+    try:
+        owner = owner_id("dsec_key")
+        death = asyncio.create_task(both_die())
+        res = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 60, owner)
+        await death
+        on_m2 = [i.id for i in res.sandboxes if node_of_sandbox(i.id) == "m2"]
+        assert on_m2 and not res.errors
+        assert {registry.rows[i][1] for i in on_m2} == {"stopped"}
+        assert all((registry.rows[i][2] or "").startswith("node lost") for i in on_m2)
+        others = [i.id for i in res.sandboxes if node_of_sandbox(i.id) == "m1"]
+        assert {registry.rows[i][1] for i in others} == {"running"}
+    finally:
+        await _close(edge)
+
+
+async def test_coalesced_creations_a_node_refuses_go_elsewhere(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Coalesced creations the chosen node's edge refuses (its own caps: here it admits
+    nothing) are created on another node, each once; the refusals are counted."""
+    import asyncio
+
+    monkeypatch.setenv("DSEC_MAX_SANDBOXES", "0")  # the edges built now: m2 below
+    edge = await _cluster_of(tmp_path, ["m2"], {})
+    monkeypatch.delenv("DSEC_MAX_SANDBOXES")
+    other = await _cluster_of(tmp_path, ["m1"], {})
+    edge.nodes["m1"] = other.nodes["m1"]
+    edge.nodes["m2"].report["max_sandboxes"] = 1000  # the placer believes it has room
+    edge.placement.rebuild(edge._alive())
+    try:
+        owner = owner_id("dsec_key")
+        made = await asyncio.gather(
+            *(edge.create_sandbox(CreateSandboxRequest(cpu=0.01), owner) for _ in range(30))
+        )
+        assert {node_of_sandbox(i.id) for i in made} == {"m1"} and len({i.id for i in made}) == 30
+        assert edge.nodes["m1"].actor.actor.agent.usage().sandboxes == 30
+        assert "create_each" in edge.nodes["m2"].actor.calls and edge.rejections_retried > 0
+    finally:
+        await _close(edge)
+
+
+async def test_a_coalesced_call_that_breaks_answers_every_creation(tmp_path: Any) -> None:
+    """A coalesced call whose answer cannot be read fails each of its creations with an
+    internal error: none waits forever."""
+    import asyncio
+
+    from dsec.errors import InternalError
+
+    edge = await _cluster_of(tmp_path, ["m1"], {})
+    actor = edge.nodes["m1"].actor.actor
+
+    async def garbled(items: list[Any]) -> Any:
+        return ("ok", "not a list of answers")
+
+    actor.create_each = garbled
+    try:
+        owner = owner_id("dsec_key")
+        outs = await asyncio.wait_for(
+            asyncio.gather(
+                *(edge.create_sandbox(CreateSandboxRequest(cpu=0.01), owner) for _ in range(6)),
+                return_exceptions=True,
+            ),
+            10,
+        )
+        assert all(isinstance(o, InternalError) for o in outs), outs
+    finally:
+        await _close(edge)

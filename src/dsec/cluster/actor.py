@@ -343,6 +343,23 @@ class EdgeActor:
                 raise
             return _err(e)
 
+    async def create_each(self, items: list[tuple[Any, str]]) -> Any:
+        """Create a sandbox for each ``(CreateSandboxRequest, owner)`` of ``items``: single
+        creations an apiserver coalesced into one call (:mod:`dsec.cluster.coalesce`), run
+        as concurrent ``EdgeAgent.create_sandbox`` calls. ``("ok", answers)``, one answer
+        per item in order, each ``("ok", SandboxInfo)`` or ``("error", wire error)``: an
+        item's refusal or failure leaves the others alone."""
+        try:
+            agent = await self._agent()
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return _err(e)
+        outs = await asyncio.gather(
+            *(agent.create_sandbox(req, owner) for req, owner in items), return_exceptions=True
+        )
+        return _ok([_err(x) if isinstance(x, BaseException) else _ok(x) for x in outs])
+
     async def stream(
         self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> AsyncIterator[Any]:

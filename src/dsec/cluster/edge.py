@@ -16,9 +16,10 @@ of its own (any number of apiserver replicas can run):
 A monitor task (every ``report_interval_s``) follows Ray's node table, starts an edge
 actor on every new node, collects each edge's usage report (actual CPU and memory used,
 sandboxes, layers present, tiers) into a fresh placer view, and syncs the registry. A
-node is *lost* when Ray reports it dead or its edge has not answered for
-``lost_after_s``: calls to its sandboxes then raise :class:`NodeLost` at once (in-flight
-ones too), its registry rows are marked stopped, and its actor is released so a node
+node is *lost* when Ray reports it dead, its edge's reports have failed for
+``lost_after_s``, or (on a node Ray has alive) gone unanswered for ``hung_after_s``; a
+busy edge, whose reports are late, only leaves placement meanwhile. Calls to a lost node's
+sandboxes raise :class:`NodeLost` at once (in-flight ones too), its registry rows are marked stopped, and its actor is released so a node
 that comes back under the same name gets a new edge, which reconciles its data dir.
 """
 
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.cluster.actor import BURST_LABEL, NodeConfig, edge_names_of, ensure_edge_actor
+from dsec.cluster.coalesce import CreationCoalescer
 from dsec.cluster.migrate import move_layers
 from dsec.cluster.relay import (
     BURSTABLE_LABEL,
@@ -102,6 +104,10 @@ PREFER_NODE_LABEL = "dsec.io/prefer-node"
 """Sandbox label naming a node to try first (soft: other nodes are tried if it rejects)."""
 
 
+class _Unanswered(Exception):
+    """A creation's call went unanswered by a node not known dead (not to be re-placed)."""
+
+
 class ClusterEdge:
     """The cluster's :class:`~dsec.edge.interface.EdgeAPI`. ``ray.init`` must have been
     called; construct, ``await start()``, use, ``await close()``.
@@ -133,6 +139,11 @@ class ClusterEdge:
         self._closing = False
         self._pending_writes: list[tuple[str, SandboxInfo, asyncio.Future[None]]] = []
         self._writer: asyncio.Task[None] | None = None
+        self.coalescer = (
+            CreationCoalescer(self, self._record, self._create_tried)
+            if self.options.coalesce
+            else None
+        )
 
     @property
     def nodes(self) -> dict[str, NodeHandle]:
@@ -203,6 +214,7 @@ class ClusterEdge:
                 await self._follow(rn, name, seen)
         for h in self._alive():
             if h.name not in seen:  # gone from Ray's table altogether
+                h.ray_dead = True
                 await self._mark_lost(h, "node lost (left the Ray cluster)")
         await asyncio.gather(*(self._collect(h) for h in self._alive()))
         self.placement.rebuild(self._alive())
@@ -213,6 +225,7 @@ class ClusterEdge:
         h = self.nodes.get(name)
         if not rn.get("Alive"):
             if h is not None and h.ray_node_id == rn["NodeID"] and h.state == "alive":
+                h.ray_dead = True
                 await self._mark_lost(h, "node lost (Ray reported the node dead)")
             return
         seen.add(name)
@@ -234,17 +247,33 @@ class ClusterEdge:
                 _ray_await(h.actor.report.remote()), self.options.probe_timeout_s
             )
         except Exception as e:
+            h.answering = False  # out of placement until it answers again
             silent = time.monotonic() - h.last_ok
-            # a new edge starts (and reconciles) on its first call: give it longer
-            limit = (
-                self.options.lost_after_s if h.report is not None else self.options.start_grace_s
-            )
+            # a new edge starts (and reconciles) on its first call: give it longer. A report
+            # merely not answered yet, from a node Ray still has alive (a dead one was marked
+            # lost by _follow), is a busy edge: losing it would kill its actor and every
+            # sandbox there, so only a silence of hung_after_s counts (a hung edge)
+            if h.report is None:
+                limit = self.options.start_grace_s
+            elif isinstance(e, TimeoutError):
+                limit = self.options.hung_after_s
+            else:
+                limit = self.options.lost_after_s
             if silent > limit:
                 await self._mark_lost(
                     h, f"node lost (its edge did not answer for {silent:.0f} s: {e!r})"[:300]
                 )
+            elif silent > self.options.lost_after_s and not h.busy_logged:
+                h.busy_logged = True
+                log.warning(
+                    "node %s: its edge has not answered for %.0f s (busy?): no new sandboxes "
+                    "go there until it does",
+                    h.name,
+                    silent,
+                )
             return
         h.last_ok = time.monotonic()
+        h.answering, h.busy_logged = True, False
         h.report = report
         if self.state is not None:
             try:
@@ -292,8 +321,10 @@ class ClusterEdge:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.state.mark_node_lost, h.name, reason)
         # release the pinned actor: a node coming back under this name gets a new edge
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(ray.kill, h.actor, no_restart=True)
+        # (never starting a Ray instance of its own to do it)
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(ray.kill, h.actor, no_restart=True)
 
     # ------------------------------------------------------------------ calls
     # ------------------------------------------------------------------ placement
@@ -335,8 +366,27 @@ class ClusterEdge:
             return await self._create_one(req, owner)
 
     async def _create_one(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
+        if self.coalescer is not None and not req.labels.get(PREFER_NODE_LABEL):
+            return await self.coalescer.create(req, owner)
+        return await self._create_tried(req, owner)
+
+    @property
+    def _settle_s(self) -> float:
+        """How long an unanswered creation waits to learn whether its node died."""
+        return self.options.lost_after_s + 2 * self.options.report_interval_s
+
+    async def _create_tried(
+        self, req: CreateSandboxRequest, owner: str, *, exclude: frozenset[str] = frozenset()
+    ) -> SandboxInfo:
+        """One creation tried on the candidates in turn (not ``exclude``): a node's refusal
+        moves on to the next; so does a call left unanswered by a node Ray then reports
+        dead (``NodeRelay.settle``). An unanswered call to a node not known dead is
+        ``ServiceUnavailable`` (its edge may have made the sandbox)."""
         preq = self.placement.request(req)
-        candidates = self.placement.candidates(preq, prefer=req.labels.get(PREFER_NODE_LABEL))
+        candidates = self.placement.candidates(
+            preq, prefer=req.labels.get(PREFER_NODE_LABEL), exclude=exclude
+        )
+        unanswered: list[DsecError] = []
 
         async def attempt(node: str) -> tuple[SandboxInfo, None]:
             try:
@@ -344,6 +394,11 @@ class ClusterEdge:
                     node, "create_sandbox", req, owner, timeout=self.options.create_timeout_s
                 )
             except (QuotaExceeded, NodeLost, ServiceUnavailable) as e:
+                if e.details.get("unreachable") and not await self.relay.settle(
+                    node, self._settle_s
+                ):
+                    unanswered.append(e)
+                    raise _Unanswered from None
                 self.rejections_retried += 1
                 log.info("node %s did not admit a %s sandbox: %s", node, req.tier, e.message)
                 raise
@@ -358,14 +413,21 @@ class ClusterEdge:
                 )
             return last
 
-        info, _ = await self.placement.first_admitting(
-            candidates,
-            preq,
-            attempt,
-            refusals=(QuotaExceeded, NodeLost, ServiceUnavailable),
-            none_admits=none_admits,
-            admitted=lambda info: self._record(owner, info),
-        )
+        try:
+            info, _ = await self.placement.first_admitting(
+                candidates,
+                preq,
+                attempt,
+                refusals=(QuotaExceeded, NodeLost, ServiceUnavailable),
+                none_admits=none_admits,
+                admitted=lambda info: self._record(owner, info),
+            )
+        except _Unanswered:
+            e = unanswered[0]
+            raise ServiceUnavailable(
+                f"{e.message} (the sandbox may have been made there: not tried elsewhere)",
+                **e.details,
+            ) from None
         return info
 
     async def create_sandboxes(
@@ -446,6 +508,14 @@ class ClusterEdge:
                 )
                 infos, errs = list(res.sandboxes), list(res.errors)
             except DsecError as e:
+                if e.details.get("unreachable") and await self.relay.settle(
+                    node, self._settle_s
+                ):  # the node died with the call: nothing it made lives; place them again
+                    log.info("node %s died with %d creation(s) in flight", node, len(items))
+                    for i, r in items:
+                        placer.abort(r)
+                        again.append(i)
+                    return
                 infos, errs = (
                     [],
                     [
@@ -463,7 +533,12 @@ class ClusterEdge:
                     0, {"error": {"code": err.code, "message": err.message}}
                 )
 
+        again: list[int] = []  # items of calls a dying node left unanswered
         await asyncio.gather(*(on_node(node, items) for node, items in by_node.items()))
+        replaced: BatchCreateResult | None = None
+        if again:  # recorded by the inner call
+            self.rejections_retried += len(again)
+            replaced = await self._create_many(req, len(again), owner, False, preq)
         retry = (
             [i for i, e in errors.items() if isinstance(e, QuotaExceeded)]
             if not all_or_nothing
@@ -471,12 +546,18 @@ class ClusterEdge:
         )
         for i in retry:  # the edge refused: the next candidate may admit
             try:
-                made[i] = await self._create_one(req, owner)
+                made[i] = await self._create_tried(req, owner)
                 self.rejections_retried += 1
                 del errors[i]
             except DsecError as e:
                 errors[i] = e
         await asyncio.gather(*(self._record(owner, info) for info in made.values()))
+        if replaced is not None:  # identical items: any order will do
+            made.update(zip(again, replaced.sandboxes, strict=False))
+            for i, err in zip(again[len(replaced.sandboxes) :], replaced.errors, strict=False):
+                errors[i] = error_from_wire(
+                    0, {"error": {"code": err.code, "message": err.message}}
+                )
         if all_or_nothing and errors:
             for info in made.values():
                 with contextlib.suppress(DsecError):
@@ -498,9 +579,15 @@ class ClusterEdge:
 
     async def _record(self, owner: str, info: SandboxInfo) -> None:
         """Write ``info`` to the registry before answering (group commit: the writes
-        queued while one is in flight go together as the next statement)."""
+        queued while one is in flight go together as the next statement). A sandbox of a
+        node this replica has lost meanwhile (its creation answered, then the node died
+        before the write) is written stopped as the node's loss stopped its other rows:
+        written running, it would outlive the node in the registry."""
         if self.state is None:
             return
+        h = self.nodes.get(info.node or "")
+        if h is not None and h.state == "lost" and info.state != "stopped":
+            info = info.model_copy(update={"state": "stopped", "stopped_reason": h.lost_reason})
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending_writes.append((owner, info, done))
         if self._writer is None or self._writer.done():
@@ -958,6 +1045,17 @@ class ClusterEdge:
             "# TYPE dsec_cluster_create_retries_total counter",
             f"dsec_cluster_create_retries_total {self.rejections_retried}",
         ]
+        if self.coalescer is not None:
+            lines += [
+                "# HELP dsec_cluster_coalesced_calls_total Calls carrying coalesced single "
+                "creations to the edges.",
+                "# TYPE dsec_cluster_coalesced_calls_total counter",
+                f"dsec_cluster_coalesced_calls_total {self.coalescer.calls}",
+                "# HELP dsec_cluster_coalesced_creations_total Single creations those calls "
+                "carried.",
+                "# TYPE dsec_cluster_coalesced_creations_total counter",
+                f"dsec_cluster_coalesced_creations_total {self.coalescer.items}",
+            ]
         return ("\n".join(lines) + "\n").encode()
 
     async def stats(self) -> dict[str, Any]:

@@ -77,7 +77,11 @@ class ClusterOptions:
     Attributes:
         report_interval_s: how often node reports are collected and the placer refreshed.
         probe_timeout_s: how long one report may take before it counts as a miss.
-        lost_after_s: an edge that has not answered for this long is declared lost.
+        lost_after_s: an edge whose reports have failed (not merely not answered yet) for
+            this long is declared lost.
+        hung_after_s: an edge on a node Ray has alive whose reports have gone unanswered
+            for this long is declared lost (hung); before that it is busy: out of
+            placement, its sandboxes untouched.
         start_grace_s: the same for a new edge that has not reported once yet (its first
             call starts the ``EdgeAgent``, which reconciles its node).
         call_timeout_s: default timeout of one call to an edge.
@@ -90,12 +94,15 @@ class ClusterOptions:
         reconcile_every: every this many reports, a node's registry rows absent from its
             live ids are stopped (catches stops no replica recorded; between them only
             changes are synced).
+        coalesce: single creations arriving while earlier ones are in flight go to the
+            edges together, one call per node (:mod:`dsec.cluster.coalesce`).
     """
 
     report_interval_s: float = 2.0
     start_grace_s: float = 180.0
     probe_timeout_s: float = 5.0
     lost_after_s: float = 15.0
+    hung_after_s: float = 300.0
     call_timeout_s: float = 120.0
     create_timeout_s: float = 600.0
     exec_margin_s: float = 30.0
@@ -103,13 +110,16 @@ class ClusterOptions:
     overcommit: Overcommit = field(default_factory=Overcommit)
     burst_threshold: float = 0.8
     reconcile_every: int = 5
+    coalesce: bool = True
 
     @classmethod
     def from_env(cls) -> ClusterOptions:
         """Defaults overridden by ``DSEC_CLUSTER_REPORT_INTERVAL_S``,
-        ``DSEC_CLUSTER_LOST_AFTER_S``, ``DSEC_CLUSTER_CALL_TIMEOUT_S``,
+        ``DSEC_CLUSTER_LOST_AFTER_S``, ``DSEC_CLUSTER_HUNG_AFTER_S``,
+        ``DSEC_CLUSTER_CALL_TIMEOUT_S``,
         ``DSEC_CLUSTER_PROBE_TIMEOUT_S``, ``DSEC_CLUSTER_K``, ``DSEC_CPU_OVERCOMMIT``,
-        ``DSEC_MEMORY_OVERCOMMIT`` and ``DSEC_BURST_THRESHOLD``."""
+        ``DSEC_MEMORY_OVERCOMMIT``, ``DSEC_BURST_THRESHOLD`` and ``DSEC_CLUSTER_COALESCE``
+        (``off`` to send each single creation on its own)."""
         o = cls()
         env = os.environ
         try:
@@ -117,12 +127,16 @@ class ClusterOptions:
                 o.report_interval_s = float(env["DSEC_CLUSTER_REPORT_INTERVAL_S"])
             if "DSEC_CLUSTER_LOST_AFTER_S" in env:
                 o.lost_after_s = float(env["DSEC_CLUSTER_LOST_AFTER_S"])
+            if "DSEC_CLUSTER_HUNG_AFTER_S" in env:
+                o.hung_after_s = float(env["DSEC_CLUSTER_HUNG_AFTER_S"])
             if "DSEC_CLUSTER_CALL_TIMEOUT_S" in env:
                 o.call_timeout_s = float(env["DSEC_CLUSTER_CALL_TIMEOUT_S"])
             if "DSEC_CLUSTER_PROBE_TIMEOUT_S" in env:
                 o.probe_timeout_s = float(env["DSEC_CLUSTER_PROBE_TIMEOUT_S"])
             if "DSEC_CLUSTER_K" in env:
                 o.placement_k = int(env["DSEC_CLUSTER_K"])
+            if "DSEC_CLUSTER_COALESCE" in env:
+                o.coalesce = env["DSEC_CLUSTER_COALESCE"].strip().lower() not in ("0", "off", "no")
             if "DSEC_BURST_THRESHOLD" in env:
                 o.burst_threshold = float(env["DSEC_BURST_THRESHOLD"])
             o.overcommit = Overcommit(
@@ -147,6 +161,9 @@ class NodeHandle:
     report: dict[str, Any] | None = None
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_reason: str = ""
+    answering: bool = True  # its last report came back (False: out of placement meanwhile)
+    busy_logged: bool = False
+    ray_dead: bool = False  # Ray reported the node dead (not merely silent): its processes are gone
     sync_cursor: Any = None  # the edge's sandbox_changes cursor the registry is synced to
     syncs: int = 0  # registry syncs asked of this edge (every reconcile_every-th reconciles)
 
@@ -198,7 +215,10 @@ class NodeRelay:
         raise NotFound(f"unknown node {node!r}", node=node)
 
     async def await_ref(self, h: NodeHandle, ref: Any, timeout: float, what: str) -> Any:
-        """Await an actor call, racing the node's lost signal; typed errors only."""
+        """Await an actor call, racing the node's lost signal; typed errors only. A call
+        sent and never answered (the actor or its node died, the node was lost meanwhile)
+        fails with ``NodeLost`` or ``ServiceUnavailable`` whose ``details["unreachable"]``
+        is true: the node may or may not have acted on it (see :meth:`settle`)."""
         from ray.exceptions import RayActorError, RayError
 
         call = asyncio.ensure_future(_ray_await(ref))
@@ -214,14 +234,17 @@ class NodeRelay:
                 return call.result()
             except RayActorError as e:
                 if h.state == "lost":
-                    raise NodeLost(f"node {h.name} was lost during {what}", node=h.name) from None
+                    raise NodeLost(
+                        f"node {h.name} was lost during {what}", node=h.name, unreachable=True
+                    ) from None
                 raise ServiceUnavailable(
                     f"the edge of node {h.name} is unavailable (restarting?): {e}"[:500],
                     node=h.name,
+                    unreachable=True,
                 ) from None
             except RayError as e:
                 raise ServiceUnavailable(
-                    f"call to node {h.name} failed: {e}"[:500], node=h.name
+                    f"call to node {h.name} failed: {e}"[:500], node=h.name, unreachable=True
                 ) from None
         call.cancel()
         with contextlib.suppress(Exception):
@@ -229,10 +252,37 @@ class NodeRelay:
 
             ray.cancel(ref)
         if lost in done:
-            raise NodeLost(f"node {h.name} was lost during {what}", node=h.name)
+            raise NodeLost(f"node {h.name} was lost during {what}", node=h.name, unreachable=True)
         raise SandboxTimeout(
             f"node {h.name} did not answer {what} within {timeout:.0f} s", node=h.name
         )
+
+    async def settle(self, node: str, within_s: float) -> bool:
+        """After a call to ``node`` went unanswered (an error with ``details["unreachable"]``),
+        wait up to ``within_s`` seconds to learn what became of the node: True once Ray
+        reports it dead (its processes died with it, so whatever the call made there is
+        gone, and what it asked for may be made elsewhere without a duplicate); False when
+        its edge answers again (a restarted edge may have acted on the call), when it was
+        declared lost only by its silence (it may still run what it made), or when nothing
+        is known within ``within_s``."""
+        h = self.nodes.get(node)
+        if h is None:
+            return False
+        deadline = time.monotonic() + within_s
+        while not h.ray_dead:
+            left = deadline - time.monotonic()
+            if h.state == "lost" or left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(_ray_await(h.actor.ping.remote()), min(2.0, left))
+                return False  # it answers: the same node, its edge restarted or still there
+            except Exception:  # dead, dying or slow: look again shortly
+                pass
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    h.lost.wait(), max(0.0, min(0.5, deadline - time.monotonic()))
+                )
+        return True
 
     async def call(
         self,
@@ -355,9 +405,12 @@ class ClusterPlacement:
             overcommit=self.options.overcommit,
             burst_threshold=self.options.burst_threshold,
         )
+        answering = [h for h in alive if h.answering and h.report is not None]
         for h in alive:
             r = h.report
             if r is None or not r.get("tiers"):
+                continue
+            if not h.answering and answering:  # busy: new sandboxes go to the others
                 continue
             live = int(r["sandboxes"])
             placer.add_node(
