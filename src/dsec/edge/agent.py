@@ -1918,22 +1918,20 @@ class EdgeAgent:
             )
         snap = await self._use(sandbox_id, owner, lambda lv: rt.memory_snapshot(lv.handle))
         child_req = base.model_copy(update={"labels": {**base.labels, **req.labels}})
-        created: list[SandboxInfo] = []
         try:
-            for _ in range(req.n):  # one after another: each restore is CPU-bound already
-                created.append(
-                    await self.create_sandbox(
-                        child_req,
-                        owner,
-                        maker=lambda spec: rt.create_from_memory(snap, spec),
-                        forked_from=sandbox_id,
-                    )
-                )
-        except DsecError:
-            for info in created:  # nothing half-done: undo the ones already made
-                with contextlib.suppress(Exception):
-                    await self.kill_sandbox(info.id, owner)
-            raise
+            # all at once: each child's restore waits mostly on its QEMU (its incoming
+            # migration, the guest agent's answer), not on the edge; one after another,
+            # fork(n) took n restores end to end
+            created = await self._create_all(
+                req.n,
+                owner,
+                lambda: self.create_sandbox(
+                    child_req,
+                    owner,
+                    maker=lambda spec: rt.create_from_memory(snap, spec),
+                    forked_from=sandbox_id,
+                ),
+            )
         finally:
             await rt.drop_memory_snapshot(snap)
         return ForkResult(layer=None, sandboxes=created, method="memory")
