@@ -251,3 +251,39 @@ async def test_a_fork_child_from_the_pool_is_a_child_like_a_fresh_one(
     for h in [*kids, parent]:
         gone_everywhere(pooled, h)
     assert pooled.frozen_layers() == {} and not mount_points(pooled._frozen_root())
+
+
+async def test_a_fork_root_with_a_symlinked_mount_point_is_not_moved_onto(
+    pooled: ContainerRuntime,
+    node: Node,  # noqa: F811
+) -> None:
+    """A parent whose root has ``/proc`` as a symbolic link (out of its root): the move
+    refuses it (nothing is mounted through a link of the tenant's), the warm container is
+    destroyed and the child is made fresh (or fails as a fresh one would), leaving nothing."""
+    pooled.pool.config.idle_s = 3600.0
+    parent = await pooled.create(spec(node))
+    kids: list[Handle] = []
+    try:
+        await pooled.freeze_upper(parent)
+        os.symlink("/../../../../etc", upper_dir(pooled.paths.sandboxes / parent.id) / "proc")
+        await warm(pooled)
+        hits = pooled.pool.stats.hits
+        s = spec(node)
+        try:
+            kids.append(await pooled.create_forked(parent, dataclasses.replace(s, hostname=s.id)))
+        except Exception as e:  # what a fresh container does with it: the OCI runtime's call
+            assert "warm" not in str(e), e
+        assert pooled.pool.stats.hits == hits + 1  # a warm one was taken, and not kept
+        assert all("warm_id" not in k.state for k in kids)
+        assert not [
+            p
+            for p in pooled.paths.sandboxes.glob("wp-*")
+            if p.name not in {w.id for q in pooled.pool._keys.values() for w in q.ready}
+        ]
+    finally:
+        for k in kids:
+            await pooled.destroy(k)
+        await pooled.destroy(parent)
+    for h in [*kids, parent]:
+        gone_everywhere(pooled, h)
+    assert pooled.frozen_layers() == {} and not mount_points(pooled._frozen_root())
