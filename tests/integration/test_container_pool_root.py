@@ -174,6 +174,16 @@ def _no_leftover_warm(node: Node) -> Iterator[None]:  # noqa: F811
     assert not list(paths.sandboxes.glob("wp-*"))
 
 
+async def destroy_family(rt: ContainerRuntime, parent: Handle, kids: list[Handle]) -> None:
+    """Destroy a fork's children and parent; nothing of them is left, nor a frozen layer."""
+    for k in kids:
+        await rt.destroy(k)
+    await rt.destroy(parent)
+    for h in [*kids, parent]:
+        gone_everywhere(rt, h)
+    assert rt.frozen_layers() == {} and not mount_points(rt._frozen_root())
+
+
 async def test_a_fork_child_from_the_pool_is_a_child_like_a_fresh_one(
     pooled: ContainerRuntime,
     node: Node,  # noqa: F811
@@ -245,12 +255,7 @@ async def test_a_fork_child_from_the_pool_is_a_child_like_a_fresh_one(
         assert server is not None and os.stat(f"/proc/{server.pid}/root").st_dev == root_dev
         assert sum(1 for p in mount_points(pooled.paths.sandboxes / a.id)) == 2  # root, upper
     finally:
-        for k in kids:
-            await pooled.destroy(k)
-        await pooled.destroy(parent)
-    for h in [*kids, parent]:
-        gone_everywhere(pooled, h)
-    assert pooled.frozen_layers() == {} and not mount_points(pooled._frozen_root())
+        await destroy_family(pooled, parent, kids)
 
 
 async def test_a_fork_root_with_a_symlinked_mount_point_is_not_moved_onto(
@@ -281,9 +286,4 @@ async def test_a_fork_root_with_a_symlinked_mount_point_is_not_moved_onto(
             if p.name not in {w.id for q in pooled.pool._keys.values() for w in q.ready}
         ]
     finally:
-        for k in kids:
-            await pooled.destroy(k)
-        await pooled.destroy(parent)
-    for h in [*kids, parent]:
-        gone_everywhere(pooled, h)
-    assert pooled.frozen_layers() == {} and not mount_points(pooled._frozen_root())
+        await destroy_family(pooled, parent, kids)
