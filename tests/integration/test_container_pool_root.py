@@ -5,6 +5,7 @@ pressure and close give everything back. Needs root (crun, cgroups, mounts)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import uuid
@@ -171,3 +172,118 @@ def _no_leftover_warm(node: Node) -> Iterator[None]:  # noqa: F811
     yield
     paths, _, _ = node
     assert not list(paths.sandboxes.glob("wp-*"))
+
+
+async def destroy_family(rt: ContainerRuntime, parent: Handle, kids: list[Handle]) -> None:
+    """Destroy a fork's children and parent; nothing of them is left, nor a frozen layer."""
+    for k in kids:
+        await rt.destroy(k)
+    await rt.destroy(parent)
+    for h in [*kids, parent]:
+        gone_everywhere(rt, h)
+    assert rt.frozen_layers() == {} and not mount_points(rt._frozen_root())
+
+
+async def test_a_fork_child_from_the_pool_is_a_child_like_a_fresh_one(
+    pooled: ContainerRuntime,
+    node: Node,  # noqa: F811
+) -> None:
+    """A shared fork's child made from a warm container (moved onto the fork's root) sees
+    what a fresh child sees, is as isolated, keeps nothing of the warm root, and leaves
+    nothing behind; the frozen layer goes with its last holder."""
+    pooled.pool.config.idle_s = 3600.0  # a loaded node: its key stays in demand
+    parent = await pooled.create(spec(node))
+    kids: list[Handle] = []
+    try:
+        setup = (
+            "mkdir -p /data && echo parent > /data/who && rm /bin/ls"
+            " && echo 0123456789abcdef0123456789abcdef > /etc/machine-id"
+            " && echo 'alice:x:1234:1234::/tmp:/bin/sh' >> /etc/passwd"
+        )
+        assert (await pooled.exec(parent, ExecRequest(cmd=setup))).ok
+        await pooled.freeze_upper(parent)
+        (fid,) = parent.state["frozen"]
+        for _ in range(2):  # from the pool
+            await warm(pooled)
+            s = spec(node, user="alice")
+            kids.append(await pooled.create_forked(parent, dataclasses.replace(s, hostname=s.id)))
+        pooled.pool.config.enabled = False
+        s = spec(node, user="alice")  # made fresh
+        kids.append(await pooled.create_forked(parent, dataclasses.replace(s, hostname=s.id)))
+        pooled.pool.config.enabled = True
+        a, b, cold = kids
+        assert "pivot" in a.state["create_ms"] and a.state["warm_id"].startswith("wp-")
+        assert "pivot" in b.state["create_ms"] and "warm_id" not in cold.state
+        assert pooled.frozen_layers() == {fid: 4}
+
+        async def out(h: Handle, cmd: str, user: str | None = None) -> str:
+            r = await pooled.exec(h, ExecRequest(cmd=cmd, user=user))
+            assert r.ok, (cmd, r)
+            return r.stdout.strip()
+
+        probe = "cat /data/who; test -e /bin/ls || echo no-ls; hostname; id -u; pwd"
+        for k in kids:  # the parent's files, its whiteouts and users; its own hostname
+            assert (await out(k, probe)).split("\n") == ["parent", "no-ls", k.id, "1234", "/"]
+            # renames across directories (Landlock's REFER grant names the new root)
+            assert (
+                await out(
+                    k, "mkdir /tmp/d1 /tmp/d2; touch /tmp/d1/f; mv /tmp/d1/f /tmp/d2/f; ls /tmp/d2"
+                )
+                == "f"
+            )
+        ids = {await out(k, "cat /etc/machine-id") for k in kids}  # not the parent's
+        boots = {await out(k, "cat /proc/sys/kernel/random/boot_id") for k in kids}
+        assert len(ids - {"0123456789abcdef0123456789abcdef"}) == 3 and len(boots) == 3
+        # a write in one child is seen by no sibling nor the parent (frozen: its layer)
+        await out(a, "echo a > /data/who; touch /data/only-a", "root")
+        parent_data = pooled.paths.sandboxes / parent.id / "upper" / "data" / "data"
+        assert sorted(p.name for p in parent_data.iterdir()) == ["who"]
+        for k in (b, cold):
+            assert await out(k, "cat /data/who; ls /data") == "parent\nwho"
+
+        # the same mounts as a fresh child, and nothing of the warm root: the container's
+        # root, the init's and the exec server's are the new overlay the node mounted
+        def mountpoints(h: Handle) -> list[str]:
+            with open(f"/proc/{h.state['init_pid']}/mountinfo") as f:
+                return sorted(line.split()[4] for line in f)
+
+        assert mountpoints(a) == mountpoints(cold)
+        assert await out(a, "test -e /.dsec-reroot || echo none") == "none"
+        root_dev = os.stat(pooled.paths.sandboxes / a.id / "rootfs").st_dev
+        assert os.stat(f"/proc/{a.state['init_pid']}/root").st_dev == root_dev
+        server = pooled._live[a.id].server
+        assert server is not None and os.stat(f"/proc/{server.pid}/root").st_dev == root_dev
+        assert sum(1 for p in mount_points(pooled.paths.sandboxes / a.id)) == 2  # root, upper
+    finally:
+        await destroy_family(pooled, parent, kids)
+
+
+async def test_a_fork_root_with_a_symlinked_mount_point_is_not_moved_onto(
+    pooled: ContainerRuntime,
+    node: Node,  # noqa: F811
+) -> None:
+    """A parent whose root has ``/proc`` as a symbolic link (out of its root): the move
+    refuses it (nothing is mounted through a link of the tenant's), the warm container is
+    destroyed and the child is made fresh (or fails as a fresh one would), leaving nothing."""
+    pooled.pool.config.idle_s = 3600.0
+    parent = await pooled.create(spec(node))
+    kids: list[Handle] = []
+    try:
+        await pooled.freeze_upper(parent)
+        os.symlink("/../../../../etc", upper_dir(pooled.paths.sandboxes / parent.id) / "proc")
+        await warm(pooled)
+        hits = pooled.pool.stats.hits
+        s = spec(node)
+        try:
+            kids.append(await pooled.create_forked(parent, dataclasses.replace(s, hostname=s.id)))
+        except Exception as e:  # what a fresh container does with it: the OCI runtime's call
+            assert "warm" not in str(e), e
+        assert pooled.pool.stats.hits == hits + 1  # a warm one was taken, and not kept
+        assert all("warm_id" not in k.state for k in kids)
+        assert not [
+            p
+            for p in pooled.paths.sandboxes.glob("wp-*")
+            if p.name not in {w.id for q in pooled.pool._keys.values() for w in q.ready}
+        ]
+    finally:
+        await destroy_family(pooled, parent, kids)

@@ -67,8 +67,8 @@ async def test_demand_sizes_a_key_within_its_caps() -> None:
         pool.take("a", "t")
     assert pool.target("a") == 4
     now = pool._keys["a"].claims[0]
-    assert pool.target("a", now + 4.0) == 1  # the same 4 over 4 s: 1/s, min_ready 1
-    assert pool.target("a", now + 8.0) == 1  # over 8 s: 0.5/s, rounded up
+    assert pool.target("a", now + 4.0) == 4  # 1/s over 4 s, but a burst of 4: kept
+    assert pool.target("a", now + 10.5) == 1  # out of the window: min_ready
     for _ in range(20):
         pool.take("a", "t")
     assert pool.target("a") == 6  # the per-key cap
@@ -79,6 +79,23 @@ async def test_demand_sizes_a_key_within_its_caps() -> None:
     assert pool.ready_count() <= 8  # the total cap holds across keys
     await pool.close()
     assert f.live() == set() and pool.ready_count() == 0  # none was claimed: all destroyed
+
+
+async def test_a_burst_of_claims_keeps_its_size_warm() -> None:
+    """A shared fork of 16 claims 16 at once: the key keeps 16 for the next fork, though 16
+    claims every 2.5 s are a rate of 6.4/s."""
+    f = Fakes()
+    cfg = PoolConfig(min_ready=1, max_per_key=16, max_total=32, window_s=10.0, lead_s=1.0)
+    pool: WarmPool[str, str, int] = WarmPool(cfg, make=f.make, discard=f.discard)
+    for _ in range(16):
+        pool.take("a", "t")
+    k = pool._keys["a"]
+    assert k.burst == 16
+    assert pool.target("a", k.claims[0] + 2.5) == 16
+    assert pool.target("a", k.claims[-1] + 10.5) == 1  # the burst is out of the window
+    await settle(pool)
+    assert pool.ready_count("a") == 16
+    await pool.close()
 
 
 async def test_idle_keys_and_memory_pressure_empty_the_pool() -> None:

@@ -58,6 +58,7 @@ from dsec.privileged.mount import (
 __all__ = [
     "INIT_DIR_SOURCE",
     "assemble_rootfs",
+    "detach_rootfs",
     "freeze_upper",
     "frozen_data",
     "mount_init_dir",
@@ -352,6 +353,24 @@ def _mounted_on(path: Path, parent: Path) -> bool:
         return os.stat(path).st_dev != os.stat(parent).st_dev
     except FileNotFoundError:
         return False
+
+
+def detach_rootfs(sandbox_dir: Path) -> None:
+    """Unmount ``sandbox_dir``'s root filesystem from the node's namespace (the overlay,
+    then its upper), keeping the directory, so that :func:`assemble_rootfs` can mount a
+    new one there. A container running on the old one keeps it (its own mount namespace
+    holds it) until it moves off it; then it is gone. Idempotent.
+
+    Raises:
+        SandboxError: an unmount failed, or something else stays mounted there.
+    """
+    sandbox_dir = Path(os.path.abspath(sandbox_dir))
+    for mp in (rootfs_path(sandbox_dir), _upper_mount(sandbox_dir)):
+        try:
+            while _mounted_on(mp, sandbox_dir):
+                umount_quiet(mp)
+        except OSError as e:
+            raise SandboxError(f"cannot unmount {mp}: {e.strerror}", errno=e.errno) from e
 
 
 def teardown_rootfs(sandbox_dir: Path) -> None:

@@ -46,6 +46,17 @@
  *                 terminal (TIOCSCTTY), so job control, ^C and SIGWINCH work.
  *     SIGNAL (2): i32 signo  -> killpg() of that exec's process group.
  *     RELEASE(3): forget the exec (the edge has its result, or gave up on it).
+ *     REROOT (5): NUL-terminated hostname, u32 count, count entries of one type byte
+ *                 ('d' directory, 'f' file) and a NUL-terminated absolute path;
+ *                 exactly 1 fd: a detached mount (open_tree(OPEN_TREE_CLONE)) of a new
+ *                 root. The container is moved onto it: it is attached at
+ *                 /.dsec-reroot, each listed mount of the old root (those right below
+ *                 it: /proc, /dev, /sys ...) is moved to the same path in it (made if
+ *                 missing, never through a symbolic link), then pivot_root() moves
+ *                 every process of the namespace (the init, this server) onto it and
+ *                 the old root is detached; the hostname is set. Only before any
+ *                 command ran (a warm container claimed as a fork's child). Replies
+ *                 EXIT (0, 0, 0) or ERROR; on ERROR the container is unusable.
  *   reply    = u32 type, u32 reserved, u64 id, body
  *     READY  (100): i32 server pid (host pid namespace)
  *     STARTED(101): i32 child pid (host pid namespace)
@@ -84,6 +95,7 @@
 #include <sys/prctl.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -107,7 +119,7 @@
 #endif
 
 enum { EXEC_F_CTTY = 1u };
-enum { T_EXEC = 1, T_SIGNAL = 2, T_RELEASE = 3, T_ATTACH = 4 };
+enum { T_EXEC = 1, T_SIGNAL = 2, T_RELEASE = 3, T_ATTACH = 4, T_REROOT = 5 };
 enum { R_READY = 100, R_STARTED = 101, R_EXIT = 102, R_ERROR = 103 };
 enum {
     STAGE_OK = 0, STAGE_CGROUP = 1 /* unused since the server joins once */, STAGE_SETSID = 2, STAGE_RLIMIT = 3, STAGE_BOUNDING = 4,
@@ -146,6 +158,8 @@ static const char *audit_id;        /* argument "auid=N": this server's loginuid
  * It restricts nothing else: it handles only the making of block devices, which the
  * container's device cgroup refuses anyway. */
 static int command_domain_fd = -1;
+static uint64_t ll_handled_fs;     /* what command_domain_fd's ruleset handles */
+static int ll_abi;
 static int cap_last = 40;
 static struct { int res; struct rlimit lim; } rlimits[MAX_RLIMITS];
 static int n_rlimits;
@@ -607,6 +621,143 @@ static void kill_all_and_exit(void) {
     _exit(0);
 }
 
+static int add_refer_beneath_root(int ruleset_fd);
+
+/* From Landlock ABI 2 the commands' ruleset must grant REFER beneath the root they see
+ * (add_refer_beneath_root): granted, or no ruleset at all (a domain refusing renames
+ * would break commands). */
+static void grant_refer(int ruleset_fd) {
+    if (ruleset_fd >= 0 && ll_abi >= 2 && add_refer_beneath_root(ruleset_fd) < 0) {
+        close(ruleset_fd);
+        command_domain_fd = -1;
+    }
+}
+
+/* ---- reroot (a warm container becomes a fork's child) ---------------------- */
+
+#ifndef SYS_move_mount
+#define SYS_move_mount 429
+#endif
+#ifndef SYS_openat2
+#define SYS_openat2 437
+#endif
+#define MOVE_MOUNT_F_EMPTY_PATH_ 0x00000004
+#define MOVE_MOUNT_T_EMPTY_PATH_ 0x00000040
+#define RESOLVE_NO_MAGICLINKS_ 0x02
+#define RESOLVE_NO_SYMLINKS_ 0x04
+#define RESOLVE_BENEATH_ 0x08
+#define REROOT_AT "/.dsec-reroot"
+
+struct open_how_ { uint64_t flags, mode, resolve; };
+
+static int open_beneath(int dirfd, const char *rel, int flags, mode_t mode) {
+    struct open_how_ how = {(uint64_t)(flags | O_CLOEXEC), mode,
+                            RESOLVE_BENEATH_ | RESOLVE_NO_SYMLINKS_ | RESOLVE_NO_MAGICLINKS_};
+    return (int)syscall(SYS_openat2, dirfd, rel, &how, sizeof(how));
+}
+
+/* The mount point ``path`` (absolute) under the new root ``rootfd``, made if missing
+ * (``type`` 'd': a directory, else a file; parents as directories): an O_PATH fd of it.
+ * Nothing is resolved through a symbolic link or out of the new root: its files are
+ * what a sandbox wrote (the fork's parent). -1 with errno set on failure. */
+static int mountpoint_beneath(int rootfd, char type, const char *path) {
+    char buf[4096];
+    size_t len = strlen(path);
+    if (path[0] != '/' || len >= sizeof(buf) || strstr(path, "/../") || strstr(path, "/./")) {
+        errno = EINVAL;
+        return -1;
+    }
+    memcpy(buf, path, len + 1);
+    int dir = dup(rootfd);
+    if (dir < 0) return -1;
+    char *comp = buf + 1;
+    for (;;) {
+        char *slash = strchr(comp, '/');
+        if (slash) *slash = '\0';
+        int last = !slash || !slash[1];
+        if (*comp == '\0') { close(dir); errno = EINVAL; return -1; }
+        if (last && type != 'd') {
+            /* never opened for writing if it exists (a FIFO would block) */
+            int f = open_beneath(dir, comp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0644);
+            if (f < 0 && errno == EEXIST) f = open_beneath(dir, comp, O_PATH | O_NOFOLLOW, 0);
+            if (f >= 0) {
+                struct stat st;
+                if (fstat(f, &st) < 0 || !S_ISREG(st.st_mode)) { close(f); f = -1; errno = ENOTDIR; }
+            }
+            close(dir);
+            return f;
+        }
+        if (mkdirat(dir, comp, 0755) < 0 && errno != EEXIST) { close(dir); return -1; }
+        int next = open_beneath(dir, comp, O_PATH | O_DIRECTORY | O_NOFOLLOW, 0);
+        close(dir);
+        if (next < 0) return -1;
+        dir = next;
+        if (last) return dir;
+        comp = slash + 1;
+    }
+}
+
+static void handle_reroot(uint64_t id, const char *body, size_t len, int *fds, int nfds) {
+    if (nfds != 1) {
+        close_fds(fds, nfds);
+        reply_error(id, EINVAL, "reroot needs exactly 1 fd");
+        return;
+    }
+    int newfd = fds[0];
+    const char *end = body + len, *host = body;
+    const char *nul = memchr(body, '\0', len);
+    uint32_t count = 0;
+    const char *what = "reroot request";
+    if (!nul || (size_t)(end - nul - 1) < 4) { errno = EINVAL; goto fail; }
+    memcpy(&count, nul + 1, 4);
+    const char *p = nul + 5;
+    /* the new root, attached below the old one (which goes, with this directory) */
+    what = "mkdir " REROOT_AT;
+    if (mkdir(REROOT_AT, 0700) < 0 && errno != EEXIST) goto fail;
+    what = "attach the new root";
+    if (syscall(SYS_move_mount, newfd, "", AT_FDCWD, REROOT_AT, MOVE_MOUNT_F_EMPTY_PATH_) < 0) goto fail;
+    what = "make the new root private";
+    if (mount(NULL, REROOT_AT, NULL, MS_PRIVATE | MS_REC, NULL) < 0) goto fail;
+    for (uint32_t i = 0; i < count; i++) {
+        what = "reroot request mounts";
+        if (end - p < 2) { errno = EINVAL; goto fail; }
+        char type = *p++;
+        const char *mnul = memchr(p, '\0', (size_t)(end - p));
+        if (!mnul) { errno = EINVAL; goto fail; }
+        what = p;
+        int target = mountpoint_beneath(newfd, type, p);
+        if (target < 0) goto fail;
+        long rc = syscall(SYS_move_mount, AT_FDCWD, p, target, "", MOVE_MOUNT_T_EMPTY_PATH_);
+        close(target);
+        if (rc < 0) goto fail;
+        p = mnul + 1;
+    }
+    /* every process whose root or cwd is the old root (the init, this server) moves */
+    what = "pivot_root";
+    if (fchdir(newfd) < 0 || syscall(SYS_pivot_root, ".", ".") < 0) goto fail;
+    what = "detach the old root";
+    if (mount(NULL, ".", NULL, MS_PRIVATE | MS_REC, NULL) < 0 || umount2(".", MNT_DETACH) < 0 ||
+        chdir("/") < 0)
+        goto fail;
+    close(newfd);
+    newfd = -1;
+    what = "sethostname";
+    if (sethostname(host, strlen(host)) < 0) goto fail;
+    /* the commands' REFER grant named the old root: a new ruleset for the new one */
+    if (command_domain_fd >= 0) {
+        close(command_domain_fd);
+        command_domain_fd = (int)syscall(SYS_landlock_create_ruleset, &ll_handled_fs, sizeof ll_handled_fs, 0);
+        grant_refer(command_domain_fd);
+    }
+    int32_t ok[3] = {0, 0, 0};
+    reply(R_EXIT, id, ok, sizeof(ok));
+    return;
+fail:;
+    int e = errno;
+    if (newfd >= 0) close(newfd);
+    reply_error(id, e, what);
+}
+
 static void serve(void) {
     sigset_t mask;
     sigemptyset(&mask);
@@ -657,6 +808,7 @@ static void serve(void) {
         case T_EXEC: handle_exec(h.id, body, blen, fds, nfds); break;
         case T_SIGNAL: close_fds(fds, nfds); handle_signal(h.id, body, blen); break;
         case T_RELEASE: close_fds(fds, nfds); handle_release(h.id); break;
+        case T_REROOT: handle_reroot(h.id, body, blen, fds, nfds); break;
         default: close_fds(fds, nfds); reply_error(h.id, EINVAL, "unknown request type");
         }
         if (n > (1 << 16)) madvise(msgbuf, MAX_MSG, MADV_DONTNEED); /* give big pages back */
@@ -779,10 +931,10 @@ int main(int argc, char **argv) {
             logmsg("cannot set the audit id (denials are then found by process): %s", strerror(errno));
         if (fd >= 0) close(fd);
     }
-    int ll_abi = landlock_abi_version();
-    uint64_t handled_access_fs = 1ull << 11; /* LANDLOCK_ACCESS_FS_MAKE_BLOCK (ABI 1) */
-    if (ll_abi >= 2) handled_access_fs |= 1ull << 13; /* REFER: granted below, after attach */
-    command_domain_fd = (int)syscall(SYS_landlock_create_ruleset, &handled_access_fs, sizeof handled_access_fs, 0);
+    ll_abi = landlock_abi_version();
+    ll_handled_fs = 1ull << 11; /* LANDLOCK_ACCESS_FS_MAKE_BLOCK (ABI 1) */
+    if (ll_abi >= 2) ll_handled_fs |= 1ull << 13; /* REFER: granted below, after attach */
+    command_domain_fd = (int)syscall(SYS_landlock_create_ruleset, &ll_handled_fs, sizeof ll_handled_fs, 0);
     FILE *f = fopen("/proc/sys/kernel/cap_last_cap", "re");
     if (f) {
         if (fscanf(f, "%d", &cap_last) != 1) cap_last = 40;
@@ -790,10 +942,7 @@ int main(int argc, char **argv) {
     }
     attach();
     /* in the container's mount namespace now: its root is what the commands see */
-    if (command_domain_fd >= 0 && ll_abi >= 2 && add_refer_beneath_root(command_domain_fd) < 0) {
-        close(command_domain_fd);
-        command_domain_fd = -1; /* a domain refusing renames would break commands: none */
-    }
+    grant_refer(command_domain_fd);
     serve();
     return 0;
 }

@@ -29,7 +29,6 @@ so does a host without ``unshare(1)`` or ``open_tree(2)`` (Linux < 5.2), with a 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import logging
 import os
@@ -38,19 +37,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec.privileged.mount import MNT_DETACH, umount
+from dsec.privileged.mount import MNT_DETACH, open_tree_clone, umount
 from dsec.privileged.mountns import _is_mount_point, _private_dir, pin_attempts
 
 __all__ = ["LaunchNamespace", "open_launch_namespace"]
 
 log = logging.getLogger(__name__)
-
-_SYS_OPEN_TREE = 428
-_OPEN_TREE_CLONE = 1
-_OPEN_TREE_CLOEXEC = os.O_CLOEXEC
-_AT_FDCWD = -100
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 
 # run in the new namespace by unshare(1): detach every mount below the given directories
 _PRUNE = r"""
@@ -84,17 +76,7 @@ class LaunchNamespace:
         node's namespace) attached at the same path: ``(argv, fd)``; pass ``fd`` to the child
         (``pass_fds``) and close it after starting it. Raises ``OSError`` if the root cannot
         be cloned."""
-        fd = int(
-            _libc.syscall(
-                _SYS_OPEN_TREE,
-                _AT_FDCWD,
-                os.fsencode(rootfs),
-                _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC,
-            )
-        )
-        if fd < 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"open_tree({rootfs}): {os.strerror(e)}")
+        fd = open_tree_clone(rootfs)
         return [str(self.launcher), str(self.pin), str(fd), str(rootfs), "--", *oci_cmd], fd
 
     def close(self) -> None:

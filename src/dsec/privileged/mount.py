@@ -201,6 +201,50 @@ def is_mount_point(path: str | os.PathLike[str]) -> bool:
     return Path(os.path.abspath(path)) in set(mount_points(path))
 
 
+_SYS_OPEN_TREE = 428
+_OPEN_TREE_CLONE = 1
+_AT_FDCWD = -100
+_libc.syscall.restype = ctypes.c_long
+
+
+def open_tree_clone(path: str | os.PathLike[str]) -> int:
+    """A detached copy of the mount at ``path`` (``open_tree(OPEN_TREE_CLONE)``, Linux 5.2+;
+    not its submounts): a close-on-exec fd to attach elsewhere, e.g. in another mount
+    namespace with ``move_mount``. Raises OSError."""
+    fd = int(
+        _libc.syscall(
+            ctypes.c_long(_SYS_OPEN_TREE),
+            ctypes.c_int(_AT_FDCWD),
+            ctypes.c_char_p(os.fsencode(path)),
+            ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC),
+        )
+    )
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"open_tree({path}): {os.strerror(e)}")
+    return fd
+
+
+def mounts_below_root(pid: int) -> list[tuple[str, bool]]:
+    """The mounts right below process ``pid``'s root mount, as seen in its mount namespace
+    (``/proc/PID/mountinfo``): (mount point, whether it is a directory), in mount order
+    (those stacked on another mount come with it and are not listed)."""
+    rows: list[tuple[int, int, str]] = []
+    with open(f"/proc/{pid}/mountinfo") as f:
+        for line in f:
+            fields = line.split(" ", 5)
+            rows.append((int(fields[0]), int(fields[1]), _unescape(fields[4])))
+    roots = [mid for mid, _, mp in rows if mp == "/"]
+    if not roots:
+        raise OSError(errno.ENOENT, f"process {pid} has no root mount in its mountinfo")
+    root = roots[-1]  # the topmost of a stack on /
+    out: list[tuple[str, bool]] = []
+    for _, parent, mp in rows:
+        if parent == root and mp != "/":
+            out.append((mp, stat.S_ISDIR(os.stat(f"/proc/{pid}/root{mp}").st_mode)))
+    return out
+
+
 # --- EROFS -----------------------------------------------------------------------------------
 
 EROFS_MOUNT_ENV = "DSEC_EROFS_MOUNT"

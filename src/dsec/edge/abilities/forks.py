@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from dsec.edge.abilities.sandboxes import SandboxVerbs
 from dsec.edge.core import LiveSandbox, json_dump
-from dsec.errors import CapabilityNotSupported, DsecError, InvalidRequest, SandboxStopped
+from dsec.errors import CapabilityNotSupported, InvalidRequest, SandboxStopped
 from dsec.models import (
     CreateSandboxRequest,
     ForkRequest,
@@ -199,22 +199,20 @@ class ForkVerbs(SandboxVerbs):
             )
         snap = await self._use(sandbox_id, owner, lambda lv: rt.memory_snapshot(lv.handle))
         child_req = base.model_copy(update={"labels": {**base.labels, **req.labels}})
-        created: list[SandboxInfo] = []
         try:
-            for _ in range(req.n):  # one after another: each restore is CPU-bound already
-                created.append(
-                    await self.create_sandbox(
-                        child_req,
-                        owner,
-                        maker=lambda spec: rt.create_from_memory(snap, spec),
-                        forked_from=sandbox_id,
-                    )
-                )
-        except DsecError:
-            for info in created:  # nothing half-done: undo the ones already made
-                with contextlib.suppress(Exception):
-                    await self.kill_sandbox(info.id, owner)
-            raise
+            # all at once: each child's restore waits mostly on its QEMU (its incoming
+            # migration, the guest agent's answer), not on the edge; one after another,
+            # fork(n) took n restores end to end
+            created = await self._create_all(
+                req.n,
+                owner,
+                lambda: self.create_sandbox(
+                    child_req,
+                    owner,
+                    maker=lambda spec: rt.create_from_memory(snap, spec),
+                    forked_from=sandbox_id,
+                ),
+            )
         finally:
             await rt.drop_memory_snapshot(snap)
         return ForkResult(layer=None, sandboxes=created, method="memory")

@@ -55,7 +55,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-T_EXEC, T_SIGNAL, T_RELEASE, T_ATTACH = 1, 2, 3, 4
+T_EXEC, T_SIGNAL, T_RELEASE, T_ATTACH, T_REROOT = 1, 2, 3, 4, 5
 _EXEC_F_CTTY = 1  # the child makes its stdin (a pty slave) its controlling terminal
 R_READY, R_STARTED, R_EXIT, R_ERROR = 100, 101, 102, 103
 _HDR = struct.Struct("<IIQ")
@@ -620,6 +620,37 @@ class ExecServer:
         return InteractiveExecution(
             self, req_id, pending, streams, stdin_fd, argv, cwd, timeout_s, max_output_bytes
         )
+
+    async def reroot(
+        self, root_fd: int, hostname: str, mounts: list[tuple[str, bool]], timeout_s: float = 30.0
+    ) -> None:
+        """Move the container onto another root filesystem: ``root_fd`` is a detached mount
+        of it (``open_tree(OPEN_TREE_CLONE)``; the server takes its own copy of the fd);
+        ``mounts``: (path, is a directory) of each mount right below the container's
+        current root (``/proc``, ``/dev``, ``/sys`` ...), moved to the same path in the new
+        one (made there if missing, never through a symbolic link: its files may be a
+        sandbox's). Every process of the container moves with ``pivot_root``, the old root
+        is detached, and the hostname becomes ``hostname``. Only for a container in which
+        no command ran (a warm one). Raises :class:`SandboxError` on failure, after which
+        the container must be destroyed. ~1 ms."""
+        req_id = next(self._ids)
+        body = hostname.encode() + b"\0" + struct.pack("<I", len(mounts))
+        body += b"".join(
+            (b"d" if is_dir else b"f") + os.fsencode(p) + b"\0" for p, is_dir in mounts
+        )
+        pending = _Pending(self._loop.create_future(), self._loop.create_future())
+        self._pending[req_id] = pending
+        try:
+            await self._send(_HDR.pack(T_REROOT, 0, req_id) + body, [root_fd])
+            await asyncio.wait_for(asyncio.shield(pending.exited), timeout_s)
+        except DsecError as e:
+            raise SandboxError(f"moving the container onto its root failed: {e.message}") from e
+        except TimeoutError as e:
+            raise SandboxError(
+                f"moving the container onto its root took over {timeout_s:g} s"
+            ) from e
+        finally:
+            self._pending.pop(req_id, None)
 
     def _forget(self, req_id: int) -> None:
         """The edge has an exec's result: let the server free it."""
