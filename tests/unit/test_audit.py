@@ -153,6 +153,22 @@ def test_seccomp_records_map_to_their_sandbox_by_audit_id() -> None:
     asyncio.run(go())
 
 
+def test_an_oom_kill_in_an_exec_result_counts_where_no_counter_shows_it() -> None:
+    """The VM tiers (not Audited: no cgroup of the sandbox on the host) tell an OOM kill in
+    the command's result; a tier whose cgroup counts them is not counted twice."""
+    audit = EdgeAudit(AuditSettings(enabled=True, entries_cap=8))
+    for sid in ("sb-vm", "sb-ct"):
+        audit.recorder.open(sid, "k1", "microvm", None)
+    killed = ExecResult(exit_code=137, oom_killed=True)
+    audit.exec_result("sb-vm", killed, ["tail", "/dev/zero"], oom_from_result=True)
+    audit.exec_result("sb-ct", killed, ["tail", "/dev/zero"])  # its cgroup's counter says it
+    audit.exec_result("sb-vm", ExecResult(exit_code=0), ["true"], oom_from_result=True)
+    vm = audit.recorder.report("sb-vm")
+    assert vm.counts == {"limits.oom_kill": 1}
+    assert vm.entries[0].cmdline == "tail /dev/zero" and not vm.evidence
+    assert audit.recorder.report("sb-ct").counts == {}
+
+
 def test_record_parsing_and_names() -> None:
     rec = parse_record(RECORD)
     assert rec is not None

@@ -468,11 +468,29 @@ class EdgeAudit:
         if isinstance(err, PathOutsideSandbox):
             self.recorder.record(sandbox_id, "files", _files_kind(err), err.message)
 
-    def exec_result(self, sandbox_id: str, res: ExecResult, cmd: list[str] | str) -> None:
-        """Limits a command hit: its time-out, its output cap, an OOM kill."""
+    def exec_result(
+        self,
+        sandbox_id: str,
+        res: ExecResult,
+        cmd: list[str] | str,
+        *,
+        oom_from_result: bool = False,
+    ) -> None:
+        """Limits a command hit: its time-out, its output cap and, with ``oom_from_result``
+        (a tier that is not :class:`~dsec.runtimes.base.Audited`, whose OOM kills no counter
+        of the sandbox shows: the VM tiers, where the guest's agent tells per command), an
+        OOM kill."""
         if not self.enabled or res.replayed:
             return
         argv = cmd if isinstance(cmd, str) else " ".join(cmd)
+        if oom_from_result and res.oom_killed:
+            self.recorder.record(
+                sandbox_id,
+                "limits",
+                "oom_kill",
+                _LIMIT_TEXT["oom_kill"],
+                cmdline=argv,
+            )
         if res.timed_out:
             self.recorder.record(
                 sandbox_id,

@@ -18,7 +18,7 @@ from dsec.errors import (
     SandboxStopped,
 )
 from dsec.models import ExecEvent, ExecRequest, ExecResult
-from dsec.runtimes.base import Interactive
+from dsec.runtimes.base import Audited, Interactive
 
 log = logging.getLogger("dsec.edge")
 
@@ -62,7 +62,9 @@ class ExecVerbs(EdgeCore):
                     self.metrics.execs.labels(lv.row.tier, "error").inc()
                     raise
                 self.metrics.exec_seconds.labels(lv.row.tier).observe(time.perf_counter() - t0)
-                self.audit.exec_result(lv.row.id, res, req.cmd)
+                self.audit.exec_result(
+                    lv.row.id, res, req.cmd, oom_from_result=not isinstance(rt, Audited)
+                )
                 outcome = (
                     "timeout" if res.timed_out else ("ok" if res.exit_code == 0 else "nonzero")
                 )
