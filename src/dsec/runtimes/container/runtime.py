@@ -184,9 +184,10 @@ def _new_boot_id(sandbox_dir: Path) -> Path:
     return path
 
 
-class _RerootFailed(SandboxError):
+class _RerootFailed(Exception):
     """A claimed warm container could not be moved onto a fork child's root (it is
-    destroyed; the child is made fresh instead)."""
+    destroyed; the child is made fresh instead). Internal: never reaches a caller of the
+    runtime, so it is no class of the documented error tree (:mod:`dsec.errors`)."""
 
 
 def _kill_all_but(cg: Cgroup, keep: int | None, timeout_s: float = 5.0) -> None:
@@ -998,7 +999,7 @@ class ContainerRuntime:
                 self._live.pop(spec.id, None)
                 self._leave_group(warm.id, group)
                 self._leave_group(spec.id, group)
-                if isinstance(e, DsecError | asyncio.CancelledError):
+                if isinstance(e, DsecError | asyncio.CancelledError | _RerootFailed):
                     raise
                 raise SandboxError(f"creating sandbox {spec.id} failed: {e}") from e
         return Handle(spec.id, state)
