@@ -631,8 +631,9 @@ class BackgroundServer:
         tls: bool = False,
     ) -> None:
         self.home = home
-        self.port = port or _free_port()
-        self.tls_port = _free_port() if tls else None
+        self._listen: dict[int, Any] = {}  # port -> its socket, bound until the server listens
+        self.port = port or self._reserve_port()
+        self.tls_port = self._reserve_port() if tls else None
         self.ports = PortsSettings(domain=ports_domain, tls_port=self.tls_port, home=home)
         self.ca: Path | None = None
         self.tiers = tiers
@@ -647,6 +648,19 @@ class BackgroundServer:
         self._servers: list[Any] = []
         self._thread: Any = None
         self._error: BaseException | None = None
+
+    def _reserve_port(self) -> int:
+        """A loopback port, bound now and kept until the server listens on it: a port only
+        looked up here and bound at ``__enter__`` could be taken meanwhile (EADDRINUSE under
+        a busy test run)."""
+        import socket
+
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+        self._listen[port] = sock
+        return port
 
     def call(self, coro: Any, timeout: float = 300) -> Any:
         """Run a coroutine on the server's event loop (to reach the edge directly)."""
@@ -699,7 +713,11 @@ class BackgroundServer:
                 self._server = server
                 self._servers = servers
                 self.loop = asyncio.get_running_loop()
-                tasks = [asyncio.create_task(s.serve()) for s in servers]
+                bound = [self._listen.get(s.config.port) for s in servers]
+                tasks = [
+                    asyncio.create_task(s.serve(sockets=[sock] if sock is not None else None))
+                    for s, sock in zip(servers, bound, strict=True)
+                ]
                 while not all(s.started for s in servers):
                     for task in tasks:
                         if task.done():
@@ -736,6 +754,8 @@ class BackgroundServer:
                 server.should_exit = True
         if self._thread is not None:
             self._thread.join(300)
+        for sock in self._listen.values():  # closed by its server already, unless it never ran
+            sock.close()
 
 
 def _free_port() -> int:

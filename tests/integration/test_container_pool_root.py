@@ -280,6 +280,10 @@ async def test_a_fork_root_with_a_symlinked_mount_point_is_not_moved_onto(
             assert "warm" not in str(e), e
         assert pooled.pool.stats.hits == hits + 1  # a warm one was taken, and not kept
         assert all("warm_id" not in k.state for k in kids)
+        # the claim made the pool refill: the containers it is making have directories too
+        # until they are ready (not leftovers)
+        fills = [k.task for k in pooled.pool._keys.values() if k.task is not None]
+        await asyncio.gather(*fills, return_exceptions=True)
         assert not [
             p
             for p in pooled.paths.sandboxes.glob("wp-*")
