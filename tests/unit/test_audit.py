@@ -116,6 +116,9 @@ def test_follow_yields_new_entries_until_the_sandbox_stops() -> None:
 class _Rt:
     """A runtime that only answers the audit's questions."""
 
+    log_denials = True
+    log_landlock = True
+
     def audit_id(self, handle: Handle) -> int | None:
         return 1234567
 

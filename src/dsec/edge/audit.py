@@ -697,7 +697,7 @@ class EdgeAudit:
         )
         landlock = (
             "kernel Landlock records (audit netlink)"
-            if getattr(rt, "log_landlock", False) and self.landlock_status == "listening"
+            if isinstance(rt, Audited) and rt.log_landlock and self.landlock_status == "listening"
             else ""
         )
         return {

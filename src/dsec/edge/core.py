@@ -51,6 +51,7 @@ from dsec.models import (
     SandboxInfo,
 )
 from dsec.runtimes.base import (
+    Audited,
     ExitReporting,
     Handle,
     Reconciling,
@@ -201,8 +202,10 @@ class EdgeCore:
                 rt.on_exit(self._sandbox_ended)
             await rt.start()
         self.audit.start(
-            any(getattr(rt, "log_denials", False) for rt in self.runtimes.values()),
-            landlock=any(getattr(rt, "log_landlock", False) for rt in self.runtimes.values()),
+            any(isinstance(rt, Audited) and rt.log_denials for rt in self.runtimes.values()),
+            landlock=any(
+                isinstance(rt, Audited) and rt.log_landlock for rt in self.runtimes.values()
+            ),
         )
         await self.reconcile()
         for rt in self.runtimes.values():

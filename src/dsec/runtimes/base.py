@@ -336,6 +336,12 @@ class Audited(Protocol):
     records, and the cumulative counters of limits its sandbox hit. Cheap reads; a sandbox
     that is gone reports zeros."""
 
+    log_denials: bool
+    """Its sandboxes' refused system calls reach the kernel's audit stream
+    (``SECCOMP_FILTER_FLAG_LOG``; ``DSEC_AUDIT``)."""
+    log_landlock: bool
+    """Its sandboxes' Landlock refusals reach it too (Linux 6.15+)."""
+
     def audit_id(self, handle: Handle) -> int | None:
         """The loginuid every process of the sandbox inherits (None: not set)."""
 

@@ -315,6 +315,8 @@ class ContainerRuntime:
         self._execd_bin: Path | None = None
         self.log_denials = audit_on()
         """Commands' seccomp refusals go to the kernel's audit stream (``DSEC_AUDIT``)."""
+        self.log_landlock = False
+        """Commands' own Landlock domains log nothing (see docs/cheating.md)."""
         self._live: dict[str, _Live] = {}
         self._launch: LaunchNamespace | None = None  # where crun runs (privileged/launchns.py)
         self._groups: dict[str, set[str]] = {}  # CPU share group -> its sandboxes (warm too)
