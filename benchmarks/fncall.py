@@ -398,9 +398,9 @@ async def _cold_container(
     """create + exec ``python3 -c 'print(1+1)'`` + destroy of a container sandbox per call,
     through the container runtime directly (the edge adds its own bookkeeping on top)."""
     from dsec.config import Paths
+    from dsec.contract.runtime import SandboxSpec
     from dsec.layers.mounts import LayerMounts
     from dsec.models import ExecRequest
-    from dsec.runtimes.base import SandboxSpec
     from dsec.runtimes.container.runtime import ContainerRuntime
 
     paths = Paths(home)

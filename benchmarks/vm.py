@@ -55,10 +55,10 @@ from pathlib import Path
 from typing import Any
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, SandboxSpec, capabilities_of
 from dsec.errors import DsecError
 from dsec.models import ExecRequest
 from dsec.privileged.cgroups import CGROUP_ROOT, CONTROLLERS
-from dsec.runtimes.base import Handle, SandboxSpec, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 from dsec.runtimes.microvm.ksm import KSM_SYSFS, ksmd_set, wait_ksm_settled
 from dsec.runtimes.vm import VMRuntime

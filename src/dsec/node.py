@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.config import Paths
+from dsec.contract.runtime import Runtime
 from dsec.edge.agent import EdgeAgent, EdgeLimits
 from dsec.errors import InvalidRequest
 from dsec.layers.store import LayerStore
-from dsec.runtimes.base import Runtime
 
 if TYPE_CHECKING:
     from dsec.models import HostCgroups, HostReport

@@ -2,7 +2,7 @@
 
 Embedded mode: SQLite registry and a local layer store under ``DSEC_HOME``; the
 apiserver calls the in-process :class:`~dsec.edge.agent.EdgeAgent` through the
-:class:`~dsec.edge.interface.EdgeAPI` protocol. Stopping the server leaves the
+:class:`~dsec.contract.edge.EdgeAPI` protocol. Stopping the server leaves the
 sandboxes running; the next start recovers them.
 """
 
@@ -158,7 +158,7 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
     """The full HTTP surface of one server: the dsec API, the E2B-compatible API under
     ``/e2b`` (control plane) and ``/e2b/envd`` (in-sandbox API), ``/run_code``
     (SandboxFusion's) and ``/v1/run_code`` through the edge's
-    :class:`~dsec.edge.interface.CodeRuns` when it has the fncall tier (a cluster edge:
+    :class:`~dsec.contract.edge.CodeRuns` when it has the fncall tier (a cluster edge:
     when a node has it, call by call), the port proxy
     (:mod:`dsec.apiserver.ports`) configured by ``ports``, and the dashboard under ``/ui``
     (sessions signed with ``ports.home/ui_secret``)."""
@@ -209,7 +209,7 @@ def build_app(edge: Any, keys: Any, ports: PortsSettings | None = None) -> Any:
         app.router.routes.extend(e2b_app.state.e2b.envd.files_routes())
         app.state.closers.append(e2b_app.state.e2b.aclose)
 
-    from dsec.edge.interface import CodeRuns
+    from dsec.contract.edge import CodeRuns
 
     # an embedded edge runs code with its fncall tier; a cluster edge (no runtimes of its
     # own) on a node that has one

@@ -70,8 +70,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.config import Paths
+from dsec.contract.edge import edge_verbs
+from dsec.contract.runtime import (
+    Handle,
+    OutputSink,
+    Runtime,
+    RuntimeFacts,
+    SandboxFiles,
+    SandboxSpec,
+)
 from dsec.edge.agent import EdgeAgent, EdgeLimits
-from dsec.edge.interface import edge_verbs
 from dsec.errors import (
     CapabilityNotSupported,
     Conflict,
@@ -96,14 +104,6 @@ from dsec.models import (
     LayerKind,
     SandboxInfo,
     SnapshotRequest,
-)
-from dsec.runtimes.base import (
-    Handle,
-    OutputSink,
-    Runtime,
-    RuntimeFacts,
-    SandboxFiles,
-    SandboxSpec,
 )
 from dsec.runtimes.usage import NetCounters, SandboxUsage
 from dsec.tiers import get_tier, tier_has
@@ -169,7 +169,7 @@ def _norm(path: str) -> str:
 
 
 class MemoryFiles:
-    """:class:`~dsec.runtimes.base.SandboxFiles` over one fake sandbox's file tree. Changes
+    """:class:`~dsec.contract.runtime.SandboxFiles` over one fake sandbox's file tree. Changes
     are counted in ``executed`` under the edge method that made them."""
 
     def __init__(self, fs: dict[str, _Node], executed: dict[str, int]) -> None:
@@ -1131,8 +1131,8 @@ def app_transport(
 
 
 if TYPE_CHECKING:  # mypy checks that the fakes satisfy the contracts they stand below
+    from dsec.contract.runtime import Measurable, Networked, Pausable, Snapshottable
     from dsec.layers.source import LayerSource
-    from dsec.runtimes.base import Measurable, Networked, Pausable, Snapshottable
 
     async def _no_answer(sandbox_id: str, req: ExecRequest) -> ExecResult: ...
 
@@ -1141,7 +1141,7 @@ if TYPE_CHECKING:  # mypy checks that the fakes satisfy the contracts they stand
     _pausable: Pausable = MemoryRuntime("container", MemoryLayers(), _no_answer)
     _snapshots: Snapshottable = MemoryRuntime("container", MemoryLayers(), _no_answer)
     _networked: Networked = MemoryRuntime("container", MemoryLayers(), _no_answer)
-    from dsec.runtimes.base import PortConnectable
+    from dsec.contract.runtime import PortConnectable
 
     _ports: PortConnectable = MemoryPortRuntime("container", MemoryLayers(), _no_answer)
     _measurable: Measurable = MemoryRuntime("container", MemoryLayers(), _no_answer)

@@ -1,6 +1,6 @@
 """Tiers by registration: a tier is its package plus one :class:`TierRegistration`.
 
-A *tier* is an isolation mechanism with a runtime of its own (:class:`dsec.runtimes.base.Runtime`).
+A *tier* is an isolation mechanism with a runtime of its own (:class:`dsec.contract.runtime.Runtime`).
 Everything outside a tier's package that needs to know the tiers reads this registry: the
 node builds one runtime per registered tier (:func:`dsec.node.build_runtimes`), the edge
 refuses a tier nobody registered (``InvalidRequest``, HTTP 400), and the CLI, the
@@ -44,7 +44,7 @@ from dsec.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from dsec.config import Paths
-    from dsec.runtimes.base import Runtime
+    from dsec.contract.runtime import Runtime
 
 __all__ = [
     "BUILTIN_TIERS",
@@ -79,7 +79,7 @@ class TierTraits:
     """What code outside a tier's package decides by tier, known from the registration
     alone: on a client, in the CLI, in a host report made without a node. What a running
     tier can do (pause, snapshot, fork, memory forks, a display) is its capability table,
-    derived from the protocols its runtime implements (:func:`dsec.runtimes.base.capabilities_of`);
+    derived from the protocols its runtime implements (:func:`dsec.contract.runtime.capabilities_of`);
     the runtime conformance suite checks that the two agree where they overlap.
 
     Attributes:

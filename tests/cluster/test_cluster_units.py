@@ -66,7 +66,7 @@ async def test_migrate_on_a_single_node_server_is_refused() -> None:
 def test_the_cluster_edge_relays_the_whole_contract() -> None:
     from dsec.cluster.actor import _CALLABLE, _STREAMING, NodeConfig
     from dsec.cluster.edge import _NODE_SIDE_VERBS, ClusterEdge, ClusterOptions
-    from dsec.edge.interface import (
+    from dsec.contract.edge import (
         SANDBOX_VERBS,
         DisplayEdge,
         EdgeAPI,

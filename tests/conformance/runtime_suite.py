@@ -1,4 +1,4 @@
-"""The runtime conformance suite: the behaviour every :class:`~dsec.runtimes.base.Runtime`
+"""The runtime conformance suite: the behaviour every :class:`~dsec.contract.runtime.Runtime`
 owes the edge, checked on the runtime itself (no edge, no server, no SDK), over a factory.
 
 containerd's ``SnapshotterSuite(t, name, factory)`` in pytest's terms: :class:`RuntimeConformance`
@@ -39,9 +39,9 @@ from typing import Any
 
 import pytest
 
+from dsec.contract.runtime import Handle, Pausable, Runtime, SandboxSpec, capabilities_of
 from dsec.errors import DsecError, FileNotFound
 from dsec.models import ExecRequest
-from dsec.runtimes.base import Handle, Pausable, Runtime, SandboxSpec, capabilities_of
 from dsec.tiers import TierTraits
 
 __all__ = ["RuntimeConformance", "RuntimeHarness", "spec_factory"]

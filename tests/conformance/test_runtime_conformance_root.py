@@ -14,11 +14,11 @@ from tests.conformance.runtime_suite import RuntimeConformance, RuntimeHarness, 
 from tests.conftest import _seed_layers
 
 from dsec.config import Paths
+from dsec.contract.runtime import capabilities_of
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.store import LayerStore
 from dsec.node import build_runtimes, prepare_host
 from dsec.privileged.mount import mount_points
-from dsec.runtimes.base import capabilities_of
 from dsec.tiers import get_tier, require_tier, tier_names
 
 pytestmark = pytest.mark.root

@@ -1,6 +1,6 @@
 """A bubblewrap runtime under the real edge: E2B tests run real commands without root.
 
-:class:`BwrapRuntime` is a :class:`~dsec.runtimes.base.Runtime` (with the ``Interactive``,
+:class:`BwrapRuntime` is a :class:`~dsec.contract.runtime.Runtime` (with the ``Interactive``,
 ``Pausable`` and ``Snapshottable`` abilities) whose sandboxes are directories used as the
 root filesystem of ``bwrap``: the host's ``/usr`` is bound read-only, ``/bin``, ``/lib`` ...
 are symlinks into it (Debian's merged-/usr layout), ``/etc/passwd`` knows ``root`` and
@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.edge.interface import OutputChunk, PtySize
+from dsec.contract.edge import OutputChunk, PtySize
+from dsec.contract.runtime import Handle, OutputSink, RuntimeFacts, SandboxSpec
 from dsec.errors import (
     CapabilityNotSupported,
     FileExists_,
@@ -45,7 +46,6 @@ from dsec.errors import (
     SandboxStopped,
 )
 from dsec.models import ExecRequest, ExecResult, FileInfo, LayerInfo, SnapshotRequest
-from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxSpec
 from dsec.runtimes.container.files import RootedFiles
 from dsec.runtimes.container.watch import DirWatcher, WatchHub
 from dsec.testing import FakeEdge, MemoryLayers
@@ -221,7 +221,7 @@ class _Sandbox:
 
 
 class HostDirFiles:
-    """:class:`~dsec.runtimes.base.SandboxFiles` over a sandbox's directory."""
+    """:class:`~dsec.contract.runtime.SandboxFiles` over a sandbox's directory."""
 
     def __init__(self, root: Path, hub: WatchHub, owner: tuple[int, int] = (0, 0)) -> None:
         self.root = root

@@ -453,7 +453,7 @@ async def test_async_watch_streams_kernel_events(e2b_server: E2BServer) -> None:
 
 
 class _NoWatchEdge:
-    """The fake edge without :class:`~dsec.edge.interface.DirectoryWatch`: E2B polls."""
+    """The fake edge without :class:`~dsec.contract.edge.DirectoryWatch`: E2B polls."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from tests.conftest import _seed_layers
 
-from dsec.runtimes.base import capabilities_of
+from dsec.contract.runtime import capabilities_of
 from e2b import CommandExitException, FileType, Sandbox, SandboxQuery
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, SandboxSpec, capabilities_of
 from dsec.errors import Conflict, DsecError, InvalidRequest, QuotaExceeded
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import upper_dir
 from dsec.layers.store import LayerStore
 from dsec.models import ExecRequest, ExecResult, SnapshotRequest
 from dsec.privileged.mount import mount_points
-from dsec.runtimes.base import Handle, SandboxSpec, capabilities_of
 from dsec.runtimes.container.files import RootedFiles, _walk_tree
 from dsec.runtimes.container.runtime import ContainerRuntime
 

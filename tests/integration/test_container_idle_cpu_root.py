@@ -14,10 +14,10 @@ from tests.integration.test_container_runtime import node  # noqa: F401
 from tests.timing import budget
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, SandboxSpec
 from dsec.layers.mounts import LayerMounts
 from dsec.models import ExecRequest
 from dsec.privileged.cgroups import cgroup, shares_to_weight, weight_to_shares
-from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.runtimes.container import runtime as runtime_module
 from dsec.runtimes.container.pool import PoolConfig
 from dsec.runtimes.container.runtime import ContainerRuntime

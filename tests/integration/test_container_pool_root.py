@@ -21,12 +21,12 @@ from tests.integration.test_container_runtime import (  # noqa: F401
 from tests.timing import budget
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, SandboxSpec
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import upper_dir
 from dsec.models import ExecRequest
 from dsec.privileged.cgroups import cgroup
 from dsec.privileged.mount import mount_points
-from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.runtimes.container.pool import PoolConfig
 from dsec.runtimes.container.runtime import ContainerRuntime
 

@@ -24,13 +24,13 @@ from tests.timing import budget
 
 from dsec.config import Paths
 from dsec.contract.isolation import MASKED_PATHS, RULES
+from dsec.contract.runtime import Handle, Runtime, SandboxSpec, capabilities_of
 from dsec.errors import Conflict, InvalidRequest, SandboxStopped
 from dsec.layers.mounts import LayerMounts, mountinfo_entries
 from dsec.layers.store import LayerStore
 from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import Cgroup, cgroup
 from dsec.privileged.mount import mount_points
-from dsec.runtimes.base import Handle, Runtime, SandboxSpec, capabilities_of
 from dsec.runtimes.container.runtime import ContainerRuntime
 
 pytestmark = pytest.mark.root

@@ -342,8 +342,8 @@ def home() -> Iterator[Paths]:
 
 
 async def test_container_tier_on_loop_devices(home: Paths, loop_mode: None) -> None:
+    from dsec.contract.runtime import SandboxSpec, capabilities_of
     from dsec.layers.store import LayerStore
-    from dsec.runtimes.base import SandboxSpec, capabilities_of
     from dsec.runtimes.container.runtime import ContainerRuntime
 
     store = LayerStore(home.layers, home.scratch)

@@ -14,9 +14,9 @@ from tests.integration.test_container_runtime import node  # noqa: F401
 from tests.ns_ids import from_each_cpu
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, SandboxSpec
 from dsec.layers.mounts import LayerMounts
 from dsec.models import ExecRequest
-from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.runtimes.container.pool import PoolConfig
 from dsec.runtimes.container.runtime import ContainerRuntime
 

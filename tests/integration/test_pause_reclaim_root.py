@@ -15,10 +15,10 @@ from tests.integration.test_container_runtime import node  # noqa: F401
 from tests.timing import budget
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, SandboxSpec
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import rootfs_path
 from dsec.models import ExecRequest
-from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.runtimes.container.pause import memory_stat
 from dsec.runtimes.container.pool import PoolConfig
 from dsec.runtimes.container.runtime import ContainerRuntime

@@ -35,8 +35,8 @@ from tests.conftest import LiveServer
 from tests.timing import budget
 
 from dsec import AsyncClient
+from dsec.contract.runtime import capabilities_of
 from dsec.integrations.inspect import DsecSandboxConfig, DsecSandboxEnvironment
-from dsec.runtimes.base import capabilities_of
 
 pytestmark = [
     pytest.mark.root,

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, SandboxSpec
 from dsec.errors import DsecError, FileNotFound, PathOutsideSandbox
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.store import LayerStore
 from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.mount import mount_points
-from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.runtimes.container.runtime import ContainerRuntime
 
 pytestmark = pytest.mark.root

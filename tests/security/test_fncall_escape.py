@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from dsec.contract.runtime import SandboxSpec
 from dsec.errors import DsecError, PathOutsideSandbox
 from dsec.models import ExecRequest
 from dsec.privileged import landlock
-from dsec.runtimes.base import SandboxSpec
 from dsec.runtimes.fncall import seccomp
 from dsec.runtimes.fncall.pool import PoolConfig
 from dsec.runtimes.fncall.service import RunCodeRequest, RunCodeService

@@ -22,10 +22,10 @@ from tests.timing import budget, vm_boot_budgets
 from tests.vm.conftest import VM_HOME, BusyboxImage, _build_image, new_spec
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, capabilities_of
 from dsec.errors import DsecError, InvalidRequest, QuotaExceeded
 from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import cgroup
-from dsec.runtimes.base import Handle, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive
 from dsec.runtimes.vm import VMRuntime

@@ -79,7 +79,7 @@ def test_the_logs_pane(logs_server: UiServer, new_page: Any, evidence: Evidence)
 
 
 def test_no_logs_pane_without_the_route(ui_server: UiServer, new_page: Any) -> None:
-    from dsec.edge.interface import EdgeAPI
+    from dsec.contract.edge import EdgeAPI
 
     if "sandbox_logs" in vars(EdgeAPI):
         pytest.skip("this tree's apiserver serves logs for every sandbox")

@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from dsec import AsyncSandbox, NodeBusy
+from dsec.contract.runtime import Handle, SandboxSpec
 from dsec.edge.admission import CreationGate
 from dsec.models import CreateSandboxRequest
-from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.testing import FakeEdge, MemoryLayers, MemoryRuntime, app_transport
 
 

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 
+from dsec.contract.runtime import Handle
 from dsec.edge.audit import AuditRecorder, AuditSettings, EdgeAudit, interleave_audit, place_entries
 from dsec.errors import PathOutsideSandbox
 from dsec.models import AuditEntry, ExecResult
@@ -20,7 +21,6 @@ from dsec.privileged.seccomp_log import (
     parse_record,
     syscall_name,
 )
-from dsec.runtimes.base import Handle
 
 RECORD = (
     b"audit(1796641437.214:2): auid=1234567 uid=0 gid=0 ses=1 pid=15452 "

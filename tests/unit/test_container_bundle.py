@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dsec.contract.isolation import CAPABILITIES, DENIED_IOCTLS, MASKED_PATHS, READONLY_PATHS, RULES
+from dsec.contract.runtime import SandboxFiles
 from dsec.errors import FileNotFound, InvalidRequest, PathOutsideSandbox, PayloadTooLarge
-from dsec.runtimes.base import SandboxFiles
 from dsec.runtimes.container.bundle import cgroup_parent, execd_policy_text, oci_config
 from dsec.runtimes.container.files import RootedFiles
 from dsec.runtimes.container.seccomp import execd_policy_lines, oci_seccomp

@@ -22,6 +22,7 @@ from tests.timing import budget
 
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
+from dsec.contract.runtime import Handle
 from dsec.display import (
     Click,
     DisplayAction,
@@ -45,7 +46,6 @@ from dsec.errors import (
 )
 from dsec.layers import desktop as desktop_layer
 from dsec.models import ExecRequest, ExecResult, ImageInfo
-from dsec.runtimes.base import Handle
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\rIHDR" + (1024).to_bytes(4, "big") + bytes(12)
 

@@ -94,8 +94,8 @@ async def test_run_parameters_reach_the_edge(edge: FakeEdge, conn: dict[str, Any
 async def test_callbacks_get_what_only_the_result_carries() -> None:
     """A tier that answers without streaming (a command that could not start: the message
     is in the result only) still reaches ``on_stderr`` and the result."""
+    from dsec.contract.runtime import Handle, OutputSink
     from dsec.models import ExecRequest, ExecResult
-    from dsec.runtimes.base import Handle, OutputSink
     from dsec.testing import MemoryLayers, MemoryPortRuntime
 
     class Unstreamed(MemoryPortRuntime):

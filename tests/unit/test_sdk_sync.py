@@ -119,6 +119,6 @@ async def test_sync_api_inside_a_running_loop_of_another_thread(conn: dict[str, 
 
 
 def test_fake_edge_satisfies_the_edge_protocol() -> None:
-    from dsec.edge.interface import EdgeAPI
+    from dsec.contract.edge import EdgeAPI
 
     assert isinstance(FakeEdge(), EdgeAPI)

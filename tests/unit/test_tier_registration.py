@@ -20,11 +20,11 @@ from tests.conformance.runtime_suite import RuntimeConformance, RuntimeHarness, 
 
 from dsec import AsyncSandbox
 from dsec.config import Paths
+from dsec.contract.runtime import Runtime, capabilities_of
 from dsec.edge.agent import EdgeAgent
 from dsec.errors import InvalidRequest
 from dsec.models import CreateSandboxRequest, ExecRequest, ExecResult
 from dsec.node import build_runtimes
-from dsec.runtimes.base import Runtime, capabilities_of
 from dsec.testing import (
     FAKE_BUSYBOX,
     FakeEdge,

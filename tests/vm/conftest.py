@@ -23,8 +23,8 @@ from tests.isolation import WORKER
 from tests.timing import budget, vm_boot_budgets
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, SandboxSpec, capabilities_of
 from dsec.privileged.cgroups import cgroup
-from dsec.runtimes.base import Handle, SandboxSpec, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 
 VM_HOME = Path(os.environ.get("DSEC_VM_TEST_HOME", f"/tmp/dsec-vmtest-{WORKER}"))

@@ -16,9 +16,9 @@ import pytest
 from tests.timing import budget, vm_boot_budgets
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, MemoryStateful, capabilities_of
 from dsec.errors import Conflict, FileNotFound, SandboxError
 from dsec.models import ExecRequest
-from dsec.runtimes.base import Handle, MemoryStateful, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive, qemu_processes
 from dsec.runtimes.microvm.runtime import SUSPEND_DIR

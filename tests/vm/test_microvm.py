@@ -16,6 +16,7 @@ import pytest
 from tests.timing import budget, vm_boot_budgets
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, Pausable, Runtime, capabilities_of
 from dsec.errors import (
     FileNotFound,
     InvalidRequest,
@@ -26,7 +27,6 @@ from dsec.errors import (
     SandboxStopped,
 )
 from dsec.models import ExecRequest
-from dsec.runtimes.base import Handle, Pausable, Runtime, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive, qemu_processes
 

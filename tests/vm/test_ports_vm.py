@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 from tests.timing import budget
 
-from dsec.edge.interface import PortStream
+from dsec.contract.edge import PortStream
+from dsec.contract.runtime import Handle, PortConnectable, capabilities_of
 from dsec.errors import PortNotListening
 from dsec.models import ExecRequest
-from dsec.runtimes.base import Handle, PortConnectable, capabilities_of
 from dsec.runtimes.microvm import MicroVMRuntime
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(240)]

@@ -56,7 +56,7 @@ _CRASH = """
 import asyncio, json, os, sys
 from pathlib import Path
 from dsec.config import Paths
-from dsec.runtimes.base import SandboxSpec
+from dsec.contract.runtime import SandboxSpec
 from dsec.runtimes.microvm import MicroVMConfig, MicroVMRuntime
 
 async def main():

@@ -18,6 +18,7 @@ from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
 from dsec.apiserver.routes_display import DisplayEdge
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, Pausable, Runtime, capabilities_of
 from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
 from dsec.edge.desktop import ConsoleScreen
 from dsec.errors import (
@@ -27,7 +28,6 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.models import ExecRequest, SandboxInfo
-from dsec.runtimes.base import Handle, Pausable, Runtime, capabilities_of
 from dsec.runtimes.microvm import MicroVMConfig
 from dsec.runtimes.microvm.qemu import pid_alive
 from dsec.runtimes.vm import VMRuntime

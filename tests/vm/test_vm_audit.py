@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from dsec.contract.runtime import GuardAudited, Handle
 from dsec.edge.audit import AuditSettings, EdgeAudit
 from dsec.models import ExecRequest
-from dsec.runtimes.base import GuardAudited, Handle
 from dsec.runtimes.microvm import MicroVMRuntime
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]

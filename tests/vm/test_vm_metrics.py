@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from dsec.contract.runtime import Handle, Measurable
 from dsec.models import ExecRequest
-from dsec.runtimes.base import Handle, Measurable
 from dsec.runtimes.microvm import MicroVMRuntime
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow]

@@ -1,6 +1,6 @@
 """The HTTP apiserver: ``create_app(edge, keys)`` builds the FastAPI app.
 
-The app only parses HTTP into typed :class:`~dsec.edge.interface.EdgeAPI` calls; it holds
+The app only parses HTTP into typed :class:`~dsec.contract.edge.EdgeAPI` calls; it holds
 no sandbox state of its own (parse at the edge, act in the core). Auth, body limits,
 request ids, metrics and the crash guard live in :mod:`dsec.apiserver.middleware`; the
 error mapping in :mod:`dsec.apiserver.errors`.
@@ -34,8 +34,7 @@ from dsec.apiserver.routes_ports import router as ports_router
 from dsec.apiserver.routes_sandboxes import UPLOAD_ROUTES
 from dsec.apiserver.routes_sandboxes import router as sandboxes_router
 from dsec.apiserver.schemas import Health
-from dsec.edge.interface import EdgeAPI, KeyAccounting
-from dsec.edge.quotas import KeyQuotas
+from dsec.contract.edge import EdgeAPI, KeyAccounting, KeyQuotas
 from dsec.version import __version__
 
 __all__ = [

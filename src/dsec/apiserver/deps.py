@@ -11,7 +11,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from dsec.apiserver.schemas import ErrorBody
-from dsec.edge.interface import EdgeAPI
+from dsec.contract.edge import EdgeAPI
 from dsec.errors import AuthenticationError
 
 __all__ = ["ERROR_RESPONSES", "Edge", "Owner", "bearer_scheme", "current_owner", "get_edge"]

@@ -6,7 +6,7 @@ one behind E2B's code interpreter: Debian's ipykernel driven by dsec's kernel se
 (SandboxFusion's Python libraries, :mod:`dsec.runtimes.fncall.toolkits`, built over that
 image once per node) stacked on it, owned by the caller, without network. The
 server reaches the kernel server through the edge's
-:class:`~dsec.edge.interface.PortForwarding` (a TCP connection made inside the sandbox),
+:class:`~dsec.contract.edge.PortForwarding` (a TCP connection made inside the sandbox),
 sends each cell as one ``POST /execute`` with ``mime_bundles`` (results as the kernel's own
 MIME bundles), and kills the sandbox when the call ends, whatever happens::
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import httpcore
 
-from dsec.edge.interface import EdgeAPI, PortForwarding, PortStream
+from dsec.contract.edge import EdgeAPI, PortForwarding, PortStream
 from dsec.errors import DsecError, InvalidRequest, SandboxError
 from dsec.models import (
     CellRunResult,

@@ -3,7 +3,7 @@
 A server inside a sandbox (``python3 -m http.server 8000``, a Jupyter kernel gateway,
 noVNC's websockify, ``swerex-remote``) is reached through the apiserver, never directly:
 the edge opens the TCP connection from inside the sandbox
-(:class:`~dsec.edge.interface.PortForwarding`), so it works for a sandbox without any
+(:class:`~dsec.contract.edge.PortForwarding`), so it works for a sandbox without any
 network and nothing else on the node can reach a sandbox's address.
 
 Routes (every one ends at ``127.0.0.1:<port>`` inside the sandbox)::
@@ -75,7 +75,7 @@ import httptools
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dsec.apiserver.auth import KeyVerifier
-from dsec.edge.interface import EdgeAPI, PortForwarding, PortStream
+from dsec.contract.edge import EdgeAPI, PortForwarding, PortStream
 from dsec.edge.ports import check_port
 from dsec.errors import (
     AuthenticationError,
@@ -232,7 +232,7 @@ class PortProxy:
     """Relays requests to sandbox ports (see the module docstring).
 
     Args:
-        edge: the edge; it must implement :class:`~dsec.edge.interface.PortForwarding`
+        edge: the edge; it must implement :class:`~dsec.contract.edge.PortForwarding`
             (otherwise every proxied request answers 422 ``capability_not_supported``).
         keys: API keys (``Authorization: Bearer``).
         tokens: the per-sandbox access tokens.

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Path, Query
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
 from dsec.apiserver.routes_sandboxes import ndjson_of, ndjson_response
 from dsec.apiserver.schemas import JOB_PATTERN, SANDBOX_ID_PATTERN
-from dsec.edge.interface import SandboxAudits
+from dsec.contract.edge import SandboxAudits
 from dsec.errors import CapabilityNotSupported
 from dsec.models import AuditEntry, AuditReport, JobAudit
 

@@ -30,6 +30,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Owner, current_owner
 from dsec.apiserver.schemas import SANDBOX_ID_PATTERN
+from dsec.contract.edge import DisplayEdge
 from dsec.display import (
     Button,
     Click,
@@ -45,7 +46,6 @@ from dsec.display import (
     Type,
     WindowInfo,
 )
-from dsec.edge.interface import DisplayEdge
 from dsec.errors import CapabilityNotSupported
 
 __all__ = ["DisplayEdge", "router"]

@@ -19,7 +19,7 @@ from dsec.apiserver.schemas import (
     LayerList,
 )
 from dsec.builds.records import BuildList, BuildRecord
-from dsec.edge.interface import ImageBuilds, ImagePublisher
+from dsec.contract.edge import ImageBuilds, ImagePublisher
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,

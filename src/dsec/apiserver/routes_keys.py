@@ -9,8 +9,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner
-from dsec.edge.interface import KeyAccounting
-from dsec.edge.quotas import UNLIMITED, KeyQuotas
+from dsec.contract.edge import KeyAccounting, KeyQuotas
+from dsec.edge.quotas import UNLIMITED
 from dsec.models import KeyInfo, KeyUsage
 
 __all__ = ["router"]

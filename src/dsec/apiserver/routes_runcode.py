@@ -19,7 +19,7 @@ calls from those addresses without a key run as the owner ``keyless``. Everythin
 without a valid key gets 401.
 
 Who runs the code: ``get_service()`` returns the server's edge, whose
-:class:`~dsec.edge.interface.CodeRuns` verbs run each call as the caller's (admitted like a
+:class:`~dsec.contract.edge.CodeRuns` verbs run each call as the caller's (admitted like a
 sandbox creation of its key: the key's quota, the node's creation gate; in a cluster on a
 node with the fncall tier), or a bare :class:`RunCodeService` (a private server, tests),
 which runs every call as nobody's.
@@ -50,7 +50,7 @@ from pydantic import ValidationError
 
 from dsec.apiserver.deps import ERROR_RESPONSES
 from dsec.apiserver.jupyter import RunJupyterService
-from dsec.edge.interface import CodeRuns
+from dsec.contract.edge import CodeRuns
 from dsec.errors import (
     AuthenticationError,
     DsecError,
@@ -136,7 +136,7 @@ def make_runcode_router(
     """The run_code routes (and ``/run_jupyter`` when ``get_jupyter`` is given).
 
     Args:
-        get_service: returns the edge (:class:`~dsec.edge.interface.CodeRuns`: each call
+        get_service: returns the edge (:class:`~dsec.contract.edge.CodeRuns`: each call
             runs as its caller's) or a bare :class:`RunCodeService` (called per request).
         authorize: ``authorize(request) -> owner | None`` (sync or async). None accepts every
             caller as ``keyless`` (for a private, loopback-only server).

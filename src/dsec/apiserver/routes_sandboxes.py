@@ -41,7 +41,7 @@ from dsec.apiserver.schemas import (
     SandboxList,
     TarUploadResult,
 )
-from dsec.edge.interface import MetricsEdge, PauseModes
+from dsec.contract.edge import MetricsEdge, PauseModes
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,

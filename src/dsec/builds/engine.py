@@ -20,7 +20,7 @@ How a build runs:
    (:class:`~dsec.builds.cache.BuildCache`) reuses its layer and creates **no sandbox**.
    Otherwise: ``run`` / ``apt_install`` / ``pip_install`` / a ``workdir`` that must create
    its directory get a ``container`` sandbox of the image so far, created through the
-   :class:`~dsec.edge.interface.EdgeAPI` as the building key, with only the network the step
+   :class:`~dsec.contract.edge.EdgeAPI` as the building key, with only the network the step
    needs (``apt_install``: the ``debian`` preset; ``pip_install``: ``pypi``; ``run``: its own
    or the build's ``run_network``); the working directory is created, the command runs
    (its output streams as ``output`` events), and the sandbox's writable layer becomes the
@@ -93,7 +93,7 @@ from dsec.builds.wire import (
     StepOutput,
     StepStarted,
 )
-from dsec.edge.interface import EdgeAPI
+from dsec.contract.edge import EdgeAPI
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,

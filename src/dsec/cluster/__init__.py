@@ -1,7 +1,7 @@
 """Cluster mode on Ray: one edge actor per node, a stateless apiserver in front of them.
 
 * :class:`ClusterEdge` (``dsec.cluster.edge``): the apiserver's
-  :class:`~dsec.edge.interface.EdgeAPI` for a Ray cluster (routing, placement,
+  :class:`~dsec.contract.edge.EdgeAPI` for a Ray cluster (routing, placement,
   admission retries, node loss);
 * :class:`EdgeActor` (``dsec.cluster.actor``): the per-node edge, pinned to its node;
 * :class:`ClusterState` (``dsec.cluster.state``): the PostgreSQL registry;

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.edge.interface import STREAM_VERBS, edge_verbs
+from dsec.contract.edge import STREAM_VERBS, edge_verbs
 from dsec.errors import DsecError, InternalError, InvalidRequest
 from dsec.models import SYSTEM_OWNER
 

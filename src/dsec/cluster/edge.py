@@ -1,4 +1,4 @@
-"""``ClusterEdge``: the :class:`~dsec.edge.interface.EdgeAPI` of a Ray cluster.
+"""``ClusterEdge``: the :class:`~dsec.contract.edge.EdgeAPI` of a Ray cluster.
 
 The apiserver calls it exactly as it calls the embedded edge. It holds no sandbox state
 of its own (any number of apiserver replicas can run):
@@ -45,7 +45,7 @@ from dsec.cluster.relay import (
     _ray_await,
     node_of_sandbox,
 )
-from dsec.edge.interface import SANDBOX_VERBS, STREAM_VERBS, PortStream, PortTicket
+from dsec.contract.edge import SANDBOX_VERBS, STREAM_VERBS, PortStream, PortTicket
 from dsec.edge.ports import redeem_ticket
 from dsec.edge.quotas import QuotaGuard, code_run_size
 from dsec.errors import (
@@ -109,7 +109,7 @@ class _Unanswered(Exception):
 
 
 class ClusterEdge:
-    """The cluster's :class:`~dsec.edge.interface.EdgeAPI`. ``ray.init`` must have been
+    """The cluster's :class:`~dsec.contract.edge.EdgeAPI`. ``ray.init`` must have been
     called; construct, ``await start()``, use, ``await close()``.
 
     Args:
@@ -331,7 +331,7 @@ class ClusterEdge:
     # ------------------------------------------------------------------ sandboxes
     # ------------------------------------------------------------------ key quotas
     async def key_usage(self, owner: str) -> KeyUsage:
-        """:class:`dsec.edge.interface.KeyAccounting`: ``owner``'s live sandboxes, from the
+        """:class:`dsec.contract.edge.KeyAccounting`: ``owner``'s live sandboxes, from the
         registry (without one: from the live nodes)."""
         if self.state is not None:
             n, cpu, mem = await asyncio.to_thread(self.state.owner_usage, owner)
@@ -718,7 +718,7 @@ class ClusterEdge:
 
     # ------------------------------------------------------------------ ports
     async def open_port(self, sandbox_id: str, owner: str, port: int) -> PortStream:
-        """:class:`~dsec.edge.interface.PortForwarding` across the cluster: the sandbox's
+        """:class:`~dsec.contract.edge.PortForwarding` across the cluster: the sandbox's
         node opens the connection (every check and error as on one node, typed through
         Ray) and parks it on its port gateway; this replica picks it up over the node
         network with the one-use ticket (docs/design/ports.md)."""
@@ -962,12 +962,12 @@ class ClusterEdge:
 
     # ------------------------------------------------------------------ run_code
     async def run_code(self, owner: str, req: CodeRunRequest) -> CodeRunResult:
-        """:class:`~dsec.edge.interface.CodeRuns` on a node with the fncall tier."""
+        """:class:`~dsec.contract.edge.CodeRuns` on a node with the fncall tier."""
         out: CodeRunResult = await self._run_code("run_code", owner, req)
         return out
 
     async def run_code_sandboxfusion(self, owner: str, req: RunCodeRequest) -> RunCodeResponse:
-        """:class:`~dsec.edge.interface.CodeRuns` (SandboxFusion's shape) on a node with the
+        """:class:`~dsec.contract.edge.CodeRuns` (SandboxFusion's shape) on a node with the
         fncall tier."""
         out: RunCodeResponse = await self._run_code("run_code_sandboxfusion", owner, req)
         return out
@@ -1114,7 +1114,7 @@ def _forwarder(name: str) -> Callable[..., Awaitable[Any]]:
 
 
 # Every sandbox verb of the contract that ClusterEdge does not implement itself is relayed
-# to the sandbox's node: adding a verb to dsec.edge.interface adds it here.
+# to the sandbox's node: adding a verb to dsec.contract.edge adds it here.
 for _name in sorted(SANDBOX_VERBS - _NODE_SIDE_VERBS - set(vars(ClusterEdge))):
     if _name in STREAM_VERBS:
         setattr(ClusterEdge, _name, _stream_forwarder(_name))

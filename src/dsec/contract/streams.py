@@ -38,7 +38,7 @@ class PtySize:
 
 @runtime_checkable
 class InteractiveProcess(Protocol):
-    """One process running in a sandbox, started by :meth:`dsec.edge.interface.InteractiveExec.start_process`.
+    """One process running in a sandbox, started by :meth:`dsec.contract.edge.InteractiveExec.start_process`.
 
     Life cycle: output is read with :meth:`read_output` until it returns ``None``
     (every output stream closed), then :meth:`wait` returns the result. Calls after
@@ -85,7 +85,7 @@ class FileEvent:
 
 @runtime_checkable
 class DirectoryWatcher(Protocol):
-    """The changes below one directory, as they happen (:meth:`dsec.edge.interface.DirectoryWatch.watch_directory`)."""
+    """The changes below one directory, as they happen (:meth:`dsec.contract.edge.DirectoryWatch.watch_directory`)."""
 
     async def events(self, timeout_s: float) -> list[FileEvent]:
         """Events since the last call, waiting up to ``timeout_s`` seconds for the first
@@ -102,7 +102,7 @@ class DirectoryWatcher(Protocol):
 @runtime_checkable
 class PortStream(Protocol):
     """One TCP connection to a port inside a sandbox, opened by
-    :meth:`dsec.edge.interface.PortForwarding.open_port`: bytes in both directions, like a socket.
+    :meth:`dsec.contract.edge.PortForwarding.open_port`: bytes in both directions, like a socket.
 
     ``read`` returns ``b""`` once the sandbox side has closed its half (EOF); ``write``
     waits while the connection's buffers are full (backpressure); ``write_eof`` closes

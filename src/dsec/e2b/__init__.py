@@ -40,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Mount
 
+from dsec.contract.edge import EdgeAPI
 from dsec.e2b.access import DEFAULT_TEMPLATE_ALIASES, AccessTokens, TemplateMap
 from dsec.e2b.control import (
     ENVD_VERSION,
@@ -59,7 +60,6 @@ from dsec.e2b.interactive import (
 )
 from dsec.e2b.process import ProcessRegistry
 from dsec.e2b.templates import TemplateAPI, TemplateFiles
-from dsec.edge.interface import EdgeAPI
 
 __all__ = [
     "DEFAULT_TEMPLATE_ALIASES",

@@ -70,13 +70,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dsec.apiserver.departed import unless_departed
+from dsec.contract.edge import EdgeAPI, MetricsEdge, PauseModes
 from dsec.e2b.access import AccessTokens, TemplateMap
 from dsec.e2b.errors import E2BError, control_status, stream_ended_error
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
 from dsec.e2b.process import ProcessRegistry, paused_error
 from dsec.e2b.templates import TemplateAPI
-from dsec.edge.interface import EdgeAPI, MetricsEdge, PauseModes
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,

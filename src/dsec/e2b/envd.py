@@ -46,6 +46,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsec.apiserver.middleware import ROUTE_SCOPE_KEY
+from dsec.contract.edge import EdgeAPI, FileXattrs
 from dsec.e2b.access import AccessTokens
 from dsec.e2b.control import AUTO_RESUME_LABEL
 from dsec.e2b.errors import (
@@ -57,7 +58,6 @@ from dsec.e2b.errors import (
 )
 from dsec.e2b.filesystem import METADATA_XATTR_PREFIX, FilesystemService
 from dsec.e2b.process import ProcessRegistry, ProcessService
-from dsec.edge.interface import EdgeAPI, FileXattrs
 from dsec.errors import CapabilityNotSupported, DsecError, FileNotFound, PayloadTooLarge
 from dsec.models import ExecRequest
 

@@ -4,12 +4,12 @@ Paths: absolute sandbox paths; a relative path is taken relative to the home of 
 user the request runs as (the ``Authorization: Basic`` user, else the sandbox's default
 user), as envd does (:mod:`dsec.e2b.users`). Entries are owned by user and group names
 from the sandbox's own passwd and group files, and carry the file's metadata: its
-``user.e2b.<key>`` extended attributes (:class:`~dsec.edge.interface.FileXattrs`; a tier
+``user.e2b.<key>`` extended attributes (:class:`~dsec.contract.edge.FileXattrs`; a tier
 without them shows none). Removing a path that does not exist succeeds (envd's
 ``os.RemoveAll``).
 
 Watching (``watch_dir`` in both SDK flavours) uses the edge's kernel watch when it has one
-(:class:`~dsec.edge.interface.DirectoryWatch`: inotify on the container tier): every
+(:class:`~dsec.contract.edge.DirectoryWatch`: inotify on the container tier): every
 change arrives as it happens, as its own event (envd's kinds, renames included), and
 nothing polls the sandbox. Other tiers (and a cluster's apiserver) fall back to polling:
 each poll
@@ -48,15 +48,15 @@ from e2b.envd.filesystem import filesystem_pb as fs_pb
 from protobuf import Oneof
 from protobuf.wkt import Timestamp
 
-from dsec.e2b.errors import to_connect_error
-from dsec.e2b.users import SandboxUsers, user_from_headers
-from dsec.edge.interface import (
+from dsec.contract.edge import (
     DirectoryWatch,
     DirectoryWatcher,
     EdgeAPI,
     FileEventKind,
     FileXattrs,
 )
+from dsec.e2b.errors import to_connect_error
+from dsec.e2b.users import SandboxUsers, user_from_headers
 from dsec.errors import CapabilityNotSupported, DsecError, FileNotFound, InvalidRequest
 from dsec.models import FileInfo
 

@@ -4,8 +4,8 @@ E2B's process API keeps a command running after the request that started it
 (``commands.run(background=True)``), writes to its stdin later
 (``send_stdin`` / ``stream_input`` / ``close_stdin``), signals it (``kill``) and
 lets other requests attach to its output (``commands.connect``). An edge with the optional
-:class:`~dsec.edge.interface.InteractiveExec` ability gives full fidelity:
-``start_process()`` returns an :class:`~dsec.edge.interface.InteractiveProcess` whose stdin
+:class:`~dsec.contract.edge.InteractiveExec` ability gives full fidelity:
+``start_process()`` returns an :class:`~dsec.contract.edge.InteractiveProcess` whose stdin
 stays open until closed.
 
 An edge without it still works through :class:`ExecStreamProcess`, an adapter
@@ -24,7 +24,7 @@ import logging
 import signal as signal_mod
 from collections.abc import AsyncIterator
 
-from dsec.edge.interface import (
+from dsec.contract.edge import (
     EdgeAPI,
     InteractiveExec,
     InteractiveProcess,

@@ -40,10 +40,10 @@ from e2b.envd.process import process_connect, process_pb
 from protobuf import Oneof
 from pydantic import ValidationError
 
+from dsec.contract.edge import EdgeAPI
 from dsec.e2b.errors import sandbox_gone_message, stream_ended_error, to_connect_error
 from dsec.e2b.interactive import InteractiveProcess, PtySize, start_interactive
 from dsec.e2b.users import SandboxUsers, user_from_headers
-from dsec.edge.interface import EdgeAPI
 from dsec.errors import DsecError, SandboxNotFound, SandboxStopped
 from dsec.models import ExecRequest, ExecResult
 

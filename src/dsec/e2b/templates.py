@@ -19,7 +19,7 @@ The flow the SDK drives (``Template.build(template, "name")``)
        Files are kept per key by hash (a rebuild with unchanged files uploads nothing).
     3. ``POST /v2/templates/{id}/builds/{build}`` with the steps -> the steps are translated
        (:func:`translate_template`) to dsec build steps and the build is prepared through the
-       edge's build verb (:class:`~dsec.edge.interface.ImageBuilds`): refusals (an unknown
+       edge's build verb (:class:`~dsec.contract.edge.ImageBuilds`): refusals (an unknown
        base template, a bad step, files never uploaded, a context over the limit) are HTTP
        errors here; then it runs in the background and this answers 202.
     4. ``GET /templates/{id}/builds/{build}/status?logsOffset=N`` -> status (``building``,
@@ -130,9 +130,9 @@ from dsec.builds.wire import (
     StepOutput,
     StepStarted,
 )
+from dsec.contract.edge import EdgeAPI, ImageBuilds
 from dsec.e2b.access import TemplateMap, TemplateTarget
 from dsec.e2b.errors import E2BError, control_status
-from dsec.edge.interface import EdgeAPI, ImageBuilds
 from dsec.errors import DsecError, ImageNotFound
 from dsec.images.config import ImageConfig
 from dsec.models import ImageInfo
@@ -681,7 +681,7 @@ class TemplateAPI:
     docstring).
 
     Args:
-        edge: the edge; builds need its :class:`~dsec.edge.interface.ImageBuilds` ability
+        edge: the edge; builds need its :class:`~dsec.contract.edge.ImageBuilds` ability
             (without it the build routes answer 501).
         templates: the template alias map of the control plane.
         files: where uploads are kept.

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
-from dsec.edge.interface import EdgeAPI
+from dsec.contract.edge import EdgeAPI
 from dsec.errors import DsecError, InvalidRequest, SandboxNotFound
 from dsec.runtimes.container.users import parse_group, parse_passwd
 

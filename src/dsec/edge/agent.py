@@ -5,7 +5,7 @@ layers, asks the tier's runtime to create the sandbox, keeps the durable registr
 expires idle sandboxes, and on start reconciles the registry with what actually runs
 (live sandboxes stay usable, dead ones and orphans are cleaned up).
 
-It implements :class:`dsec.edge.interface.EdgeAPI`; the apiserver calls it directly in
+It implements :class:`dsec.contract.edge.EdgeAPI`; the apiserver calls it directly in
 embedded mode (``dsec serve``) and through a remote transport in cluster mode.
 
 Where things are: the core (live table, registry, admission, use and destroy, the

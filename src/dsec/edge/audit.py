@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.config import env_choice
+from dsec.contract.runtime import Audited, GuardAudited, Handle, Networked, Runtime
 from dsec.errors import DsecError, PathOutsideSandbox
 from dsec.models import (
     EVIDENCE_CATEGORIES,
@@ -69,7 +70,6 @@ from dsec.privileged.seccomp_log import (
     process_facts,
     syscall_name,
 )
-from dsec.runtimes.base import Audited, GuardAudited, Handle, Networked, Runtime
 
 __all__ = [
     "AuditRecorder",
@@ -477,7 +477,7 @@ class EdgeAudit:
         oom_from_result: bool = False,
     ) -> None:
         """Limits a command hit: its time-out, its output cap and, with ``oom_from_result``
-        (a tier that is not :class:`~dsec.runtimes.base.Audited`, whose OOM kills no counter
+        (a tier that is not :class:`~dsec.contract.runtime.Audited`, whose OOM kills no counter
         of the sandbox shows: the VM tiers, where the guest's agent tells per command), an
         OOM kill."""
         if not self.enabled or res.replayed:

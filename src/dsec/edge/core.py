@@ -17,6 +17,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec.builds.records import BuildRecords
 from dsec.config import Paths, host_memory_mb
+from dsec.contract.runtime import (
+    Audited,
+    ExitReporting,
+    Handle,
+    Reconciling,
+    Runtime,
+    SandboxFiles,
+    SandboxSpec,
+)
 from dsec.edge.admission import CreationGate
 from dsec.edge.audit import EdgeAudit
 from dsec.edge.desktop import DesktopSpec
@@ -49,15 +58,6 @@ from dsec.models import (
     KeyUsage,
     PauseReport,
     SandboxInfo,
-)
-from dsec.runtimes.base import (
-    Audited,
-    ExitReporting,
-    Handle,
-    Reconciling,
-    Runtime,
-    SandboxFiles,
-    SandboxSpec,
 )
 from dsec.tiers import require_tier
 

@@ -13,7 +13,7 @@ Two implementations of :class:`ScreenDriver`:
   screen, an unknown key or application: ``InvalidRequest``), 5 or 127 a tool is missing
   (``CapabilityNotSupported`` naming the image). It runs as the sandbox's default user (a
   desktop image's ``user``) with ``DISPLAY`` set to the image's display.
-* :class:`ConsoleScreen`: a tier's own screen (:class:`dsec.runtimes.base.Display`, the vm
+* :class:`ConsoleScreen`: a tier's own screen (:class:`dsec.contract.runtime.Display`, the vm
   tier's VGA console through QMP).
 
 Both answer :meth:`ScreenDriver.screenshot`, :meth:`ScreenDriver.act` and
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from dsec.contract.runtime import Display, Handle, Runtime
 from dsec.display import (
     Button,
     Click,
@@ -56,7 +57,6 @@ from dsec.errors import (
 from dsec.images.config import StartCommand
 from dsec.layers.desktop import DISPLAY_LABEL
 from dsec.models import ExecRequest, ExecResult, ImageInfo
-from dsec.runtimes.base import Display, Handle, Runtime
 
 __all__ = [
     "HELPER",
@@ -485,7 +485,7 @@ def parse_wmctrl(text: str) -> list[WindowInfo]:
 
 
 class ConsoleScreen:
-    """A tier's own screen (:class:`dsec.runtimes.base.Display`) of the sandbox ``handle``."""
+    """A tier's own screen (:class:`dsec.contract.runtime.Display`) of the sandbox ``handle``."""
 
     kind: ScreenKind = "console"
 

@@ -1,8 +1,8 @@
 """The edge side of port forwarding: connections to TCP ports inside sandboxes.
 
 The apiserver's port proxy (:mod:`dsec.apiserver.ports`) relays HTTP, WebSocket and raw
-TCP over :class:`~dsec.edge.interface.PortStream` objects that an edge opens with
-:meth:`~dsec.edge.interface.PortForwarding.open_port`. What is here:
+TCP over :class:`~dsec.contract.edge.PortStream` objects that an edge opens with
+:meth:`~dsec.contract.edge.PortForwarding.open_port`. What is here:
 
 * :func:`check_port`: the one check of a port number (1..65535, else ``InvalidRequest``);
 * (:class:`~dsec.runtimes.sockets.SocketStream` and
@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dsec.edge.interface import PortStream, PortTicket
+from dsec.contract.edge import PortStream, PortTicket
 from dsec.errors import (
     DsecError,
     InvalidRequest,

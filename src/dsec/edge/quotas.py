@@ -19,7 +19,7 @@ A cluster's apiserver replicas each keep their own buckets and in-flight counts:
 replicas a key may briefly exceed ``creations_per_s`` R-fold and its live limits by what
 the replicas admit at the same moment (the registry catches up within one creation).
 
-A ``run_code`` call (:class:`dsec.edge.interface.CodeRuns`) is checked the same way: it
+A ``run_code`` call (:class:`dsec.contract.edge.CodeRuns`) is checked the same way: it
 counts as one live sandbox of :func:`code_run_size` while it runs and spends one creation.
 
 ``cpu_weight`` is not checked here: the container tier puts each key's sandboxes under one
@@ -33,8 +33,8 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
+from dsec.contract.edge import KeyQuotas
 from dsec.errors import CreationRateExceeded, QuotaExceeded
 from dsec.models import CodeRunRequest, KeyQuota, KeyUsage, RunCodeRequest
 
@@ -42,7 +42,6 @@ __all__ = [
     "CODE_RUN_CPU",
     "CODE_RUN_MEMORY_MB",
     "UNLIMITED",
-    "KeyQuotas",
     "QuotaGuard",
     "code_run_size",
 ]
@@ -63,14 +62,6 @@ def code_run_size(req: CodeRunRequest | RunCodeRequest) -> tuple[float, int]:
     in a cluster, whose apiserver checks before it knows which node runs the call."""
     asked = req.memory_mb if isinstance(req, CodeRunRequest) else req.memory_limit_MB
     return CODE_RUN_CPU, asked if asked is not None and asked > 0 else CODE_RUN_MEMORY_MB
-
-
-@runtime_checkable
-class KeyQuotas(Protocol):
-    """Optional ability of a key store: each owner's quota (``UNLIMITED`` for an owner it
-    does not know or that has none). Called on every creation: answer from memory."""
-
-    def quota_of(self, owner: str) -> KeyQuota: ...
 
 
 @dataclass

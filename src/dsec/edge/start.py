@@ -24,11 +24,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dsec.contract.runtime import Handle, Runtime
 from dsec.edge.logs import SandboxLogs
 from dsec.errors import DsecError, StartFailed
 from dsec.images.config import ImageConfig, StartCommand
 from dsec.models import CreateSandboxRequest, ExecRequest, ExecResult, ImageInfo
-from dsec.runtimes.base import Handle, Runtime
 
 __all__ = ["START_TIMEOUT_S", "StartProcess", "start_command_of", "with_image_defaults"]
 
@@ -93,7 +93,7 @@ class StartProcess:
         workdir: its working directory (the sandbox's).
         logs: where its output goes.
         sink_sees_all: the runtime streams all output to a sink whatever the result's cap
-            (:attr:`~dsec.runtimes.base.RuntimeFacts.sink_sees_all_output`).
+            (:attr:`~dsec.contract.runtime.RuntimeFacts.sink_sees_all_output`).
     """
 
     def __init__(

@@ -59,7 +59,7 @@ Limits (checked while walking the diff, before anything is read or written):
   scrubbed directories too (it only leaves them out), so the limits apply there as well.
 
 Stacked uppers: a sandbox made by a shared fork stacks on *frozen uppers* (its parent's
-former writable layers, see :class:`dsec.runtimes.base.UpperForkable`). Its snapshot is still
+former writable layers, see :class:`dsec.contract.runtime.UpperForkable`). Its snapshot is still
 one layer: :func:`merge_uppers` writes the frozen uppers and its own, bottom first, into one
 upper directory of the same meaning (a copy: what a snapshot costs besides the pack), which
 ``pack_diff`` then packs.

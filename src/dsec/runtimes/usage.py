@@ -1,6 +1,6 @@
 """How a runtime measures one sandbox: raw counters read from the kernel, never resuming it.
 
-Every tier reports a :class:`SandboxUsage` through the :class:`~dsec.runtimes.base.Measurable`
+Every tier reports a :class:`SandboxUsage` through the :class:`~dsec.contract.runtime.Measurable`
 ability; the edge turns two of them into rates (:meth:`dsec.edge.agent.EdgeAgent.sandbox_metrics`).
 This module holds the readers and their parsers, each a pure function of file contents so the
 unit tests feed them text:

@@ -31,8 +31,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from starlette.routing import Match
 
 from dsec.apiserver.deps import current_owner
-from dsec.edge.interface import EdgeAPI, NodeReports
-from dsec.edge.quotas import UNLIMITED, KeyQuotas
+from dsec.contract.edge import EdgeAPI, KeyQuotas, NodeReports
+from dsec.edge.quotas import UNLIMITED
 from dsec.errors import AuthenticationError, DsecError
 from dsec.models import SandboxInfo
 from dsec.ui.series import ActivityRecorder, NodeSampler

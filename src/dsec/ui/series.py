@@ -36,7 +36,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsec.edge.interface import EdgeAPI, NodeReports
+from dsec.contract.edge import EdgeAPI, NodeReports
 from dsec.runtimes.usage import parse_meminfo
 
 __all__ = [

@@ -23,12 +23,12 @@ class CodeVerbs(EdgeCore):
 
     # ------------------------------------------------------------------ run_code
     async def run_code(self, owner: str, req: CodeRunRequest) -> CodeRunResult:
-        """:class:`~dsec.edge.interface.CodeRuns`: ``req`` in a fresh fncall worker, admitted
+        """:class:`~dsec.contract.edge.CodeRuns`: ``req`` in a fresh fncall worker, admitted
         as a creation of ``owner``'s (``POST /v1/run_code``)."""
         return await self._code_runs().run(req, self._code_run_admission(owner, req))
 
     async def run_code_sandboxfusion(self, owner: str, req: RunCodeRequest) -> RunCodeResponse:
-        """:class:`~dsec.edge.interface.CodeRuns`: SandboxFusion's ``/run_code``, admitted as
+        """:class:`~dsec.contract.edge.CodeRuns`: SandboxFusion's ``/run_code``, admitted as
         a creation of ``owner``'s."""
         return await self._code_runs().run_code(req, self._code_run_admission(owner, req))
 

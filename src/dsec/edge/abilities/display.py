@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from dsec.contract.runtime import Display
 from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
 from dsec.edge.core import EdgeCore, LiveSandbox
 from dsec.edge.desktop import (
@@ -19,7 +20,6 @@ from dsec.edge.desktop import (
 from dsec.errors import CapabilityNotSupported, DsecError
 from dsec.layers.desktop import DISPLAY_LABEL
 from dsec.models import ExecRequest
-from dsec.runtimes.base import Display
 
 log = logging.getLogger("dsec.edge")
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from dsec.contract.runtime import Audited, Interactive
 from dsec.edge.core import EdgeCore, LiveSandbox
 from dsec.errors import (
     CapabilityNotSupported,
@@ -18,7 +19,6 @@ from dsec.errors import (
     SandboxStopped,
 )
 from dsec.models import ExecEvent, ExecRequest, ExecResult
-from dsec.runtimes.base import Audited, Interactive
 
 log = logging.getLogger("dsec.edge")
 

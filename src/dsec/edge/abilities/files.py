@@ -7,8 +7,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from dsec.contract.edge import DirectoryWatcher
+from dsec.contract.runtime import SandboxFiles, WatchableFiles, XattrFiles
 from dsec.edge.core import EdgeCore, LiveSandbox, json_dump
-from dsec.edge.interface import DirectoryWatcher
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
@@ -17,7 +18,6 @@ from dsec.errors import (
     PayloadTooLarge,
 )
 from dsec.models import FileInfo
-from dsec.runtimes.base import SandboxFiles, WatchableFiles, XattrFiles
 
 log = logging.getLogger("dsec.edge")
 
@@ -95,7 +95,7 @@ class FileVerbs(EdgeCore):
     async def get_xattrs(
         self, sandbox_id: str, owner: str, paths: list[str], prefix: str = "user."
     ) -> list[dict[str, str]]:
-        """See :class:`dsec.edge.interface.FileXattrs`."""
+        """See :class:`dsec.contract.edge.FileXattrs`."""
         if not prefix.startswith("user."):
             raise InvalidRequest("only user.* extended attributes are readable")
         if len(paths) > MAX_XATTR_PATHS:
@@ -118,7 +118,7 @@ class FileVerbs(EdgeCore):
         seq: int | None = None,
         idem_key: str | None = None,
     ) -> None:
-        """See :class:`dsec.edge.interface.FileXattrs`."""
+        """See :class:`dsec.contract.edge.FileXattrs`."""
         self._check_path(sandbox_id, owner, path)
         _check_xattrs(values, clear_prefix)
 
@@ -141,7 +141,7 @@ class FileVerbs(EdgeCore):
     async def watch_directory(
         self, sandbox_id: str, owner: str, path: str, *, recursive: bool = False
     ) -> DirectoryWatcher:
-        """See :class:`dsec.edge.interface.DirectoryWatch`: the tier's kernel watch, opened
+        """See :class:`dsec.contract.edge.DirectoryWatch`: the tier's kernel watch, opened
         without resuming the sandbox or counting as its activity."""
         self._check_path(sandbox_id, owner, path)
         lv = self._live_for(sandbox_id, owner)

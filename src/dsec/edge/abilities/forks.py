@@ -8,6 +8,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from dsec.contract.runtime import (
+    Handle,
+    MemoryStateful,
+    Snapshottable,
+    UpperForkable,
+    capabilities_of,
+)
 from dsec.edge.abilities.sandboxes import SandboxVerbs
 from dsec.edge.core import LiveSandbox, json_dump
 from dsec.errors import CapabilityNotSupported, InvalidRequest, SandboxStopped
@@ -19,7 +26,6 @@ from dsec.models import (
     SandboxInfo,
     SnapshotRequest,
 )
-from dsec.runtimes.base import Handle, MemoryStateful, Snapshottable, UpperForkable, capabilities_of
 
 log = logging.getLogger("dsec.edge")
 

@@ -19,7 +19,7 @@ from dsec.models import SYSTEM_OWNER, BuildImageRequest, ImageInfo, LayerInfo, P
 if TYPE_CHECKING:
     from dsec.builds.engine import ImageBuilder
     from dsec.builds.wire import BuildEvent, BuildRequest
-    from dsec.edge.interface import EdgeAPI
+    from dsec.contract.edge import EdgeAPI
 
 log = logging.getLogger("dsec.edge")
 

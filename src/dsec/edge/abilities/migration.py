@@ -7,10 +7,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from dsec.contract.runtime import Handle, MemoryStateful, SandboxSpec, capabilities_of
 from dsec.edge.abilities.forks import ForkVerbs
 from dsec.errors import CapabilityNotSupported, DsecError, InvalidRequest, SandboxError
 from dsec.models import CreateSandboxRequest, MigrateResult, SandboxInfo, SnapshotRequest
-from dsec.runtimes.base import Handle, MemoryStateful, SandboxSpec, capabilities_of
 
 log = logging.getLogger("dsec.edge")
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from dsec.contract.edge import PortStream, PortTicket
+from dsec.contract.runtime import Networked, PortConnectable
 from dsec.edge.core import EdgeCore, LiveSandbox
-from dsec.edge.interface import PortStream, PortTicket
 from dsec.edge.ports import TrackedStream, check_port
 from dsec.errors import CapabilityNotSupported, SandboxNotFound, SandboxStopped, TooManyConnections
 from dsec.models import SandboxInfo
-from dsec.runtimes.base import Networked, PortConnectable
 
 log = logging.getLogger("dsec.edge")
 
@@ -45,7 +45,7 @@ class NetworkVerbs(EdgeCore):
 
     # ------------------------------------------------------------------ ports
     async def open_port(self, sandbox_id: str, owner: str, port: int) -> PortStream:
-        """:class:`dsec.edge.interface.PortForwarding`: a TCP connection to ``port`` inside
+        """:class:`dsec.contract.edge.PortForwarding`: a TCP connection to ``port`` inside
         the sandbox, made from inside it (``PortConnectable`` runtimes). Counted against
         ``limits.max_port_connections`` until closed; traffic counts as TTL activity; the
         connection is closed when the sandbox is killed."""
@@ -85,7 +85,7 @@ class NetworkVerbs(EdgeCore):
         return await self._use(sandbox_id, owner, run)
 
     async def port_ticket(self, sandbox_id: str, owner: str, port: int) -> PortTicket:
-        """:class:`dsec.edge.interface.PortForwarding`: :meth:`open_port`, parked on this
+        """:class:`dsec.contract.edge.PortForwarding`: :meth:`open_port`, parked on this
         node's port gateway for a cluster apiserver to pick up."""
         if self.port_gateway is None:
             raise CapabilityNotSupported(
@@ -94,7 +94,7 @@ class NetworkVerbs(EdgeCore):
         return await self.port_gateway.park(self.open_port(sandbox_id, owner, port))
 
     async def public_port_owner(self, sandbox_id: str) -> str:
-        """:class:`dsec.edge.interface.PortForwarding`: the owner of a live sandbox created
+        """:class:`dsec.contract.edge.PortForwarding`: the owner of a live sandbox created
         with ``public_ports``; ``SandboxNotFound`` for any other."""
         lv = self._live.get(sandbox_id)
         if lv is None or not lv.row.request.get("public_ports"):

@@ -6,10 +6,10 @@ import asyncio
 import logging
 from typing import Any
 
+from dsec.contract.edge import NodeUsage
+from dsec.contract.runtime import capabilities_of
 from dsec.edge.core import EdgeCore
-from dsec.edge.interface import NodeUsage
 from dsec.models import Capabilities, HostTier, KeyUsage, NodeInfo, SandboxInfo
-from dsec.runtimes.base import capabilities_of
 from dsec.tiers import tier_names
 from dsec.version import __version__
 
@@ -75,7 +75,7 @@ class NodeVerbs(EdgeCore):
         return self.metrics.text()
 
     def usage(self) -> NodeUsage:
-        """:class:`dsec.edge.interface.NodeReports`: what this edge holds and admits against."""
+        """:class:`dsec.contract.edge.NodeReports`: what this edge holds and admits against."""
         return NodeUsage(
             node=self.node,
             cpus=self._cpus,
@@ -89,11 +89,11 @@ class NodeVerbs(EdgeCore):
         )
 
     async def key_usage(self, owner: str) -> KeyUsage:
-        """:class:`dsec.edge.interface.KeyAccounting`: what ``owner`` holds."""
+        """:class:`dsec.contract.edge.KeyAccounting`: what ``owner`` holds."""
         return self.key_usage_now(owner)
 
     def owned_sandboxes(self) -> list[tuple[str, SandboxInfo]]:
-        """:class:`dsec.edge.interface.NodeReports`: ``(owner, info)`` of every live sandbox."""
+        """:class:`dsec.contract.edge.NodeReports`: ``(owner, info)`` of every live sandbox."""
         return [(lv.row.owner, self._info(lv.row)) for lv in self._live.values()]
 
     def live_states(self) -> dict[str, str]:

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 
+from dsec.contract.runtime import Measurable
 from dsec.edge.audit import interleave_audit, place_entries
 from dsec.edge.core import EdgeCore, LiveSandbox, utc_datetime
 from dsec.errors import CapabilityNotSupported, DsecError, InvalidRequest, SandboxStopped
@@ -23,7 +24,6 @@ from dsec.models import (
     NetworkMetrics,
     SandboxMetrics,
 )
-from dsec.runtimes.base import Measurable
 
 log = logging.getLogger("dsec.edge")
 
@@ -33,8 +33,8 @@ class ObserveVerbs(EdgeCore):
 
     # ------------------------------------------------------------------ metrics
     async def sandbox_metrics(self, sandbox_id: str, owner: str) -> SandboxMetrics:
-        """:class:`dsec.edge.interface.MetricsEdge`: one usage sample of a live sandbox, read
-        without resuming it or touching its TTL (see :class:`dsec.runtimes.base.Measurable`)."""
+        """:class:`dsec.contract.edge.MetricsEdge`: one usage sample of a live sandbox, read
+        without resuming it or touching its TTL (see :class:`dsec.contract.runtime.Measurable`)."""
         row = self._lookup_row(sandbox_id, owner)
         lv = self._live.get(sandbox_id)
         if lv is None or lv.row.state not in ("running", "paused"):
@@ -126,7 +126,7 @@ class ObserveVerbs(EdgeCore):
         return self.audit.recorder.summary(lv.row.id, lv.row.tier, lv.row.job)
 
     async def sandbox_audit(self, sandbox_id: str, owner: str, after: int = 0) -> AuditReport:
-        """:class:`dsec.edge.interface.SandboxAudits`: the sandbox's refusals (live or
+        """:class:`dsec.contract.edge.SandboxAudits`: the sandbox's refusals (live or
         stopped while the node remembers it); never resumes it nor extends its TTL."""
         row = self._lookup_row(sandbox_id, owner)
         if not isinstance(after, int) or isinstance(after, bool) or after < 0:
@@ -142,7 +142,7 @@ class ObserveVerbs(EdgeCore):
     async def follow_audit(
         self, sandbox_id: str, owner: str, after: int = 0
     ) -> AsyncGenerator[AuditEntry, None]:
-        """:class:`dsec.edge.interface.SandboxAudits`: entries numbered above ``after`` as
+        """:class:`dsec.contract.edge.SandboxAudits`: entries numbered above ``after`` as
         they are recorded, until the sandbox stops (sampled sources are read every 2 s)."""
         row = self._lookup_row(sandbox_id, owner)
         if not isinstance(after, int) or isinstance(after, bool) or after < 0:
@@ -164,7 +164,7 @@ class ObserveVerbs(EdgeCore):
                 await poller
 
     async def job_audit(self, owner: str, job: str) -> JobAudit:
-        """:class:`dsec.edge.interface.SandboxAudits`: the summary of every sandbox of
+        """:class:`dsec.contract.edge.SandboxAudits`: the summary of every sandbox of
         ``owner``'s ``job`` this node has (live, and stopped ones it remembers)."""
         out: dict[str, AuditSummary] = {}
         for row in self.registry.select(owner=owner, job=job):

@@ -7,10 +7,10 @@ import logging
 import time
 from typing import Any
 
+from dsec.contract.runtime import FilesystemPause, MemoryStateful, Pausable, UpperForkable
 from dsec.edge.core import EdgeCore, LiveSandbox
 from dsec.errors import CapabilityNotSupported, DsecError
 from dsec.models import CreateSandboxRequest, PauseReport, SandboxInfo
-from dsec.runtimes.base import FilesystemPause, MemoryStateful, Pausable, UpperForkable
 
 log = logging.getLogger("dsec.edge")
 
@@ -115,7 +115,7 @@ class PauseVerbs(EdgeCore):
         return self._info(lv.row)
 
     async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
-        """:class:`dsec.edge.interface.PauseModes`: pause with ``auto``/``freeze``/``suspend``/
+        """:class:`dsec.contract.edge.PauseModes`: pause with ``auto``/``freeze``/``suspend``/
         ``filesystem``."""
         return await self.pause_sandbox(sandbox_id, owner, mode)
 

@@ -7,10 +7,10 @@ import contextlib
 import logging
 import time
 
+from dsec.contract.runtime import Handle, MemoryStateful, Pausable
 from dsec.edge.abilities.pausing import PauseVerbs
 from dsec.edge.core import LiveSandbox
 from dsec.errors import DsecError
-from dsec.runtimes.base import Handle, MemoryStateful, Pausable
 
 log = logging.getLogger("dsec.edge")
 

@@ -9,6 +9,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 
+from dsec.contract.runtime import Handle, SandboxSpec, capabilities_of
 from dsec.edge.abilities.pausing import PauseVerbs
 from dsec.edge.core import LiveSandbox
 from dsec.edge.desktop import desktop_spec
@@ -34,7 +35,6 @@ from dsec.models import (
     LayerInfo,
     SandboxInfo,
 )
-from dsec.runtimes.base import Handle, SandboxSpec, capabilities_of
 
 log = logging.getLogger("dsec.edge")
 

@@ -274,7 +274,7 @@ def _walk_tree(
 
 
 class RootedFiles:
-    """:class:`~dsec.runtimes.base.SandboxFiles` over a root directory on the host.
+    """:class:`~dsec.contract.runtime.SandboxFiles` over a root directory on the host.
 
     Args:
         root: the sandbox's rootfs on the host (the overlay mount point).

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.config import Paths, host_memory_mb
+from dsec.contract.runtime import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.errors import (
     CapabilityNotSupported,
     Conflict,
@@ -87,7 +88,6 @@ from dsec.privileged.netns import NetnsSockets
 from dsec.privileged.nodesetup import NodeReport, oci_timeout_s, prepare_node
 from dsec.privileged.reaper import REAPER, reap_pid, where_are
 from dsec.privileged.seccomp_log import audit_id_of, audit_on
-from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.sockets import connect_socket
 
 if TYPE_CHECKING:
@@ -276,7 +276,7 @@ def cgroup_procs_files(
 
 
 class ContainerRuntime:
-    """:class:`~dsec.runtimes.base.Runtime` of the ``container`` tier (crun or runc).
+    """:class:`~dsec.contract.runtime.Runtime` of the ``container`` tier (crun or runc).
 
     Args:
         paths: the node's directories (``DSEC_HOME``).
@@ -1088,13 +1088,13 @@ class ContainerRuntime:
 
     # ------------------------------------------------------------------ audit
     def audit_id(self, handle: Handle) -> int | None:
-        """:class:`dsec.runtimes.base.Audited`: the loginuid the sandbox's commands carry."""
+        """:class:`dsec.contract.runtime.Audited`: the loginuid the sandbox's commands carry."""
         state = self._load_state(handle)
         auid = state.get("auid")
         return int(auid) if auid is not None else None
 
     def limit_counters(self, handle: Handle) -> dict[str, int]:
-        """:class:`dsec.runtimes.base.Audited`: OOM kills and refused forks of its cgroup, and
+        """:class:`dsec.contract.runtime.Audited`: OOM kills and refused forks of its cgroup, and
         how often its writable layer was found full (:meth:`_look_at_disk`)."""
         state = self._load_state(handle)
         cg = cgroup(state.get("cgroup") or self._cgroup_rel(handle.id))
@@ -1763,7 +1763,7 @@ class ContainerRuntime:
 
     # ------------------------------------------------------------------ usage
     async def usage(self, handle: Handle) -> SandboxUsage:
-        """:class:`dsec.runtimes.base.Measurable`: the sandbox's cgroup (v1 or v2), the fill of
+        """:class:`dsec.contract.runtime.Measurable`: the sandbox's cgroup (v1 or v2), the fill of
         its writable tmpfs and, with a network, the counters of its veth (a frozen sandbox
         is read as it is)."""
         state = self._load_state(handle)

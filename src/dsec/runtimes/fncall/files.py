@@ -123,7 +123,7 @@ def _ftype(mode: int) -> FileType:
 
 
 class WorkerFiles:
-    """:class:`~dsec.runtimes.base.SandboxFiles` of one worker (see the module docstring).
+    """:class:`~dsec.contract.runtime.SandboxFiles` of one worker (see the module docstring).
 
     Args:
         pid: the worker's pid (host pid namespace).

@@ -1,4 +1,4 @@
-"""``FncallRuntime``: the fncall tier behind the :class:`~dsec.runtimes.base.Runtime` contract.
+"""``FncallRuntime``: the fncall tier behind the :class:`~dsec.contract.runtime.Runtime` contract.
 
 A sandbox of this tier is one warm worker claimed from the pool of its layers (creation is a
 claim: no mount, no process start on the request path). ``exec`` runs commands in the
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.errors import (
     CapabilityNotSupported,
     InvalidRequest,
@@ -34,7 +35,6 @@ from dsec.errors import (
 from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import cgroup, host_layout, prepare
 from dsec.privileged.seccomp_log import audit_on
-from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.fncall.files import WorkerFiles
 from dsec.runtimes.fncall.languages import LanguageSpec
 from dsec.runtimes.fncall.pool import PoolConfig, Worker, WorkerPool
@@ -331,7 +331,7 @@ class FncallRuntime:
         return result_from_agent(reply["result"], blob, oom=w.oom_kills() > 0)
 
     async def usage(self, handle: Handle) -> SandboxUsage:
-        """:class:`dsec.runtimes.base.Measurable`: the worker's memory and pids cgroup, CPU
+        """:class:`dsec.contract.runtime.Measurable`: the worker's memory and pids cgroup, CPU
         time of its processes (workers are in no ``cpuacct`` hierarchy: attaching one costs
         every claim), and the fill of its private scratch tmpfs (no network on this tier)."""
         w = self._worker(handle)
@@ -367,13 +367,13 @@ class FncallRuntime:
     # --- audit ----------------------------------------------------------------------------
 
     def audit_id(self, handle: Handle) -> int | None:
-        """:class:`dsec.runtimes.base.Audited`: the loginuid of the sandbox's worker (set
+        """:class:`dsec.contract.runtime.Audited`: the loginuid of the sandbox's worker (set
         when the worker was made, before any sandbox claimed it: one per worker)."""
         auid = handle.state.get("auid")
         return int(auid) if auid is not None else None
 
     def limit_counters(self, handle: Handle) -> dict[str, int]:
-        """:class:`dsec.runtimes.base.Audited`: OOM kills and refused forks of the worker's
+        """:class:`dsec.contract.runtime.Audited`: OOM kills and refused forks of the worker's
         cgroup (zeros once the worker is gone)."""
         w = self._handles.get(handle.id)
         if w is None:

@@ -19,7 +19,7 @@ inside ``/work`` that the worker can create, environment that ``execve`` accepts
 limit if asked, send code + files + stdin, wait (bounded by compile + run timeouts + grace),
 kill the worker. Bad input never reaches a worker; a worker that misbehaves is killed.
 
-Served by a node's edge (:class:`dsec.edge.interface.CodeRuns`), a call also passes the
+Served by a node's edge (:class:`dsec.contract.edge.CodeRuns`), a call also passes the
 edge's admission (:class:`CodeRunAdmission`): the caller's key quota for the whole call,
 the node's creation gate around the claim of its worker. Those refusals are raised in both
 shapes, never turned into a SandboxFusion answer: the request was fine, the key or the node

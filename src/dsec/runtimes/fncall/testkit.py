@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from dsec.config import Paths
-from dsec.runtimes.base import SandboxSpec
+from dsec.contract.runtime import SandboxSpec
 from dsec.runtimes.fncall.pool import PoolConfig
 from dsec.runtimes.fncall.runtime import FncallConfig, FncallRuntime
 from dsec.runtimes.fncall.service import RunCodeLimits, RunCodeService

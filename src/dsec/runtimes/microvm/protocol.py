@@ -7,10 +7,10 @@ Frames, both directions, little endian::
 
 One :class:`AgentClient` owns the host end of one VM's agent socket (QEMU's chardev, a unix
 socket). Requests are multiplexed by request id; an exec gets any number of ``OUT`` frames
-then one ``EXIT``. :class:`VMFiles` implements :class:`dsec.runtimes.base.SandboxFiles` on it.
+then one ``EXIT``. :class:`VMFiles` implements :class:`dsec.contract.runtime.SandboxFiles` on it.
 :meth:`AgentClient.open_tcp` opens a TCP connection to the guest's loopback, multiplexed on
 the same channel with a window each way (:class:`AgentStream`, a
-:class:`~dsec.edge.interface.PortStream`; the frames are described in agent.c).
+:class:`~dsec.contract.edge.PortStream`; the frames are described in agent.c).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dsec.contract.runtime import OutputSink
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
@@ -44,7 +45,6 @@ from dsec.errors import (
 )
 from dsec.models import ExecResult, FileInfo
 from dsec.privileged.seccomp_log import GuardLog, parse_guard_log
-from dsec.runtimes.base import OutputSink
 
 __all__ = ["AgentClient", "AgentOp", "AgentStream", "VMFiles"]
 
@@ -99,7 +99,7 @@ class _Pending:
 
 class AgentStream:
     """One TCP connection to ``127.0.0.1:<port>`` in the guest, over the agent channel
-    (:meth:`AgentClient.open_tcp`). A :class:`~dsec.edge.interface.PortStream`: reads
+    (:meth:`AgentClient.open_tcp`). A :class:`~dsec.contract.edge.PortStream`: reads
     return what the guest sent (``b""`` at its EOF or when the VM went away), writes wait
     while the guest's window is full."""
 
@@ -721,7 +721,7 @@ _GUEST_PSEUDO_DIRS = frozenset({"proc", "sys", "dev", "run"})
 
 
 class VMFiles:
-    """:class:`dsec.runtimes.base.SandboxFiles` over the guest agent.
+    """:class:`dsec.contract.runtime.SandboxFiles` over the guest agent.
 
     The whole guest is the sandbox, so every absolute guest path is inside it; paths are
     normalised (``..`` collapsed) before they cross the channel. ``get_client`` returns the

@@ -28,7 +28,7 @@ live (each holds a shared ``flock`` on ``$DSEC_HOME/<tier>/templates.lock`` whil
 the one that gets it exclusively is alone). ``MicroVMConfig.keep_templates`` keeps them
 instead (a restart then needs no cold boot).
 
-State machine: see :mod:`dsec.runtimes.base`. ``pause`` stops the vCPUs (QMP ``stop``);
+State machine: see :mod:`dsec.contract.runtime`. ``pause`` stops the vCPUs (QMP ``stop``);
 ``resume`` continues them and resets the guest clock. Any exec or file call on a paused
 sandbox resumes it first.
 
@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.config import Paths, host_memory_mb
+from dsec.contract.runtime import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.errors import (
     CapabilityNotSupported,
     Conflict,
@@ -81,7 +82,6 @@ from dsec.guest.build import GuestArtifacts, ensure_guest_artifacts, host_tsc_kh
 from dsec.models import ExecRequest, ExecResult
 from dsec.privileged.cgroups import Cgroup, CgroupUsage, cgroup, host_layout, prepare
 from dsec.privileged.seccomp_log import GuardLog
-from dsec.runtimes.base import Handle, OutputSink, RuntimeFacts, SandboxFiles, SandboxSpec
 from dsec.runtimes.microvm.ksm import ksmd_acquire, ksmd_release
 from dsec.runtimes.microvm.protocol import AgentClient, AgentOp, AgentStream, VMFiles
 from dsec.runtimes.microvm.qemu import (
@@ -226,7 +226,7 @@ class _VM:
 
 
 class MicroVMRuntime:
-    """:class:`dsec.runtimes.base.Runtime` (and ``Pausable``) for the ``microvm`` tier."""
+    """:class:`dsec.contract.runtime.Runtime` (and ``Pausable``) for the ``microvm`` tier."""
 
     tier = "microvm"
     machine = "microvm"
@@ -1003,7 +1003,7 @@ class MicroVMRuntime:
     # ------------------------------------------------------------------ watching
 
     def on_exit(self, listener: Callable[[str, str], None]) -> None:
-        """:class:`dsec.runtimes.base.ExitReporting`: ``listener(sandbox_id, why)`` is called
+        """:class:`dsec.contract.runtime.ExitReporting`: ``listener(sandbox_id, why)`` is called
         when a sandbox's QEMU ends without this runtime ending it (a guest kernel panic or
         power-off, QEMU killed or crashed, an unresponsive guest this runtime stopped)."""
         self._exit_listener = listener
@@ -1189,7 +1189,7 @@ class MicroVMRuntime:
         return None, int(handle.state.get("disk_mb") or 0) << 20
 
     async def usage(self, handle: Handle) -> SandboxUsage:
-        """:class:`dsec.runtimes.base.Measurable`: CPU and host memory from the QEMU process's
+        """:class:`dsec.contract.runtime.Measurable`: CPU and host memory from the QEMU process's
         cgroup (under TCG the guest's CPU is the host CPU QEMU burns), the guest's memory from
         its ``/proc/meminfo`` while it runs (a paused guest cannot answer: then what QEMU
         holds), and the writable layer. A suspended sandbox has no process: zeros."""
@@ -1236,7 +1236,7 @@ class MicroVMRuntime:
     # ------------------------------------------------------------------ audit
 
     async def guard_log(self, handle: Handle, after: int) -> GuardLog | None:
-        """:class:`dsec.runtimes.base.GuardAudited`: the guard's seccomp refusals the guest
+        """:class:`dsec.contract.runtime.GuardAudited`: the guard's seccomp refusals the guest
         agent kept (``agent.c``, "the guard's refusals"). A paused, suspended or stopped
         sandbox cannot answer (None: read again when it runs; the guest keeps them)."""
         vm = self._live.get(handle.id)

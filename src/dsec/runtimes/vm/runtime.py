@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from dsec.config import Paths
+from dsec.contract.runtime import Handle, SandboxSpec
 from dsec.display import Button, Click, DisplayAction, Drag, Key, Move, Scroll, Type, key_tokens
 from dsec.errors import CapabilityNotSupported, InvalidRequest, SandboxError, TierUnavailable
-from dsec.runtimes.base import Handle, SandboxSpec
 from dsec.runtimes.microvm.runtime import MicroVMConfig, MicroVMRuntime, Template
 
 __all__ = ["KEY_ALIASES", "VMRuntime", "char_to_keys"]
@@ -95,7 +95,7 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 
 class VMRuntime(MicroVMRuntime):
-    """:class:`dsec.runtimes.base.Runtime` (and ``Pausable``) for the ``vm`` tier, with a display."""
+    """:class:`dsec.contract.runtime.Runtime` (and ``Pausable``) for the ``vm`` tier, with a display."""
 
     tier = "vm"
     machine = "q35"

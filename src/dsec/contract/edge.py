@@ -47,7 +47,6 @@ from dsec.contract.streams import (
     PtySize,
     StreamName,
 )
-from dsec.edge.quotas import QuotaGuard
 from dsec.models import (
     AuditEntry,
     AuditReport,
@@ -67,6 +66,7 @@ from dsec.models import (
     JobAction,
     JobActionResult,
     JobAudit,
+    KeyQuota,
     KeyUsage,
     LayerInfo,
     LogLine,
@@ -101,6 +101,7 @@ __all__ = [
     "InteractiveExec",
     "InteractiveProcess",
     "KeyAccounting",
+    "KeyQuotas",
     "MemoryMigration",
     "MetricsEdge",
     "NodeReports",
@@ -111,6 +112,7 @@ __all__ = [
     "PortStream",
     "PortTicket",
     "PtySize",
+    "QuotaSlot",
     "SandboxAudits",
     "SandboxMigration",
     "StreamName",
@@ -600,12 +602,27 @@ class NodeUsage:
 
 
 @runtime_checkable
+class KeyQuotas(Protocol):
+    """Optional ability of a key store: each owner's quota (``KeyQuota()``, unlimited, for an
+    owner it does not know or that has none). Called on every creation: answer from memory."""
+
+    def quota_of(self, owner: str) -> KeyQuota: ...
+
+
+class QuotaSlot(Protocol):
+    """Where an edge's quota check reads quotas from: the server sets ``source`` to its key
+    store (:class:`dsec.edge.quotas.QuotaGuard` is the edge's)."""
+
+    source: KeyQuotas | None
+
+
+@runtime_checkable
 class KeyAccounting(Protocol):
     """Optional edge ability: per-key quotas checked on every creation
     (:mod:`dsec.edge.quotas`: the server sets ``key_quotas.source`` to its key store), and
     what a key holds (``GET /v1/key``)."""
 
-    key_quotas: QuotaGuard
+    key_quotas: QuotaSlot
 
     async def key_usage(self, owner: str) -> KeyUsage:
         """``owner``'s live sandboxes and what they requested."""

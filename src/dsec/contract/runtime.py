@@ -111,7 +111,7 @@ class SandboxFiles(Protocol):
 @runtime_checkable
 class WatchableFiles(Protocol):
     """Optional ability of a tier's :class:`SandboxFiles`: directory watches pushed by the
-    kernel (see :class:`dsec.edge.interface.DirectoryWatch`)."""
+    kernel (see :class:`dsec.contract.edge.DirectoryWatch`)."""
 
     async def watch(self, path: str, recursive: bool) -> DirectoryWatcher: ...
 
@@ -119,7 +119,7 @@ class WatchableFiles(Protocol):
 @runtime_checkable
 class XattrFiles(Protocol):
     """Optional ability of a tier's :class:`SandboxFiles`: ``user.*`` extended attributes
-    (see :class:`dsec.edge.interface.FileXattrs` for the semantics)."""
+    (see :class:`dsec.contract.edge.FileXattrs` for the semantics)."""
 
     async def get_xattrs(self, paths: list[str], prefix: str) -> list[dict[str, str]]: ...
     async def set_xattrs(
@@ -272,7 +272,7 @@ class MemoryStateful(Protocol):
 class Interactive(Protocol):
     """Processes that keep running after the call that started them: stdin open for writes,
     signals, an optional terminal (``pty``). What E2B's process API needs; see
-    :class:`dsec.edge.interface.InteractiveExec` for the semantics."""
+    :class:`dsec.contract.edge.InteractiveExec` for the semantics."""
 
     async def start_process(
         self,
