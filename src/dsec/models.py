@@ -82,6 +82,16 @@ class _Model(WireModel):
     :mod:`dsec.wire`)."""
 
 
+SandboxId = Annotated[str, Field(pattern=r"^sb-[a-z0-9-]{1,64}$", description="sb-<node>-<random>")]
+
+
+class SandboxRef(_Model):
+    """The request of a verb about one sandbox (:mod:`dsec.contract.verbs`): its id, which
+    travels in the URL; verbs with more to say extend it."""
+
+    sandbox_id: SandboxId
+
+
 def _check_env(env: dict[str, str]) -> dict[str, str]:
     total = 0
     for k, v in env.items():
@@ -745,7 +755,9 @@ class PullImageRequest(_Model):
         return v
 
 
-class SetTTLRequest(_Model):
+class SetTTLRequest(SandboxRef):
+    """Kill the sandbox after ``ttl_s`` idle seconds from now."""
+
     ttl_s: float = Field(gt=0, le=30 * 24 * 3600)
 
 
@@ -970,12 +982,9 @@ class RemoveRequest(_Model):
     recursive: bool = False
 
 
-SandboxId = Annotated[str, Field(pattern=r"^sb-[a-z0-9-]{1,64}$")]
-
-
 # --- pause modes (issue 5: suspend to file on the VM tiers) -------------------------
-class PauseRequest(_Model):
-    """Optional body of ``POST /v1/sandboxes/{id}/pause``.
+class PauseRequest(SandboxRef):
+    """``POST /v1/sandboxes/{id}/pause`` (the body is optional).
 
     ``auto``: the tier's default pause (containers: freezer + reclaim; VMs: vCPUs stopped).
     ``freeze``: the same, spelled out. ``suspend`` (tiers whose capabilities say
@@ -988,7 +997,7 @@ class PauseRequest(_Model):
 
 
 # --- cluster migration (issue 8: POST /v1/sandboxes/{id}/migrate) --------------------
-class MigrateRequest(_Model):
+class MigrateRequest(SandboxRef):
     """Move a sandbox to another node of a cluster. ``node``: the target node's name
     (``None``: the placer chooses any other node that admits it)."""
 

@@ -12,12 +12,14 @@ reads, so that a newer server never breaks an older SDK.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 from pydantic.functional_validators import ModelWrapValidatorHandler
 
-__all__ = ["ANSWER", "WireModel"]
+from dsec.errors import InvalidRequest
+
+__all__ = ["ANSWER", "WireModel", "validated"]
 
 ANSWER: dict[str, Any] = {"dsec.answer": True}
 """Validation context of a client reading a server's answer (unknown fields ignored)."""
@@ -39,3 +41,21 @@ class WireModel(BaseModel):
             if not known.issuperset(data):
                 data = {k: v for k, v in data.items() if k in known}
         return handler(data)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validated(model: type[M], **fields: Any) -> M:
+    """``model(**fields)``, a refusal raised as ``InvalidRequest`` (400) naming each field
+    and why: how code that builds a request from its own arguments (the SDK, the E2B layer)
+    refuses bad input as the API would."""
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        errors = [
+            {"loc": [str(p) for p in e["loc"]], "msg": e["msg"], "type": e["type"]}
+            for e in exc.errors()
+        ]
+        first = errors[0]
+        raise InvalidRequest(f"{'.'.join(first['loc'])}: {first['msg']}", errors=errors) from None

@@ -13,7 +13,7 @@ from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
 from dsec.cluster import NodeLost, node_of_sandbox
 from dsec.errors import SandboxNotFound, error_from_wire
-from dsec.models import CreateSandboxRequest, MigrateRequest
+from dsec.models import CreateSandboxRequest, MigrateRequest, PauseRequest
 from dsec.testing import FakeEdge
 
 pytestmark = pytest.mark.cluster
@@ -36,9 +36,9 @@ def test_node_lost_is_its_own_typed_error_and_a_sandbox_not_found() -> None:
 
 
 def test_migrate_request_validates_node_names() -> None:
-    assert MigrateRequest(node=None).node is None
+    assert MigrateRequest(sandbox_id="sb-a-1", node=None).node is None
     with pytest.raises(ValueError):
-        MigrateRequest(node="Bad Name")
+        MigrateRequest(sandbox_id="sb-a-1", node="Bad Name")
 
 
 async def test_migrate_on_a_single_node_server_is_refused() -> None:
@@ -73,12 +73,11 @@ def test_the_cluster_edge_relays_the_whole_contract() -> None:
         ImageBuilds,
         ImagePublisher,
         InteractiveExec,
-        PauseModes,
         edge_verbs,
     )
 
     edge = ClusterEdge(None, NodeConfig(), ClusterOptions())
-    for ability in (EdgeAPI, PauseModes, DisplayEdge, ImageBuilds, ImagePublisher):
+    for ability in (EdgeAPI, DisplayEdge, ImageBuilds, ImagePublisher):
         assert isinstance(edge, ability), ability
     # an interactive process is a live object of its node: E2B falls back to exec streams
     assert not isinstance(edge, InteractiveExec)
@@ -118,7 +117,7 @@ async def test_a_node_reports_only_what_changed_since_a_cursor(tmp_path: Any) ->
         assert first["full"] and {i.id for _, i in first["changed"]} == {a.id, b.id}
         quiet = await actor.sandbox_changes(first["cursor"])
         assert not quiet["full"] and quiet["changed"] == [] and quiet["gone"] == []
-        await actor.agent.pause_sandbox(a.id, owner)
+        await actor.agent.pause_sandbox(PauseRequest(sandbox_id=a.id), owner)
         await actor.agent.kill_sandbox(b.id, owner)
         c = await actor.agent.create_sandbox(CreateSandboxRequest(cpu=0.01), owner)
         later = await actor.sandbox_changes(quiet["cursor"])

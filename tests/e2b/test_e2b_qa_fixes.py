@@ -16,6 +16,8 @@ import pytest
 from tests.timing import budget
 
 from conftest import E2BServer, pause_during_stream
+from dsec.models import SetTTLRequest
+from dsec.wire import validated
 from e2b import (
     CommandExitException,
     FilesystemEventType,
@@ -75,11 +77,11 @@ def test_out_of_range_timeouts_are_400_and_the_sandbox_stays_usable(
         sbx.set_timeout(10**12)
     with pytest.raises(SandboxException):
         Sandbox.connect(sid, timeout=10**12)
-    # the edge itself refuses it for every caller (the fake mirrors EdgeAgent.set_ttl)
+    # the edge's request itself refuses it for every caller (E2B, dsec API, SDK build it)
     from dsec.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest):
-        e2b_server.call(e2b_server.edge.set_ttl(sid, "alice", 1e12))
+        validated(SetTTLRequest, sandbox_id=sid, ttl_s=1e12)
     # nothing was stored: info, list and the 30-day maximum still work
     sbx.set_timeout(MAX_TIMEOUT_S)
     info = sbx.get_info()

@@ -22,6 +22,8 @@ from tests.conftest import container_server
 from tests.timing import budget
 
 from conftest import pause_during_stream
+from dsec.models import PauseRequest, SandboxRef, SetTTLRequest
+from dsec.wire import validated
 from e2b import (
     CommandExitException,
     FileNotFoundException,
@@ -306,8 +308,8 @@ def test_process_survives_pause_and_ends_with_its_sandbox(real: RealServer) -> N
         p = await edge.start_process(sid, "e2b-real-owner", ExecRequest(cmd="cat"), stdin=True)
         await p.write_stdin(b"before\n")
         assert await p.read_output() == ("stdout", b"before\n")
-        await edge.pause_sandbox(sid, "e2b-real-owner")
-        await edge.resume_sandbox(sid, "e2b-real-owner")
+        await edge.pause_sandbox(PauseRequest(sandbox_id=sid), "e2b-real-owner")
+        await edge.resume_sandbox(SandboxRef(sandbox_id=sid), "e2b-real-owner")
         await p.write_stdin(b"after\n")
         assert await p.read_output() == ("stdout", b"after\n")
         sleeper = await edge.start_process(sid, "e2b-real-owner", ExecRequest(cmd="sleep 60"))
@@ -331,10 +333,10 @@ def test_huge_timeouts_are_refused_and_old_huge_rows_still_render(
     sid = sbx.sandbox_id
     row = edge.registry.get(sid)
     assert row is not None
-    # EdgeAgent.set_ttl refuses it for every caller (E2B, dsec API, SDK)
+    # EdgeAgent.set_ttl's request refuses it for every caller (E2B, dsec API, SDK)
     for ttl_s in (1e12, 0.0, -5.0, float("nan"), float("inf"), 30 * 24 * 3600 + 1.0):
         with pytest.raises(InvalidRequest):
-            real.bg.call(edge.set_ttl(sid, row.owner, ttl_s))
+            validated(SetTTLRequest, sandbox_id=sid, ttl_s=ttl_s)
     headers = {"X-API-Key": real.api_key}
     for path, body in (("timeout", {"timeout": 1e300}), ("connect", {"timeout": 10**12})):
         r = httpx.post(f"{real.url}/e2b/sandboxes/{sid}/{path}", json=body, headers=headers)

@@ -15,7 +15,7 @@ import pytest
 import dsec.errors as E
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
-from dsec.models import ExecEvent, ExecRequest, ExecResult
+from dsec.models import ExecEvent, ExecRequest, ExecResult, SetTTLRequest
 from dsec.testing import FakeEdge
 
 KEY = "dsec_routes_test"
@@ -71,7 +71,10 @@ async def test_sandbox_lifecycle(client: httpx.AsyncClient, edge: FakeEdge) -> N
 
     r = await client.post(f"/v1/sandboxes/{sid}/ttl", json={"ttl_s": 30})
     assert r.status_code == 200 and r.json()["ttl_s"] == 30
-    assert edge.calls_to("set_ttl")[0] == {"sandbox_id": sid, "owner": OWNER, "ttl_s": 30}
+    assert edge.calls_to("set_ttl")[0] == {
+        "req": SetTTLRequest(sandbox_id=sid, ttl_s=30),
+        "owner": OWNER,
+    }
 
     other = await _sandbox(client, labels={"task": "b"})
     listed = (await client.get("/v1/sandboxes", params=[("label", "task=a")])).json()

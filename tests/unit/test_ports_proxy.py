@@ -22,7 +22,7 @@ from tests.timing import budget
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys
 from dsec.apiserver.ports import PortTokens
-from dsec.models import CreateSandboxRequest
+from dsec.models import CreateSandboxRequest, PauseRequest
 from dsec.testing import FakeEdge
 
 websockets = pytest.importorskip("websockets")
@@ -444,7 +444,7 @@ def test_paused_sandbox_is_resumed_by_a_request(h: Harness) -> None:
     from dsec.apiserver.auth import owner_id
 
     sid = h.sandbox()
-    h.call(h.edge.pause_sandbox(sid, owner_id(KEY)))
+    h.call(h.edge.pause_sandbox(PauseRequest(sandbox_id=sid), owner_id(KEY)))
     with client(h, headers=BEARER) as c:
         assert c.get(f"/v1/sandboxes/{sid}/ports/8000/").status_code == 201
         assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"

@@ -18,6 +18,7 @@ from dsec import AsyncSandbox, Sandbox, SandboxMetrics
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys
 from dsec.errors import CapabilityNotSupported, SandboxNotFound
+from dsec.models import SandboxRef
 from dsec.runtimes.usage import (
     NetCounters,
     disk_usage,
@@ -341,5 +342,5 @@ async def test_a_tier_without_usage_is_capability_not_supported() -> None:
     edge.runtimes["container"].__class__ = Blind
     info = await edge.create_sandbox(CreateSandboxRequest(), "kowner000000000000")
     with pytest.raises(CapabilityNotSupported):
-        await edge.sandbox_metrics(info.id, "kowner000000000000")
+        await edge.sandbox_metrics(SandboxRef(sandbox_id=info.id), "kowner000000000000")
     assert not next(c for c in await edge.capabilities() if c.tier == "container").metrics

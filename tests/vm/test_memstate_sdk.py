@@ -16,7 +16,7 @@ from tests.timing import budget
 from dsec import Sandbox
 from dsec.config import Paths
 from dsec.errors import CapabilityNotSupported, SandboxStopped
-from dsec.models import CreateSandboxRequest, ExecRequest
+from dsec.models import CreateSandboxRequest, ExecRequest, PauseRequest
 from dsec.privileged.cgroups import cgroup
 from dsec.runtimes.microvm import MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive
@@ -134,7 +134,7 @@ async def test_suspended_sandbox_survives_edge_restart(home: Path) -> None:
         )
         sid = info.id
         await edge.exec(sid, owner, ExecRequest(cmd=_HOLDER))
-        info = await edge.pause_sandbox(sid, owner, mode="suspend")
+        info = await edge.pause_sandbox(PauseRequest(sandbox_id=sid, mode="suspend"), owner)
         assert info.state == "paused"
         pid = edge._live[sid].handle.state["pid"]
         assert pid == 0

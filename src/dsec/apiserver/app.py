@@ -34,6 +34,7 @@ from dsec.apiserver.routes_ports import router as ports_router
 from dsec.apiserver.routes_sandboxes import UPLOAD_ROUTES
 from dsec.apiserver.routes_sandboxes import router as sandboxes_router
 from dsec.apiserver.schemas import Health
+from dsec.apiserver.verbs import router as verbs_router
 from dsec.contract.edge import EdgeAPI, KeyAccounting, KeyQuotas
 from dsec.version import __version__
 
@@ -105,6 +106,7 @@ def create_app(
     app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(sandboxes_router)
+    app.include_router(verbs_router)
     app.include_router(images_router)
     app.include_router(jobs_router)
     app.include_router(keys_router)
@@ -163,6 +165,7 @@ def _route_templates(app: FastAPI) -> list[tuple[str, set[str]]]:
     """(template, methods) of every API route, for metric labels."""
     routes = [
         *sandboxes_router.routes,
+        *verbs_router.routes,
         *images_router.routes,
         *jobs_router.routes,
         *keys_router.routes,

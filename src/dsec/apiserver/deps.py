@@ -7,14 +7,30 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Depends, Request, Security
+from fastapi import Depends, Header, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from dsec.apiserver.schemas import ErrorBody
+from dsec.apiserver.schemas import (
+    IDEMPOTENCY_HEADER,
+    IDEMPOTENCY_KEY_PATTERN,
+    SEQ_HEADER,
+    ErrorBody,
+)
 from dsec.contract.edge import EdgeAPI
+from dsec.contract.verbs import Envelope
 from dsec.errors import AuthenticationError
 
-__all__ = ["ERROR_RESPONSES", "Edge", "Owner", "bearer_scheme", "current_owner", "get_edge"]
+__all__ = [
+    "ERROR_RESPONSES",
+    "MAX_SEQ",
+    "Edge",
+    "Owner",
+    "Seq",
+    "bearer_scheme",
+    "current_owner",
+    "envelope",
+    "get_edge",
+]
 
 bearer_scheme = HTTPBearer(
     auto_error=False,
@@ -60,3 +76,34 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     500: {**_ERR, "description": "sandbox_error or internal"},
     503: {**_ERR, "description": "unavailable: the edge is unreachable or shutting down"},
 }
+
+
+MAX_SEQ = (1 << 63) - 1
+"""Largest sequence number (SQLite's INTEGER range)."""
+
+
+async def envelope(
+    seq: Annotated[
+        int | None,
+        Header(
+            alias=SEQ_HEADER,
+            ge=1,
+            le=MAX_SEQ,
+            description="per-sandbox trajectory sequence number of this call (1, 2, 3, ...)",
+        ),
+    ] = None,
+    idem_key: Annotated[
+        str | None,
+        Header(
+            alias=IDEMPOTENCY_HEADER,
+            pattern=IDEMPOTENCY_KEY_PATTERN,
+            description="client-chosen key; a repeat returns the recorded result",
+        ),
+    ] = None,
+) -> Envelope:
+    """Parse ``X-Dsec-Seq`` and ``Idempotency-Key`` (malformed: 400 before the edge)."""
+    return Envelope(seq=seq, idem_key=idem_key)
+
+
+Seq = Annotated[Envelope, Depends(envelope)]
+"""The trajectory envelope of a state-changing request."""

@@ -19,31 +19,25 @@ import contextlib
 import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.apiserver.departed import unless_departed
-from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
+from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, current_owner
 from dsec.apiserver.schemas import (
-    IDEMPOTENCY_HEADER,
-    IDEMPOTENCY_KEY_PATTERN,
     REPLAYED_HEADER,
     SANDBOX_ID_PATTERN,
     SANDBOX_PATH_PATTERN,
-    SEQ_HEADER,
     FileList,
     MkdirRequest,
     RenameRequest,
     SandboxList,
     TarUploadResult,
 )
-from dsec.contract.edge import MetricsEdge, PauseModes
 from dsec.errors import (
-    CapabilityNotSupported,
     DsecError,
     InternalError,
     InvalidRequest,
@@ -61,18 +55,13 @@ from dsec.models import (
     ForkResult,
     LayerInfo,
     LogLine,
-    MigrateRequest,
-    MigrateResult,
-    PauseRequest,
     SandboxInfo,
-    SandboxMetrics,
-    SetTTLRequest,
     SnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
 
-__all__ = ["UPLOAD_ROUTES", "NetworkStats", "Sequencing", "ndjson_response", "router", "sequencing"]
+__all__ = ["UPLOAD_ROUTES", "NetworkStats", "ndjson_response", "router"]
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -100,44 +89,6 @@ UPLOAD_ROUTES = frozenset(
     {"/v1/sandboxes/{sandbox_id}/files", "/v1/sandboxes/{sandbox_id}/files/tar"}
 )
 """Route templates whose body is a raw upload (the larger body limit applies)."""
-
-
-MAX_SEQ = (1 << 63) - 1
-"""Largest sequence number (SQLite's INTEGER range)."""
-
-
-@dataclass(frozen=True)
-class Sequencing:
-    """The trajectory headers of one state-changing request (both optional)."""
-
-    seq: int | None = None
-    idem_key: str | None = None
-
-
-async def sequencing(
-    seq: Annotated[
-        int | None,
-        Header(
-            alias=SEQ_HEADER,
-            ge=1,
-            le=MAX_SEQ,
-            description="per-sandbox trajectory sequence number of this call (1, 2, 3, ...)",
-        ),
-    ] = None,
-    idem_key: Annotated[
-        str | None,
-        Header(
-            alias=IDEMPOTENCY_HEADER,
-            pattern=IDEMPOTENCY_KEY_PATTERN,
-            description="client-chosen key; a repeat returns the recorded result",
-        ),
-    ] = None,
-) -> Sequencing:
-    """Parse ``X-Dsec-Seq`` and ``Idempotency-Key`` (malformed: 400 before the edge)."""
-    return Sequencing(seq=seq, idem_key=idem_key)
-
-
-Seq = Annotated[Sequencing, Depends(sequencing)]
 
 
 def _mark_replayed(response: Response, result: ExecResult) -> ExecResult:
@@ -223,13 +174,6 @@ async def get_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> S
 @router.delete("/{sandbox_id}", response_model=SandboxInfo, summary="Kill a sandbox")
 async def kill_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxInfo:
     return await edge.kill_sandbox(sandbox_id, owner)
-
-
-@router.post("/{sandbox_id}/ttl", response_model=SandboxInfo, summary="Set the idle TTL")
-async def set_ttl(
-    sandbox_id: SandboxIdParam, req: SetTTLRequest, edge: Edge, owner: Owner
-) -> SandboxInfo:
-    return await edge.set_ttl(sandbox_id, owner, req.ttl_s)
 
 
 @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")
@@ -430,38 +374,6 @@ async def download_tar(
 
 # --- RL lifecycle: pause, resume, snapshot, fork, trajectory ---------------------
 @router.post(
-    "/{sandbox_id}/pause",
-    response_model=SandboxInfo,
-    summary="Pause: freeze the sandbox and reclaim its memory",
-    description="Idempotent. ``last_pause`` in the answer reports memory before and after. "
-    "Any later request to the sandbox resumes it transparently. Optional body "
-    '``{"mode": "auto"|"freeze"|"suspend"|"filesystem"}``: ``suspend`` (tiers whose '
-    "capabilities say ``suspend``) writes memory and device state to a file and frees the "
-    "host memory; ``filesystem`` (capability ``pause_filesystem``) drops every process and "
-    "keeps the files: the sandbox resumes as a fresh boot. Elsewhere they are a 422 "
-    "``capability_not_supported``.",
-)
-async def pause_sandbox(
-    sandbox_id: SandboxIdParam, edge: Edge, owner: Owner, req: PauseRequest | None = None
-) -> SandboxInfo:
-    mode = (req or PauseRequest()).mode
-    if mode == "auto":
-        return await edge.pause_sandbox(sandbox_id, owner)
-    if not isinstance(edge, PauseModes):
-        raise CapabilityNotSupported(f"this server cannot pause with mode={mode}")
-    return await edge.pause_sandbox_mode(sandbox_id, owner, mode)
-
-
-@router.post(
-    "/{sandbox_id}/resume",
-    response_model=SandboxInfo,
-    summary="Resume a paused sandbox (idempotent)",
-)
-async def resume_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxInfo:
-    return await edge.resume_sandbox(sandbox_id, owner)
-
-
-@router.post(
     "/{sandbox_id}/snapshot",
     status_code=201,
     response_model=LayerInfo,
@@ -489,24 +401,6 @@ async def fork_sandbox(
     sandbox_id: SandboxIdParam, req: ForkRequest, edge: Edge, owner: Owner
 ) -> ForkResult:
     return await edge.fork_sandbox(sandbox_id, owner, req)
-
-
-@router.post(
-    "/{sandbox_id}/migrate",
-    response_model=MigrateResult,
-    summary="Move a sandbox to another node of the cluster",
-    description="Cluster mode only (422 ``capability_not_supported`` on a single-node "
-    "server). VM tiers (microvm, vm) move their RAM and device state "
-    "(``method: memory_snapshot``, ``processes_carried: true``); other tiers move their "
-    "writable layer as a ``pack_diff`` layer and the same spec is recreated "
-    "(``processes_carried: false``). The new sandbox has a new id on the target; the "
-    "source is killed only once the target runs. Unknown or lost "
-    "target: 404 ``not_found``; full target: 429 ``quota_exceeded``; nothing half-created.",
-)
-async def migrate_sandbox(
-    sandbox_id: SandboxIdParam, req: MigrateRequest, edge: Edge, owner: Owner
-) -> MigrateResult:
-    return await edge.migrate_sandbox(sandbox_id, owner, req.node)
 
 
 @router.get(
@@ -574,22 +468,6 @@ async def export_trajectory(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner
         media_type="application/x-ndjson",
         headers={"cache-control": "no-store"},
     )
-
-
-@router.get(
-    "/{sandbox_id}/metrics",
-    response_model=SandboxMetrics,
-    summary="Resource usage: CPU, memory, disk, network, processes",
-    description="One sample, read without resuming a paused sandbox or extending its TTL. "
-    "``cpu.used_cores`` averages over ``interval_s`` (since the previous sample of this "
-    "sandbox, or since its creation). A stopped sandbox is a 409 ``sandbox_stopped``; a "
-    "tier whose capabilities lack ``metrics`` a 422 ``capability_not_supported``.",
-)
-async def sandbox_metrics(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxMetrics:
-    if not isinstance(edge, MetricsEdge):
-        await edge.get_sandbox(sandbox_id, owner)  # another key's: not found, as everywhere
-        raise CapabilityNotSupported("this server's edge cannot measure sandboxes")
-    return await edge.sandbox_metrics(sandbox_id, owner)
 
 
 # --- network policy ------------------------------------------------------------

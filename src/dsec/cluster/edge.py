@@ -45,7 +45,7 @@ from dsec.cluster.relay import (
     _ray_await,
     node_of_sandbox,
 )
-from dsec.contract.edge import SANDBOX_VERBS, STREAM_VERBS, PortStream, PortTicket
+from dsec.contract.edge import SANDBOX_VERBS, STREAM_VERBS, VERBS, PortStream, PortTicket
 from dsec.edge.ports import redeem_ticket
 from dsec.edge.quotas import QuotaGuard, code_run_size
 from dsec.errors import (
@@ -76,11 +76,13 @@ from dsec.models import (
     JobOutcome,
     KeyUsage,
     LayerInfo,
+    MigrateRequest,
     MigrateResult,
     NodeInfo,
     RunCodeRequest,
     RunCodeResponse,
     SandboxInfo,
+    SandboxRef,
 )
 from dsec.placement import PlacementRequest, Placer
 from dsec.tiers import require_tier, tier_names
@@ -814,15 +816,13 @@ class ClusterEdge:
     # ------------------------------------------------------------------ network
     # ------------------------------------------------------------------ display (vm tier)
     # ------------------------------------------------------------------ migration
-    async def migrate_sandbox(
-        self, sandbox_id: str, owner: str, node: str | None = None
-    ) -> MigrateResult:
-        """Move a sandbox to ``node`` (or a node the placer picks); see
+    async def migrate_sandbox(self, req: MigrateRequest, owner: str) -> MigrateResult:
+        """Move a sandbox to ``req.node`` (or a node the placer picks); see
         :func:`dsec.cluster.migrate.migrate_sandbox`."""
         from dsec.cluster.migrate import migrate_sandbox
 
         return await migrate_sandbox(
-            self.relay, self.placement, sandbox_id, owner, node, record=self._record
+            self.relay, self.placement, req.sandbox_id, owner, req.node, record=self._record
         )
 
     # ------------------------------------------------------------------ images
@@ -1113,10 +1113,24 @@ def _forwarder(name: str) -> Callable[..., Awaitable[Any]]:
     return forward
 
 
+def _verb_forwarder(name: str) -> Callable[..., Awaitable[Any]]:
+    async def forward(self: ClusterEdge, req: SandboxRef, *args: Any, **kwargs: Any) -> Any:
+        timeout = self.options.create_timeout_s if name in _CREATE_TIMEOUT_VERBS else None
+        return await self.relay.on_sandbox(
+            req.sandbox_id, name, req, *args, timeout=timeout, route_only=True, **kwargs
+        )
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"``{name}`` on the node the request's sandbox id names (``VERBS``)."
+    return forward
+
+
 # Every sandbox verb of the contract that ClusterEdge does not implement itself is relayed
 # to the sandbox's node: adding a verb to dsec.contract.edge adds it here.
 for _name in sorted(SANDBOX_VERBS - _NODE_SIDE_VERBS - set(vars(ClusterEdge))):
-    if _name in STREAM_VERBS:
+    if _name in VERBS:
+        setattr(ClusterEdge, _name, _verb_forwarder(_name))
+    elif _name in STREAM_VERBS:
         setattr(ClusterEdge, _name, _stream_forwarder(_name))
     else:
         setattr(ClusterEdge, _name, _forwarder(_name))

@@ -358,13 +358,22 @@ class NodeRelay:
         return await self.answer(h, getattr(h.actor, method).remote(*args), timeout, method)
 
     async def on_sandbox(
-        self, sandbox_id: str, method: str, *args: Any, timeout: float | None = None, **kw: Any
+        self,
+        sandbox_id: str,
+        method: str,
+        *args: Any,
+        timeout: float | None = None,
+        route_only: bool = False,
+        **kw: Any,
     ) -> Any:
-        """Relay ``method(sandbox_id, *args, **kw)`` to the node the id names."""
+        """Relay ``method(sandbox_id, *args, **kw)`` to the node the id names
+        (``route_only``: ``method(*args, **kw)``, the id only routes: a verb whose request
+        model holds it)."""
         node = node_of_sandbox(sandbox_id)
+        lead = () if route_only else (sandbox_id,)
         try:
             return await self.call(
-                node, method, sandbox_id, *args, timeout=timeout, sandbox_id=sandbox_id, **kw
+                node, method, *lead, *args, timeout=timeout, sandbox_id=sandbox_id, **kw
             )
         except NodeLost as e:
             e.details.setdefault("sandbox_id", sandbox_id)

@@ -21,13 +21,16 @@ Paused sandboxes: any call that needs the sandbox running resumes it transparent
 
 Optional abilities, each a protocol of its own (an edge has them or not; the apiserver checks
 with ``isinstance`` and answers ``unsupported`` / ``capability_not_supported`` otherwise):
-:class:`PauseModes`, :class:`ImageBuilds`, :class:`ImagePublisher`, :class:`InteractiveExec`,
+:class:`ImageBuilds`, :class:`ImagePublisher`, :class:`InteractiveExec`,
 :class:`DisplayEdge`, :class:`MetricsEdge`, :class:`SandboxMigration`,
 :class:`MemoryMigration`, :class:`PortForwarding`, :class:`FileXattrs`,
-:class:`DirectoryWatch`, :class:`CodeRuns`, :class:`SandboxAudits` and :class:`NodeReports`. Every verb is declared here once;
-:func:`edge_verbs`, :data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive from these classes
-what a remote edge (a cluster node) may be asked, which calls route by sandbox id and which
-answer with a stream.
+:class:`DirectoryWatch`, :class:`CodeRuns`, :class:`SandboxAudits` and
+:class:`NodeReports`. Every verb is declared here once; :func:`edge_verbs`,
+:data:`SANDBOX_VERBS` and :data:`STREAM_VERBS` derive from these classes what a remote edge
+(a cluster node) may be asked, which calls route by sandbox id and which answer with a
+stream. The verbs that take one request model and answer one model also have a row in
+:data:`VERBS` (:mod:`dsec.contract.verbs`), which their HTTP route, cluster forwarder and SDK
+call are generated from.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from dsec.contract.streams import (
     PtySize,
     StreamName,
 )
+from dsec.contract.verbs import Verb, VerbTable
 from dsec.models import (
     AuditEntry,
     AuditReport,
@@ -70,13 +74,17 @@ from dsec.models import (
     KeyUsage,
     LayerInfo,
     LogLine,
+    MigrateRequest,
     MigrateResult,
     NodeInfo,
+    PauseRequest,
     PushImageResult,
     RunCodeRequest,
     RunCodeResponse,
     SandboxInfo,
     SandboxMetrics,
+    SandboxRef,
+    SetTTLRequest,
     SnapshotRequest,
 )
 
@@ -88,6 +96,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SANDBOX_VERBS",
     "STREAM_VERBS",
+    "VERBS",
     "CodeRuns",
     "DirectoryWatch",
     "DirectoryWatcher",
@@ -107,7 +116,6 @@ __all__ = [
     "NodeReports",
     "NodeUsage",
     "OutputChunk",
-    "PauseModes",
     "PortForwarding",
     "PortStream",
     "PortTicket",
@@ -141,7 +149,7 @@ class EdgeAPI(Protocol):
         include_stopped: bool = False,
     ) -> list[SandboxInfo]: ...
     async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo: ...
-    async def set_ttl(self, sandbox_id: str, owner: str, ttl_s: float) -> SandboxInfo: ...
+    async def set_ttl(self, req: SetTTLRequest, owner: str) -> SandboxInfo: ...
 
     # --- exec ------------------------------------------------------------
     async def exec(
@@ -222,8 +230,13 @@ class EdgeAPI(Protocol):
     async def download_tar(self, sandbox_id: str, owner: str, path: str) -> bytes: ...
 
     # --- RL lifecycle: pause, snapshots, fork, jobs, trajectory ------------
-    async def pause_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo: ...
-    async def resume_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo: ...
+    async def pause_sandbox(self, req: PauseRequest, owner: str) -> SandboxInfo:
+        """Pause with ``req.mode``: ``auto``/``freeze`` the tier's pause, ``suspend`` memory
+        to a file, ``filesystem`` keep only the files (the sandbox resumes as a fresh boot);
+        a mode the sandbox's tier lacks is ``CapabilityNotSupported``."""
+        ...
+
+    async def resume_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo: ...
     async def snapshot_sandbox(
         self,
         sandbox_id: str,
@@ -234,10 +247,8 @@ class EdgeAPI(Protocol):
         idem_key: str | None = None,
     ) -> LayerInfo: ...
     async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult: ...
-    async def migrate_sandbox(
-        self, sandbox_id: str, owner: str, node: str | None = None
-    ) -> MigrateResult:
-        """Move the sandbox to ``node`` (None: the placer chooses); a single-node edge
+    async def migrate_sandbox(self, req: MigrateRequest, owner: str) -> MigrateResult:
+        """Move the sandbox to ``req.node`` (None: the placer chooses); a single-node edge
         raises ``CapabilityNotSupported``."""
         ...
 
@@ -283,18 +294,6 @@ class EdgeAPI(Protocol):
     async def capabilities(self) -> list[Capabilities]: ...
     def metrics_text(self) -> bytes: ...
     async def stats(self) -> dict[str, Any]: ...
-
-
-@runtime_checkable
-class PauseModes(Protocol):
-    """Optional ability of an edge: ``POST /v1/sandboxes/{id}/pause`` with a body
-    ``{"mode": "freeze"|"suspend"|"filesystem"}`` (``auto``, the default, is ``pause_sandbox``). The
-    apiserver answers ``capability_not_supported`` for an edge without it."""
-
-    async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
-        """Pause with ``mode``: ``freeze`` the tier's pause, ``suspend`` memory to a file,
-        ``filesystem`` keep only the files (the sandbox resumes as a fresh boot)."""
-        ...
 
 
 @runtime_checkable
@@ -480,7 +479,7 @@ class MetricsEdge(Protocol):
     ``SandboxStopped`` for a stopped one, ``CapabilityNotSupported`` for a tier that cannot
     measure (``Capabilities.metrics``)."""
 
-    async def sandbox_metrics(self, sandbox_id: str, owner: str) -> SandboxMetrics:
+    async def sandbox_metrics(self, req: SandboxRef, owner: str) -> SandboxMetrics:
         """One sample: CPU (cumulative seconds and the rate since the previous sample),
         memory, disk, network and process counts."""
         ...
@@ -644,7 +643,6 @@ class NodeReports(Protocol):
 
 _ABILITIES: tuple[type, ...] = (
     EdgeAPI,
-    PauseModes,
     ImageBuilds,
     ImagePublisher,
     InteractiveExec,
@@ -689,8 +687,78 @@ STREAM_VERBS: frozenset[str] = frozenset(
 """The verbs that return an async iterator (a stream of events or lines): a cluster relays
 them as streams (refusals raise from the first item)."""
 
+VERBS = VerbTable(
+    Verb(
+        "set_ttl",
+        SetTTLRequest,
+        SandboxInfo,
+        "POST",
+        "/sandboxes/{sandbox_id}/ttl",
+        EdgeAPI,
+        "Set the idle TTL",
+    ),
+    Verb(
+        "pause_sandbox",
+        PauseRequest,
+        SandboxInfo,
+        "POST",
+        "/sandboxes/{sandbox_id}/pause",
+        EdgeAPI,
+        "Pause: freeze the sandbox and reclaim its memory",
+        "Idempotent. ``last_pause`` in the answer reports memory before and after. Any later "
+        'request to the sandbox resumes it transparently. Optional body ``{"mode": '
+        '"auto"|"freeze"|"suspend"|"filesystem"}``: ``suspend`` (tiers whose capabilities '
+        "say ``suspend``) writes memory and device state to a file and frees the host "
+        "memory; ``filesystem`` (capability ``pause_filesystem``) drops every process and "
+        "keeps the files: the sandbox resumes as a fresh boot. Elsewhere they are a 422 "
+        "``capability_not_supported``.",
+    ),
+    Verb(
+        "resume_sandbox",
+        SandboxRef,
+        SandboxInfo,
+        "POST",
+        "/sandboxes/{sandbox_id}/resume",
+        EdgeAPI,
+        "Resume a paused sandbox (idempotent)",
+    ),
+    Verb(
+        "migrate_sandbox",
+        MigrateRequest,
+        MigrateResult,
+        "POST",
+        "/sandboxes/{sandbox_id}/migrate",
+        EdgeAPI,
+        "Move a sandbox to another node of the cluster",
+        "Cluster mode only (422 ``capability_not_supported`` on a single-node server). VM "
+        "tiers (microvm, vm) move their RAM and device state (``method: memory_snapshot``, "
+        "``processes_carried: true``); other tiers move their writable layer as a "
+        "``pack_diff`` layer and the same spec is recreated (``processes_carried: false``). "
+        "The new sandbox has a new id on the target; the source is killed only once the "
+        "target runs. Unknown or lost target: 404 ``not_found``; full target: 429 "
+        "``quota_exceeded``; nothing half-created.",
+    ),
+    Verb(
+        "sandbox_metrics",
+        SandboxRef,
+        SandboxMetrics,
+        "GET",
+        "/sandboxes/{sandbox_id}/metrics",
+        MetricsEdge,
+        "Resource usage: CPU, memory, disk, network, processes",
+        "One sample, read without resuming a paused sandbox or extending its TTL. "
+        "``cpu.used_cores`` averages over ``interval_s`` (since the previous sample of this "
+        "sandbox, or since its creation). A stopped sandbox is a 409 ``sandbox_stopped``; a "
+        "tier whose capabilities lack ``metrics`` a 422 ``capability_not_supported``.",
+    ),
+)
+"""The verbs that take one request model and answer one model (:mod:`dsec.contract.verbs`):
+their routes, cluster forwarders and SDK transport calls are generated from these rows. A
+row names a method of its ability protocol above, declared with ``(req, owner)``."""
+
 SANDBOX_VERBS: frozenset[str] = frozenset(
     name for proto in _ABILITIES for name, fn in _methods(proto).items() if _routes_by_sandbox(fn)
-)
-"""The verbs whose first argument is a sandbox id: a cluster routes them to the node that the
-id names (``sb-<node>-<random>``)."""
+) | frozenset(v.name for v in VERBS if v.sandbox_scoped)
+"""The verbs about one sandbox: a cluster routes them to the node that the id names
+(``sb-<node>-<random>``): the first argument of a verb outside the table, the request's
+``sandbox_id`` of a table verb."""

@@ -70,7 +70,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dsec.apiserver.departed import unless_departed
-from dsec.contract.edge import EdgeAPI, MetricsEdge, PauseModes
+from dsec.contract.edge import EdgeAPI, MetricsEdge
 from dsec.e2b.access import AccessTokens, TemplateMap
 from dsec.e2b.errors import E2BError, control_status, stream_ended_error
 from dsec.e2b.filesystem import FilesystemService
@@ -85,8 +85,17 @@ from dsec.errors import (
     SandboxStopped,
     ServiceUnavailable,
 )
-from dsec.models import CreateSandboxRequest, ForkRequest, SandboxInfo, SnapshotRequest
+from dsec.models import (
+    CreateSandboxRequest,
+    ForkRequest,
+    PauseRequest,
+    SandboxInfo,
+    SandboxRef,
+    SetTTLRequest,
+    SnapshotRequest,
+)
 from dsec.tiers import tier_has
+from dsec.wire import validated
 
 __all__ = [
     "AUTO_RESUME_LABEL",
@@ -647,7 +656,7 @@ class ControlPlane:
         now = isinstance(value, int | float) and not isinstance(value, bool) and value == 0
         seconds = EXPIRE_NOW_TTL_S if now else self._seconds(body, "timeout")
         await self._live(sandbox_id, owner)
-        await self.edge.set_ttl(sandbox_id, owner, seconds)
+        await self.edge.set_ttl(_ttl(sandbox_id, seconds), owner)
         return Response(status_code=204)
 
     async def refresh(self, request: Request, owner: str) -> Response:
@@ -661,7 +670,7 @@ class ControlPlane:
         info = await self._live(sandbox_id, owner)
         remaining = (self._end_at(info) - datetime.now(UTC)).total_seconds()
         if seconds > remaining:  # a refresh only ever extends the sandbox's end
-            await self.edge.set_ttl(sandbox_id, owner, seconds)
+            await self.edge.set_ttl(_ttl(sandbox_id, seconds), owner)
         return Response(status_code=204)
 
     async def connect(self, request: Request, owner: str) -> Response:
@@ -675,21 +684,25 @@ class ControlPlane:
         if info.state == "paused":
             if body.get("memory") is False:  # on_resume="reboot": boot afresh from its files
                 await self._pause_filesystem(sandbox_id, owner)
-            info = await self.edge.resume_sandbox(sandbox_id, owner)
+            info = await self.edge.resume_sandbox(_ref(sandbox_id), owner)
             status = 201
         if body.get("timeout") is not None:
             seconds = self._seconds(body, "timeout")
             remaining = (self._end_at(info) - datetime.now(UTC)).total_seconds()
             if seconds > remaining:  # E2B only ever extends on connect
-                info = await self.edge.set_ttl(sandbox_id, owner, seconds)
+                info = await self.edge.set_ttl(_ttl(sandbox_id, seconds), owner)
         return JSONResponse(self._created(info, owner), status_code=status)
 
     async def _pause_filesystem(self, sandbox_id: str, owner: str) -> None:
         """E2B's filesystem-only pause (``keep_memory=False``): processes dropped, files
         kept, a fresh boot on resume (edges whose tier has ``pause_filesystem``)."""
-        if not isinstance(self.edge, PauseModes):
-            raise E2BError(422, "this server has no filesystem-only pause (keep_memory=False)")
-        await self.edge.pause_sandbox_mode(sandbox_id, owner, "filesystem")
+        req = validated(PauseRequest, sandbox_id=sandbox_id, mode="filesystem")
+        try:
+            await self.edge.pause_sandbox(req, owner)
+        except CapabilityNotSupported:
+            raise E2BError(
+                422, "this server has no filesystem-only pause (keep_memory=False)"
+            ) from None
 
     async def pause(self, request: Request, owner: str) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
@@ -702,7 +715,7 @@ class ControlPlane:
         if body.get("memory") is False:
             await self._pause_filesystem(sandbox_id, owner)
         else:
-            await self.edge.pause_sandbox(sandbox_id, owner)
+            await self.edge.pause_sandbox(validated(PauseRequest, sandbox_id=sandbox_id), owner)
         # as E2B: pausing cuts the sandbox's open process streams (the SDK raises instead of
         # waiting forever); the processes resume with the sandbox and can be re-attached
         self.registry.end_streams(sandbox_id, paused_error(sandbox_id))
@@ -717,9 +730,9 @@ class ControlPlane:
         info = await self._live(sandbox_id, owner)
         if info.state != "paused":
             return _error(409, f"sandbox {sandbox_id} is already running")
-        info = await self.edge.resume_sandbox(sandbox_id, owner)
+        info = await self.edge.resume_sandbox(_ref(sandbox_id), owner)
         if body.get("timeout") is not None:
-            info = await self.edge.set_ttl(sandbox_id, owner, self._seconds(body, "timeout"))
+            info = await self.edge.set_ttl(_ttl(sandbox_id, self._seconds(body, "timeout")), owner)
         return JSONResponse(self._created(info, owner), status_code=201)
 
     async def snapshot(self, request: Request, owner: str) -> Response:
@@ -763,7 +776,9 @@ class ControlPlane:
         out: list[dict[str, Any]] = []
         for child in result.sandboxes:
             if body.get("timeout") is not None:
-                child = await self.edge.set_ttl(child.id, owner, self._seconds(body, "timeout"))
+                child = await self.edge.set_ttl(
+                    _ttl(child.id, self._seconds(body, "timeout")), owner
+                )
             out.append({"sandbox": self._created(child, owner)})
         return JSONResponse(out, status_code=201)
 
@@ -791,7 +806,7 @@ class ControlPlane:
             await self._live(sandbox_id, owner)
             raise E2BError(422, "this dsec server cannot measure sandboxes")
         try:
-            m = await self.edge.sandbox_metrics(sandbox_id, owner)
+            m = await self.edge.sandbox_metrics(_ref(sandbox_id), owner)
         except SandboxStopped:
             raise E2BError(404, f"sandbox {sandbox_id} not found") from None
         return {
@@ -967,3 +982,12 @@ class ControlPlane:
         except ImageNotFound:
             return _error(404, f"snapshot {name!r} not found")
         return Response(status_code=204)
+
+
+def _ref(sandbox_id: str) -> SandboxRef:
+    """The request of a verb about ``sandbox_id`` (a malformed id: ``InvalidRequest``)."""
+    return validated(SandboxRef, sandbox_id=sandbox_id)
+
+
+def _ttl(sandbox_id: str, seconds: float) -> SetTTLRequest:
+    return validated(SetTTLRequest, sandbox_id=sandbox_id, ttl_s=seconds)

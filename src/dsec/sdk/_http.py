@@ -19,10 +19,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+from pydantic import BaseModel
 
 from dsec.config import DEFAULT_HOME, DEFAULT_URL
+from dsec.contract.verbs import Envelope, Verb
 from dsec.errors import DsecError, SandboxTimeout, ServiceUnavailable, error_from_wire
 from dsec.version import __version__
+from dsec.wire import ANSWER
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
@@ -201,6 +204,35 @@ class HttpClient:
             return response
         raise error_from_wire(response.status_code, _error_body(response))
 
+    async def call(
+        self,
+        verb: Verb,
+        req: BaseModel,
+        *,
+        envelope: Envelope | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Send a verb of the table (:mod:`dsec.contract.verbs`) and return its answer
+        model: the request's path parameters in the URL, its other fields in the query
+        (``GET``) or the JSON body, a sequenced verb's envelope in its headers."""
+        data = verb.wire(req)
+        headers: dict[str, str] = {}
+        if envelope is not None:
+            if envelope.seq is not None:
+                headers[SEQ_HEADER] = str(envelope.seq)
+            if envelope.idem_key is not None:
+                headers[IDEMPOTENCY_HEADER] = envelope.idem_key
+        get = verb.method == "GET"
+        response = await self.request(
+            verb.method,
+            verb.url(req),
+            params={k: _query_value(v) for k, v in data.items() if v is not None} if get else None,
+            json=None if get or not data else data,
+            headers=headers or None,
+            timeout=timeout,
+        )
+        return verb.read_answer(response.json(), ANSWER)
+
     @asynccontextmanager
     async def stream(
         self,
@@ -249,3 +281,11 @@ def _ssl_context() -> Any:
 
         _SSL_CONTEXT = ssl.create_default_context()
     return _SSL_CONTEXT
+
+
+def _query_value(value: Any) -> Any:
+    """A JSON value as a query parameter (booleans as ``true``/``false``, as FastAPI reads
+    them; lists repeat the parameter)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value

@@ -38,7 +38,7 @@ from dsec.models import (
 )
 from dsec.sdk._http import DEFAULT_TIMEOUT_S, HttpClient
 from dsec.sdk._tar import build_context
-from dsec.wire import ANSWER
+from dsec.wire import ANSWER, validated
 
 if TYPE_CHECKING:
     from dsec.sdk.jobs import AsyncJobs
@@ -156,7 +156,7 @@ class AsyncClient:
                 only; ``PermissionDenied`` otherwise).
             timeout: how long to wait, seconds.
         """
-        req = _validated(BuildImageRequest, name=name, kind=kind, base=base, system=system)
+        req = validated(BuildImageRequest, name=name, kind=kind, base=base, system=system)
         context = await asyncio.to_thread(build_context, Path(path))
         params = {k: v for k, v in req.model_dump(mode="json").items() if v is not None}
         r = await self._http.request(
@@ -250,7 +250,7 @@ class AsyncClient:
             system: store it as a system image (operator only).
             timeout: how long to wait, seconds.
         """
-        req = _validated(PullImageRequest, ref=ref, name=name, lazy=lazy, system=system)
+        req = validated(PullImageRequest, ref=ref, name=name, lazy=lazy, system=system)
         r = await self._http.request(
             "POST", "/v1/images/pull", json=req.model_dump(mode="json"), timeout=timeout
         )
@@ -269,7 +269,7 @@ class AsyncClient:
         Returns:
             The pushed manifest's digest, with the image and target.
         """
-        req = _validated(PushImageRequest, target=target)
+        req = validated(PushImageRequest, target=target)
         r = await self._http.request(
             "POST",
             f"/v1/images/{quote(name, safe=':')}/push",
@@ -372,20 +372,3 @@ class AsyncClient:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
-
-
-def _validated(model: Any, **fields: Any) -> Any:
-    """Build a request model client-side, turning pydantic errors into ``InvalidRequest``."""
-    from pydantic import ValidationError
-
-    from dsec.errors import InvalidRequest
-
-    try:
-        return model(**fields)
-    except ValidationError as exc:
-        errors = [
-            {"loc": [str(p) for p in e["loc"]], "msg": e["msg"], "type": e["type"]}
-            for e in exc.errors()
-        ]
-        first = errors[0]
-        raise InvalidRequest(f"{'.'.join(first['loc'])}: {first['msg']}", errors=errors) from None

@@ -67,6 +67,7 @@ import httpx
 from pydantic import TypeAdapter
 
 from dsec.canonical import canonical_digest  # the edge's request digest, to match it
+from dsec.contract.edge import VERBS
 from dsec.errors import (
     CreationRateExceeded,
     DsecError,
@@ -105,13 +106,15 @@ from dsec.models import (
     PortAccess,
     SandboxInfo,
     SandboxMetrics,
+    SandboxRef,
+    SetTTLRequest,
     SnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
 from dsec.sdk._http import IDEMPOTENCY_HEADER, SEQ_HEADER, not_delivered
 from dsec.sdk._tar import tar_directory
-from dsec.sdk.client import AsyncClient, _validated
-from dsec.wire import ANSWER
+from dsec.sdk.client import AsyncClient
+from dsec.wire import ANSWER, validated
 
 if TYPE_CHECKING:
     from dsec.sdk.display import AsyncDisplay
@@ -211,7 +214,7 @@ class AsyncCommands:
             fields["stdin_b64"] = base64.b64encode(stdin).decode()
         else:
             fields["stdin"] = stdin
-        req: ExecRequest = _validated(ExecRequest, **fields)
+        req: ExecRequest = validated(ExecRequest, **fields)
         return req
 
     async def run(
@@ -656,7 +659,7 @@ class AsyncSandbox:
                 fields.pop(name, None)
         if fields.get("network") is not None:
             fields["network"] = _policy(fields["network"])
-        req: CreateSandboxRequest = _validated(CreateSandboxRequest, **fields)
+        req: CreateSandboxRequest = validated(CreateSandboxRequest, **fields)
         return req
 
     @classmethod
@@ -687,7 +690,7 @@ class AsyncSandbox:
             an :class:`AsyncSandboxBatch` (``async with`` kills them all on exit).
         """
         req = cls._request(**sandbox)
-        body = _validated(
+        body = validated(
             BatchCreateRequest, n=n, sandbox=req, all_or_nothing=all_or_nothing
         ).model_dump(mode="json")
         conn, owned = cls._client_for(client, url, api_key, transport)
@@ -749,7 +752,7 @@ class AsyncSandbox:
         job = sandbox.pop("job", None) or f"grp-{secrets.token_hex(6)}"
         # every argument checked before anything is made
         cls._request(job=job, **sandbox)
-        fork = _validated(ForkRequest, n=n, method=method, parent="pause")
+        fork = validated(ForkRequest, n=n, method=method, parent="pause")
         conn, owned = cls._client_for(client, url, api_key, transport)
         try:
             parent = await cls.create(job=job, client=conn, timeout=timeout, **sandbox)
@@ -1010,8 +1013,8 @@ class AsyncSandbox:
 
     async def set_ttl(self, ttl_s: float) -> SandboxInfo:
         """Kill the sandbox after ``ttl_s`` idle seconds from now."""
-        r = await self._client._http.request("POST", self._path("/ttl"), json={"ttl_s": ttl_s})
-        self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
+        req = validated(SetTTLRequest, sandbox_id=self.id, ttl_s=ttl_s)
+        self._info = await self._client._http.call(VERBS["set_ttl"], req)
         return self._info
 
     async def pause(self, mode: str = "auto") -> SandboxInfo:
@@ -1027,16 +1030,14 @@ class AsyncSandbox:
                 its host memory is freed (tiers whose capabilities say ``suspend``, else
                 ``CapabilityNotSupported``).
         """
-        req = _validated(PauseRequest, mode=mode)
-        body = None if req.mode == "auto" else req.model_dump(mode="json")
-        r = await self._client._http.request("POST", self._path("/pause"), json=body)
-        self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
+        req = validated(PauseRequest, sandbox_id=self.id, mode=mode)
+        self._info = await self._client._http.call(VERBS["pause_sandbox"], req)
         return self._info
 
     async def resume(self) -> SandboxInfo:
         """Resume a paused sandbox (idempotent; a running one is left as is)."""
-        r = await self._client._http.request("POST", self._path("/resume"))
-        self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
+        req = validated(SandboxRef, sandbox_id=self.id)
+        self._info = await self._client._http.call(VERBS["resume_sandbox"], req)
         return self._info
 
     async def snapshot(
@@ -1062,7 +1063,7 @@ class AsyncSandbox:
 
         A state-changing call: it is sequenced and recorded in the trajectory log.
         """
-        req = _validated(
+        req = validated(
             SnapshotRequest,
             name=name,
             scrub=scrub or [],
@@ -1113,7 +1114,7 @@ class AsyncSandbox:
                 restarted so at once.
             timeout: how long to wait for the snapshot and every creation, seconds.
         """
-        req = _validated(
+        req = validated(
             ForkRequest,
             n=n,
             labels=labels or {},
@@ -1149,11 +1150,10 @@ class AsyncSandbox:
         unknown node, ``QuotaExceeded`` when the target is full (the sandbox stays where it
         was). ``timeout``: how long to wait, seconds.
         """
-        req = _validated(MigrateRequest, node=node)
-        r = await self._client._http.request(
-            "POST", self._path("/migrate"), json=req.model_dump(mode="json"), timeout=timeout
+        req = validated(MigrateRequest, sandbox_id=self.id, node=node)
+        result: MigrateResult = await self._client._http.call(
+            VERBS["migrate_sandbox"], req, timeout=timeout
         )
-        result = MigrateResult.model_validate(r.json(), context=ANSWER)
         self._info = result.sandbox
         self._next_seq = result.sandbox.next_seq or 1
         self._free_seqs = []
@@ -1192,8 +1192,9 @@ class AsyncSandbox:
         and limit, bytes), disk (its writable layer, bytes), network (bytes and packets; None
         without a network) and processes. Reading it neither resumes a paused sandbox nor
         extends its TTL. ``CapabilityNotSupported`` on a tier that cannot measure."""
-        r = await self._client._http.request("GET", self._path("/metrics"))
-        return SandboxMetrics.model_validate(r.json(), context=ANSWER)
+        req = validated(SandboxRef, sandbox_id=self.id)
+        metrics: SandboxMetrics = await self._client._http.call(VERBS["sandbox_metrics"], req)
+        return metrics
 
     async def audit(self, *, after: int = 0) -> AuditReport:
         """The refusals the platform made on this sandbox's behalf: its evidence of cheating

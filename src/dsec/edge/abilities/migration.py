@@ -10,7 +10,13 @@ from typing import Any
 from dsec.contract.runtime import Handle, MemoryStateful, SandboxSpec, capabilities_of
 from dsec.edge.abilities.forks import ForkVerbs
 from dsec.errors import CapabilityNotSupported, DsecError, InvalidRequest, SandboxError
-from dsec.models import CreateSandboxRequest, MigrateResult, SandboxInfo, SnapshotRequest
+from dsec.models import (
+    CreateSandboxRequest,
+    MigrateRequest,
+    MigrateResult,
+    SandboxInfo,
+    SnapshotRequest,
+)
 
 log = logging.getLogger("dsec.edge")
 
@@ -178,12 +184,10 @@ class MigrationVerbs(ForkVerbs):
 
         return await self.create_sandbox(req, owner, maker=resume_here)
 
-    async def migrate_sandbox(
-        self, sandbox_id: str, owner: str, node: str | None = None
-    ) -> MigrateResult:
+    async def migrate_sandbox(self, req: MigrateRequest, owner: str) -> MigrateResult:
         """Migration moves a sandbox between nodes: only a cluster (``dsec serve
         --cluster``) has another node. Raises ``CapabilityNotSupported`` here."""
-        self._lookup_row(sandbox_id, owner)
+        self._lookup_row(req.sandbox_id, owner)
         raise CapabilityNotSupported(
             "migration needs cluster mode (dsec serve --cluster): this server has one node",
             node=self.node,

@@ -23,6 +23,7 @@ from dsec.models import (
     MemoryMetrics,
     NetworkMetrics,
     SandboxMetrics,
+    SandboxRef,
 )
 
 log = logging.getLogger("dsec.edge")
@@ -32,9 +33,10 @@ class ObserveVerbs(EdgeCore):
     """What a sandbox did: metrics, trajectory export, audit, logs."""
 
     # ------------------------------------------------------------------ metrics
-    async def sandbox_metrics(self, sandbox_id: str, owner: str) -> SandboxMetrics:
+    async def sandbox_metrics(self, req: SandboxRef, owner: str) -> SandboxMetrics:
         """:class:`dsec.contract.edge.MetricsEdge`: one usage sample of a live sandbox, read
         without resuming it or touching its TTL (see :class:`dsec.contract.runtime.Measurable`)."""
+        sandbox_id = req.sandbox_id
         row = self._lookup_row(sandbox_id, owner)
         lv = self._live.get(sandbox_id)
         if lv is None or lv.row.state not in ("running", "paused"):

@@ -10,7 +10,7 @@ from typing import Any
 from dsec.contract.runtime import FilesystemPause, MemoryStateful, Pausable, UpperForkable
 from dsec.edge.core import EdgeCore, LiveSandbox
 from dsec.errors import CapabilityNotSupported, DsecError
-from dsec.models import CreateSandboxRequest, PauseReport, SandboxInfo
+from dsec.models import CreateSandboxRequest, PauseReport, PauseRequest, SandboxInfo, SandboxRef
 
 log = logging.getLogger("dsec.edge")
 
@@ -109,18 +109,15 @@ class PauseVerbs(EdgeCore):
             await self._destroy(lv, f"restart after a fork failed: {e}"[:500])
             raise
 
-    async def pause_sandbox(self, sandbox_id: str, owner: str, mode: str = "auto") -> SandboxInfo:
-        lv = self._live_for(sandbox_id, owner)
-        await self._pause(lv, mode)
+    async def pause_sandbox(self, req: PauseRequest, owner: str) -> SandboxInfo:
+        """Pause with ``auto``/``freeze``/``suspend``/``filesystem`` (a mode the tier lacks:
+        ``CapabilityNotSupported``)."""
+        lv = self._live_for(req.sandbox_id, owner)
+        await self._pause(lv, req.mode)
         return self._info(lv.row)
 
-    async def pause_sandbox_mode(self, sandbox_id: str, owner: str, mode: str) -> SandboxInfo:
-        """:class:`dsec.contract.edge.PauseModes`: pause with ``auto``/``freeze``/``suspend``/
-        ``filesystem``."""
-        return await self.pause_sandbox(sandbox_id, owner, mode)
-
-    async def resume_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        lv = self._live_for(sandbox_id, owner)
+    async def resume_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
+        lv = self._live_for(req.sandbox_id, owner)
         await self._resume(lv)
         return self._info(lv.row)
 

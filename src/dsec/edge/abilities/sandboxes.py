@@ -33,7 +33,10 @@ from dsec.models import (
     JobActionResult,
     JobOutcome,
     LayerInfo,
+    PauseRequest,
     SandboxInfo,
+    SandboxRef,
+    SetTTLRequest,
 )
 
 log = logging.getLogger("dsec.edge")
@@ -243,18 +246,10 @@ class SandboxVerbs(PauseVerbs):
             info.audit = self.audit.recorder.summary(sandbox_id, row.tier, row.job)
         return info
 
-    async def set_ttl(self, sandbox_id: str, owner: str, ttl_s: float) -> SandboxInfo:
-        """Set the idle timeout to ``ttl_s`` seconds from now; ``InvalidRequest`` unless
-        0 < ``ttl_s`` <= 30 days (the bound ``CreateSandboxRequest`` has)."""
-        max_ttl_s = 30 * 24 * 3600
-        if (
-            isinstance(ttl_s, bool)
-            or not isinstance(ttl_s, int | float)
-            or not 0 < ttl_s <= max_ttl_s
-        ):
-            raise InvalidRequest(
-                f"ttl_s={ttl_s!r} must be > 0 and <= {max_ttl_s} seconds (30 days)"
-            )
+    async def set_ttl(self, req: SetTTLRequest, owner: str) -> SandboxInfo:
+        """Set the idle timeout to ``req.ttl_s`` seconds from now (the request model bounds
+        it: 0 < ``ttl_s`` <= 30 days, as ``CreateSandboxRequest`` does)."""
+        sandbox_id, ttl_s = req.sandbox_id, req.ttl_s
         lv = self._live_for(sandbox_id, owner)
         self.registry.set_ttl(sandbox_id, ttl_s)
         lv.row.ttl_s = ttl_s
@@ -263,9 +258,9 @@ class SandboxVerbs(PauseVerbs):
 
     async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult:
         rows = self.registry.select(owner=owner, states=("creating", "running", "paused"), job=job)
-        fns = {
-            "pause": self.pause_sandbox,
-            "resume": self.resume_sandbox,
+        fns: dict[str, Callable[[str, str], Awaitable[SandboxInfo]]] = {
+            "pause": lambda sid, owner: self.pause_sandbox(PauseRequest(sandbox_id=sid), owner),
+            "resume": lambda sid, owner: self.resume_sandbox(SandboxRef(sandbox_id=sid), owner),
             "kill": self.kill_sandbox,
         }
         if action not in fns:

@@ -1,0 +1,140 @@
+"""The routes of the verb table (:data:`dsec.contract.edge.VERBS`), generated: one per row.
+
+Each route parses its path parameters and its query (``GET``) or JSON body (other methods)
+into the verb's request model once (a malformed request: 400 before the edge), reads the
+trajectory headers of a ``sequenced`` verb into an :class:`~dsec.contract.verbs.Envelope`,
+checks that the edge has the verb's ability (422 ``capability_not_supported`` otherwise;
+for a sandbox verb only after the sandbox was found, so another key's is ``not_found``), and
+answers the edge's answer model. The OpenAPI schema documents each as a hand-written route
+would: summary, description, parameters, body schema, answer schema, errors.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, Path, Query
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError, create_model
+
+from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, current_owner
+from dsec.apiserver.schemas import SANDBOX_ID_PATTERN
+from dsec.contract.edge import VERBS, EdgeAPI
+from dsec.contract.verbs import NO_ENVELOPE, Envelope, Verb
+from dsec.errors import CapabilityNotSupported
+from dsec.models import SandboxRef
+from dsec.wire import WireModel
+
+__all__ = ["router"]
+
+router = APIRouter(dependencies=[Depends(current_owner)], responses=ERROR_RESPONSES)
+
+_PATH_PARAMS: dict[str, Any] = {
+    "sandbox_id": Path(pattern=SANDBOX_ID_PATTERN, description="sb-<node>-<random>"),
+}
+"""How each path parameter a verb may name is checked (a new one is added here)."""
+
+
+def _body_model(verb: Verb) -> type[BaseModel]:
+    """The request model without its path parameters: what the JSON body holds (strict as
+    every request: an unknown field is refused). The request model's own validators run
+    when the route builds the request from it."""
+    fields: dict[str, Any] = {
+        name: (f.annotation, f)
+        for name, f in verb.request.model_fields.items()
+        if name in verb.body_fields
+    }
+    model: type[BaseModel] = create_model(
+        f"{verb.request.__name__}Body", __base__=WireModel, __doc__=verb.request.__doc__, **fields
+    )
+    return model
+
+
+def _parameters(verb: Verb) -> list[inspect.Parameter]:
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [
+        inspect.Parameter(name, kw, annotation=Annotated[str, _PATH_PARAMS[name]])
+        for name in verb.path_params
+    ]
+    if verb.method == "GET":
+        for name in verb.body_fields:
+            f = verb.request.model_fields[name]
+            default = (
+                inspect.Parameter.empty
+                if f.is_required()
+                else f.get_default(call_default_factory=True)
+            )
+            params.append(
+                inspect.Parameter(
+                    name,
+                    kw,
+                    annotation=Annotated[f.annotation, Query(description=f.description)],
+                    default=default,
+                )
+            )
+    elif verb.body_fields:
+        body = _body_model(verb)
+        optional = all(not verb.request.model_fields[n].is_required() for n in verb.body_fields)
+        params.append(
+            inspect.Parameter(
+                "body",
+                kw,
+                annotation=Annotated[body | None if optional else body, Body()],
+                default=None if optional else inspect.Parameter.empty,
+            )
+        )
+    params.append(inspect.Parameter("edge", kw, annotation=Edge))
+    params.append(inspect.Parameter("owner", kw, annotation=Owner))
+    if verb.sequenced:
+        params.append(inspect.Parameter("seq", kw, annotation=Seq))
+    return params
+
+
+def _parse(verb: Verb, values: dict[str, Any]) -> BaseModel:
+    body = values.pop("body", None)
+    data = {n: values[n] for n in verb.path_params}
+    if verb.method == "GET":
+        data.update({n: values[n] for n in verb.body_fields})
+    elif isinstance(body, BaseModel):
+        data.update(body.model_dump(exclude_unset=True))
+    try:
+        return verb.request.model_validate(data)
+    except ValidationError as e:  # what the request model's own validators refuse: a 400
+        raise RequestValidationError(e.errors()) from None
+
+
+def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
+    async def endpoint(**values: Any) -> Any:
+        edge: EdgeAPI = values.pop("edge")
+        owner: str = values.pop("owner")
+        seq: Envelope | None = values.pop("seq", None)
+        req = _parse(verb, values)
+        if not isinstance(edge, verb.ability):
+            if isinstance(req, SandboxRef):
+                await edge.get_sandbox(req.sandbox_id, owner)  # another key's: not found
+            raise CapabilityNotSupported(f"this server's edge cannot {verb.name}")
+        call = getattr(edge, verb.name)
+        if verb.sequenced:
+            return await call(req, owner, seq or NO_ENVELOPE)
+        return await call(req, owner)
+
+    endpoint.__name__ = endpoint.__qualname__ = verb.name
+    endpoint.__doc__ = verb.description or None
+    endpoint.__signature__ = inspect.Signature(_parameters(verb))  # type: ignore[attr-defined]
+    return endpoint
+
+
+for _verb in VERBS:
+    router.add_api_route(
+        "/v1" + _verb.path,
+        _endpoint(_verb),
+        methods=[_verb.method],
+        status_code=_verb.status,
+        response_model=_verb.answer,
+        summary=_verb.summary,
+        description=_verb.description or None,
+        tags=[_verb.tag],
+        name=_verb.name,
+    )

@@ -1,0 +1,136 @@
+"""A verb of the edge, declared once: what the HTTP route, the cluster forwarder and the
+SDK's transport call are generated from.
+
+A table verb takes one request model and returns one answer model::
+
+    async def set_ttl(self, req: SetTTLRequest, owner: str) -> SandboxInfo
+
+and its :class:`Verb` row (in :data:`dsec.contract.edge.VERBS`) says the rest: the HTTP
+method and path, the status of a success, the ability protocol that declares it, and, by
+the request model's base, whether it is **sandbox-scoped** (:class:`~dsec.models.SandboxRef`:
+``sandbox_id`` is a path parameter, a cluster routes the call to the node the id names) or
+**node-wide**. From a row:
+
+* the apiserver mounts the route (:mod:`dsec.apiserver.verbs`): path parameters and, for a
+  ``GET``, query parameters or, otherwise, a JSON body, parsed into the request model once
+  (a malformed one is a 400 before the edge); an edge without the ability answers 422
+  ``capability_not_supported`` (a sandbox-scoped verb checks the sandbox first: another
+  key's is ``not_found``, as everywhere);
+* a cluster relays the call to the sandbox's node (:mod:`dsec.cluster.edge`);
+* the SDK sends it (:meth:`dsec.sdk._http.HttpClient.call`) and reads the answer model.
+
+A verb that changes the sandbox's trajectory (``sequenced``) also takes the request's
+:class:`Envelope`: the ``X-Dsec-Seq`` and ``Idempotency-Key`` headers, parsed once.
+
+Verbs whose request or answer is not one JSON document (raw uploads and downloads, streams
+of events, TCP connections) keep routes of their own; they are declared on the ability
+protocols all the same.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, TypeAdapter
+
+from dsec.models import SandboxRef
+
+__all__ = ["NO_ENVELOPE", "Envelope", "HttpMethod", "Verb", "VerbTable"]
+
+HttpMethod = Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The trajectory headers of one state-changing call (both optional; see
+    :mod:`dsec.contract.edge` on the trajectory log)."""
+
+    seq: int | None = None
+    idem_key: str | None = None
+
+
+NO_ENVELOPE = Envelope()
+
+_PATH_PARAM = re.compile(r"\{([a-z_]+)\}")
+
+
+@dataclass(frozen=True)
+class Verb:
+    """One row of the verb table. ``path`` is under ``/v1``; its ``{name}`` parameters are
+    fields of ``request``. ``ability``: the protocol that declares the method (``EdgeAPI``
+    for the verbs every edge has)."""
+
+    name: str
+    request: type[BaseModel]
+    answer: Any
+    method: HttpMethod
+    path: str
+    ability: type
+    summary: str
+    description: str = ""
+    status: int = 200
+    sequenced: bool = False
+    tag: str = "sandboxes"
+    _answers: TypeAdapter[Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.path_params) - set(self.request.model_fields)
+        if unknown:
+            raise ValueError(f"verb {self.name}: path parameters {unknown} not in the request")
+        if self.sandbox_scoped and "sandbox_id" not in self.path_params:
+            raise ValueError(f"verb {self.name}: a sandbox verb's path names {{sandbox_id}}")
+        object.__setattr__(self, "_answers", TypeAdapter(self.answer))
+
+    @property
+    def sandbox_scoped(self) -> bool:
+        """Whether the call concerns one sandbox (routed by its id)."""
+        return issubclass(self.request, SandboxRef)
+
+    @property
+    def path_params(self) -> tuple[str, ...]:
+        return tuple(_PATH_PARAM.findall(self.path))
+
+    @property
+    def body_fields(self) -> tuple[str, ...]:
+        """The request's fields that travel in the query (``GET``) or the JSON body."""
+        params = set(self.path_params)
+        return tuple(f for f in self.request.model_fields if f not in params)
+
+    def url(self, req: BaseModel) -> str:
+        """The request's path, under ``/v1``."""
+        values = {p: str(getattr(req, p)) for p in self.path_params}
+        return "/v1" + self.path.format(**values)
+
+    def wire(self, req: BaseModel) -> dict[str, Any]:
+        """The request's query or body fields, as JSON values (unset defaults left out:
+        the server's defaults apply)."""
+        return req.model_dump(mode="json", include=set(self.body_fields), exclude_unset=True)
+
+    def read_answer(self, data: Any, context: dict[str, Any] | None = None) -> Any:
+        """The answer model of a JSON answer."""
+        return self._answers.validate_python(data, context=context)
+
+
+class VerbTable:
+    """The verb rows by name (each name once)."""
+
+    def __init__(self, *verbs: Verb) -> None:
+        self._verbs: dict[str, Verb] = {}
+        for v in verbs:
+            if v.name in self._verbs:
+                raise ValueError(f"verb {v.name} declared twice")
+            self._verbs[v.name] = v
+
+    def __getitem__(self, name: str) -> Verb:
+        return self._verbs[name]
+
+    def __iter__(self) -> Any:
+        return iter(self._verbs.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._verbs
+
+    def names(self) -> frozenset[str]:
+        return frozenset(self._verbs)

@@ -1,0 +1,197 @@
+"""The verb table (:data:`dsec.contract.edge.VERBS`): each row agrees with the method its
+ability protocol declares, and the route, the cluster forwarder and the SDK call generated
+from it behave as a hand-written route did (strict requests, 400 before the edge, another
+key's sandbox not found, 422 for an edge without the ability)."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import BaseModel
+
+from dsec.apiserver.app import create_app
+from dsec.apiserver.auth import StaticKeys, owner_id
+from dsec.contract.edge import SANDBOX_VERBS, VERBS, EdgeAPI, MetricsEdge
+from dsec.contract.verbs import Envelope, Verb, VerbTable
+from dsec.models import PauseRequest, SandboxInfo, SandboxRef, SetTTLRequest
+from dsec.sdk import AsyncSandbox
+from dsec.testing import FakeEdge
+
+KEY, OTHER = "dsec_verbs_key_a", "dsec_verbs_key_b"
+
+
+def test_every_row_is_the_method_its_ability_declares() -> None:
+    assert len(list(VERBS)) >= 5
+    for verb in VERBS:
+        fn = vars(verb.ability).get(verb.name)
+        assert fn is not None, f"{verb.name} is not declared on {verb.ability.__name__}"
+        hints = typing.get_type_hints(fn)
+        params = list(inspect.signature(fn).parameters)
+        want = ["self", "req", "owner", "env"] if verb.sequenced else ["self", "req", "owner"]
+        assert params == want, (verb.name, params)
+        assert hints["req"] is verb.request, verb.name
+        assert hints["return"] == verb.answer, verb.name
+        if verb.sequenced:
+            assert hints["env"] is Envelope
+        assert verb.path.startswith("/") and not verb.path.startswith("/v1")
+        assert (verb.name in SANDBOX_VERBS) == verb.sandbox_scoped
+
+
+def test_a_row_is_checked_when_it_is_written() -> None:
+    class Lost(BaseModel):
+        job: str
+
+    with pytest.raises(ValueError, match="not in the request"):
+        Verb("x", Lost, SandboxInfo, "GET", "/jobs/{name}", EdgeAPI, "x")
+    with pytest.raises(ValueError, match="sandbox_id"):
+        Verb("x", SandboxRef, SandboxInfo, "GET", "/sandboxes/all", EdgeAPI, "x")
+    row = Verb("x", SandboxRef, SandboxInfo, "GET", "/sandboxes/{sandbox_id}/x", EdgeAPI, "x")
+    with pytest.raises(ValueError, match="twice"):
+        VerbTable(row, row)
+
+
+def test_the_wire_form_of_a_request() -> None:
+    verb = VERBS["pause_sandbox"]
+    req = PauseRequest(sandbox_id="sb-n-1")
+    assert verb.url(req) == "/v1/sandboxes/sb-n-1/pause"
+    assert verb.wire(req) == {}  # the server's default mode applies
+    assert verb.wire(PauseRequest(sandbox_id="sb-n-1", mode="freeze")) == {"mode": "freeze"}
+    answer = {
+        "id": "sb-n-1",
+        "tier": "container",
+        "state": "paused",
+        "image": "busybox",
+        "cpu": 1.0,
+        "memory_mb": 512,
+        "disk_mb": 0,
+        "node": "n",
+        "created_at": "2026-12-07T00:00:00Z",
+        "updated_at": "2026-12-07T00:00:00Z",
+        "a_newer_field": 1,  # a newer server's: an SDK reading the answer drops it
+    }
+    assert verb.read_answer(answer, {"dsec.answer": True}).state == "paused"
+
+
+@pytest.fixture
+def edge() -> FakeEdge:
+    return FakeEdge()
+
+
+def _client(edge: Any, key: str) -> httpx.AsyncClient:
+    app = create_app(edge, StaticKeys([KEY, OTHER]))
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://dsec",
+        headers={"authorization": f"Bearer {key}"},
+    )
+
+
+@pytest.fixture
+async def clients(edge: FakeEdge) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+    async with _client(edge, KEY) as a, _client(edge, OTHER) as b:
+        yield a, b
+
+
+async def _sandbox(client: httpx.AsyncClient) -> str:
+    r = await client.post("/v1/sandboxes", json={"image": "busybox"})
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def _code(r: httpx.Response, status: int) -> str:
+    assert r.status_code == status, r.text
+    return str(r.json()["error"]["code"])
+
+
+async def test_generated_routes_refuse_bad_requests_before_the_edge(
+    clients: tuple[httpx.AsyncClient, httpx.AsyncClient], edge: FakeEdge
+) -> None:
+    a, _ = clients
+    sid = await _sandbox(a)
+    bad = [
+        a.post(f"/v1/sandboxes/{sid}/ttl", json={"ttl_s": 0}),
+        a.post(f"/v1/sandboxes/{sid}/ttl", json={"ttl_s": 5, "sandbox_id": sid}),  # path only
+        a.post(f"/v1/sandboxes/{sid}/ttl", json={"ttl_s": "soon"}),
+        a.post(f"/v1/sandboxes/{sid}/ttl"),  # the body is required
+        a.post(f"/v1/sandboxes/{sid}/pause", json={"mode": "hibernate"}),
+        a.post(f"/v1/sandboxes/{sid}/pause", json={"mode": "freeze", "typo": 1}),
+        a.post("/v1/sandboxes/SB-Upper/resume"),
+        a.post(
+            f"/v1/sandboxes/{sid}/pause",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        ),
+    ]
+    for call in bad:
+        assert _code(await call, 400) == "invalid_request"
+    assert edge.calls_to("set_ttl") == [] and edge.calls_to("pause_sandbox") == []
+
+
+async def test_generated_routes_answer_as_the_edge_does(
+    clients: tuple[httpx.AsyncClient, httpx.AsyncClient], edge: FakeEdge
+) -> None:
+    a, b = clients
+    sid = await _sandbox(a)
+    r = await a.post(f"/v1/sandboxes/{sid}/ttl", json={"ttl_s": 90})
+    assert r.status_code == 200 and r.json()["ttl_s"] == 90
+    assert edge.calls_to("set_ttl")[-1] == {
+        "req": SetTTLRequest(sandbox_id=sid, ttl_s=90),
+        "owner": owner_id(KEY),
+    }
+    r = await a.post(f"/v1/sandboxes/{sid}/pause")  # no body: the default mode
+    assert r.status_code == 200 and r.json()["state"] == "paused"
+    assert edge.calls_to("pause_sandbox")[-1]["req"] == PauseRequest(sandbox_id=sid)
+    assert (await a.post(f"/v1/sandboxes/{sid}/resume")).json()["state"] == "running"
+    # another key: not found, on every table verb about a sandbox
+    for verb in VERBS:
+        if not verb.sandbox_scoped:
+            continue
+        body = {"ttl_s": 5} if verb.name == "set_ttl" else None
+        path = "/v1" + verb.path.format(sandbox_id=sid)
+        r = await b.request(verb.method, path, json=body)
+        assert _code(r, 404) == "sandbox_not_found", verb.name
+    # a single node cannot migrate: 422, after the sandbox was found
+    r = await a.post(f"/v1/sandboxes/{sid}/migrate", json={})
+    assert _code(r, 422) == "capability_not_supported"
+
+
+class _NoMetrics:
+    """An edge without the MetricsEdge ability: every EdgeAPI method of a real edge, and
+    nothing else (the route must check the ability, not assume it)."""
+
+    def __init__(self, inner: FakeEdge) -> None:
+        for name in vars(EdgeAPI):
+            if not name.startswith("_") and callable(getattr(inner, name, None)):
+                setattr(self, name, getattr(inner, name))
+
+
+async def test_an_edge_without_the_ability_answers_422_after_the_sandbox_is_found(
+    edge: FakeEdge,
+) -> None:
+    bare = _NoMetrics(edge)
+    assert isinstance(bare, EdgeAPI) and not isinstance(bare, MetricsEdge)
+    async with _client(bare, KEY) as a, _client(bare, OTHER) as b:
+        sid = await _sandbox(a)
+        assert _code(await a.get(f"/v1/sandboxes/{sid}/metrics"), 422) == (
+            "capability_not_supported"
+        )
+        assert _code(await b.get(f"/v1/sandboxes/{sid}/metrics"), 404) == "sandbox_not_found"
+
+
+async def test_the_sdk_sends_table_verbs_through_its_transport(edge: FakeEdge) -> None:
+    app = create_app(edge, StaticKeys([KEY]))
+    transport = httpx.ASGITransport(app=app)
+    async with await AsyncSandbox.create(
+        image="busybox", api_key=KEY, url="http://dsec", transport=transport
+    ) as sb:
+        assert (await sb.set_ttl(120)).ttl_s == 120
+        assert (await sb.pause()).state == "paused"
+        assert (await sb.resume()).state == "running"
+        assert (await sb.metrics()).sandbox_id == sb.id
+    calls = [name for name, _ in edge.calls if name in VERBS]
+    assert calls == ["set_ttl", "pause_sandbox", "resume_sandbox", "sandbox_metrics"]
