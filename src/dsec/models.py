@@ -49,6 +49,15 @@ OnTimeout = Literal["kill", "pause"]
 TimeoutPause = Literal["auto", "filesystem"]
 JobAction = Literal["pause", "resume", "kill"]
 
+JobId = Annotated[
+    str,
+    Field(
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$",
+        description="the job id given at creation",
+    ),
+]
+
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$")
@@ -437,7 +446,11 @@ MAX_FORK = 256
 """Most sandboxes one fork may make."""
 
 
-class ForkRequest(_Model):
+class SandboxSnapshotRequest(SnapshotRequest, SandboxRef):
+    """``POST /v1/sandboxes/{id}/snapshot``: :class:`SnapshotRequest` of one sandbox."""
+
+
+class ForkRequest(SandboxRef):
     """Make ``n`` new sandboxes from this one's files (same limits, plus overrides).
 
     How (``method``): ``shared`` freezes this sandbox's writable layer and stacks every new
@@ -519,6 +532,13 @@ class JobOutcome(_Model):
     ok: bool
     state: str | None = None
     error: dict[str, Any] | None = None
+
+
+class JobActionRequest(_Model):
+    """``POST /v1/jobs/{job}/{action}``: pause, resume or kill every sandbox of a job."""
+
+    job: JobId
+    action: JobAction
 
 
 class JobActionResult(_Model):
@@ -1177,3 +1197,52 @@ class CodeRunResult(_Model):
     cpu_time_s: float | None = None
     worker: str = ""
     duration_ms: float = 0.0
+
+
+# --- network counters (GET /v1/sandboxes/{id}/network) ------------------------------
+class _Open(_Model):
+    """A report whose fields grow with the node's features: extra fields kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class AllowedDestination(_Open):
+    """New connections a sandbox made to one destination (first packets counted)."""
+
+    destination: str = Field(description="IPv4 address")
+    protocol: str = Field(description="tcp, udp or icmp")
+    port: int | None = Field(None, description="destination port (None for icmp)")
+    connections: int = 0
+    names: list[str] = Field(default_factory=list, description="DNS names that admitted it")
+
+
+class BlockedDestination(_Open):
+    """Packets dropped on their way to one destination (a retried SYN counts again)."""
+
+    destination: str = Field(description="IPv4 address")
+    protocol: str = Field(description="tcp, udp or icmp")
+    port: int | None = Field(None, description="destination port (None for icmp)")
+    packets: int = 0
+
+
+class NetworkStats(_Open):
+    """``GET /v1/sandboxes/{id}/network``. A sandbox without a network answers only
+    ``{"enabled": false}``. Counters of a destination age out after an hour idle."""
+
+    enabled: bool
+    sandbox_id: str | None = None
+    ip: str | None = Field(None, description="the sandbox's address on the node")
+    policy: dict[str, Any] | None = Field(None, description="the NetworkPolicy in force")
+    allowed: list[AllowedDestination] = Field(default_factory=list)
+    blocked: list[BlockedDestination] = Field(default_factory=list)
+    allowed_total: int = Field(0, description="new connections allowed, all destinations")
+    blocked_total: int = Field(0, description="packets dropped, all destinations")
+    admitted: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="address -> {names, expires_in_s}: what DNS answers admitted",
+    )
+    dns: dict[str, Any] = Field(
+        default_factory=dict,
+        description="resolver counters: queries, answered, refused, rate_limited, ..., "
+        "refused_names",
+    )

@@ -174,7 +174,7 @@ def test_snapshot_and_fork(runner: CliRunner, edge: FakeEdge) -> None:
     req = edge.calls_to("snapshot_sandbox")[0]["req"]
     assert (req.name, req.scrub) == ("ws:2", ["/tmp/*"])
     # `run` took seq 1 in its own object; a CLI connect continues at the server's next_seq
-    assert edge.calls_to("snapshot_sandbox")[0]["seq"] == 2
+    assert edge.calls_to("snapshot_sandbox")[0]["env"].seq == 2
     forked = runner.invoke(cli.app, ["fork", sid, "-n", "2", "--label", "b=1"])
     assert forked.exit_code == 0, forked.output
     ids = forked.stdout.split()

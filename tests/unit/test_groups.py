@@ -73,9 +73,9 @@ def test_sync_group(edge: FakeEdge, conn: dict[str, Any]) -> None:
 
 
 def test_fork_request_wire() -> None:
-    assert ForkRequest(n=2).model_dump()["method"] == "auto"
+    assert ForkRequest(sandbox_id="sb-n-1", n=2).model_dump()["method"] == "auto"
     assert (
-        ForkRequest(n=2).model_dump()["parent"] == "keep"
+        ForkRequest(sandbox_id="sb-n-1", n=2).model_dump()["parent"] == "keep"
     )  # as fork always was: the parent runs on
     for bad in ({"n": 2, "method": "copy"}, {"n": 2, "parent": "stop"}, {"n": 257}):
         with pytest.raises(ValueError):

@@ -151,7 +151,13 @@ async def test_generated_routes_answer_as_the_edge_does(
     for verb in VERBS:
         if not verb.sandbox_scoped:
             continue
-        body = {"ttl_s": 5} if verb.name == "set_ttl" else None
+        body = (
+            {"ttl_s": 5}
+            if verb.name == "set_ttl"
+            else {"n": 1}
+            if verb.name == "fork_sandbox"
+            else None
+        )
         path = "/v1" + verb.path.format(sandbox_id=sid)
         r = await b.request(verb.method, path, json=body)
         assert _code(r, 404) == "sandbox_not_found", verb.name

@@ -13,7 +13,6 @@ from fastapi import APIRouter, Depends, Path
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
 from dsec.apiserver.schemas import JOB_PATTERN, SandboxList
-from dsec.models import JobAction, JobActionResult
 
 __all__ = ["router"]
 
@@ -33,20 +32,3 @@ async def list_job(
 ) -> SandboxList:
     sandboxes = await edge.list_sandboxes(owner, job=job, include_stopped=include_stopped)
     return SandboxList(sandboxes=sandboxes)
-
-
-@router.post(
-    "/{job}/{action}",
-    response_model=JobActionResult,
-    summary="Pause, resume or kill every sandbox of a job",
-    description="Runs in parallel on the edge. The answer maps each sandbox id to its "
-    "outcome (``ok``, ``state``, wire ``error``); it is 200 even when some failed. A job "
-    "without sandboxes answers with empty ``outcomes``.",
-)
-async def job_action(
-    job: JobParam,
-    action: Annotated[JobAction, Path(description="pause | resume | kill")],
-    edge: Edge,
-    owner: Owner,
-) -> JobActionResult:
-    return await edge.job_action(owner, job, action)

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from dsec.apiserver.departed import unless_departed
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, current_owner
@@ -51,17 +51,14 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileInfo,
-    ForkRequest,
-    ForkResult,
-    LayerInfo,
     LogLine,
+    NetworkStats,
     SandboxInfo,
-    SnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
 
-__all__ = ["UPLOAD_ROUTES", "NetworkStats", "ndjson_response", "router"]
+__all__ = ["UPLOAD_ROUTES", "ndjson_response", "router"]
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -373,36 +370,6 @@ async def download_tar(
 
 
 # --- RL lifecycle: pause, resume, snapshot, fork, trajectory ---------------------
-@router.post(
-    "/{sandbox_id}/snapshot",
-    status_code=201,
-    response_model=LayerInfo,
-    summary="Snapshot the writable layer as a new workspace layer (pack_diff)",
-    description="Restore it with ``layers=[digest]`` at creation. Scrubbed paths and the "
-    "default scrub list never enter the layer; a file holding one of ``secret_values`` "
-    "refuses the snapshot (400 ``secret_in_snapshot``, nothing stored).",
-)
-async def snapshot_sandbox(
-    sandbox_id: SandboxIdParam, req: SnapshotRequest, edge: Edge, owner: Owner, s: Seq
-) -> LayerInfo:
-    return await edge.snapshot_sandbox(sandbox_id, owner, req, seq=s.seq, idem_key=s.idem_key)
-
-
-@router.post(
-    "/{sandbox_id}/fork",
-    status_code=201,
-    response_model=ForkResult,
-    summary="Make n new sandboxes from a snapshot of this one",
-    description="One snapshot, then n sandboxes with the same image and limits and the "
-    "snapshot as their top layer. Admission covers all n first (429 ``quota_exceeded``, "
-    "nothing created).",
-)
-async def fork_sandbox(
-    sandbox_id: SandboxIdParam, req: ForkRequest, edge: Edge, owner: Owner
-) -> ForkResult:
-    return await edge.fork_sandbox(sandbox_id, owner, req)
-
-
 @router.get(
     "/{sandbox_id}/logs",
     response_class=StreamingResponse,
@@ -471,52 +438,6 @@ async def export_trajectory(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner
 
 
 # --- network policy ------------------------------------------------------------
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class AllowedDestination(_Open):
-    """New connections a sandbox made to one destination (first packets counted)."""
-
-    destination: str = Field(description="IPv4 address")
-    protocol: str = Field(description="tcp, udp or icmp")
-    port: int | None = Field(None, description="destination port (None for icmp)")
-    connections: int = 0
-    names: list[str] = Field(default_factory=list, description="DNS names that admitted it")
-
-
-class BlockedDestination(_Open):
-    """Packets dropped on their way to one destination (a retried SYN counts again)."""
-
-    destination: str = Field(description="IPv4 address")
-    protocol: str = Field(description="tcp, udp or icmp")
-    port: int | None = Field(None, description="destination port (None for icmp)")
-    packets: int = 0
-
-
-class NetworkStats(_Open):
-    """``GET /v1/sandboxes/{id}/network``. A sandbox without a network answers only
-    ``{"enabled": false}``. Counters of a destination age out after an hour idle."""
-
-    enabled: bool
-    sandbox_id: str | None = None
-    ip: str | None = Field(None, description="the sandbox's address on the node")
-    policy: dict[str, Any] | None = Field(None, description="the NetworkPolicy in force")
-    allowed: list[AllowedDestination] = Field(default_factory=list)
-    blocked: list[BlockedDestination] = Field(default_factory=list)
-    allowed_total: int = Field(0, description="new connections allowed, all destinations")
-    blocked_total: int = Field(0, description="packets dropped, all destinations")
-    admitted: dict[str, dict[str, Any]] = Field(
-        default_factory=dict,
-        description="address -> {names, expires_in_s}: what DNS answers admitted",
-    )
-    dns: dict[str, Any] = Field(
-        default_factory=dict,
-        description="resolver counters: queries, answered, refused, rate_limited, ..., "
-        "refused_names",
-    )
-
-
 @router.post(
     "/{sandbox_id}/network",
     response_model=SandboxInfo,

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError, create_model
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, current_owner
-from dsec.apiserver.schemas import SANDBOX_ID_PATTERN
+from dsec.apiserver.schemas import JOB_PATTERN, SANDBOX_ID_PATTERN
 from dsec.contract.edge import VERBS, EdgeAPI
 from dsec.contract.verbs import NO_ENVELOPE, Envelope, Verb
 from dsec.errors import CapabilityNotSupported
@@ -33,6 +33,8 @@ router = APIRouter(dependencies=[Depends(current_owner)], responses=ERROR_RESPON
 
 _PATH_PARAMS: dict[str, Any] = {
     "sandbox_id": Path(pattern=SANDBOX_ID_PATTERN, description="sb-<node>-<random>"),
+    "job": Path(pattern=JOB_PATTERN, description="the job id given at creation"),
+    "action": Path(description="pause | resume | kill"),
 }
 """How each path parameter a verb may name is checked (a new one is added here)."""
 
@@ -55,7 +57,11 @@ def _body_model(verb: Verb) -> type[BaseModel]:
 def _parameters(verb: Verb) -> list[inspect.Parameter]:
     kw = inspect.Parameter.KEYWORD_ONLY
     params = [
-        inspect.Parameter(name, kw, annotation=Annotated[str, _PATH_PARAMS[name]])
+        inspect.Parameter(
+            name,
+            kw,
+            annotation=Annotated[verb.request.model_fields[name].annotation, _PATH_PARAMS[name]],
+        )
         for name in verb.path_params
     ]
     if verb.method == "GET":

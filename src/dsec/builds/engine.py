@@ -112,7 +112,7 @@ from dsec.models import (
     ExecResult,
     FileInfo,
     ImageInfo,
-    SnapshotRequest,
+    SandboxSnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
 
@@ -556,11 +556,10 @@ class ImageBuilder:
 
     async def _snapshot(self, sid: str, b: _Build, network: NetworkPolicy | None) -> str | None:
         scrub = ["/etc/resolv.conf"] if network is not None else []
-        layer = await self.edge.snapshot_sandbox(
-            sid,
-            b.owner,
-            SnapshotRequest(scrub=scrub, compress=b.req.compress, default_scrub=False),
+        req = SandboxSnapshotRequest(
+            sandbox_id=sid, scrub=scrub, compress=b.req.compress, default_scrub=False
         )
+        layer = await self.edge.snapshot_sandbox(req, b.owner)
         stats = layer.meta.get("pack_diff") or {}
         changed = sum(
             int(stats.get(k, 0) or 0)

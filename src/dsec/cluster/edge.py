@@ -70,7 +70,7 @@ from dsec.models import (
     ForkRequest,
     ForkResult,
     ImageInfo,
-    JobAction,
+    JobActionRequest,
     JobActionResult,
     JobAudit,
     JobOutcome,
@@ -729,30 +729,35 @@ class ClusterEdge:
 
     # ------------------------------------------------------------------ files
     # ------------------------------------------------------------------ lifecycle verbs
-    async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult:
+    async def fork_sandbox(self, req: ForkRequest, owner: str) -> ForkResult:
         """Forks stay on the source's node (the snapshot layer is there)."""
+        sandbox_id = req.sandbox_id
         found = await asyncio.to_thread(self.state.sandbox, sandbox_id) if self.state else None
         cpu, mem = (found[1].cpu, found[1].memory_mb) if found and found[0] == owner else (0, 0)
         usage = await self._usage_for_quota(owner)
         self.key_quotas.check(owner, usage, cpu=cpu, memory_mb=mem, count=req.n)
         self.key_quotas.take(owner, req.n)
         res: ForkResult = await self.relay.on_sandbox(
-            sandbox_id, "fork_sandbox", owner, req, timeout=self.options.create_timeout_s
+            sandbox_id,
+            "fork_sandbox",
+            req,
+            owner,
+            timeout=self.options.create_timeout_s,
+            route_only=True,
         )
         for info in res.sandboxes:
             await self._record(owner, info)
         return res
 
-    async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult:
+    async def job_action(self, req: JobActionRequest, owner: str) -> JobActionResult:
         """Fan out to every live node; sandboxes of the job on lost nodes are reported with
         a ``NodeLost`` error outcome."""
+        job, action = req.job, req.action
         alive = self._alive()
 
         async def one(h: NodeHandle) -> JobActionResult | DsecError:
             try:
-                res: JobActionResult = await self.relay.call(
-                    h.name, "job_action", owner, job, action
-                )
+                res: JobActionResult = await self.relay.call(h.name, "job_action", req, owner)
                 return res
             except DsecError as e:
                 return e

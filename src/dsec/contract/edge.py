@@ -50,7 +50,7 @@ from dsec.contract.streams import (
     PtySize,
     StreamName,
 )
-from dsec.contract.verbs import Verb, VerbTable
+from dsec.contract.verbs import NO_ENVELOPE, Envelope, Verb, VerbTable
 from dsec.models import (
     AuditEntry,
     AuditReport,
@@ -67,7 +67,7 @@ from dsec.models import (
     ForkRequest,
     ForkResult,
     ImageInfo,
-    JobAction,
+    JobActionRequest,
     JobActionResult,
     JobAudit,
     KeyQuota,
@@ -84,8 +84,8 @@ from dsec.models import (
     SandboxInfo,
     SandboxMetrics,
     SandboxRef,
+    SandboxSnapshotRequest,
     SetTTLRequest,
-    SnapshotRequest,
 )
 
 if TYPE_CHECKING:
@@ -238,21 +238,15 @@ class EdgeAPI(Protocol):
 
     async def resume_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo: ...
     async def snapshot_sandbox(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: SnapshotRequest,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        self, req: SandboxSnapshotRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> LayerInfo: ...
-    async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult: ...
+    async def fork_sandbox(self, req: ForkRequest, owner: str) -> ForkResult: ...
     async def migrate_sandbox(self, req: MigrateRequest, owner: str) -> MigrateResult:
         """Move the sandbox to ``req.node`` (None: the placer chooses); a single-node edge
         raises ``CapabilityNotSupported``."""
         ...
 
-    async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult: ...
+    async def job_action(self, req: JobActionRequest, owner: str) -> JobActionResult: ...
     async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
         """The sandbox's trajectory log as JSONL text (a header line, then one entry per line)."""
         ...
@@ -721,6 +715,47 @@ VERBS = VerbTable(
         "/sandboxes/{sandbox_id}/resume",
         EdgeAPI,
         "Resume a paused sandbox (idempotent)",
+    ),
+    Verb(
+        "snapshot_sandbox",
+        SandboxSnapshotRequest,
+        LayerInfo,
+        "POST",
+        "/sandboxes/{sandbox_id}/snapshot",
+        EdgeAPI,
+        "Snapshot the writable layer as a new workspace layer (pack_diff)",
+        "Restore it with ``layers=[digest]`` at creation. Scrubbed paths and the default "
+        "scrub list never enter the layer; a file holding one of ``secret_values`` refuses "
+        "the snapshot (400 ``secret_in_snapshot``, nothing stored).",
+        status=201,
+        sequenced=True,
+    ),
+    Verb(
+        "fork_sandbox",
+        ForkRequest,
+        ForkResult,
+        "POST",
+        "/sandboxes/{sandbox_id}/fork",
+        EdgeAPI,
+        "Make n new sandboxes from this one",
+        "``method``: ``shared`` (the children stack on this sandbox's frozen writable layer: "
+        "nothing copied), ``pack`` (a snapshot layer first) or ``auto``. Admission covers "
+        "all n first (429 ``quota_exceeded``, nothing created); if any child fails, none is "
+        "left.",
+        status=201,
+    ),
+    Verb(
+        "job_action",
+        JobActionRequest,
+        JobActionResult,
+        "POST",
+        "/jobs/{job}/{action}",
+        EdgeAPI,
+        "Pause, resume or kill every sandbox of a job",
+        "Runs in parallel on the edge. The answer maps each sandbox id to its outcome "
+        "(``ok``, ``state``, wire ``error``); it is 200 even when some failed. A job without "
+        "sandboxes answers with empty ``outcomes``.",
+        tag="jobs",
     ),
     Verb(
         "migrate_sandbox",

@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import quote
 
 from pydantic import BaseModel, TypeAdapter
 
@@ -100,7 +101,7 @@ class Verb:
 
     def url(self, req: BaseModel) -> str:
         """The request's path, under ``/v1``."""
-        values = {p: str(getattr(req, p)) for p in self.path_params}
+        values = {p: quote(str(getattr(req, p)), safe=":") for p in self.path_params}
         return "/v1" + self.path.format(**values)
 
     def wire(self, req: BaseModel) -> dict[str, Any]:

@@ -91,8 +91,8 @@ from dsec.models import (
     PauseRequest,
     SandboxInfo,
     SandboxRef,
+    SandboxSnapshotRequest,
     SetTTLRequest,
-    SnapshotRequest,
 )
 from dsec.tiers import tier_has
 from dsec.wire import validated
@@ -752,10 +752,10 @@ class ControlPlane:
         if not isinstance(name, str):
             raise E2BError(400, "name must be a string")
         try:
-            req = SnapshotRequest(name=name)
+            req = SandboxSnapshotRequest(sandbox_id=sandbox_id, name=name)
         except ValidationError as e:
             raise E2BError(400, f"invalid snapshot name {name!r}: {e.errors()[0]['msg']}") from None
-        await self.edge.snapshot_sandbox(sandbox_id, owner, req)
+        await self.edge.snapshot_sandbox(req, owner)
         snap = SnapshotInfo(snapshot_id=name, names=[name])
         return JSONResponse(snap.to_dict(), status_code=201)
 
@@ -770,9 +770,10 @@ class ControlPlane:
         info = await self._live(sandbox_id, owner)
         # packed, not shared: E2B's fork leaves the source running with its processes (a
         # shared fork stops them: the source restarts on a fresh layer)
-        result = await self.edge.fork_sandbox(
-            sandbox_id, owner, ForkRequest(n=count, labels=dict(info.labels), method="pack")
+        fork = validated(
+            ForkRequest, sandbox_id=sandbox_id, n=count, labels=dict(info.labels), method="pack"
         )
+        result = await self.edge.fork_sandbox(fork, owner)
         out: list[dict[str, Any]] = []
         for child in result.sandboxes:
             if body.get("timeout") is not None:

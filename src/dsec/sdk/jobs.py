@@ -43,8 +43,9 @@ from urllib.parse import quote
 import httpx
 from pydantic import TypeAdapter
 
+from dsec.contract.edge import VERBS
 from dsec.errors import InvalidRequest
-from dsec.models import JobAction, JobActionResult, JobAudit, SandboxInfo
+from dsec.models import JobAction, JobActionRequest, JobActionResult, JobAudit, SandboxInfo
 from dsec.sdk.client import AsyncClient
 from dsec.sdk.sync import runner
 from dsec.wire import ANSWER
@@ -97,10 +98,10 @@ class AsyncJobs:
         return f"{type(self).__name__}(url={self._client.url!r})"
 
     async def _act(self, job: str, action: JobAction, timeout: float | None) -> JobActionResult:
-        path = f"/v1/jobs/{quote(_check_job(job), safe=':')}/{action}"
+        req = JobActionRequest(job=_check_job(job), action=action)
         t = self.timeout if timeout is None else timeout
-        r = await self._client._http.request("POST", path, timeout=t)
-        return JobActionResult.model_validate(r.json(), context=ANSWER)
+        result: JobActionResult = await self._client._http.call(VERBS["job_action"], req, timeout=t)
+        return result
 
     async def pause(self, job: str, *, timeout: float | None = None) -> JobActionResult:
         """Pause every sandbox of ``job`` (freeze, reclaim memory); per-sandbox outcomes."""

@@ -64,10 +64,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote
 
 import httpx
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 from dsec.canonical import canonical_digest  # the edge's request digest, to match it
 from dsec.contract.edge import VERBS
+from dsec.contract.verbs import Envelope, Verb
 from dsec.errors import (
     CreationRateExceeded,
     DsecError,
@@ -107,8 +108,8 @@ from dsec.models import (
     SandboxInfo,
     SandboxMetrics,
     SandboxRef,
+    SandboxSnapshotRequest,
     SetTTLRequest,
-    SnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
 from dsec.sdk._http import IDEMPOTENCY_HEADER, SEQ_HEADER, not_delivered
@@ -184,6 +185,10 @@ async def _call(callback: OutputCallback | None, data: str) -> None:
         out = callback(data)
         if inspect.isawaitable(out):
             await out
+
+
+_NOT_YET = "sb-pending-0"
+"""The sandbox id in a request checked before its sandbox exists (replaced before sending)."""
 
 
 class AsyncCommands:
@@ -752,7 +757,8 @@ class AsyncSandbox:
         job = sandbox.pop("job", None) or f"grp-{secrets.token_hex(6)}"
         # every argument checked before anything is made
         cls._request(job=job, **sandbox)
-        fork = validated(ForkRequest, n=n, method=method, parent="pause")
+        # the parent's id is set once it exists
+        fork = validated(ForkRequest, sandbox_id=_NOT_YET, n=n, method=method, parent="pause")
         conn, owned = cls._client_for(client, url, api_key, transport)
         try:
             parent = await cls.create(job=job, client=conn, timeout=timeout, **sandbox)
@@ -956,6 +962,17 @@ class AsyncSandbox:
             await self._settle_seq(seq, err)
             raise
 
+    async def _sequenced_call(self, verb: Verb, req: BaseModel, *, timeout: float) -> Any:
+        """Send one state-changing verb of the table under the next sequence number."""
+        seq = self._take_seq()
+        try:
+            return await self._client._http.call(
+                verb, req, envelope=Envelope(seq=seq), timeout=timeout
+            )
+        except DsecError as err:
+            await self._settle_seq(seq, err)
+            raise
+
     async def _local_replay(self, op: str, request: dict[str, Any]) -> dict[str, Any] | None:
         """After ``connect(replay=True)``: the recorded result of the next numbered call if
         it is a repeat of what the log holds under that number (same operation, same request
@@ -1064,16 +1081,17 @@ class AsyncSandbox:
         A state-changing call: it is sequenced and recorded in the trajectory log.
         """
         req = validated(
-            SnapshotRequest,
+            SandboxSnapshotRequest,
+            sandbox_id=self.id,
             name=name,
             scrub=scrub or [],
             secret_values=secret_values or [],
             compress=compress,
         )
-        r = await self._sequenced(
-            "POST", "/snapshot", json=req.model_dump(mode="json"), timeout=timeout
+        layer: LayerInfo = await self._sequenced_call(
+            VERBS["snapshot_sandbox"], req, timeout=timeout
         )
-        return LayerInfo.model_validate(r.json(), context=ANSWER)
+        return layer
 
     async def fork(
         self,
@@ -1116,6 +1134,7 @@ class AsyncSandbox:
         """
         req = validated(
             ForkRequest,
+            sandbox_id=self.id,
             n=n,
             labels=labels or {},
             scrub=scrub or [],
@@ -1129,10 +1148,10 @@ class AsyncSandbox:
         self, req: ForkRequest, timeout: float
     ) -> tuple[str, builtins.list[AsyncSandbox]]:
         """POST the fork; (the method the server used, the new sandboxes)."""
-        r = await self._client._http.request(
-            "POST", self._path("/fork"), json=req.model_dump(mode="json"), timeout=timeout
+        req = req.model_copy(update={"sandbox_id": self.id})
+        result: ForkResult = await self._client._http.call(
+            VERBS["fork_sandbox"], req, timeout=timeout
         )
-        result = ForkResult.model_validate(r.json(), context=ANSWER)
         new = [type(self)(info, self._client, owns_client=False) for info in result.sandboxes]
         return result.method, new
 

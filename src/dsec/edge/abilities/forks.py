@@ -15,6 +15,7 @@ from dsec.contract.runtime import (
     UpperForkable,
     capabilities_of,
 )
+from dsec.contract.verbs import NO_ENVELOPE, Envelope
 from dsec.edge.abilities.sandboxes import SandboxVerbs
 from dsec.edge.core import LiveSandbox, json_dump
 from dsec.errors import CapabilityNotSupported, InvalidRequest, SandboxStopped
@@ -24,6 +25,7 @@ from dsec.models import (
     ForkResult,
     LayerInfo,
     SandboxInfo,
+    SandboxSnapshotRequest,
     SnapshotRequest,
 )
 
@@ -69,31 +71,30 @@ class ForkVerbs(SandboxVerbs):
         return layer
 
     async def snapshot_sandbox(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: SnapshotRequest,
-        *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        self, req: SandboxSnapshotRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> LayerInfo:
+        # the trajectory records what was asked of the sandbox, not its id (a replay into
+        # another sandbox asks the same)
+        asked = req.model_dump(mode="json", exclude={"sandbox_id"})
+
         async def run(lv: LiveSandbox) -> LayerInfo:
             return await self._logged(
                 lv,
                 "snapshot",
-                req.model_dump(mode="json"),
-                seq,
-                idem_key,
+                asked,
+                env.seq,
+                env.idem_key,
                 lambda: self._snapshot(lv, req),
                 json_dump,
                 LayerInfo.model_validate,
             )
 
-        return await self._use(sandbox_id, owner, run)
+        return await self._use(req.sandbox_id, owner, run)
 
-    async def fork_sandbox(self, sandbox_id: str, owner: str, req: ForkRequest) -> ForkResult:
+    async def fork_sandbox(self, req: ForkRequest, owner: str) -> ForkResult:
         """``req.n`` new sandboxes from this one's files (see :class:`ForkRequest` for the
         methods), made concurrently; if any fails, none is left."""
+        sandbox_id = req.sandbox_id
         lv = self._live_for(sandbox_id, owner)
         base = CreateSandboxRequest.model_validate(lv.row.request)
         rt = self._runtime(base.tier)

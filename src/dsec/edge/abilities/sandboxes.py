@@ -29,7 +29,7 @@ from dsec.models import (
     BatchCreateResult,
     CreateSandboxRequest,
     ImageInfo,
-    JobAction,
+    JobActionRequest,
     JobActionResult,
     JobOutcome,
     LayerInfo,
@@ -256,7 +256,8 @@ class SandboxVerbs(PauseVerbs):
         lv.row.last_active = time.time()
         return self._info(lv.row)
 
-    async def job_action(self, owner: str, job: str, action: JobAction) -> JobActionResult:
+    async def job_action(self, req: JobActionRequest, owner: str) -> JobActionResult:
+        job, action = req.job, req.action
         rows = self.registry.select(owner=owner, states=("creating", "running", "paused"), job=job)
         fns: dict[str, Callable[[str, str], Awaitable[SandboxInfo]]] = {
             "pause": lambda sid, owner: self.pause_sandbox(PauseRequest(sandbox_id=sid), owner),
