@@ -973,6 +973,20 @@ class NetworkMetrics(_Model):
     tx_packets: int = 0
 
 
+class SandboxUptime(_Model):
+    """How long a sandbox has lived and how long it has been idle, seconds (wall clock).
+    ``idle_s`` counts from its last request that counted as activity (what its TTL counts
+    from); ``expires_in_s``: seconds until that TTL ends it (None: no TTL, or not running).
+    A stopped sandbox's ``uptime_s`` ends when it stopped."""
+
+    sandbox_id: str
+    state: str
+    created_at: datetime
+    uptime_s: float
+    idle_s: float
+    expires_in_s: float | None = None
+
+
 class SandboxMetrics(_Model):
     """``GET /v1/sandboxes/{id}/metrics``: one sample of a sandbox's resource usage.
 

@@ -201,3 +201,32 @@ async def test_the_sdk_sends_table_verbs_through_its_transport(edge: FakeEdge) -
         assert (await sb.metrics()).sandbox_id == sb.id
     calls = [name for name, _ in edge.calls if name in VERBS]
     assert calls == ["set_ttl", "pause_sandbox", "resume_sandbox", "sandbox_metrics"]
+
+
+async def test_uptime_a_verb_added_by_one_row(edge: FakeEdge) -> None:
+    """``sandbox_uptime`` was added after the table: its answer model, its protocol method
+    and row, the edge's method and the SDK's (four files; the route, the cluster forwarder
+    and the sync API came from the row)."""
+    from dsec.cluster.edge import ClusterEdge
+
+    assert "sandbox_uptime" in SANDBOX_VERBS and callable(vars(ClusterEdge)["sandbox_uptime"])
+    app = create_app(edge, StaticKeys([KEY]))
+    transport = httpx.ASGITransport(app=app)
+    async with await AsyncSandbox.create(
+        image="busybox", api_key=KEY, url="http://dsec", transport=transport, ttl_s=600
+    ) as sb:
+        first = await sb.uptime()
+        assert first.sandbox_id == sb.id and first.state == "running"
+        assert 0 <= first.idle_s <= first.uptime_s and 0 < first.expires_in_s <= 600
+        await sb.pause()
+        paused = await sb.uptime()
+        assert paused.state == "paused" and paused.expires_in_s is None  # not resumed
+        assert paused.uptime_s >= first.uptime_s
+    assert not any(name == "resume_sandbox" for name, _ in edge.calls)
+    # killed: answered while the node remembers it, its age frozen at the kill
+    async with await AsyncSandbox.connect(
+        sb.id, api_key=KEY, url="http://dsec", transport=transport
+    ) as again:
+        stopped = await again.uptime()
+        assert stopped.state == "stopped" and stopped.expires_in_s is None
+        assert (await again.uptime()).uptime_s == stopped.uptime_s

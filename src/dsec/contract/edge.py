@@ -85,6 +85,7 @@ from dsec.models import (
     SandboxMetrics,
     SandboxRef,
     SandboxSnapshotRequest,
+    SandboxUptime,
     SetTTLRequest,
 )
 
@@ -149,6 +150,11 @@ class EdgeAPI(Protocol):
         include_stopped: bool = False,
     ) -> list[SandboxInfo]: ...
     async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo: ...
+    async def sandbox_uptime(self, req: SandboxRef, owner: str) -> SandboxUptime:
+        """How long the sandbox has lived and been idle (read without resuming it or
+        counting as activity)."""
+        ...
+
     async def set_ttl(self, req: SetTTLRequest, owner: str) -> SandboxInfo: ...
 
     # --- exec ------------------------------------------------------------
@@ -772,6 +778,17 @@ VERBS = VerbTable(
         "The new sandbox has a new id on the target; the source is killed only once the "
         "target runs. Unknown or lost target: 404 ``not_found``; full target: 429 "
         "``quota_exceeded``; nothing half-created.",
+    ),
+    Verb(
+        "sandbox_uptime",
+        SandboxRef,
+        SandboxUptime,
+        "GET",
+        "/sandboxes/{sandbox_id}/uptime",
+        EdgeAPI,
+        "How long the sandbox has lived and been idle",
+        "Read without resuming a paused sandbox or extending its TTL; answers for a stopped "
+        "sandbox while the node remembers it.",
     ),
     Verb(
         "sandbox_metrics",

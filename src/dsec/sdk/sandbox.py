@@ -109,6 +109,7 @@ from dsec.models import (
     SandboxMetrics,
     SandboxRef,
     SandboxSnapshotRequest,
+    SandboxUptime,
     SetTTLRequest,
 )
 from dsec.network.policy import NetworkPolicy
@@ -1204,6 +1205,14 @@ class AsyncSandbox:
             async for line in response.aiter_lines():
                 if line.strip():
                     yield LogLine.model_validate_json(line, context=ANSWER)
+
+    async def uptime(self) -> SandboxUptime:
+        """How long the sandbox has lived (``uptime_s``), how long it has been idle
+        (``idle_s``, what its TTL counts from) and when its TTL ends it (``expires_in_s``).
+        Asking neither resumes a paused sandbox nor counts as activity."""
+        req = validated(SandboxRef, sandbox_id=self.id)
+        uptime: SandboxUptime = await self._client._http.call(VERBS["sandbox_uptime"], req)
+        return uptime
 
     async def metrics(self) -> SandboxMetrics:
         """One sample of the sandbox's resource usage: CPU (``usage_s`` cumulative seconds,

@@ -24,6 +24,7 @@ from dsec.models import (
     NetworkMetrics,
     SandboxMetrics,
     SandboxRef,
+    SandboxUptime,
 )
 
 log = logging.getLogger("dsec.edge")
@@ -31,6 +32,22 @@ log = logging.getLogger("dsec.edge")
 
 class ObserveVerbs(EdgeCore):
     """What a sandbox did: metrics, trajectory export, audit, logs."""
+
+    # ------------------------------------------------------------------ uptime
+    async def sandbox_uptime(self, req: SandboxRef, owner: str) -> SandboxUptime:
+        """Ages from the registry's times: nothing is resumed, no activity is counted."""
+        row = self._lookup_row(req.sandbox_id, owner)
+        now = time.time()
+        end = row.updated_at if row.state == "stopped" else now
+        expires = row.expires_at if row.state in ("running", "creating") else None
+        return SandboxUptime(
+            sandbox_id=row.id,
+            state=row.state,
+            created_at=utc_datetime(row.created_at),
+            uptime_s=round(max(0.0, end - row.created_at), 3),
+            idle_s=round(max(0.0, end - row.last_active), 3),
+            expires_in_s=round(max(0.0, expires - now), 3) if expires is not None else None,
+        )
 
     # ------------------------------------------------------------------ metrics
     async def sandbox_metrics(self, req: SandboxRef, owner: str) -> SandboxMetrics:
