@@ -15,6 +15,7 @@ import pytest
 import dsec.errors as E
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
+from dsec.contract.verbs import NO_ENVELOPE, Envelope
 from dsec.models import ExecEvent, ExecRequest, ExecResult, SetTTLRequest
 from dsec.testing import FakeEdge
 
@@ -174,8 +175,7 @@ async def test_exec_stream_without_exit_is_reported(client: httpx.AsyncClient) -
             owner: str,
             req: ExecRequest,
             *,
-            seq: int | None = None,
-            idem_key: str | None = None,
+            env: Envelope = NO_ENVELOPE,
         ) -> AsyncIterator[ExecEvent]:
             yield ExecEvent(type="stdout", data="partial")
 

@@ -102,13 +102,12 @@ async def test_every_state_changing_route_passes_seq_and_key(
         assert r.status_code < 300, (method, r.text)
         recorded = edge.calls_to(method)[-1]
         # a verb of the table gets the headers as its envelope
-        seq = recorded["env"].seq if "env" in recorded else recorded["seq"]
-        assert seq == int(r.request.headers["x-dsec-seq"]), method
+        assert recorded["env"].seq == int(r.request.headers["x-dsec-seq"]), method
     assert edge.calls_to("snapshot_sandbox")[-1]["env"].idem_key == "snap-1"
     assert (await client.get(f"{base}")).json()["next_seq"] == 9
     # no headers: the edge numbers the call itself
     r = await client.post(f"{base}/exec", json={"cmd": "true"})
-    assert r.status_code == 200 and edge.calls_to("exec")[-1]["seq"] is None
+    assert r.status_code == 200 and edge.calls_to("exec")[-1]["env"].seq is None
     assert (await client.get(f"{base}")).json()["next_seq"] == 10
 
 
@@ -389,7 +388,7 @@ async def test_sdk_numbers_calls_from_create(edge: FakeEdge, conn: dict[str, Any
     await sb.files.rename("/f", "/d/f")
     await sb.files.remove("/d", recursive=True)
     assert sb.next_seq == 8
-    seqs = [args["seq"] for name, args in edge.calls if "seq" in args]
+    seqs = [args["env"].seq for name, args in edge.calls if "env" in args]
     assert seqs == [1, 2, 3, 4, 5, 6, 7]
     # reads are not numbered
     await sb.files.exists("/d")

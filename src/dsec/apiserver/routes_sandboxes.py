@@ -182,7 +182,7 @@ async def exec_command(
     s: Seq,
     response: Response,
 ) -> ExecResult:
-    result = await edge.exec(sandbox_id, owner, req, seq=s.seq, idem_key=s.idem_key)
+    result = await edge.exec(sandbox_id, owner, req, env=s)
     return _mark_replayed(response, result)
 
 
@@ -230,7 +230,7 @@ async def exec_stream(
     async def body() -> AsyncIterator[bytes]:
         ended = False
         try:
-            events = edge.exec_stream(sandbox_id, owner, req, seq=s.seq, idem_key=s.idem_key)
+            events = edge.exec_stream(sandbox_id, owner, req, env=s)
             async for event in events:
                 yield _event_line(event)
                 if event.type in ("exit", "error"):
@@ -285,9 +285,7 @@ async def write_file(
 ) -> FileInfo:
     mode_bits = int(mode.removeprefix("0o"), 8)
     data = await request.body()
-    return await edge.write_file(
-        sandbox_id, owner, path, data, mode_bits, seq=s.seq, idem_key=s.idem_key
-    )
+    return await edge.write_file(sandbox_id, owner, path, data, mode_bits, env=s)
 
 
 @router.get("/{sandbox_id}/files/list", response_model=FileList, summary="List a directory")
@@ -317,7 +315,7 @@ async def remove_file(
     s: Seq,
     recursive: bool = False,
 ) -> Response:
-    await edge.remove_file(sandbox_id, owner, path, recursive, seq=s.seq, idem_key=s.idem_key)
+    await edge.remove_file(sandbox_id, owner, path, recursive, env=s)
     return Response(status_code=204)
 
 
@@ -325,16 +323,14 @@ async def remove_file(
 async def make_dir(
     sandbox_id: SandboxIdParam, req: MkdirRequest, edge: Edge, owner: Owner, s: Seq
 ) -> FileInfo:
-    return await edge.make_dir(sandbox_id, owner, req.path, seq=s.seq, idem_key=s.idem_key)
+    return await edge.make_dir(sandbox_id, owner, req.path, env=s)
 
 
 @router.post("/{sandbox_id}/files/rename", response_model=FileInfo, summary="Rename a path")
 async def rename_file(
     sandbox_id: SandboxIdParam, req: RenameRequest, edge: Edge, owner: Owner, s: Seq
 ) -> FileInfo:
-    return await edge.rename_file(
-        sandbox_id, owner, req.src, req.dst, seq=s.seq, idem_key=s.idem_key
-    )
+    return await edge.rename_file(sandbox_id, owner, req.src, req.dst, env=s)
 
 
 @router.put(
@@ -352,7 +348,7 @@ async def upload_tar(
     s: Seq,
 ) -> TarUploadResult:
     data = await request.body()
-    files = await edge.upload_tar(sandbox_id, owner, path, data, seq=s.seq, idem_key=s.idem_key)
+    files = await edge.upload_tar(sandbox_id, owner, path, data, env=s)
     return TarUploadResult(files=files)
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.contract.edge import STREAM_VERBS, edge_verbs
+from dsec.contract.verbs import Envelope
 from dsec.errors import DsecError, InternalError, InvalidRequest
 from dsec.models import SYSTEM_OWNER
 
@@ -381,14 +382,14 @@ class EdgeActor:
             yield _err(e)
 
     async def exec_stream(
-        self, sandbox_id: str, owner: str, req: Any, seq: int | None, idem_key: str | None
+        self, sandbox_id: str, owner: str, req: Any, env: Envelope
     ) -> AsyncIterator[Any]:
         """Stream an exec's events (Ray streaming generator; each item one ``ExecEvent``)."""
         from dsec.models import ExecEvent
 
         try:
             agent = await self._agent()
-            async for ev in agent.exec_stream(sandbox_id, owner, req, seq=seq, idem_key=idem_key):
+            async for ev in agent.exec_stream(sandbox_id, owner, req, env=env):
                 yield ev
         except DsecError as e:
             yield ExecEvent(type="error", error=e.to_wire()["error"])

@@ -46,6 +46,7 @@ from dsec.cluster.relay import (
     node_of_sandbox,
 )
 from dsec.contract.edge import SANDBOX_VERBS, STREAM_VERBS, VERBS, PortStream, PortTicket
+from dsec.contract.verbs import NO_ENVELOPE, Envelope
 from dsec.edge.ports import redeem_ticket
 from dsec.edge.quotas import QuotaGuard, code_run_size
 from dsec.errors import (
@@ -671,16 +672,14 @@ class ClusterEdge:
         owner: str,
         req: ExecRequest,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> ExecResult:
         res: ExecResult = await self.relay.on_sandbox(
             sandbox_id,
             "exec",
             owner,
             req,
-            seq=seq,
-            idem_key=idem_key,
+            env=env,
             timeout=self._exec_timeout(req),
         )
         return res
@@ -695,14 +694,13 @@ class ClusterEdge:
         owner: str,
         req: ExecRequest,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> AsyncIterator[ExecEvent]:
         """Events relayed from the edge's Ray streaming generator as they are produced; a
         lost node ends the stream with an ``error`` event (``NodeLost``)."""
         node = node_of_sandbox(sandbox_id)
         h = self.relay.handle(node, sandbox_id)
-        gen = h.actor.exec_stream.remote(sandbox_id, owner, req, seq, idem_key)
+        gen = h.actor.exec_stream.remote(sandbox_id, owner, req, env)
         step_timeout = self._exec_timeout(req)
         while True:
             try:

@@ -10,8 +10,8 @@ a sandbox of another owner is reported as ``SandboxNotFound``, never leaked.
 All errors raised are :mod:`dsec.errors` classes.
 
 Trajectory log: every state-changing call (exec, file writes, uploads, mkdir, rename,
-remove, snapshot) takes ``seq`` (the per-sandbox sequence number the client assigns: 1, 2,
-3...) and/or ``idem_key``. A repeat of a recorded ``seq`` with the same request returns the
+remove, snapshot) takes an :class:`~dsec.contract.verbs.Envelope`, ``env``, holding ``seq``
+(the per-sandbox sequence number the client assigns: 1, 2, 3...) and/or ``idem_key``. A repeat of a recorded ``seq`` with the same request returns the
 recorded result without running anything; a different request under a used ``seq`` raises
 ``SequenceConflict``; a ``seq`` that skips ahead waits briefly for the missing ones (requests
 of one client may arrive out of order) and then raises ``SequenceGap``. Calls without either
@@ -164,8 +164,7 @@ class EdgeAPI(Protocol):
         owner: str,
         req: ExecRequest,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> ExecResult: ...
     def exec_stream(
         self,
@@ -173,8 +172,7 @@ class EdgeAPI(Protocol):
         owner: str,
         req: ExecRequest,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> AsyncIterator[ExecEvent]: ...
 
     # --- files (paths are absolute paths inside the sandbox) --------------
@@ -187,8 +185,7 @@ class EdgeAPI(Protocol):
         data: bytes,
         mode: int = 0o644,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> FileInfo: ...
     async def list_files(
         self, sandbox_id: str, owner: str, path: str, depth: int = 1
@@ -201,8 +198,7 @@ class EdgeAPI(Protocol):
         path: str,
         recursive: bool = False,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> None: ...
     async def make_dir(
         self,
@@ -210,8 +206,7 @@ class EdgeAPI(Protocol):
         owner: str,
         path: str,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> FileInfo: ...
     async def rename_file(
         self,
@@ -220,8 +215,7 @@ class EdgeAPI(Protocol):
         src: str,
         dst: str,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> FileInfo: ...
     async def upload_tar(
         self,
@@ -230,8 +224,7 @@ class EdgeAPI(Protocol):
         path: str,
         data: bytes,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> int: ...
     async def download_tar(self, sandbox_id: str, owner: str, path: str) -> bytes: ...
 
@@ -438,8 +431,7 @@ class FileXattrs(Protocol):
         values: dict[str, str],
         *,
         clear_prefix: str | None = None,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> None:
         """Set ``values`` on the file or directory ``path``, after removing its attributes
         whose names start with ``clear_prefix`` (None: none removed). Names start with

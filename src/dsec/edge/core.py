@@ -26,6 +26,7 @@ from dsec.contract.runtime import (
     SandboxFiles,
     SandboxSpec,
 )
+from dsec.contract.verbs import Envelope
 from dsec.edge.admission import CreationGate
 from dsec.edge.audit import EdgeAudit
 from dsec.edge.desktop import DesktopSpec
@@ -592,8 +593,7 @@ class EdgeCore:
         lv: LiveSandbox,
         op: str,
         request: dict[str, Any],
-        seq: int | None,
-        idem_key: str | None,
+        env: Envelope,
         run: Callable[[], Awaitable[T]],
         encode: Callable[[T], dict[str, Any]],
         decode: Callable[[dict[str, Any]], T],
@@ -601,7 +601,7 @@ class EdgeCore:
         """Run a state-changing call under the trajectory log: a recorded repeat is answered
         from the log; a new one is recorded before its answer leaves the edge."""
         sid = lv.row.id
-        b = await self._begin(sid, seq, idem_key, op, request)
+        b = await self._begin(sid, env.seq, env.idem_key, op, request)
         if b.kind == "replay":
             if b.error is not None:
                 raise b.error

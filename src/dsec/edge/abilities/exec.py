@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from dsec.contract.runtime import Audited, Interactive
+from dsec.contract.verbs import NO_ENVELOPE, Envelope
 from dsec.edge.core import EdgeCore, LiveSandbox
 from dsec.errors import (
     CapabilityNotSupported,
@@ -33,10 +34,9 @@ class ExecVerbs(EdgeCore):
         owner: str,
         req: ExecRequest,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> ExecResult:
-        return await self._exec(sandbox_id, owner, req, None, seq, idem_key)
+        return await self._exec(sandbox_id, owner, req, None, env)
 
     async def _exec(
         self,
@@ -44,8 +44,7 @@ class ExecVerbs(EdgeCore):
         owner: str,
         req: ExecRequest,
         sink: Callable[[str, bytes], Awaitable[None]] | None,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> ExecResult:
         request = req.model_dump(mode="json", exclude_defaults=True)
 
@@ -75,8 +74,7 @@ class ExecVerbs(EdgeCore):
                 lv,
                 "exec",
                 request,
-                seq,
-                idem_key,
+                env,
                 go,
                 lambda r: r.model_dump(mode="json", exclude={"replayed"}),
                 lambda d: ExecResult.model_validate({**d, "replayed": True}),
@@ -90,8 +88,7 @@ class ExecVerbs(EdgeCore):
         owner: str,
         req: ExecRequest,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> AsyncIterator[ExecEvent]:
         # validate before the first event so errors become proper HTTP errors
         self._live_for(sandbox_id, owner)
@@ -102,7 +99,7 @@ class ExecVerbs(EdgeCore):
 
         async def runner() -> None:
             try:
-                res = await self._exec(sandbox_id, owner, req, sink, seq, idem_key)
+                res = await self._exec(sandbox_id, owner, req, sink, env)
                 if res.replayed:  # nothing ran: give the recorded output as one chunk each
                     if res.stdout:
                         await queue.put(ExecEvent(type="stdout", data=res.stdout))

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from dsec.contract.edge import DirectoryWatcher
 from dsec.contract.runtime import SandboxFiles, WatchableFiles, XattrFiles
+from dsec.contract.verbs import NO_ENVELOPE, Envelope
 from dsec.edge.core import EdgeCore, LiveSandbox, json_dump
 from dsec.errors import (
     CapabilityNotSupported,
@@ -41,8 +42,7 @@ class FileVerbs(EdgeCore):
         owner: str,
         op: str,
         request: dict[str, Any],
-        seq: int | None,
-        idem_key: str | None,
+        env: Envelope,
         fn: Callable[[SandboxFiles], Awaitable[T]],
         encode: Callable[[T], dict[str, Any]],
         decode: Callable[[dict[str, Any]], T],
@@ -51,9 +51,7 @@ class FileVerbs(EdgeCore):
 
         async def run(lv: LiveSandbox) -> T:
             files = self._files(lv)
-            return await self._logged(
-                lv, op, request, seq, idem_key, lambda: fn(files), encode, decode
-            )
+            return await self._logged(lv, op, request, env, lambda: fn(files), encode, decode)
 
         return await self._use(sandbox_id, owner, run)
 
@@ -65,8 +63,7 @@ class FileVerbs(EdgeCore):
         data: bytes,
         mode: int = 0o644,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> FileInfo:
         self._check_path(sandbox_id, owner, path)
         if not 0 <= mode <= 0o7777:
@@ -76,8 +73,7 @@ class FileVerbs(EdgeCore):
             owner,
             "write_file",
             {"path": path, "mode": mode, "data": data},
-            seq,
-            idem_key,
+            env,
             lambda f: f.write(path, data, mode),
             json_dump,
             FileInfo.model_validate,
@@ -115,8 +111,7 @@ class FileVerbs(EdgeCore):
         values: dict[str, str],
         *,
         clear_prefix: str | None = None,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> None:
         """See :class:`dsec.contract.edge.FileXattrs`."""
         self._check_path(sandbox_id, owner, path)
@@ -128,8 +123,7 @@ class FileVerbs(EdgeCore):
                 lv,
                 "set_xattrs",
                 {"path": path, "values": values, "clear_prefix": clear_prefix},
-                seq,
-                idem_key,
+                env,
                 lambda: files.set_xattrs(path, values, clear_prefix),
                 lambda _r: {},
                 lambda _d: None,
@@ -174,8 +168,7 @@ class FileVerbs(EdgeCore):
         path: str,
         recursive: bool = False,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> None:
         self._check_path(sandbox_id, owner, path)
         await self._logged_file_op(
@@ -183,8 +176,7 @@ class FileVerbs(EdgeCore):
             owner,
             "remove_file",
             {"path": path, "recursive": recursive},
-            seq,
-            idem_key,
+            env,
             lambda f: f.remove(path, recursive),
             lambda _r: {},
             lambda _d: None,
@@ -196,8 +188,7 @@ class FileVerbs(EdgeCore):
         owner: str,
         path: str,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> FileInfo:
         self._check_path(sandbox_id, owner, path)
         return await self._logged_file_op(
@@ -205,8 +196,7 @@ class FileVerbs(EdgeCore):
             owner,
             "make_dir",
             {"path": path},
-            seq,
-            idem_key,
+            env,
             lambda f: f.mkdir(path),
             json_dump,
             FileInfo.model_validate,
@@ -219,8 +209,7 @@ class FileVerbs(EdgeCore):
         src: str,
         dst: str,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> FileInfo:
         self._check_path(sandbox_id, owner, src)
         self._check_path(sandbox_id, owner, dst)
@@ -229,8 +218,7 @@ class FileVerbs(EdgeCore):
             owner,
             "rename_file",
             {"src": src, "dst": dst},
-            seq,
-            idem_key,
+            env,
             lambda f: f.rename(src, dst),
             json_dump,
             FileInfo.model_validate,
@@ -243,8 +231,7 @@ class FileVerbs(EdgeCore):
         path: str,
         data: bytes,
         *,
-        seq: int | None = None,
-        idem_key: str | None = None,
+        env: Envelope = NO_ENVELOPE,
     ) -> int:
         if len(data) > self.limits.max_tar_bytes:
             raise PayloadTooLarge(f"tar upload is larger than {self.limits.max_tar_bytes} bytes")
@@ -259,8 +246,7 @@ class FileVerbs(EdgeCore):
             owner,
             "upload_tar",
             {"path": path, "data": data},
-            seq,
-            idem_key,
+            env,
             lambda f: f.upload_tar(path, data),
             lambda n: {"files": n},
             lambda d: int(d.get("files", 0)),
