@@ -22,6 +22,7 @@ from tests.timing import budget
 
 from dsec.config import Paths
 from dsec.contract.runtime import Handle, SandboxSpec
+from dsec.errors import SandboxError
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import upper_dir
 from dsec.models import ExecRequest
@@ -159,6 +160,38 @@ async def test_memory_pressure_and_the_off_switch(pooled: ContainerRuntime, node
             await off.destroy(m)
     finally:
         await off.close()
+
+
+async def test_a_warm_container_the_pool_could_not_discard_is_gone_after_close(
+    node: Node,  # noqa: F811
+) -> None:
+    """A discard that fails (a kill that timed out on a saturated node) leaves nothing once
+    the runtime closes: no mount, directory, cgroup or process of the warm containers."""
+    paths, _, _ = node
+    rt = ContainerRuntime(
+        paths, LayerMounts(paths.layer_mounts), pool=PoolConfig(min_ready=2, max_total=4)
+    )
+    await rt.start()
+    try:
+        h = await rt.create(spec(node))  # a miss: the key is in demand, the pool fills
+        await rt.destroy(h)
+        await warm(rt, 2)
+        warm_ids = sorted(p.name for p in paths.sandboxes.glob("wp-*"))
+        real_destroy = rt.destroy
+
+        async def failing(handle: Handle) -> None:
+            if handle.id.startswith("wp-"):
+                raise SandboxError(f"killing {handle.id} did not finish (simulated)")
+            await real_destroy(handle)
+
+        rt.destroy = failing  # type: ignore[method-assign]
+    finally:
+        await rt.close()
+    assert len(warm_ids) == 2 and rt.pool.stats.discarded >= 2  # the pool tried, and failed
+    assert not list(paths.sandboxes.glob("wp-*"))
+    assert not [m for m in mount_points(paths.sandboxes) if "wp-" in str(m)]
+    # a cgroup goes only once no process is left in it
+    assert not [c for c in cgroup(rt.cgroup_parent).children() if c.startswith("wp-")]
 
 
 def test_fixture_home_is_clean(node: Node) -> None:  # noqa: F811

@@ -477,6 +477,14 @@ class ContainerRuntime:
         """Stop talking to the sandboxes (they keep running; :meth:`recover` finds them).
         Warm containers of the pool are destroyed."""
         await self.pool.close()
+        # a warm container is never recovered (no registry row names it): one the pool could
+        # not discard (a kill that failed under load) or whose making failed half-way is
+        # destroyed from what the node shows, so nothing of it outlives the runtime
+        for wid in self._leftover_warm():
+            try:
+                await self.destroy_orphan(wid)
+            except Exception as e:
+                log.warning("warm container %s left after close: %s", wid, e)
         for task in list(self._reclaims):
             task.cancel()
         if self._launch is not None:
@@ -919,6 +927,16 @@ class ContainerRuntime:
             raise
         live = self._live.pop(wid)
         return _Warm(wid, handle.state, live)
+
+    def _leftover_warm(self) -> list[str]:
+        """Warm containers this runtime made and did not discard or hand out, and warm
+        directories a failed make left."""
+        left = set(self._warm_ids)
+        with contextlib.suppress(OSError):
+            left.update(
+                d.name for d in self.paths.sandboxes.iterdir() if d.name.startswith(_WARM_PREFIX)
+            )
+        return sorted(left)
 
     async def _discard_warm(self, warm: _Warm) -> None:
         self._live[warm.id] = warm.live
