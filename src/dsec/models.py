@@ -677,6 +677,10 @@ class FileInfo(_Model):
     target: str | None = Field(None, description="symlink target")
 
 
+class FileList(_Model):
+    entries: list[FileInfo]
+
+
 class LayerInfo(_Model):
     digest: str = Field(description="sha256:<hex> of the EROFS file")
     kind: str = Field(description="base | workspace | toolkit")
@@ -773,6 +777,34 @@ class PullImageRequest(_Model):
         if v is not None and not _NAME.match(v):
             raise ValueError(f"invalid image name {v!r}")
         return v
+
+
+_PATH_SCHEMA: dict[str, Any] = {"pattern": r"^/[^\x00]{0,4095}$"}
+"""What a sandbox path looks like, documented; the edge checks it (and more: no ``..``) for
+every caller alike, and records a path that climbs out in the sandbox's audit."""
+
+
+class SandboxPathRequest(SandboxRef):
+    """A verb about one path inside a sandbox (``stat_file``, ``make_dir``). The edge checks
+    the path (absolute, no ``..``, no NUL, at most 4096 bytes), so every caller gets the
+    same refusal and a path that climbs out is recorded in the sandbox's audit."""
+
+    path: str = Field(
+        description="absolute path inside the sandbox", json_schema_extra=_PATH_SCHEMA
+    )
+
+
+class ListFilesRequest(SandboxPathRequest):
+    depth: int = Field(1, ge=1, le=32, description="levels below path")
+
+
+class RemoveFileRequest(SandboxPathRequest):
+    recursive: bool = Field(False, description="remove a directory with what it holds")
+
+
+class RenameRequest(SandboxRef):
+    src: str = Field(description="absolute path inside the sandbox", json_schema_extra=_PATH_SCHEMA)
+    dst: str = Field(description="absolute path inside the sandbox", json_schema_extra=_PATH_SCHEMA)
 
 
 class SetTTLRequest(SandboxRef):

@@ -8,6 +8,10 @@
   line, so a line that is not JSON is reported.
 * ``GET .../audit?follow=true`` streams until the sandbox stops (its documented answer): the
   fuzzer, which reads a whole answer before checking it, asks it without ``follow``.
+* A ``name`` (query or JSON body) that is a built-in image's gets a ``fuzz-`` prefix: a key's
+  own image of that name (a build, a snapshot, a pull) stands in for the built-in one for
+  that key, as documented, and the hand-written fuzz tests after this run create
+  ``busybox`` sandboxes with the same key.
 """
 
 from __future__ import annotations
@@ -47,9 +51,23 @@ def ndjson_body(ctx: Any, response: Any) -> Any:
     return response.content.decode()
 
 
+BUILTIN_NAMES = frozenset({"busybox", "debian", "e2b-base", "code-interpreter", "desktop"})
+
+
+def _rename_builtin(data: Any) -> Any:
+    if isinstance(data, dict) and data.get("name") in BUILTIN_NAMES:
+        return {**data, "name": f"fuzz-{data['name']}"}
+    return data
+
+
 @schemathesis.hook
 def map_query(ctx: Any, query: Any) -> Any:
     path = str(getattr(ctx.operation, "path", ""))
     if isinstance(query, dict) and path.endswith("/audit") and "follow" in query:
-        return {**query, "follow": False}
-    return query
+        query = {**query, "follow": False}
+    return _rename_builtin(query)
+
+
+@schemathesis.hook
+def map_body(ctx: Any, body: Any) -> Any:
+    return _rename_builtin(body)

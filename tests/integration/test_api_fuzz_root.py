@@ -33,6 +33,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -113,11 +114,16 @@ def _client(srv: Any, **kw: Any) -> httpx.Client:
 
 def _kill_everything(srv: Any) -> set[str]:
     """Kill every sandbox the fuzz made (``dsec serve`` keeps sandboxes across its own
-    restarts); the ids of all of them, stopped ones included."""
+    restarts) and delete the key's own images (a random build or snapshot may be named
+    ``busybox`` and would stand in for the built-in one for this key); the ids of all
+    sandboxes, stopped ones included."""
     with _client(srv) as c:
         live = c.get("/v1/sandboxes").json()["sandboxes"]
         for sb in live:
             c.delete(f"/v1/sandboxes/{sb['id']}")
+        for image in c.get("/v1/images").json()["images"]:
+            if image["owner"] != "system":
+                c.delete(f"/v1/images/{quote(image['name'], safe='/:')}")
         every = c.get("/v1/sandboxes", params={"include_stopped": "true"}).json()["sandboxes"]
         assert all(sb["state"] == "stopped" for sb in every), every
     return {sb["id"] for sb in every}

@@ -214,7 +214,7 @@ async def test_files_routes(client: httpx.AsyncClient, edge: FakeEdge) -> None:
         "entries"
     ]
     assert {e["path"] for e in listing} == {"/w/sub", "/w/sub/deep", "/w/sub/b.bin"}
-    assert edge.calls_to("list_files")[0]["depth"] == 2
+    assert edge.calls_to("list_files")[0]["req"].depth == 2
 
     tar_bytes = (await client.get(f"{base}/tar", params={"path": "/w"})).content
     with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:

@@ -31,9 +31,6 @@ from dsec.apiserver.schemas import (
     REPLAYED_HEADER,
     SANDBOX_ID_PATTERN,
     SANDBOX_PATH_PATTERN,
-    FileList,
-    MkdirRequest,
-    RenameRequest,
     SandboxList,
     TarUploadResult,
 )
@@ -286,51 +283,6 @@ async def write_file(
     mode_bits = int(mode.removeprefix("0o"), 8)
     data = await request.body()
     return await edge.write_file(sandbox_id, owner, path, data, mode_bits, env=s)
-
-
-@router.get("/{sandbox_id}/files/list", response_model=FileList, summary="List a directory")
-async def list_files(
-    sandbox_id: SandboxIdParam,
-    path: PathQuery,
-    edge: Edge,
-    owner: Owner,
-    depth: Annotated[int, Query(ge=1, le=32, description="levels below path")] = 1,
-) -> FileList:
-    return FileList(entries=await edge.list_files(sandbox_id, owner, path, depth))
-
-
-@router.get("/{sandbox_id}/files/stat", response_model=FileInfo, summary="Stat a path")
-async def stat_file(
-    sandbox_id: SandboxIdParam, path: PathQuery, edge: Edge, owner: Owner
-) -> FileInfo:
-    return await edge.stat_file(sandbox_id, owner, path)
-
-
-@router.delete("/{sandbox_id}/files", status_code=204, summary="Remove a path")
-async def remove_file(
-    sandbox_id: SandboxIdParam,
-    path: PathQuery,
-    edge: Edge,
-    owner: Owner,
-    s: Seq,
-    recursive: bool = False,
-) -> Response:
-    await edge.remove_file(sandbox_id, owner, path, recursive, env=s)
-    return Response(status_code=204)
-
-
-@router.post("/{sandbox_id}/files/mkdir", response_model=FileInfo, summary="Make a directory")
-async def make_dir(
-    sandbox_id: SandboxIdParam, req: MkdirRequest, edge: Edge, owner: Owner, s: Seq
-) -> FileInfo:
-    return await edge.make_dir(sandbox_id, owner, req.path, env=s)
-
-
-@router.post("/{sandbox_id}/files/rename", response_model=FileInfo, summary="Rename a path")
-async def rename_file(
-    sandbox_id: SandboxIdParam, req: RenameRequest, edge: Edge, owner: Owner, s: Seq
-) -> FileInfo:
-    return await edge.rename_file(sandbox_id, owner, req.src, req.dst, env=s)
 
 
 @router.put(

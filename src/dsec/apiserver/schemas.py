@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec.models import Capabilities, FileInfo, ImageInfo, LayerInfo, SandboxInfo
+from dsec.models import Capabilities, ImageInfo, LayerInfo, SandboxInfo
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
@@ -23,11 +23,8 @@ __all__ = [
     "CapabilityList",
     "ErrorBody",
     "ErrorDetail",
-    "FileList",
     "ImageList",
     "LayerList",
-    "MkdirRequest",
-    "RenameRequest",
     "SandboxList",
     "SandboxPath",
     "TarUploadResult",
@@ -87,10 +84,6 @@ class SandboxList(_Wire):
     sandboxes: list[SandboxInfo]
 
 
-class FileList(_Wire):
-    entries: list[FileInfo]
-
-
 class ImageList(_Wire):
     images: list[ImageInfo]
 
@@ -105,15 +98,6 @@ class CapabilityList(_Wire):
 
 class TarUploadResult(_Wire):
     files: int = Field(description="number of archive members written")
-
-
-class MkdirRequest(_Wire):
-    path: SandboxPath
-
-
-class RenameRequest(_Wire):
-    src: SandboxPath
-    dst: SandboxPath
 
 
 class Health(_Wire):

@@ -15,8 +15,9 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Path, Query
+from fastapi import APIRouter, Body, Depends, Path, Query, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError, create_model
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, current_owner
@@ -64,7 +65,7 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
         )
         for name in verb.path_params
     ]
-    if verb.method == "GET":
+    if verb.in_query:
         for name in verb.body_fields:
             f = verb.request.model_fields[name]
             default = (
@@ -76,7 +77,10 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
                 inspect.Parameter(
                     name,
                     kw,
-                    annotation=Annotated[f.annotation, Query(description=f.description)],
+                    annotation=Annotated[
+                        f.annotation,
+                        Query(description=f.description, json_schema_extra=f.json_schema_extra),
+                    ],
                     default=default,
                 )
             )
@@ -101,7 +105,7 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
 def _parse(verb: Verb, values: dict[str, Any]) -> BaseModel:
     body = values.pop("body", None)
     data = {n: values[n] for n in verb.path_params}
-    if verb.method == "GET":
+    if verb.in_query:
         data.update({n: values[n] for n in verb.body_fields})
     elif isinstance(body, BaseModel):
         data.update(body.model_dump(exclude_unset=True))
@@ -122,9 +126,12 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
                 await edge.get_sandbox(req.sandbox_id, owner)  # another key's: not found
             raise CapabilityNotSupported(f"this server's edge cannot {verb.name}")
         call = getattr(edge, verb.name)
-        if verb.sequenced:
-            return await call(req, owner, seq or NO_ENVELOPE)
-        return await call(req, owner)
+        answer = await (
+            call(req, owner, seq or NO_ENVELOPE) if verb.sequenced else call(req, owner)
+        )
+        if verb.answer is None:
+            return Response(status_code=verb.status)
+        return answer
 
     endpoint.__name__ = endpoint.__qualname__ = verb.name
     endpoint.__doc__ = verb.description or None
@@ -139,6 +146,7 @@ for _verb in VERBS:
         methods=[_verb.method],
         status_code=_verb.status,
         response_model=_verb.answer,
+        response_class=Response if _verb.answer is None else JSONResponse,
         summary=_verb.summary,
         description=_verb.description or None,
         tags=[_verb.tag],

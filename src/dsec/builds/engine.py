@@ -112,6 +112,7 @@ from dsec.models import (
     ExecResult,
     FileInfo,
     ImageInfo,
+    SandboxPathRequest,
     SandboxSnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
@@ -583,7 +584,9 @@ class ImageBuilder:
             exec_env = dict(_PIP_ENV)
         async with self._sandbox(b, ps, stack, ps.network, env=ps.env) as sid:
             if ps.workdir != "/":
-                await self.edge.make_dir(sid, b.owner, ps.workdir)
+                await self.edge.make_dir(
+                    SandboxPathRequest(sandbox_id=sid, path=ps.workdir), b.owner
+                )
             if isinstance(step, Run):
                 user = await self._exec_user(sid, b.owner, ps.user)
             req = ExecRequest(
@@ -638,7 +641,7 @@ class ImageBuilder:
         self, b: _Build, ps: PlannedStep, stack: list[str], outcome: _Outcome
     ) -> AsyncGenerator[Any, None]:
         async with self._sandbox(b, ps, stack, None, small=True) as sid:
-            await self.edge.make_dir(sid, b.owner, ps.workdir)
+            await self.edge.make_dir(SandboxPathRequest(sandbox_id=sid, path=ps.workdir), b.owner)
             outcome.layer = await self._snapshot(sid, b, None)
         return
         yield  # an async generator with no events
@@ -654,7 +657,9 @@ class ImageBuilder:
 
                 async def stat(path: str) -> FileInfo | None:
                     try:
-                        return await self.edge.stat_file(sid, b.owner, path)
+                        return await self.edge.stat_file(
+                            SandboxPathRequest(sandbox_id=sid, path=path), b.owner
+                        )
                     except FileNotFound:
                         return None
 

@@ -64,6 +64,7 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    FileList,
     ForkRequest,
     ForkResult,
     ImageInfo,
@@ -73,16 +74,20 @@ from dsec.models import (
     KeyQuota,
     KeyUsage,
     LayerInfo,
+    ListFilesRequest,
     LogLine,
     MigrateRequest,
     MigrateResult,
     NodeInfo,
     PauseRequest,
     PushImageResult,
+    RemoveFileRequest,
+    RenameRequest,
     RunCodeRequest,
     RunCodeResponse,
     SandboxInfo,
     SandboxMetrics,
+    SandboxPathRequest,
     SandboxRef,
     SandboxSnapshotRequest,
     SandboxUptime,
@@ -187,35 +192,16 @@ class EdgeAPI(Protocol):
         *,
         env: Envelope = NO_ENVELOPE,
     ) -> FileInfo: ...
-    async def list_files(
-        self, sandbox_id: str, owner: str, path: str, depth: int = 1
-    ) -> list[FileInfo]: ...
-    async def stat_file(self, sandbox_id: str, owner: str, path: str) -> FileInfo: ...
+    async def list_files(self, req: ListFilesRequest, owner: str) -> FileList: ...
+    async def stat_file(self, req: SandboxPathRequest, owner: str) -> FileInfo: ...
     async def remove_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        recursive: bool = False,
-        *,
-        env: Envelope = NO_ENVELOPE,
+        self, req: RemoveFileRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> None: ...
     async def make_dir(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        *,
-        env: Envelope = NO_ENVELOPE,
+        self, req: SandboxPathRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> FileInfo: ...
     async def rename_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        src: str,
-        dst: str,
-        *,
-        env: Envelope = NO_ENVELOPE,
+        self, req: RenameRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> FileInfo: ...
     async def upload_tar(
         self,
@@ -680,6 +666,55 @@ STREAM_VERBS: frozenset[str] = frozenset(
 them as streams (refusals raise from the first item)."""
 
 VERBS = VerbTable(
+    Verb(
+        "list_files",
+        ListFilesRequest,
+        FileList,
+        "GET",
+        "/sandboxes/{sandbox_id}/files/list",
+        EdgeAPI,
+        "List a directory",
+    ),
+    Verb(
+        "stat_file",
+        SandboxPathRequest,
+        FileInfo,
+        "GET",
+        "/sandboxes/{sandbox_id}/files/stat",
+        EdgeAPI,
+        "Stat a path",
+    ),
+    Verb(
+        "remove_file",
+        RemoveFileRequest,
+        None,
+        "DELETE",
+        "/sandboxes/{sandbox_id}/files",
+        EdgeAPI,
+        "Remove a path",
+        status=204,
+        sequenced=True,
+    ),
+    Verb(
+        "make_dir",
+        SandboxPathRequest,
+        FileInfo,
+        "POST",
+        "/sandboxes/{sandbox_id}/files/mkdir",
+        EdgeAPI,
+        "Make a directory",
+        sequenced=True,
+    ),
+    Verb(
+        "rename_file",
+        RenameRequest,
+        FileInfo,
+        "POST",
+        "/sandboxes/{sandbox_id}/files/rename",
+        EdgeAPI,
+        "Rename a path",
+        sequenced=True,
+    ),
     Verb(
         "set_ttl",
         SetTTLRequest,

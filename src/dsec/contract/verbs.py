@@ -74,7 +74,7 @@ class Verb:
     status: int = 200
     sequenced: bool = False
     tag: str = "sandboxes"
-    _answers: TypeAdapter[Any] = field(init=False, repr=False, compare=False)
+    _answers: TypeAdapter[Any] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         unknown = set(self.path_params) - set(self.request.model_fields)
@@ -82,7 +82,9 @@ class Verb:
             raise ValueError(f"verb {self.name}: path parameters {unknown} not in the request")
         if self.sandbox_scoped and "sandbox_id" not in self.path_params:
             raise ValueError(f"verb {self.name}: a sandbox verb's path names {{sandbox_id}}")
-        object.__setattr__(self, "_answers", TypeAdapter(self.answer))
+        object.__setattr__(
+            self, "_answers", TypeAdapter(self.answer) if self.answer is not None else None
+        )
 
     @property
     def sandbox_scoped(self) -> bool:
@@ -92,6 +94,11 @@ class Verb:
     @property
     def path_params(self) -> tuple[str, ...]:
         return tuple(_PATH_PARAM.findall(self.path))
+
+    @property
+    def in_query(self) -> bool:
+        """Whether the request's fields travel in the query (``GET``, ``DELETE``: no body)."""
+        return self.method in ("GET", "DELETE")
 
     @property
     def body_fields(self) -> tuple[str, ...]:
@@ -110,7 +117,9 @@ class Verb:
         return req.model_dump(mode="json", include=set(self.body_fields), exclude_unset=True)
 
     def read_answer(self, data: Any, context: dict[str, Any] | None = None) -> Any:
-        """The answer model of a JSON answer."""
+        """The answer model of a JSON answer (None for a verb that answers nothing)."""
+        if self._answers is None:
+            return None
         return self._answers.validate_python(data, context=context)
 
 

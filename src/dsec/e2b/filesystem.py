@@ -58,7 +58,14 @@ from dsec.contract.edge import (
 from dsec.e2b.errors import to_connect_error
 from dsec.e2b.users import SandboxUsers, user_from_headers
 from dsec.errors import CapabilityNotSupported, DsecError, FileNotFound, InvalidRequest
-from dsec.models import FileInfo
+from dsec.models import (
+    FileInfo,
+    FileList,
+    ListFilesRequest,
+    RemoveFileRequest,
+    RenameRequest,
+    SandboxPathRequest,
+)
 
 __all__ = ["METADATA_XATTR_PREFIX", "RECURSIVE_WATCH_DEPTH", "FilesystemService", "entry_info"]
 
@@ -234,7 +241,9 @@ class FilesystemService(filesystem_connect.Filesystem):
             base = posixpath.dirname(current.path) or "/"
             target = posixpath.normpath(posixpath.join(base, current.target or ""))
             try:
-                current = await self._edge.stat_file(sandbox_id, owner, target)
+                current = await self._edge.stat_file(
+                    SandboxPathRequest(sandbox_id=sandbox_id, path=target), owner
+                )
             except (FileNotFound, InvalidRequest):
                 return link.model_copy(update={"target": target})
         if current.type == "symlink":  # a loop
@@ -265,7 +274,8 @@ class FilesystemService(filesystem_connect.Filesystem):
 
     async def _listing(self, w: _Watcher) -> dict[str, tuple[Fingerprint, FileInfo]]:
         depth = RECURSIVE_WATCH_DEPTH if w.recursive else 1
-        infos = await self._edge.list_files(w.sandbox_id, w.owner, w.path, depth=depth)
+        req = ListFilesRequest(sandbox_id=w.sandbox_id, path=w.path, depth=depth)
+        infos = (await self._edge.list_files(req, w.owner)).entries
         return {i.path: ((i.type, i.size, i.mtime, i.mode), i) for i in infos if i.path != w.path}
 
     def _diff(
@@ -302,7 +312,9 @@ class FilesystemService(filesystem_connect.Filesystem):
     ) -> _Watcher:
         path = await self._abs(sandbox_id, owner, path, ctx)
         try:
-            info = await self._edge.stat_file(sandbox_id, owner, path)
+            info = await self._edge.stat_file(
+                SandboxPathRequest(sandbox_id=sandbox_id, path=path), owner
+            )
             if info.type != "dir":
                 raise InvalidRequest(f"path {path} is not a directory")
             w = _Watcher(sandbox_id, owner, path, recursive, include_entry, {})
@@ -332,7 +344,9 @@ class FilesystemService(filesystem_connect.Filesystem):
             entry = None
             if w.include_entry and ev.kind != "remove":
                 try:  # best effort, as envd: the entry of a path that still exists
-                    info = await self._edge.stat_file(w.sandbox_id, w.owner, ev.path)
+                    info = await self._edge.stat_file(
+                        SandboxPathRequest(sandbox_id=w.sandbox_id, path=ev.path), w.owner
+                    )
                     entry = (await self.entries(w.sandbox_id, w.owner, [info]))[0]
                 except (DsecError, ConnectError):
                     entry = None
@@ -402,7 +416,10 @@ class FilesystemService(filesystem_connect.Filesystem):
     async def stat(self, request: fs_pb.StatRequest, ctx: RequestContext) -> fs_pb.StatResponse:
         sandbox_id, owner = await self._authorize(ctx)
         path = await self._abs(sandbox_id, owner, request.path, ctx)
-        info = await self._call(sandbox_id, self._edge.stat_file(sandbox_id, owner, path))
+        info = await self._call(
+            sandbox_id,
+            self._edge.stat_file(SandboxPathRequest(sandbox_id=sandbox_id, path=path), owner),
+        )
         assert isinstance(info, FileInfo)
         return fs_pb.StatResponse(entry=(await self.entries(sandbox_id, owner, [info]))[0])
 
@@ -412,7 +429,9 @@ class FilesystemService(filesystem_connect.Filesystem):
         sandbox_id, owner = await self._authorize(ctx)
         path = await self._abs(sandbox_id, owner, request.path, ctx)
         try:
-            existing = await self._edge.stat_file(sandbox_id, owner, path)
+            existing = await self._edge.stat_file(
+                SandboxPathRequest(sandbox_id=sandbox_id, path=path), owner
+            )
         except FileNotFound:
             pass
         except DsecError as e:
@@ -423,7 +442,10 @@ class FilesystemService(filesystem_connect.Filesystem):
                     Code.INVALID_ARGUMENT, f"path {path} already exists but it is not a directory"
                 )
             raise ConnectError(Code.ALREADY_EXISTS, f"directory {path} already exists")
-        info = await self._call(sandbox_id, self._edge.make_dir(sandbox_id, owner, path))
+        info = await self._call(
+            sandbox_id,
+            self._edge.make_dir(SandboxPathRequest(sandbox_id=sandbox_id, path=path), owner),
+        )
         assert isinstance(info, FileInfo)
         return fs_pb.MakeDirResponse(entry=(await self.entries(sandbox_id, owner, [info]))[0])
 
@@ -431,7 +453,10 @@ class FilesystemService(filesystem_connect.Filesystem):
         sandbox_id, owner = await self._authorize(ctx)
         src = await self._abs(sandbox_id, owner, request.source, ctx)
         dst = await self._abs(sandbox_id, owner, request.destination, ctx)
-        info = await self._call(sandbox_id, self._edge.rename_file(sandbox_id, owner, src, dst))
+        info = await self._call(
+            sandbox_id,
+            self._edge.rename_file(RenameRequest(sandbox_id=sandbox_id, src=src, dst=dst), owner),
+        )
         assert isinstance(info, FileInfo)
         return fs_pb.MoveResponse(entry=(await self.entries(sandbox_id, owner, [info]))[0])
 
@@ -443,10 +468,13 @@ class FilesystemService(filesystem_connect.Filesystem):
         depth = request.depth or 1
         if depth > MAX_LIST_DEPTH:
             raise ConnectError(Code.INVALID_ARGUMENT, f"depth is at most {MAX_LIST_DEPTH}")
-        infos = await self._call(sandbox_id, self._edge.list_files(sandbox_id, owner, path, depth))
-        assert isinstance(infos, list)
+        req = ListFilesRequest(sandbox_id=sandbox_id, path=path, depth=depth)
+        listed = await self._call(sandbox_id, self._edge.list_files(req, owner))
+        assert isinstance(listed, FileList)
         return fs_pb.ListDirResponse(
-            entries=await self.entries(sandbox_id, owner, [i for i in infos if i.path != path])
+            entries=await self.entries(
+                sandbox_id, owner, [i for i in listed.entries if i.path != path]
+            )
         )
 
     async def remove(
@@ -457,7 +485,9 @@ class FilesystemService(filesystem_connect.Filesystem):
         if path == "/":
             raise ConnectError(Code.INVALID_ARGUMENT, "refusing to remove /")
         try:
-            await self._edge.remove_file(sandbox_id, owner, path, recursive=True)
+            await self._edge.remove_file(
+                RemoveFileRequest(sandbox_id=sandbox_id, path=path, recursive=True), owner
+            )
         except FileNotFound:
             pass  # as envd (os.RemoveAll): removing what is not there succeeds
         except DsecError as e:

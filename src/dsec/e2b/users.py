@@ -28,6 +28,7 @@ from connectrpc.errors import ConnectError
 
 from dsec.contract.edge import EdgeAPI
 from dsec.errors import DsecError, InvalidRequest, SandboxNotFound
+from dsec.models import SandboxPathRequest
 from dsec.runtimes.container.users import parse_group, parse_passwd
 
 __all__ = [
@@ -156,7 +157,9 @@ class SandboxUsers:
         if home in db.existing_dirs:
             return home
         try:
-            info = await self._edge.stat_file(sandbox_id, owner, home)
+            info = await self._edge.stat_file(
+                SandboxPathRequest(sandbox_id=sandbox_id, path=home), owner
+            )
         except SandboxNotFound:
             raise
         except DsecError:

@@ -222,7 +222,7 @@ class HttpClient:
                 headers[SEQ_HEADER] = str(envelope.seq)
             if envelope.idem_key is not None:
                 headers[IDEMPOTENCY_HEADER] = envelope.idem_key
-        get = verb.method == "GET"
+        get = verb.in_query
         response = await self.request(
             verb.method,
             verb.url(req),
@@ -231,7 +231,7 @@ class HttpClient:
             headers=headers or None,
             timeout=timeout,
         )
-        return verb.read_answer(response.json(), ANSWER)
+        return verb.read_answer(response.json() if verb.answer is not None else None, ANSWER)
 
     @asynccontextmanager
     async def stream(

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote
 
 import httpx
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel
 
 from dsec.canonical import canonical_digest  # the edge's request digest, to match it
 from dsec.contract.edge import VERBS
@@ -96,17 +96,22 @@ from dsec.models import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    FileList,
     ForkRequest,
     ForkResult,
     LayerInfo,
+    ListFilesRequest,
     LogLine,
     MigrateRequest,
     MigrateResult,
     OnTimeout,
     PauseRequest,
     PortAccess,
+    RemoveFileRequest,
+    RenameRequest,
     SandboxInfo,
     SandboxMetrics,
+    SandboxPathRequest,
     SandboxRef,
     SandboxSnapshotRequest,
     SandboxUptime,
@@ -178,7 +183,6 @@ NetworkPolicyLike = NetworkPolicy | Mapping[str, Any]
 """A :class:`dsec.NetworkPolicy` or its dict form (``{"allow_domains": [...], ...}``)."""
 
 _SANDBOX_ID = re.compile(r"^sb-[a-z0-9-]{1,64}$")
-_FILES = TypeAdapter(list[FileInfo])
 
 
 async def _call(callback: OutputCallback | None, data: str) -> None:
@@ -399,13 +403,17 @@ class AsyncFiles:
 
     async def list(self, path: str = "/", *, depth: int = 1) -> builtins.list[FileInfo]:
         """Entries under the directory ``path``, ``depth`` levels deep (1 = direct children)."""
-        r = await self._req("GET", "/files/list", params={"path": path, "depth": depth})
-        return _FILES.validate_python(r.json()["entries"], context=ANSWER)
+        sb = self._sandbox
+        req = validated(ListFilesRequest, sandbox_id=sb.id, path=path, depth=depth)
+        listed: FileList = await sb._client._http.call(VERBS["list_files"], req)
+        return listed.entries
 
     async def stat(self, path: str) -> FileInfo:
         """Metadata of ``path`` (not following a final symlink). Raises ``FileNotFound``."""
-        r = await self._req("GET", "/files/stat", params={"path": path})
-        return FileInfo.model_validate(r.json(), context=ANSWER)
+        sb = self._sandbox
+        req = validated(SandboxPathRequest, sandbox_id=sb.id, path=path)
+        info: FileInfo = await sb._client._http.call(VERBS["stat_file"], req)
+        return info
 
     async def exists(self, path: str) -> bool:
         """Whether ``path`` exists."""
@@ -418,21 +426,26 @@ class AsyncFiles:
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         """Remove a file, or a directory (non-empty only with ``recursive=True``)."""
         _check_path(path)
-        params = {"path": path, "recursive": "true" if recursive else "false"}
-        await self._changing("DELETE", "/files", params=params)
+        sb = self._sandbox
+        req = validated(RemoveFileRequest, sandbox_id=sb.id, path=path, recursive=recursive)
+        await sb._sequenced_call(VERBS["remove_file"], req)
 
     async def make_dir(self, path: str) -> FileInfo:
         """Create directory ``path`` and its parents (no error if it exists)."""
         _check_path(path)
-        r = await self._changing("POST", "/files/mkdir", json={"path": path})
-        return FileInfo.model_validate(r.json(), context=ANSWER)
+        sb = self._sandbox
+        req = validated(SandboxPathRequest, sandbox_id=sb.id, path=path)
+        info: FileInfo = await sb._sequenced_call(VERBS["make_dir"], req)
+        return info
 
     async def rename(self, src: str, dst: str) -> FileInfo:
         """Rename ``src`` to ``dst``."""
         _check_path(src)
         _check_path(dst)
-        r = await self._changing("POST", "/files/rename", json={"src": src, "dst": dst})
-        return FileInfo.model_validate(r.json(), context=ANSWER)
+        sb = self._sandbox
+        req = validated(RenameRequest, sandbox_id=sb.id, src=src, dst=dst)
+        info: FileInfo = await sb._sequenced_call(VERBS["rename_file"], req)
+        return info
 
     async def upload_dir(
         self,
@@ -963,7 +976,9 @@ class AsyncSandbox:
             await self._settle_seq(seq, err)
             raise
 
-    async def _sequenced_call(self, verb: Verb, req: BaseModel, *, timeout: float) -> Any:
+    async def _sequenced_call(
+        self, verb: Verb, req: BaseModel, *, timeout: float | None = None
+    ) -> Any:
         """Send one state-changing verb of the table under the next sequence number."""
         seq = self._take_seq()
         try:

@@ -18,7 +18,14 @@ from dsec.errors import (
     PathOutsideSandbox,
     PayloadTooLarge,
 )
-from dsec.models import FileInfo
+from dsec.models import (
+    FileInfo,
+    FileList,
+    ListFilesRequest,
+    RemoveFileRequest,
+    RenameRequest,
+    SandboxPathRequest,
+)
 
 log = logging.getLogger("dsec.edge")
 
@@ -147,29 +154,23 @@ class FileVerbs(EdgeCore):
         self.metrics.file_ops.labels("watch").inc()
         return await files.watch(path, recursive)
 
-    async def list_files(
-        self, sandbox_id: str, owner: str, path: str, depth: int = 1
-    ) -> list[FileInfo]:
+    async def list_files(self, req: ListFilesRequest, owner: str) -> FileList:
+        sandbox_id, path, depth = req.sandbox_id, req.path, req.depth
         self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("list").inc()
-        if not 1 <= depth <= 32:
-            raise InvalidRequest("depth must be between 1 and 32")
-        return await self._use(sandbox_id, owner, lambda lv: self._files(lv).list(path, depth))
+        entries = await self._use(sandbox_id, owner, lambda lv: self._files(lv).list(path, depth))
+        return FileList(entries=entries)
 
-    async def stat_file(self, sandbox_id: str, owner: str, path: str) -> FileInfo:
+    async def stat_file(self, req: SandboxPathRequest, owner: str) -> FileInfo:
+        sandbox_id, path = req.sandbox_id, req.path
         self._check_path(sandbox_id, owner, path)
         self.metrics.file_ops.labels("stat").inc()
         return await self._use(sandbox_id, owner, lambda lv: self._files(lv).stat(path))
 
     async def remove_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        recursive: bool = False,
-        *,
-        env: Envelope = NO_ENVELOPE,
+        self, req: RemoveFileRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> None:
+        sandbox_id, path, recursive = req.sandbox_id, req.path, req.recursive
         self._check_path(sandbox_id, owner, path)
         await self._logged_file_op(
             sandbox_id,
@@ -183,13 +184,9 @@ class FileVerbs(EdgeCore):
         )
 
     async def make_dir(
-        self,
-        sandbox_id: str,
-        owner: str,
-        path: str,
-        *,
-        env: Envelope = NO_ENVELOPE,
+        self, req: SandboxPathRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> FileInfo:
+        sandbox_id, path = req.sandbox_id, req.path
         self._check_path(sandbox_id, owner, path)
         return await self._logged_file_op(
             sandbox_id,
@@ -203,14 +200,9 @@ class FileVerbs(EdgeCore):
         )
 
     async def rename_file(
-        self,
-        sandbox_id: str,
-        owner: str,
-        src: str,
-        dst: str,
-        *,
-        env: Envelope = NO_ENVELOPE,
+        self, req: RenameRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> FileInfo:
+        sandbox_id, src, dst = req.sandbox_id, req.src, req.dst
         self._check_path(sandbox_id, owner, src)
         self._check_path(sandbox_id, owner, dst)
         return await self._logged_file_op(
