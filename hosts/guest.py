@@ -55,6 +55,8 @@ class RunOptions:
         tiers: the tiers ``dsec serve`` runs with (``DSEC_TIERS``) and the checks cover.
         images: the image each tier's sandboxes use.
         conformance: run the conformance suite in full mode.
+        tests: pytest paths of the checkout (``tests/integration/test_groups_root.py``,
+            a directory or a node id) run in the guest after the checks, in any mode.
         timeout_s: the whole guest, boot to power-off (TCG guests are ~10x slower).
         memory_mb, cpus: the guest's.
         nice: QEMU's niceness (a guest run beside other work, e.g. CI's smoke beside the
@@ -67,6 +69,7 @@ class RunOptions:
         default_factory=lambda: {"container": "debian", "fncall": "debian"}
     )
     conformance: bool = True
+    tests: tuple[str, ...] = ()
     timeout_s: float = 5400
     memory_mb: int = 4096
     cpus: int = 2
@@ -207,6 +210,7 @@ def run_host(host: HostSpec, run_dir: Path, options: RunOptions) -> GuestRun:
         "mode": options.mode,
         "tiers": list(options.tiers),
         "images": options.images,
+        "tests": list(options.tests),
         # the guest's own budget ends before the host's time-out, so it can report
         "budget_s": max(300.0, options.timeout_s - 240),
     }

@@ -14,7 +14,9 @@ Two stages, so that a broken dsec never loses the facts about the host:
    create-to-first-exec latency; then every sandbox killed, the server stopped, and no
    cgroup, mount, loop device or process of dsec's may be left; then, in full mode, the
    conformance suite of the checkout's tests for the same tiers (within what is left of the
-   budget, at most :data:`CONFORMANCE_MAX_S`) and the leftovers again.
+   budget, at most :data:`CONFORMANCE_MAX_S`) and the leftovers again; then the tests the
+   matrix was given with ``--tests`` (config ``tests``: pytest paths of the checkout, in any
+   mode, within what is left of the budget) and the leftovers again.
 
 Every check is recorded as it finishes (``out/checks.json``), with pass/fail/skip, the error
 text and what was measured; a check that does not return within its time-out is recorded
@@ -990,27 +992,56 @@ def _doctor(env: dict[str, str], rec: Recorder) -> None:
 
 CONFORMANCE_MAX_S = 1200
 """The most the conformance suite gets (less when the run's budget has less left)."""
+TESTS_SLOWNESS = "8"
+"""``DSEC_TEST_SLOWNESS`` for tests chosen with ``--tests``: their waits are written for
+this machine at full speed, and guest code under TCG runs ~10x slower (8 is the most
+``tests/timing.py`` allows)."""
 
 
 def _conformance(payload: Path, env: dict[str, str], tiers: list[str], rec: Recorder) -> None:
     """The checkout's conformance suite for ``tiers``, in its own in-process server, its
     output streamed to ``out/conformance.log``; bounded by what is left of the budget."""
+    # pytest-timeout's limits (300 s by default) stretched x2 (tests/timing.py)
+    selection = ["tests/conformance", "-k", " or ".join(tiers)]
+    _pytest(payload, env, "conformance", selection, "2", CONFORMANCE_MAX_S, rec)
+
+
+def _tests(payload: Path, env: dict[str, str], paths: list[str], rec: Recorder) -> None:
+    """The checkout's tests ``paths`` (files, directories or node ids, as the matrix's
+    ``--tests`` gave them), output in ``out/tests.log``; bounded by what is left of the
+    budget, and failed when any of them failed, errored or was skipped for want of a tier."""
+    _pytest(payload, env, "tests", paths, TESTS_SLOWNESS, None, rec)
+
+
+def _pytest(
+    payload: Path,
+    env: dict[str, str],
+    name: str,
+    selection: list[str],
+    slowness: str,
+    max_s: float | None,
+    rec: Recorder,
+) -> None:
+    """pytest over ``selection`` in the payload's tree, recorded as check ``name`` with
+    its counts (junit report ``out/<name>.xml``, output ``out/<name>.log``); at most
+    ``max_s`` seconds (None: what is left of the run's budget)."""
     out = payload / "out"
-    xml = out / "conformance.xml"
-    deadline = float(os.environ.get("HOSTCHECK_DEADLINE") or time.time() + CONFORMANCE_MAX_S)
-    limit_s = min(CONFORMANCE_MAX_S, deadline - time.time() - 180)
+    xml = out / f"{name}.xml"
+    deadline = float(os.environ.get("HOSTCHECK_DEADLINE") or time.time() + (max_s or 3600))
+    limit_s = deadline - time.time() - 180
+    if max_s is not None:
+        limit_s = min(max_s, limit_s)
     if limit_s < 120:
-        rec.check("conformance", _skip(f"no time left in the run's budget ({limit_s:.0f} s)"))
+        rec.check(name, _skip(f"no time left in the run's budget ({limit_s:.0f} s)"))
         return
 
     def run() -> dict[str, Any]:
         argv = [
-            str(VENV / "bin/python"), "-m", "pytest", "tests/conformance", "-q", "-rfs",
-            "-p", "no:cacheprovider", "-k", " or ".join(tiers), f"--junitxml={xml}",
+            str(VENV / "bin/python"), "-m", "pytest", *selection, "-q", "-rfs",
+            "-p", "no:cacheprovider", f"--junitxml={xml}",
         ]  # fmt: skip
-        # pytest-timeout's limits (300 s by default) stretched x2 (tests/timing.py)
-        test_env = {**env, "DSEC_TEST_WARM": "0", "DSEC_TEST_SLOWNESS": "2", "PYTHONPATH": "."}
-        with (out / "conformance.log").open("wb") as log:
+        test_env = {**env, "DSEC_TEST_WARM": "0", "DSEC_TEST_SLOWNESS": slowness, "PYTHONPATH": "."}
+        with (out / f"{name}.log").open("wb") as log:
             proc = subprocess.Popen(
                 argv,
                 cwd=payload / "tree",
@@ -1026,7 +1057,7 @@ def _conformance(payload: Path, env: dict[str, str], tiers: list[str], rec: Reco
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(60)
                 rc = None
-        output = _read(out / "conformance.log")
+        output = _read(out / f"{name}.log")
         counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
         failures = []
         skips: dict[str, int] = {}
@@ -1063,7 +1094,7 @@ def _conformance(payload: Path, env: dict[str, str], tiers: list[str], rec: Reco
             )
         return detail
 
-    rec.check("conformance", run, limit_s + 120)
+    rec.check(name, run, limit_s + 120)
 
 
 def stage2(payload: Path) -> int:
@@ -1110,13 +1141,17 @@ def stage2(payload: Path) -> int:
         rec.check("sandboxes.killed", _kill_every_sandbox, 600)
         rec.check("serve.stop", serve.stop, 300)
     clean = rec.check("leftovers", lambda: _no_leftovers(), 120)
+    suites: list[tuple[str, Callable[[], None]]] = []
     if config.get("conformance") and config["mode"] == "full":
+        suites.append(("conformance", lambda: _conformance(payload, env, tiers, rec)))
+    if config.get("tests"):  # the matrix's --tests
+        suites.append(("tests", lambda: _tests(payload, env, list(config["tests"]), rec)))
+    for name, run in suites:
         if not clean:  # its tests would hang or skip on what the checks left behind
-            why = "the checks above left the node unclean (leftovers failed)"
-            rec.check("conformance", _skip(why))
-            return 0
-        _conformance(payload, env, tiers, rec)
-        rec.check("leftovers.after_conformance", lambda: _no_leftovers(), 120)
+            rec.check(name, _skip("the checks above left the node unclean (leftovers failed)"))
+            continue
+        run()
+        clean = rec.check(f"leftovers.after_{name}", lambda: _no_leftovers(), 120)
     return 0
 
 

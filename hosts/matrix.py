@@ -4,7 +4,7 @@ Usage (root; ``make host-matrix`` runs the default set)::
 
     .venv/bin/python -m hosts.matrix [--hosts debian12-6.1-v2,debian12-6.12-v2 | all]
         [--mode full|smoke] [--no-conformance] [--out benchmarks/results/host_matrix.json]
-        [--work /var/tmp/dsec-host-matrix] [--timeout 5400]
+        [--work /var/tmp/dsec-host-matrix] [--timeout 5400] [--tests PATH [PATH ...]]
 
 Each host boots (never two guests at once: a CI machine has two cores), runs the checks of
 ``hosts/inguest.py`` and powers off; the matrix prints a table (host, kernel, cgroup layout
@@ -12,6 +12,12 @@ as measured in the guest, tiers available or why not in the words of ``dsec doct
 ``dsec info``, checks passed/failed/skipped, create-to-first-exec p50 per tier, time) and
 writes every result as JSON. The evidence of each guest (serial console, the guest's logs,
 ``dsec serve``'s log, the conformance suite's output) stays in ``--work``.
+
+``--tests`` runs chosen tests of this checkout in each guest after the checks (files,
+directories or node ids, as pytest takes them; e.g. the fork and group tests with
+``--mode smoke --tiers container --tests tests/integration/test_groups_root.py``): one
+check ``tests`` with their counts, printed under the table; their output and junit report
+are ``out/tests.log`` and ``out/tests.xml`` in the host's evidence.
 
 Exit status: 0 when every host ran to the end (whatever its checks said), 1 when a guest
 could not report at all: the matrix measures, it does not judge.
@@ -90,9 +96,15 @@ def summarize(run: GuestRun, tiers: tuple[str, ...]) -> dict[str, Any]:
     facts = r.get("facts") or {}
     doctor = r.get("doctor") or {}
     conformance = {}
+    suites: dict[str, dict[str, int]] = {}
     for c in checks:
         if c["name"] == "conformance":
             conformance["conformance_s"] = c["seconds"]
+        if c["name"] in ("conformance", "tests"):
+            detail = c.get("detail") or {}
+            keys = ("passed", "failed", "errors", "skipped")
+            if any(k in detail for k in keys):
+                suites[c["name"]] = {k: int(detail.get(k) or 0) for k in keys}
     return {
         "host": run.host.name,
         "kernel": facts.get("kernel") or r.get("host", {}).get("kernel_release", "?"),
@@ -104,6 +116,7 @@ def summarize(run: GuestRun, tiers: tuple[str, ...]) -> dict[str, Any]:
         "skipped": len(skipped),
         "failed_checks": failed,
         "p50_ms": p50,
+        "suites": suites,
         "error": r.get("error"),
         "phases": {**run.phases, **(r.get("phases") or {}), **conformance},
     }
@@ -137,6 +150,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         out.append("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)))
     for row in rows:
         out.append(f"{row['host']}: {_phases(row)}")
+        for name, n in (row.get("suites") or {}).items():
+            counts = ", ".join(f"{v} {k}" for k, v in n.items())
+            out.append(f"{row['host']}: {name} {counts}")
         if row["failed_checks"] or row["error"]:
             out.append(f"{row['host']}: failed {', '.join(row['failed_checks']) or '-'}")
             if row["error"]:
@@ -170,7 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/host_matrix.json")
     parser.add_argument("--work", type=Path, default=Path("/var/tmp/dsec-host-matrix"))
     parser.add_argument("--timeout", type=float, default=5400, help="seconds per guest")
+    parser.add_argument(
+        "--tests",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="tests of this checkout to run in each guest after the checks (pytest paths)",
+    )
     args = parser.parse_args(argv)
+    missing = [t for t in args.tests if not (REPO / t.split("::", 1)[0]).exists()]
+    if missing:
+        parser.error(f"no such test path in {REPO}: {', '.join(missing)}")
     if os.geteuid() != 0:
         print("the host matrix needs root (debootstrap, mkfs, QEMU's disks)", file=sys.stderr)
         return 2
@@ -184,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         tiers=tiers,
         images={t: ("busybox" if args.mode == "smoke" else "debian") for t in tiers},
         conformance=not args.no_conformance,
+        tests=tuple(args.tests),
         timeout_s=args.timeout,
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -193,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkout": _checkout(),
         "mode": args.mode,
         "tiers": list(tiers),
+        "tests": list(args.tests),
         "hosts": [],
     }
     unreported = 0

@@ -9,7 +9,7 @@ The guest has no network, so everything it installs or uses comes from here:
   missing): the guest cannot debootstrap. The guest files them under the cache key its own
   dsec computes (``inguest.py``).
 * ``tree/``: ``tests/``, ``benchmarks/hostprobe.py`` and ``pyproject.toml`` (pytest's
-  configuration) for the conformance suite.
+  configuration) for the conformance suite and the tests chosen with ``--tests``.
 * ``inguest.py`` (run by the image's unit), ``config.json`` (what to check), ``out/`` (the
   guest's results, read back with ``debugfs``).
 
@@ -87,10 +87,11 @@ def _link_or_copy(src: Path, dest: Path) -> None:
 def build_payload(dest: Path, config: dict[str, Any], *, conformance: bool = True) -> None:
     """Fill ``dest`` (empty) with what the guest needs to check ``config``'s host: the
     layers of the images ``config["images"]`` names for its tiers (and those of the
-    conformance suite's images, with ``conformance``)."""
+    conformance suite's images, with ``conformance`` or tests in ``config["tests"]``)."""
     dest.mkdir(parents=True, exist_ok=True)
     names = {config["images"][t] for t in config["tiers"]}
-    if conformance:
+    with_tree = conformance or bool(config.get("tests"))
+    if with_tree:  # the tests' own images: busybox for the container tier, debian
         names |= {CONFORMANCE_IMAGES[t] for t in config["tiers"] if t in CONFORMANCE_IMAGES}
     dsec_wheel(dest / "wheels")
     images = dest / "images"
@@ -100,7 +101,7 @@ def build_payload(dest: Path, config: dict[str, Any], *, conformance: bool = Tru
         _link_or_copy(path, images / f"{name}.erofs")
         digest = path.name.rsplit("-", 1)[1].removesuffix(".erofs")
         layers[name] = {"file": f"images/{name}.erofs", "sha256": digest}
-    if conformance:
+    if with_tree:
         tree = dest / "tree"
         ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "evidence")
         shutil.copytree(REPO / "tests", tree / "tests", ignore=ignore)

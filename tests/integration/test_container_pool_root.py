@@ -21,7 +21,7 @@ from tests.integration.test_container_runtime import (  # noqa: F401
 from tests.timing import budget
 
 from dsec.config import Paths
-from dsec.contract.runtime import Handle, SandboxSpec
+from dsec.contract.runtime import Handle, SandboxSpec, capabilities_of
 from dsec.errors import SandboxError
 from dsec.layers.mounts import LayerMounts
 from dsec.layers.rootfs import upper_dir
@@ -62,6 +62,10 @@ async def pooled(node: Node) -> AsyncIterator[ContainerRuntime]:  # noqa: F811
         paths, LayerMounts(paths.layer_mounts), pool=PoolConfig(min_ready=1, max_total=4)
     )
     await rt.start()
+    cap = capabilities_of(rt)
+    if not cap.available:  # a host of the matrix that dsec refuses: its reason, as a skip
+        await rt.close()
+        pytest.skip(f"the container tier is unavailable on this node: {cap.reason}")
     yield rt
     await rt.close()
     assert not list(paths.sandboxes.glob("wp-*")), "warm containers left after close"
@@ -121,7 +125,9 @@ async def test_a_claimed_container_is_a_fresh_sandbox(pooled: ContainerRuntime, 
         with open(f"/proc/{init}/cgroup") as f:
             assert h.state["warm_id"] in f.read()
         mine = [d for d in cg.every_dir() if d.is_dir()]
-        assert set(cg.dirs().values()) <= set(mine)  # v1: memory, cpu, pids, freezer...
+        # v1: memory, cpu, pids, freezer... (resolved: a stock v1 host co-mounts cpu and
+        # cpuacct at cpu,cpuacct, and dirs() names them through their symbolic links)
+        assert {d.resolve() for d in cg.dirs().values()} <= {d.resolve() for d in mine}
         for d in mine:
             assert os.getxattr(d, "trusted.dsec.sandbox") == h.id.encode(), d
         assert os.getpriority(os.PRIO_PROCESS, init) == 0  # made at nice 10, claimed at 0
