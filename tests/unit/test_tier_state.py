@@ -6,6 +6,7 @@ from __future__ import annotations
 from dsec.contract.runtime import Handle
 from dsec.models import CreateSandboxRequest
 from dsec.runtimes.container.state import ContainerState
+from dsec.runtimes.microvm.state import MicrovmState
 from dsec.testing import FakeEdge, MemoryState
 
 OLD_CONTAINER_HANDLE = {  # as an older dsec's container tier wrote it (no layer scope)
@@ -74,3 +75,45 @@ async def test_the_memory_runtime_keeps_its_typed_state() -> None:
     rt = edge.runtimes["container"]
     assert await rt.recover(Handle(info.id, {"fake": True}))  # a handle of an older dsec
     await edge.close()
+
+
+OLD_MICROVM_HANDLE = {  # as an older dsec's microvm tier wrote it
+    "dir": "/var/lib/dsec/microvm/sandboxes/sb-n-2",
+    "pid": 5151,
+    "accel": "kvm",
+    "vcpus": 2,
+    "memory_mb": 1024,
+    "disk_mb": 2048,
+    "workdir": "/root",
+    "env": {"A": "1"},
+    "user": None,
+    "hostname": "sandbox",
+    "template": None,
+    "cpu": 1.5,
+    "pids": 1024,
+    "layer_paths": ["/var/lib/dsec/layers/a.erofs"],
+    "full_guest": False,
+    "qemu_name": "pool-1234",
+}
+
+
+def test_an_old_microvm_handle_parses_and_keeps_its_machine() -> None:
+    handle = Handle("sb-n-2", dict(OLD_MICROVM_HANDLE))
+    st = handle.typed(MicrovmState)
+    assert (st.pid, st.vcpus, st.memory_mb, st.disk_mb, st.cpu) == (5151, 2, 1024, 2048, 1.5)
+    assert (st.qemu_name, st.template, st.forked_from, st.workdir) == (
+        "pool-1234",
+        None,
+        None,
+        "/root",
+    )
+    st.pid = 0  # suspended to a file
+    handle.keep(st)
+    unset = {k for k, v in OLD_MICROVM_HANDLE.items() if v is None}  # left out of the JSON
+    assert unset == {"template", "user"}
+    assert handle.state == {
+        **{k: v for k, v in OLD_MICROVM_HANDLE.items() if k not in unset},
+        "pid": 0,
+    }
+    # a handle from before memory snapshots: no machine description
+    assert Handle("sb-n-3", {"pid": 7}).typed(MicrovmState).vcpus is None
