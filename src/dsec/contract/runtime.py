@@ -120,7 +120,9 @@ class Handle:
 
     def typed(self, model: type[S]) -> S:
         """:attr:`state` as the tier's model ``model``: parsed at the first call, the same
-        object after that (until :attr:`state` is replaced)."""
+        object after that (until :attr:`state` is replaced). A change to the model is the
+        edge's to store only once given back with :meth:`keep`; a change made to
+        :attr:`state` in place is not seen by a model already parsed."""
         cached = self._typed
         if cached is not None and cached[0] is self.state and isinstance(cached[1], model):
             return cached[1]
