@@ -78,6 +78,7 @@ from dsec.contract.runtime import (
     RuntimeFacts,
     SandboxFiles,
     SandboxSpec,
+    TierState,
 )
 from dsec.edge.agent import EdgeAgent, EdgeLimits
 from dsec.errors import (
@@ -620,6 +621,13 @@ class MemoryLayers:
 # --- the runtime -----------------------------------------------------------------------------
 
 
+class MemoryState(TierState):
+    """What a :class:`MemoryRuntime` handle keeps: that it is one (the sandbox itself lives
+    in the runtime's memory and dies with it)."""
+
+    fake: bool = True
+
+
 @dataclass
 class _Sandbox:
     spec: SandboxSpec
@@ -675,7 +683,7 @@ class MemoryRuntime:
             for path, node in self.layers.files_of(digest).items():
                 files.put(path, node.data, node.mode)
         self.sandboxes[spec.id] = _Sandbox(spec, files, spec.network)
-        return Handle(spec.id, {"fake": True})
+        return Handle.of(spec.id, MemoryState())
 
     def _get(self, handle: Handle) -> _Sandbox:
         sb = self.sandboxes.get(handle.id)
@@ -704,7 +712,7 @@ class MemoryRuntime:
         self.sandboxes.pop(handle.id, None)
 
     async def recover(self, handle: Handle) -> bool:
-        return handle.id in self.sandboxes
+        return handle.typed(MemoryState).fake and handle.id in self.sandboxes
 
     async def alive(self, handle: Handle) -> bool:
         return handle.id in self.sandboxes

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
 
 from dsec.models import Capabilities, ExecRequest, ExecResult, FileInfo, LayerInfo, SnapshotRequest
 
@@ -81,13 +83,58 @@ class SandboxSpec:
     owner: str = ""
 
 
+class TierState(BaseModel):
+    """A tier's record of one sandbox, typed: the base of each tier's model of what its
+    :class:`Handle` keeps (its fields have defaults, so a record an older dsec wrote, with
+    fewer fields, still parses; a field this dsec does not know is kept as it is)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def dump(self) -> dict[str, Any]:
+        """The JSON form (:attr:`Handle.state`): unset fields (None) are left out."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+S = TypeVar("S", bound=TierState)
+
+
 @dataclass
 class Handle:
     """A runtime's record of one sandbox. ``state`` must be JSON-serialisable: the edge
-    stores it in the registry and gives it back to ``recover()`` after a restart."""
+    stores it in the registry and gives it back to ``recover()`` after a restart. A tier
+    reads it as its own :class:`TierState` model (:meth:`typed`: parsed once per handle)
+    and gives a changed or new one back with :meth:`keep` (or :meth:`of`)."""
 
     id: str
     state: dict[str, Any] = field(default_factory=dict)
+    _typed: tuple[dict[str, Any], TierState] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    @classmethod
+    def of(cls, sandbox_id: str, state: TierState) -> Handle:
+        """A handle of ``sandbox_id`` whose state is the tier's model ``state``."""
+        handle = cls(sandbox_id)
+        handle.keep(state)
+        return handle
+
+    def typed(self, model: type[S]) -> S:
+        """:attr:`state` as the tier's model ``model``: parsed at the first call, the same
+        object after that (until :attr:`state` is replaced). A change to the model is the
+        edge's to store only once given back with :meth:`keep`; a change made to
+        :attr:`state` in place is not seen by a model already parsed."""
+        cached = self._typed
+        if cached is not None and cached[0] is self.state and isinstance(cached[1], model):
+            return cached[1]
+        typed = model.model_validate(self.state)
+        self._typed = (self.state, typed)
+        return typed
+
+    def keep(self, state: TierState) -> None:
+        """Make the tier's model ``state`` (changed or new) this handle's: :attr:`state`
+        becomes its JSON form, what the edge stores."""
+        self.state = state.dump()
+        self._typed = (self.state, state)
 
 
 @runtime_checkable

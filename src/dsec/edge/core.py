@@ -37,7 +37,7 @@ from dsec.edge.metrics import EdgeMetrics
 from dsec.edge.ports import PortGateway, TrackedStream
 from dsec.edge.quotas import QuotaGuard
 from dsec.edge.references import ImageReferences, short_name_registry_from_env
-from dsec.edge.registry import Registry, SandboxRow
+from dsec.edge.registry import Registry, ResolvedRequest, SandboxRow
 from dsec.edge.start import StartProcess
 from dsec.edge.trajectory import TrajectoryLog
 from dsec.errors import (
@@ -282,39 +282,39 @@ class EdgeCore:
         return rt
 
     def _info(self, row: SandboxRow, next_seq: int | None = None) -> SandboxInfo:
-        req = row.request
+        spec = row.request
         exp = row.expires_at if row.state in ("running", "creating") else None
-        if row.state == "paused" and row.paused_at is not None and req.get("paused_ttl_s"):
-            exp = row.paused_at + float(req["paused_ttl_s"])
+        if row.state == "paused" and row.paused_at is not None and spec.paused_ttl_s:
+            exp = row.paused_at + spec.paused_ttl_s
         lv = self._live.get(row.id)
         return SandboxInfo(
             id=row.id,
             tier=row.tier,
-            image=req.get("image", ""),
-            layers=req.get("layers", []),
+            image=spec.image,
+            layers=spec.layers,
             state=row.state,
-            cpu=req.get("cpu", 1.0),
-            memory_mb=req.get("memory_mb", 0),
-            disk_mb=req.get("disk_mb", 0),
-            pids=req.get("pids", 1024),
+            cpu=spec.cpu,
+            memory_mb=spec.memory_mb,
+            disk_mb=spec.disk_mb,
+            pids=spec.pids,
             labels=row.labels,
             job=row.job,
-            user=req.get("user"),
-            workdir=req.get("workdir", "/"),
+            user=spec.user,
+            workdir=spec.workdir,
             node=self.node,
             created_at=utc_datetime(row.created_at),
             updated_at=utc_datetime(row.updated_at),
             expires_at=utc_datetime(exp) if exp is not None else None,
             ttl_s=row.ttl_s,
             stopped_reason=row.stopped_reason,
-            on_timeout=req.get("on_timeout", "kill"),
-            paused_ttl_s=req.get("paused_ttl_s"),
+            on_timeout=spec.on_timeout,
+            paused_ttl_s=spec.paused_ttl_s,
             paused_at=utc_datetime(row.paused_at) if row.paused_at else None,
             last_pause=lv.last_pause if lv is not None else None,
             next_seq=self.trajectory.next_seq(row.id) if next_seq is None else next_seq,
-            network=req.get("network"),
+            network=spec.network,
             forked_from=row.forked_from,
-            public_ports=bool(req.get("public_ports", False)),
+            public_ports=spec.public_ports,
         )
 
     def _lookup_row(self, sandbox_id: str, owner: str) -> SandboxRow:
@@ -396,17 +396,12 @@ class EdgeCore:
         return alive
 
     def _add_live(self, lv: LiveSandbox) -> None:
-        req = lv.row.request
         row = lv.row
         self.audit.sandbox_added(
             row.id, row.owner, row.tier, row.job, self.runtimes.get(row.tier), lv.handle
         )
         self._live.add(
-            lv.row.id,
-            lv,
-            cpu=float(req.get("cpu", 0) or 0),
-            memory_mb=int(req.get("memory_mb", 0) or 0),
-            owner=lv.row.owner,
+            row.id, lv, cpu=row.request.cpu, memory_mb=row.request.memory_mb, owner=row.owner
         )
 
     def _files(self, lv: LiveSandbox) -> SandboxFiles:
@@ -465,7 +460,7 @@ class EdgeCore:
     def _spec(
         self,
         sid: str,
-        req: CreateSandboxRequest,
+        req: ResolvedRequest,
         owner: str,
         digests: list[str],
         layer_paths: list[str],
@@ -487,7 +482,7 @@ class EdgeCore:
             pids=req.pids,
             env=dict(req.env),
             user=req.user,
-            workdir=req.workdir or "/",
+            workdir=req.workdir,
             labels=dict(req.labels),
             network=req.network,
             full_guest=req.full_guest,
@@ -557,7 +552,7 @@ class EdgeCore:
             rt,
             lv.handle,
             start,
-            lv.row.request.get("workdir") or "/",
+            lv.row.request.workdir,
             lv.logs,
             sink_sees_all=sink_sees_all,
         )

@@ -1,19 +1,53 @@
 """The edge's durable record of sandboxes on this node (SQLite, WAL).
 
-One row per sandbox: its request, its runtime handle (what ``recover()`` needs after
-a restart), its state and timestamps. Rows of stopped sandboxes are kept for a while
-so a client that uses a killed sandbox gets ``SandboxStopped``, not ``NotFound``.
+One row per sandbox: its request (a :class:`ResolvedRequest`, stored as it is), its runtime
+handle (what ``recover()`` needs after a restart), its state and timestamps. Rows of stopped
+sandboxes are kept for a while so a client that uses a killed sandbox gets
+``SandboxStopped``, not ``NotFound``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import Field, ValidationError
+
+from dsec.models import CreateSandboxRequest
+from dsec.wire import ANSWER
+
+log = logging.getLogger("dsec.edge")
+
+
+class ResolvedRequest(CreateSandboxRequest):
+    """A create request as the edge made the sandbox: the image's defaults applied
+    (:func:`dsec.edge.start.with_image_defaults`), so its ``workdir`` is known. The registry
+    stores it as it is; the sandbox's info, its runtime spec, forks and migrations read it."""
+
+    workdir: str = Field(  # resolved: never None
+        "/", max_length=4096, description="default cwd of commands (the image's, else /)"
+    )
+
+    @classmethod
+    def stored(cls, data: dict[str, Any]) -> ResolvedRequest:
+        """A request as any dsec stored it: a field this one does not know is dropped, one
+        it lacks (or no longer accepts the stored value of) gets its default."""
+        try:
+            return cls.model_validate(data, context=ANSWER)
+        except ValidationError as e:
+            bad = {err["loc"][0] for err in e.errors() if err["loc"]}
+            if not bad:
+                raise
+            log.warning("stored request: %s replaced by defaults: %s", sorted(bad), e)
+            kept = {k: v for k, v in data.items() if k not in bad}
+            return cls.model_validate(kept, context=ANSWER)
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -46,7 +80,7 @@ class SandboxRow:
     owner: str
     tier: str
     state: str
-    request: dict[str, Any]
+    request: ResolvedRequest
     image_layers: list[str]
     handle: dict[str, Any] = field(default_factory=dict)
     job: str | None = None
@@ -91,7 +125,7 @@ class Registry:
             owner=r[1],
             tier=r[2],
             state=r[3],
-            request=json.loads(r[4]),
+            request=ResolvedRequest.stored(json.loads(r[4])),
             image_layers=json.loads(r[5]),
             handle=json.loads(r[6]),
             job=r[7],
@@ -119,7 +153,7 @@ class Registry:
                     row.owner,
                     row.tier,
                     row.state,
-                    json.dumps(row.request),
+                    row.request.model_dump_json(),
                     json.dumps(row.image_layers),
                     json.dumps(row.handle),
                     row.job,

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from dsec.contract.runtime import Handle, Runtime
 from dsec.edge.logs import SandboxLogs
+from dsec.edge.registry import ResolvedRequest
 from dsec.errors import DsecError, StartFailed
 from dsec.images.config import ImageConfig, StartCommand
 from dsec.models import CreateSandboxRequest, ExecRequest, ExecResult, ImageInfo
@@ -61,8 +62,9 @@ def start_command_of(image: ImageInfo) -> StartCommand | None:
         return None
 
 
-def with_image_defaults(req: CreateSandboxRequest, image: ImageInfo) -> CreateSandboxRequest:
-    """``req`` with the image config's defaults filled in (see the module docstring)."""
+def with_image_defaults(req: CreateSandboxRequest, image: ImageInfo) -> ResolvedRequest:
+    """``req`` with the image config's defaults filled in (see the module docstring): the
+    request the registry stores."""
     cfg = image_config_of(image)
     update: dict[str, Any] = {}
     image_env = {k: v for k, v in cfg.env_dict().items() if _ENV_NAME.match(k) and "\0" not in v}
@@ -73,14 +75,14 @@ def with_image_defaults(req: CreateSandboxRequest, image: ImageInfo) -> CreateSa
         update["workdir"] = wd if wd and wd.startswith("/") and "\0" not in wd else "/"
     if req.user is None and cfg.User:
         update["user"] = cfg.User
-    if not update:
+    if not update and isinstance(req, ResolvedRequest):
         return req
     try:
-        return CreateSandboxRequest.model_validate({**req.model_dump(), **update})
+        return ResolvedRequest.model_validate({**req.model_dump(), **update})
     except ValidationError as e:  # e.g. USER name:group, which the sandbox API refuses
         log.warning("image %s: config not applied in full: %s", image.name, e)
         update.pop("user", None)
-        return CreateSandboxRequest.model_validate({**req.model_dump(), **update})
+        return ResolvedRequest.model_validate({**req.model_dump(), **update})
 
 
 class StartProcess:

@@ -34,7 +34,7 @@ class DisplayVerbs(EdgeCore):
         layers the sandbox was made from)."""
         if not lv.desktop_known:
             spec = None
-            name = str(lv.row.request.get("image") or "")
+            name = lv.row.request.image
             with contextlib.suppress(DsecError):
                 image = self.layers.get_image(name, lv.row.owner)
                 if list(image.layers) == lv.row.image_layers[: len(image.layers)]:
@@ -55,7 +55,7 @@ class DisplayVerbs(EdgeCore):
         """The screen ``screen`` names for this sandbox (see :mod:`dsec.display`)."""
         rt = self.runtimes[lv.row.tier]
         spec = self._desktop_of(lv) if screen != "console" else None
-        image = str(lv.row.request.get("image") or "")
+        image = lv.row.request.image
         if spec is not None:
             return ExecDesktop(
                 rt, lv.handle, spec.display, spec.image, lambda: self._desktop_not_running(lv)
@@ -124,7 +124,7 @@ class DisplayVerbs(EdgeCore):
 
         async def run(lv: LiveSandbox) -> DisplayState:
             spec = self._desktop_of(lv)
-            image = str(lv.row.request.get("image") or "")
+            image = lv.row.request.image
             if spec is None:
                 raise CapabilityNotSupported(
                     f"image {image!r} of sandbox {lv.row.id} has no desktop to restart",

@@ -50,8 +50,8 @@ class ExecVerbs(EdgeCore):
 
         async def run(lv: LiveSandbox) -> ExecResult:
             rt = self.runtimes[lv.row.tier]
-            if lv.row.request.get("workdir") and req.cwd is None:
-                req.cwd = lv.row.request["workdir"]
+            if req.cwd is None:
+                req.cwd = lv.row.request.workdir
 
             async def go() -> ExecResult:
                 t0 = time.perf_counter()
@@ -168,8 +168,8 @@ class ExecVerbs(EdgeCore):
                     f"tier {lv.row.tier} has no interactive processes (stdin after start, pty)"
                 )
             start = rt.start_process
-            if lv.row.request.get("workdir") and req.cwd is None:
-                req.cwd = lv.row.request["workdir"]
+            if req.cwd is None:
+                req.cwd = lv.row.request.workdir
             sid = lv.row.id
             entry = await self._begin(sid, None, None, "exec", request)
             t0 = time.time()

@@ -46,7 +46,7 @@ class ForkVerbs(SandboxVerbs):
         meta = {
             "parents": list(lv.row.image_layers),
             "sandbox_id": lv.row.id,
-            "image": lv.row.request.get("image"),
+            "image": lv.row.request.image,
         }
         async with lv.lock:
             layer = await rt.snapshot(lv.handle, self.layers, req, meta)
@@ -56,8 +56,8 @@ class ForkVerbs(SandboxVerbs):
             config = {
                 k: v
                 for k, v in (
-                    ("User", lv.row.request.get("user")),
-                    ("WorkingDir", lv.row.request.get("workdir")),
+                    ("User", lv.row.request.user),
+                    ("WorkingDir", lv.row.request.workdir),
                 )
                 if v and v != "/"
             }
@@ -95,7 +95,7 @@ class ForkVerbs(SandboxVerbs):
         methods), made concurrently; if any fails, none is left."""
         sandbox_id = req.sandbox_id
         lv = self._live_for(sandbox_id, owner)
-        base = CreateSandboxRequest.model_validate(lv.row.request)
+        base = lv.row.request
         rt = self._runtime(base.tier)
         shared = req.method == "shared" or (
             req.method == "auto" and not req.scrub and req.parent != "keep"

@@ -33,7 +33,7 @@ class MigrationVerbs(ForkVerbs):
         lv = self._live_for(sandbox_id, owner)
         layer = await self._use(sandbox_id, owner, lambda lv: self._snapshot(lv, SnapshotRequest()))
         return {
-            "request": dict(lv.row.request),
+            "request": lv.row.request.model_dump(mode="json"),
             "image_layers": list(lv.row.image_layers),
             "diff_layer": layer,
             "method": "pack_diff",
@@ -88,7 +88,7 @@ class MigrationVerbs(ForkVerbs):
             "method": "memory_snapshot",
             "sandbox_id": sandbox_id,
             "tier": tier,
-            "request": dict(lv.row.request),
+            "request": lv.row.request.model_dump(mode="json"),
             "image_layers": list(lv.row.image_layers),
             "source": source,
             "guest_ram_mb": int(rt.guest_ram_mb(int(source["memory_mb"]))),

@@ -27,7 +27,7 @@ class NetworkVerbs(EdgeCore):
             if not isinstance(rt, Networked):
                 raise CapabilityNotSupported(f"tier {lv.row.tier} has no network policy")
             await rt.network_update(lv.handle, policy)
-            lv.row.request["network"] = policy.model_dump(mode="json")
+            lv.row.request = lv.row.request.model_copy(update={"network": policy})
             return self._info(lv.row)
 
         return await self._use(sandbox_id, owner, run)
@@ -97,6 +97,6 @@ class NetworkVerbs(EdgeCore):
         """:class:`dsec.contract.edge.PortForwarding`: the owner of a live sandbox created
         with ``public_ports``; ``SandboxNotFound`` for any other."""
         lv = self._live.get(sandbox_id)
-        if lv is None or not lv.row.request.get("public_ports"):
+        if lv is None or not lv.row.request.public_ports:
             raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id)
         return lv.row.owner

@@ -86,7 +86,7 @@ class ObserveVerbs(EdgeCore):
             busy_ns = u.cpu_usage_ns
         lv.last_usage = (now_mono, u.cpu_usage_ns)
         # the CFS quota is at least 0.01 cores (1 ms per 100 ms), whatever was asked
-        limit = max(0.01, float(lv.row.request.get("cpu", 1.0)))
+        limit = max(0.01, lv.row.request.cpu)
         cores = busy_ns / 1e9 / interval
         net = u.net
         return SandboxMetrics(
@@ -127,7 +127,11 @@ class ObserveVerbs(EdgeCore):
 
     async def export_trajectory(self, sandbox_id: str, owner: str) -> str:
         row = self._lookup_row(sandbox_id, owner)
-        header = {"node": self.node, "create": row.request, "image_layers": row.image_layers}
+        header = {
+            "node": self.node,
+            "create": row.request.model_dump(mode="json"),
+            "image_layers": row.image_layers,
+        }
         lines = self.trajectory.export_jsonl(sandbox_id, header=header)
         if not self.audit.enabled:
             return "".join(lines)

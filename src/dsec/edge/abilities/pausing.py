@@ -10,7 +10,7 @@ from typing import Any
 from dsec.contract.runtime import FilesystemPause, MemoryStateful, Pausable, UpperForkable
 from dsec.edge.core import EdgeCore, LiveSandbox
 from dsec.errors import CapabilityNotSupported, DsecError
-from dsec.models import CreateSandboxRequest, PauseReport, PauseRequest, SandboxInfo, SandboxRef
+from dsec.models import PauseReport, PauseRequest, SandboxInfo, SandboxRef
 
 log = logging.getLogger("dsec.edge")
 
@@ -84,13 +84,12 @@ class PauseVerbs(EdgeCore):
                 if lv.row.state != "paused" or not rt.upper_frozen(lv.handle):
                     return  # restarted by a request that came first, or gone
                 row = lv.row
-                req = CreateSandboxRequest.model_validate(row.request)
                 paths = await asyncio.to_thread(
                     lambda: [str(self.layers.layer_path(d)) for d in row.image_layers]
                 )
                 spec = self._spec(
                     row.id,
-                    req,
+                    row.request,
                     row.owner,
                     list(row.image_layers),
                     paths,

@@ -87,7 +87,7 @@ class RecoveryVerbs(PauseVerbs):
                         continue
                     row = lv.row
                     if row.state == "paused":
-                        pttl = row.request.get("paused_ttl_s")
+                        pttl = row.request.paused_ttl_s
                         if (
                             pttl is not None
                             and row.paused_at is not None
@@ -99,11 +99,11 @@ class RecoveryVerbs(PauseVerbs):
                     if exp is None or exp >= now or row.state != "running":
                         continue
                     rt = self.runtimes.get(row.tier)
-                    if row.request.get("on_timeout") == "pause" and isinstance(rt, Pausable):
+                    if row.request.on_timeout == "pause" and isinstance(rt, Pausable):
                         try:
                             # VM tiers: suspend to a file (host memory freed), others: freeze;
                             # timeout_pause=filesystem: only the files are kept
-                            if row.request.get("timeout_pause") == "filesystem":
+                            if row.request.timeout_pause == "filesystem":
                                 mode = "filesystem"
                             else:
                                 mode = "suspend" if isinstance(rt, MemoryStateful) else "auto"

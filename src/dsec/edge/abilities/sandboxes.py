@@ -75,9 +75,9 @@ class SandboxVerbs(PauseVerbs):
                 )
             self._check_admission(req, caps, owner, rate=True)
             image = await self._image(req.image, owner, self.limits.image_wait_s)
-            req = with_image_defaults(req, image)
+            resolved = with_image_defaults(req, image)
             extra: list[LayerInfo] = (
-                self.layers.resolve_layers(req.layers, owner) if req.layers else []
+                self.layers.resolve_layers(resolved.layers, owner) if resolved.layers else []
             )
             digests = list(image.layers) + [x.digest for x in extra]
             check_stack([self.layers.get_layer(d) for d in digests])  # before any mount
@@ -92,25 +92,25 @@ class SandboxVerbs(PauseVerbs):
             self.metrics.errors.labels(e.code).inc()
             raise
         # a sandbox with public ports: its id is the secret of its URLs (96 random bits)
-        sid = f"sb-{self.node}-{secrets.token_hex(12 if req.public_ports else 6)}"
+        sid = f"sb-{self.node}-{secrets.token_hex(12 if resolved.public_ports else 6)}"
         now = time.time()
         row = SandboxRow(
             id=sid,
             owner=owner,
             tier=tier,
             state="creating",
-            request=req.model_dump(mode="json"),
+            request=resolved,
             image_layers=digests,
-            job=req.job,
-            labels=dict(req.labels),
+            job=resolved.job,
+            labels=dict(resolved.labels),
             created_at=now,
             updated_at=now,
             last_active=now,
-            ttl_s=req.ttl_s,
+            ttl_s=resolved.ttl_s,
             forked_from=forked_from,
         )
         try:  # re-checked now: other creations may have been admitted during the awaits above
-            self._check_admission(req, caps, owner)
+            self._check_admission(resolved, caps, owner)
         except DsecError as e:
             self.metrics.creations.labels(tier, "rejected").inc()
             self.metrics.errors.labels(e.code).inc()
@@ -118,7 +118,9 @@ class SandboxVerbs(PauseVerbs):
         self.registry.insert(row)
         lv = LiveSandbox(row, Handle(sid), desktop=desktop_spec(image), desktop_known=True)
         self._add_live(lv)
-        spec = self._spec(sid, req, owner, digests, layer_paths, forked=forked_from is not None)
+        spec = self._spec(
+            sid, resolved, owner, digests, layer_paths, forked=forked_from is not None
+        )
         t_admitted = time.perf_counter()
         try:
             async with lv.lock, self.creations.slot(owner):
@@ -148,7 +150,7 @@ class SandboxVerbs(PauseVerbs):
                 raise
             log.exception("create %s failed", sid)
             raise SandboxError(f"could not create sandbox: {e}", sandbox_id=sid) from e
-        start = start_command_of(image) if maker is None and req.start else None
+        start = start_command_of(image) if maker is None and resolved.start else None
         if start is not None:
             try:
                 await self._start(lv, rt, start, rt.facts().sink_sees_all_output)

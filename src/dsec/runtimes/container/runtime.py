@@ -103,6 +103,7 @@ from dsec.runtimes.container.execd import ExecServer, InteractiveExecution, Term
 from dsec.runtimes.container.files import RootedFiles
 from dsec.runtimes.container.native import build_native
 from dsec.runtimes.container.pool import PoolConfig, WarmPool
+from dsec.runtimes.container.state import ContainerLimits, ContainerState
 from dsec.runtimes.container.users import ResolvedUser, resolve_user
 from dsec.runtimes.container.watch import WatchHub
 from dsec.runtimes.usage import (
@@ -142,7 +143,7 @@ class _Warm:
     claimed (its directory and OCI state take the sandbox's)."""
 
     id: str
-    state: dict[str, Any]
+    state: ContainerState
     live: _Live
 
 
@@ -680,29 +681,35 @@ class ContainerRuntime:
         self._sandbox_dir(sandbox_id)  # validates the id
         return base / "sandbox-state" / f"{sandbox_id}.json"
 
-    def _write_state(self, sandbox_id: str, state: dict[str, Any]) -> None:
+    def _write_state(self, sandbox_id: str, state: ContainerState) -> None:
         path = self._state_file(sandbox_id)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(state))
+        tmp.write_text(json.dumps(state.dump()))
         os.replace(tmp, path)
 
     def _drop_state(self, sandbox_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._state_file(sandbox_id).unlink()
 
-    def _load_state(self, handle: Handle) -> dict[str, Any]:
+    def _load_state(self, handle: Handle) -> ContainerState:
+        """The sandbox's state: its handle's (parsed once), else its ``state.json`` (not
+        kept in the handle), else an empty one."""
         if handle.state:
-            return handle.state
+            return handle.typed(ContainerState)
         # the tmpfs file, or the sandbox directory's (a sandbox made by an older dsec)
         for path in dict.fromkeys(
             (self._state_file(handle.id), self._sandbox_dir(handle.id) / "state.json")
         ):
             try:
-                return dict(json.loads(path.read_text()))
+                return ContainerState.model_validate_json(path.read_text())
             except (OSError, ValueError):
                 continue
-        return {}
+        return ContainerState()
+
+    def _cgroup_of(self, sandbox_id: str, state: ContainerState) -> str:
+        """The sandbox's cgroup (relative): its state's, else the default path of its id."""
+        return state.cgroup or self._cgroup_rel(sandbox_id)
 
     # ------------------------------------------------------------------ create
     async def create(self, spec: SandboxSpec) -> Handle:
@@ -771,34 +778,32 @@ class ContainerRuntime:
             lowers.append(frozen_data(self._frozen_dir(fid)))
         group = _group_dir(spec.cpu_group)
         self._join_group(spec.id, group, spec.cpu_group_weight)
-        state: dict[str, Any] = {
-            "oci_runtime": oci,
-            "state_root": str(self.state_root),
-            "cgroup": self._cgroup_rel(spec.id, group),
-            "cpu_group": group,
-            "layers": list(spec.layer_digests),
-            "layer_paths": list(spec.layer_paths),
-            "layer_scope": scope,
-            "hostname": spec.hostname,
-            "env": dict(spec.env),
-            "user": spec.user,
-            "workdir": spec.workdir,
-            "limits": {"cpu": spec.cpu, "memory_mb": spec.memory_mb, "pids": spec.pids},
-            "allow_setuid": spec.allow_setuid,
-            "disk_mb": spec.disk_mb,
-        }
-        if frozen:
-            state["frozen"] = list(frozen)  # held (released at destroy)
-            state["frozen_lowers"] = list(frozen)  # stacked, bottom first
-        if self.log_denials:
-            state["auid"] = audit_id_of(spec.id)
+        state = ContainerState(
+            oci_runtime=oci,
+            state_root=str(self.state_root),
+            cgroup=self._cgroup_rel(spec.id, group),
+            cpu_group=group,
+            layers=list(spec.layer_digests),
+            layer_paths=list(spec.layer_paths),
+            layer_scope=scope,
+            hostname=spec.hostname,
+            env=dict(spec.env),
+            user=spec.user,
+            workdir=spec.workdir,
+            limits=_limits_of(spec),
+            allow_setuid=spec.allow_setuid,
+            disk_mb=spec.disk_mb,
+            frozen=list(frozen),  # held (released at destroy)
+            frozen_lowers=list(frozen),  # stacked, bottom first
+            auid=audit_id_of(spec.id) if self.log_denials else None,
+        )
         self._write_state(spec.id, state)  # destroy_orphan needs it from here on
         rootfs = assemble_rootfs(sandbox_dir, lowers, spec.disk_mb, frozen_lowers=len(frozen))
         if new_machine_id and (self._read_rootfs_file(rootfs, "/etc/machine-id") or "").strip():
             RootedFiles(rootfs).replace_now("/etc/machine-id", f"{uuid.uuid4().hex}\n".encode())
         t_rootfs = time.monotonic()
         default_user = self._resolve_user(rootfs, spec.user)
-        state["uid"], state["gid"] = default_user.uid, default_user.gid
+        state.uid, state.gid = default_user.uid, default_user.gid
         netns: str | None = None
         if spec.network is not None:
             netns = await self._attach_network(spec, state, rootfs)
@@ -806,7 +811,7 @@ class ContainerRuntime:
             rootfs=rootfs,
             init_binary=init_bin,
             hostname=spec.hostname,
-            cgroups_path=cgroup(state["cgroup"]).oci_path(),
+            cgroups_path=cgroup(state.cgroup).oci_path(),
             cpu=spec.cpu,
             memory_mb=spec.memory_mb,
             pids=spec.pids,
@@ -840,7 +845,7 @@ class ContainerRuntime:
             self._policy_file,
             bpf_file=self._bpf_file,
             allow_setuid=spec.allow_setuid,
-            audit_id=state.get("auid"),
+            audit_id=state.auid,
         )
         pid_file = sandbox_dir / "init.pid"
         try:
@@ -871,25 +876,25 @@ class ContainerRuntime:
         start_time = _proc_start_time(init_pid)
         if start_time is None:
             raise SandboxError("the container's init exited right after start")
-        state["init_pid"], state["init_start"] = init_pid, start_time
+        state.init_pid, state.init_start = init_pid, start_time
         # the init leads its own session and comes back to the edge (a subreaper) once
         # crun's monitor exits: announce it, so that it is reaped whenever it dies
         REAPER.expect(init_pid, start_time)
         await live.server.attach(
             init_pid, cgroup_procs_files(init_pid, self._cgroup_mounts, confining_only=True)
         )
-        self._weigh(Handle(spec.id, state), active=False)  # no command runs yet
+        self._weigh_state(spec.id, state, active=False)  # no command runs yet
         if not spec.id.startswith(_WARM_PREFIX):  # a warm one is labelled when claimed
-            _label_cgroup(state["cgroup"], spec.id)
+            _label_cgroup(state.cgroup, spec.id)
         t_end = time.monotonic()
-        state["create_ms"] = {
+        state.create_ms = {
             "rootfs": round((t_rootfs - t0) * 1000, 2),
             "oci_run": round((t_oci - t_rootfs) * 1000, 2),
             "exec_server": round((t_end - t_oci) * 1000, 2),
             "total": round((t_end - t0) * 1000, 2),
         }
         self._write_state(spec.id, state)
-        return Handle(spec.id, state)
+        return Handle.of(spec.id, state)
 
     def _require_network(self) -> Any:
         if self.network is None:
@@ -899,13 +904,13 @@ class ContainerRuntime:
         return self.network
 
     async def _attach_network(
-        self, spec: SandboxSpec, state: dict[str, Any], rootfs: Path, netns: str | None = None
+        self, spec: SandboxSpec, state: ContainerState, rootfs: Path, netns: str | None = None
     ) -> str:
         """Set up ``spec``'s network (in the existing namespace ``netns``, else a new one)
         and its ``/etc/resolv.conf``; returns the namespace's pinned path."""
         assert spec.network is not None
         net = await self._require_network().setup(spec.id, spec.network, netns=netns)
-        state["network"] = True
+        state.network = True
         self._write_state(spec.id, state)
         # a few bytes: written on the loop (a thread hop cost more than the write); a
         # symlink in the image is replaced with our file
@@ -926,7 +931,7 @@ class ContainerRuntime:
             self._warm_ids.discard(wid)
             raise
         live = self._live.pop(wid)
-        return _Warm(wid, handle.state, live)
+        return _Warm(wid, handle.typed(ContainerState), live)
 
     def _leftover_warm(self) -> list[str]:
         """Warm containers this runtime made and did not discard or hand out, and warm
@@ -941,7 +946,7 @@ class ContainerRuntime:
     async def _discard_warm(self, warm: _Warm) -> None:
         self._live[warm.id] = warm.live
         try:
-            await self.destroy(Handle(warm.id, warm.state))
+            await self.destroy(Handle.of(warm.id, warm.state))
         finally:
             self._warm_ids.discard(warm.id)
 
@@ -953,10 +958,10 @@ class ContainerRuntime:
         O(1) in the live count, ~0.3 ms. ``frozen``: a shared fork's child, moved onto a
         root stacked on these frozen layers (:meth:`_reroot`, ~1-2 ms more)."""
         t0 = time.monotonic()
-        state = dict(warm.state)
+        state = warm.state.model_copy(deep=True)
         live = warm.live
         self._warm_ids.discard(warm.id)
-        group = str(state.get("cpu_group") or "")
+        group = state.cpu_group
         self._join_group(spec.id, group, spec.cpu_group_weight)
         self._leave_group(warm.id, group)
         self._live[spec.id] = live
@@ -966,9 +971,10 @@ class ContainerRuntime:
             try:
                 if live.server is None or not live.server.alive:
                     raise SandboxError("the warm container's exec server is gone")
-                _set_limits(cgroup(state["cgroup"]), state.get("limits") or {}, spec)
-                with contextlib.suppress(OSError):  # made at the refill's niceness
-                    os.setpriority(os.PRIO_PROCESS, int(state["init_pid"]), 0)
+                _set_limits(cgroup(state.cgroup), state.limits, spec)
+                if state.init_pid is not None:
+                    with contextlib.suppress(OSError):  # made at the refill's niceness
+                        os.setpriority(os.PRIO_PROCESS, state.init_pid, 0)
                 os.rename(self._sandbox_dir(warm.id), sandbox_dir)
                 renamed = True
                 # the cgroups keep the warm container's name and are labelled with the
@@ -976,34 +982,29 @@ class ContainerRuntime:
                 # container being made on the node holds through an RCU grace period (each
                 # cgroup.procs write of crun and of the exec server): a claim that met the
                 # pool's refill waited 3-27 ms in the rename, half of sequential creates
-                _label_cgroup(state["cgroup"], spec.id)
-                oci_root = Path(state["state_root"])
+                _label_cgroup(state.cgroup, spec.id)
+                oci_root = Path(state.state_root or self.state_root)
                 with contextlib.suppress(FileNotFoundError):
                     os.rename(oci_root / warm.id, oci_root / spec.id)
                 if frozen is not None:  # before the user is looked up in its /etc/passwd
                     await self._reroot(spec, state, sandbox_dir, live, frozen)
                 user = self._resolve_user(rootfs_path(sandbox_dir), spec.user)
-                state.update(
-                    env=dict(spec.env),
-                    user=spec.user,
-                    workdir=spec.workdir,
-                    uid=user.uid,
-                    gid=user.gid,
-                    limits={"cpu": spec.cpu, "memory_mb": spec.memory_mb, "pids": spec.pids},
-                    warm_id=warm.id,
-                )
+                state.env, state.user, state.workdir = dict(spec.env), spec.user, spec.workdir
+                state.uid, state.gid = user.uid, user.gid
+                state.limits, state.warm_id = _limits_of(spec), warm.id
                 ms = round((time.monotonic() - t0) * 1000, 2)
-                state["create_ms"] = {"claim": ms, "total": ms, **state.pop("reroot_ms", {})}
+                state.create_ms = {"claim": ms, "total": ms, **(state.reroot_ms or {})}
+                state.reroot_ms = None
                 self._write_state(spec.id, state)
                 self._drop_state(warm.id)
                 if spec.network is not None:
                     # the warm container's own namespace (only lo in it) gets the veth,
                     # addresses, routes and filter a new one would have had before crun
                     await self._attach_network(
-                        spec, state, rootfs_path(sandbox_dir), f"/proc/{state['init_pid']}/ns/net"
+                        spec, state, rootfs_path(sandbox_dir), f"/proc/{state.init_pid}/ns/net"
                     )
                     total = round((time.monotonic() - t0) * 1000, 2)
-                    state["create_ms"] = {"claim": ms, "network": total - ms, "total": total}
+                    state.create_ms = {"claim": ms, "network": total - ms, "total": total}
                     self._write_state(spec.id, state)
             except BaseException as e:
                 # under whichever name it has now: destroy it, the create fails
@@ -1012,7 +1013,7 @@ class ContainerRuntime:
                     self._acquired[warm.id] = self._acquired.pop(spec.id, [])
                     self._live[warm.id] = self._live.pop(spec.id)
                 try:
-                    await self._destroy(Handle(name, state), keep_live=False)
+                    await self._destroy(Handle.of(name, state), keep_live=False)
                     self._drop_state(warm.id)
                 except Exception as cleanup_error:
                     log.error("cleanup of claimed %s failed: %s", name, cleanup_error)
@@ -1022,12 +1023,12 @@ class ContainerRuntime:
                 if isinstance(e, DsecError | asyncio.CancelledError | _RerootFailed):
                     raise
                 raise SandboxError(f"creating sandbox {spec.id} failed: {e}") from e
-        return Handle(spec.id, state)
+        return Handle.of(spec.id, state)
 
     async def _reroot(
         self,
         spec: SandboxSpec,
-        state: dict[str, Any],
+        state: ContainerState,
         sandbox_dir: Path,
         live: _Live,
         frozen: list[str],
@@ -1047,16 +1048,17 @@ class ContainerRuntime:
         assert live.server is not None
         t0 = time.monotonic()
         try:
-            scope = str(state.get("layer_scope") or "")
-            mounted = self.layer_mounts.mounted(scope)
-            lowers = [mounted[str(d)] for d in state["layers"]]  # the warm container holds them
+            mounted = self.layer_mounts.mounted(state.layer_scope)
+            lowers = [mounted[d] for d in state.layers]  # the warm container holds them
             for fid in frozen:
                 self._hold_frozen(fid, spec.id)
-                state["frozen"] = [*(state.get("frozen") or []), fid]  # released at destroy
-            state["frozen_lowers"] = list(frozen)
-            state["disk_mb"] = spec.disk_mb
+                state.frozen = [*state.frozen, fid]  # released at destroy
+            state.frozen_lowers = list(frozen)
+            state.disk_mb = spec.disk_mb
             self._write_state(spec.id, state)
-            mounts = mounts_below_root(int(state["init_pid"]))
+            if state.init_pid is None:
+                raise KeyError("init_pid")
+            mounts = mounts_below_root(state.init_pid)
             detach_rootfs(sandbox_dir)
             rootfs = assemble_rootfs(
                 sandbox_dir,
@@ -1077,9 +1079,9 @@ class ContainerRuntime:
             raise _RerootFailed(
                 f"the warm container could not take the fork's root: {detail}"
             ) from e
-        state["hostname"] = spec.hostname
+        state.hostname = spec.hostname
         t_end = time.monotonic()
-        state["reroot_ms"] = {
+        state.reroot_ms = {
             "rootfs": round((t_mount - t0) * 1000, 2),
             "pivot": round((t_end - t_mount) * 1000, 2),
         }
@@ -1107,15 +1109,12 @@ class ContainerRuntime:
     # ------------------------------------------------------------------ audit
     def audit_id(self, handle: Handle) -> int | None:
         """:class:`dsec.contract.runtime.Audited`: the loginuid the sandbox's commands carry."""
-        state = self._load_state(handle)
-        auid = state.get("auid")
-        return int(auid) if auid is not None else None
+        return self._load_state(handle).auid
 
     def limit_counters(self, handle: Handle) -> dict[str, int]:
         """:class:`dsec.contract.runtime.Audited`: OOM kills and refused forks of its cgroup, and
         how often its writable layer was found full (:meth:`_look_at_disk`)."""
-        state = self._load_state(handle)
-        cg = cgroup(state.get("cgroup") or self._cgroup_rel(handle.id))
+        cg = self._cgroup(handle)
         counters = {"oom_kill": cg.oom_kills(), "pids_max": cg.pids_max_events()}
         live = self._live.get(handle.id)
         if live is not None:
@@ -1223,17 +1222,17 @@ class ContainerRuntime:
             live = self._live[handle.id]
         server = live.server
         assert server is not None
-        user_spec = req.user if req.user is not None else state.get("user")
+        user_spec = req.user if req.user is not None else state.user
         user = self._resolve_user(rootfs_path(self._sandbox_dir(handle.id)), user_spec)
         env = {
             "PATH": DEFAULT_PATH,
-            "HOSTNAME": state.get("hostname", "sandbox"),
+            "HOSTNAME": state.hostname,
             "HOME": user.home,
         }
-        env.update(state.get("env") or {})
+        env.update(state.env)
         env.update(req.env)
-        cwd = req.cwd or state.get("workdir") or "/"
-        oom_file = _oom_kills_file(state.get("cgroup") or self._cgroup_rel(handle.id))
+        cwd = req.cwd or state.workdir
+        oom_file = _oom_kills_file(self._cgroup_of(handle.id, state))
         return server, [f"{k}={v}" for k, v in env.items()], cwd, user, oom_file
 
     async def start_process(
@@ -1309,17 +1308,22 @@ class ContainerRuntime:
         ``cpu.weight`` they map to). Also full while it is killed or frozen: its processes
         must get the CPU to exit or reach the freezer (at 2 shares on a busy node they did
         not within 5 s, and the kill left cgroups)."""
+        if self.idle_cpu_shares:
+            self._weigh_state(handle.id, self._load_state(handle), active=active, boost=boost)
+
+    def _weigh_state(
+        self, sandbox_id: str, state: ContainerState, *, active: bool, boost: float = 1.0
+    ) -> None:
+        """:meth:`_weigh` of the sandbox whose state is ``state``."""
         if not self.idle_cpu_shares:
             return
-        state = self._load_state(handle)
         if active:
-            cpu = float((state.get("limits") or {}).get("cpu", 1.0))
+            cpu = state.limits.cpu if state.limits.cpu is not None else 1.0
             shares = _full_shares(cpu * boost)
         else:
             shares = self.idle_cpu_shares
-        rel = state.get("cgroup") or self._cgroup_rel(handle.id)
         with contextlib.suppress(OSError):  # a sandbox going away: nothing to weigh
-            cgroup(rel).set_cpu_shares(shares)
+            cgroup(self._cgroup_of(sandbox_id, state)).set_cpu_shares(shares)
 
     def files(self, handle: Handle) -> SandboxFiles:
         """File access confined to the sandbox's root; new files belong to its default user."""
@@ -1329,7 +1333,7 @@ class ContainerRuntime:
             raise SandboxNotFound(f"sandbox {handle.id} has no root filesystem on this node")
         return RootedFiles(
             rootfs_path(sandbox_dir),
-            (int(state.get("uid", 0)), int(state.get("gid", 0))),
+            (state.uid, state.gid),
             watch_hub=self._watch_hub,
         )
 
@@ -1339,8 +1343,8 @@ class ContainerRuntime:
         from a socket made in its network namespace (the init's ``/proc/<pid>/ns/net``):
         works with or without a network policy, and needs no route from the node."""
         state = self._load_state(handle)
-        pid, start = state.get("init_pid"), state.get("init_start")
-        if not isinstance(pid, int) or not isinstance(start, int):
+        pid, start = state.init_pid, state.init_start
+        if pid is None or start is None:
             raise SandboxStopped(f"sandbox {handle.id} is not running", sandbox_id=handle.id)
         try:
             fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -1362,8 +1366,8 @@ class ContainerRuntime:
     async def alive(self, handle: Handle) -> bool:
         """True while the container's init runs (the very process, not a reused pid)."""
         state = self._load_state(handle)
-        pid, start = state.get("init_pid"), state.get("init_start")
-        if not isinstance(pid, int) or not isinstance(start, int):
+        pid, start = state.init_pid, state.init_start
+        if pid is None or start is None:
             return False
         return _proc_start_time(pid) == start
 
@@ -1375,13 +1379,13 @@ class ContainerRuntime:
             return False
         # the init is our child again if it was reparented to this process (an in-process
         # server restarted, or this process is the subreaper above the old edge)
-        REAPER.expect(int(state["init_pid"]), int(state["init_start"]))
+        init_pid, init_start = state.init_pid, state.init_start
+        assert init_pid is not None and init_start is not None  # alive
+        REAPER.expect(init_pid, init_start)
         if handle.id not in self._acquired:
             acquired: list[tuple[str, str]] = []
-            scope = str(state.get("layer_scope") or "")  # none: made by an older dsec
-            for digest, layer_file in zip(
-                state.get("layers", []), state.get("layer_paths", []), strict=False
-            ):
+            scope = state.layer_scope  # none: made by an older dsec
+            for digest, layer_file in zip(state.layers, state.layer_paths, strict=False):
                 try:
                     self.layer_mounts.acquire(digest, Path(layer_file), scope)
                 except DsecError as e:
@@ -1389,9 +1393,9 @@ class ContainerRuntime:
                     continue
                 acquired.append((scope, digest))
             self._acquired[handle.id] = acquired
-            for fid in state.get("frozen") or []:
-                self._frozen_refs.setdefault(str(fid), set()).add(handle.id)
-        group = str(state.get("cpu_group") or "")
+            for fid in state.frozen:
+                self._frozen_refs.setdefault(fid, set()).add(handle.id)
+        group = state.cpu_group
         if group:
             self._groups.setdefault(group, set()).add(handle.id)
         live = self._live.setdefault(handle.id, _Live())
@@ -1401,20 +1405,20 @@ class ContainerRuntime:
                     await live.server.close()
                 # the new server joins the sandbox's cgroups: at the idle weight it would
                 # hardly run on a busy node
-                self._weigh(Handle(handle.id, state), active=True)
+                self._weigh_state(handle.id, state, active=True)
                 try:
                     live.server = await self._start_server(
                         handle.id,
-                        int(state["init_pid"]),
-                        allow_setuid=bool(state.get("allow_setuid")),
-                        audit_id=state.get("auid"),
+                        init_pid,
+                        allow_setuid=state.allow_setuid,
+                        audit_id=state.auid,
                     )
                 except (SandboxError, NodeBusy) as e:
                     log.warning("recover %s: %s", handle.id, e)
                     return False
                 finally:
-                    self._weigh(Handle(handle.id, state), active=live.active > 0)
-        handle.state = state
+                    self._weigh_state(handle.id, state, active=live.active > 0)
+        handle.keep(state)
         return True
 
     # ------------------------------------------------------------------ destroy
@@ -1431,8 +1435,8 @@ class ContainerRuntime:
     async def _destroy(self, handle: Handle, *, keep_live: bool, keep_frozen: bool = False) -> None:
         sandbox_dir = self._sandbox_dir(handle.id)
         state = self._load_state(handle)
-        cg = cgroup(state.get("cgroup") or self._cgroup_rel(handle.id))
-        self._weigh(Handle(handle.id, state), active=True)  # dying tasks need the CPU to exit
+        cg = cgroup(self._cgroup_of(handle.id, state))
+        self._weigh_state(handle.id, state, active=True)  # dying tasks need the CPU to exit
         # a paused sandbox: its processes (and the exec server, which closing below waits
         # for) sit in the freezer and ignore SIGKILL until thawed: kill, then thaw
         with contextlib.suppress(OSError):
@@ -1456,7 +1460,7 @@ class ContainerRuntime:
                 await server.close()
         finally:
             await teardown
-        if self.network is not None and state.get("network"):
+        if self.network is not None and state.network:
             try:
                 await self.network.teardown(handle.id)
             except DsecError as e:
@@ -1467,28 +1471,27 @@ class ContainerRuntime:
             except DsecError as e:
                 errors.append(str(e))
         if not keep_frozen:
-            for fid in state.get("frozen") or []:
+            for fid in state.frozen:
                 try:
-                    self._drop_frozen(str(fid), handle.id)
+                    self._drop_frozen(fid, handle.id)
                 except DsecError as e:
                     errors.append(str(e))
         if not keep_live:
-            self._leave_group(handle.id, str(state.get("cpu_group") or ""))
+            self._leave_group(handle.id, state.cpu_group)
         if errors:
             raise SandboxError(f"destroying {handle.id} left something behind: {'; '.join(errors)}")
 
     def _kill_and_clean(
-        self, sandbox_id: str, state: dict[str, Any], sandbox_dir: Path, errors: list[str]
+        self, sandbox_id: str, state: ContainerState, sandbox_dir: Path, errors: list[str]
     ) -> None:
-        oci = state.get("oci_runtime") or self._oci
-        root = state.get("state_root") or str(self.state_root)
-        pid, start = state.get("init_pid"), state.get("init_start")
-        known_init = isinstance(pid, int) and isinstance(start, int)
-        if isinstance(pid, int) and known_init and _proc_start_time(pid) == start:
+        oci = state.oci_runtime or self._oci
+        root = state.state_root or str(self.state_root)
+        pid, start = state.init_pid, state.init_start
+        if pid is not None and start is not None and _proc_start_time(pid) == start:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         oci_state = Path(root) / sandbox_id
-        if isinstance(pid, int) and isinstance(start, int) and reap_pid(pid, start):
+        if pid is not None and start is not None and reap_pid(pid, start):
             # the init is gone, and with it the pid namespace, every process and mount of
             # the container: what `crun delete` would do besides (cgroups, its state
             # directory) is done here without forking the OCI runtime (~5-10 ms per kill)
@@ -1509,13 +1512,13 @@ class ContainerRuntime:
                 log.warning("%s delete %s: %s", oci, sandbox_id, e)
             if (Path(root) / sandbox_id).exists():
                 shutil.rmtree(Path(root) / sandbox_id, ignore_errors=True)
-        if isinstance(pid, int):
-            reap_pid(pid, start if isinstance(start, int) else None)
-        rel = state.get("cgroup") or self._cgroup_rel(sandbox_id)
+        if pid is not None:
+            reap_pid(pid, start)
+        rel = self._cgroup_of(sandbox_id, state)
         # a sandbox claimed by an older dsec, which renamed the v1 cgroups: cgroup2 kept the
         # warm id
-        warm_rel = state.get("cgroup_warm")
-        for r in (rel, warm_rel) if isinstance(warm_rel, str) else (rel,):
+        warm_rel = state.cgroup_warm
+        for r in (rel, warm_rel) if warm_rel is not None else (rel,):
             try:  # what is left is killed; every hierarchy the OCI runtime populated
                 cgroup(r).remove()
             except (OSError, TimeoutError) as e:
@@ -1530,8 +1533,7 @@ class ContainerRuntime:
 
     # ------------------------------------------------------------------ pause, snapshot
     def _cgroup(self, handle: Handle) -> Cgroup:
-        state = self._load_state(handle)
-        return cgroup(state.get("cgroup") or self._cgroup_rel(handle.id))
+        return cgroup(self._cgroup_of(handle.id, self._load_state(handle)))
 
     async def pause(self, handle: Handle) -> dict[str, Any]:
         """Freeze the sandbox, then reclaim its page cache (see ``pause.py``): at once when
@@ -1607,8 +1609,7 @@ class ContainerRuntime:
         if live is not None and live.server is not None:
             await live.server.close()  # kills its commands' process groups and reaps them
             live.server = None
-        init_pid = state.get("init_pid")
-        await asyncio.to_thread(_kill_all_but, cg, init_pid if isinstance(init_pid, int) else None)
+        await asyncio.to_thread(_kill_all_but, cg, state.init_pid)
         sandbox_dir = self._sandbox_dir(handle.id)
         if (sandbox_dir / _BOOT_ID_FILE).exists():
             _new_boot_id(sandbox_dir)
@@ -1628,7 +1629,7 @@ class ContainerRuntime:
             self._weigh(handle, active=True)  # every task must run to reach the freezer
             await pausing.pause(cg, reclaim=False)
         state = self._load_state(handle)
-        frozen = [str(f) for f in state.get("frozen_lowers") or []]
+        frozen = list(state.frozen_lowers)
         merged: Path | None = None
         try:
             upper = upper_dir(self._sandbox_dir(handle.id))
@@ -1638,7 +1639,7 @@ class ContainerRuntime:
                 uppers = [*(frozen_data(self._frozen_dir(f)) for f in frozen), upper]
                 await asyncio.to_thread(merge_uppers, uppers, merged)
                 upper = merged
-                disk_mb = int(state.get("disk_mb") or 0)
+                disk_mb = state.disk_mb
                 max_bytes = disk_mb * (len(frozen) + 1) << 20 if disk_mb else None
             return await asyncio.to_thread(
                 pack_diff,
@@ -1689,14 +1690,14 @@ class ContainerRuntime:
     def upper_frozen(self, handle: Handle) -> bool:
         """Whether the sandbox's writable layer was frozen by :meth:`freeze_upper` (it must
         then be restarted by :meth:`restart_on_frozen`, never thawed)."""
-        return bool(self._load_state(handle).get("upper_frozen"))
+        return bool(self._load_state(handle).upper_frozen)
 
     async def freeze_upper(self, handle: Handle) -> None:
         """Freeze the sandbox's processes (cgroup freezer; no memory reclaim) and keep its
         writable layer as a frozen layer (a read-only bind of its tmpfs: nothing copied,
         ~0.2 ms). Idempotent: a second fork of a parent whose layer is frozen shares it."""
         state = self._load_state(handle)
-        if state.get("upper_frozen"):
+        if state.upper_frozen:
             return
         cg = self._cgroup(handle)
         if not cg.is_frozen():
@@ -1705,10 +1706,10 @@ class ContainerRuntime:
         fid = f"fz-{secrets.token_hex(8)}"
         freeze_upper(self._sandbox_dir(handle.id), self._frozen_dir(fid))
         self._frozen_refs.setdefault(fid, set()).add(handle.id)
-        state["upper_frozen"] = fid
-        state["frozen"] = [*(state.get("frozen") or []), fid]
+        state.upper_frozen = fid
+        state.frozen = [*state.frozen, fid]
         self._write_state(handle.id, state)
-        handle.state = state
+        handle.keep(state)
 
     async def create_forked(self, parent: Handle, spec: SandboxSpec) -> Handle:
         """Create ``spec`` over the frozen layers of ``parent`` (its frozen writable layer on
@@ -1717,7 +1718,7 @@ class ContainerRuntime:
         one, or if the move fails (then logged), a fresh container is made."""
         self._require_available()
         pstate = self._load_state(parent)
-        fid = pstate.get("upper_frozen")
+        fid = pstate.upper_frozen
         if not fid:
             raise Conflict(f"sandbox {parent.id}'s writable layer is not frozen")
         sandbox_dir = self._sandbox_dir(spec.id)
@@ -1725,7 +1726,7 @@ class ContainerRuntime:
             raise InvalidRequest(f"sandbox {spec.id} already exists on this node")
         if spec.network is not None:
             self._require_network()
-        frozen = [*(str(f) for f in pstate.get("frozen_lowers") or []), str(fid)]
+        frozen = [*pstate.frozen_lowers, fid]
         if not spec.id.startswith(_WARM_PREFIX):
             # the pool's containers of the image have the hostname of a sandbox that is not
             # a fork; the move gives the child its own
@@ -1744,14 +1745,14 @@ class ContainerRuntime:
         over the frozen one (same id, hostname, limits and network policy; a new boot id;
         every process of before is gone). On failure the sandbox is destroyed."""
         state = self._load_state(handle)
-        fid = state.get("upper_frozen")
+        fid = state.upper_frozen
         if not fid:
             raise Conflict(f"sandbox {handle.id}'s writable layer is not frozen")
-        frozen = [*(str(f) for f in state.get("frozen_lowers") or []), str(fid)]
+        frozen = [*state.frozen_lowers, fid]
         live = self._live.setdefault(handle.id, _Live())
         async with live.lock:
             try:
-                await self._destroy(Handle(handle.id, state), keep_live=True, keep_frozen=True)
+                await self._destroy(Handle.of(handle.id, state), keep_live=True, keep_frozen=True)
                 return await self._create(spec, self._sandbox_dir(handle.id), live, frozen)
             except BaseException as e:
                 try:
@@ -1759,15 +1760,15 @@ class ContainerRuntime:
                 except Exception as cleanup_error:
                     log.error("cleanup of restarted %s failed: %s", handle.id, cleanup_error)
                 self._live.pop(handle.id, None)
-                for f in state.get("frozen") or []:
+                for f in state.frozen:
                     with contextlib.suppress(DsecError):
-                        self._drop_frozen(str(f), handle.id)
+                        self._drop_frozen(f, handle.id)
                 if isinstance(e, DsecError | asyncio.CancelledError):
                     raise
                 raise SandboxError(f"restarting sandbox {handle.id} failed: {e}") from e
 
     async def network_update(self, handle: Handle, policy: Any) -> None:
-        if self.network is None or not self._load_state(handle).get("network"):
+        if self.network is None or not self._load_state(handle).network:
             raise CapabilityNotSupported(
                 f"sandbox {handle.id} was created without networking (network=None); "
                 "networking cannot be added to a running sandbox"
@@ -1775,7 +1776,7 @@ class ContainerRuntime:
         await self.network.update(handle.id, policy)
 
     async def network_stats(self, handle: Handle) -> dict[str, Any]:
-        if self.network is None or not self._load_state(handle).get("network"):
+        if self.network is None or not self._load_state(handle).network:
             return {"enabled": False}
         return {"enabled": True, **await self.network.stats(handle.id)}
 
@@ -1785,9 +1786,9 @@ class ContainerRuntime:
         its writable tmpfs and, with a network, the counters of its veth (a frozen sandbox
         is read as it is)."""
         state = self._load_state(handle)
-        rel = state.get("cgroup") or self._cgroup_rel(handle.id)
+        rel = self._cgroup_of(handle.id, state)
         ifname: str | None = None
-        if state.get("network") and self.network is not None:
+        if state.network and self.network is not None:
             with contextlib.suppress(DsecError):
                 ifname = self.network.network(handle.id).host_ifname
         upper = upper_dir(self._sandbox_dir(handle.id)).parent
@@ -1803,7 +1804,7 @@ class ContainerRuntime:
             except OSError:
                 used, total = 0, 0
             net: NetCounters | None = None
-            if state.get("network"):
+            if state.network:
                 try:
                     net = read_veth_counters(ifname) if ifname else NetCounters()
                 except (OSError, ValueError):
@@ -1868,8 +1869,8 @@ class ContainerRuntime:
         # a claimed sandbox's cgroups have the warm id (and, made by an older dsec, cgroup2's)
         for sid in known:
             st = self._load_state(Handle(sid))
-            for cg in (st.get("cgroup"), st.get("cgroup_warm")):
-                if isinstance(cg, str):
+            for cg in (st.cgroup, st.cgroup_warm):
+                if cg:
                     found.discard(cg.rsplit("/", 1)[-1])
         return sorted(found - known - set(self._live) - self._warm_ids)
 
@@ -1877,12 +1878,12 @@ class ContainerRuntime:
         """Destroy an unknown sandbox from what the node shows (its state.json if any)."""
         handle = Handle(sandbox_id)
         state = self._load_state(handle)
-        if not state.get("oci_runtime"):
+        if not state.oci_runtime:
             for root in self._state_roots():
                 if (root / sandbox_id).exists():
-                    state["oci_runtime"] = shutil.which(root.name)
-                    state["state_root"] = str(root)
-        await self._destroy(Handle(sandbox_id, state), keep_live=False)
+                    state.oci_runtime = shutil.which(root.name)
+                    state.state_root = str(root)
+        await self._destroy(Handle.of(sandbox_id, state), keep_live=False)
 
 
 class ContainerProcess:
@@ -2082,17 +2083,22 @@ def _label_cgroup(rel: str, sandbox_id: str) -> None:
     cgroup(rel).label(_CGROUP_LABEL, sandbox_id.encode())
 
 
-def _set_limits(cg: Cgroup, current: dict[str, Any], spec: SandboxSpec) -> None:
+def _limits_of(spec: SandboxSpec) -> ContainerLimits:
+    """The limits ``spec`` asks for."""
+    return ContainerLimits(cpu=spec.cpu, memory_mb=spec.memory_mb, pids=spec.pids)
+
+
+def _set_limits(cg: Cgroup, current: ContainerLimits, spec: SandboxSpec) -> None:
     """Write ``spec``'s CPU, memory and pids limits into ``cg`` where they differ from
     ``current`` (the values the container has; the driver keeps v1's memory+swap limit
     never below the memory limit, and v2 without swap)."""
-    if current.get("cpu") != spec.cpu:
+    if current.cpu != spec.cpu:
         cg.set_cpu(spec.cpu)
-    had = current.get("memory_mb")
+    had = current.memory_mb
     if had != spec.memory_mb:  # the current limit is known: not read again
-        raising = spec.memory_mb > had if isinstance(had, int) else None
+        raising = spec.memory_mb > had if had is not None else None
         cg.set_memory(spec.memory_mb * 1024 * 1024, raising=raising)
-    if current.get("pids") != spec.pids:
+    if current.pids != spec.pids:
         cg.set_pids(spec.pids)
 
 

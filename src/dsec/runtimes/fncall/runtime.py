@@ -38,6 +38,7 @@ from dsec.privileged.seccomp_log import audit_on
 from dsec.runtimes.fncall.files import WorkerFiles
 from dsec.runtimes.fncall.languages import LanguageSpec
 from dsec.runtimes.fncall.pool import PoolConfig, Worker, WorkerPool
+from dsec.runtimes.fncall.state import FncallState
 from dsec.runtimes.usage import SandboxUsage, disk_usage, processes_cpu_ns
 
 log = logging.getLogger("dsec.fncall")
@@ -260,10 +261,9 @@ class FncallRuntime:
         self._handles[spec.id] = w
         self._exec_locks[spec.id] = asyncio.Lock()
         self._env[spec.id] = dict(spec.env)
-        state: dict[str, Any] = {"pool": pool.name, "wid": w.wid, "pid": w.pid}
-        if w.audit_id is not None:
-            state["auid"] = w.audit_id
-        return Handle(id=spec.id, state=state)
+        return Handle.of(
+            spec.id, FncallState(pool=pool.name, wid=w.wid, pid=w.pid, auid=w.audit_id)
+        )
 
     @staticmethod
     def _apply_limits(w: Worker, spec: SandboxSpec) -> None:
@@ -369,8 +369,7 @@ class FncallRuntime:
     def audit_id(self, handle: Handle) -> int | None:
         """:class:`dsec.contract.runtime.Audited`: the loginuid of the sandbox's worker (set
         when the worker was made, before any sandbox claimed it: one per worker)."""
-        auid = handle.state.get("auid")
-        return int(auid) if auid is not None else None
+        return handle.typed(FncallState).auid
 
     def limit_counters(self, handle: Handle) -> dict[str, int]:
         """:class:`dsec.contract.runtime.Audited`: OOM kills and refused forks of the worker's

@@ -94,6 +94,7 @@ from dsec.runtimes.microvm.qemu import (
     qemu_processes,
     wait_exit,
 )
+from dsec.runtimes.microvm.state import MicrovmState
 from dsec.runtimes.microvm.stream import StreamFormatError, diff_against_template
 from dsec.runtimes.usage import SandboxUsage, parse_meminfo
 
@@ -875,12 +876,13 @@ class MicroVMRuntime:
         if d.exists():
             raise SandboxError(f"sandbox directory {d} already exists")
         d.mkdir(mode=0o700, parents=True)
-        handle = Handle(id=spec.id, state={
-            "dir": str(d), "pid": 0, "accel": self.accel, "vcpus": vcpus, "memory_mb": spec.memory_mb,
-            "disk_mb": spec.disk_mb, "workdir": spec.workdir, "env": dict(spec.env), "user": spec.user,
-            "hostname": spec.hostname, "template": None, "cpu": spec.cpu, "pids": spec.pids,
-            "layer_paths": list(spec.layer_paths), "full_guest": spec.full_guest,
-        })  # fmt: skip
+        st = MicrovmState(
+            dir=str(d), pid=0, accel=self.accel, vcpus=vcpus, memory_mb=spec.memory_mb,
+            disk_mb=spec.disk_mb, workdir=spec.workdir, env=dict(spec.env), user=spec.user,
+            hostname=spec.hostname, template=None, cpu=spec.cpu, pids=spec.pids,
+            layer_paths=list(spec.layer_paths), full_guest=spec.full_guest,
+        )  # fmt: skip
+        handle = Handle.of(spec.id, st)
         try:
             async with asyncio.timeout(
                 self.config.cold_boot_timeout_s + self.config.restore_timeout_s + 90
@@ -911,9 +913,9 @@ class MicroVMRuntime:
                     )  # fmt: skip
                     proc = self._launch(procs, argv, d)
                     qemu_name = spec.id
-                handle.state["pid"] = proc.pid
-                handle.state["qemu_name"] = qemu_name
-                handle.state["template"] = tpl.key if tpl else None
+                st.pid, st.qemu_name = proc.pid, qemu_name
+                st.template = tpl.key if tpl else None
+                handle.keep(st)
                 (d / "handle.json").write_text(json.dumps({"id": spec.id, **handle.state}))
                 vm = self._register(_VM(id=spec.id, pid=proc.pid, dir=d))
                 if pooled is not None:
@@ -973,8 +975,9 @@ class MicroVMRuntime:
         if vm is not None:
             await self._unwatch(vm)
             await self._disconnect(vm)
-        name = handle.state.get("qemu_name") or handle.id
-        pids = {int(handle.state.get("pid") or 0)}
+        st = handle.typed(MicrovmState)
+        name = st.qemu_name or handle.id
+        pids = {st.pid}
         pids |= {p for i, p in qemu_processes(self.qemu_tag).items() if i in (handle.id, name)}
         for pid in pids - {0}:
             if _is_our_qemu(pid, self.qemu_tag, handle.id) or _is_our_qemu(
@@ -1083,17 +1086,17 @@ class MicroVMRuntime:
     async def recover(self, handle: Handle) -> bool:
         """Reattach to a running QEMU after an edge restart (QMP + agent sockets). A suspended
         sandbox (state file on disk, no QEMU) counts as recovered: the next call restores it."""
-        saved = self._saved_state(handle.id)
+        saved = MicrovmState.model_validate(self._saved_state(handle.id))
+        st = handle.typed(MicrovmState)
         for k in ("pid", "qemu_name"):  # the pid changes when a suspended sandbox is restored
-            if k in saved:
-                handle.state[k] = saved[k]
+            if k in saved.model_fields_set:
+                setattr(st, k, getattr(saved, k))
+        handle.keep(st)
         if self.is_suspended(handle):
             return True
-        pid = int(handle.state.get("pid") or 0)
-        d = Path(handle.state.get("dir") or self.sandbox_root / handle.id)
-        if not pid or not _is_our_qemu(
-            pid, self.qemu_tag, handle.state.get("qemu_name") or handle.id
-        ):
+        pid = st.pid
+        d = self._sandbox_dir(handle)
+        if not pid or not _is_our_qemu(pid, self.qemu_tag, st.qemu_name or handle.id):
             return False
         vm = _VM(id=handle.id, pid=pid, dir=d)
         try:
@@ -1133,11 +1136,11 @@ class MicroVMRuntime:
     ) -> ExecResult:
         vm = await self._vm(handle)
         assert vm.agent is not None
-        st = handle.state
+        st = handle.typed(MicrovmState)
         # no HOME here: the agent sets the user's home from the guest's /etc/passwd unless
         # the sandbox's or the request's env names one
-        env = {"PATH": _DEFAULT_PATH, "HOSTNAME": st.get("hostname") or "sandbox"}
-        env.update(st.get("env") or {})
+        env = {"PATH": _DEFAULT_PATH, "HOSTNAME": st.hostname}
+        env.update(st.env)
         env.update(req.env)
         stdin = req.stdin.encode() if req.stdin is not None else b""
         if req.stdin_b64 is not None:
@@ -1147,7 +1150,7 @@ class MicroVMRuntime:
                 raise InvalidRequest(f"stdin_b64 is not base64: {e}") from e
         try:
             return await vm.agent.exec(
-                req.argv(), env=env, cwd=req.cwd or st.get("workdir") or "/", user=req.user or st.get("user"),
+                req.argv(), env=env, cwd=req.cwd or st.workdir, user=req.user or st.user,
                 stdin=stdin, timeout_s=req.timeout_s, max_output_bytes=req.max_output_bytes, sink=sink,
                 grace_s=self.config.exec_grace_s,
             )  # fmt: skip
@@ -1186,7 +1189,7 @@ class MicroVMRuntime:
     def _disk_usage(self, handle: Handle) -> tuple[int | None, int | None]:
         """``(used, total)`` bytes of the writable layer as the host sees it. The microvm's is
         a tmpfs in guest RAM (its pages count as guest memory): only its size is known."""
-        return None, int(handle.state.get("disk_mb") or 0) << 20
+        return None, handle.typed(MicrovmState).disk_mb << 20
 
     async def usage(self, handle: Handle) -> SandboxUsage:
         """:class:`dsec.contract.runtime.Measurable`: CPU and host memory from the QEMU process's
@@ -1213,7 +1216,7 @@ class MicroVMRuntime:
                 guest = parse_meminfo(raw.decode("utf-8", "replace"))
         used, total = await asyncio.to_thread(self._disk_usage, handle)
         host_mem = cg.memory_used_bytes if cg is not None else 0
-        limit = int(handle.state.get("memory_mb") or 0) << 20 or None
+        limit = handle.typed(MicrovmState).memory_mb << 20 or None
         source = f"qemu cgroup v{cg.version}" if cg is not None else "suspended"
         if "MemTotal" in guest and "MemAvailable" in guest:
             mem_used = max(0, guest["MemTotal"] - guest["MemAvailable"])
@@ -1275,19 +1278,19 @@ class MicroVMRuntime:
             assert vm.qmp is not None and vm.agent is not None
             await vm.qmp.execute("cont")
             vm.paused = False
-            await vm.agent.setup(handle.state.get("hostname") or "sandbox", 0)
+            await vm.agent.setup(handle.typed(MicrovmState).hostname, 0)
 
     # ------------------------------------------------------------------ suspend, memory fork
 
     def _sandbox_dir(self, handle: Handle) -> Path:
-        return Path(handle.state.get("dir") or self.sandbox_root / handle.id)
+        return Path(handle.typed(MicrovmState).dir or self.sandbox_root / handle.id)
 
     def is_suspended(self, handle: Handle) -> bool:
         """True if the sandbox's RAM and device state are in a file and no QEMU runs for it."""
         return (self._sandbox_dir(handle) / SUSPEND_DIR / "meta.json").exists()
 
-    def _check_restorable(self, state: dict[str, Any]) -> None:
-        if not state.get("layer_paths") or not state.get("vcpus"):
+    def _check_restorable(self, state: MicrovmState) -> None:
+        if not state.layer_paths or not state.vcpus:
             raise CapabilityNotSupported(
                 "this sandbox was created before memory snapshots existed (its handle lacks "
                 "the machine description); recreate it to suspend or memory-fork it",
@@ -1337,14 +1340,14 @@ class MicroVMRuntime:
             )
         return os.stat(dest).st_size
 
-    async def _diff_state(self, state: Path, st: dict[str, Any]) -> tuple[Path | None, int]:
+    async def _diff_state(self, state: Path, st: MicrovmState) -> tuple[Path | None, int]:
         """Shrink ``state`` of a template clone to the pages that differ from its template
         (:mod:`dsec.runtimes.microvm.stream`). Returns (template RAM file the state now
         depends on, or None if it was left whole; the file size in bytes)."""
-        key = st.get("template")
+        key = st.template
         if not self.config.snapshot_diff or not key:
             return None, os.stat(state).st_size
-        ram = self._template_paths(str(key)).ram
+        ram = self._template_paths(key).ram
         if not await asyncio.to_thread(ram.exists):
             return None, os.stat(state).st_size
         tmp = state.with_name(state.name + ".diff")
@@ -1402,12 +1405,14 @@ class MicroVMRuntime:
             delay = min(delay * 2, 0.05)
 
     async def _start_from_state(
-        self, name: str, d: Path, st: dict[str, Any], state: Path, cg: Cgroup,
+        self, name: str, d: Path, st: MicrovmState, state: Path, cg: Cgroup,
         ram_backing: Path | None = None,
     ) -> tuple[QemuProcess, QMPClient, AgentClient]:  # fmt: skip
         """A new QEMU (same machine as ``st`` describes, private RAM, in cgroup ``cg``) that
         loads ``state`` and runs. Killed again on any failure."""
         assert self.artifacts is not None
+        self._check_restorable(st)  # the machine is known
+        assert st.vcpus is not None
         if ram_backing is not None and not await asyncio.to_thread(ram_backing.exists):
             raise SandboxError(
                 f"the template RAM file {ram_backing} this memory state is a difference from "
@@ -1419,8 +1424,8 @@ class MicroVMRuntime:
         extra = await self._restore_devices(d, name)
         procs = cg.procs_files()
         argv = self._argv(
-            name, d, list(st["layer_paths"]), int(st["memory_mb"]), int(st["vcpus"]),
-            int(st["disk_mb"]), ram_backing, False, True, extra,
+            name, d, list(st.layer_paths), st.memory_mb, st.vcpus, st.disk_mb, ram_backing, False,
+            True, extra,
         )  # fmt: skip
         proc = self._launch(procs, argv, d)
         qmp: QMPClient | None = None
@@ -1460,7 +1465,7 @@ class MicroVMRuntime:
         Returns PauseReport fields: memory before (QEMU PSS) and after (0), bytes."""
         if handle.id not in self._live and self.is_suspended(handle):
             return {"method": "suspended", "notes": ["already suspended to a file"]}
-        self._check_restorable(handle.state)
+        self._check_restorable(handle.typed(MicrovmState))
         t0 = time.perf_counter()
         vm = await self._vm(handle, resume=False)
         async with vm.lock:
@@ -1479,7 +1484,9 @@ class MicroVMRuntime:
                 if not was_paused:
                     await vm.qmp.execute("stop")
                 full_size = await self._write_state(vm.qmp, sdir / "state")
-                ram_backing, size = await self._diff_state(sdir / "state", handle.state)
+                ram_backing, size = await self._diff_state(
+                    sdir / "state", handle.typed(MicrovmState)
+                )
             except BaseException:
                 shutil.rmtree(sdir, ignore_errors=True)
                 if not was_paused and vm.qmp is not None:
@@ -1499,7 +1506,9 @@ class MicroVMRuntime:
             if not await wait_exit(vm.pid, 10.0):
                 await kill_and_wait(vm.pid)
             self._live.pop(handle.id, None)
-            handle.state["pid"] = 0
+            st = handle.typed(MicrovmState)
+            st.pid = 0
+            handle.keep(st)
             self._save_handle(handle)
         t1 = time.perf_counter()
         return {
@@ -1522,11 +1531,13 @@ class MicroVMRuntime:
                 return
             t0 = time.perf_counter()
             saved = self._saved_state(handle.id)
-            st = {**handle.state, **{k: v for k, v in saved.items() if k != "id"}}
+            st = MicrovmState.model_validate(
+                {**handle.state, **{k: v for k, v in saved.items() if k != "id"}}
+            )
             self._check_restorable(st)
             d = self._sandbox_dir(handle)
-            name = st.get("qemu_name") or handle.id
-            cg = self._make_cgroup(handle.id, float(st.get("cpu") or 1.0), int(st["memory_mb"]))
+            name = st.qemu_name or handle.id
+            cg = self._make_cgroup(handle.id, st.cpu or 1.0, st.memory_mb)
             meta = json.loads(await asyncio.to_thread((d / SUSPEND_DIR / "meta.json").read_text))
             backing = Path(meta["ram_backing"]) if meta.get("ram_backing") else None
             proc, qmp, agent = await self._start_from_state(
@@ -1534,15 +1545,15 @@ class MicroVMRuntime:
             )
             try:
                 await self._until_ready(proc, agent, self.config.restore_timeout_s, "resume",
-                                        agent.setup(st.get("hostname") or "sandbox", 0))  # fmt: skip
+                                        agent.setup(st.hostname, 0))  # fmt: skip
             except BaseException:
                 await agent.close()
                 await qmp.close()
                 await kill_and_wait(proc.pid)
                 raise
-            handle.state.update({k: v for k, v in st.items() if k != "id"})
-            handle.state["pid"] = proc.pid
-            handle.state["last_restore_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+            st.pid = proc.pid
+            st.last_restore_ms = round((time.perf_counter() - t0) * 1000, 1)
+            handle.keep(st)
             self._save_handle(handle)
             self._register(_VM(id=handle.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent))
             shutil.rmtree(d / SUSPEND_DIR, ignore_errors=True)
@@ -1555,7 +1566,7 @@ class MicroVMRuntime:
         made a difference from this node's template RAM file) and the vm tier's disk copy is
         made standalone (no backing file of this node), so any node with the same layers,
         QEMU and accelerator can load it."""
-        self._check_restorable(handle.state)
+        self._check_restorable(handle.typed(MicrovmState))
         vm = await self._vm(handle)
         snap_dir = self.root / "forks" / f"{handle.id}-{os.urandom(4).hex()}"
         snap_dir.mkdir(mode=0o700, parents=True)
@@ -1576,7 +1587,7 @@ class MicroVMRuntime:
                         await vm.qmp.execute("cont")
             if not was_paused:
                 with contextlib.suppress(DsecError):  # the clock lags by the stop
-                    await vm.agent.setup(handle.state.get("hostname") or "sandbox", 0)
+                    await vm.agent.setup(handle.typed(MicrovmState).hostname, 0)
         # the vCPUs run again: shrinking the file does not hold up the parent
         if portable:
             try:
@@ -1586,7 +1597,9 @@ class MicroVMRuntime:
                 raise
             ram_backing, size = None, os.stat(snap_dir / "state").st_size
         else:
-            ram_backing, size = await self._diff_state(snap_dir / "state", handle.state)
+            ram_backing, size = await self._diff_state(
+                snap_dir / "state", handle.typed(MicrovmState)
+            )
         return MemorySnapshot(
             dir=snap_dir, state=snap_dir / "state", state_bytes=size, parent_id=handle.id,
             source=dict(handle.state), ram_backing=ram_backing,
@@ -1596,22 +1609,22 @@ class MicroVMRuntime:
         """A new sandbox ``spec.id`` resuming ``snapshot``: the parent's processes and memory,
         its own copy of the disk, its own clock, RNG seed, hostname and limits."""
         self._check_spec(spec)
-        src = snapshot.source
-        if self.guest_ram_mb(spec.memory_mb) != self.guest_ram_mb(int(src["memory_mb"])):
+        src = MicrovmState.model_validate(snapshot.source)
+        if self.guest_ram_mb(spec.memory_mb) != self.guest_ram_mb(src.memory_mb):
             raise InvalidRequest("a memory fork has the parent's memory size")
         t0 = time.perf_counter()
         d = self.sandbox_root / spec.id
         if d.exists():
             raise SandboxError(f"sandbox directory {d} already exists")
         d.mkdir(mode=0o700, parents=True)
-        handle = Handle(id=spec.id, state={
-            "dir": str(d), "pid": 0, "accel": self.accel, "vcpus": int(src["vcpus"]),
-            "memory_mb": spec.memory_mb, "disk_mb": int(src["disk_mb"]), "workdir": spec.workdir,
-            "env": dict(spec.env), "user": spec.user, "hostname": spec.hostname,
-            "template": src.get("template"), "cpu": spec.cpu, "pids": spec.pids,
-            "layer_paths": list(src["layer_paths"]), "qemu_name": spec.id,
-            "forked_from": snapshot.parent_id, "full_guest": spec.full_guest,
-        })  # fmt: skip
+        st = MicrovmState(
+            dir=str(d), pid=0, accel=self.accel, vcpus=src.vcpus, memory_mb=spec.memory_mb,
+            disk_mb=src.disk_mb, workdir=spec.workdir, env=dict(spec.env), user=spec.user,
+            hostname=spec.hostname, template=src.template, cpu=spec.cpu, pids=spec.pids,
+            layer_paths=list(src.layer_paths), qemu_name=spec.id,
+            forked_from=snapshot.parent_id, full_guest=spec.full_guest,
+        )  # fmt: skip
+        handle = Handle.of(spec.id, st)
         try:
             async with asyncio.timeout(
                 self.config.suspend_timeout_s + self.config.restore_timeout_s
@@ -1620,9 +1633,10 @@ class MicroVMRuntime:
                 await self._adopt_disk(snapshot.dir, spec.id)
                 self._save_handle(handle)
                 proc, qmp, agent = await self._start_from_state(
-                    spec.id, d, handle.state, snapshot.state, cg, snapshot.ram_backing
+                    spec.id, d, st, snapshot.state, cg, snapshot.ram_backing
                 )
-                handle.state["pid"] = proc.pid
+                st.pid = proc.pid
+                handle.keep(st)
                 self._save_handle(handle)
                 self._register(_VM(id=spec.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent))
                 await self._until_ready(proc, agent, self.config.restore_timeout_s, "fork",
@@ -1671,7 +1685,7 @@ class MicroVMRuntime:
 
     def memory_of(self, handle: Handle) -> dict[str, int]:
         """Host memory of the sandbox's QEMU in bytes: rss, pss, private (from smaps_rollup)."""
-        pid = int(handle.state.get("pid") or 0)
+        pid = handle.typed(MicrovmState).pid
         out = {"rss": 0, "pss": 0, "private": 0}
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():

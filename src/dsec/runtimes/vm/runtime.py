@@ -48,6 +48,7 @@ from dsec.contract.runtime import Handle, SandboxSpec
 from dsec.display import Button, Click, DisplayAction, Drag, Key, Move, Scroll, Type, key_tokens
 from dsec.errors import CapabilityNotSupported, InvalidRequest, SandboxError, TierUnavailable
 from dsec.runtimes.microvm.runtime import MicroVMConfig, MicroVMRuntime, Template
+from dsec.runtimes.microvm.state import MicrovmState
 
 __all__ = ["KEY_ALIASES", "VMRuntime", "char_to_keys"]
 
@@ -192,12 +193,12 @@ class VMRuntime(MicroVMRuntime):
 
     def disk_of(self, handle: Handle) -> Path:
         """The sandbox's writable disk (a qcow2 overlay)."""
-        return self.root / "disks" / f"{handle.state.get('qemu_name') or handle.id}.qcow2"
+        return self.root / "disks" / f"{handle.typed(MicrovmState).qemu_name or handle.id}.qcow2"
 
     def _disk_usage(self, handle: Handle) -> tuple[int | None, int | None]:
         """The writable disk: bytes its qcow2 overlay has allocated on the host (what the
         guest wrote, plus qcow2 metadata) out of ``disk_mb``."""
-        total = int(handle.state.get("disk_mb") or 0) << 20
+        total = handle.typed(MicrovmState).disk_mb << 20
         try:
             used = self.disk_of(handle).stat().st_blocks * 512
         except OSError:
@@ -244,7 +245,7 @@ class VMRuntime(MicroVMRuntime):
     async def screenshot(self, handle: Handle) -> bytes:
         """The guest display as PNG bytes (QMP ``screendump``)."""
         qmp = await self._qmp(handle)
-        path = Path(handle.state["dir"]) / f"screen-{os.getpid()}.png"
+        path = self._sandbox_dir(handle) / f"screen-{os.getpid()}.png"
         try:
             await qmp.execute("screendump", filename=str(path), format="png")
             data = await asyncio.to_thread(path.read_bytes)
