@@ -92,6 +92,10 @@ async def test_create_update_and_stats_routes(client: httpx.AsyncClient, edge: F
     assert stats["enabled"] is True and stats["allowed"] == [] and stats["blocked"] == []
     assert stats["policy"]["allow_domains"] == ["*.github.com"]
     assert {"allowed_total", "blocked_total", "admitted", "dns", "ip"} <= set(stats)
+    # the policy in force is what the registry keeps: a restarted edge, a fork and an export
+    # see it, not the policy the sandbox was created with
+    stored = edge.registry.get(sid)
+    assert stored is not None and stored.request.network == call["policy"]
 
 
 BAD_POLICIES: list[Any] = [

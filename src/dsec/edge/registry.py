@@ -248,6 +248,15 @@ class Registry:
                 "UPDATE sandboxes SET last_active=? WHERE id=?", (when or time.time(), sandbox_id)
             )
 
+    def set_request(self, sandbox_id: str, request: ResolvedRequest) -> None:
+        """Replace the sandbox's stored request (what changed while it ran: its network
+        policy), so a restarted edge, a fork and an export see the request in force."""
+        with self._lock:
+            self._db.execute(
+                "UPDATE sandboxes SET request=?, updated_at=? WHERE id=?",
+                (request.model_dump_json(), time.time(), sandbox_id),
+            )
+
     def set_ttl(self, sandbox_id: str, ttl_s: float | None) -> None:
         now = time.time()
         with self._lock:

@@ -28,6 +28,7 @@ class NetworkVerbs(EdgeCore):
                 raise CapabilityNotSupported(f"tier {lv.row.tier} has no network policy")
             await rt.network_update(lv.handle, policy)
             lv.row.request = lv.row.request.model_copy(update={"network": policy})
+            self.registry.set_request(lv.row.id, lv.row.request)
             return self._info(lv.row)
 
         return await self._use(sandbox_id, owner, run)
