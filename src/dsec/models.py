@@ -31,6 +31,7 @@ from pydantic import (
     model_validator,
 )
 
+from dsec.display import Screen
 from dsec.errors import InvalidRequest
 from dsec.images.reference import parse_ref
 from dsec.network.policy import NetworkPolicy
@@ -782,6 +783,20 @@ class PullImageRequest(_Model):
 _PATH_SCHEMA: dict[str, Any] = {"pattern": r"^/[^\x00]{0,4095}$"}
 """What a sandbox path looks like, documented; the edge checks it (and more: no ``..``) for
 every caller alike, and records a path that climbs out in the sandbox's audit."""
+
+
+class ScreenRequest(SandboxRef):
+    """A question about one sandbox's screen."""
+
+    screen: Screen = Field(
+        "auto", description="desktop (a desktop image's), console (the tier's), auto: desktop first"
+    )
+
+
+class JobRef(_Model):
+    """A verb about every sandbox of one job of the caller's key."""
+
+    job: JobId
 
 
 class SandboxPathRequest(SandboxRef):

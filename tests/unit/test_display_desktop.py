@@ -45,7 +45,7 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.layers import desktop as desktop_layer
-from dsec.models import ExecRequest, ExecResult, ImageInfo
+from dsec.models import ExecRequest, ExecResult, ImageInfo, SandboxRef, ScreenRequest
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\rIHDR" + (1024).to_bytes(4, "big") + bytes(12)
 
@@ -274,18 +274,16 @@ class RecordingEdge:
             raise InvalidRequest("off the screen", width=1024, height=768)
         self.actions.append((action, screen))
 
-    async def display_state(
-        self, sandbox_id: str, owner: str, screen: Screen = "auto"
-    ) -> DisplayState:
-        self._check(sandbox_id, owner)
+    async def display_state(self, req: ScreenRequest, owner: str) -> DisplayState:
+        self._check(req.sandbox_id, owner)
         return DisplayState(screen="desktop", width=1024, height=768, cursor_x=1, cursor_y=2)
 
-    async def display_windows(self, sandbox_id: str, owner: str) -> list[WindowInfo]:
-        self._check(sandbox_id, owner)
-        raise DisplayNotRunning("the X server died", sandbox_id=sandbox_id, display=":0")
+    async def display_windows(self, req: SandboxRef, owner: str) -> list[WindowInfo]:
+        self._check(req.sandbox_id, owner)
+        raise DisplayNotRunning("the X server died", sandbox_id=req.sandbox_id, display=":0")
 
-    async def display_restart(self, sandbox_id: str, owner: str) -> DisplayState:
-        self._check(sandbox_id, owner)
+    async def display_restart(self, req: SandboxRef, owner: str) -> DisplayState:
+        self._check(req.sandbox_id, owner)
         raise CapabilityNotSupported("image 'busybox' has no desktop", image="busybox")
 
 

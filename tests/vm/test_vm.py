@@ -27,7 +27,7 @@ from dsec.errors import (
     InvalidRequest,
     SandboxNotFound,
 )
-from dsec.models import ExecRequest, SandboxInfo
+from dsec.models import ExecRequest, SandboxInfo, SandboxRef, ScreenRequest
 from dsec.runtimes.microvm import MicroVMConfig
 from dsec.runtimes.microvm.qemu import pid_alive
 from dsec.runtimes.vm import VMRuntime
@@ -71,15 +71,13 @@ class RuntimeDisplayEdge:
     ) -> None:
         await self._console(sandbox_id, owner).act(action)
 
-    async def display_state(
-        self, sandbox_id: str, owner: str, screen: Screen = "auto"
-    ) -> DisplayState:
-        return await self._console(sandbox_id, owner).state()
+    async def display_state(self, req: ScreenRequest, owner: str) -> DisplayState:
+        return await self._console(req.sandbox_id, owner).state()
 
-    async def display_windows(self, sandbox_id: str, owner: str) -> list[WindowInfo]:
+    async def display_windows(self, req: SandboxRef, owner: str) -> list[WindowInfo]:
         raise CapabilityNotSupported("the console has no windows")
 
-    async def display_restart(self, sandbox_id: str, owner: str) -> DisplayState:
+    async def display_restart(self, req: SandboxRef, owner: str) -> DisplayState:
         raise CapabilityNotSupported("the console has no desktop to restart")
 
 

@@ -17,7 +17,7 @@ from dsec.apiserver.routes_sandboxes import ndjson_of, ndjson_response
 from dsec.apiserver.schemas import JOB_PATTERN, SANDBOX_ID_PATTERN
 from dsec.contract.edge import SandboxAudits
 from dsec.errors import CapabilityNotSupported
-from dsec.models import AuditEntry, AuditReport, JobAudit
+from dsec.models import AuditEntry, AuditReport
 
 __all__ = ["router"]
 
@@ -66,16 +66,3 @@ async def sandbox_audit(
         return await edge.sandbox_audit(sandbox_id, owner, after)
     await edge.get_sandbox(sandbox_id, owner)  # refusals before the first byte
     return ndjson_response(edge.follow_audit(sandbox_id, owner, after))
-
-
-@router.get(
-    "/jobs/{job}/audit",
-    response_model=JobAudit,
-    summary="The audit summary of every sandbox of a job",
-    description="Each sandbox of the job (live, and stopped ones the nodes remember) with "
-    "its exact counts and ``evidence``; ``flagged`` in the SDK lists those with evidence.",
-)
-async def job_audit(job: JobParam, edge: Edge, owner: Owner) -> JobAudit:
-    if not isinstance(edge, SandboxAudits):
-        raise CapabilityNotSupported("this server's edge records no audit")
-    return await edge.job_audit(owner, job)

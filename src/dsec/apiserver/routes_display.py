@@ -35,7 +35,6 @@ from dsec.display import (
     Button,
     Click,
     DisplayAction,
-    DisplayState,
     Drag,
     Key,
     Launch,
@@ -44,7 +43,6 @@ from dsec.display import (
     Screen,
     Scroll,
     Type,
-    WindowInfo,
 )
 from dsec.errors import CapabilityNotSupported
 
@@ -75,13 +73,6 @@ async def display_edge(request: Request) -> DisplayEdge:
 DisplayEdgeDep = Annotated[DisplayEdge, Depends(display_edge)]
 
 
-@router.get("", response_model=DisplayState, summary="The screen's size and the pointer")
-async def state(
-    sandbox_id: SandboxIdParam, edge: DisplayEdgeDep, owner: Owner, screen: ScreenParam = "auto"
-) -> DisplayState:
-    return await edge.display_state(sandbox_id, owner, screen)
-
-
 @router.get(
     "/screenshot",
     response_class=Response,
@@ -97,18 +88,6 @@ async def screenshot(
 ) -> Response:
     data = await edge.display_screenshot(sandbox_id, owner, screen, pointer)
     return Response(content=data, media_type="image/png", headers={"cache-control": "no-store"})
-
-
-@router.get("/windows", response_model=list[WindowInfo], summary="The desktop's windows")
-async def windows(
-    sandbox_id: SandboxIdParam, edge: DisplayEdgeDep, owner: Owner
-) -> list[WindowInfo]:
-    return await edge.display_windows(sandbox_id, owner)
-
-
-@router.post("/restart", response_model=DisplayState, summary="Start the desktop again")
-async def restart(sandbox_id: SandboxIdParam, edge: DisplayEdgeDep, owner: Owner) -> DisplayState:
-    return await edge.display_restart(sandbox_id, owner)
 
 
 async def _act(

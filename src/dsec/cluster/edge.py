@@ -75,6 +75,7 @@ from dsec.models import (
     JobActionResult,
     JobAudit,
     JobOutcome,
+    JobRef,
     KeyUsage,
     LayerInfo,
     MigrateRequest,
@@ -800,17 +801,17 @@ class ClusterEdge:
                     )
         return JobActionResult(job=job, action=action, outcomes=outcomes)
 
-    async def job_audit(self, owner: str, job: str) -> JobAudit:
+    async def job_audit(self, req: JobRef, owner: str) -> JobAudit:
         """Fan out to every live node; a node that does not answer leaves its sandboxes out."""
 
         async def one(h: NodeHandle) -> JobAudit | None:
             try:
-                res: JobAudit = await self.relay.call(h.name, "job_audit", owner, job)
+                res: JobAudit = await self.relay.call(h.name, "job_audit", req, owner)
                 return res
             except DsecError:
                 return None
 
-        merged = JobAudit(job=job)
+        merged = JobAudit(job=req.job)
         for a in await asyncio.gather(*(one(h) for h in self._alive())):
             if a is not None:
                 merged.sandboxes.update(a.sandboxes)

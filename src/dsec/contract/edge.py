@@ -51,6 +51,7 @@ from dsec.contract.streams import (
     StreamName,
 )
 from dsec.contract.verbs import NO_ENVELOPE, Envelope, Verb, VerbTable
+from dsec.display import DisplayState, WindowInfo
 from dsec.models import (
     AuditEntry,
     AuditReport,
@@ -71,6 +72,7 @@ from dsec.models import (
     JobActionRequest,
     JobActionResult,
     JobAudit,
+    JobRef,
     KeyQuota,
     KeyUsage,
     LayerInfo,
@@ -91,13 +93,14 @@ from dsec.models import (
     SandboxRef,
     SandboxSnapshotRequest,
     SandboxUptime,
+    ScreenRequest,
     SetTTLRequest,
 )
 
 if TYPE_CHECKING:
     from dsec.builds.records import BuildList, BuildRecord
     from dsec.builds.wire import BuildRequest
-    from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
+    from dsec.display import DisplayAction, Screen
 
 __all__ = [
     "SANDBOX_VERBS",
@@ -361,17 +364,15 @@ class DisplayEdge(Protocol):
         a point off the screen is ``InvalidRequest`` with ``width``/``height``."""
         ...
 
-    async def display_state(
-        self, sandbox_id: str, owner: str, screen: Screen = "auto"
-    ) -> DisplayState:
+    async def display_state(self, req: ScreenRequest, owner: str) -> DisplayState:
         """The screen's size and the pointer's position."""
         ...
 
-    async def display_windows(self, sandbox_id: str, owner: str) -> list[WindowInfo]:
+    async def display_windows(self, req: SandboxRef, owner: str) -> list[WindowInfo]:
         """The desktop's top-level windows (id, title, class, pid, geometry, focus)."""
         ...
 
-    async def display_restart(self, sandbox_id: str, owner: str) -> DisplayState:
+    async def display_restart(self, req: SandboxRef, owner: str) -> DisplayState:
         """Kill what is left of the sandbox's desktop and run its image's start command
         again; returns the new desktop's state once it is ready (``StartFailed`` if it
         does not come up)."""
@@ -481,7 +482,7 @@ class SandboxAudits(Protocol):
         """Entries numbered above ``after`` as they are recorded, until the sandbox stops."""
         ...
 
-    async def job_audit(self, owner: str, job: str) -> JobAudit:
+    async def job_audit(self, req: JobRef, owner: str) -> JobAudit:
         """The audit summary of every sandbox of ``owner``'s ``job``."""
         ...
 
@@ -776,6 +777,48 @@ VERBS = VerbTable(
         "all n first (429 ``quota_exceeded``, nothing created); if any child fails, none is "
         "left.",
         status=201,
+    ),
+    Verb(
+        "job_audit",
+        JobRef,
+        JobAudit,
+        "GET",
+        "/jobs/{job}/audit",
+        SandboxAudits,
+        "The audit summary of every sandbox of a job",
+        "Each sandbox of the job (live, and stopped ones the nodes remember) with its exact "
+        "counts and ``evidence``; ``flagged`` in the SDK lists those with evidence.",
+        tag="audit",
+    ),
+    Verb(
+        "display_state",
+        ScreenRequest,
+        DisplayState,
+        "GET",
+        "/sandboxes/{sandbox_id}/display",
+        DisplayEdge,
+        "The screen's size and the pointer",
+        tag="display",
+    ),
+    Verb(
+        "display_windows",
+        SandboxRef,
+        list[WindowInfo],
+        "GET",
+        "/sandboxes/{sandbox_id}/display/windows",
+        DisplayEdge,
+        "The desktop's windows",
+        tag="display",
+    ),
+    Verb(
+        "display_restart",
+        SandboxRef,
+        DisplayState,
+        "POST",
+        "/sandboxes/{sandbox_id}/display/restart",
+        DisplayEdge,
+        "Start the desktop again",
+        tag="display",
     ),
     Verb(
         "job_action",

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+from dsec.contract.edge import VERBS
 from dsec.display import DisplayState, MouseButton, Screen, WindowInfo
+from dsec.models import SandboxRef, ScreenRequest
+from dsec.wire import validated
 
 if TYPE_CHECKING:
     from dsec.sdk.sandbox import AsyncSandbox
@@ -76,8 +79,10 @@ class AsyncDisplay:
 
     async def state(self) -> DisplayState:
         """The screen's size and where the pointer is."""
-        r = await self._sandbox._client._http.request("GET", self._path(""), params=self._params())
-        return DisplayState.model_validate(r.json())
+        sb = self._sandbox
+        req = validated(ScreenRequest, sandbox_id=sb.id, screen=self._screen)
+        state: DisplayState = await sb._client._http.call(VERBS["display_state"], req)
+        return state
 
     async def screen_size(self) -> tuple[int, int]:
         """(width, height) of the screen, pixels."""
@@ -93,13 +98,17 @@ class AsyncDisplay:
 
     async def windows(self) -> list[WindowInfo]:
         """The desktop's top-level windows (id, title, WM_CLASS, pid, geometry, focus)."""
-        r = await self._sandbox._client._http.request("GET", self._path("windows"))
-        return [WindowInfo.model_validate(w) for w in r.json()]
+        sb = self._sandbox
+        req = validated(SandboxRef, sandbox_id=sb.id)
+        windows: list[WindowInfo] = await sb._client._http.call(VERBS["display_windows"], req)
+        return windows
 
     async def restart(self) -> DisplayState:
         """Start the desktop again (after its X server died); returns once it is ready."""
-        r = await self._sandbox._client._http.request("POST", self._path("restart"))
-        return DisplayState.model_validate(r.json())
+        sb = self._sandbox
+        req = validated(SandboxRef, sandbox_id=sb.id)
+        state: DisplayState = await sb._client._http.call(VERBS["display_restart"], req)
+        return state
 
     # --------------------------------------------------------------- actions
     async def move(self, x: int, y: int) -> None:

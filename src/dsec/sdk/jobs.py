@@ -45,7 +45,7 @@ from pydantic import TypeAdapter
 
 from dsec.contract.edge import VERBS
 from dsec.errors import InvalidRequest
-from dsec.models import JobAction, JobActionRequest, JobActionResult, JobAudit, SandboxInfo
+from dsec.models import JobAction, JobActionRequest, JobActionResult, JobAudit, JobRef, SandboxInfo
 from dsec.sdk.client import AsyncClient
 from dsec.sdk.sync import runner
 from dsec.wire import ANSWER
@@ -127,10 +127,10 @@ class AsyncJobs:
         """Which sandboxes of ``job`` tried what: each one's audit summary (exact counts by
         ``category.kind``, ``evidence``); ``result.flagged`` lists those with evidence.
         Stopped sandboxes are included while their nodes remember them."""
-        path = f"/v1/jobs/{quote(_check_job(job), safe=':')}/audit"
         t = self.timeout if timeout is None else timeout
-        r = await self._client._http.request("GET", path, timeout=t)
-        return JobAudit.model_validate(r.json(), context=ANSWER)
+        req = JobRef(job=_check_job(job))
+        audit: JobAudit = await self._client._http.call(VERBS["job_audit"], req, timeout=t)
+        return audit
 
     async def close(self) -> None:
         """Close pooled connections if this object opened them."""

@@ -19,7 +19,7 @@ from dsec.edge.desktop import (
 )
 from dsec.errors import CapabilityNotSupported, DsecError
 from dsec.layers.desktop import DISPLAY_LABEL
-from dsec.models import ExecRequest
+from dsec.models import ExecRequest, SandboxRef, ScreenRequest
 
 log = logging.getLogger("dsec.edge")
 
@@ -101,24 +101,22 @@ class DisplayVerbs(EdgeCore):
 
         await self._use(sandbox_id, owner, run)
 
-    async def display_state(
-        self, sandbox_id: str, owner: str, screen: Screen = "auto"
-    ) -> DisplayState:
+    async def display_state(self, req: ScreenRequest, owner: str) -> DisplayState:
         async def run(lv: LiveSandbox) -> DisplayState:
-            return await self._screen(lv, screen).state()
+            return await self._screen(lv, req.screen).state()
 
-        return await self._use(sandbox_id, owner, run)
+        return await self._use(req.sandbox_id, owner, run)
 
-    async def display_windows(self, sandbox_id: str, owner: str) -> list[WindowInfo]:
+    async def display_windows(self, req: SandboxRef, owner: str) -> list[WindowInfo]:
         async def run(lv: LiveSandbox) -> list[WindowInfo]:
             s = self._screen(lv, "desktop")
             if not isinstance(s, Windowed):  # pragma: no cover - a desktop has windows
                 raise CapabilityNotSupported("this screen has no windows")
             return await s.windows()
 
-        return await self._use(sandbox_id, owner, run)
+        return await self._use(req.sandbox_id, owner, run)
 
-    async def display_restart(self, sandbox_id: str, owner: str) -> DisplayState:
+    async def display_restart(self, req: SandboxRef, owner: str) -> DisplayState:
         """Stop the sandbox's desktop (whatever is left of it) and run its image's start
         command again; returns once its readiness check passes."""
 
@@ -146,4 +144,4 @@ class DisplayVerbs(EdgeCore):
             await self._start(lv, rt, spec.start, rt.facts().sink_sees_all_output)
             return await self._screen(lv, "desktop").state()
 
-        return await self._use(sandbox_id, owner, run)
+        return await self._use(req.sandbox_id, owner, run)

@@ -19,6 +19,7 @@ from dsec.models import (
     CpuMetrics,
     DiskMetrics,
     JobAudit,
+    JobRef,
     LogLine,
     MemoryMetrics,
     NetworkMetrics,
@@ -186,9 +187,10 @@ class ObserveVerbs(EdgeCore):
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
 
-    async def job_audit(self, owner: str, job: str) -> JobAudit:
+    async def job_audit(self, req: JobRef, owner: str) -> JobAudit:
         """:class:`dsec.contract.edge.SandboxAudits`: the summary of every sandbox of
         ``owner``'s ``job`` this node has (live, and stopped ones it remembers)."""
+        job = req.job
         out: dict[str, AuditSummary] = {}
         for row in self.registry.select(owner=owner, job=job):
             lv = self._live.get(row.id)
