@@ -164,6 +164,19 @@ def test_v2_oom_kills(tmp_path: Path) -> None:
     assert Cgroup.parse_oom_kills("oom_kill_disable 0\nunder_oom 0\n") == 0
 
 
+def test_memory_limit_hits_both_layouts(tmp_path: Path) -> None:
+    """Counted at the charge that hit the limit, before any OOM kill is (v1 memory.failcnt;
+    v2 memory.events' max and oom)."""
+    v2 = fake_v2(tmp_path / "v2", "sb")
+    (v2.dir / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 1\noom_kill 0\n")
+    assert v2.memory_limit_hits() == 5 and v2.oom_kills() == 0
+    assert CgroupV2("gone", tmp_path / "v2").memory_limit_hits() == 0
+    v1 = fake_v1(tmp_path / "v1", "sb", memsw=False)
+    assert v1.memory_limit_hits() == 0  # no memory.failcnt: nothing counted
+    (tmp_path / "v1" / "memory" / "sb" / "memory.failcnt").write_text("7\n")
+    assert v1.memory_limit_hits() == 7
+
+
 def test_v2_freezing(tmp_path: Path) -> None:
     cg = fake_v2(tmp_path, "sb")
     assert not cg.freeze_requested() and not cg.is_frozen()

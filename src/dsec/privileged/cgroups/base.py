@@ -391,6 +391,13 @@ class Cgroup(ABC):
         return parse_flat_keyed(text).get("oom_kill", 0)
 
     @abstractmethod
+    def memory_limit_hits(self) -> int:
+        """Times a charge in this cgroup ran into its memory limit (v1 ``memory.failcnt``;
+        v2 ``memory.events``' ``max`` plus ``oom``; 0 if it is gone). Counted before the
+        kernel reclaims or kills, so it already shows when the OOM killer's own count, which
+        the kernel adds after sending its SIGKILL, may not yet."""
+
+    @abstractmethod
     def pids_max_events(self) -> int:
         """Forks the pids limit refused in this cgroup (``pids.events``' ``max``; 0 if it is
         gone or the kernel does not count them)."""

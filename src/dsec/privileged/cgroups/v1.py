@@ -188,6 +188,9 @@ class CgroupV1(Cgroup):
         except FileNotFoundError:
             return 0
 
+    def memory_limit_hits(self) -> int:
+        return int_or_none(self.path("memory") / "memory.failcnt") or 0
+
     def pids_max_events(self) -> int:
         try:
             return parse_flat_keyed((self.path("pids") / "pids.events").read_text()).get("max", 0)

@@ -212,6 +212,13 @@ class CgroupV2(Cgroup):
         except FileNotFoundError:
             return 0
 
+    def memory_limit_hits(self) -> int:
+        try:
+            events = parse_flat_keyed((self.dir / "memory.events").read_text())
+        except (FileNotFoundError, ValueError):
+            return 0
+        return events.get("max", 0) + events.get("oom", 0)
+
     def pids_max_events(self) -> int:
         try:
             return parse_flat_keyed((self.dir / "pids.events").read_text()).get("max", 0)

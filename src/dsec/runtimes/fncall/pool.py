@@ -307,8 +307,10 @@ class Worker:
         self.exit_status: int | None = None
         self.dead = asyncio.Event()
         self.killed = False
+        self.killed_alive = False  # dsec sent its SIGKILL before the worker was seen dead
         self.eof = False
         self._oom_seen = 0  # OOM kills counted while the cgroup was there to read
+        self._limit_seen = 0  # memory limit hits, likewise
         self._reader = _FrameReader()
         self._loop = asyncio.get_running_loop()
         sock.setblocking(False)
@@ -394,9 +396,36 @@ class Worker:
         may remove a dead worker's cgroup before the call asks why it died)."""
         try:
             self._oom_seen = max(self._oom_seen, self.cgroup.oom_kills())
+            self._limit_seen = max(self._limit_seen, self.cgroup.memory_limit_hits())
         except (OSError, ValueError):
             pass
         return self._oom_seen
+
+    def died_at_its_memory_limit(self) -> bool:
+        """Whether a worker that went away during a call ran into its memory limit: an OOM
+        kill counted, or (the kernel counts the kill only after sending its SIGKILL, so a
+        loaded node can show the worker's exit first) a charge refused at the limit."""
+        return self.oom_kills() > 0 or self._limit_seen > 0
+
+    async def killed_by_memory_limit(self, wait_s: float = 2.0) -> bool:
+        """After the worker went away during a call: whether its memory limit did it. The
+        counters first; else, once the zygote reported the exit (waited for up to
+        ``wait_s``), a SIGKILL dsec did not send: on a loaded node the kernel's count of its
+        OOM kill can come after the worker's socket closed and its cgroup was removed, and
+        nothing else sends a worker SIGKILL (its agent is the init of its pid namespace)."""
+        if self.died_at_its_memory_limit():
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.dead.wait(), wait_s)
+        if self.died_at_its_memory_limit():
+            return True
+        status = self.exit_status
+        return (
+            status is not None
+            and not self.killed_alive
+            and os.WIFSIGNALED(status)
+            and os.WTERMSIG(status) == signal.SIGKILL
+        )
 
     def set_memory_limit(self, limit_bytes: int) -> None:
         try:  # the direction from what was set last: no read of the current limit per call
@@ -427,6 +456,7 @@ class Worker:
         """SIGKILL the worker (its pid namespace dies with it). Idempotent, never raises."""
         if not self.killed:
             self.killed = True
+            self.killed_alive = not self.dead.is_set()
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
         self._close_reader()

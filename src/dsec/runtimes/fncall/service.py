@@ -475,7 +475,7 @@ class RunCodeService:
             try:
                 await w.send(header, b"".join(blobs))
             except OSError as e:  # the worker died before it had read the whole call
-                if w.oom_kills() > 0:
+                if await w.killed_by_memory_limit():
                     raise InvalidRequest(
                         f"the worker was killed by its memory limit"
                         f" ({job.memory_mb or pool.config.memory_mb} MiB) while"
@@ -499,8 +499,7 @@ class RunCodeService:
                     f"the fncall worker did not answer within {budget:.1f} s"
                 ) from None
             except SandboxError:
-                oom = w.oom_kills() > 0
-                if oom:
+                if await w.killed_by_memory_limit():
                     # the call's own data or program outgrew the call's limit: the caller's
                     raise InvalidRequest(
                         f"the worker was killed by its memory limit"
