@@ -84,7 +84,6 @@ from dsec.models import (
     RunCodeRequest,
     RunCodeResponse,
     SandboxInfo,
-    SandboxRef,
 )
 from dsec.placement import PlacementRequest, Placer
 from dsec.tiers import require_tier, tier_names
@@ -1107,25 +1106,20 @@ def _stream_forwarder(name: str) -> Callable[..., AsyncGenerator[Any, None]]:
     return forward
 
 
-def _forwarder(name: str) -> Callable[..., Awaitable[Any]]:
-    async def forward(self: ClusterEdge, sandbox_id: str, *args: Any, **kwargs: Any) -> Any:
+def _forwarder(name: str, *, by_request: bool = False) -> Callable[..., Awaitable[Any]]:
+    """``name`` relayed to the node its first argument names: a sandbox id, or
+    (``by_request``, a verb of the table) a request holding one, which is passed on whole."""
+
+    async def forward(self: ClusterEdge, first: Any, *args: Any, **kwargs: Any) -> Any:
         timeout = self.options.create_timeout_s if name in _CREATE_TIMEOUT_VERBS else None
-        return await self.relay.on_sandbox(sandbox_id, name, *args, timeout=timeout, **kwargs)
+        if by_request:
+            return await self.relay.on_sandbox(
+                first.sandbox_id, name, first, *args, timeout=timeout, route_only=True, **kwargs
+            )
+        return await self.relay.on_sandbox(first, name, *args, timeout=timeout, **kwargs)
 
     forward.__name__ = forward.__qualname__ = name
     forward.__doc__ = f"``{name}`` on the node the sandbox id names (see ``EdgeAPI``)."
-    return forward
-
-
-def _verb_forwarder(name: str) -> Callable[..., Awaitable[Any]]:
-    async def forward(self: ClusterEdge, req: SandboxRef, *args: Any, **kwargs: Any) -> Any:
-        timeout = self.options.create_timeout_s if name in _CREATE_TIMEOUT_VERBS else None
-        return await self.relay.on_sandbox(
-            req.sandbox_id, name, req, *args, timeout=timeout, route_only=True, **kwargs
-        )
-
-    forward.__name__ = forward.__qualname__ = name
-    forward.__doc__ = f"``{name}`` on the node the request's sandbox id names (``VERBS``)."
     return forward
 
 
@@ -1133,7 +1127,7 @@ def _verb_forwarder(name: str) -> Callable[..., Awaitable[Any]]:
 # to the sandbox's node: adding a verb to dsec.contract.edge adds it here.
 for _name in sorted(SANDBOX_VERBS - _NODE_SIDE_VERBS - set(vars(ClusterEdge))):
     if _name in VERBS:
-        setattr(ClusterEdge, _name, _verb_forwarder(_name))
+        setattr(ClusterEdge, _name, _forwarder(_name, by_request=True))
     elif _name in STREAM_VERBS:
         setattr(ClusterEdge, _name, _stream_forwarder(_name))
     else:

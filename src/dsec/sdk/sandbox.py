@@ -60,7 +60,7 @@ import tarfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -165,6 +165,7 @@ SNAPSHOT_TIMEOUT_S = 600.0
 _PATH_MAX = 4096
 
 OutputCallback = Callable[[str], Any]
+T = TypeVar("T")
 """Called with each output chunk (str); may be a plain function or a coroutine function."""
 
 CREATE_TIMEOUT_S = 120.0
@@ -967,24 +968,28 @@ class AsyncSandbox:
         self, method: str, suffix: str, *, headers: dict[str, str] | None = None, **kw: Any
     ) -> httpx.Response:
         """Send one state-changing request under the next sequence number."""
-        seq = self._take_seq()
-        try:
-            return await self._client._http.request(
+        return await self._under_seq(
+            lambda seq: self._client._http.request(
                 method, self._path(suffix), headers={**(headers or {}), SEQ_HEADER: str(seq)}, **kw
             )
-        except DsecError as err:
-            await self._settle_seq(seq, err)
-            raise
+        )
 
     async def _sequenced_call(
         self, verb: Verb, req: BaseModel, *, timeout: float | None = None
     ) -> Any:
         """Send one state-changing verb of the table under the next sequence number."""
-        seq = self._take_seq()
-        try:
-            return await self._client._http.call(
+        return await self._under_seq(
+            lambda seq: self._client._http.call(
                 verb, req, envelope=Envelope(seq=seq), timeout=timeout
             )
+        )
+
+    async def _under_seq(self, send: Callable[[int], Awaitable[T]]) -> T:
+        """``send(seq)`` under the next sequence number, which a failure hands back unless
+        the edge recorded it."""
+        seq = self._take_seq()
+        try:
+            return await send(seq)
         except DsecError as err:
             await self._settle_seq(seq, err)
             raise

@@ -401,10 +401,9 @@ class Worker:
             pass
         return self._oom_seen
 
-    def died_at_its_memory_limit(self) -> bool:
-        """Whether a worker that went away during a call ran into its memory limit: an OOM
-        kill counted, or (the kernel counts the kill only after sending its SIGKILL, so a
-        loaded node can show the worker's exit first) a charge refused at the limit."""
+    def _hit_its_memory_limit(self) -> bool:
+        """An OOM kill counted, or a charge refused at the limit (counted before the kill,
+        which the kernel counts only after sending its SIGKILL)."""
         return self.oom_kills() > 0 or self._limit_seen > 0
 
     async def killed_by_memory_limit(self, wait_s: float = 2.0) -> bool:
@@ -413,11 +412,11 @@ class Worker:
         ``wait_s``), a SIGKILL dsec did not send: on a loaded node the kernel's count of its
         OOM kill can come after the worker's socket closed and its cgroup was removed, and
         nothing else sends a worker SIGKILL (its agent is the init of its pid namespace)."""
-        if self.died_at_its_memory_limit():
+        if self._hit_its_memory_limit():
             return True
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.dead.wait(), wait_s)
-        if self.died_at_its_memory_limit():
+        if self._hit_its_memory_limit():
             return True
         status = self.exit_status
         return (
