@@ -67,6 +67,7 @@ from dsec.network.policy import (
     normalize_cidr,
 )
 from dsec.network.resolver import ResolverLimits, SandboxResolver, parse_hostport
+from dsec.privileged.hostsysctl import HeldSysctl
 from dsec.privileged.netns import (
     RtNetlink,
     create_netns,
@@ -197,6 +198,7 @@ class NetworkManager:
         self.dns_packets_per_s = dns_packets_per_s
         self.netns_dir = self.state_dir / "netns"
         self.records_dir = self.state_dir / "records"
+        self._forwarding = HeldSysctl("net.ipv4.ip_forward", "1", str(self.state_dir))
         self._sandboxes: dict[str, _Sandbox] = {}
         self._slots: dict[int, str] = {}
         self._cursor = 0
@@ -301,19 +303,10 @@ class NetworkManager:
             await self._teardown_record_only(sandbox_id)
 
     def _enable_forwarding(self) -> None:
-        marker = self.state_dir / "ip_forward.restore"
-        with open("/proc/sys/net/ipv4/ip_forward") as f:
-            current = f.read().strip()
-        if current != "1":
-            marker.write_text(current)
-            write_sysctl("net.ipv4.ip_forward", "1")
-
-    def _restore_forwarding(self) -> None:
-        marker = self.state_dir / "ip_forward.restore"
-        if marker.exists():
-            with contextlib.suppress(OSError):
-                write_sysctl("net.ipv4.ip_forward", marker.read_text().strip() or "0")
-            marker.unlink(missing_ok=True)
+        legacy = self.state_dir / "ip_forward.restore"  # an older node's own note
+        found = legacy.read_text().strip() if legacy.exists() else None
+        self._forwarding.hold(found_before=found or None)
+        legacy.unlink(missing_ok=True)
 
     async def close(self) -> None:
         """Stop the resolver. With no sandbox left, also remove the table and restore
@@ -324,7 +317,7 @@ class NetworkManager:
         if self._filter is not None and not self._sandboxes:
             with contextlib.suppress(NftError):
                 self._filter.remove()
-            self._restore_forwarding()
+            self._forwarding.release()
         if self._nft is not None:
             self._nft.close()
         self._nft = None

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import dsec.network.dns as dns
 from dsec.network.resolver import ZoneServer
-from dsec.privileged.netns import RtNetlink, create_netns, delete_netns, in_netns, write_sysctl
+from dsec.privileged.hostsysctl import HeldSysctl
+from dsec.privileged.netns import RtNetlink, create_netns, delete_netns, in_netns
 
 __all__ = ["CLOUD_SERVICE_ADDRS", "ZONE", "Testbed", "dns_query", "tcp_probe", "udp_probe"]
 
@@ -79,7 +80,7 @@ class Testbed:
     zone: ZoneServer = field(init=False)
     _servers: list[asyncio.AbstractServer] = field(default_factory=list, init=False)
     _transports: list[asyncio.BaseTransport] = field(default_factory=list, init=False)
-    _ip_forward_before: str | None = field(default=None, init=False)
+    _forwarding: HeldSysctl = field(init=False)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).resolve()
@@ -87,6 +88,7 @@ class Testbed:
         self.links = {"inet": f"dtb{tag}i", "mirror": f"dtb{tag}m", "plain": f"dtb{tag}p"}
         self.ns = {name: self.root / f"ns-{name}" for name in self.links}
         self.zone = ZoneServer(ZONE, cnames=ZONE_CNAMES, ttl=self.ttl)
+        self._forwarding = HeldSysctl("net.ipv4.ip_forward", "1", str(self.root))
 
     async def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -101,9 +103,7 @@ class Testbed:
             inet = host.link_index(self.links["inet"])
             for addr in (METADATA_ADDR, *CLOUD_SERVICE_ADDRS):
                 host.add_route(f"{addr}/32", oif=inet)
-        with open("/proc/sys/net/ipv4/ip_forward") as f:
-            self._ip_forward_before = f.read().strip()
-        write_sysctl("net.ipv4.ip_forward", "1")
+        self._forwarding.hold()
         sock = in_netns(self.ns["inet"], lambda: _bound_udp(DNS_ADDR, 53))
         await self.zone.start(sock)
         for name, ports in (
@@ -206,9 +206,7 @@ class Testbed:
         self._transports.clear()
         await self.zone.close()
         await self.close_kernel()
-        if self._ip_forward_before is not None:
-            write_sysctl("net.ipv4.ip_forward", self._ip_forward_before)
-            self._ip_forward_before = None
+        self._forwarding.release()
 
     async def close_kernel(self) -> None:
         def kernel() -> None:
