@@ -534,3 +534,14 @@ async def test_create_failure_cleans_up(runtime: ContainerRuntime, make: Factory
     with pytest.raises(InvalidRequest):
         await make(id="sb-t-baduser", user="nosuchuser")
     assert_gone(runtime, "sb-t-baduser")
+
+
+async def test_a_runtime_only_asked_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
+    """A runtime that is asked about its state (an orphan scan, a path) but never started
+    makes no directory in /dev/shm: only start() makes it, and close() removes it."""
+    paths = Paths(tmp_path / "home")
+    rt = ContainerRuntime(paths, LayerMounts(paths.layer_mounts))
+    shm = Path("/dev/shm") / rt.cgroup_parent
+    assert rt.state_root.parent in (shm, paths.run)
+    assert await rt.list_orphans(set()) == []
+    assert not shm.exists()

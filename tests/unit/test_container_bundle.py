@@ -293,15 +293,18 @@ def test_oci_state_dir_refuses_planted_directories() -> None:
     name = f"dsec-test-{os.getpid()}"
     path = Path("/dev/shm") / name
     try:
-        got = _private_tmpfs_dir(name)
+        got = _private_tmpfs_dir(name, make=False)
         if got is None:
             pytest.skip("/dev/shm is not a tmpfs here")
-        assert got == path and (path.stat().st_mode & 0o777) == 0o700
+        assert got == path and not path.exists()  # only asked: nothing made
+        assert _private_tmpfs_dir(name, make=True) == path
+        assert (path.stat().st_mode & 0o777) == 0o700
         path.chmod(0o777)  # as if someone else had planted it
-        assert _private_tmpfs_dir(name) is None
+        assert _private_tmpfs_dir(name, make=False) is None
+        assert _private_tmpfs_dir(name, make=True) is None
         path.rmdir()
         path.symlink_to("/tmp")
-        assert _private_tmpfs_dir(name) is None
+        assert _private_tmpfs_dir(name, make=True) is None
     finally:
         if path.is_symlink():
             path.unlink()

@@ -373,9 +373,14 @@ class ContainerRuntime:
         bases = [self._state_base(), self.paths.run]
         return [b / n for b in dict.fromkeys(bases) for n in ("crun", "runc")]
 
-    def _state_base(self) -> Path:
-        if self._state_base_cached is None:
-            self._state_base_cached = _private_tmpfs_dir(self.cgroup_parent) or self.paths.run
+    def _state_base(self, *, make: bool = False) -> Path:
+        """Where the OCI and sandbox state go. Only :meth:`start` makes the tmpfs directory
+        (``make``): a runtime that is only asked (orphan scans, a runtime never started)
+        leaves nothing in ``/dev/shm``."""
+        if self._state_base_cached is None or make:
+            self._state_base_cached = (
+                _private_tmpfs_dir(self.cgroup_parent, make=make) or self.paths.run
+            )
         return self._state_base_cached
 
     @property
@@ -402,6 +407,7 @@ class ContainerRuntime:
         """Build the native helpers and prepare the node (idempotent). Never raises for an
         unusable node: the capability table then says why."""
         self.paths.ensure()
+        self._state_base(make=True)
         await asyncio.to_thread(mount_sandbox_root, self.paths.sandboxes)
         try:
             init = await asyncio.to_thread(build_native, self.paths.bin, "dsec_init")
@@ -2102,16 +2108,20 @@ def _set_limits(cg: Cgroup, current: ContainerLimits, spec: SandboxSpec) -> None
         cg.set_pids(spec.pids)
 
 
-def _private_tmpfs_dir(name: str) -> Path | None:
-    """``/dev/shm/<name>``, created 0700 and checked to be ours, if /dev/shm is a tmpfs."""
+def _private_tmpfs_dir(name: str, *, make: bool) -> Path | None:
+    """``/dev/shm/<name>``, checked to be ours, if /dev/shm is a tmpfs; ``make``: create it
+    (0700) if missing (else a missing one is returned as it will be)."""
     shm = Path("/dev/shm")
     try:
         with open("/proc/self/mountinfo") as f:
             if not any(line.split(" ")[4] == str(shm) and " - tmpfs " in line for line in f):
                 return None
         path = shm / name
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
+        if make:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+        elif not os.path.lexists(path):
+            return path
         st = os.lstat(path)
     except OSError:
         return None
