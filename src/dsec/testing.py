@@ -121,6 +121,7 @@ __all__ = [
     "MemoryPortRuntime",
     "MemoryRuntime",
     "app_transport",
+    "keyed_client",
     "memory_node_edge",
 ]
 
@@ -1114,6 +1115,21 @@ def _truncate(result: ExecResult, limit: int) -> ExecResult:
         out.stderr = out.stderr.encode()[:limit].decode("utf-8", "replace")
         out.stderr_truncated = True
     return out
+
+
+def keyed_client(edge: Any, keys: list[str], key: str) -> httpx.AsyncClient:
+    """An httpx client into a real apiserver app in front of ``edge`` that accepts ``keys``,
+    sending ``key``: one per tenant, to check what another key sees."""
+    import httpx
+
+    from dsec.apiserver.app import create_app
+    from dsec.apiserver.auth import StaticKeys
+
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=create_app(edge, StaticKeys(keys))),
+        base_url="http://dsec",
+        headers={"authorization": f"Bearer {key}"},
+    )
 
 
 def app_transport(

@@ -33,6 +33,7 @@ from dsec.errors import (
     QuotaExceeded,
     SandboxNotFound,
     SandboxStopped,
+    SequenceConflict,
     ServiceUnavailable,
     TierUnavailable,
 )
@@ -371,14 +372,52 @@ def test_second_replica_serves_the_same_sandboxes(
         home, cluster_server.node_root, ray_cluster.address, cluster_server.dsn, shared_layers
     )
     sb = _create(cluster_server)
+    made: list[Sandbox] = [sb]
     try:
         # the same key (PostgreSQL) and the same edge actors (found by name)
         other = Sandbox.connect(sb.id, url=url, api_key=cluster_server.api_key)
         assert other.commands.run("echo via-replica-2").stdout == "via-replica-2\n"
+        # a create repeated on the other replica under its idempotency key: one sandbox
+        kw: dict[str, Any] = {"tier": "container", "api_key": cluster_server.api_key}
+        first = Sandbox.create(url=cluster_server.url, idempotency_key="rollout-9", **kw)
+        made.append(first)
+        again = Sandbox.create(url=url, idempotency_key="rollout-9", **kw)
+        assert again.id == first.id
+        with pytest.raises(SequenceConflict):
+            Sandbox.create(url=url, idempotency_key="rollout-9", cpu=0.5, **kw)
+        mine = {i.id for i in Sandbox.list(url=url, api_key=cluster_server.api_key)}
+        assert first.id in mine
     finally:
-        _kill_all([sb])
+        _kill_all(made)
         proc.terminate()
         proc.wait(30)
+
+
+def test_creation_keys_in_postgresql(postgres: Any) -> None:
+    """The cluster's store of creation keys (what two replicas share) behaves as the
+    embedded one: claim, wait, settle, adopt, abandon, forget, expire, per owner."""
+    from dsec.cluster.state import ClusterState, PgCreateKeys
+
+    a_state, b_state = ClusterState(postgres.dsn), ClusterState(postgres.dsn)
+    a, b = PgCreateKeys(a_state), PgCreateKeys(b_state)
+    try:
+        now = time.time()
+        assert a.claim("o", "k", "fp", now, now - 60) is None
+        row = b.claim("o", "k", "fp", now, now - 60)  # the other replica: under way
+        assert row is not None and row.sandbox_id is None
+        assert b.claim("p", "k", "fp", now, now - 60) is None  # another owner's key
+        a.settle("o", "k", "sb-x", now)
+        assert b.adopt("o", "k") == "sb-x"
+        assert not a.abandon("o", "k", "sb-x")  # a retry took it
+        assert b.claim("o", "k", "other", now, now - 60).fingerprint == "fp"  # type: ignore[union-attr]
+        assert a.claim("o", "k2", "fp", now - 120, 0) is None  # its creator died
+        assert b.claim("o", "k2", "fp", now, now - 60) is None  # taken over
+        b.forget("o", "k2")
+        assert a.claim("o", "k2", "fp", now, now - 60) is None
+        assert a.expire(now + 1) >= 3
+    finally:
+        a_state.close()
+        b_state.close()
 
 
 def test_node_loss_is_reported_in_bounded_time(

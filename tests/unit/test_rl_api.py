@@ -388,8 +388,12 @@ async def test_sdk_numbers_calls_from_create(edge: FakeEdge, conn: dict[str, Any
     await sb.files.rename("/f", "/d/f")
     await sb.files.remove("/d", recursive=True)
     assert sb.next_seq == 8
-    seqs = [args["env"].seq for name, args in edge.calls if "env" in args]
+    seqs = [
+        args["env"].seq for name, args in edge.calls if "env" in args and name != "create_sandbox"
+    ]
     assert seqs == [1, 2, 3, 4, 5, 6, 7]
+    (create,) = edge.calls_to("create_sandbox")  # a creation has a key, not a number
+    assert create["env"].seq is None and create["env"].idem_key
     # reads are not numbered
     await sb.files.exists("/d")
     await sb.files.list("/")

@@ -23,10 +23,12 @@ from dsec.errors import AuthenticationError
 __all__ = [
     "ERROR_RESPONSES",
     "MAX_SEQ",
+    "CreateKey",
     "Edge",
     "Owner",
     "Seq",
     "bearer_scheme",
+    "create_key",
     "current_owner",
     "envelope",
     "get_edge",
@@ -107,3 +109,22 @@ async def envelope(
 
 Seq = Annotated[Envelope, Depends(envelope)]
 """The trajectory envelope of a state-changing request."""
+
+
+async def create_key(
+    idem_key: Annotated[
+        str | None,
+        Header(
+            alias=IDEMPOTENCY_HEADER,
+            pattern=IDEMPOTENCY_KEY_PATTERN,
+            description="client-chosen key: a repeat of this creation makes no second "
+            "sandbox (answers the first one's)",
+        ),
+    ] = None,
+) -> Envelope:
+    """The ``Idempotency-Key`` of a creation (malformed: 400 before the edge)."""
+    return Envelope(idem_key=idem_key)
+
+
+CreateKey = Annotated[Envelope, Depends(create_key)]
+"""The idempotency key of a creation (no sequence number: the sandbox does not exist yet)."""

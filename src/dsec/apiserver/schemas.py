@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsec.contract.verbs import IDEMPOTENCY_KEY_PATTERN
 from dsec.models import Capabilities, ImageInfo, LayerInfo, SandboxInfo
 
 __all__ = [
@@ -49,7 +50,6 @@ IMAGE_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$"
 JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 """Job ids (``CreateSandboxRequest.job``): letters, digits, ``._:-``, at most 128 characters."""
 
-IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,256}$"
 """Idempotency keys: 1..256 printable ASCII characters, no spaces."""
 
 SEQ_HEADER = "X-Dsec-Seq"

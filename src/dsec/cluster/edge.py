@@ -28,9 +28,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
+import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from dsec.builds.records import BuildList, BuildRecord, BuildRecords
 from dsec.cluster.actor import BURST_LABEL, NodeConfig, edge_names_of, ensure_edge_actor
@@ -45,8 +47,17 @@ from dsec.cluster.relay import (
     _ray_await,
     node_of_sandbox,
 )
-from dsec.contract.edge import SANDBOX_VERBS, STREAM_VERBS, VERBS, PortStream, PortTicket
+from dsec.cluster.state import ClusterState, PgCreateKeys
+from dsec.contract.edge import (
+    SANDBOX_VERBS,
+    STREAM_VERBS,
+    VERBS,
+    EdgeAPI,
+    PortStream,
+    PortTicket,
+)
 from dsec.contract.verbs import NO_ENVELOPE, Envelope
+from dsec.edge.createkeys import IdempotentCreates, SqliteCreateKeys
 from dsec.edge.ports import redeem_ticket
 from dsec.edge.quotas import QuotaGuard, code_run_size
 from dsec.errors import (
@@ -138,6 +149,14 @@ class ClusterEdge:
         self.key_quotas = QuotaGuard()
         """Each key's quota (:mod:`dsec.edge.quotas`; its ``source`` is set by the server),
         checked here against the registry: the nodes' edges check only their own room."""
+        self.creates = IdempotentCreates(
+            PgCreateKeys(state)
+            if isinstance(state, ClusterState)
+            else SqliteCreateKeys(
+                sqlite3.connect(":memory:", check_same_thread=False), threading.Lock()
+            )
+        )
+        """Idempotent creations: keys shared by every replica through PostgreSQL."""
         self._monitor: asyncio.Task[None] | None = None
         self._closing = False
         self._pending_writes: list[tuple[str, SandboxInfo, asyncio.Future[None]]] = []
@@ -362,7 +381,18 @@ class ClusterEdge:
             raise refusal
         return fits
 
-    async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo:
+    async def create_sandbox(
+        self, req: CreateSandboxRequest, owner: str, env: Envelope = NO_ENVELOPE
+    ) -> SandboxInfo:
+        if env.idem_key is not None:
+            info, _ = await self.creates.create(
+                owner,
+                env.idem_key,
+                req,
+                lambda: self.create_sandbox(req, owner),
+                lambda sandbox_id: cast(EdgeAPI, self).get_sandbox(sandbox_id, owner),
+            )
+            return info
         require_tier(req.tier)  # InvalidRequest: a tier no one registered
         await self._key_room(owner, req.cpu, req.memory_mb, 1)
         with self.key_quotas.admitted(owner, cpu=req.cpu, memory_mb=req.memory_mb):
@@ -659,6 +689,12 @@ class ClusterEdge:
                 out.append(info)
         out.sort(key=lambda i: i.created_at)
         return out
+
+    async def abandon_sandbox(
+        self, sandbox_id: str, owner: str, env: Envelope = NO_ENVELOPE
+    ) -> None:
+        if env.idem_key is None or await self.creates.abandon(owner, env.idem_key, sandbox_id):
+            await self.kill_sandbox(sandbox_id, owner)
 
     async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
         info: SandboxInfo = await self.relay.on_sandbox(sandbox_id, "kill_sandbox", owner)

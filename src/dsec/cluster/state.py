@@ -15,6 +15,8 @@ Tables (created on first connect, idempotent)::
     dsec_api_keys    sha256, owner, name, created_at, quota (JSONB: a KeyQuota)
     dsec_migrations  id, owner, from_id, to_id, from_node, to_node, method, state,
                      started_at, finished_at, error
+    dsec_create_keys owner, key, fingerprint, sandbox_id, claimed_at, adopted
+                     (idempotent creations: :class:`PgCreateKeys`)
 
 One connection per :class:`ClusterState`, guarded by a lock (calls are short; the async
 callers run them in a thread with :func:`asyncio.to_thread`). Writes are batched
@@ -36,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsec.edge.createkeys import KeyRow
 from dsec.edge.quotas import UNLIMITED
 from dsec.errors import ServiceUnavailable
 from dsec.models import KeyQuota, SandboxInfo
@@ -43,7 +46,7 @@ from dsec.models import KeyQuota, SandboxInfo
 if TYPE_CHECKING:
     from dsec.apiserver.auth import KeyRecord
 
-__all__ = ["ClusterState", "PgKeyStore", "connect_database"]
+__all__ = ["ClusterState", "PgCreateKeys", "PgKeyStore", "connect_database"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,15 @@ CREATE TABLE IF NOT EXISTS dsec_migrations (
     started_at DOUBLE PRECISION NOT NULL,
     finished_at DOUBLE PRECISION,
     error TEXT
+);
+CREATE TABLE IF NOT EXISTS dsec_create_keys (
+    owner TEXT NOT NULL,
+    key TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    sandbox_id TEXT,
+    claimed_at DOUBLE PRECISION NOT NULL,
+    adopted BOOLEAN NOT NULL DEFAULT false,
+    PRIMARY KEY (owner, key)
 );
 """
 
@@ -537,6 +549,86 @@ def _info(raw: Any, state: str, stopped_reason: str | None) -> SandboxInfo:
     if state == "stopped":
         data["expires_at"] = None
     return SandboxInfo.model_validate(data)
+
+
+class PgCreateKeys:
+    """The idempotency keys of creations, shared by every apiserver replica (a
+    :class:`dsec.edge.createkeys.CreateKeyStore`; one statement per operation)."""
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+
+    def claim(
+        self, owner: str, key: str, fingerprint: str, now: float, stale: float
+    ) -> KeyRow | None:
+        with self.state._cursor() as cur:
+            cur.execute(
+                "INSERT INTO dsec_create_keys (owner, key, fingerprint, claimed_at) "
+                "VALUES (%s, %s, %s, %s) ON CONFLICT (owner, key) DO UPDATE SET "
+                "claimed_at = EXCLUDED.claimed_at, adopted = false "
+                "WHERE dsec_create_keys.sandbox_id IS NULL "
+                "AND dsec_create_keys.claimed_at < %s "
+                "AND dsec_create_keys.fingerprint = EXCLUDED.fingerprint",
+                (owner, key, fingerprint, now, stale),
+            )
+            if cur.rowcount:
+                return None
+            cur.execute(
+                "SELECT fingerprint, sandbox_id, claimed_at, adopted FROM dsec_create_keys "
+                "WHERE owner = %s AND key = %s",
+                (owner, key),
+            )
+            r = cur.fetchone()
+        if r is None:  # forgotten between the two statements: claim again
+            return self.claim(owner, key, fingerprint, now, stale)
+        return KeyRow(r[0], r[1], r[2], bool(r[3]))
+
+    def touch(self, owner: str, key: str, now: float) -> None:
+        with self.state._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_create_keys SET claimed_at = %s WHERE owner = %s AND key = %s "
+                "AND sandbox_id IS NULL",
+                (now, owner, key),
+            )
+
+    def settle(self, owner: str, key: str, sandbox_id: str, now: float) -> None:
+        with self.state._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_create_keys SET sandbox_id = %s, claimed_at = %s "
+                "WHERE owner = %s AND key = %s",
+                (sandbox_id, now, owner, key),
+            )
+
+    def adopt(self, owner: str, key: str) -> str | None:
+        with self.state._cursor() as cur:
+            cur.execute(
+                "UPDATE dsec_create_keys SET adopted = true WHERE owner = %s AND key = %s "
+                "AND sandbox_id IS NOT NULL RETURNING sandbox_id",
+                (owner, key),
+            )
+            r = cur.fetchone()
+        return None if r is None else str(r[0])
+
+    def abandon(self, owner: str, key: str, sandbox_id: str) -> bool:
+        with self.state._cursor() as cur:
+            cur.execute(
+                "DELETE FROM dsec_create_keys WHERE owner = %s AND key = %s "
+                "AND sandbox_id = %s AND NOT adopted",
+                (owner, key, sandbox_id),
+            )
+            return bool(cur.rowcount)
+
+    def forget(self, owner: str, key: str) -> None:
+        with self.state._cursor() as cur:
+            cur.execute(
+                "DELETE FROM dsec_create_keys WHERE owner = %s AND key = %s AND sandbox_id IS NULL",
+                (owner, key),
+            )
+
+    def expire(self, before: float) -> int:
+        with self.state._cursor() as cur:
+            cur.execute("DELETE FROM dsec_create_keys WHERE claimed_at < %s", (before,))
+            return int(cur.rowcount or 0)
 
 
 class PgKeyStore:

@@ -140,7 +140,21 @@ __all__ = [
 @runtime_checkable
 class EdgeAPI(Protocol):
     # --- sandboxes -------------------------------------------------------
-    async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo: ...
+    async def create_sandbox(
+        self, req: CreateSandboxRequest, owner: str, env: Envelope = NO_ENVELOPE
+    ) -> SandboxInfo:
+        """Make a sandbox. ``env.idem_key``: at most one per key and owner; a repeat answers
+        the sandbox the first made (or waits for it), a key reused for another request is
+        ``SequenceConflict`` (``dsec.edge.createkeys``)."""
+        ...
+
+    async def abandon_sandbox(
+        self, sandbox_id: str, owner: str, env: Envelope = NO_ENVELOPE
+    ) -> None:
+        """The client of a creation left before its answer: kill the sandbox, unless a
+        retry under its idempotency key (``env.idem_key``) took it."""
+        ...
+
     async def create_sandboxes(
         self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
     ) -> BatchCreateResult:

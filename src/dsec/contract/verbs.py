@@ -38,7 +38,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from dsec.models import SandboxRef
 
-__all__ = ["NO_ENVELOPE", "Envelope", "HttpMethod", "Verb", "VerbTable"]
+__all__ = ["IDEMPOTENCY_KEY_PATTERN", "NO_ENVELOPE", "Envelope", "HttpMethod", "Verb", "VerbTable"]
 
 HttpMethod = Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
 
@@ -53,6 +53,9 @@ class Envelope:
 
 
 NO_ENVELOPE = Envelope()
+
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,256}$"
+"""An ``Idempotency-Key``: 1-256 printable ASCII characters, no space."""
 
 _PATH_PARAM = re.compile(r"\{([a-z_]+)\}")
 

@@ -29,6 +29,7 @@ from dsec.contract.runtime import (
 from dsec.contract.verbs import Envelope
 from dsec.edge.admission import CreationGate
 from dsec.edge.audit import EdgeAudit
+from dsec.edge.createkeys import IdempotentCreates
 from dsec.edge.desktop import DesktopSpec
 from dsec.edge.limits import EdgeLimits
 from dsec.edge.live import LiveTable
@@ -155,6 +156,7 @@ class EdgeCore:
         self.limits = limits or EdgeLimits.from_env()
         self.node = node or node_name()
         self.registry = Registry(paths.state_db)
+        self.creates = IdempotentCreates(self.registry.create_keys())
         self.trajectory = TrajectoryLog(trajectory_path or paths.home / "trajectory.db")
         self._running_entries: dict[
             tuple[str, int], asyncio.Future[tuple[str, dict[str, Any]]]

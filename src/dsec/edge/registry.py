@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from dsec.edge.createkeys import SqliteCreateKeys
 from dsec.models import CreateSandboxRequest
 from dsec.wire import ANSWER
 
@@ -113,6 +114,10 @@ class Registry:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
         if "forked_from" not in columns:  # a registry of an older dsec
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN forked_from TEXT")
+
+    def create_keys(self) -> SqliteCreateKeys:
+        """The idempotency keys of creations, in this database (one lock, one connection)."""
+        return SqliteCreateKeys(self._db, self._lock)
 
     def close(self) -> None:
         with self._lock:

@@ -81,6 +81,7 @@ from dsec.errors import (
     SandboxStopped,
     SandboxTimeout,
     SequenceConflict,
+    ServiceUnavailable,
     StartFailed,
     error_from_wire,
 )
@@ -611,6 +612,7 @@ class AsyncSandbox:
         timeout: float = CREATE_TIMEOUT_S,
         transport: httpx.AsyncBaseTransport | None = None,
         client: AsyncClient | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox and wait until it runs.
 
@@ -644,6 +646,14 @@ class AsyncSandbox:
             url, api_key, transport: connection (ignored when ``client`` is given).
             timeout: how long to wait for creation, seconds.
             client: a shared :class:`AsyncClient` (its connection pool is reused).
+            idempotency_key: sent as ``Idempotency-Key`` (default: a new random one per
+                call). The request is repeated under it after a broken connection or a
+                503 (the server restarting, a node unreachable) until ``timeout``: the
+                server makes at most one sandbox per key, so a repeat never makes a
+                second. Pass your own to make a create safe to repeat across processes
+                (e.g. a trainer restarted from a checkpoint): the same key answers the
+                sandbox made the first time, the same key with other arguments is a
+                ``SequenceConflict``.
         """
         req = cls._request(
             tier=tier,
@@ -667,7 +677,8 @@ class AsyncSandbox:
         )
         conn, owned = cls._client_for(client, url, api_key, transport)
         body = req.model_dump(mode="json")  # keep an explicit ttl_s=None
-        r = await _post_waiting_for_image(conn, "/v1/sandboxes", body, timeout)
+        key = idempotency_key if idempotency_key is not None else secrets.token_hex(16)
+        r = await _post_waiting_for_image(conn, "/v1/sandboxes", body, timeout, key)
         return cls(SandboxInfo.model_validate(r.json(), context=ANSWER), conn, owns_client=owned)
 
     @staticmethod
@@ -1425,25 +1436,36 @@ def _dump(model: Any) -> Any:
 
 
 async def _post_waiting_for_image(
-    conn: AsyncClient, path: str, body: dict[str, Any], timeout: float
+    conn: AsyncClient, path: str, body: dict[str, Any], timeout: float, key: str | None = None
 ) -> httpx.Response:
     """POST a creation, and while the server answers that it created nothing *yet*
     (``ImageNotReady``: a built-in image still being built on a node that just started;
     ``NodeBusy``: the node's admission queue is full or the kernel was too slow;
     ``CreationRateExceeded``: the key's creations-a-second quota) retry after the delay it
     asks for, until ``timeout`` seconds have passed in all; then the last such error is
-    raised."""
+    raised. Under an idempotency ``key`` any 503 and a connection that broke without an
+    answer are retried too (the key makes a repeat safe), after 0.5 s, doubling to 5 s."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    headers = {IDEMPOTENCY_HEADER: key} if key is not None else None
+    backoff = 0.5
     while True:
         left = deadline - loop.time()
         try:
-            return await conn._http.request("POST", path, json=body, timeout=max(left, 1.0))
+            return await conn._http.request(
+                "POST", path, json=body, headers=headers, timeout=max(left, 1.0)
+            )
         except (ImageNotReady, NodeBusy, CreationRateExceeded) as e:
+            err: DsecError = e
             delay = float(e.details.get("retry_after_s") or 5)
-            if loop.time() + delay >= deadline:
+        except ServiceUnavailable as e:
+            if key is None:
                 raise
-            await asyncio.sleep(delay)
+            err, delay = e, float(e.details.get("retry_after_s") or backoff)
+            backoff = min(backoff * 2, 5.0)
+        if loop.time() + delay >= deadline:
+            raise err
+        await asyncio.sleep(delay)
 
 
 def _check_path(path: str) -> None:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from dsec.contract.runtime import Handle, SandboxSpec, capabilities_of
+from dsec.contract.verbs import NO_ENVELOPE, Envelope
 from dsec.edge.abilities.pausing import PauseVerbs
 from dsec.edge.core import LiveSandbox
 from dsec.edge.desktop import desktop_spec
@@ -50,12 +51,23 @@ class SandboxVerbs(PauseVerbs):
         self,
         req: CreateSandboxRequest,
         owner: str,
+        env: Envelope = NO_ENVELOPE,
         *,
         maker: Callable[[SandboxSpec], Awaitable[Handle]] | None = None,
         forked_from: str | None = None,
     ) -> SandboxInfo:
-        """Create a sandbox; ``maker`` (memory forks) replaces ``runtime.create``;
-        ``forked_from``: the sandbox a fork comes from (shown in its info)."""
+        """Create a sandbox; ``env.idem_key``: once per key (:mod:`dsec.edge.createkeys`);
+        ``maker`` (memory forks) replaces ``runtime.create``; ``forked_from``: the sandbox a
+        fork comes from (shown in its info)."""
+        if env.idem_key is not None:
+            info, _ = await self.creates.create(
+                owner,
+                env.idem_key,
+                req,
+                lambda: self.create_sandbox(req, owner, maker=maker, forked_from=forked_from),
+                lambda sandbox_id: self.get_sandbox(sandbox_id, owner),
+            )
+            return info
         t0 = time.perf_counter()
         tier = req.tier
         try:
@@ -236,6 +248,14 @@ class SandboxVerbs(PauseVerbs):
             rows.append(row)
         seqs = self.trajectory.next_seqs([r.id for r in rows])  # one query, not one per row
         return [self._info(row, seqs[row.id]) for row in rows]
+
+    async def abandon_sandbox(
+        self, sandbox_id: str, owner: str, env: Envelope = NO_ENVELOPE
+    ) -> None:
+        """The client of this creation left before its answer: kill the sandbox, unless a
+        retry under the same idempotency key took it."""
+        if env.idem_key is None or await self.creates.abandon(owner, env.idem_key, sandbox_id):
+            await self.kill_sandbox(sandbox_id, owner)
 
     async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
         row = self._lookup_row(sandbox_id, owner)
