@@ -147,6 +147,26 @@ async def test_a_claimed_container_is_a_fresh_sandbox(pooled: ContainerRuntime, 
     gone_everywhere(pooled, first)
 
 
+async def test_a_sandbox_with_a_hostname_of_its_own_makes_no_pool_key(
+    pooled: ContainerRuntime,
+    node: Node,  # noqa: F811
+) -> None:
+    """A packed fork's child is named by its id and stacked on a layer made for its group:
+    the pool cannot serve it, and its creation must not have the pool make warm
+    containers for a key nobody else has (16 children were 16 keys of 2 each, until the
+    pool's limit kept every other key from refilling)."""
+    h = await pooled.create(spec(node, hostname="sb-p-child-1"))
+    try:
+        assert "warm_id" not in h.state
+        assert pooled.pool.stats.misses == 0 and pooled.pool.ready_count() == 0
+        await asyncio.sleep(0.3)  # a refill would have started by now
+        assert pooled.pool.ready_count() == 0 and pooled.pool.stats.made == 0
+        r = await pooled.exec(h, ExecRequest(cmd="hostname"))
+        assert r.stdout.strip() == "sb-p-child-1"
+    finally:
+        await pooled.destroy(h)
+
+
 async def test_memory_pressure_and_the_off_switch(pooled: ContainerRuntime, node: Node) -> None:  # noqa: F811
     h = await pooled.create(spec(node))
     await pooled.destroy(h)

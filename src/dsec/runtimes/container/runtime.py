@@ -728,7 +728,11 @@ class ContainerRuntime:
             raise InvalidRequest(f"sandbox {spec.id} already exists on this node")
         if spec.network is not None:
             self._require_network()  # before a warm container is spent on it
-        if not spec.id.startswith(_WARM_PREFIX):
+        # the pool's containers have the hostname of a sandbox that is not a fork: a spec
+        # that asks for its own (a packed fork's child, stacked on a layer made for its
+        # group alone) is made fresh, and its claim makes no pool key (each such key had
+        # the pool make warm containers nobody would claim, up to the pool's limit)
+        if not spec.id.startswith(_WARM_PREFIX) and spec.hostname == _POOL_HOSTNAME:
             warm = self.pool.take(_pool_key(spec, self.layer_mounts.scope_of(spec.owner)), spec)
             if warm is not None:
                 return await self._claim(warm, spec, sandbox_dir)
