@@ -149,6 +149,9 @@ class EdgeCore:
     ) -> None:
         self.paths = paths
         self.runtimes = runtimes
+        self.audited_tiers = frozenset(t for t, rt in runtimes.items() if isinstance(rt, Audited))
+        """Tiers that count their sandboxes' limit hits themselves (``Audited``: asked once,
+        not per command; a runtime-checkable protocol's check costs tens of microseconds)."""
         self.unavailable = {t: r for t, r in (unavailable or {}).items() if t not in runtimes}
         self._host_report = host_report
         self.layers = layer_store

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from dsec.contract.runtime import Audited, Interactive
+from dsec.contract.runtime import Interactive
 from dsec.contract.verbs import NO_ENVELOPE, Envelope
 from dsec.edge.core import EdgeCore, LiveSandbox
 from dsec.errors import (
@@ -62,7 +62,7 @@ class ExecVerbs(EdgeCore):
                     raise
                 self.metrics.exec_seconds.labels(lv.row.tier).observe(time.perf_counter() - t0)
                 self.audit.exec_result(
-                    lv.row.id, res, req.cmd, oom_from_result=not isinstance(rt, Audited)
+                    lv.row.id, res, req.cmd, oom_from_result=lv.row.tier not in self.audited_tiers
                 )
                 outcome = (
                     "timeout" if res.timed_out else ("ok" if res.exit_code == 0 else "nonzero")
