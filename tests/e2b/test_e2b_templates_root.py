@@ -25,6 +25,7 @@ from tests.conftest import _seed_layers
 from tests.isolation import worker_subnet
 from tests.timing import budget
 
+from dsec.models import ImageRef
 from e2b import Sandbox, Template, wait_for_timeout
 
 pytestmark = pytest.mark.root
@@ -46,7 +47,7 @@ class Server:
 
     def image(self, name: str, key: str | None = None) -> Any:
         assert self.bg.edge is not None
-        return self.bg.call(self.bg.edge.get_image(name, self.owner(key)))
+        return self.bg.call(self.bg.edge.get_image(ImageRef(name=name), self.owner(key)))
 
     def images(self, key: str | None = None) -> list[str]:
         assert self.bg.edge is not None
