@@ -134,8 +134,8 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
         seq: Envelope | None = values.pop("seq", None)
         request: Request | None = values.pop("request", None)
         req = _parse(verb, values)
-        if request is not None and getattr(req, "system", False):
-            owner = acting_owner(request, owner, True, verb.operator_may)
+        if request is not None:  # a verb with operator_may: its request has ``system``
+            owner = acting_owner(request, owner, getattr(req, "system", False), verb.operator_may)
         # every edge is an EdgeAPI (the dependency's type); an optional ability is checked
         if verb.ability is not EdgeAPI and not isinstance(edge, verb.ability):
             if isinstance(req, SandboxRef):

@@ -94,8 +94,8 @@ class Verb:
             raise ValueError(f"verb {self.name}: path parameters {unknown} not in the request")
         if self.sandbox_scoped and "sandbox_id" not in self.path_params:
             raise ValueError(f"verb {self.name}: a sandbox verb's path names {{sandbox_id}}")
-        if self.body is not None and self.body_fields != (self.body,):
-            raise ValueError(f"verb {self.name}: a body field must be the only one")
+        if self.body is not None and (self.in_query or self.body_fields != (self.body,)):
+            raise ValueError(f"verb {self.name}: a body field must be a body's only field")
         if self.operator_may and "system" not in self.request.model_fields:
             raise ValueError(f"verb {self.name}: operator_may needs a system field")
         object.__setattr__(
