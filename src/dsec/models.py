@@ -745,14 +745,6 @@ class BuildImageRequest(_Model):
         return v
 
 
-class UpdateImageRequest(_Model):
-    """Change one of a key's images."""
-
-    shared: bool = Field(
-        description="true: every key may use it as `<owner>/<name>`; false: this key only"
-    )
-
-
 class PullImageRequest(_Model):
     """Pull an image from an OCI / Docker v2 registry into the node's layer store.
     Registry credentials are server-side configuration, never sent over this API."""
@@ -778,6 +770,83 @@ class PullImageRequest(_Model):
         if v is not None and not _NAME.match(v):
             raise ValueError(f"invalid image name {v!r}")
         return v
+
+
+# --- the verb table's requests and answers of images, layers, builds and networks -------
+IMAGE_REF_PATTERN = (
+    r"^(sha256:[0-9a-f]{64}|[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?"
+    r"|[A-Za-z0-9][A-Za-z0-9._/:-]{0,511}(@sha256:[0-9a-f]{64})?)$"
+)
+"""Images: ``name[:tag]``, ``sha256:<64 hex>``, or a registry reference's familiar form
+(``127.0.0.1:5000/team/app:1``; the edge checks it in full)."""
+
+BUILD_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+"""Build ids (:mod:`dsec.builds.records`; at most 64 characters)."""
+
+
+class KeyScope(_Model):
+    """A verb about what the caller's key may see (its images, layers, builds): it has
+    nothing to say but the key, which the call's owner is."""
+
+
+class ImageRef(_Model):
+    """A verb about one image the caller's key may name; ``name`` travels in the URL
+    (``/`` and ``:`` included)."""
+
+    name: str = Field(
+        pattern=IMAGE_REF_PATTERN,
+        description="name[:tag], sha256:<hex>, or a pulled reference (host:port/repo:tag)",
+    )
+
+
+class DeleteImageRequest(ImageRef):
+    """Forget one of the key's images (``system``: a system image, the operator's key only)."""
+
+    system: bool = Field(False, description="a system image (operator only)")
+
+
+class ShareImageRequest(ImageRef):
+    """Share one of the key's images with every key, or stop."""
+
+    shared: bool = Field(
+        description="true: every key may use it as `<owner>/<name>`; false: this key only"
+    )
+
+
+class PushImageRequest(ImageRef):
+    """Publish an image's EROFS layers to an OCI registry as a dsec artifact. Registry
+    credentials are server-side configuration (``DSEC_REGISTRY_AUTH``)."""
+
+    target: str = Field(
+        min_length=8,
+        max_length=1024,
+        pattern=r"^oci://[^/\s]+/[^\s]+$",
+        description="oci://HOST[:PORT]/REPOSITORY[:TAG] (tag default: the image's, or latest)",
+    )
+
+
+class BuildRef(_Model):
+    """A verb about one image build of the caller's key."""
+
+    build_id: str = Field(min_length=1, max_length=64, pattern=BUILD_ID_PATTERN)
+
+
+class NetworkPolicyRequest(SandboxRef):
+    """Replace a sandbox's network policy; the HTTP body is the policy itself."""
+
+    policy: NetworkPolicy = Field(description="the new NetworkPolicy")
+
+
+class ImageList(_Model):
+    """The images a key may use."""
+
+    images: list[ImageInfo]
+
+
+class LayerList(_Model):
+    """The layers a key may name by digest."""
+
+    layers: list[LayerInfo]
 
 
 _PATH_SCHEMA: dict[str, Any] = {"pattern": r"^/[^\x00]{0,4095}$"}
@@ -1108,18 +1177,6 @@ class MigrateResult(_Model):
 
 
 # --- image publishing (issue 4: POST /v1/images/{name}/push) -------------------------
-class PushImageRequest(_Model):
-    """Publish an image's EROFS layers to an OCI registry as a dsec artifact. Registry
-    credentials are server-side configuration (``DSEC_REGISTRY_AUTH``)."""
-
-    target: str = Field(
-        min_length=8,
-        max_length=1024,
-        pattern=r"^oci://[^/\s]+/[^\s]+$",
-        description="oci://HOST[:PORT]/REPOSITORY[:TAG] (tag default: the image's, or latest)",
-    )
-
-
 class PushImageResult(_Model):
     """What was pushed: ``manifest_digest`` names the artifact manifest (``sha256:...``)."""
 

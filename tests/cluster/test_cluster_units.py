@@ -453,3 +453,52 @@ async def test_a_coalesced_call_that_breaks_answers_every_creation(tmp_path: Any
         assert all(isinstance(o, InternalError) for o in outs), outs
     finally:
         await _close(edge)
+
+
+async def test_image_and_network_verbs_of_the_table_through_the_cluster(tmp_path: Any) -> None:
+    """The table's image verbs answer from one node or act on every node, its network verbs
+    are relayed to the sandbox's node by their requests; another key's image or sandbox is
+    not found, and a sandbox without a network answers only ``{"enabled": false}``."""
+    edge = await _cluster_of(tmp_path, ["m1", "m2"], {})
+    keys = ["dsec_key_a", "dsec_key_b"]
+    app = create_app(edge, StaticKeys(keys))
+    owner = owner_id(keys[0])
+    stores = [h.actor.actor.agent.layers for h in edge.nodes.values()]
+    for store in stores:
+        store.put_image("app:1", store.get_image("busybox").layers, owner=owner)
+    transport = httpx.ASGITransport(app=app)
+
+    def client(key: str) -> httpx.AsyncClient:
+        auth = {"authorization": f"Bearer {key}"}
+        return httpx.AsyncClient(transport=transport, base_url="http://d", headers=auth)
+
+    async with client(keys[0]) as a, client(keys[1]) as b:
+        try:
+            assert (await a.get("/v1/images/app:1")).json()["owner"] == owner
+            assert (await b.get("/v1/images/app:1")).status_code == 404
+            assert "app:1" in {i["name"] for i in (await a.get("/v1/images")).json()["images"]}
+            assert (await a.get("/v1/layers")).json()["layers"]
+            r = await a.patch("/v1/images/app:1", json={"shared": True})
+            assert r.status_code == 200 and r.json()["shared"], r.text
+            assert all(s.get_image("app:1", owner).shared for s in stores)  # every node
+            assert (await b.delete("/v1/images/app:1")).status_code == 404
+            assert (await a.delete("/v1/images/app:1")).status_code == 204
+            assert (await a.get("/v1/images/app:1")).status_code == 404
+
+            r = await a.post("/v1/sandboxes", json={"image": "busybox"})
+            bare = r.json()["id"]
+            r = await a.post(
+                "/v1/sandboxes", json={"image": "busybox", "network": {"presets": ["npm"]}}
+            )
+            netted = r.json()["id"]
+            assert (await a.get(f"/v1/sandboxes/{bare}/network")).json() == {"enabled": False}
+            r = await a.post(f"/v1/sandboxes/{netted}/network", json={"presets": ["pypi"]})
+            assert r.status_code == 200 and r.json()["network"]["presets"] == ["pypi"], r.text
+            stats = (await a.get(f"/v1/sandboxes/{netted}/network")).json()
+            assert stats["enabled"] is True and stats["policy"]["presets"] == ["pypi"]
+            for sid in (bare, netted):
+                assert (await b.get(f"/v1/sandboxes/{sid}/network")).status_code == 404
+                r = await b.post(f"/v1/sandboxes/{sid}/network", json={"presets": ["pypi"]})
+                assert r.status_code == 404
+        finally:
+            await _close(edge)

@@ -20,6 +20,7 @@ from e2b.sandbox.filesystem.filesystem import WriteEntry
 from tests.timing import budget
 
 from conftest import E2BServer, _bwrap_edge, serve_e2b
+from dsec.models import ImageRef
 from e2b import (
     FilesystemEventType,
     InvalidArgumentException,
@@ -193,7 +194,9 @@ def test_snapshot_routes_refuse_bad_input_with_json_4xx(e2b_server: E2BServer) -
     for name in ("debian", "e2b-base", "busybox"):  # system images: no key's template
         r = httpx.delete(base + f"/templates/{name}", headers=ALICE)
         assert r.status_code == 404 and r.json()["code"] == 404
-        assert e2b_server.call(e2b_server.edge.get_image(name, "alice")).name == name  # kept
+        assert (
+            e2b_server.call(e2b_server.edge.get_image(ImageRef(name=name), "alice")).name == name
+        )  # kept
     for name in ("no-such-snapshot", "x" * 300, "%00"):
         r = httpx.delete(base + f"/templates/{name}", headers=ALICE)
         assert r.status_code == 404 and r.json()["code"] == 404, (name, r.text)

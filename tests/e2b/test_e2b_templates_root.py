@@ -25,6 +25,7 @@ from tests.conftest import _seed_layers
 from tests.isolation import worker_subnet
 from tests.timing import budget
 
+from dsec.models import ImageRef, KeyScope
 from e2b import Sandbox, Template, wait_for_timeout
 
 pytestmark = pytest.mark.root
@@ -46,12 +47,16 @@ class Server:
 
     def image(self, name: str, key: str | None = None) -> Any:
         assert self.bg.edge is not None
-        return self.bg.call(self.bg.edge.get_image(name, self.owner(key)))
+        return self.bg.call(self.bg.edge.get_image(ImageRef(name=name), self.owner(key)))
 
     def images(self, key: str | None = None) -> list[str]:
         assert self.bg.edge is not None
         owner = self.owner(key)
-        return [i.name for i in self.bg.call(self.bg.edge.list_images(owner)) if i.owner == owner]
+        return [
+            i.name
+            for i in self.bg.call(self.bg.edge.list_images(KeyScope(), owner)).images
+            if i.owner == owner
+        ]
 
     def http(self, method: str, path: str, key: str | None = None, **kw: Any) -> httpx.Response:
         headers = {"X-API-Key": key or self.key, **kw.pop("headers", {})}

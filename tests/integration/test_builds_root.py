@@ -31,7 +31,7 @@ from dsec.builds import BuildRequest, ImageConfig
 from dsec.builds.engine import ImageBuilder
 from dsec.builds.wire import BuildDone, BuildError
 from dsec.errors import ImageNotFound, InvalidRequest, StartFailed
-from dsec.models import CreateSandboxRequest, ExecRequest
+from dsec.models import CreateSandboxRequest, ExecRequest, KeyScope
 from dsec.privileged.mount import mount_points
 from dsec.server import embedded_edge
 
@@ -171,7 +171,7 @@ async def test_cold_then_fully_cached_then_a_changed_middle_step(node: Node) -> 
 
 async def test_a_failing_run_names_its_step_keeps_its_output_and_stores_nothing(node: Node) -> None:
     owner = owner_id()
-    layers_before = {x.digest for x in await node.edge.list_layers(owner)}
+    layers_before = {x.digest for x in (await node.edge.list_layers(KeyScope(), owner)).layers}
     req = {
         "name": "broken",
         "steps": [
@@ -189,7 +189,9 @@ async def test_a_failing_run_names_its_step_keeps_its_output_and_stores_nothing(
     assert err.details["exit_code"] == 3 and "exit code 3" in err.message
     assert not any(getattr(e, "step", None) == 4 for e in events)
     assert node.builder.cache.entries(owner) == []
-    assert {x.digest for x in await node.edge.list_layers(owner)} == layers_before
+    assert {
+        x.digest for x in (await node.edge.list_layers(KeyScope(), owner)).layers
+    } == layers_before
     with pytest.raises(ImageNotFound):
         node.edge.layers.get_image("broken", owner)
     assert await node.live(owner) == []

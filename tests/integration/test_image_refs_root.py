@@ -30,6 +30,7 @@ from dsec import Client, Sandbox
 from dsec.errors import ImageNotFound, RegistryUnavailable
 from dsec.layers.builtin import build_busybox_rootfs
 from dsec.layers.registry import MT_OCI_MANIFEST
+from dsec.models import ImageRef
 from dsec.server import BackgroundServer
 
 pytestmark = [
@@ -159,7 +160,7 @@ def test_a_dsec_artifact_by_reference_is_attached_lazily(
     ref = f"{registry.host}/dsec/art:v1"
     with Sandbox.create(image=ref, url=server.url, api_key=server.api_key) as sb:
         assert sb.commands.run("cat /srv/data.txt").stdout == "pushed as a dsec artifact\n"
-        image = server.call(server.edge.get_image(ref, _owner(server)))
+        image = server.call(server.edge.get_image(ImageRef(name=ref), _owner(server)))
         assert image.meta["source"] == "oci-dsec" and image.meta["lazy"] is True
 
 

@@ -24,6 +24,7 @@ from dsec.errors import (
     RegistryUnavailable,
 )
 from dsec.images.reference import familiar_name, is_qualified, is_reference_name, parse_ref
+from dsec.models import DeleteImageRequest, KeyScope
 from dsec.testing import FAKE_BUSYBOX, FakeEdge, MemoryLayers
 
 A = "k" + "a" * 16
@@ -69,16 +70,20 @@ async def test_a_reference_is_pulled_once_and_then_names_the_keys_image() -> Non
     edge = _edge({REF: {"config": {"WorkingDir": "/app", "Env": ["MODE=reg"]}}})
     sb = await edge.create_sandbox(_req(REF), A)
     assert sb.workdir == "/app"  # the pulled image's config applies
-    mine = {im.name: im for im in await edge.list_images(A)}
+    mine = {im.name: im for im in (await edge.list_images(KeyScope(), A)).images}
     assert mine[REF].owner == A and mine[REF].meta["reference"] == REF
-    assert REF not in {im.name for im in await edge.list_images(B)}  # another key: not yet
+    assert REF not in {
+        im.name for im in (await edge.list_images(KeyScope(), B)).images
+    }  # another key: not yet
     again = await edge.create_sandbox(_req("oci://" + REF), A)
     other = await edge.create_sandbox(_req(REF), B)  # the node's copy: no second pull
     assert _stack(edge, again.id) == _stack(edge, other.id) == _stack(edge, sb.id) != []
     assert edge.memory_layers.pulls == {"127.0.0.1:5000/team/app:1": 1}
-    assert REF in {im.name for im in await edge.list_images(B)}
-    await edge.delete_image(REF, A)  # a key's own image: removable, the copy stays
-    assert REF not in {im.name for im in await edge.list_images(A)}
+    assert REF in {im.name for im in (await edge.list_images(KeyScope(), B)).images}
+    await edge.delete_image(
+        DeleteImageRequest(name=REF), A
+    )  # a key's own image: removable, the copy stays
+    assert REF not in {im.name for im in (await edge.list_images(KeyScope(), A)).images}
     assert edge.memory_layers.get_image(REF, REGISTRY_OWNER).name == REF
     assert _stack(edge, (await edge.create_sandbox(_req(REF), A)).id) == _stack(edge, sb.id)
     assert edge.memory_layers.pulls[REF] == 1
@@ -121,9 +126,11 @@ async def test_a_pull_in_progress_is_visible_and_a_create_past_its_wait_is_retry
     assert e.value.details["phase"] == "pulling" and e.value.http_status == 503
     waiting = asyncio.ensure_future(edge.create_sandbox(_req(REF), A))
     await asyncio.sleep(0.01)
-    listed = {im.name: im for im in await edge.list_images(A)}
+    listed = {im.name: im for im in (await edge.list_images(KeyScope(), A)).images}
     assert listed[REF].status == "pulling" and "127.0.0.1:5000" in (listed[REF].progress or "")
-    assert REF not in {im.name for im in await edge.list_images(B)}  # only its waiters see it
+    assert REF not in {
+        im.name for im in (await edge.list_images(KeyScope(), B)).images
+    }  # only its waiters see it
     with pytest.raises(ImageNotReady):
         await waiting  # it waited its 0.05 s too; the pull goes on
     release.set()
@@ -168,7 +175,9 @@ async def test_unknown_and_unreachable_references(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(edge.memory_layers, "attach", down)
     with pytest.raises(RegistryUnavailable):
         await edge.create_sandbox(_req(REF), A)
-    assert REF not in {im.name for im in await edge.list_images(A)}  # nothing half-stored
+    assert REF not in {
+        im.name for im in (await edge.list_images(KeyScope(), A)).images
+    }  # nothing half-stored
     with pytest.raises(ImageNotFound):
         edge.memory_layers.get_image(REF, REGISTRY_OWNER)
     with pytest.raises(InvalidRequest):

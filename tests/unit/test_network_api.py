@@ -85,8 +85,9 @@ async def test_create_update_and_stats_routes(client: httpx.AsyncClient, edge: F
     assert r.status_code == 200, r.text
     assert r.json()["network"]["allow_domains"] == ["*.github.com"]
     call = edge.calls_to("update_network")[0]
-    assert isinstance(call["policy"], NetworkPolicy) and call["sandbox_id"] == sid
-    assert call["policy"].presets == ["npm"] and call["policy"].ports is None
+    policy = call["req"].policy
+    assert isinstance(policy, NetworkPolicy) and call["req"].sandbox_id == sid
+    assert policy.presets == ["npm"] and policy.ports is None
 
     stats = (await client.get(f"/v1/sandboxes/{sid}/network")).json()
     assert stats["enabled"] is True and stats["allowed"] == [] and stats["blocked"] == []
@@ -95,7 +96,7 @@ async def test_create_update_and_stats_routes(client: httpx.AsyncClient, edge: F
     # the policy in force is what the registry keeps: a restarted edge, a fork and an export
     # see it, not the policy the sandbox was created with
     stored = edge.registry.get(sid)
-    assert stored is not None and stored.request.network == call["policy"]
+    assert stored is not None and stored.request.network == policy
 
 
 BAD_POLICIES: list[Any] = [
@@ -290,14 +291,14 @@ def test_cli_network_show_and_update(runner: CliRunner, edge: FakeEdge) -> None:
     )
     assert updated.exit_code == 0, updated.output
     assert "allow_cidrs=10.1.0.0/16" in updated.stdout and "protocols=udp" in updated.stdout
-    assert edge.calls_to("update_network")[-1]["policy"] == NetworkPolicy(
+    assert edge.calls_to("update_network")[-1]["req"].policy == NetworkPolicy(
         allow_cidrs=["10.1.0.0/16"], protocols=["udp"]
     )
     from_stdin = runner.invoke(
         cli.app, ["network", sid, "update", "--file", "-"], input='{"presets": ["pypi"]}'
     )
     assert from_stdin.exit_code == 0, from_stdin.output
-    assert edge.calls_to("update_network")[-1]["policy"].presets == ["pypi"]
+    assert edge.calls_to("update_network")[-1]["req"].policy.presets == ["pypi"]
 
     calls = len(edge.calls_to("update_network"))
     for args in (
@@ -566,7 +567,7 @@ def test_e2b_sdk_network(edge: FakeEdge, monkeypatch: pytest.MonkeyPatch) -> Non
             }
 
             sbx.update_network({"allow_out": ["github.com"], "deny_out": [e2b.ALL_TRAFFIC]})
-            assert edge.calls_to("update_network")[-1]["policy"] == NetworkPolicy(
+            assert edge.calls_to("update_network")[-1]["req"].policy == NetworkPolicy(
                 allow_domains=["github.com"], protocols=ALL_PROTOCOLS
             )
             sbx.update_network({"deny_out": ["5.6.7.8"]})  # open: everything but 5.6.7.8

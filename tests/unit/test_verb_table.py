@@ -16,10 +16,22 @@ from pydantic import BaseModel
 
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
+from dsec.builds.wire import BuildStarted
 from dsec.contract.edge import SANDBOX_VERBS, VERBS, EdgeAPI, MetricsEdge
 from dsec.contract.verbs import Envelope, Verb, VerbTable
-from dsec.models import PauseRequest, SandboxInfo, SandboxRef, SetTTLRequest
-from dsec.sdk import AsyncSandbox
+from dsec.errors import ImageNotFound
+from dsec.models import (
+    DeleteImageRequest,
+    NetworkPolicyRequest,
+    PauseRequest,
+    PushImageRequest,
+    SandboxInfo,
+    SandboxRef,
+    SetTTLRequest,
+    ShareImageRequest,
+)
+from dsec.network.policy import NetworkPolicy
+from dsec.sdk import AsyncClient, AsyncSandbox
 from dsec.testing import FakeEdge
 
 KEY, OTHER = "dsec_verbs_key_a", "dsec_verbs_key_b"
@@ -103,7 +115,14 @@ async def _sandbox(client: httpx.AsyncClient) -> str:
     return str(r.json()["id"])
 
 
-_SAMPLES: dict[str, Any] = {"ttl_s": 5, "n": 1, "path": "/tmp", "src": "/a", "dst": "/b"}
+_SAMPLES: dict[str, Any] = {
+    "ttl_s": 5,
+    "n": 1,
+    "path": "/tmp",
+    "src": "/a",
+    "dst": "/b",
+    "policy": {"presets": ["pypi"]},
+}
 """A well-formed value of each required request field of the sandbox verbs."""
 
 
@@ -163,6 +182,8 @@ async def test_generated_routes_answer_as_the_edge_does(
         path = "/v1" + verb.path.format(sandbox_id=sid)
         if verb.in_query:
             r = await b.request(verb.method, path, params=fields)
+        elif verb.body is not None:  # the field's value is the whole body
+            r = await b.request(verb.method, path, json=fields[verb.body])
         else:
             r = await b.request(verb.method, path, json=fields or None)
         assert _code(r, 404) == "sandbox_not_found", verb.name
@@ -235,3 +256,95 @@ async def test_uptime_a_verb_added_by_one_row(edge: FakeEdge) -> None:
         stopped = await again.uptime()
         assert stopped.state == "stopped" and stopped.expires_in_s is None
         assert (await again.uptime()).uptime_s == stopped.uptime_s
+
+
+def test_image_names_travel_whole_in_the_path() -> None:
+    """``{name:path}``: a name with ``/`` and ``:`` is one path parameter, quoted as the SDK
+    always did (``/`` escaped, ``:`` kept); the documented path names it ``{name}``."""
+    verb = VERBS["push_image"]
+    req = PushImageRequest(name="k0123456789abcdef/app:1", target="oci://h:5000/r:t")
+    assert verb.url(req) == "/v1/images/k0123456789abcdef%2Fapp:1/push"
+    assert verb.template == "/images/{name}/push" and verb.path_params == ("name",)
+    assert verb.wire(req) == {"target": "oci://h:5000/r:t"}
+    policy = VERBS["update_network"]  # a body that is one field's value, not wrapped
+    assert policy.wire(
+        NetworkPolicyRequest(sandbox_id="sb-n-1", policy=NetworkPolicy(presets=["pypi"]))
+    ) == NetworkPolicy(presets=["pypi"]).model_dump(mode="json")
+
+
+async def test_image_and_build_verbs_are_the_keys_own(
+    clients: tuple[httpx.AsyncClient, httpx.AsyncClient], edge: FakeEdge
+) -> None:
+    """Node-wide verbs about a key's images and builds: another key's is not found, a
+    malformed request a 400 before the edge, a system image the operator's alone."""
+    a, b = clients
+    layer = edge.memory_layers.get_image("busybox").layers
+    edge.memory_layers.put_image("mine:1", layer, owner=owner_id(KEY))
+    assert (await a.get("/v1/images/mine:1")).json()["name"] == "mine:1"
+    assert "mine:1" in {i["name"] for i in (await a.get("/v1/images")).json()["images"]}
+    assert "mine:1" not in {i["name"] for i in (await b.get("/v1/images")).json()["images"]}
+    assert set((await a.get("/v1/layers")).json()) == {"layers"}
+    for call in [
+        b.get("/v1/images/mine:1"),
+        b.delete("/v1/images/mine:1"),
+        b.patch("/v1/images/mine:1", json={"shared": True}),
+        b.post("/v1/images/mine:1/push", json={"target": "oci://127.0.0.1:1/x:y"}),
+    ]:
+        assert _code(await call, 404) == "image_not_found"
+    shared = (await a.patch("/v1/images/mine:1", json={"shared": True})).json()
+    seen = await b.get(f"/v1/images/{shared['owner']}%2Fmine:1")  # <owner>/<name>
+    assert seen.status_code == 200 and seen.json()["layers"] == layer
+    for call in [
+        a.get("/v1/images/Bad Name!"),
+        a.patch("/v1/images/mine:1", json={"shared": "sometimes"}),
+        a.patch("/v1/images/mine:1", json={"shared": True, "typo": 1}),
+        a.patch("/v1/images/mine:1"),  # the body is required
+        a.post("/v1/images/mine:1/push", json={"target": "http://nowhere"}),
+        a.post("/v1/images/pull", json={"ref": ""}),
+        a.delete("/v1/images/mine:1", params={"system": "maybe"}),
+        a.get("/v1/builds/-nope"),
+    ]:
+        assert _code(await call, 400) == "invalid_request"
+    assert edge.calls_to("share_image")[-1]["req"] == ShareImageRequest(name="mine:1", shared=True)
+    assert _code(await a.delete("/v1/images/busybox", params={"system": True}), 403)
+    assert _code(await a.post("/v1/images/pull", json={"ref": "x/y:1", "system": True}), 403)
+    assert (await a.delete("/v1/images/mine:1")).status_code == 204
+    assert _code(await a.get("/v1/images/mine:1"), 404) == "image_not_found"
+    # builds: the key's own records
+    started = BuildStarted(build_id="b-1", name="app:1", base="busybox", steps=1)
+
+    async def one_event() -> AsyncIterator[Any]:
+        yield started
+
+    async for _ in edge.build_records.record(owner_id(KEY), one_event()):
+        pass
+    assert [x["build_id"] for x in (await a.get("/v1/builds")).json()["builds"]] == ["b-1"]
+    assert (await a.get("/v1/builds/b-1")).json()["build_id"] == "b-1"
+    assert (await b.get("/v1/builds")).json()["builds"] == []
+    assert _code(await b.get("/v1/builds/b-1"), 404) == "not_found"
+
+
+async def test_the_sdk_sends_image_verbs_through_its_transport(edge: FakeEdge) -> None:
+    app = create_app(edge, StaticKeys([KEY]))
+    async with AsyncClient(
+        api_key=KEY, url="http://dsec", transport=httpx.ASGITransport(app=app)
+    ) as client:
+        layer = edge.memory_layers.get_image("busybox").layers
+        edge.memory_layers.put_image("mine:1", layer, owner=owner_id(KEY))
+        assert (await client.get_image("mine:1")).owner == owner_id(KEY)
+        assert "mine:1" in {i.name for i in await client.list_images()}
+        assert (await client.share_image("mine:1")).shared
+        assert {x.digest for x in await client.list_layers()} >= set(layer)
+        await client.delete_image("mine:1")
+        with pytest.raises(ImageNotFound):
+            await client.get_image("mine:1")
+    calls = [name for name, _ in edge.calls if name in VERBS]
+    assert calls == [
+        "get_image",
+        "list_images",
+        "share_image",
+        "list_layers",
+        "delete_image",
+        "get_image",
+    ]
+    assert edge.calls_to("delete_image")[0]["req"] == DeleteImageRequest(name="mine:1")

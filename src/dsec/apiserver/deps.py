@@ -18,7 +18,8 @@ from dsec.apiserver.schemas import (
 )
 from dsec.contract.edge import EdgeAPI
 from dsec.contract.verbs import Envelope
-from dsec.errors import AuthenticationError
+from dsec.errors import AuthenticationError, PermissionDenied
+from dsec.models import SYSTEM_OWNER
 
 __all__ = [
     "ERROR_RESPONSES",
@@ -27,6 +28,7 @@ __all__ = [
     "Edge",
     "Owner",
     "Seq",
+    "acting_owner",
     "bearer_scheme",
     "create_key",
     "current_owner",
@@ -56,6 +58,18 @@ async def get_edge(request: Request) -> EdgeAPI:
     """The edge this app was created with."""
     edge: EdgeAPI = request.app.state.edge
     return edge
+
+
+def acting_owner(request: Request, owner: str, system: bool, what: str) -> str:
+    """The owner an image operation acts as: the caller, or the system for ``system=true``,
+    which only the operator's key may ask for (``PermissionDenied`` for any other key)."""
+    if not system:
+        return owner
+    if not request.app.state.keys.is_operator(owner):
+        raise PermissionDenied(
+            f"only the operator's key may {what} system images (they are read-only to keys)"
+        )
+    return SYSTEM_OWNER
 
 
 Owner = Annotated[str, Depends(current_owner)]

@@ -6,51 +6,33 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
-from dsec.apiserver.auth import KeyVerifier
-from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
+from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, acting_owner, current_owner
 from dsec.apiserver.schemas import (
     IMAGE_NAME_PATTERN,
     IMAGE_REF_PATTERN,
     CapabilityList,
-    ImageList,
-    LayerList,
 )
-from dsec.builds.records import BuildList, BuildRecord
-from dsec.contract.edge import ImageBuilds, ImagePublisher
+from dsec.contract.edge import ImageBuilds
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
     InternalError,
     InvalidRequest,
-    PermissionDenied,
-    Unsupported,
 )
 from dsec.models import (
-    SYSTEM_OWNER,
     BuildImageRequest,
     ImageInfo,
     LayerKind,
     NodeInfo,
-    PullImageRequest,
-    PushImageRequest,
-    PushImageResult,
-    UpdateImageRequest,
 )
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(current_owner)], responses=ERROR_RESPONSES)
 
-ImageName = Annotated[
-    str,
-    Path(
-        pattern=IMAGE_REF_PATTERN,
-        description="name[:tag], sha256:<hex>, or a pulled reference (host:port/repo:tag)",
-    ),
-]
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 _TAR_TYPES = (
     "application/x-tar",
@@ -58,63 +40,6 @@ _TAR_TYPES = (
     "application/x-gzip",
     "application/octet-stream",
 )
-
-
-def _as(request: Request, owner: str, system: bool, what: str) -> str:
-    """The owner an image operation acts as: the caller, or the system for ``system=true``,
-    which only the operator's key may ask for (``PermissionDenied`` for any other key)."""
-    if not system:
-        return owner
-    keys: KeyVerifier = request.app.state.keys
-    if not keys.is_operator(owner):
-        raise PermissionDenied(
-            f"only the operator's key may {what} system images (they are read-only to keys)"
-        )
-    return SYSTEM_OWNER
-
-
-@router.get("/images", response_model=ImageList, tags=["images"], summary="List images")
-async def list_images(edge: Edge, owner: Owner) -> ImageList:
-    """This key's images and the system's (built-in images not built yet show their build
-    status); other keys' images are never listed."""
-    return ImageList(images=await edge.list_images(owner))
-
-
-@router.get(
-    "/images/{name:path}", response_model=ImageInfo, tags=["images"], summary="Describe an image"
-)
-async def get_image(name: ImageName, edge: Edge, owner: Owner) -> ImageInfo:
-    return await edge.get_image(name, owner)
-
-
-@router.delete(
-    "/images/{name:path}",
-    status_code=204,
-    response_class=Response,
-    tags=["images"],
-    summary="Forget one of this key's images (its layers stay while sandboxes use them)",
-)
-async def delete_image(
-    request: Request,
-    name: ImageName,
-    edge: Edge,
-    owner: Owner,
-    system: Annotated[bool, Query(description="a system image (operator only)")] = False,
-) -> Response:
-    await edge.delete_image(name, _as(request, owner, system, "remove"))
-    return Response(status_code=204)
-
-
-@router.patch(
-    "/images/{name:path}",
-    response_model=ImageInfo,
-    tags=["images"],
-    summary="Share one of this key's images with every key (as <owner>/<name>), or stop",
-)
-async def update_image(
-    name: ImageName, req: UpdateImageRequest, edge: Edge, owner: Owner
-) -> ImageInfo:
-    return await edge.share_image(name, owner, req.shared)
 
 
 async def _context_is_a_tar(request: Request) -> None:
@@ -162,7 +87,7 @@ async def build_image(
     become the new layer. The server never reads a path of its own: ``dsec image build
     PATH`` packs PATH on the client and uploads it. The image belongs to this key."""
     req = BuildImageRequest(name=name, kind=kind, base=base, system=system)
-    as_owner = _as(request, owner, system, "publish")
+    as_owner = acting_owner(request, owner, system, "publish")
     context = await request.body()
     if not context:
         raise InvalidRequest("the build context (request body) is empty")
@@ -222,76 +147,6 @@ async def build(request: Request, edge: Edge, owner: Owner) -> StreamingResponse
     return StreamingResponse(
         body(), media_type="application/x-ndjson", headers={"cache-control": "no-store"}
     )
-
-
-BuildIdParam = Annotated[
-    str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-]
-
-
-@router.get(
-    "/builds",
-    response_model=BuildList,
-    tags=["images"],
-    summary="This key's image builds, newest first (running ones included)",
-)
-async def list_builds(edge: Edge, owner: Owner) -> BuildList:
-    """State, step, cache hits and the image made or the error, of this key's recent
-    builds (``dsec.builds.records``: bounded per key, kept by the server process)."""
-    if not isinstance(edge, ImageBuilds):
-        raise CapabilityNotSupported("this server does not build images")
-    return edge.list_builds(owner)
-
-
-@router.get(
-    "/builds/{build_id}",
-    response_model=BuildRecord,
-    tags=["images"],
-    summary="One build of this key, with its log",
-)
-async def get_build(build_id: BuildIdParam, edge: Edge, owner: Owner) -> BuildRecord:
-    if not isinstance(edge, ImageBuilds):
-        raise CapabilityNotSupported("this server does not build images")
-    return edge.get_build(build_id, owner)
-
-
-@router.post(
-    "/images/pull",
-    response_model=ImageInfo,
-    status_code=201,
-    tags=["images"],
-    summary="Pull an image from an OCI / Docker v2 registry",
-)
-async def pull_image(
-    request: Request, req: PullImageRequest, edge: Edge, owner: Owner
-) -> ImageInfo:
-    as_owner = _as(request, owner, req.system, "publish")
-    if req.lazy:
-        if not isinstance(edge, ImagePublisher):
-            raise Unsupported("this server's edge cannot attach images lazily")
-        return await edge.attach_image(req.ref, req.name, True, as_owner)
-    return await edge.pull_image(req.ref, as_owner, req.name)
-
-
-@router.post(
-    "/images/{name:path}/push",
-    response_model=PushImageResult,
-    tags=["images"],
-    summary="Publish an image's EROFS layers to an OCI registry",
-)
-async def push_image(
-    name: ImageName, req: PushImageRequest, edge: Edge, owner: Owner
-) -> PushImageResult:
-    if not isinstance(edge, ImagePublisher):
-        raise Unsupported("this server's edge cannot push images")
-    return await edge.push_image(name, req.target, owner)
-
-
-@router.get("/layers", response_model=LayerList, tags=["images"], summary="List layers")
-async def list_layers(edge: Edge, owner: Owner) -> LayerList:
-    """The layers this key may name by digest: those of its images, snapshots and builds,
-    and the system's."""
-    return LayerList(layers=await edge.list_layers(owner))
 
 
 @router.get("/node", response_model=NodeInfo, tags=["node"], summary="Describe this node")

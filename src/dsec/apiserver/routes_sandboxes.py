@@ -49,10 +49,8 @@ from dsec.models import (
     ExecResult,
     FileInfo,
     LogLine,
-    NetworkStats,
     SandboxInfo,
 )
-from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
 
 __all__ = ["UPLOAD_ROUTES", "ndjson_response", "router"]
@@ -388,30 +386,3 @@ async def export_trajectory(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner
         media_type="application/x-ndjson",
         headers={"cache-control": "no-store"},
     )
-
-
-# --- network policy ------------------------------------------------------------
-@router.post(
-    "/{sandbox_id}/network",
-    response_model=SandboxInfo,
-    summary="Replace the network policy of a running sandbox",
-    description="The body is a NetworkPolicy. New connections see the new policy at once; "
-    "established ones continue; DNS admissions it no longer allows are revoked. A bad "
-    "policy or an unknown preset is a 400 ``invalid_request``; a sandbox created without "
-    "a network is a 422 ``capability_not_supported``; a dead one is a 409 "
-    "``sandbox_stopped``.",
-)
-async def update_network(
-    sandbox_id: SandboxIdParam, policy: NetworkPolicy, edge: Edge, owner: Owner
-) -> SandboxInfo:
-    return await edge.update_network(sandbox_id, owner, policy)
-
-
-@router.get(
-    "/{sandbox_id}/network",
-    response_model=NetworkStats,
-    response_model_exclude_unset=True,
-    summary="Network counters: allowed and blocked attempts by destination",
-)
-async def network_stats(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> NetworkStats:
-    return NetworkStats.model_validate(await edge.network_stats(sandbox_id, owner))

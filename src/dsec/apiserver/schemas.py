@@ -11,11 +11,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.contract.verbs import IDEMPOTENCY_KEY_PATTERN
-from dsec.models import Capabilities, ImageInfo, LayerInfo, SandboxInfo
+from dsec.models import IMAGE_REF_PATTERN, Capabilities, ImageList, LayerList, SandboxInfo
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
     "IDEMPOTENCY_KEY_PATTERN",
+    "IMAGE_REF_PATTERN",
     "JOB_PATTERN",
     "REPLAYED_HEADER",
     "SANDBOX_ID_PATTERN",
@@ -36,13 +37,6 @@ SANDBOX_ID_PATTERN = r"^sb-[a-z0-9-]{1,64}$"
 
 SANDBOX_PATH_PATTERN = r"^/[^\x00]{0,4095}$"
 """Paths inside a sandbox: absolute, no NUL byte, at most 4096 characters."""
-
-IMAGE_REF_PATTERN = (
-    r"^(sha256:[0-9a-f]{64}|[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?"
-    r"|[A-Za-z0-9][A-Za-z0-9._/:-]{0,511}(@sha256:[0-9a-f]{64})?)$"
-)
-"""Images: ``name[:tag]``, ``sha256:<64 hex>``, or a registry reference's familiar form
-(``127.0.0.1:5000/team/app:1``; the edge checks it in full)."""
 
 IMAGE_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}(:[A-Za-z0-9._-]{1,128})?$"
 """Names an image can be given: ``name[:tag]``."""
@@ -82,14 +76,6 @@ class ErrorBody(_Wire):
 
 class SandboxList(_Wire):
     sandboxes: list[SandboxInfo]
-
-
-class ImageList(_Wire):
-    images: list[ImageInfo]
-
-
-class LayerList(_Wire):
-    layers: list[LayerInfo]
 
 
 class CapabilityList(_Wire):

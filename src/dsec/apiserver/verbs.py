@@ -15,17 +15,17 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Path, Query, Response
+from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError, create_model
 
-from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, current_owner
-from dsec.apiserver.schemas import JOB_PATTERN, SANDBOX_ID_PATTERN
+from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, acting_owner, current_owner
+from dsec.apiserver.schemas import IMAGE_REF_PATTERN, JOB_PATTERN, SANDBOX_ID_PATTERN
 from dsec.contract.edge import VERBS, EdgeAPI
 from dsec.contract.verbs import NO_ENVELOPE, Envelope, Verb
 from dsec.errors import CapabilityNotSupported
-from dsec.models import SandboxRef
+from dsec.models import BUILD_ID_PATTERN, SandboxRef
 from dsec.wire import WireModel
 
 __all__ = ["router"]
@@ -36,6 +36,11 @@ _PATH_PARAMS: dict[str, Any] = {
     "sandbox_id": Path(pattern=SANDBOX_ID_PATTERN, description="sb-<node>-<random>"),
     "job": Path(pattern=JOB_PATTERN, description="the job id given at creation"),
     "action": Path(description="pause | resume | kill"),
+    "name": Path(
+        pattern=IMAGE_REF_PATTERN,
+        description="name[:tag], sha256:<hex>, or a pulled reference (host:port/repo:tag)",
+    ),
+    "build_id": Path(min_length=1, max_length=64, pattern=BUILD_ID_PATTERN),
 }
 """How each path parameter a verb may name is checked (a new one is added here)."""
 
@@ -84,6 +89,9 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
                     default=default,
                 )
             )
+    elif verb.body is not None:
+        f = verb.request.model_fields[verb.body]
+        params.append(inspect.Parameter("body", kw, annotation=Annotated[f.annotation, Body()]))
     elif verb.body_fields:
         body = _body_model(verb)
         optional = all(not verb.request.model_fields[n].is_required() for n in verb.body_fields)
@@ -95,6 +103,8 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
                 default=None if optional else inspect.Parameter.empty,
             )
         )
+    if verb.operator_may:
+        params.append(inspect.Parameter("request", kw, annotation=Request))
     params.append(inspect.Parameter("edge", kw, annotation=Edge))
     params.append(inspect.Parameter("owner", kw, annotation=Owner))
     if verb.sequenced:
@@ -107,6 +117,8 @@ def _parse(verb: Verb, values: dict[str, Any]) -> BaseModel:
     data = {n: values[n] for n in verb.path_params}
     if verb.in_query:
         data.update({n: values[n] for n in verb.body_fields})
+    elif verb.body is not None:
+        data[verb.body] = body
     elif isinstance(body, BaseModel):
         data.update(body.model_dump(exclude_unset=True))
     try:
@@ -120,7 +132,10 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
         edge: EdgeAPI = values.pop("edge")
         owner: str = values.pop("owner")
         seq: Envelope | None = values.pop("seq", None)
+        request: Request | None = values.pop("request", None)
         req = _parse(verb, values)
+        if request is not None:  # a verb with operator_may: its request has ``system``
+            owner = acting_owner(request, owner, getattr(req, "system", False), verb.operator_may)
         # every edge is an EdgeAPI (the dependency's type); an optional ability is checked
         if verb.ability is not EdgeAPI and not isinstance(edge, verb.ability):
             if isinstance(req, SandboxRef):
@@ -147,6 +162,7 @@ for _verb in VERBS:
         methods=[_verb.method],
         status_code=_verb.status,
         response_model=_verb.answer,
+        response_model_exclude_unset=_verb.sparse,
         response_class=Response if _verb.answer is None else JSONResponse,
         summary=_verb.summary,
         description=_verb.description or None,

@@ -72,29 +72,38 @@ from dsec.models import (
     BatchCreateResult,
     BatchItemError,
     BuildImageRequest,
+    BuildRef,
     Capabilities,
     CodeRunRequest,
     CodeRunResult,
     CreateSandboxRequest,
+    DeleteImageRequest,
     ExecEvent,
     ExecRequest,
     ExecResult,
     ForkRequest,
     ForkResult,
     ImageInfo,
+    ImageList,
+    ImageRef,
     JobActionRequest,
     JobActionResult,
     JobAudit,
     JobOutcome,
     JobRef,
+    KeyScope,
     KeyUsage,
-    LayerInfo,
+    LayerList,
     MigrateRequest,
     MigrateResult,
     NodeInfo,
+    PullImageRequest,
+    PushImageRequest,
+    PushImageResult,
     RunCodeRequest,
     RunCodeResponse,
     SandboxInfo,
+    ShareImageRequest,
 )
 from dsec.placement import PlacementRequest, Placer
 from dsec.tiers import require_tier, tier_names
@@ -873,25 +882,25 @@ class ClusterEdge:
             raise ServiceUnavailable("no live node in the cluster")
         return alive[0]
 
-    async def list_images(self, owner: str) -> list[ImageInfo]:
-        out: list[ImageInfo] = await self.relay.call(self._any_node(), "list_images", owner)
+    async def list_images(self, req: KeyScope, owner: str) -> ImageList:
+        out: ImageList = await self.relay.call(self._any_node(), "list_images", req, owner)
         return out
 
-    async def get_image(self, name: str, owner: str) -> ImageInfo:
-        out: ImageInfo = await self.relay.call(self._any_node(), "get_image", name, owner)
+    async def get_image(self, req: ImageRef, owner: str) -> ImageInfo:
+        out: ImageInfo = await self.relay.call(self._any_node(), "get_image", req, owner)
         return out
 
-    async def delete_image(self, name: str, owner: str) -> None:
+    async def delete_image(self, req: DeleteImageRequest, owner: str) -> None:
         """Forgotten on every live node."""
-        await self._on_every_node("delete_image", name, owner)
+        await self._on_every_node("delete_image", req, owner)
 
-    async def share_image(self, name: str, owner: str, shared: bool) -> ImageInfo:
+    async def share_image(self, req: ShareImageRequest, owner: str) -> ImageInfo:
         """Shared on every live node that has it."""
-        out: ImageInfo = await self._on_every_node("share_image", name, owner, shared)
+        out: ImageInfo = await self._on_every_node("share_image", req, owner)
         return out
 
-    async def list_layers(self, owner: str) -> list[LayerInfo]:
-        out: list[LayerInfo] = await self.relay.call(self._any_node(), "list_layers", owner)
+    async def list_layers(self, req: KeyScope, owner: str) -> LayerList:
+        out: LayerList = await self.relay.call(self._any_node(), "list_layers", req, owner)
         return out
 
     async def _on_every_node(self, method: str, *args: Any) -> Any:
@@ -910,9 +919,10 @@ class ClusterEdge:
                 return r
         raise results[0]
 
-    async def pull_image(self, ref: str, owner: str, name: str | None = None) -> ImageInfo:
-        """Pulled on every live node (each keeps its own layer store)."""
-        out: ImageInfo = await self._on_every_node("pull_image", ref, owner, name)
+    async def pull_image(self, req: PullImageRequest, owner: str) -> ImageInfo:
+        """Pulled (or, ``lazy``, attached) on every live node (each keeps its own layer
+        store)."""
+        out: ImageInfo = await self._on_every_node("pull_image", req, owner)
         return out
 
     async def build_image(self, owner: str, req: BuildImageRequest, context: bytes) -> ImageInfo:
@@ -950,12 +960,12 @@ class ClusterEdge:
                     await self._replicate_image(node, owner, event.image)
                 yield event
 
-    def list_builds(self, owner: str) -> BuildList:
+    async def list_builds(self, req: KeyScope, owner: str) -> BuildList:
         """The builds this replica relayed (each apiserver replica keeps its own)."""
         return self.build_records.list(owner)
 
-    def get_build(self, build_id: str, owner: str) -> BuildRecord:
-        return self.build_records.get(build_id, owner)
+    async def get_build(self, req: BuildRef, owner: str) -> BuildRecord:
+        return self.build_records.get(req.build_id, owner)
 
     def _build_node(self) -> str:
         """The live node with the most free sandbox slots that runs containers."""
@@ -983,20 +993,16 @@ class ClusterEdge:
             if isinstance(r, BaseException):
                 log.warning("image %s not copied to node %s: %s", image.name, target, r)
 
-    async def push_image(self, name: str, target: str, owner: str) -> Any:
+    async def push_image(self, req: PushImageRequest, owner: str) -> PushImageResult:
         """Pushed from one node's layer store (any node holding the image)."""
-        return await self.relay.call(
-            self._any_node(),
-            "push_image",
-            name,
-            target,
-            owner,
-            timeout=self.options.create_timeout_s,
+        out: PushImageResult = await self.relay.call(
+            self._any_node(), "push_image", req, owner, timeout=self.options.create_timeout_s
         )
+        return out
 
-    async def attach_image(self, ref: str, name: str | None, lazy: bool, owner: str) -> ImageInfo:
+    async def attach_image(self, req: PullImageRequest, owner: str) -> ImageInfo:
         """Registered on every live node (each reads the layers from the registry)."""
-        out: ImageInfo = await self._on_every_node("attach_image", ref, name, lazy, owner)
+        out: ImageInfo = await self._on_every_node("attach_image", req, owner)
         return out
 
     # ------------------------------------------------------------------ run_code

@@ -40,6 +40,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from dsec.builds.records import BuildList, BuildRecord
 from dsec.contract.streams import (
     DirectoryWatcher,
     FileEvent,
@@ -57,10 +58,12 @@ from dsec.models import (
     AuditReport,
     BatchCreateResult,
     BuildImageRequest,
+    BuildRef,
     Capabilities,
     CodeRunRequest,
     CodeRunResult,
     CreateSandboxRequest,
+    DeleteImageRequest,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -69,19 +72,27 @@ from dsec.models import (
     ForkRequest,
     ForkResult,
     ImageInfo,
+    ImageList,
+    ImageRef,
     JobActionRequest,
     JobActionResult,
     JobAudit,
     JobRef,
     KeyQuota,
+    KeyScope,
     KeyUsage,
     LayerInfo,
+    LayerList,
     ListFilesRequest,
     LogLine,
     MigrateRequest,
     MigrateResult,
+    NetworkPolicyRequest,
+    NetworkStats,
     NodeInfo,
     PauseRequest,
+    PullImageRequest,
+    PushImageRequest,
     PushImageResult,
     RemoveFileRequest,
     RenameRequest,
@@ -95,10 +106,10 @@ from dsec.models import (
     SandboxUptime,
     ScreenRequest,
     SetTTLRequest,
+    ShareImageRequest,
 )
 
 if TYPE_CHECKING:
-    from dsec.builds.records import BuildList, BuildRecord
     from dsec.builds.wire import BuildRequest
     from dsec.display import DisplayAction, Screen
 
@@ -260,26 +271,37 @@ class EdgeAPI(Protocol):
         ``follow``, new output until the command ends."""
         ...
 
-    # --- network (policy is a dsec.network.NetworkPolicy) ---------------------
-    async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo: ...
-    async def network_stats(self, sandbox_id: str, owner: str) -> dict[str, Any]: ...
+    # --- network ----------------------------------------------------------
+    async def update_network(self, req: NetworkPolicyRequest, owner: str) -> SandboxInfo:
+        """Replace the sandbox's :class:`~dsec.network.NetworkPolicy` (``req.policy``)."""
+        ...
+
+    async def network_stats(self, req: SandboxRef, owner: str) -> NetworkStats:
+        """The sandbox's network counters; only ``enabled=False`` set for a sandbox without
+        a network."""
+        ...
 
     # --- images and layers (owned: see dsec.layers.store; SYSTEM_OWNER is the system's) --
-    async def list_images(self, owner: str) -> list[ImageInfo]:
+    async def list_images(self, req: KeyScope, owner: str) -> ImageList:
         """``owner``'s images and the system's (built-ins not built yet with their status)."""
         ...
 
-    async def get_image(self, name: str, owner: str) -> ImageInfo: ...
-    async def delete_image(self, name: str, owner: str) -> None: ...
-    async def share_image(self, name: str, owner: str, shared: bool) -> ImageInfo:
+    async def get_image(self, req: ImageRef, owner: str) -> ImageInfo: ...
+    async def delete_image(self, req: DeleteImageRequest, owner: str) -> None: ...
+    async def share_image(self, req: ShareImageRequest, owner: str) -> ImageInfo:
         """Let every key use ``owner``'s image as ``<owner>/<name>`` (``shared=False``: stop)."""
         ...
 
-    async def list_layers(self, owner: str) -> list[LayerInfo]:
+    async def list_layers(self, req: KeyScope, owner: str) -> LayerList:
         """The layers ``owner`` may name by digest."""
         ...
 
-    async def pull_image(self, ref: str, owner: str, name: str | None = None) -> ImageInfo: ...
+    async def pull_image(self, req: PullImageRequest, owner: str) -> ImageInfo:
+        """``req.ref`` pulled as ``owner``'s image (``req.lazy``: attached with its layers
+        left remote, as :meth:`ImagePublisher.attach_image`; ``req.system`` is the caller's
+        concern: the owner is then ``SYSTEM_OWNER``)."""
+        ...
+
     async def build_image(self, owner: str, req: BuildImageRequest, context: bytes) -> ImageInfo:
         """``owner``'s image ``req.name`` from an uploaded build context (tar archive); never
         from a path on the server."""
@@ -305,12 +327,12 @@ class ImageBuilds(Protocol):
         until ``done`` or ``error``."""
         ...
 
-    def list_builds(self, owner: str) -> BuildList:
+    async def list_builds(self, req: KeyScope, owner: str) -> BuildList:
         """``owner``'s build records, newest first (:mod:`dsec.builds.records`)."""
         ...
 
-    def get_build(self, build_id: str, owner: str) -> BuildRecord:
-        """``owner``'s build ``build_id`` with its log; another owner's is ``NotFound``."""
+    async def get_build(self, req: BuildRef, owner: str) -> BuildRecord:
+        """``owner``'s build ``req.build_id`` with its log; another owner's is ``NotFound``."""
         ...
 
 
@@ -318,16 +340,18 @@ class ImageBuilds(Protocol):
 class ImagePublisher(Protocol):
     """Optional ability of an edge: images as dsec artifacts in an OCI registry
     (``dsec image push``: ``POST /v1/images/{name}/push``; ``dsec image pull --lazy``:
-    ``POST /v1/images/pull`` with ``lazy``). The apiserver answers ``unsupported`` for an
-    edge without it."""
+    ``POST /v1/images/pull`` with ``lazy``). The apiserver answers
+    ``capability_not_supported`` for an edge without it."""
 
-    async def push_image(self, name: str, target: str, owner: str) -> PushImageResult:
-        """Push ``owner``'s image ``name`` to ``target`` (``oci://HOST[:PORT]/REPO[:TAG]``)."""
+    async def push_image(self, req: PushImageRequest, owner: str) -> PushImageResult:
+        """Push ``owner``'s image ``req.name`` to ``req.target``
+        (``oci://HOST[:PORT]/REPO[:TAG]``)."""
         ...
 
-    async def attach_image(self, ref: str, name: str | None, lazy: bool, owner: str) -> ImageInfo:
-        """Register a pushed image as ``owner``'s; ``lazy``: its layers stay remote, read on
-        demand."""
+    async def attach_image(self, req: PullImageRequest, owner: str) -> ImageInfo:
+        """Register the pushed image ``req.ref`` as ``owner``'s; ``req.lazy``: its layers
+        stay remote, read on demand. No route of its own: ``pull_image`` of a lazy request
+        (``POST /v1/images/pull``) is this."""
         ...
 
 
@@ -886,6 +910,132 @@ VERBS = VerbTable(
         "``cpu.used_cores`` averages over ``interval_s`` (since the previous sample of this "
         "sandbox, or since its creation). A stopped sandbox is a 409 ``sandbox_stopped``; a "
         "tier whose capabilities lack ``metrics`` a 422 ``capability_not_supported``.",
+    ),
+    # --- images, layers, builds and networks ---------------------------------
+    Verb(
+        "list_images",
+        KeyScope,
+        ImageList,
+        "GET",
+        "/images",
+        EdgeAPI,
+        "List images",
+        "This key's images and the system's (built-in images not built yet show their build "
+        "status); other keys' images are never listed.",
+        tag="images",
+    ),
+    Verb(
+        "get_image",
+        ImageRef,
+        ImageInfo,
+        "GET",
+        "/images/{name:path}",
+        EdgeAPI,
+        "Describe an image",
+        tag="images",
+    ),
+    Verb(
+        "delete_image",
+        DeleteImageRequest,
+        None,
+        "DELETE",
+        "/images/{name:path}",
+        EdgeAPI,
+        "Forget one of this key's images (its layers stay while sandboxes use them)",
+        status=204,
+        tag="images",
+        operator_may="remove",
+    ),
+    Verb(
+        "share_image",
+        ShareImageRequest,
+        ImageInfo,
+        "PATCH",
+        "/images/{name:path}",
+        EdgeAPI,
+        "Share one of this key's images with every key (as <owner>/<name>), or stop",
+        tag="images",
+    ),
+    Verb(
+        "pull_image",
+        PullImageRequest,
+        ImageInfo,
+        "POST",
+        "/images/pull",
+        EdgeAPI,
+        "Pull an image from an OCI / Docker v2 registry",
+        status=201,
+        tag="images",
+        operator_may="publish",
+    ),
+    Verb(
+        "push_image",
+        PushImageRequest,
+        PushImageResult,
+        "POST",
+        "/images/{name:path}/push",
+        ImagePublisher,
+        "Publish an image's EROFS layers to an OCI registry",
+        tag="images",
+    ),
+    Verb(
+        "list_layers",
+        KeyScope,
+        LayerList,
+        "GET",
+        "/layers",
+        EdgeAPI,
+        "List layers",
+        "The layers this key may name by digest: those of its images, snapshots and builds, "
+        "and the system's.",
+        tag="images",
+    ),
+    Verb(
+        "list_builds",
+        KeyScope,
+        BuildList,
+        "GET",
+        "/builds",
+        ImageBuilds,
+        "This key's image builds, newest first (running ones included)",
+        "State, step, cache hits and the image made or the error, of this key's recent "
+        "builds (``dsec.builds.records``: bounded per key, kept by the server process).",
+        tag="images",
+    ),
+    Verb(
+        "get_build",
+        BuildRef,
+        BuildRecord,
+        "GET",
+        "/builds/{build_id}",
+        ImageBuilds,
+        "One build of this key, with its log",
+        tag="images",
+    ),
+    Verb(
+        "update_network",
+        NetworkPolicyRequest,
+        SandboxInfo,
+        "POST",
+        "/sandboxes/{sandbox_id}/network",
+        EdgeAPI,
+        "Replace the network policy of a running sandbox",
+        "The body is a NetworkPolicy. New connections see the new policy at once; "
+        "established ones continue; DNS admissions it no longer allows are revoked. A bad "
+        "policy or an unknown preset is a 400 ``invalid_request``; a sandbox created without "
+        "a network is a 422 ``capability_not_supported``; a dead one is a 409 "
+        "``sandbox_stopped``.",
+        body="policy",
+    ),
+    Verb(
+        "network_stats",
+        SandboxRef,
+        NetworkStats,
+        "GET",
+        "/sandboxes/{sandbox_id}/network",
+        EdgeAPI,
+        "Network counters: allowed and blocked attempts by destination",
+        sparse=True,
     ),
 )
 """The verbs that take one request model and answer one model (:mod:`dsec.contract.verbs`):

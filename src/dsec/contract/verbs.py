@@ -57,7 +57,9 @@ NO_ENVELOPE = Envelope()
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,256}$"
 """An ``Idempotency-Key``: 1-256 printable ASCII characters, no space."""
 
-_PATH_PARAM = re.compile(r"\{([a-z_]+)\}")
+_PATH_PARAM = re.compile(r"\{([a-z_]+)(?::path)?\}")
+"""A path parameter: ``{name}``, or ``{name:path}`` for one whose value may hold ``/``
+(an image reference such as ``127.0.0.1:5000/team/app:1``)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,16 @@ class Verb:
     status: int = 200
     sequenced: bool = False
     tag: str = "sandboxes"
+    body: str | None = None
+    """The request field whose value is the whole JSON body (not wrapped in an object of
+    the request's fields): a body kept as it was before the verb had a request model."""
+    sparse: bool = False
+    """The answer leaves out the fields the edge did not set (``GET .../network`` of a
+    sandbox without a network is ``{"enabled": false}``)."""
+    operator_may: str = ""
+    """What the request's ``system`` field lets the operator's key do to system images
+    (``"remove"``, ``"publish"``): with ``system`` true the call acts as the system
+    (:data:`dsec.models.SYSTEM_OWNER`), and any other key is refused (``PermissionDenied``)."""
     _answers: TypeAdapter[Any] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +97,10 @@ class Verb:
             raise ValueError(f"verb {self.name}: path parameters {unknown} not in the request")
         if self.sandbox_scoped and "sandbox_id" not in self.path_params:
             raise ValueError(f"verb {self.name}: a sandbox verb's path names {{sandbox_id}}")
+        if self.body is not None and (self.in_query or self.body_fields != (self.body,)):
+            raise ValueError(f"verb {self.name}: a body field must be a body's only field")
+        if self.operator_may and "system" not in self.request.model_fields:
+            raise ValueError(f"verb {self.name}: operator_may needs a system field")
         object.__setattr__(
             self, "_answers", TypeAdapter(self.answer) if self.answer is not None else None
         )
@@ -97,6 +113,11 @@ class Verb:
     @property
     def path_params(self) -> tuple[str, ...]:
         return tuple(_PATH_PARAM.findall(self.path))
+
+    @property
+    def template(self) -> str:
+        """The path as documented (OpenAPI): ``{name}`` for every parameter."""
+        return _PATH_PARAM.sub(lambda m: "{" + m.group(1) + "}", self.path)
 
     @property
     def in_query(self) -> bool:
@@ -112,11 +133,13 @@ class Verb:
     def url(self, req: BaseModel) -> str:
         """The request's path, under ``/v1``."""
         values = {p: quote(str(getattr(req, p)), safe=":") for p in self.path_params}
-        return "/v1" + self.path.format(**values)
+        return "/v1" + _PATH_PARAM.sub(lambda m: values[m.group(1)], self.path)
 
-    def wire(self, req: BaseModel) -> dict[str, Any]:
+    def wire(self, req: BaseModel) -> Any:
         """The request's query or body fields, as JSON values (unset defaults left out:
-        the server's defaults apply)."""
+        the server's defaults apply); a :attr:`body` verb's body field alone, whole."""
+        if self.body is not None:
+            return req.model_dump(mode="json", include={self.body})[self.body]
         return req.model_dump(mode="json", include=set(self.body_fields), exclude_unset=True)
 
     def read_answer(self, data: Any, context: dict[str, Any] | None = None) -> Any:

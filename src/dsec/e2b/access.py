@@ -35,9 +35,19 @@ import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
+from dsec.errors import ImageNotFound
+from dsec.models import ImageRef
 from dsec.tiers import get_tier
 
-__all__ = ["DEFAULT_TEMPLATE_ALIASES", "AccessTokens", "TemplateMap", "TemplateTarget"]
+__all__ = [
+    "DEFAULT_TEMPLATE_ALIASES",
+    "AccessTokens",
+    "TemplateMap",
+    "TemplateTarget",
+    "image_ref",
+]
 
 DEFAULT_TEMPLATE_ALIASES: dict[str, str] = {
     "base": "e2b-base",
@@ -46,6 +56,17 @@ DEFAULT_TEMPLATE_ALIASES: dict[str, str] = {
 }
 """E2B's public template names mapped to dsec images (``e2b-base``: E2B's base template, with
 the user ``user`` in ``/home/user``). Any other name is looked up as an image."""
+
+
+def image_ref(name: str) -> ImageRef:
+    """The request of an image verb about ``name`` (a template or snapshot name from an E2B
+    URL): a name no image can have is ``ImageNotFound``, as the edge says of one it lacks."""
+    try:
+        return ImageRef(name=name)
+    except ValidationError:
+        raise ImageNotFound(f"image {name!r} not found") from None
+
+
 MAX_REMEMBERED_SANDBOXES = 10_000
 """Sandboxes whose signed file URLs :meth:`AccessTokens.find_signed` can resolve."""
 

@@ -71,7 +71,7 @@ from starlette.routing import Route
 
 from dsec.apiserver.departed import unless_departed
 from dsec.contract.edge import EdgeAPI, MetricsEdge
-from dsec.e2b.access import AccessTokens, TemplateMap
+from dsec.e2b.access import AccessTokens, TemplateMap, image_ref
 from dsec.e2b.errors import E2BError, control_status, stream_ended_error
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
@@ -87,7 +87,10 @@ from dsec.errors import (
 )
 from dsec.models import (
     CreateSandboxRequest,
+    DeleteImageRequest,
     ForkRequest,
+    KeyScope,
+    NetworkPolicyRequest,
     PauseRequest,
     SandboxInfo,
     SandboxRef,
@@ -798,7 +801,9 @@ class ControlPlane:
             raise E2BError(400, "allow_internet_access must be a boolean")
         policy = policy_from_e2b(internet, E2BEgress.from_wire(wire), updating=True)
         await self._live(sandbox_id, owner)
-        await self.edge.update_network(sandbox_id, owner, policy)
+        await self.edge.update_network(
+            validated(NetworkPolicyRequest, sandbox_id=sandbox_id, policy=policy), owner
+        )
         return Response(status_code=204)
 
     async def _metric(self, sandbox_id: str, owner: str) -> dict[str, Any]:
@@ -946,7 +951,7 @@ class ControlPlane:
             raise E2BError(400, f"limit must be between 1 and {LIST_PAGE_MAX}")
         images = [
             i
-            for i in await self.edge.list_images(owner)
+            for i in (await self.edge.list_images(KeyScope(), owner)).images
             if i.owner == owner and i.meta.get("snapshot_of") and i.status == "ready"
         ]
         if q.get("sandboxID"):
@@ -971,7 +976,7 @@ class ControlPlane:
         snapshot: 404; a system image or an image that is not a snapshot: 403."""
         name = request.path_params["template_id"]
         try:
-            image = await self.edge.get_image(name, owner)
+            image = await self.edge.get_image(image_ref(name), owner)
         except ImageNotFound:
             return _error(404, f"snapshot {name!r} not found")
         if image.owner != owner:
@@ -979,7 +984,7 @@ class ControlPlane:
         if not image.meta.get("snapshot_of"):
             return _error(403, f"{name!r} is not a snapshot (dsec's E2B API deletes snapshots)")
         try:
-            await self.edge.delete_image(name, owner)
+            await self.edge.delete_image(DeleteImageRequest(name=name), owner)
         except ImageNotFound:
             return _error(404, f"snapshot {name!r} not found")
         return Response(status_code=204)

@@ -131,11 +131,11 @@ from dsec.builds.wire import (
     StepStarted,
 )
 from dsec.contract.edge import EdgeAPI, ImageBuilds
-from dsec.e2b.access import TemplateMap, TemplateTarget
+from dsec.e2b.access import TemplateMap, TemplateTarget, image_ref
 from dsec.e2b.errors import E2BError, control_status
 from dsec.errors import DsecError, ImageNotFound
 from dsec.images.config import ImageConfig
-from dsec.models import ImageInfo
+from dsec.models import DeleteImageRequest, ImageInfo, KeyScope
 
 __all__ = [
     "DEFAULT_TAG",
@@ -758,7 +758,7 @@ class TemplateAPI:
     async def _templates(self, owner: str) -> dict[str, _Template]:
         """The key's templates by alias (its own images, grouped by name)."""
         groups: dict[str, list[ImageInfo]] = {}
-        for img in await self.edge.list_images(owner):
+        for img in (await self.edge.list_images(KeyScope(), owner)).images:
             if img.owner != owner or img.status != "ready" or img.meta.get("reference"):
                 continue  # others', not built, or a registry reference's copy
             alias, _ = split_image_name(img.name)
@@ -814,7 +814,7 @@ class TemplateAPI:
         out = TemplateTarget(tier=target.tier, image=image)
         sizes: dict[str, Any] = {}
         try:
-            info = await self.edge.get_image(image, owner)
+            info = await self.edge.get_image(image_ref(image), owner)
         except DsecError:
             return out, sizes  # the create says what is wrong with it
         labels = _labels(info)
@@ -880,7 +880,7 @@ class TemplateAPI:
         if alias in self.templates.aliases:
             raise E2BError(409, f"the template name {alias!r} is taken (a public template)")
         with contextlib.suppress(ImageNotFound):
-            existing = await self.edge.get_image(alias, owner)
+            existing = await self.edge.get_image(image_ref(alias), owner)
             if existing.owner != owner:
                 raise E2BError(409, f"the template name {alias!r} is taken (a system image)")
         b = _Build(
@@ -967,7 +967,7 @@ class TemplateAPI:
                 b.task.cancel()
         for img in t.images if t is not None else []:
             with contextlib.suppress(ImageNotFound):
-                await self.edge.delete_image(img.name, owner)
+                await self.edge.delete_image(DeleteImageRequest(name=img.name), owner)
         return Response(status_code=204)
 
     # --- routes: tags ----------------------------------------------------------------------------
@@ -1025,7 +1025,7 @@ class TemplateAPI:
         if t is None or missing:
             raise E2BError(404, f"template '{alias}' has no tag {', '.join(map(str, missing))}")
         for x in tags:
-            await self.edge.delete_image(have[x].name, owner)
+            await self.edge.delete_image(DeleteImageRequest(name=have[x].name), owner)
         return Response(status_code=204)
 
     # --- routes: files ---------------------------------------------------------------------------
@@ -1109,7 +1109,7 @@ class TemplateAPI:
             else:
                 target = self.templates.resolve(from_template)
                 try:
-                    img = await self.edge.get_image(target.image, owner)
+                    img = await self.edge.get_image(image_ref(target.image), owner)
                 except ImageNotFound:
                     raise E2BError(404, f"template '{from_template}' not found") from None
             env = _env_of(img)
@@ -1118,7 +1118,7 @@ class TemplateAPI:
         name = self.templates.aliases.get(from_image, from_image)
         if IMAGE_REF.match(name):
             try:
-                img = await self.edge.get_image(name, owner)
+                img = await self.edge.get_image(image_ref(name), owner)
             except ImageNotFound:
                 img = None
             if img is not None or name != from_image:

@@ -17,24 +17,30 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 import httpx
 from pydantic import TypeAdapter
 
+from dsec.contract.edge import VERBS
 from dsec.models import (
     BuildImageRequest,
     Capabilities,
     CodeRunRequest,
     CodeRunResult,
+    DeleteImageRequest,
     ImageInfo,
+    ImageList,
+    ImageRef,
     KeyInfo,
+    KeyScope,
     LayerInfo,
+    LayerList,
     NodeInfo,
     PullImageRequest,
     PushImageRequest,
     PushImageResult,
     SandboxInfo,
+    ShareImageRequest,
 )
 from dsec.sdk._http import DEFAULT_TIMEOUT_S, HttpClient
 from dsec.sdk._tar import build_context
@@ -49,8 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["AsyncClient"]
 
 _SANDBOXES = TypeAdapter(list[SandboxInfo])
-_IMAGES = TypeAdapter(list[ImageInfo])
-_LAYERS = TypeAdapter(list[LayerInfo])
 _CAPS = TypeAdapter(list[Capabilities])
 
 BUILD_TIMEOUT_S = 1800.0
@@ -105,34 +109,33 @@ class AsyncClient:
     async def list_images(self) -> builtins.list[ImageInfo]:
         """This key's images and the system's (built-in images not built yet show their
         ``status``: ``queued``, ``building`` or ``failed``)."""
-        r = await self._http.request("GET", "/v1/images")
-        return _IMAGES.validate_python(r.json()["images"], context=ANSWER)
+        images: ImageList = await self._http.call(VERBS["list_images"], KeyScope())
+        return images.images
 
     async def get_image(self, name: str) -> ImageInfo:
         """One image by ``name[:tag]`` or ``sha256:<digest>``; raises ``ImageNotFound``."""
-        r = await self._http.request("GET", f"/v1/images/{quote(name, safe=':')}")
-        return ImageInfo.model_validate(r.json(), context=ANSWER)
+        req = validated(ImageRef, name=name)
+        image: ImageInfo = await self._http.call(VERBS["get_image"], req)
+        return image
 
     async def delete_image(self, name: str, *, system: bool = False) -> None:
         """Forget one of this key's images (``system``: a system image; the operator's key
         only). Its layers stay while sandboxes use them. Raises ``ImageNotFound``."""
-        await self._http.request(
-            "DELETE", f"/v1/images/{quote(name, safe=':')}", params={"system": system}
-        )
+        req = validated(DeleteImageRequest, name=name, system=system)
+        await self._http.call(VERBS["delete_image"], req)
 
     async def share_image(self, name: str, shared: bool = True) -> ImageInfo:
         """Let every key use this key's image ``name`` as ``<owner>/<name>``
         (``shared=False`` takes it back); the answer's ``owner`` is the prefix to use."""
-        r = await self._http.request(
-            "PATCH", f"/v1/images/{quote(name, safe=':')}", json={"shared": shared}
-        )
-        return ImageInfo.model_validate(r.json(), context=ANSWER)
+        req = validated(ShareImageRequest, name=name, shared=shared)
+        image: ImageInfo = await self._http.call(VERBS["share_image"], req)
+        return image
 
     async def list_layers(self) -> builtins.list[LayerInfo]:
         """The layers this key may name by digest (its images', snapshots', builds' and the
         system's)."""
-        r = await self._http.request("GET", "/v1/layers")
-        return _LAYERS.validate_python(r.json()["layers"], context=ANSWER)
+        layers: LayerList = await self._http.call(VERBS["list_layers"], KeyScope())
+        return layers.layers
 
     async def build_image(
         self,
@@ -251,10 +254,8 @@ class AsyncClient:
             timeout: how long to wait, seconds.
         """
         req = validated(PullImageRequest, ref=ref, name=name, lazy=lazy, system=system)
-        r = await self._http.request(
-            "POST", "/v1/images/pull", json=req.model_dump(mode="json"), timeout=timeout
-        )
-        return ImageInfo.model_validate(r.json(), context=ANSWER)
+        image: ImageInfo = await self._http.call(VERBS["pull_image"], req, timeout=timeout)
+        return image
 
     async def push_image(
         self, name: str, target: str, *, timeout: float = BUILD_TIMEOUT_S
@@ -269,14 +270,9 @@ class AsyncClient:
         Returns:
             The pushed manifest's digest, with the image and target.
         """
-        req = validated(PushImageRequest, target=target)
-        r = await self._http.request(
-            "POST",
-            f"/v1/images/{quote(name, safe=':')}/push",
-            json=req.model_dump(mode="json"),
-            timeout=timeout,
-        )
-        return PushImageResult.model_validate(r.json(), context=ANSWER)
+        req = validated(PushImageRequest, name=name, target=target)
+        result: PushImageResult = await self._http.call(VERBS["push_image"], req, timeout=timeout)
+        return result
 
     async def run_code(
         self,

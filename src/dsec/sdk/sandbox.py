@@ -105,6 +105,8 @@ from dsec.models import (
     LogLine,
     MigrateRequest,
     MigrateResult,
+    NetworkPolicyRequest,
+    NetworkStats,
     OnTimeout,
     PauseRequest,
     PortAccess,
@@ -525,10 +527,9 @@ class AsyncNetwork:
         (the sandbox was created without a network), ``SandboxStopped`` (it is dead).
         Returns the sandbox's updated info (``info.network`` is the new policy).
         """
-        body = _policy(policy).model_dump(mode="json")
         sb = self._sandbox
-        r = await sb._client._http.request("POST", sb._path("/network"), json=body)
-        sb._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
+        req = validated(NetworkPolicyRequest, sandbox_id=sb.id, policy=_policy(policy))
+        sb._info = await sb._client._http.call(VERBS["update_network"], req)
         return sb._info
 
     async def stats(self) -> dict[str, Any]:
@@ -545,9 +546,9 @@ class AsyncNetwork:
           ``rate_limited``, ..., ``refused_names``); ``policy``: the policy in force.
         """
         sb = self._sandbox
-        r = await sb._client._http.request("GET", sb._path("/network"))
-        stats: dict[str, Any] = r.json()
-        return stats
+        req = validated(SandboxRef, sandbox_id=sb.id)
+        stats: NetworkStats = await sb._client._http.call(VERBS["network_stats"], req)
+        return stats.model_dump(mode="json", exclude_unset=True)
 
 
 class AsyncSandbox:

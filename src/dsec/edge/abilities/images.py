@@ -14,7 +14,22 @@ from dsec.builds.records import BuildList, BuildRecord
 from dsec.edge.core import EdgeCore, utc_datetime
 from dsec.errors import CapabilityNotSupported, DsecError, ImageNotFound, PayloadTooLarge
 from dsec.layers.source import RegistryLayers
-from dsec.models import SYSTEM_OWNER, BuildImageRequest, ImageInfo, LayerInfo, PushImageResult
+from dsec.models import (
+    SYSTEM_OWNER,
+    BuildImageRequest,
+    BuildRef,
+    DeleteImageRequest,
+    ImageInfo,
+    ImageList,
+    ImageRef,
+    KeyScope,
+    LayerInfo,
+    LayerList,
+    PullImageRequest,
+    PushImageRequest,
+    PushImageResult,
+    ShareImageRequest,
+)
 
 if TYPE_CHECKING:
     from dsec.builds.engine import ImageBuilder
@@ -64,11 +79,11 @@ class ImageVerbs(EdgeCore):
             async for event in events:
                 yield event
 
-    def list_builds(self, owner: str) -> BuildList:
+    async def list_builds(self, req: KeyScope, owner: str) -> BuildList:
         return self.build_records.list(owner)
 
-    def get_build(self, build_id: str, owner: str) -> BuildRecord:
-        return self.build_records.get(build_id, owner)
+    async def get_build(self, req: BuildRef, owner: str) -> BuildRecord:
+        return self.build_records.get(req.build_id, owner)
 
     # ------------------------------------------------------------------ images
     def _layer_cache_info(self, layer: LayerInfo) -> LayerInfo:
@@ -121,19 +136,20 @@ class ImageVerbs(EdgeCore):
             )
         return out
 
-    async def list_images(self, owner: str) -> list[ImageInfo]:
+    async def list_images(self, req: KeyScope, owner: str) -> ImageList:
         """The images ``owner`` can use: its own and the system's (built-in images not built
         yet included, with their build status)."""
         images = [self._image_cache_info(im) for im in self.layers.list_images(owner)]
         known = {im.name for im in images}
         pending = self._pending_builtins(owner, known)
         pulling = [im for im in self.references.pending(owner) if im.name not in known]
-        return sorted([*images, *pending, *pulling], key=lambda im: im.name)
+        return ImageList(images=sorted([*images, *pending, *pulling], key=lambda im: im.name))
 
-    async def get_image(self, name: str, owner: str) -> ImageInfo:
-        """``owner``'s (or the system's) image ``name``; a built-in image not built yet as
-        ``image ls`` shows it (queued, building or failed, with no layers): it is usable,
+    async def get_image(self, req: ImageRef, owner: str) -> ImageInfo:
+        """``owner``'s (or the system's) image ``req.name``; a built-in image not built yet
+        as ``image ls`` shows it (queued, building or failed, with no layers): it is usable,
         and is built on first use."""
+        name = req.name
         try:
             return self._image_cache_info(self.layers.get_image(name, owner))
         except ImageNotFound:
@@ -142,54 +158,56 @@ class ImageVerbs(EdgeCore):
                 return pending[0]
             raise
 
-    async def delete_image(self, name: str, owner: str) -> None:
-        """Forget ``owner``'s image ``name`` (its layers stay while anything uses them).
+    async def delete_image(self, req: DeleteImageRequest, owner: str) -> None:
+        """Forget ``owner``'s image ``req.name`` (its layers stay while anything uses them).
         ``ImageNotFound`` for a name it does not own; ``Conflict`` for a system image."""
-        self.layers.remove_image(name, owner)
+        self.layers.remove_image(req.name, owner)
 
-    async def share_image(self, name: str, owner: str, shared: bool) -> ImageInfo:
-        """Let every key use ``owner``'s image ``name`` as ``<owner>/<name>`` (or stop)."""
-        return self._image_cache_info(self.layers.share_image(name, owner, shared))
+    async def share_image(self, req: ShareImageRequest, owner: str) -> ImageInfo:
+        """Let every key use ``owner``'s image ``req.name`` as ``<owner>/<name>`` (or stop)."""
+        return self._image_cache_info(self.layers.share_image(req.name, owner, req.shared))
 
-    async def pull_image(self, ref: str, owner: str, name: str | None = None) -> ImageInfo:
+    async def pull_image(self, req: PullImageRequest, owner: str) -> ImageInfo:
         """Pull ``ref`` (``oci://HOST/REPO:TAG`` or ``[registry/]repo[:tag]``) as ``owner``'s
         image: an image pushed with ``dsec image push`` gets its EROFS layers downloaded;
         any other image is converted from its tar layers. Credentials from
         ``DSEC_REGISTRY_AUTH`` (JSON ``{"host:port": ["user", "password"]}``). Without
         ``name`` the image is named by the reference (``127.0.0.1:5000/debian:12``) and the
         node's copy of that reference is shared with other keys that ask for it
-        (:mod:`dsec.edge.references`); with ``name``, it is pulled as that image."""
-        if name is None:
-            return await self.references.resolve(ref, owner, wait_s=None)
-        return await self.attach_image(ref, name, False, owner)
+        (:mod:`dsec.edge.references`); with ``name``, it is pulled as that image.
+        ``req.lazy``: :meth:`attach_image`."""
+        if req.lazy:
+            return await self.attach_image(req, owner)
+        if req.name is None:
+            return await self.references.resolve(req.ref, owner, wait_s=None)
+        return await self.attach_image(req, owner)
 
-    async def attach_image(
-        self, ref: str, name: str | None, lazy: bool, owner: str = SYSTEM_OWNER
-    ) -> ImageInfo:
-        """Register a pushed image as ``owner``'s (``lazy``: layers stay remote and are
+    async def attach_image(self, req: PullImageRequest, owner: str) -> ImageInfo:
+        """Register a pushed image as ``owner``'s (``req.lazy``: layers stay remote and are
         fetched on first read; other images fall back to a full pull):
         :func:`dsec.layers.publish.attach_image`."""
         layers = self.layers
         if not isinstance(layers, RegistryLayers):
             raise CapabilityNotSupported("this node's layer store cannot pull from registries")
-        if name is not None and owner != SYSTEM_OWNER:
-            layers.check_name_free(name, owner)  # before anything is downloaded
-        return await asyncio.to_thread(layers.attach, ref, name, lazy, owner)
+        if req.name is not None and owner != SYSTEM_OWNER:
+            layers.check_name_free(req.name, owner)  # before anything is downloaded
+        return await asyncio.to_thread(layers.attach, req.ref, req.name, req.lazy, owner)
 
-    async def push_image(
-        self, name: str, target: str, owner: str = SYSTEM_OWNER
-    ) -> PushImageResult:
-        """Publish ``owner``'s image ``name`` to ``target`` (``oci://HOST[:PORT]/REPO[:TAG]``)
-        as a dsec artifact (credentials from ``DSEC_REGISTRY_AUTH``)."""
+    async def push_image(self, req: PushImageRequest, owner: str) -> PushImageResult:
+        """Publish ``owner``'s image ``req.name`` to ``req.target``
+        (``oci://HOST[:PORT]/REPO[:TAG]``) as a dsec artifact (credentials from
+        ``DSEC_REGISTRY_AUTH``)."""
         from dsec.layers.publish import push_image
 
+        name, target = req.name, req.target
         await self.layers.ensure_image(name, owner)
         digest = await asyncio.to_thread(push_image, self.layers, name, target, owner)
         return PushImageResult(image=name, target=target, manifest_digest=digest)
 
-    async def list_layers(self, owner: str) -> list[LayerInfo]:
+    async def list_layers(self, req: KeyScope, owner: str) -> LayerList:
         """The layers ``owner`` may use by digest."""
-        return [self._layer_cache_info(layer) for layer in self.layers.list_owned_layers(owner)]
+        owned = self.layers.list_owned_layers(owner)
+        return LayerList(layers=[self._layer_cache_info(layer) for layer in owned])
 
     async def build_image(self, owner: str, req: BuildImageRequest, context: bytes) -> ImageInfo:
         """Build ``owner``'s image ``req.name`` from an uploaded build ``context`` (a tar

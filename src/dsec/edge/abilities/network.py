@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from dsec.contract.edge import PortStream, PortTicket
 from dsec.contract.runtime import Networked, PortConnectable
 from dsec.edge.core import EdgeCore, LiveSandbox
 from dsec.edge.ports import TrackedStream, check_port
 from dsec.errors import CapabilityNotSupported, SandboxNotFound, SandboxStopped, TooManyConnections
-from dsec.models import SandboxInfo
+from dsec.models import NetworkPolicyRequest, NetworkStats, SandboxInfo, SandboxRef
 
 log = logging.getLogger("dsec.edge")
 
@@ -19,8 +18,9 @@ class NetworkVerbs(EdgeCore):
     """A sandbox's network policy and counters, and its ports."""
 
     # ------------------------------------------------------------------ network
-    async def update_network(self, sandbox_id: str, owner: str, policy: Any) -> SandboxInfo:
+    async def update_network(self, req: NetworkPolicyRequest, owner: str) -> SandboxInfo:
         """Replace a running sandbox's network policy; new connections see it at once."""
+        policy = req.policy
 
         async def run(lv: LiveSandbox) -> SandboxInfo:
             rt = self.runtimes.get(lv.row.tier)
@@ -31,18 +31,19 @@ class NetworkVerbs(EdgeCore):
             self.registry.set_request(lv.row.id, lv.row.request)
             return self._info(lv.row)
 
-        return await self._use(sandbox_id, owner, run)
+        return await self._use(req.sandbox_id, owner, run)
 
-    async def network_stats(self, sandbox_id: str, owner: str) -> dict[str, Any]:
-        """Allowed and blocked connection attempts of a sandbox, by destination."""
+    async def network_stats(self, req: SandboxRef, owner: str) -> NetworkStats:
+        """Allowed and blocked connection attempts of a sandbox, by destination (only
+        ``enabled=False`` set for a sandbox without a network)."""
 
-        async def run(lv: LiveSandbox) -> dict[str, Any]:
+        async def run(lv: LiveSandbox) -> NetworkStats:
             rt = self.runtimes.get(lv.row.tier)
             if not isinstance(rt, Networked):
-                return {"enabled": False}
-            return await rt.network_stats(lv.handle)
+                return NetworkStats(enabled=False)
+            return NetworkStats.model_validate(await rt.network_stats(lv.handle))
 
-        return await self._use(sandbox_id, owner, run)
+        return await self._use(req.sandbox_id, owner, run)
 
     # ------------------------------------------------------------------ ports
     async def open_port(self, sandbox_id: str, owner: str, port: int) -> PortStream:
