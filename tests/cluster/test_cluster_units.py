@@ -13,7 +13,7 @@ from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
 from dsec.cluster import NodeLost, node_of_sandbox
 from dsec.errors import SandboxNotFound, error_from_wire
-from dsec.models import CreateSandboxRequest, MigrateRequest, PauseRequest
+from dsec.models import CreateSandboxRequest, MigrateRequest, PauseRequest, SandboxRef
 from dsec.testing import FakeEdge
 
 pytestmark = pytest.mark.cluster
@@ -118,7 +118,7 @@ async def test_a_node_reports_only_what_changed_since_a_cursor(tmp_path: Any) ->
         quiet = await actor.sandbox_changes(first["cursor"])
         assert not quiet["full"] and quiet["changed"] == [] and quiet["gone"] == []
         await actor.agent.pause_sandbox(PauseRequest(sandbox_id=a.id), owner)
-        await actor.agent.kill_sandbox(b.id, owner)
+        await actor.agent.kill_sandbox(SandboxRef(sandbox_id=b.id), owner)
         c = await actor.agent.create_sandbox(CreateSandboxRequest(cpu=0.01), owner)
         later = await actor.sandbox_changes(quiet["cursor"])
         assert not later["full"] and later["gone"] == [b.id]
@@ -342,7 +342,9 @@ async def test_a_busy_edge_is_not_lost_and_a_failing_one_is(tmp_path: Any) -> No
         assert [x.node_id for x in edge.placer.nodes if not x.dead] == ["m1"]
         made = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 10, owner)
         assert {node_of_sandbox(i.id) for i in made.sandboxes} == {"m1"}
-        info = await edge.get_sandbox(on_m2.id, owner)  # its sandboxes still answer
+        info = await edge.get_sandbox(
+            SandboxRef(sandbox_id=on_m2.id), owner
+        )  # its sandboxes still answer
         assert info.state == "running"
     finally:
         await _close(edge)

@@ -62,6 +62,18 @@ def test_refused_features_say_so(e2b_server: E2BServer) -> None:
         Sandbox.pause(sbx.sandbox_id)
 
 
+def test_a_malformed_sandbox_id_is_not_found(e2b_server: E2BServer) -> None:
+    """E2B answers an id of no form as it answers an unknown one: 404, never dsec's 400."""
+    headers = {"X-API-Key": "key-alice"}
+    for sid in ("SB-Upper", "not-an-id", "sb-" + "a" * 80):
+        for method in ("GET", "DELETE"):
+            r = httpx.request(method, f"{e2b_server.api_url}/sandboxes/{sid}", headers=headers)
+            assert r.status_code == 404 and r.json()["code"] == 404, (method, sid, r.text)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info("not-an-id")
+    assert Sandbox.kill("not-an-id") is False
+
+
 def test_another_owner_sees_nothing(e2b_server: E2BServer) -> None:
     alice = Sandbox.create("base", metadata={"who": "alice"})
     bob = Sandbox.create("base", api_key="key-bob", metadata={"who": "bob"})

@@ -31,7 +31,7 @@ from dsec.builds import BuildRequest, ImageConfig
 from dsec.builds.engine import ImageBuilder
 from dsec.builds.wire import BuildDone, BuildError
 from dsec.errors import ImageNotFound, InvalidRequest, StartFailed
-from dsec.models import CreateSandboxRequest, ExecRequest
+from dsec.models import CreateSandboxRequest, ExecRequest, SandboxRef
 from dsec.privileged.mount import mount_points
 from dsec.server import embedded_edge
 
@@ -74,7 +74,7 @@ class Node:
         try:
             r = await self.edge.exec(sb.id, owner, ExecRequest(cmd=cmd, timeout_s=60))
         finally:
-            await self.edge.kill_sandbox(sb.id, owner)
+            await self.edge.kill_sandbox(SandboxRef(sandbox_id=sb.id), owner)
         assert r.exit_code == 0, (cmd, r.stdout, r.stderr)
         return r.stdout
 

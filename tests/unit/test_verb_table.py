@@ -205,7 +205,13 @@ async def test_the_sdk_sends_table_verbs_through_its_transport(edge: FakeEdge) -
         assert (await sb.resume()).state == "running"
         assert (await sb.metrics()).sandbox_id == sb.id
     calls = [name for name, _ in edge.calls if name in VERBS]
-    assert calls == ["set_ttl", "pause_sandbox", "resume_sandbox", "sandbox_metrics"]
+    assert calls == [
+        "set_ttl",
+        "pause_sandbox",
+        "resume_sandbox",
+        "sandbox_metrics",
+        "kill_sandbox",  # leaving the block
+    ]
 
 
 async def test_uptime_a_verb_added_by_one_row(edge: FakeEdge) -> None:

@@ -51,6 +51,7 @@ from dsec.models import (
     LogLine,
     NetworkStats,
     SandboxInfo,
+    SandboxRef,
 )
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
@@ -113,7 +114,7 @@ async def create_sandbox(
     full or the wait was too long: nothing was created, retry."""
 
     async def undo(info: SandboxInfo) -> None:
-        await edge.kill_sandbox(info.id, owner)
+        await edge.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
 
     return await unless_departed(request, edge.create_sandbox(req, owner), undo)
 
@@ -132,7 +133,7 @@ async def create_sandboxes(
     async def undo(result: BatchCreateResult) -> None:
         for info in result.sandboxes:
             with contextlib.suppress(DsecError):
-                await edge.kill_sandbox(info.id, owner)
+                await edge.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
 
     work = edge.create_sandboxes(req.sandbox, req.n, owner, all_or_nothing=req.all_or_nothing)
     result = await unless_departed(request, work, undo)
@@ -158,16 +159,6 @@ async def list_sandboxes(
         include_stopped=include_stopped,
     )
     return SandboxList(sandboxes=sandboxes)
-
-
-@router.get("/{sandbox_id}", response_model=SandboxInfo, summary="Describe a sandbox")
-async def get_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxInfo:
-    return await edge.get_sandbox(sandbox_id, owner)
-
-
-@router.delete("/{sandbox_id}", response_model=SandboxInfo, summary="Kill a sandbox")
-async def kill_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxInfo:
-    return await edge.kill_sandbox(sandbox_id, owner)
 
 
 @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")
@@ -218,7 +209,7 @@ async def exec_stream(
     s: Seq,
 ) -> StreamingResponse:
     # Errors knowable before the first byte get a proper HTTP status.
-    info = await edge.get_sandbox(sandbox_id, owner)
+    info = await edge.get_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
     if info.state == "stopped":
         raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
     metrics = request.app.state.metrics
@@ -341,7 +332,7 @@ async def sandbox_logs(
     """What the image's start command wrote (stdout and stderr as they came, the oldest
     dropped past the node's limit), and one ``dsec`` line once it ended. Empty for a
     sandbox whose image has no start command. A stopped sandbox: 409 ``sandbox_stopped``."""
-    info = await edge.get_sandbox(sandbox_id, owner)
+    info = await edge.get_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
     if info.state == "stopped":
         raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
     return ndjson_response(edge.sandbox_logs(sandbox_id, owner, follow=follow))

@@ -123,8 +123,8 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
         req = _parse(verb, values)
         # every edge is an EdgeAPI (the dependency's type); an optional ability is checked
         if verb.ability is not EdgeAPI and not isinstance(edge, verb.ability):
-            if isinstance(req, SandboxRef):
-                await edge.get_sandbox(req.sandbox_id, owner)  # another key's: not found
+            if isinstance(req, SandboxRef):  # another key's sandbox: not found
+                await edge.get_sandbox(SandboxRef(sandbox_id=req.sandbox_id), owner)
             raise CapabilityNotSupported(f"this server's edge cannot {verb.name}")
         call = getattr(edge, verb.name)
         answer = await (

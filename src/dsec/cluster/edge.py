@@ -84,6 +84,7 @@ from dsec.models import (
     RunCodeRequest,
     RunCodeResponse,
     SandboxInfo,
+    SandboxRef,
 )
 from dsec.placement import PlacementRequest, Placer
 from dsec.tiers import require_tier, tier_names
@@ -564,7 +565,7 @@ class ClusterEdge:
         if all_or_nothing and errors:
             for info in made.values():
                 with contextlib.suppress(DsecError):
-                    await self.kill_sandbox(info.id, owner)
+                    await self.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
             first = errors[min(errors)]
             raise type(first)(
                 f"batch of {n} failed (all_or_nothing): {first.message}; "
@@ -660,8 +661,10 @@ class ClusterEdge:
         out.sort(key=lambda i: i.created_at)
         return out
 
-    async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        info: SandboxInfo = await self.relay.on_sandbox(sandbox_id, "kill_sandbox", owner)
+    async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
+        info: SandboxInfo = await self.relay.on_sandbox(
+            req.sandbox_id, "kill_sandbox", req, owner, route_only=True
+        )
         await self._record(owner, info)
         return info
 

@@ -147,7 +147,7 @@ class EdgeAPI(Protocol):
         """``n`` sandboxes like ``req``; per-sandbox results (partial success is reported)."""
         ...
 
-    async def get_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo: ...
+    async def get_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo: ...
     async def list_sandboxes(
         self,
         owner: str,
@@ -157,7 +157,10 @@ class EdgeAPI(Protocol):
         job: str | None = None,
         include_stopped: bool = False,
     ) -> list[SandboxInfo]: ...
-    async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo: ...
+    async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
+        """Kill the sandbox (idempotent: a stopped one answers as it is)."""
+        ...
+
     async def sandbox_uptime(self, req: SandboxRef, owner: str) -> SandboxUptime:
         """How long the sandbox has lived and been idle (read without resuming it or
         counting as activity)."""
@@ -872,6 +875,25 @@ VERBS = VerbTable(
         "``cpu.used_cores`` averages over ``interval_s`` (since the previous sample of this "
         "sandbox, or since its creation). A stopped sandbox is a 409 ``sandbox_stopped``; a "
         "tier whose capabilities lack ``metrics`` a 422 ``capability_not_supported``.",
+    ),
+    # --- sandbox lifecycle and node queries (issue 33, h45) ---------------------------
+    Verb(
+        "get_sandbox",
+        SandboxRef,
+        SandboxInfo,
+        "GET",
+        "/sandboxes/{sandbox_id}",
+        EdgeAPI,
+        "Describe a sandbox",
+    ),
+    Verb(
+        "kill_sandbox",
+        SandboxRef,
+        SandboxInfo,
+        "DELETE",
+        "/sandboxes/{sandbox_id}",
+        EdgeAPI,
+        "Kill a sandbox",
     ),
 )
 """The verbs that take one request model and answer one model (:mod:`dsec.contract.verbs`):

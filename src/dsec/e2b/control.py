@@ -72,7 +72,7 @@ from starlette.routing import Route
 from dsec.apiserver.departed import unless_departed
 from dsec.contract.edge import EdgeAPI, MetricsEdge
 from dsec.e2b.access import AccessTokens, TemplateMap
-from dsec.e2b.errors import E2BError, control_status, stream_ended_error
+from dsec.e2b.errors import E2BError, control_status, sandbox_ref, stream_ended_error
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
 from dsec.e2b.process import ProcessRegistry, paused_error
@@ -476,7 +476,7 @@ class ControlPlane:
 
     async def _live(self, sandbox_id: str, owner: str) -> SandboxInfo:
         """The sandbox if it exists for this owner and is not stopped; 404 otherwise."""
-        info = await self.edge.get_sandbox(sandbox_id, owner)
+        info = await self.edge.get_sandbox(sandbox_ref(sandbox_id), owner)
         if info.state == "stopped":
             raise E2BError(404, f"sandbox {sandbox_id} not found")
         return info
@@ -553,7 +553,7 @@ class ControlPlane:
             raise E2BError(400, f"invalid sandbox request: {msg}") from None
 
         async def undo(info: SandboxInfo) -> None:  # the client gave up: nothing stays
-            await self.edge.kill_sandbox(info.id, owner)
+            await self.edge.kill_sandbox(sandbox_ref(info.id), owner)
 
         info = await unless_departed(request, self.edge.create_sandbox(req, owner), undo)
         return JSONResponse(self._created(info, owner), status_code=201)
@@ -635,7 +635,7 @@ class ControlPlane:
     async def kill(self, request: Request, owner: str) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
         await self._live(sandbox_id, owner)
-        await self.edge.kill_sandbox(sandbox_id, owner)
+        await self.edge.kill_sandbox(sandbox_ref(sandbox_id), owner)
         # open process streams end as envd's do when their sandbox dies mid-stream
         self.registry.end_streams(sandbox_id, stream_ended_error(sandbox_id))
         await self.registry.drop_sandbox(sandbox_id)

@@ -818,8 +818,9 @@ class AsyncSandbox:
         if not isinstance(sandbox_id, str) or not _SANDBOX_ID.match(sandbox_id):
             raise InvalidRequest(f"not a sandbox id: {sandbox_id!r}", sandbox_id=str(sandbox_id))
         conn, owned = cls._client_for(client, url, api_key, transport)
-        r = await conn._http.request("GET", f"/v1/sandboxes/{sandbox_id}")
-        info = SandboxInfo.model_validate(r.json(), context=ANSWER)
+        info: SandboxInfo = await conn._http.call(
+            VERBS["get_sandbox"], SandboxRef(sandbox_id=sandbox_id)
+        )
         sb = cls(info, conn, owns_client=owned, next_seq=1 if replay else info.next_seq)
         # fast-forward: the first numbered call fetches the trajectory once; repeats of
         # recorded commands are then answered from it without a round trip each
@@ -954,6 +955,11 @@ class AsyncSandbox:
     def _path(self, suffix: str = "") -> str:
         return f"/v1/sandboxes/{quote(self._info.id, safe='')}{suffix}"
 
+    @property
+    def _ref(self) -> SandboxRef:
+        """The request of a verb about this sandbox that says nothing more."""
+        return validated(SandboxRef, sandbox_id=self.id)
+
     def _take_seq(self) -> int:
         if self._free_seqs:
             return heapq.heappop(self._free_seqs)
@@ -1045,8 +1051,7 @@ class AsyncSandbox:
     # --- lifecycle --------------------------------------------------------------
     async def refresh(self) -> SandboxInfo:
         """Fetch the current state from the server and return it."""
-        r = await self._client._http.request("GET", self._path())
-        self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
+        self._info = await self._client._http.call(VERBS["get_sandbox"], self._ref)
         return self._info
 
     async def set_ttl(self, ttl_s: float) -> SandboxInfo:
@@ -1074,8 +1079,7 @@ class AsyncSandbox:
 
     async def resume(self) -> SandboxInfo:
         """Resume a paused sandbox (idempotent; a running one is left as is)."""
-        req = validated(SandboxRef, sandbox_id=self.id)
-        self._info = await self._client._http.call(VERBS["resume_sandbox"], req)
+        self._info = await self._client._http.call(VERBS["resume_sandbox"], self._ref)
         return self._info
 
     async def snapshot(
@@ -1230,8 +1234,7 @@ class AsyncSandbox:
         """How long the sandbox has lived (``uptime_s``), how long it has been idle
         (``idle_s``, what its TTL counts from) and when its TTL ends it (``expires_in_s``).
         Asking neither resumes a paused sandbox nor counts as activity."""
-        req = validated(SandboxRef, sandbox_id=self.id)
-        uptime: SandboxUptime = await self._client._http.call(VERBS["sandbox_uptime"], req)
+        uptime: SandboxUptime = await self._client._http.call(VERBS["sandbox_uptime"], self._ref)
         return uptime
 
     async def metrics(self) -> SandboxMetrics:
@@ -1240,8 +1243,7 @@ class AsyncSandbox:
         and limit, bytes), disk (its writable layer, bytes), network (bytes and packets; None
         without a network) and processes. Reading it neither resumes a paused sandbox nor
         extends its TTL. ``CapabilityNotSupported`` on a tier that cannot measure."""
-        req = validated(SandboxRef, sandbox_id=self.id)
-        metrics: SandboxMetrics = await self._client._http.call(VERBS["sandbox_metrics"], req)
+        metrics: SandboxMetrics = await self._client._http.call(VERBS["sandbox_metrics"], self._ref)
         return metrics
 
     async def audit(self, *, after: int = 0) -> AuditReport:
@@ -1272,8 +1274,7 @@ class AsyncSandbox:
     async def kill(self) -> SandboxInfo:
         """Kill the sandbox (idempotent) and release this object's connections."""
         try:
-            r = await self._client._http.request("DELETE", self._path())
-            self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
+            self._info = await self._client._http.call(VERBS["kill_sandbox"], self._ref)
         finally:
             if self._owns_client:
                 await self._client.close()

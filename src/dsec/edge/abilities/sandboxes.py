@@ -204,13 +204,13 @@ class SandboxVerbs(PauseVerbs):
         return await create_batch(
             n,
             lambda _i: self.create_sandbox(req, owner),
-            lambda sid: self.kill_sandbox(sid, owner),
+            lambda sid: self.kill_sandbox(SandboxRef(sandbox_id=sid), owner),
             all_or_nothing=all_or_nothing,
             concurrency=self.limits.create_concurrency,
         )
 
-    async def get_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        return self._info(self._lookup_row(sandbox_id, owner))
+    async def get_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
+        return self._info(self._lookup_row(req.sandbox_id, owner))
 
     async def list_sandboxes(
         self,
@@ -237,7 +237,8 @@ class SandboxVerbs(PauseVerbs):
         seqs = self.trajectory.next_seqs([r.id for r in rows])  # one query, not one per row
         return [self._info(row, seqs[row.id]) for row in rows]
 
-    async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
+    async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
+        sandbox_id = req.sandbox_id
         row = self._lookup_row(sandbox_id, owner)
         lv = self._live.get(sandbox_id)
         if lv is not None:
@@ -264,7 +265,7 @@ class SandboxVerbs(PauseVerbs):
         fns: dict[str, Callable[[str, str], Awaitable[SandboxInfo]]] = {
             "pause": lambda sid, owner: self.pause_sandbox(PauseRequest(sandbox_id=sid), owner),
             "resume": lambda sid, owner: self.resume_sandbox(SandboxRef(sandbox_id=sid), owner),
-            "kill": self.kill_sandbox,
+            "kill": lambda sid, owner: self.kill_sandbox(SandboxRef(sandbox_id=sid), owner),
         }
         if action not in fns:
             raise InvalidRequest(f"unknown job action {action!r}; use pause, resume or kill")
