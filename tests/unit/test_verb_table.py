@@ -18,7 +18,7 @@ from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
 from dsec.contract.edge import SANDBOX_VERBS, VERBS, EdgeAPI, MetricsEdge
 from dsec.contract.verbs import Envelope, Verb, VerbTable
-from dsec.models import PauseRequest, SandboxInfo, SandboxRef, SetTTLRequest
+from dsec.models import NodeQuery, PauseRequest, SandboxInfo, SandboxRef, SetTTLRequest
 from dsec.sdk import AsyncSandbox
 from dsec.testing import FakeEdge
 
@@ -33,6 +33,8 @@ def test_every_row_is_the_method_its_ability_declares() -> None:
         hints = typing.get_type_hints(fn)
         params = list(inspect.signature(fn).parameters)
         want = ["self", "req", "owner", "env"] if verb.sequenced else ["self", "req", "owner"]
+        if not verb.owned:  # a node-wide answer, the same for every key
+            want = ["self", "req"]
         assert params == want, (verb.name, params)
         assert hints["req"] is verb.request, verb.name
         assert hints["return"] == (type(None) if verb.answer is None else verb.answer), verb.name
@@ -53,6 +55,17 @@ def test_a_row_is_checked_when_it_is_written() -> None:
     row = Verb("x", SandboxRef, SandboxInfo, "GET", "/sandboxes/{sandbox_id}/x", EdgeAPI, "x")
     with pytest.raises(ValueError, match="twice"):
         VerbTable(row, row)
+    with pytest.raises(ValueError, match="owner"):
+        Verb(
+            "x",
+            SandboxRef,
+            SandboxInfo,
+            "GET",
+            "/sandboxes/{sandbox_id}",
+            EdgeAPI,
+            "x",
+            owned=False,
+        )
 
 
 def test_the_wire_form_of_a_request() -> None:
@@ -169,6 +182,46 @@ async def test_generated_routes_answer_as_the_edge_does(
     # a single node cannot migrate: 422, after the sandbox was found
     r = await a.post(f"/v1/sandboxes/{sid}/migrate", json={})
     assert _code(r, 422) == "capability_not_supported"
+
+
+async def test_lists_and_lookups_answer_only_the_keys_own(
+    clients: tuple[httpx.AsyncClient, httpx.AsyncClient], edge: FakeEdge
+) -> None:
+    a, b = clients
+    sid = await _sandbox(a)
+    mine = (await a.get("/v1/sandboxes", params=[("label", "x=1"), ("state", "running")])).json()
+    assert mine == {"sandboxes": []}  # no such label
+    assert [s["id"] for s in (await a.get("/v1/sandboxes")).json()["sandboxes"]] == [sid]
+    assert (await b.get("/v1/sandboxes", params={"include_stopped": "true"})).json() == {
+        "sandboxes": []
+    }
+    assert edge.calls_to("list_sandboxes")[0]["req"].labels == {"x": "1"}
+    before = len(edge.calls_to("list_sandboxes"))
+    for bad in (
+        {"label": "no-equals-sign"},
+        {"state": "asleep"},
+        {"job": "j" * 129},
+        {"include_stopped": "perhaps"},
+        {"typo": "1"},
+    ):
+        r = await a.get("/v1/sandboxes", params=bad)
+        if "typo" in bad:  # an unknown query parameter is ignored, as before
+            assert r.status_code == 200
+            continue
+        assert _code(r, 400) == "invalid_request", bad
+    assert len(edge.calls_to("list_sandboxes")) == before + 1
+    # get and kill: another key's sandbox is not found, its owner's is
+    assert _code(await b.get(f"/v1/sandboxes/{sid}"), 404) == "sandbox_not_found"
+    assert _code(await b.delete(f"/v1/sandboxes/{sid}"), 404) == "sandbox_not_found"
+    assert (await a.get(f"/v1/sandboxes/{sid}")).json()["state"] == "running"
+    assert _code(await a.get("/v1/sandboxes/SB-Upper"), 400) == "invalid_request"
+    assert (await a.delete(f"/v1/sandboxes/{sid}")).json()["state"] == "stopped"
+    # node-wide answers: the same for every key, and still only with a key
+    for path in ("/v1/node", "/v1/capabilities"):
+        assert (await a.get(path)).json() == (await b.get(path)).json()
+        async with httpx.AsyncClient(transport=a._transport, base_url="http://dsec") as anonymous:
+            assert _code(await anonymous.get(path), 401) == "unauthenticated"
+    assert edge.calls_to("capabilities")[-1] == {"req": NodeQuery()}
 
 
 class _NoMetrics:

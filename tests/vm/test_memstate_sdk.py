@@ -59,7 +59,7 @@ def home(shared_layers: Path) -> Iterator[Path]:
 def test_sdk_suspend_fork_reaper_and_refusals(home: Path) -> None:
     with BackgroundServer(home, tiers=["microvm", "container"]) as srv:
         kw = {"url": srv.url, "api_key": srv.api_key, "image": "busybox", "memory_mb": 256}
-        caps = {c.tier: c for c in srv.call(srv.edge.capabilities())}  # type: ignore[union-attr]
+        caps = {c.tier: c for c in srv.call(srv.edge.capabilities()).tiers}  # type: ignore[union-attr]
         assert caps["microvm"].suspend and caps["microvm"].memory_fork
         assert not caps["container"].suspend and not caps["container"].memory_fork
         with Sandbox.create(tier="microvm", **kw) as sb:

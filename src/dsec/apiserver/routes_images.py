@@ -1,4 +1,4 @@
-"""``/v1/images``, ``/v1/layers``, ``/v1/node``, ``/v1/capabilities``."""
+"""``/v1/images``, ``/v1/layers`` (``/v1/node`` and ``/v1/capabilities``: the verb table)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
 from dsec.apiserver.schemas import (
     IMAGE_NAME_PATTERN,
     IMAGE_REF_PATTERN,
-    CapabilityList,
     ImageList,
     LayerList,
 )
@@ -33,7 +32,6 @@ from dsec.models import (
     BuildImageRequest,
     ImageInfo,
     LayerKind,
-    NodeInfo,
     PullImageRequest,
     PushImageRequest,
     PushImageResult,
@@ -292,15 +290,3 @@ async def list_layers(edge: Edge, owner: Owner) -> LayerList:
     """The layers this key may name by digest: those of its images, snapshots and builds,
     and the system's."""
     return LayerList(layers=await edge.list_layers(owner))
-
-
-@router.get("/node", response_model=NodeInfo, tags=["node"], summary="Describe this node")
-async def node_info(edge: Edge) -> NodeInfo:
-    return await edge.node_info()
-
-
-@router.get(
-    "/capabilities", response_model=CapabilityList, tags=["node"], summary="What each tier can do"
-)
-async def capabilities(edge: Edge) -> CapabilityList:
-    return CapabilityList(tiers=await edge.capabilities())

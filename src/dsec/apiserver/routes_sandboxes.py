@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -31,13 +30,11 @@ from dsec.apiserver.schemas import (
     REPLAYED_HEADER,
     SANDBOX_ID_PATTERN,
     SANDBOX_PATH_PATTERN,
-    SandboxList,
     TarUploadResult,
 )
 from dsec.errors import (
     DsecError,
     InternalError,
-    InvalidRequest,
     SandboxStopped,
 )
 from dsec.models import (
@@ -78,7 +75,6 @@ ModeQuery = Annotated[
 ]
 
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
-_LABEL = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._/-]{0,62})=(.{0,1024})$", re.DOTALL)
 
 UPLOAD_ROUTES = frozenset(
     {"/v1/sandboxes/{sandbox_id}/files", "/v1/sandboxes/{sandbox_id}/files/tar"}
@@ -90,16 +86,6 @@ def _mark_replayed(response: Response, result: ExecResult) -> ExecResult:
     if result.replayed:
         response.headers[REPLAYED_HEADER] = "1"
     return result
-
-
-def _parse_labels(raw: list[str]) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for item in raw:
-        m = _LABEL.match(item)
-        if not m:
-            raise InvalidRequest(f"label filter must be key=value, got {item!r}", label=item)
-        labels[m.group(1)] = m.group(2)
-    return labels
 
 
 @router.post("", status_code=201, response_model=SandboxInfo, summary="Create a sandbox")
@@ -140,25 +126,6 @@ async def create_sandboxes(
     for item in result.errors:  # messages the edge copied from its errors: no server paths
         item.message = scrub_server_paths(item.message)
     return result
-
-
-@router.get("", response_model=SandboxList, summary="List this key's sandboxes")
-async def list_sandboxes(
-    edge: Edge,
-    owner: Owner,
-    state: Literal["creating", "running", "paused", "stopped"] | None = None,
-    job: Annotated[str | None, Query(max_length=128)] = None,
-    label: Annotated[list[str], Query(description="key=value; repeatable; all must match")] = [],  # noqa: B006
-    include_stopped: bool = False,
-) -> SandboxList:
-    sandboxes = await edge.list_sandboxes(
-        owner,
-        state=state,
-        labels=_parse_labels(label) or None,
-        job=job,
-        include_stopped=include_stopped,
-    )
-    return SandboxList(sandboxes=sandboxes)
 
 
 @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")

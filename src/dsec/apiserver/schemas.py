@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec.models import Capabilities, ImageInfo, LayerInfo, SandboxInfo
+from dsec.models import CapabilityList, ImageInfo, LayerInfo, SandboxList
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
@@ -80,20 +80,12 @@ class ErrorBody(_Wire):
     error: ErrorDetail
 
 
-class SandboxList(_Wire):
-    sandboxes: list[SandboxInfo]
-
-
 class ImageList(_Wire):
     images: list[ImageInfo]
 
 
 class LayerList(_Wire):
     layers: list[LayerInfo]
-
-
-class CapabilityList(_Wire):
-    tiers: list[Capabilities]
 
 
 class TarUploadResult(_Wire):

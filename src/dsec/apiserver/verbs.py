@@ -5,7 +5,8 @@ into the verb's request model once (a malformed request: 400 before the edge), r
 trajectory headers of a ``sequenced`` verb into an :class:`~dsec.contract.verbs.Envelope`,
 checks that the edge has the verb's ability (422 ``capability_not_supported`` otherwise;
 for a sandbox verb only after the sandbox was found, so another key's is ``not_found``), and
-answers the edge's answer model. The OpenAPI schema documents each as a hand-written route
+answers the edge's answer model. Every route asks for a key (the router's dependency); a
+node-wide verb that answers every key alike (``owned=False``) is called without it. The OpenAPI schema documents each as a hand-written route
 would: summary, description, parameters, body schema, answer schema, errors.
 """
 
@@ -77,8 +78,9 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
                 inspect.Parameter(
                     name,
                     kw,
-                    annotation=Annotated[
+                    annotation=Annotated[  # the field's constraints (bounds, lengths) kept
                         f.annotation,
+                        *f.metadata,
                         Query(description=f.description, json_schema_extra=f.json_schema_extra),
                     ],
                     default=default,
@@ -127,9 +129,10 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
                 await edge.get_sandbox(SandboxRef(sandbox_id=req.sandbox_id), owner)
             raise CapabilityNotSupported(f"this server's edge cannot {verb.name}")
         call = getattr(edge, verb.name)
-        answer = await (
-            call(req, owner, seq or NO_ENVELOPE) if verb.sequenced else call(req, owner)
-        )
+        if verb.sequenced:
+            answer = await call(req, owner, seq or NO_ENVELOPE)
+        else:
+            answer = await (call(req, owner) if verb.owned else call(req))
         if verb.answer is None:
             return Response(status_code=verb.status)
         return answer

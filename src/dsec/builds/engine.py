@@ -288,7 +288,7 @@ class ImageBuilder:
             max_bytes=lim.max_context_unpacked_bytes,
             max_entries=lim.max_context_entries,
         )
-        caps = {c.tier: c for c in await self.edge.capabilities()}
+        caps = {c.tier: c for c in (await self.edge.capabilities()).tiers}
         container = caps.get("container")
         if container is None or not container.available:
             raise TierUnavailable(

@@ -58,10 +58,12 @@ from dsec.errors import (
     error_from_wire,
 )
 from dsec.models import (
+    NODE_QUERY,
     BatchCreateResult,
     BatchItemError,
     BuildImageRequest,
     Capabilities,
+    CapabilityList,
     CodeRunRequest,
     CodeRunResult,
     CreateSandboxRequest,
@@ -78,12 +80,15 @@ from dsec.models import (
     JobRef,
     KeyUsage,
     LayerInfo,
+    ListSandboxesRequest,
     MigrateRequest,
     MigrateResult,
     NodeInfo,
+    NodeQuery,
     RunCodeRequest,
     RunCodeResponse,
     SandboxInfo,
+    SandboxList,
     SandboxRef,
 )
 from dsec.placement import PlacementRequest, Placer
@@ -340,8 +345,8 @@ class ClusterEdge:
         if self.state is not None:
             n, cpu, mem = await asyncio.to_thread(self.state.owner_usage, owner)
         else:
-            infos = await self.list_sandboxes(owner)
-            live = [i for i in infos if i.state != "stopped"]
+            listed = await self.list_sandboxes(ListSandboxesRequest(), owner)
+            live = [i for i in listed.sandboxes if i.state != "stopped"]
             n, cpu, mem = len(live), sum(i.cpu for i in live), sum(i.memory_mb for i in live)
         return KeyUsage(sandboxes=n, cpu=round(cpu, 6), memory_mb=mem)
 
@@ -611,28 +616,21 @@ class ClusterEdge:
                 if not done.done():
                     done.set_result(None)
 
-    async def list_sandboxes(
-        self,
-        owner: str,
-        *,
-        state: str | None = None,
-        labels: dict[str, str] | None = None,
-        job: str | None = None,
-        include_stopped: bool = False,
-    ) -> list[SandboxInfo]:
+    async def list_sandboxes(self, req: ListSandboxesRequest, owner: str) -> SandboxList:
+        """Every live node's list; with stopped ones asked for, also the registry's rows of
+        lost (or silent) nodes."""
+        state, labels, job, include_stopped = req.state, req.labels, req.job, req.include_stopped
+
         async def one(h: NodeHandle) -> list[SandboxInfo] | None:
             try:
-                out: list[SandboxInfo] = await self.relay.call(
+                res: SandboxList = await self.relay.call(
                     h.name,
                     "list_sandboxes",
+                    req,
                     owner,
-                    state=state,
-                    labels=labels,
-                    job=job,
-                    include_stopped=include_stopped,
                     timeout=self.options.probe_timeout_s * 2,
                 )
-                return out
+                return res.sandboxes
             except DsecError as e:
                 log.warning("list on node %s failed: %s", h.name, e.message)
                 return None
@@ -659,7 +657,7 @@ class ClusterEdge:
                     continue
                 out.append(info)
         out.sort(key=lambda i: i.created_at)
-        return out
+        return SandboxList(sandboxes=out)
 
     async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
         info: SandboxInfo = await self.relay.on_sandbox(
@@ -1000,7 +998,7 @@ class ClusterEdge:
         raise last if last is not None else QuotaExceeded("no node of the cluster runs code now")
 
     # ------------------------------------------------------------------ node
-    async def capabilities(self) -> list[Capabilities]:
+    async def capabilities(self, req: NodeQuery = NODE_QUERY) -> CapabilityList:
         """Per tier: the capabilities of a node offering it (unavailable if none does)."""
         answers = await asyncio.gather(
             *(self.relay.call(h.name, "capabilities") for h in self._alive()),
@@ -1010,29 +1008,31 @@ class ClusterEdge:
         for a in answers:
             if isinstance(a, BaseException):
                 continue
-            for c in a:
+            for c in a.tiers:
                 if c.tier not in best or (c.available and not best[c.tier].available):
                     best[c.tier] = c
-        return [
-            best.get(t)
-            or Capabilities(
-                tier=t,
-                available=False,
-                reason="no live node",
-                exec=False,
-                files=False,
-                streaming=False,
-            )
-            for t in tier_names()
-        ]
+        return CapabilityList(
+            tiers=[
+                best.get(t)
+                or Capabilities(
+                    tier=t,
+                    available=False,
+                    reason="no live node",
+                    exec=False,
+                    files=False,
+                    streaming=False,
+                )
+                for t in tier_names()
+            ]
+        )
 
-    async def node_info(self) -> NodeInfo:
+    async def node_info(self, req: NodeQuery = NODE_QUERY) -> NodeInfo:
         """The cluster as one node: summed cores, memory and sandboxes of the live nodes."""
         reports = [h.report for h in self._alive() if h.report is not None]
         return NodeInfo(
             node="cluster",
             version=__version__,
-            tiers=await self.capabilities(),
+            tiers=(await self.capabilities()).tiers,
             sandboxes=sum(int(r["sandboxes"]) for r in reports),
             cpus=sum(int(r["cpus"]) for r in reports),
             memory_mb=sum(int(r["memory_bytes"]) >> 20 for r in reports),

@@ -81,7 +81,14 @@ from dsec.errors import (
     SandboxStopped,
     TierUnavailable,
 )
-from dsec.models import CreateSandboxRequest, LayerInfo, MigrateResult, SandboxInfo, SandboxRef
+from dsec.models import (
+    CapabilityList,
+    CreateSandboxRequest,
+    LayerInfo,
+    MigrateResult,
+    SandboxInfo,
+    SandboxRef,
+)
 from dsec.tiers import tier_has
 
 if TYPE_CHECKING:
@@ -182,7 +189,8 @@ async def migrate_sandbox(
     candidates = _targets(relay, placement, info, base, target)
     method: Literal["pack_diff", "memory_snapshot"] = "pack_diff"
     if tier_has(info.tier, lambda t: t.guest_kernel):
-        caps = {c.tier: c for c in await relay.call(source, "capabilities")}
+        listed: CapabilityList = await relay.call(source, "capabilities")
+        caps = {c.tier: c for c in listed.tiers}
         tier_caps = caps.get(info.tier)
         if tier_caps is not None and tier_caps.memory_fork:
             method = "memory_snapshot"

@@ -53,11 +53,12 @@ from dsec.contract.streams import (
 from dsec.contract.verbs import NO_ENVELOPE, Envelope, Verb, VerbTable
 from dsec.display import DisplayState, WindowInfo
 from dsec.models import (
+    NODE_QUERY,
     AuditEntry,
     AuditReport,
     BatchCreateResult,
     BuildImageRequest,
-    Capabilities,
+    CapabilityList,
     CodeRunRequest,
     CodeRunResult,
     CreateSandboxRequest,
@@ -77,10 +78,12 @@ from dsec.models import (
     KeyUsage,
     LayerInfo,
     ListFilesRequest,
+    ListSandboxesRequest,
     LogLine,
     MigrateRequest,
     MigrateResult,
     NodeInfo,
+    NodeQuery,
     PauseRequest,
     PushImageResult,
     RemoveFileRequest,
@@ -88,6 +91,7 @@ from dsec.models import (
     RunCodeRequest,
     RunCodeResponse,
     SandboxInfo,
+    SandboxList,
     SandboxMetrics,
     SandboxPathRequest,
     SandboxRef,
@@ -148,15 +152,7 @@ class EdgeAPI(Protocol):
         ...
 
     async def get_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo: ...
-    async def list_sandboxes(
-        self,
-        owner: str,
-        *,
-        state: str | None = None,
-        labels: dict[str, str] | None = None,
-        job: str | None = None,
-        include_stopped: bool = False,
-    ) -> list[SandboxInfo]: ...
+    async def list_sandboxes(self, req: ListSandboxesRequest, owner: str) -> SandboxList: ...
     async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
         """Kill the sandbox (idempotent: a stopped one answers as it is)."""
         ...
@@ -275,8 +271,8 @@ class EdgeAPI(Protocol):
         ...
 
     # --- node ------------------------------------------------------------
-    async def node_info(self) -> NodeInfo: ...
-    async def capabilities(self) -> list[Capabilities]: ...
+    async def node_info(self, req: NodeQuery = NODE_QUERY) -> NodeInfo: ...
+    async def capabilities(self, req: NodeQuery = NODE_QUERY) -> CapabilityList: ...
     def metrics_text(self) -> bytes: ...
     async def stats(self) -> dict[str, Any]: ...
 
@@ -894,6 +890,37 @@ VERBS = VerbTable(
         "/sandboxes/{sandbox_id}",
         EdgeAPI,
         "Kill a sandbox",
+    ),
+    Verb(
+        "list_sandboxes",
+        ListSandboxesRequest,
+        SandboxList,
+        "GET",
+        "/sandboxes",
+        EdgeAPI,
+        "List this key's sandboxes",
+    ),
+    Verb(
+        "node_info",
+        NodeQuery,
+        NodeInfo,
+        "GET",
+        "/node",
+        EdgeAPI,
+        "Describe this node",
+        tag="node",
+        owned=False,
+    ),
+    Verb(
+        "capabilities",
+        NodeQuery,
+        CapabilityList,
+        "GET",
+        "/capabilities",
+        EdgeAPI,
+        "What each tier can do",
+        tag="node",
+        owned=False,
     ),
 )
 """The verbs that take one request model and answer one model (:mod:`dsec.contract.verbs`):

@@ -20,7 +20,10 @@ the request model's base, whether it is **sandbox-scoped** (:class:`~dsec.models
 * the SDK sends it (:meth:`dsec.sdk._http.HttpClient.call`) and reads the answer model.
 
 A verb that changes the sandbox's trajectory (``sequenced``) also takes the request's
-:class:`Envelope`: the ``X-Dsec-Seq`` and ``Idempotency-Key`` headers, parsed once.
+:class:`Envelope`: the ``X-Dsec-Seq`` and ``Idempotency-Key`` headers, parsed once. A
+node-wide verb that answers every key alike (``owned=False``: ``node_info``,
+``capabilities``) is declared ``(req)`` without the owner; its route asks for a key all the
+same, as every ``/v1`` route does.
 
 Verbs whose request or answer is not one JSON document (raw uploads and downloads, streams
 of events, TCP connections) keep routes of their own; they are declared on the ability
@@ -61,7 +64,8 @@ _PATH_PARAM = re.compile(r"\{([a-z_]+)\}")
 class Verb:
     """One row of the verb table. ``path`` is under ``/v1``; its ``{name}`` parameters are
     fields of ``request``. ``ability``: the protocol that declares the method (``EdgeAPI``
-    for the verbs every edge has)."""
+    for the verbs every edge has). ``owned``: whether the method takes the caller's owner
+    id (``False``: a node-wide answer, the same for every key)."""
 
     name: str
     request: type[BaseModel]
@@ -74,6 +78,7 @@ class Verb:
     status: int = 200
     sequenced: bool = False
     tag: str = "sandboxes"
+    owned: bool = True
     _answers: TypeAdapter[Any] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +87,8 @@ class Verb:
             raise ValueError(f"verb {self.name}: path parameters {unknown} not in the request")
         if self.sandbox_scoped and "sandbox_id" not in self.path_params:
             raise ValueError(f"verb {self.name}: a sandbox verb's path names {{sandbox_id}}")
+        if not self.owned and (self.sandbox_scoped or self.sequenced):
+            raise ValueError(f"verb {self.name}: a verb about a sandbox is told its owner")
         object.__setattr__(
             self, "_answers", TypeAdapter(self.answer) if self.answer is not None else None
         )

@@ -81,6 +81,7 @@ from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
     ImageNotFound,
+    InvalidRequest,
     SandboxNotFound,
     SandboxStopped,
     ServiceUnavailable,
@@ -88,6 +89,7 @@ from dsec.errors import (
 from dsec.models import (
     CreateSandboxRequest,
     ForkRequest,
+    ListSandboxesRequest,
     PauseRequest,
     SandboxInfo,
     SandboxRef,
@@ -299,7 +301,7 @@ class ControlPlane:
         """Whether ``tier`` can give sandboxes a network on this edge (cached 10 s)."""
         now = time.monotonic()
         if self._network_tiers is None or now - self._network_tiers[0] > 10.0:
-            caps = await self.edge.capabilities()
+            caps = (await self.edge.capabilities()).tiers
             self._network_tiers = (now, frozenset(c.tier for c in caps if c.network))
         return tier in self._network_tiers[1]
 
@@ -569,8 +571,12 @@ class ControlPlane:
         states = {s.strip() for s in q.get("state", "").split(",") if s.strip()}
         if states - {"running", "paused"}:
             raise E2BError(400, f"unknown state filter {sorted(states - {'running', 'paused'})}")
-        infos = await self.edge.list_sandboxes(owner, labels=labels)
-        out = [i for i in infos if i.state != "stopped"]
+        try:
+            req = ListSandboxesRequest.of(labels)
+        except InvalidRequest:  # a label no sandbox can carry: no match (E2B's answer)
+            return []
+        listed = await self.edge.list_sandboxes(req, owner)
+        out = [i for i in listed.sandboxes if i.state != "stopped"]
         if states:
             out = [i for i in out if self._state(i).value in states]
         if q.get("template"):

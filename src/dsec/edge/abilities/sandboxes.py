@@ -33,8 +33,10 @@ from dsec.models import (
     JobActionResult,
     JobOutcome,
     LayerInfo,
+    ListSandboxesRequest,
     PauseRequest,
     SandboxInfo,
+    SandboxList,
     SandboxRef,
     SetTTLRequest,
 )
@@ -212,30 +214,23 @@ class SandboxVerbs(PauseVerbs):
     async def get_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
         return self._info(self._lookup_row(req.sandbox_id, owner))
 
-    async def list_sandboxes(
-        self,
-        owner: str,
-        *,
-        state: str | None = None,
-        labels: dict[str, str] | None = None,
-        job: str | None = None,
-        include_stopped: bool = False,
-    ) -> list[SandboxInfo]:
+    async def list_sandboxes(self, req: ListSandboxesRequest, owner: str) -> SandboxList:
+        state, labels = req.state, req.labels
         if state is not None:
             states: tuple[str, ...] | None = (state,)
-        elif include_stopped:
+        elif req.include_stopped:
             states = None
         else:
             states = ("creating", "running", "paused")
         rows = []
-        for r in self.registry.select(owner=owner, states=states, job=job):
+        for r in self.registry.select(owner=owner, states=states, job=req.job):
             lv = self._live.get(r.id)
             row = lv.row if lv is not None else r
             if labels and any(row.labels.get(k) != v for k, v in labels.items()):
                 continue
             rows.append(row)
         seqs = self.trajectory.next_seqs([r.id for r in rows])  # one query, not one per row
-        return [self._info(row, seqs[row.id]) for row in rows]
+        return SandboxList(sandboxes=[self._info(row, seqs[row.id]) for row in rows])
 
     async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
         sandbox_id = req.sandbox_id
