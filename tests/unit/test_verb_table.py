@@ -5,7 +5,9 @@ key's sandbox not found, 422 for an edge without the ability)."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import json
 import typing
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,7 +22,7 @@ from dsec.contract.edge import SANDBOX_VERBS, VERBS, EdgeAPI, MetricsEdge
 from dsec.contract.verbs import Envelope, Verb, VerbTable
 from dsec.models import NodeQuery, PauseRequest, SandboxInfo, SandboxRef, SetTTLRequest
 from dsec.sdk import AsyncSandbox
-from dsec.testing import FakeEdge
+from dsec.testing import FakeEdge, http_scope
 
 KEY, OTHER = "dsec_verbs_key_a", "dsec_verbs_key_b"
 
@@ -224,6 +226,45 @@ async def test_lists_and_lookups_answer_only_the_keys_own(
     assert edge.calls_to("capabilities")[-1] == {"req": NodeQuery()}
 
 
+class _SlowCreation(FakeEdge):
+    async def create_sandbox(self, req: Any, owner: str) -> SandboxInfo:
+        await asyncio.sleep(0.05)  # the client's disconnect is read meanwhile
+        return await super().create_sandbox(req, owner)
+
+
+async def test_a_creation_whose_client_left_is_taken_back() -> None:
+    """The row's ``undo``: the generated create route kills the sandbox its client did not
+    wait for (the client's disconnect arrives while the edge creates)."""
+    edge = _SlowCreation()
+    app = create_app(edge, StaticKeys([KEY]))
+    body = json.dumps({"image": "busybox"}).encode()
+    messages: list[dict[str, Any]] = [
+        {"type": "http.request", "body": body, "more_body": False},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # nothing more comes
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    headers = [
+        (b"authorization", f"Bearer {KEY}".encode()),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    scope = http_scope("POST", "/v1/sandboxes", headers)
+    await app(scope, receive, send)
+    (made,) = edge.calls_to("create_sandbox")
+    (killed,) = edge.calls_to("kill_sandbox")
+    assert killed["owner"] == made["owner"] == owner_id(KEY)
+    assert [info.state for info in edge.sandboxes.values()] == ["stopped"]
+
+
 class _NoMetrics:
     """An edge without the MetricsEdge ability: every EdgeAPI method of a real edge, and
     nothing else (the route must check the ability, not assume it)."""
@@ -259,6 +300,7 @@ async def test_the_sdk_sends_table_verbs_through_its_transport(edge: FakeEdge) -
         assert (await sb.metrics()).sandbox_id == sb.id
     calls = [name for name, _ in edge.calls if name in VERBS]
     assert calls == [
+        "create_sandbox",
         "set_ttl",
         "pause_sandbox",
         "resume_sandbox",

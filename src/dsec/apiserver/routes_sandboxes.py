@@ -40,7 +40,6 @@ from dsec.errors import (
 from dsec.models import (
     BatchCreateRequest,
     BatchCreateResult,
-    CreateSandboxRequest,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -86,23 +85,6 @@ def _mark_replayed(response: Response, result: ExecResult) -> ExecResult:
     if result.replayed:
         response.headers[REPLAYED_HEADER] = "1"
     return result
-
-
-@router.post("", status_code=201, response_model=SandboxInfo, summary="Create a sandbox")
-async def create_sandbox(
-    request: Request, req: CreateSandboxRequest, edge: Edge, owner: Owner
-) -> SandboxInfo:
-    """A client that disconnects before the sandbox is ready leaves no sandbox behind. An
-    image still being built (a built-in right after the node started) answers 503
-    ``image_not_ready`` with ``Retry-After``: nothing was created, retry. A busy node lets
-    a creation wait for one of its creation slots (first come first served within a key,
-    keys in turn) and answers 503 ``node_busy`` with ``Retry-After`` only when its queue is
-    full or the wait was too long: nothing was created, retry."""
-
-    async def undo(info: SandboxInfo) -> None:
-        await edge.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
-
-    return await unless_departed(request, edge.create_sandbox(req, owner), undo)
 
 
 @router.post(

@@ -16,11 +16,12 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Path, Query, Response
+from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError, create_model
 
+from dsec.apiserver.departed import unless_departed
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, current_owner
 from dsec.apiserver.schemas import JOB_PATTERN, SANDBOX_ID_PATTERN
 from dsec.contract.edge import VERBS, EdgeAPI
@@ -44,7 +45,10 @@ _PATH_PARAMS: dict[str, Any] = {
 def _body_model(verb: Verb) -> type[BaseModel]:
     """The request model without its path parameters: what the JSON body holds (strict as
     every request: an unknown field is refused). The request model's own validators run
-    when the route builds the request from it."""
+    when the route builds the request from it. A verb without path parameters: the
+    request model itself (its schema keeps its name)."""
+    if not verb.path_params:
+        return verb.request
     fields: dict[str, Any] = {
         name: (f.annotation, f)
         for name, f in verb.request.model_fields.items()
@@ -88,7 +92,11 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
             )
     elif verb.body_fields:
         body = _body_model(verb)
-        optional = all(not verb.request.model_fields[n].is_required() for n in verb.body_fields)
+        # a verb about a path's object may leave out a body of defaults; otherwise the body
+        # is the request and is required
+        optional = bool(verb.path_params) and all(
+            not verb.request.model_fields[n].is_required() for n in verb.body_fields
+        )
         params.append(
             inspect.Parameter(
                 "body",
@@ -97,6 +105,8 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
                 default=None if optional else inspect.Parameter.empty,
             )
         )
+    if verb.undo is not None:
+        params.append(inspect.Parameter("request", kw, annotation=Request))
     params.append(inspect.Parameter("edge", kw, annotation=Edge))
     params.append(inspect.Parameter("owner", kw, annotation=Owner))
     if verb.sequenced:
@@ -106,6 +116,8 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
 
 def _parse(verb: Verb, values: dict[str, Any]) -> BaseModel:
     body = values.pop("body", None)
+    if isinstance(body, verb.request):  # the body was the whole request, checked already
+        return body
     data = {n: values[n] for n in verb.path_params}
     if verb.in_query:
         data.update({n: values[n] for n in verb.body_fields})
@@ -128,9 +140,15 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
             if isinstance(req, SandboxRef):  # another key's sandbox: not found
                 await edge.get_sandbox(SandboxRef(sandbox_id=req.sandbox_id), owner)
             raise CapabilityNotSupported(f"this server's edge cannot {verb.name}")
+        request: Request | None = values.pop("request", None)
         call = getattr(edge, verb.name)
         if verb.sequenced:
             answer = await call(req, owner, seq or NO_ENVELOPE)
+        elif verb.undo is not None and request is not None:
+            undo = verb.undo
+            answer = await unless_departed(
+                request, call(req, owner), lambda made: undo(edge, made, owner)
+            )
         else:
             answer = await (call(req, owner) if verb.owned else call(req))
         if verb.answer is None:

@@ -33,6 +33,7 @@ protocols all the same.
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import quote
@@ -65,7 +66,10 @@ class Verb:
     """One row of the verb table. ``path`` is under ``/v1``; its ``{name}`` parameters are
     fields of ``request``. ``ability``: the protocol that declares the method (``EdgeAPI``
     for the verbs every edge has). ``owned``: whether the method takes the caller's owner
-    id (``False``: a node-wide answer, the same for every key)."""
+    id (``False``: a node-wide answer, the same for every key). ``undo(edge, answer,
+    owner)``: what takes back an answer whose client left before reading it (a creation's
+    sandbox is killed; the route runs such a verb under
+    :func:`dsec.apiserver.departed.unless_departed`)."""
 
     name: str
     request: type[BaseModel]
@@ -79,6 +83,7 @@ class Verb:
     sequenced: bool = False
     tag: str = "sandboxes"
     owned: bool = True
+    undo: Callable[[Any, Any, str], Awaitable[None]] | None = None
     _answers: TypeAdapter[Any] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,7 +92,7 @@ class Verb:
             raise ValueError(f"verb {self.name}: path parameters {unknown} not in the request")
         if self.sandbox_scoped and "sandbox_id" not in self.path_params:
             raise ValueError(f"verb {self.name}: a sandbox verb's path names {{sandbox_id}}")
-        if not self.owned and (self.sandbox_scoped or self.sequenced):
+        if not self.owned and (self.sandbox_scoped or self.sequenced or self.undo):
             raise ValueError(f"verb {self.name}: a verb about a sandbox is told its owner")
         object.__setattr__(
             self, "_answers", TypeAdapter(self.answer) if self.answer is not None else None
