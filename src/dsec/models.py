@@ -520,6 +520,11 @@ class BatchItemError(_Model):
     code: str = Field(description="the error's wire code, e.g. quota_exceeded")
     message: str
 
+    @field_serializer("message")
+    def _public_message(self, message: str) -> str:
+        """Copied from the error, which can name server paths: shown as ``$DSEC_HOME/...``."""
+        return scrub_server_paths(message)
+
 
 class BatchCreateResult(_Model):
     """Per-sandbox outcome of a batch: ``len(sandboxes) + len(errors) == requested``."""

@@ -24,7 +24,6 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from dsec.apiserver.departed import unless_departed
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, current_owner
 from dsec.apiserver.schemas import (
     REPLAYED_HEADER,
@@ -38,8 +37,6 @@ from dsec.errors import (
     SandboxStopped,
 )
 from dsec.models import (
-    BatchCreateRequest,
-    BatchCreateResult,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -50,7 +47,6 @@ from dsec.models import (
     SandboxRef,
 )
 from dsec.network.policy import NetworkPolicy
-from dsec.serverpaths import scrub_server_paths
 
 __all__ = ["UPLOAD_ROUTES", "ndjson_response", "router"]
 
@@ -84,29 +80,6 @@ UPLOAD_ROUTES = frozenset(
 def _mark_replayed(response: Response, result: ExecResult) -> ExecResult:
     if result.replayed:
         response.headers[REPLAYED_HEADER] = "1"
-    return result
-
-
-@router.post(
-    "/batch",
-    response_model=BatchCreateResult,
-    summary="Create n sandboxes in one call",
-    description="Answers 200 with one outcome per sandbox: ``sandboxes`` (created, in request "
-    "order) and ``errors`` (index, code, message of each one that was not). With "
-    "``all_or_nothing`` a failure kills what was made and answers that failure's error.",
-)
-async def create_sandboxes(
-    request: Request, req: BatchCreateRequest, edge: Edge, owner: Owner
-) -> BatchCreateResult:
-    async def undo(result: BatchCreateResult) -> None:
-        for info in result.sandboxes:
-            with contextlib.suppress(DsecError):
-                await edge.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
-
-    work = edge.create_sandboxes(req.sandbox, req.n, owner, all_or_nothing=req.all_or_nothing)
-    result = await unless_departed(request, work, undo)
-    for item in result.errors:  # messages the edge copied from its errors: no server paths
-        item.message = scrub_server_paths(item.message)
     return result
 
 

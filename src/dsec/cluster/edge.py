@@ -59,6 +59,7 @@ from dsec.errors import (
 )
 from dsec.models import (
     NODE_QUERY,
+    BatchCreateRequest,
     BatchCreateResult,
     BatchItemError,
     BuildImageRequest,
@@ -439,14 +440,13 @@ class ClusterEdge:
             ) from None
         return info
 
-    async def create_sandboxes(
-        self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
-    ) -> BatchCreateResult:
+    async def create_sandboxes(self, batch: BatchCreateRequest, owner: str) -> BatchCreateResult:
         """Place ``n`` sandboxes with ``Placer.place_many`` and send one batch call per
         chosen node. Items an edge refuses with ``QuotaExceeded`` are retried one by one on
         other nodes; the rest are reported by index. ``all_or_nothing``: a batch the placer
         cannot fit is refused before anything is created, and any failure kills what was
         made and raises."""
+        req, n, all_or_nothing = batch.sandbox, batch.n, batch.all_or_nothing
         if n < 1:
             raise InvalidRequest("a batch needs n >= 1", n=n)
         preq = self.placement.request(req)
@@ -510,8 +510,7 @@ class ClusterEdge:
                 res: BatchCreateResult = await self.relay.call(
                     node,
                     "create_sandboxes",
-                    req,
-                    len(items),
+                    BatchCreateRequest(n=len(items), sandbox=req),
                     owner,
                     timeout=self.options.create_timeout_s,
                 )

@@ -35,6 +35,7 @@ call are generated from.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -52,10 +53,12 @@ from dsec.contract.streams import (
 )
 from dsec.contract.verbs import NO_ENVELOPE, Envelope, Verb, VerbTable
 from dsec.display import DisplayState, WindowInfo
+from dsec.errors import DsecError
 from dsec.models import (
     NODE_QUERY,
     AuditEntry,
     AuditReport,
+    BatchCreateRequest,
     BatchCreateResult,
     BuildImageRequest,
     CapabilityList,
@@ -145,10 +148,9 @@ __all__ = [
 class EdgeAPI(Protocol):
     # --- sandboxes -------------------------------------------------------
     async def create_sandbox(self, req: CreateSandboxRequest, owner: str) -> SandboxInfo: ...
-    async def create_sandboxes(
-        self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
-    ) -> BatchCreateResult:
-        """``n`` sandboxes like ``req``; per-sandbox results (partial success is reported)."""
+    async def create_sandboxes(self, req: BatchCreateRequest, owner: str) -> BatchCreateResult:
+        """``req.n`` sandboxes like ``req.sandbox``; per-sandbox results (partial success is
+        reported, unless ``req.all_or_nothing``)."""
         ...
 
     async def get_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo: ...
@@ -671,6 +673,14 @@ async def _kill_created(edge: EdgeAPI, info: SandboxInfo, owner: str) -> None:
     await edge.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
 
 
+async def _kill_batch(edge: EdgeAPI, result: BatchCreateResult, owner: str) -> None:
+    """Take back a batch nobody will read: each of its sandboxes is killed (one that
+    fails does not keep the others)."""
+    for info in result.sandboxes:
+        with contextlib.suppress(DsecError):
+            await _kill_created(edge, info, owner)
+
+
 VERBS = VerbTable(
     Verb(
         "list_files",
@@ -922,6 +932,19 @@ VERBS = VerbTable(
         "full or the wait was too long: nothing was created, retry.",
         status=201,
         undo=_kill_created,
+    ),
+    Verb(
+        "create_sandboxes",
+        BatchCreateRequest,
+        BatchCreateResult,
+        "POST",
+        "/sandboxes/batch",
+        EdgeAPI,
+        "Create n sandboxes in one call",
+        "Answers 200 with one outcome per sandbox: ``sandboxes`` (created, in request order) "
+        "and ``errors`` (index, code, message of each one that was not). With "
+        "``all_or_nothing`` a failure kills what was made and answers that failure's error.",
+        undo=_kill_batch,
     ),
     Verb(
         "node_info",

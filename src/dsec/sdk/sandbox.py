@@ -709,19 +709,16 @@ class AsyncSandbox:
             an :class:`AsyncSandboxBatch` (``async with`` kills them all on exit).
         """
         req = cls._request(**sandbox)
-        body = validated(
-            BatchCreateRequest, n=n, sandbox=req, all_or_nothing=all_or_nothing
-        ).model_dump(mode="json")
+        batch = validated(BatchCreateRequest, n=n, sandbox=req, all_or_nothing=all_or_nothing)
         conn, owned = cls._client_for(client, url, api_key, transport)
         try:
-            r = await conn._http.request(
-                "POST", "/v1/sandboxes/batch", json=body, timeout=timeout + 0.5 * n
+            result: BatchCreateResult = await conn._http.call(
+                VERBS["create_sandboxes"], batch, timeout=timeout + 0.5 * n
             )
         except BaseException:
             if owned:
                 await conn.close()
             raise
-        result = BatchCreateResult.model_validate(r.json(), context=ANSWER)
         sandboxes = [cls(info, conn, owns_client=False) for info in result.sandboxes]
         return AsyncSandboxBatch(result.requested, sandboxes, result.errors, conn, owned)
 

@@ -26,6 +26,7 @@ from dsec.errors import (
 )
 from dsec.layers.workspace import check_stack
 from dsec.models import (
+    BatchCreateRequest,
     BatchCreateResult,
     CreateSandboxRequest,
     ImageInfo,
@@ -187,27 +188,27 @@ class SandboxVerbs(PauseVerbs):
                 raise
         return await self.references.resolve(name, owner, wait_s=wait_s)
 
-    async def create_sandboxes(
-        self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
-    ) -> BatchCreateResult:
-        """Create ``n`` sandboxes like ``req`` (see :func:`dsec.edge.jobs.create_batch`).
+    async def create_sandboxes(self, req: BatchCreateRequest, owner: str) -> BatchCreateResult:
+        """Create ``req.n`` sandboxes like ``req.sandbox`` (see
+        :func:`dsec.edge.jobs.create_batch`).
 
         A batch that can never fit this node (``n`` above its sandbox limit), or with
         ``all_or_nothing`` one that does not fit now, is refused up front (QuotaExceeded)."""
-        caps = capabilities_of(self._runtime(req.tier))
+        each, n = req.sandbox, req.n
+        caps = capabilities_of(self._runtime(each.tier))
         if n > self.limits.max_sandboxes:
             raise QuotaExceeded(
                 f"a batch of {n} is more than node {self.node} can ever hold "
                 f"({self.limits.max_sandboxes} sandboxes)",
                 batch_size=n,
             )
-        if all_or_nothing:
-            self._check_admission(req, caps, owner, count=n)
+        if req.all_or_nothing:
+            self._check_admission(each, caps, owner, count=n)
         return await create_batch(
             n,
-            lambda _i: self.create_sandbox(req, owner),
+            lambda _i: self.create_sandbox(each, owner),
             lambda sid: self.kill_sandbox(SandboxRef(sandbox_id=sid), owner),
-            all_or_nothing=all_or_nothing,
+            all_or_nothing=req.all_or_nothing,
             concurrency=self.limits.create_concurrency,
         )
 
