@@ -232,12 +232,12 @@ class _SlowCreation(FakeEdge):
         return await super().create_sandbox(req, owner)
 
 
-async def test_a_creation_whose_client_left_is_taken_back() -> None:
-    """The row's ``undo``: the generated create route kills the sandbox its client did not
+async def test_a_batch_whose_client_left_is_taken_back() -> None:
+    """The row's ``undo``: the generated batch route kills the sandboxes its client did not
     wait for (the client's disconnect arrives while the edge creates)."""
     edge = _SlowCreation()
     app = create_app(edge, StaticKeys([KEY]))
-    body = json.dumps({"image": "busybox"}).encode()
+    body = json.dumps({"n": 2, "sandbox": {"image": "busybox"}}).encode()
     messages: list[dict[str, Any]] = [
         {"type": "http.request", "body": body, "more_body": False},
         {"type": "http.disconnect"},
@@ -257,12 +257,12 @@ async def test_a_creation_whose_client_left_is_taken_back() -> None:
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
     ]
-    scope = http_scope("POST", "/v1/sandboxes", headers)
+    scope = http_scope("POST", "/v1/sandboxes/batch", headers)
     await app(scope, receive, send)
-    (made,) = edge.calls_to("create_sandbox")
-    (killed,) = edge.calls_to("kill_sandbox")
-    assert killed["owner"] == made["owner"] == owner_id(KEY)
-    assert [info.state for info in edge.sandboxes.values()] == ["stopped"]
+    (made,) = edge.calls_to("create_sandboxes")
+    killed = edge.calls_to("kill_sandbox")
+    assert [k["owner"] for k in killed] == [made["owner"]] * 2 == [owner_id(KEY)] * 2
+    assert [info.state for info in edge.sandboxes.values()] == ["stopped"] * 2
 
 
 class _NoMetrics:
@@ -300,7 +300,6 @@ async def test_the_sdk_sends_table_verbs_through_its_transport(edge: FakeEdge) -
         assert (await sb.metrics()).sandbox_id == sb.id
     calls = [name for name, _ in edge.calls if name in VERBS]
     assert calls == [
-        "create_sandbox",
         "set_ttl",
         "pause_sandbox",
         "resume_sandbox",

@@ -668,17 +668,12 @@ STREAM_VERBS: frozenset[str] = frozenset(
 them as streams (refusals raise from the first item)."""
 
 
-async def _kill_created(edge: EdgeAPI, info: SandboxInfo, owner: str) -> None:
-    """Take back a creation nobody will read: its sandbox is killed."""
-    await edge.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
-
-
 async def _kill_batch(edge: EdgeAPI, result: BatchCreateResult, owner: str) -> None:
     """Take back a batch nobody will read: each of its sandboxes is killed (one that
     fails does not keep the others)."""
     for info in result.sandboxes:
         with contextlib.suppress(DsecError):
-            await _kill_created(edge, info, owner)
+            await edge.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
 
 
 VERBS = VerbTable(
@@ -915,23 +910,6 @@ VERBS = VerbTable(
         "/sandboxes",
         EdgeAPI,
         "List this key's sandboxes",
-    ),
-    Verb(
-        "create_sandbox",
-        CreateSandboxRequest,
-        SandboxInfo,
-        "POST",
-        "/sandboxes",
-        EdgeAPI,
-        "Create a sandbox",
-        "A client that disconnects before the sandbox is ready leaves no sandbox behind. An\n"
-        "image still being built (a built-in right after the node started) answers 503\n"
-        "``image_not_ready`` with ``Retry-After``: nothing was created, retry. A busy node lets\n"
-        "a creation wait for one of its creation slots (first come first served within a key,\n"
-        "keys in turn) and answers 503 ``node_busy`` with ``Retry-After`` only when its queue is\n"
-        "full or the wait was too long: nothing was created, retry.",
-        status=201,
-        undo=_kill_created,
     ),
     Verb(
         "create_sandboxes",

@@ -666,8 +666,9 @@ class AsyncSandbox:
             start=start,
         )
         conn, owned = cls._client_for(client, url, api_key, transport)
-        info = await _create_waiting_for_image(conn, req, timeout)
-        return cls(info, conn, owns_client=owned)
+        body = req.model_dump(mode="json")  # keep an explicit ttl_s=None
+        r = await _post_waiting_for_image(conn, "/v1/sandboxes", body, timeout)
+        return cls(SandboxInfo.model_validate(r.json(), context=ANSWER), conn, owns_client=owned)
 
     @staticmethod
     def _request(**fields: Any) -> CreateSandboxRequest:
@@ -1421,10 +1422,10 @@ def _dump(model: Any) -> Any:
     return model.model_dump(mode="json", exclude_none=True)
 
 
-async def _create_waiting_for_image(
-    conn: AsyncClient, req: CreateSandboxRequest, timeout: float
-) -> SandboxInfo:
-    """Send a creation (its fields as given: an explicit ``ttl_s=None`` is kept), and while the server answers that it created nothing *yet*
+async def _post_waiting_for_image(
+    conn: AsyncClient, path: str, body: dict[str, Any], timeout: float
+) -> httpx.Response:
+    """POST a creation, and while the server answers that it created nothing *yet*
     (``ImageNotReady``: a built-in image still being built on a node that just started;
     ``NodeBusy``: the node's admission queue is full or the kernel was too slow;
     ``CreationRateExceeded``: the key's creations-a-second quota) retry after the delay it
@@ -1435,10 +1436,7 @@ async def _create_waiting_for_image(
     while True:
         left = deadline - loop.time()
         try:
-            info: SandboxInfo = await conn._http.call(
-                VERBS["create_sandbox"], req, timeout=max(left, 1.0)
-            )
-            return info
+            return await conn._http.request("POST", path, json=body, timeout=max(left, 1.0))
         except (ImageNotReady, NodeBusy, CreationRateExceeded) as e:
             delay = float(e.details.get("retry_after_s") or 5)
             if loop.time() + delay >= deadline:
