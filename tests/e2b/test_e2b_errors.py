@@ -72,6 +72,17 @@ def test_a_malformed_sandbox_id_is_not_found(e2b_server: E2BServer) -> None:
     with pytest.raises(SandboxNotFoundException):
         Sandbox.get_info("not-an-id")
     assert Sandbox.kill("not-an-id") is False
+    for verb in ("metrics", "resume", "connect"):  # the table verbs' requests too
+        method = "GET" if verb == "metrics" else "POST"
+        url = f"{e2b_server.api_url}/sandboxes/not-an-id/{verb}"
+        r = httpx.request(method, url, headers=headers, json=None if method == "GET" else {})
+        assert r.status_code == 404 and r.json()["code"] == 404, (verb, r.text)
+    r = httpx.get(
+        f"{e2b_server.api_url}/sandboxes/metrics",
+        params={"sandbox_ids": "not-an-id"},
+        headers=headers,
+    )
+    assert r.status_code == 200 and r.json() == {"sandboxes": {}}, r.text  # left out
 
 
 def test_another_owner_sees_nothing(e2b_server: E2BServer) -> None:

@@ -92,7 +92,6 @@ from dsec.models import (
     ListSandboxesRequest,
     PauseRequest,
     SandboxInfo,
-    SandboxRef,
     SandboxSnapshotRequest,
     SetTTLRequest,
 )
@@ -690,7 +689,7 @@ class ControlPlane:
         if info.state == "paused":
             if body.get("memory") is False:  # on_resume="reboot": boot afresh from its files
                 await self._pause_filesystem(sandbox_id, owner)
-            info = await self.edge.resume_sandbox(_ref(sandbox_id), owner)
+            info = await self.edge.resume_sandbox(sandbox_ref(sandbox_id), owner)
             status = 201
         if body.get("timeout") is not None:
             seconds = self._seconds(body, "timeout")
@@ -736,7 +735,7 @@ class ControlPlane:
         info = await self._live(sandbox_id, owner)
         if info.state != "paused":
             return _error(409, f"sandbox {sandbox_id} is already running")
-        info = await self.edge.resume_sandbox(_ref(sandbox_id), owner)
+        info = await self.edge.resume_sandbox(sandbox_ref(sandbox_id), owner)
         if body.get("timeout") is not None:
             info = await self.edge.set_ttl(_ttl(sandbox_id, self._seconds(body, "timeout")), owner)
         return JSONResponse(self._created(info, owner), status_code=201)
@@ -813,7 +812,7 @@ class ControlPlane:
             await self._live(sandbox_id, owner)
             raise E2BError(422, "this dsec server cannot measure sandboxes")
         try:
-            m = await self.edge.sandbox_metrics(_ref(sandbox_id), owner)
+            m = await self.edge.sandbox_metrics(sandbox_ref(sandbox_id), owner)
         except SandboxStopped:
             raise E2BError(404, f"sandbox {sandbox_id} not found") from None
         return {
@@ -989,11 +988,6 @@ class ControlPlane:
         except ImageNotFound:
             return _error(404, f"snapshot {name!r} not found")
         return Response(status_code=204)
-
-
-def _ref(sandbox_id: str) -> SandboxRef:
-    """The request of a verb about ``sandbox_id`` (a malformed id: ``InvalidRequest``)."""
-    return validated(SandboxRef, sandbox_id=sandbox_id)
 
 
 def _ttl(sandbox_id: str, seconds: float) -> SetTTLRequest:
