@@ -26,7 +26,7 @@ from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys
 from dsec.apiserver.middleware import configure_access_log
 from dsec.models import CreateSandboxRequest
-from dsec.testing import FakeEdge
+from dsec.testing import FakeEdge, http_scope
 
 KEY = "dsec_bench_access_log"
 RESULTS = Path(__file__).resolve().parent / "results" / "access_log.json"
@@ -34,7 +34,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "access_log.json"
 
 async def _drive(app: Any, path: str, n: int) -> float:
     """CPU seconds for ``n`` GET requests of ``path`` through the ASGI app."""
-    headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"host", b"dsec")]
+    scope_base = http_scope("GET", path, [(b"authorization", f"Bearer {KEY}".encode())])
 
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": b"", "more_body": False}
@@ -45,20 +45,6 @@ async def _drive(app: Any, path: str, n: int) -> float:
         if message["type"] == "http.response.start":
             statuses.append(message["status"])
 
-    scope_base = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": headers,
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 7070),
-    }
     t0 = time.process_time()
     for _ in range(n):
         await app(dict(scope_base), receive, send)

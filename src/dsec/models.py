@@ -37,7 +37,7 @@ from dsec.images.reference import parse_ref
 from dsec.network.policy import NetworkPolicy
 from dsec.serverpaths import scrub_server_paths
 from dsec.tiers import BUILTIN_TIERS, TIER_NAME, tier_traits, tiers_with
-from dsec.wire import WireModel
+from dsec.wire import WireModel, validated
 
 TIERS: tuple[str, ...] = BUILTIN_TIERS
 """The built-in tiers; every registered one: :func:`dsec.tiers.tier_names`. On the wire a tier
@@ -519,6 +519,11 @@ class BatchItemError(_Model):
     index: int
     code: str = Field(description="the error's wire code, e.g. quota_exceeded")
     message: str
+
+    @field_serializer("message")
+    def _public_message(self, message: str) -> str:
+        """Copied from the error, which can name server paths: shown as ``$DSEC_HOME/...``."""
+        return scrub_server_paths(message)
 
 
 class BatchCreateResult(_Model):
@@ -1014,6 +1019,63 @@ class NodeInfo(_Model):
     host: HostReport | None = Field(
         None, description="the node's kernel, cgroups and kernel features (None: not known)"
     )
+
+
+# --- sandbox lists and node queries of the verb table (issue 33) ---------------------------
+_LABEL_FILTER = re.compile(rf"^({_LABEL_KEY.pattern[1:-1]})=(.{{0,1024}})$", re.DOTALL)
+
+
+class ListSandboxesRequest(_Model):
+    """``GET /v1/sandboxes``: the caller's sandboxes; every filter given must match. Without
+    ``state``, stopped ones only with ``include_stopped``."""
+
+    state: Literal["creating", "running", "paused", "stopped"] | None = None
+    job: str | None = Field(None, max_length=128)
+    label: list[str] = Field(
+        default_factory=list, description="key=value; repeatable; all must match"
+    )
+    include_stopped: bool = False
+
+    @field_validator("label")
+    @classmethod
+    def _label(cls, v: list[str]) -> list[str]:
+        for item in v:
+            if not _LABEL_FILTER.match(item):
+                raise ValueError(f"label filter must be key=value, got {item!r}")
+        return v
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The label filters as a mapping (a key given twice: the last value)."""
+        return {k: v for k, _, v in (item.partition("=") for item in self.label)}
+
+    @classmethod
+    def of(cls, labels: dict[str, str] | None = None, **fields: Any) -> ListSandboxesRequest:
+        """The request from a mapping of labels (what the SDK's callers and E2B hold); a
+        malformed filter is ``InvalidRequest``. Fields at their defaults stay unset: they
+        are not sent (the server's defaults apply)."""
+        known = cls.model_fields
+        given = {k: v for k, v in fields.items() if k not in known or v != known[k].default}
+        if labels:
+            given["label"] = [f"{k}={v}" for k, v in labels.items()]
+        return validated(cls, **given)
+
+
+class SandboxList(_Model):
+    sandboxes: list[SandboxInfo]
+
+
+class NodeQuery(_Model):
+    """The request of a node-wide query that takes no arguments (``GET /v1/node``,
+    ``GET /v1/capabilities``): every key gets the same answer."""
+
+
+NODE_QUERY = NodeQuery()
+"""The one :class:`NodeQuery` (a call without arguments)."""
+
+
+class CapabilityList(_Model):
+    tiers: list[Capabilities]
 
 
 class KeyQuota(_Model):

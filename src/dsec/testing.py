@@ -121,6 +121,7 @@ __all__ = [
     "MemoryPortRuntime",
     "MemoryRuntime",
     "app_transport",
+    "http_scope",
     "keyed_client",
     "memory_node_edge",
 ]
@@ -1152,6 +1153,27 @@ def app_transport(
         kwargs["max_upload_bytes"] = max_upload_bytes
     app = create_app(edge if edge is not None else FakeEdge(), StaticKeys([key]), **kwargs)
     return httpx.ASGITransport(app=app), key
+
+
+def http_scope(
+    method: str, path: str, headers: list[tuple[bytes, bytes]] | None = None
+) -> dict[str, Any]:
+    """The ASGI scope of one HTTP request (``path`` without a query), for driving an app
+    directly: ``await app(http_scope("GET", "/healthz"), receive, send)``."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"dsec"), *(headers or [])],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 7070),
+    }
 
 
 if TYPE_CHECKING:  # mypy checks that the fakes satisfy the contracts they stand below

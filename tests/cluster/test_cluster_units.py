@@ -13,7 +13,13 @@ from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
 from dsec.cluster import NodeLost, node_of_sandbox
 from dsec.errors import SandboxNotFound, error_from_wire
-from dsec.models import CreateSandboxRequest, MigrateRequest, PauseRequest
+from dsec.models import (
+    BatchCreateRequest,
+    CreateSandboxRequest,
+    MigrateRequest,
+    PauseRequest,
+    SandboxRef,
+)
 from dsec.testing import FakeEdge
 
 pytestmark = pytest.mark.cluster
@@ -118,7 +124,7 @@ async def test_a_node_reports_only_what_changed_since_a_cursor(tmp_path: Any) ->
         quiet = await actor.sandbox_changes(first["cursor"])
         assert not quiet["full"] and quiet["changed"] == [] and quiet["gone"] == []
         await actor.agent.pause_sandbox(PauseRequest(sandbox_id=a.id), owner)
-        await actor.agent.kill_sandbox(b.id, owner)
+        await actor.agent.kill_sandbox(SandboxRef(sandbox_id=b.id), owner)
         c = await actor.agent.create_sandbox(CreateSandboxRequest(cpu=0.01), owner)
         later = await actor.sandbox_changes(quiet["cursor"])
         assert not later["full"] and later["gone"] == [b.id]
@@ -260,7 +266,9 @@ async def test_a_batch_placed_on_a_node_that_dies_is_placed_again(tmp_path: Any)
     try:
         owner = owner_id("dsec_key")
         death = asyncio.create_task(_dies_soon(edge, "m3"))
-        res = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 60, owner)
+        res = await edge.create_sandboxes(
+            BatchCreateRequest(n=60, sandbox=CreateSandboxRequest(cpu=0.01)), owner
+        )
         await death
         assert res.errors == [] and len(res.sandboxes) == 60
         assert {node_of_sandbox(i.id) for i in res.sandboxes} == {"m1", "m2"}
@@ -303,7 +311,9 @@ async def test_a_call_to_a_restarting_edge_is_not_placed_again(tmp_path: Any) ->
     edge = await _cluster_of(tmp_path, ["m1", "m3"], {"m3": frozenset({"call"})})
     try:
         owner = owner_id("dsec_key")
-        res = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 40, owner)
+        res = await edge.create_sandboxes(
+            BatchCreateRequest(n=40, sandbox=CreateSandboxRequest(cpu=0.01)), owner
+        )
         on_m3 = 40 - len(res.sandboxes)
         assert on_m3 > 0 and {e.code for e in res.errors} == {"unavailable"}
         assert edge.nodes["m1"].actor.actor.agent.usage().sandboxes == len(res.sandboxes)
@@ -340,9 +350,13 @@ async def test_a_busy_edge_is_not_lost_and_a_failing_one_is(tmp_path: Any) -> No
         assert edge.nodes["m2"].state == "alive" and edge.nodes["m3"].state == "lost"
         edge.placement.rebuild(edge._alive())
         assert [x.node_id for x in edge.placer.nodes if not x.dead] == ["m1"]
-        made = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 10, owner)
+        made = await edge.create_sandboxes(
+            BatchCreateRequest(n=10, sandbox=CreateSandboxRequest(cpu=0.01)), owner
+        )
         assert {node_of_sandbox(i.id) for i in made.sandboxes} == {"m1"}
-        info = await edge.get_sandbox(on_m2.id, owner)  # its sandboxes still answer
+        info = await edge.get_sandbox(
+            SandboxRef(sandbox_id=on_m2.id), owner
+        )  # its sandboxes still answer
         assert info.state == "running"
     finally:
         await _close(edge)
@@ -389,7 +403,9 @@ async def test_a_creation_answered_by_a_node_lost_before_its_write_is_written_st
     try:
         owner = owner_id("dsec_key")
         death = asyncio.create_task(both_die())
-        res = await edge.create_sandboxes(CreateSandboxRequest(cpu=0.01), 60, owner)
+        res = await edge.create_sandboxes(
+            BatchCreateRequest(n=60, sandbox=CreateSandboxRequest(cpu=0.01)), owner
+        )
         await death
         on_m2 = [i.id for i in res.sandboxes if node_of_sandbox(i.id) == "m2"]
         assert on_m2 and not res.errors

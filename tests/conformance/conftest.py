@@ -26,7 +26,7 @@ def tier(request: pytest.FixtureRequest, sdk_env: LiveServer) -> str:
     t = str(request.param)
     if t not in sdk_env.tiers:
         pytest.skip(f"tier {t} is not enabled on this node")
-    caps = {c.tier: c for c in sdk_env.call(sdk_env.edge.capabilities())}
+    caps = {c.tier: c for c in sdk_env.call(sdk_env.edge.capabilities()).tiers}
     if not caps[t].available:
         pytest.skip(f"tier {t} unavailable: {caps[t].reason}")
     return t
@@ -34,7 +34,7 @@ def tier(request: pytest.FixtureRequest, sdk_env: LiveServer) -> str:
 
 @pytest.fixture
 def caps(tier: str, sdk_env: LiveServer) -> Any:
-    return {c.tier: c for c in sdk_env.call(sdk_env.edge.capabilities())}[tier]
+    return {c.tier: c for c in sdk_env.call(sdk_env.edge.capabilities()).tiers}[tier]
 
 
 @pytest.fixture

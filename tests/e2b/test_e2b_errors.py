@@ -62,6 +62,29 @@ def test_refused_features_say_so(e2b_server: E2BServer) -> None:
         Sandbox.pause(sbx.sandbox_id)
 
 
+def test_a_malformed_sandbox_id_is_not_found(e2b_server: E2BServer) -> None:
+    """E2B answers an id of no form as it answers an unknown one: 404, never dsec's 400."""
+    headers = {"X-API-Key": "key-alice"}
+    for sid in ("SB-Upper", "not-an-id", "sb-" + "a" * 80):
+        for method in ("GET", "DELETE"):
+            r = httpx.request(method, f"{e2b_server.api_url}/sandboxes/{sid}", headers=headers)
+            assert r.status_code == 404 and r.json()["code"] == 404, (method, sid, r.text)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info("not-an-id")
+    assert Sandbox.kill("not-an-id") is False
+    for verb in ("metrics", "resume", "connect"):  # the table verbs' requests too
+        method = "GET" if verb == "metrics" else "POST"
+        url = f"{e2b_server.api_url}/sandboxes/not-an-id/{verb}"
+        r = httpx.request(method, url, headers=headers, json=None if method == "GET" else {})
+        assert r.status_code == 404 and r.json()["code"] == 404, (verb, r.text)
+    r = httpx.get(
+        f"{e2b_server.api_url}/sandboxes/metrics",
+        params={"sandbox_ids": "not-an-id"},
+        headers=headers,
+    )
+    assert r.status_code == 200 and r.json() == {"sandboxes": {}}, r.text  # left out
+
+
 def test_another_owner_sees_nothing(e2b_server: E2BServer) -> None:
     alice = Sandbox.create("base", metadata={"who": "alice"})
     bob = Sandbox.create("base", api_key="key-bob", metadata={"who": "bob"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tests.conftest import wait_until
 
 from conftest import E2BServer
+from dsec.models import SandboxRef
 from e2b import Sandbox, SandboxState
 
 
@@ -33,7 +34,9 @@ def test_on_timeout_pause(e2b_server: E2BServer) -> None:
     sbx = Sandbox.create("base", timeout=1, lifecycle={"on_timeout": "pause"})
     try:
         assert (
-            e2b_server.call(e2b_server.edge.get_sandbox(sbx.sandbox_id, "alice")).on_timeout
+            e2b_server.call(
+                e2b_server.edge.get_sandbox(SandboxRef(sandbox_id=sbx.sandbox_id), "alice")
+            ).on_timeout
             == "pause"
         )
         # its 1 s is over: paused by the edge's TTL check (every 0.05 s here)

@@ -18,6 +18,7 @@ from e2b.api.client.client import AuthenticatedClient
 from e2b.api.client.models import LogLevel, LogsDirection, SandboxLogs, SandboxLogsV2Response
 
 from conftest import serve_e2b
+from dsec.models import SandboxRef
 from dsec.testing import FakeEdge, MemoryLayers
 from e2b import Sandbox
 
@@ -44,7 +45,8 @@ class LoggingEdge(FakeEdge):
     async def sandbox_logs(  # type: ignore[override]
         self, sandbox_id: str, owner: str, *, follow: bool = False
     ) -> AsyncGenerator[_Line, None]:
-        await self.get_sandbox(sandbox_id, owner)  # ownership, as the real verb checks
+        # ownership, as the real verb checks
+        await self.get_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
         for line in LINES:
             yield line
 

@@ -20,7 +20,7 @@ from e2b.sandbox.filesystem.filesystem import WriteEntry
 from tests.timing import budget
 
 from conftest import E2BServer, _bwrap_edge, serve_e2b
-from dsec.models import ImageRef
+from dsec.models import ImageRef, SandboxRef
 from e2b import (
     FilesystemEventType,
     InvalidArgumentException,
@@ -61,7 +61,9 @@ def test_commands_and_files_default_to_user_in_home(e2b_server: E2BServer, sbx: 
     assert sbx.files.make_dir("sub") and sbx.files.get_info("/home/user/sub").type.value == "dir"
     assert sbx.files.rename("test_write.txt", "sub/moved.txt").path == "/home/user/sub/moved.txt"
     # the image's user is the sandbox's default user for the edge too
-    info_edge = e2b_server.call(e2b_server.edge.get_sandbox(sbx.sandbox_id, "alice"))
+    info_edge = e2b_server.call(
+        e2b_server.edge.get_sandbox(SandboxRef(sandbox_id=sbx.sandbox_id), "alice")
+    )
     assert (info_edge.user, info_edge.workdir) == ("user", "/home/user")
 
 
@@ -383,7 +385,9 @@ def test_mcp_fails_as_e2b_for_a_template_without_a_gateway(e2b_server: E2BServer
 def test_network_default_follows_the_node(e2b_server: E2BServer, sbx: Sandbox) -> None:
     # the fake node has no networking: the default-open E2B sandbox gets none, as before
     assert sbx.get_info().allow_internet_access is False
-    edge_info = e2b_server.call(e2b_server.edge.get_sandbox(sbx.sandbox_id, "alice"))
+    edge_info = e2b_server.call(
+        e2b_server.edge.get_sandbox(SandboxRef(sandbox_id=sbx.sandbox_id), "alice")
+    )
     assert edge_info.network is None
 
 

@@ -23,6 +23,7 @@ from tests.conftest import container_server
 from tests.isolation import worker_subnet
 from tests.timing import budget
 
+from dsec.models import SandboxRef
 from e2b import CommandExitException, FilesystemEventType, Sandbox, SandboxState
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -106,7 +107,7 @@ def test_sudo_stays_inside_the_sandbox(sbx: Sandbox) -> None:
 def test_network_default_is_open_on_the_e2b_api(real: Real, sbx: Sandbox) -> None:
     assert sbx.get_info().allow_internet_access is True
     owner = real.bg.keys.verify(real.bg.api_key)
-    edge_info = real.bg.call(real.bg.edge.get_sandbox(sbx.sandbox_id, owner))
+    edge_info = real.bg.call(real.bg.edge.get_sandbox(SandboxRef(sandbox_id=sbx.sandbox_id), owner))
     assert edge_info.network is not None
     # open as E2B's: names resolve without being listed (dsec's resolver, static record)
     assert sbx.commands.run(f"getent hosts {OPEN_NAME}").stdout.split()[0] == OPEN_ADDR

@@ -313,7 +313,7 @@ def test_process_survives_pause_and_ends_with_its_sandbox(real: RealServer) -> N
         await p.write_stdin(b"after\n")
         assert await p.read_output() == ("stdout", b"after\n")
         sleeper = await edge.start_process(sid, "e2b-real-owner", ExecRequest(cmd="sleep 60"))
-        await edge.kill_sandbox(sid, "e2b-real-owner")
+        await edge.kill_sandbox(SandboxRef(sandbox_id=sid), "e2b-real-owner")
         assert await p.read_output() is None and await sleeper.read_output() is None
         for proc in (p, sleeper):
             with pytest.raises(SandboxStopped):

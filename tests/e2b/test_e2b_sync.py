@@ -12,6 +12,7 @@ from e2b.sandbox.commands.command_handle import PtySize
 from tests.timing import budget
 
 from conftest import E2BServer
+from dsec.models import SandboxRef
 from e2b import (
     CommandExitException,
     FileNotFoundException,
@@ -40,7 +41,12 @@ def test_lifecycle_info_timeout_connect_kill(e2b_server: E2BServer) -> None:
     s.set_timeout(600)
     assert (s.get_info().end_at - info.started_at).total_seconds() > 590
     # The fake edge created it from the dsec image the template maps to.
-    assert e2b_server.call(e2b_server.edge.get_sandbox(s.sandbox_id, "alice")).image == "e2b-base"
+    assert (
+        e2b_server.call(
+            e2b_server.edge.get_sandbox(SandboxRef(sandbox_id=s.sandbox_id), "alice")
+        ).image
+        == "e2b-base"
+    )
     again = Sandbox.connect(s.sandbox_id)
     assert again.commands.run("echo connected").stdout == "connected\n"
     assert s.is_running()

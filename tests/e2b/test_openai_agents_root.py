@@ -24,6 +24,7 @@ from tests.side_venv import side_venv_python
 from tests.timing import budget
 
 from dsec.apiserver.auth import e2b_form, owner_id
+from dsec.models import SandboxRef
 from dsec.server import BackgroundServer
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -88,7 +89,7 @@ def test_openai_agents_e2b_sandbox_with_a_plain_dsec_key(server: BackgroundServe
     assert seen["failed_exit_code"] == 3 and seen["running"] is True
     # the sandbox was the key's: made by its owner, gone after the session
     sid = seen["sandbox_id"]
-    info = server.call(server.edge.get_sandbox(sid, owner_id(key)))  # type: ignore[union-attr]
+    info = server.call(server.edge.get_sandbox(SandboxRef(sandbox_id=sid), owner_id(key)))  # type: ignore[union-attr]
     assert info.state == "stopped"
 
 

@@ -31,7 +31,13 @@ from dsec.builds import BuildRequest, ImageConfig
 from dsec.builds.engine import ImageBuilder
 from dsec.builds.wire import BuildDone, BuildError
 from dsec.errors import ImageNotFound, InvalidRequest, StartFailed
-from dsec.models import CreateSandboxRequest, ExecRequest, KeyScope
+from dsec.models import (
+    CreateSandboxRequest,
+    ExecRequest,
+    KeyScope,
+    ListSandboxesRequest,
+    SandboxRef,
+)
 from dsec.privileged.mount import mount_points
 from dsec.server import embedded_edge
 
@@ -64,17 +70,18 @@ class Node:
 
     async def made(self, owner: str) -> int:
         """Sandboxes ``owner`` ever had on this node (stopped ones included)."""
-        return len(await self.edge.list_sandboxes(owner, include_stopped=True))
+        req = ListSandboxesRequest(include_stopped=True)
+        return len((await self.edge.list_sandboxes(req, owner)).sandboxes)
 
     async def live(self, owner: str) -> list[Any]:
-        return list(await self.edge.list_sandboxes(owner))
+        return list((await self.edge.list_sandboxes(ListSandboxesRequest(), owner)).sandboxes)
 
     async def sh(self, owner: str, image: str, cmd: str, **create: Any) -> str:
         sb = await self.edge.create_sandbox(CreateSandboxRequest(image=image, **create), owner)
         try:
             r = await self.edge.exec(sb.id, owner, ExecRequest(cmd=cmd, timeout_s=60))
         finally:
-            await self.edge.kill_sandbox(sb.id, owner)
+            await self.edge.kill_sandbox(SandboxRef(sandbox_id=sb.id), owner)
         assert r.exit_code == 0, (cmd, r.stdout, r.stderr)
         return r.stdout
 

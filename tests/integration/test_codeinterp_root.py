@@ -17,6 +17,7 @@ import pytest
 
 from dsec import Sandbox
 from dsec.layers import code_interpreter as ci
+from dsec.models import SandboxRef
 from dsec.server import BackgroundServer
 
 # the first run builds the image (apt from the node's Debian mirror: minutes on a busy node)
@@ -145,7 +146,7 @@ def test_e2b_code_interpreter_through_the_port_proxy(e2b_env: None, node: Backgr
             sbx.run_code("import time\ntime.sleep(60)", timeout=3)
         assert sbx.run_code("x").text == "41"  # the kernel was interrupted, not lost
         # the sandbox is a dsec sandbox of this key, made from the code-interpreter image
-        info = node.call(node.edge.get_sandbox(sbx.sandbox_id, _owner(node)))  # type: ignore[union-attr]
+        info = node.call(node.edge.get_sandbox(SandboxRef(sandbox_id=sbx.sandbox_id), _owner(node)))  # type: ignore[union-attr]
         assert info.image == ci.IMAGE_NAME
 
 

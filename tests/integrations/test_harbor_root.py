@@ -31,6 +31,8 @@ from tests.integration.test_image_refs_root import _busybox_tar, _image
 from tests.integration.test_oci_pull_root import DistributionRegistry, OciRepo
 from tests.isolation import worker_subnet
 
+from dsec.models import ListSandboxesRequest
+
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,12 +139,15 @@ class Server:
 
     def sandboxes(self, label_value: str) -> list[Any]:
         assert self.bg.edge is not None
-        infos = self.bg.call(self.bg.edge.list_sandboxes(self.owner(), include_stopped=True))
+        req = ListSandboxesRequest(include_stopped=True)
+        infos = self.bg.call(self.bg.edge.list_sandboxes(req, self.owner())).sandboxes
         return [i for i in infos if i.labels.get("harbor.environment") == label_value]
 
     def live(self) -> list[Any]:
         assert self.bg.edge is not None
-        return [i for i in self.bg.call(self.bg.edge.list_sandboxes(self.owner()))]
+        return self.bg.call(
+            self.bg.edge.list_sandboxes(ListSandboxesRequest(), self.owner())
+        ).sandboxes
 
 
 @pytest.fixture(scope="module")

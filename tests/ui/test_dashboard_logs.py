@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from tests.ui.conftest import ALICE, Evidence, UiServer, serve_ui, sign_in
 
 from dsec import Sandbox
+from dsec.models import SandboxRef
 from dsec.testing import FakeEdge
 
 
@@ -34,7 +35,7 @@ class LoggingEdge(FakeEdge):
     async def sandbox_logs(  # type: ignore[override]
         self, sandbox_id: str, owner: str, *, follow: bool = False
     ) -> AsyncGenerator[Any, None]:
-        await self.get_sandbox(sandbox_id, owner)
+        await self.get_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
         yield _Line(1.0, "stdout", "web server starting\n")
         yield _Line(2.0, "stderr", "warning: debug mode\n")
         yield _Line(3.0, "stdout", "listening on :8000\n")

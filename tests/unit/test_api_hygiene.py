@@ -333,7 +333,7 @@ def test_reasons_in_answers_hide_server_paths(hidden_home: str) -> None:
     answers (200), not errors, and can quote a server path too."""
     from datetime import UTC, datetime
 
-    from dsec.models import Capabilities, SandboxInfo
+    from dsec.models import BatchItemError, Capabilities, SandboxInfo
 
     now = datetime.now(UTC)
     info = SandboxInfo(
@@ -354,6 +354,9 @@ def test_reasons_in_answers_hide_server_paths(hidden_home: str) -> None:
     assert info.stopped_reason is not None and hidden_home in info.stopped_reason  # the log's
     caps = Capabilities(tier="microvm", available=False, reason=f"no kernel in {hidden_home}/vm")
     assert caps.model_dump()["reason"] == "no kernel in $DSEC_HOME/vm"
+    # a batch's per-sandbox error quotes its error's message: shown without the path too
+    item = BatchItemError(index=0, code="sandbox_error", message=f"no {hidden_home}/vm")
+    assert item.model_dump()["message"] == "no $DSEC_HOME/vm" and hidden_home in item.message
 
 
 def test_an_e2b_app_dropped_without_aclose_leaves_no_scratch_directory() -> None:

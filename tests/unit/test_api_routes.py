@@ -82,7 +82,7 @@ async def test_sandbox_lifecycle(client: httpx.AsyncClient, edge: FakeEdge) -> N
     assert [s["id"] for s in listed["sandboxes"]] == [sid]
     listed = (await client.get("/v1/sandboxes", params={"job": "j1", "state": "running"})).json()
     assert [s["id"] for s in listed["sandboxes"]] == [sid]
-    assert edge.calls_to("list_sandboxes")[-1]["state"] == "running"
+    assert edge.calls_to("list_sandboxes")[-1]["req"].state == "running"
 
     r = await client.delete(f"/v1/sandboxes/{sid}")
     assert r.status_code == 200 and r.json()["state"] == "stopped"

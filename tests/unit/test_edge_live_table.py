@@ -6,7 +6,7 @@ import pytest
 
 import dsec.errors as E
 from dsec.edge.live import LiveTable
-from dsec.models import CreateSandboxRequest
+from dsec.models import CreateSandboxRequest, SandboxRef
 from dsec.testing import FakeEdge
 
 
@@ -41,11 +41,11 @@ async def test_admission_and_usage_come_from_the_running_totals() -> None:
     with pytest.raises(E.QuotaExceeded, match="CPU overcommit"):
         await edge.create_sandbox(req, "k1")  # 2.25 > 2 cores
     assert edge.usage().sandboxes == 2  # the refused one left nothing counted
-    await edge.kill_sandbox(a.id, "k1")
+    await edge.kill_sandbox(SandboxRef(sandbox_id=a.id), "k1")
     assert edge.usage().requested_cpu == 0.75
     c = await edge.create_sandbox(req, "k1")  # the freed share is admitted again
-    await edge.kill_sandbox(b.id, "k2")
-    await edge.kill_sandbox(c.id, "k1")
+    await edge.kill_sandbox(SandboxRef(sandbox_id=b.id), "k2")
+    await edge.kill_sandbox(SandboxRef(sandbox_id=c.id), "k1")
     assert (edge.usage().sandboxes, edge.usage().requested_cpu) == (0, 0.0)
     await edge.close()
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from dsec.edge.registry import Registry, ResolvedRequest, SandboxRow
-from dsec.models import CreateSandboxRequest
+from dsec.models import CreateSandboxRequest, SandboxRef
 from dsec.network.policy import NetworkPolicy
 from dsec.testing import FakeEdge
 
@@ -64,7 +64,7 @@ def test_the_typed_request_is_stored_as_it_is(tmp_path: Path) -> None:
 async def test_info_of_an_old_row_comes_from_the_typed_request() -> None:
     edge = FakeEdge()
     _old_row(edge.registry, "sb-fake-old")
-    info = await edge.get_sandbox("sb-fake-old", "k1")
+    info = await edge.get_sandbox(SandboxRef(sandbox_id="sb-fake-old"), "k1")
     default = CreateSandboxRequest()
     assert (info.image, info.cpu, info.memory_mb, info.workdir) == ("debian", 0.5, 256, "/")
     assert (info.disk_mb, info.pids, info.paused_ttl_s) == (

@@ -343,4 +343,4 @@ async def test_a_tier_without_usage_is_capability_not_supported() -> None:
     info = await edge.create_sandbox(CreateSandboxRequest(), "kowner000000000000")
     with pytest.raises(CapabilityNotSupported):
         await edge.sandbox_metrics(SandboxRef(sandbox_id=info.id), "kowner000000000000")
-    assert not next(c for c in await edge.capabilities() if c.tier == "container").metrics
+    assert not next(c for c in (await edge.capabilities()).tiers if c.tier == "container").metrics

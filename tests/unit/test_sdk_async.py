@@ -59,7 +59,7 @@ async def test_create_run_and_kill_on_exit(edge: FakeEdge, conn: dict[str, Any])
         assert (await sb.refresh()).state == "running"
         assert (await sb.set_ttl(90)).ttl_s == 90
     assert sb.info.state == "stopped"
-    assert edge.calls_to("kill_sandbox")[0]["sandbox_id"] == sb.id
+    assert edge.calls_to("kill_sandbox")[0]["req"].sandbox_id == sb.id
 
 
 async def test_run_parameters_reach_the_edge(edge: FakeEdge, conn: dict[str, Any]) -> None:

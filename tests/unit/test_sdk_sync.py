@@ -37,7 +37,7 @@ def test_sync_sandbox_end_to_end(edge: FakeEdge, conn: dict[str, Any], tmp_path:
         assert sb.refresh().state == "running" and sb.info.state == "running"
         assert repr(sb).startswith("Sandbox(id='sb-fake-")
     assert sb.info.state == "stopped"
-    assert edge.calls_to("kill_sandbox")[0]["sandbox_id"] == sb.id
+    assert edge.calls_to("kill_sandbox")[0]["req"].sandbox_id == sb.id
 
 
 def test_sync_errors_and_classmethods(edge: FakeEdge, conn: dict[str, Any]) -> None:

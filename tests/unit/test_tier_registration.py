@@ -95,7 +95,7 @@ async def edge(scratch_tier: TierRegistration, tmp_path: Path) -> AsyncIterator[
 
 async def test_a_registered_tier_runs_sandboxes_through_the_edge(edge: EdgeAgent) -> None:
     assert list(edge.runtimes) == [TIER]
-    caps = {c.tier: c for c in await edge.capabilities()}
+    caps = {c.tier: c for c in (await edge.capabilities()).tiers}
     assert caps[TIER].available and caps[TIER].pause  # its abilities: MemoryRuntime's
     assert not caps["container"].available  # the built-ins are still listed, not on this node
 

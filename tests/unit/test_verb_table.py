@@ -5,7 +5,9 @@ key's sandbox not found, 422 for an edge without the ability)."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import json
 import typing
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +25,7 @@ from dsec.errors import ImageNotFound
 from dsec.models import (
     DeleteImageRequest,
     NetworkPolicyRequest,
+    NodeQuery,
     PauseRequest,
     PushImageRequest,
     SandboxInfo,
@@ -32,7 +35,7 @@ from dsec.models import (
 )
 from dsec.network.policy import NetworkPolicy
 from dsec.sdk import AsyncClient, AsyncSandbox
-from dsec.testing import FakeEdge
+from dsec.testing import FakeEdge, http_scope
 
 KEY, OTHER = "dsec_verbs_key_a", "dsec_verbs_key_b"
 
@@ -45,6 +48,8 @@ def test_every_row_is_the_method_its_ability_declares() -> None:
         hints = typing.get_type_hints(fn)
         params = list(inspect.signature(fn).parameters)
         want = ["self", "req", "owner", "env"] if verb.sequenced else ["self", "req", "owner"]
+        if not verb.owned:  # a node-wide answer, the same for every key
+            want = ["self", "req"]
         assert params == want, (verb.name, params)
         assert hints["req"] is verb.request, verb.name
         assert hints["return"] == (type(None) if verb.answer is None else verb.answer), verb.name
@@ -65,6 +70,17 @@ def test_a_row_is_checked_when_it_is_written() -> None:
     row = Verb("x", SandboxRef, SandboxInfo, "GET", "/sandboxes/{sandbox_id}/x", EdgeAPI, "x")
     with pytest.raises(ValueError, match="twice"):
         VerbTable(row, row)
+    with pytest.raises(ValueError, match="owner"):
+        Verb(
+            "x",
+            SandboxRef,
+            SandboxInfo,
+            "GET",
+            "/sandboxes/{sandbox_id}",
+            EdgeAPI,
+            "x",
+            owned=False,
+        )
 
 
 def test_the_wire_form_of_a_request() -> None:
@@ -192,6 +208,85 @@ async def test_generated_routes_answer_as_the_edge_does(
     assert _code(r, 422) == "capability_not_supported"
 
 
+async def test_lists_and_lookups_answer_only_the_keys_own(
+    clients: tuple[httpx.AsyncClient, httpx.AsyncClient], edge: FakeEdge
+) -> None:
+    a, b = clients
+    sid = await _sandbox(a)
+    mine = (await a.get("/v1/sandboxes", params=[("label", "x=1"), ("state", "running")])).json()
+    assert mine == {"sandboxes": []}  # no such label
+    assert [s["id"] for s in (await a.get("/v1/sandboxes")).json()["sandboxes"]] == [sid]
+    assert (await b.get("/v1/sandboxes", params={"include_stopped": "true"})).json() == {
+        "sandboxes": []
+    }
+    assert edge.calls_to("list_sandboxes")[0]["req"].labels == {"x": "1"}
+    before = len(edge.calls_to("list_sandboxes"))
+    for bad in (
+        {"label": "no-equals-sign"},
+        {"state": "asleep"},
+        {"job": "j" * 129},
+        {"include_stopped": "perhaps"},
+        {"typo": "1"},
+    ):
+        r = await a.get("/v1/sandboxes", params=bad)
+        if "typo" in bad:  # an unknown query parameter is ignored, as before
+            assert r.status_code == 200
+            continue
+        assert _code(r, 400) == "invalid_request", bad
+    assert len(edge.calls_to("list_sandboxes")) == before + 1
+    # get and kill: another key's sandbox is not found, its owner's is
+    assert _code(await b.get(f"/v1/sandboxes/{sid}"), 404) == "sandbox_not_found"
+    assert _code(await b.delete(f"/v1/sandboxes/{sid}"), 404) == "sandbox_not_found"
+    assert (await a.get(f"/v1/sandboxes/{sid}")).json()["state"] == "running"
+    assert _code(await a.get("/v1/sandboxes/SB-Upper"), 400) == "invalid_request"
+    assert (await a.delete(f"/v1/sandboxes/{sid}")).json()["state"] == "stopped"
+    # node-wide answers: the same for every key, and still only with a key
+    for path in ("/v1/node", "/v1/capabilities"):
+        assert (await a.get(path)).json() == (await b.get(path)).json()
+        async with httpx.AsyncClient(transport=a._transport, base_url="http://dsec") as anonymous:
+            assert _code(await anonymous.get(path), 401) == "unauthenticated"
+    assert edge.calls_to("capabilities")[-1] == {"req": NodeQuery()}
+
+
+class _SlowCreation(FakeEdge):
+    async def create_sandbox(self, req: Any, owner: str) -> SandboxInfo:
+        await asyncio.sleep(0.05)  # the client's disconnect is read meanwhile
+        return await super().create_sandbox(req, owner)
+
+
+async def test_a_batch_whose_client_left_is_taken_back() -> None:
+    """The row's ``undo``: the generated batch route kills the sandboxes its client did not
+    wait for (the client's disconnect arrives while the edge creates)."""
+    edge = _SlowCreation()
+    app = create_app(edge, StaticKeys([KEY]))
+    body = json.dumps({"n": 2, "sandbox": {"image": "busybox"}}).encode()
+    messages: list[dict[str, Any]] = [
+        {"type": "http.request", "body": body, "more_body": False},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # nothing more comes
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    headers = [
+        (b"authorization", f"Bearer {KEY}".encode()),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    scope = http_scope("POST", "/v1/sandboxes/batch", headers)
+    await app(scope, receive, send)
+    (made,) = edge.calls_to("create_sandboxes")
+    killed = edge.calls_to("kill_sandbox")
+    assert [k["owner"] for k in killed] == [made["owner"]] * 2 == [owner_id(KEY)] * 2
+    assert [info.state for info in edge.sandboxes.values()] == ["stopped"] * 2
+
+
 class _NoMetrics:
     """An edge without the MetricsEdge ability: every EdgeAPI method of a real edge, and
     nothing else (the route must check the ability, not assume it)."""
@@ -226,7 +321,13 @@ async def test_the_sdk_sends_table_verbs_through_its_transport(edge: FakeEdge) -
         assert (await sb.resume()).state == "running"
         assert (await sb.metrics()).sandbox_id == sb.id
     calls = [name for name, _ in edge.calls if name in VERBS]
-    assert calls == ["set_ttl", "pause_sandbox", "resume_sandbox", "sandbox_metrics"]
+    assert calls == [
+        "set_ttl",
+        "pause_sandbox",
+        "resume_sandbox",
+        "sandbox_metrics",
+        "kill_sandbox",  # leaving the block
+    ]
 
 
 async def test_uptime_a_verb_added_by_one_row(edge: FakeEdge) -> None:

@@ -16,7 +16,7 @@ from tests.timing import budget
 from dsec import Sandbox
 from dsec.config import Paths
 from dsec.errors import CapabilityNotSupported, SandboxStopped
-from dsec.models import CreateSandboxRequest, ExecRequest, PauseRequest
+from dsec.models import CreateSandboxRequest, ExecRequest, PauseRequest, SandboxRef
 from dsec.privileged.cgroups import cgroup
 from dsec.runtimes.microvm import MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive
@@ -59,7 +59,7 @@ def home(shared_layers: Path) -> Iterator[Path]:
 def test_sdk_suspend_fork_reaper_and_refusals(home: Path) -> None:
     with BackgroundServer(home, tiers=["microvm", "container"]) as srv:
         kw = {"url": srv.url, "api_key": srv.api_key, "image": "busybox", "memory_mb": 256}
-        caps = {c.tier: c for c in srv.call(srv.edge.capabilities())}  # type: ignore[union-attr]
+        caps = {c.tier: c for c in srv.call(srv.edge.capabilities()).tiers}  # type: ignore[union-attr]
         assert caps["microvm"].suspend and caps["microvm"].memory_fork
         assert not caps["container"].suspend and not caps["container"].memory_fork
         with Sandbox.create(tier="microvm", **kw) as sb:
@@ -140,13 +140,13 @@ async def test_suspended_sandbox_survives_edge_restart(home: Path) -> None:
         assert pid == 0
     async with embedded_edge(home, tiers=["microvm"]) as edge:
         try:
-            info = await edge.get_sandbox(sid, owner)
+            info = await edge.get_sandbox(SandboxRef(sandbox_id=sid), owner)
             assert info.state == "paused"  # still suspended: not restored by the restart
             rt = edge.runtimes["microvm"]
             assert isinstance(rt, MicroVMRuntime) and rt.is_suspended(edge._live[sid].handle)
             r = await edge.exec(sid, owner, ExecRequest(cmd=_ASK))
             assert r.stdout.strip() == "kept-42"
-            assert (await edge.get_sandbox(sid, owner)).state == "running"
+            assert (await edge.get_sandbox(SandboxRef(sandbox_id=sid), owner)).state == "running"
             assert pid_alive(edge._live[sid].handle.state["pid"])
         finally:
-            await edge.kill_sandbox(sid, owner)
+            await edge.kill_sandbox(SandboxRef(sandbox_id=sid), owner)

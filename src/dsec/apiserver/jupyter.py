@@ -47,6 +47,7 @@ from dsec.models import (
     RunJupyterRequest,
     RunJupyterResponse,
     RunStatus,
+    SandboxRef,
 )
 
 log = logging.getLogger("dsec.apiserver.jupyter")
@@ -295,7 +296,7 @@ class RunJupyterService:
             )
         finally:
             try:
-                await self.edge.kill_sandbox(sid, owner)
+                await self.edge.kill_sandbox(SandboxRef(sandbox_id=sid), owner)
             except DsecError as e:
                 log.warning("run_jupyter: killing %s failed: %s", sid, e)
 

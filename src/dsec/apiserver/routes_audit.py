@@ -17,7 +17,7 @@ from dsec.apiserver.routes_sandboxes import ndjson_of, ndjson_response
 from dsec.apiserver.schemas import JOB_PATTERN, SANDBOX_ID_PATTERN
 from dsec.contract.edge import SandboxAudits
 from dsec.errors import CapabilityNotSupported
-from dsec.models import AuditEntry, AuditReport
+from dsec.models import AuditEntry, AuditReport, SandboxRef
 
 __all__ = ["router"]
 
@@ -60,9 +60,13 @@ async def sandbox_audit(
     follow: Annotated[bool, Query(description="stream entries as they come")] = False,
 ) -> Any:
     if not isinstance(edge, SandboxAudits):
-        await edge.get_sandbox(sandbox_id, owner)  # another key's: not found, as everywhere
+        await edge.get_sandbox(
+            SandboxRef(sandbox_id=sandbox_id), owner
+        )  # another key's: not found, as everywhere
         raise CapabilityNotSupported("this server's edge records no audit")
     if not follow:
         return await edge.sandbox_audit(sandbox_id, owner, after)
-    await edge.get_sandbox(sandbox_id, owner)  # refusals before the first byte
+    await edge.get_sandbox(
+        SandboxRef(sandbox_id=sandbox_id), owner
+    )  # refusals before the first byte
     return ndjson_response(edge.follow_audit(sandbox_id, owner, after))

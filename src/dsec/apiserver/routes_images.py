@@ -1,4 +1,4 @@
-"""``/v1/images``, ``/v1/layers``, ``/v1/node``, ``/v1/capabilities``."""
+"""``/v1/images``, ``/v1/layers`` (``/v1/node`` and ``/v1/capabilities``: the verb table)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, acting_owner, curr
 from dsec.apiserver.schemas import (
     IMAGE_NAME_PATTERN,
     IMAGE_REF_PATTERN,
-    CapabilityList,
 )
 from dsec.contract.edge import ImageBuilds
 from dsec.errors import (
@@ -26,7 +25,6 @@ from dsec.models import (
     BuildImageRequest,
     ImageInfo,
     LayerKind,
-    NodeInfo,
 )
 
 __all__ = ["router"]
@@ -147,15 +145,3 @@ async def build(request: Request, edge: Edge, owner: Owner) -> StreamingResponse
     return StreamingResponse(
         body(), media_type="application/x-ndjson", headers={"cache-control": "no-store"}
     )
-
-
-@router.get("/node", response_model=NodeInfo, tags=["node"], summary="Describe this node")
-async def node_info(edge: Edge) -> NodeInfo:
-    return await edge.node_info()
-
-
-@router.get(
-    "/capabilities", response_model=CapabilityList, tags=["node"], summary="What each tier can do"
-)
-async def capabilities(edge: Edge) -> CapabilityList:
-    return CapabilityList(tiers=await edge.capabilities())

@@ -12,7 +12,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
-from dsec.apiserver.schemas import JOB_PATTERN, SandboxList
+from dsec.apiserver.schemas import JOB_PATTERN
+from dsec.models import ListSandboxesRequest, SandboxList
 
 __all__ = ["router"]
 
@@ -30,5 +31,5 @@ JobParam = Annotated[str, Path(pattern=JOB_PATTERN, description="the job id give
 async def list_job(
     job: JobParam, edge: Edge, owner: Owner, include_stopped: bool = False
 ) -> SandboxList:
-    sandboxes = await edge.list_sandboxes(owner, job=job, include_stopped=include_stopped)
-    return SandboxList(sandboxes=sandboxes)
+    req = ListSandboxesRequest(job=job, include_stopped=include_stopped)
+    return await edge.list_sandboxes(req, owner)

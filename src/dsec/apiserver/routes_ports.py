@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Path, Request
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, current_owner
 from dsec.apiserver.schemas import SANDBOX_ID_PATTERN
 from dsec.errors import SandboxStopped
-from dsec.models import PortAccess
+from dsec.models import PortAccess, SandboxRef
 
 __all__ = ["router"]
 
@@ -32,7 +32,7 @@ SandboxIdParam = Annotated[str, Path(pattern=SANDBOX_ID_PATTERN, description="sb
 async def port_access(
     sandbox_id: SandboxIdParam, request: Request, edge: Edge, owner: Owner
 ) -> PortAccess:
-    info = await edge.get_sandbox(sandbox_id, owner)
+    info = await edge.get_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
     if info.state == "stopped":
         raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
     proxy = request.app.state.ports

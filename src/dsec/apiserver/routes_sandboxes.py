@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -31,18 +30,14 @@ from dsec.apiserver.schemas import (
     REPLAYED_HEADER,
     SANDBOX_ID_PATTERN,
     SANDBOX_PATH_PATTERN,
-    SandboxList,
     TarUploadResult,
 )
 from dsec.errors import (
     DsecError,
     InternalError,
-    InvalidRequest,
     SandboxStopped,
 )
 from dsec.models import (
-    BatchCreateRequest,
-    BatchCreateResult,
     CreateSandboxRequest,
     ExecEvent,
     ExecRequest,
@@ -50,8 +45,8 @@ from dsec.models import (
     FileInfo,
     LogLine,
     SandboxInfo,
+    SandboxRef,
 )
-from dsec.serverpaths import scrub_server_paths
 
 __all__ = ["UPLOAD_ROUTES", "ndjson_response", "router"]
 
@@ -75,7 +70,6 @@ ModeQuery = Annotated[
 ]
 
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
-_LABEL = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._/-]{0,62})=(.{0,1024})$", re.DOTALL)
 
 UPLOAD_ROUTES = frozenset(
     {"/v1/sandboxes/{sandbox_id}/files", "/v1/sandboxes/{sandbox_id}/files/tar"}
@@ -87,16 +81,6 @@ def _mark_replayed(response: Response, result: ExecResult) -> ExecResult:
     if result.replayed:
         response.headers[REPLAYED_HEADER] = "1"
     return result
-
-
-def _parse_labels(raw: list[str]) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for item in raw:
-        m = _LABEL.match(item)
-        if not m:
-            raise InvalidRequest(f"label filter must be key=value, got {item!r}", label=item)
-        labels[m.group(1)] = m.group(2)
-    return labels
 
 
 @router.post("", status_code=201, response_model=SandboxInfo, summary="Create a sandbox")
@@ -119,58 +103,6 @@ async def create_sandbox(
         await edge.abandon_sandbox(info.id, owner, key)
 
     return await unless_departed(request, edge.create_sandbox(req, owner, key), undo)
-
-
-@router.post(
-    "/batch",
-    response_model=BatchCreateResult,
-    summary="Create n sandboxes in one call",
-    description="Answers 200 with one outcome per sandbox: ``sandboxes`` (created, in request "
-    "order) and ``errors`` (index, code, message of each one that was not). With "
-    "``all_or_nothing`` a failure kills what was made and answers that failure's error.",
-)
-async def create_sandboxes(
-    request: Request, req: BatchCreateRequest, edge: Edge, owner: Owner
-) -> BatchCreateResult:
-    async def undo(result: BatchCreateResult) -> None:
-        for info in result.sandboxes:
-            with contextlib.suppress(DsecError):
-                await edge.kill_sandbox(info.id, owner)
-
-    work = edge.create_sandboxes(req.sandbox, req.n, owner, all_or_nothing=req.all_or_nothing)
-    result = await unless_departed(request, work, undo)
-    for item in result.errors:  # messages the edge copied from its errors: no server paths
-        item.message = scrub_server_paths(item.message)
-    return result
-
-
-@router.get("", response_model=SandboxList, summary="List this key's sandboxes")
-async def list_sandboxes(
-    edge: Edge,
-    owner: Owner,
-    state: Literal["creating", "running", "paused", "stopped"] | None = None,
-    job: Annotated[str | None, Query(max_length=128)] = None,
-    label: Annotated[list[str], Query(description="key=value; repeatable; all must match")] = [],  # noqa: B006
-    include_stopped: bool = False,
-) -> SandboxList:
-    sandboxes = await edge.list_sandboxes(
-        owner,
-        state=state,
-        labels=_parse_labels(label) or None,
-        job=job,
-        include_stopped=include_stopped,
-    )
-    return SandboxList(sandboxes=sandboxes)
-
-
-@router.get("/{sandbox_id}", response_model=SandboxInfo, summary="Describe a sandbox")
-async def get_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxInfo:
-    return await edge.get_sandbox(sandbox_id, owner)
-
-
-@router.delete("/{sandbox_id}", response_model=SandboxInfo, summary="Kill a sandbox")
-async def kill_sandbox(sandbox_id: SandboxIdParam, edge: Edge, owner: Owner) -> SandboxInfo:
-    return await edge.kill_sandbox(sandbox_id, owner)
 
 
 @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")
@@ -221,7 +153,7 @@ async def exec_stream(
     s: Seq,
 ) -> StreamingResponse:
     # Errors knowable before the first byte get a proper HTTP status.
-    info = await edge.get_sandbox(sandbox_id, owner)
+    info = await edge.get_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
     if info.state == "stopped":
         raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
     metrics = request.app.state.metrics
@@ -344,7 +276,7 @@ async def sandbox_logs(
     """What the image's start command wrote (stdout and stderr as they came, the oldest
     dropped past the node's limit), and one ``dsec`` line once it ended. Empty for a
     sandbox whose image has no start command. A stopped sandbox: 409 ``sandbox_stopped``."""
-    info = await edge.get_sandbox(sandbox_id, owner)
+    info = await edge.get_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
     if info.state == "stopped":
         raise SandboxStopped(f"sandbox {sandbox_id} is stopped", sandbox_id=sandbox_id)
     return ndjson_response(edge.sandbox_logs(sandbox_id, owner, follow=follow))

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.contract.verbs import IDEMPOTENCY_KEY_PATTERN
-from dsec.models import IMAGE_REF_PATTERN, Capabilities, ImageList, LayerList, SandboxInfo
+from dsec.models import IMAGE_REF_PATTERN, CapabilityList, ImageList, LayerList, SandboxList
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
@@ -72,14 +72,6 @@ class ErrorBody(_Wire):
     """Every non-2xx response has this body."""
 
     error: ErrorDetail
-
-
-class SandboxList(_Wire):
-    sandboxes: list[SandboxInfo]
-
-
-class CapabilityList(_Wire):
-    tiers: list[Capabilities]
 
 
 class TarUploadResult(_Wire):

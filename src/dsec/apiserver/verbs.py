@@ -5,7 +5,8 @@ into the verb's request model once (a malformed request: 400 before the edge), r
 trajectory headers of a ``sequenced`` verb into an :class:`~dsec.contract.verbs.Envelope`,
 checks that the edge has the verb's ability (422 ``capability_not_supported`` otherwise;
 for a sandbox verb only after the sandbox was found, so another key's is ``not_found``), and
-answers the edge's answer model. The OpenAPI schema documents each as a hand-written route
+answers the edge's answer model. Every route asks for a key (the router's dependency); a
+node-wide verb that answers every key alike (``owned=False``) is called without it. The OpenAPI schema documents each as a hand-written route
 would: summary, description, parameters, body schema, answer schema, errors.
 """
 
@@ -20,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError, create_model
 
+from dsec.apiserver.departed import unless_departed
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, acting_owner, current_owner
 from dsec.apiserver.schemas import IMAGE_REF_PATTERN, JOB_PATTERN, SANDBOX_ID_PATTERN
 from dsec.contract.edge import VERBS, EdgeAPI
@@ -48,7 +50,10 @@ _PATH_PARAMS: dict[str, Any] = {
 def _body_model(verb: Verb) -> type[BaseModel]:
     """The request model without its path parameters: what the JSON body holds (strict as
     every request: an unknown field is refused). The request model's own validators run
-    when the route builds the request from it."""
+    when the route builds the request from it. A verb without path parameters: the
+    request model itself (its schema keeps its name)."""
+    if not verb.path_params:
+        return verb.request
     fields: dict[str, Any] = {
         name: (f.annotation, f)
         for name, f in verb.request.model_fields.items()
@@ -82,8 +87,9 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
                 inspect.Parameter(
                     name,
                     kw,
-                    annotation=Annotated[
+                    annotation=Annotated[  # the field's constraints (bounds, lengths) kept
                         f.annotation,
+                        *f.metadata,
                         Query(description=f.description, json_schema_extra=f.json_schema_extra),
                     ],
                     default=default,
@@ -94,7 +100,11 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
         params.append(inspect.Parameter("body", kw, annotation=Annotated[f.annotation, Body()]))
     elif verb.body_fields:
         body = _body_model(verb)
-        optional = all(not verb.request.model_fields[n].is_required() for n in verb.body_fields)
+        # a verb about a path's object may leave out a body of defaults; otherwise the body
+        # is the request and is required
+        optional = bool(verb.path_params) and all(
+            not verb.request.model_fields[n].is_required() for n in verb.body_fields
+        )
         params.append(
             inspect.Parameter(
                 "body",
@@ -103,7 +113,7 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
                 default=None if optional else inspect.Parameter.empty,
             )
         )
-    if verb.operator_may:
+    if verb.operator_may or verb.undo is not None:
         params.append(inspect.Parameter("request", kw, annotation=Request))
     params.append(inspect.Parameter("edge", kw, annotation=Edge))
     params.append(inspect.Parameter("owner", kw, annotation=Owner))
@@ -114,6 +124,8 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
 
 def _parse(verb: Verb, values: dict[str, Any]) -> BaseModel:
     body = values.pop("body", None)
+    if isinstance(body, verb.request):  # the body was the whole request, checked already
+        return body
     data = {n: values[n] for n in verb.path_params}
     if verb.in_query:
         data.update({n: values[n] for n in verb.body_fields})
@@ -134,17 +146,23 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
         seq: Envelope | None = values.pop("seq", None)
         request: Request | None = values.pop("request", None)
         req = _parse(verb, values)
-        if request is not None:  # a verb with operator_may: its request has ``system``
+        if request is not None and verb.operator_may:  # its request has ``system``
             owner = acting_owner(request, owner, getattr(req, "system", False), verb.operator_may)
         # every edge is an EdgeAPI (the dependency's type); an optional ability is checked
         if verb.ability is not EdgeAPI and not isinstance(edge, verb.ability):
-            if isinstance(req, SandboxRef):
-                await edge.get_sandbox(req.sandbox_id, owner)  # another key's: not found
+            if isinstance(req, SandboxRef):  # another key's sandbox: not found
+                await edge.get_sandbox(SandboxRef(sandbox_id=req.sandbox_id), owner)
             raise CapabilityNotSupported(f"this server's edge cannot {verb.name}")
         call = getattr(edge, verb.name)
-        answer = await (
-            call(req, owner, seq or NO_ENVELOPE) if verb.sequenced else call(req, owner)
-        )
+        if verb.sequenced:
+            answer = await call(req, owner, seq or NO_ENVELOPE)
+        elif verb.undo is not None and request is not None:
+            undo = verb.undo
+            answer = await unless_departed(
+                request, call(req, owner), lambda made: undo(edge, made, owner)
+            )
+        else:
+            answer = await (call(req, owner) if verb.owned else call(req))
         if verb.answer is None:
             return Response(status_code=verb.status)
         return answer

@@ -113,6 +113,7 @@ from dsec.models import (
     FileInfo,
     ImageInfo,
     SandboxPathRequest,
+    SandboxRef,
     SandboxSnapshotRequest,
 )
 from dsec.network.policy import NetworkPolicy
@@ -287,7 +288,7 @@ class ImageBuilder:
             max_bytes=lim.max_context_unpacked_bytes,
             max_entries=lim.max_context_entries,
         )
-        caps = {c.tier: c for c in await self.edge.capabilities()}
+        caps = {c.tier: c for c in (await self.edge.capabilities()).tiers}
         container = caps.get("container")
         if container is None or not container.available:
             raise TierUnavailable(
@@ -539,7 +540,9 @@ class ImageBuilder:
             yield info.id
         finally:
             with contextlib.suppress(DsecError):
-                await asyncio.shield(self.edge.kill_sandbox(info.id, b.owner))
+                await asyncio.shield(
+                    self.edge.kill_sandbox(SandboxRef(sandbox_id=info.id), b.owner)
+                )
 
     async def _exec_user(self, sid: str, owner: str, user: str | None) -> str | None:
         if user is None or _EXEC_USER.match(user):

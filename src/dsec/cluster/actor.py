@@ -238,7 +238,7 @@ class EdgeActor:
         agent = await self._agent()
         usage = agent.usage()
         cpu_used, mem_used = self._cgroup_usage(agent)
-        caps = await agent.capabilities()
+        caps = (await agent.capabilities()).tiers
         try:
             layers = [x.digest for x in agent.layers.list_owned_layers(SYSTEM_OWNER)]
         except Exception:

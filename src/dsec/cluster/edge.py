@@ -69,11 +69,14 @@ from dsec.errors import (
     error_from_wire,
 )
 from dsec.models import (
+    NODE_QUERY,
+    BatchCreateRequest,
     BatchCreateResult,
     BatchItemError,
     BuildImageRequest,
     BuildRef,
     Capabilities,
+    CapabilityList,
     CodeRunRequest,
     CodeRunResult,
     CreateSandboxRequest,
@@ -94,15 +97,19 @@ from dsec.models import (
     KeyScope,
     KeyUsage,
     LayerList,
+    ListSandboxesRequest,
     MigrateRequest,
     MigrateResult,
     NodeInfo,
+    NodeQuery,
     PullImageRequest,
     PushImageRequest,
     PushImageResult,
     RunCodeRequest,
     RunCodeResponse,
     SandboxInfo,
+    SandboxList,
+    SandboxRef,
     ShareImageRequest,
 )
 from dsec.placement import PlacementRequest, Placer
@@ -367,8 +374,8 @@ class ClusterEdge:
         if self.state is not None:
             n, cpu, mem = await asyncio.to_thread(self.state.owner_usage, owner)
         else:
-            infos = await self.list_sandboxes(owner)
-            live = [i for i in infos if i.state != "stopped"]
+            listed = await self.list_sandboxes(ListSandboxesRequest(), owner)
+            live = [i for i in listed.sandboxes if i.state != "stopped"]
             n, cpu, mem = len(live), sum(i.cpu for i in live), sum(i.memory_mb for i in live)
         return KeyUsage(sandboxes=n, cpu=round(cpu, 6), memory_mb=mem)
 
@@ -399,7 +406,9 @@ class ClusterEdge:
                 env.idem_key,
                 req,
                 lambda: self.create_sandbox(req, owner),
-                lambda sandbox_id: cast(EdgeAPI, self).get_sandbox(sandbox_id, owner),
+                lambda sandbox_id: cast(EdgeAPI, self).get_sandbox(
+                    SandboxRef(sandbox_id=sandbox_id), owner
+                ),
             )
             return info
         require_tier(req.tier)  # InvalidRequest: a tier no one registered
@@ -472,14 +481,13 @@ class ClusterEdge:
             ) from None
         return info
 
-    async def create_sandboxes(
-        self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
-    ) -> BatchCreateResult:
+    async def create_sandboxes(self, batch: BatchCreateRequest, owner: str) -> BatchCreateResult:
         """Place ``n`` sandboxes with ``Placer.place_many`` and send one batch call per
         chosen node. Items an edge refuses with ``QuotaExceeded`` are retried one by one on
         other nodes; the rest are reported by index. ``all_or_nothing``: a batch the placer
         cannot fit is refused before anything is created, and any failure kills what was
         made and raises."""
+        req, n, all_or_nothing = batch.sandbox, batch.n, batch.all_or_nothing
         if n < 1:
             raise InvalidRequest("a batch needs n >= 1", n=n)
         preq = self.placement.request(req)
@@ -543,8 +551,7 @@ class ClusterEdge:
                 res: BatchCreateResult = await self.relay.call(
                     node,
                     "create_sandboxes",
-                    req,
-                    len(items),
+                    BatchCreateRequest(n=len(items), sandbox=req),
                     owner,
                     timeout=self.options.create_timeout_s,
                 )
@@ -603,7 +610,7 @@ class ClusterEdge:
         if all_or_nothing and errors:
             for info in made.values():
                 with contextlib.suppress(DsecError):
-                    await self.kill_sandbox(info.id, owner)
+                    await self.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
             first = errors[min(errors)]
             raise type(first)(
                 f"batch of {n} failed (all_or_nothing): {first.message}; "
@@ -649,28 +656,21 @@ class ClusterEdge:
                 if not done.done():
                     done.set_result(None)
 
-    async def list_sandboxes(
-        self,
-        owner: str,
-        *,
-        state: str | None = None,
-        labels: dict[str, str] | None = None,
-        job: str | None = None,
-        include_stopped: bool = False,
-    ) -> list[SandboxInfo]:
+    async def list_sandboxes(self, req: ListSandboxesRequest, owner: str) -> SandboxList:
+        """Every live node's list; with stopped ones asked for, also the registry's rows of
+        lost (or silent) nodes."""
+        state, labels, job, include_stopped = req.state, req.labels, req.job, req.include_stopped
+
         async def one(h: NodeHandle) -> list[SandboxInfo] | None:
             try:
-                out: list[SandboxInfo] = await self.relay.call(
+                res: SandboxList = await self.relay.call(
                     h.name,
                     "list_sandboxes",
+                    req,
                     owner,
-                    state=state,
-                    labels=labels,
-                    job=job,
-                    include_stopped=include_stopped,
                     timeout=self.options.probe_timeout_s * 2,
                 )
-                return out
+                return res.sandboxes
             except DsecError as e:
                 log.warning("list on node %s failed: %s", h.name, e.message)
                 return None
@@ -697,16 +697,18 @@ class ClusterEdge:
                     continue
                 out.append(info)
         out.sort(key=lambda i: i.created_at)
-        return out
+        return SandboxList(sandboxes=out)
 
     async def abandon_sandbox(
         self, sandbox_id: str, owner: str, env: Envelope = NO_ENVELOPE
     ) -> None:
         if env.idem_key is None or await self.creates.abandon(owner, env.idem_key, sandbox_id):
-            await self.kill_sandbox(sandbox_id, owner)
+            await self.kill_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
 
-    async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        info: SandboxInfo = await self.relay.on_sandbox(sandbox_id, "kill_sandbox", owner)
+    async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
+        info: SandboxInfo = await self.relay.on_sandbox(
+            req.sandbox_id, "kill_sandbox", req, owner, route_only=True
+        )
         await self._record(owner, info)
         return info
 
@@ -1039,7 +1041,7 @@ class ClusterEdge:
         raise last if last is not None else QuotaExceeded("no node of the cluster runs code now")
 
     # ------------------------------------------------------------------ node
-    async def capabilities(self) -> list[Capabilities]:
+    async def capabilities(self, req: NodeQuery = NODE_QUERY) -> CapabilityList:
         """Per tier: the capabilities of a node offering it (unavailable if none does)."""
         answers = await asyncio.gather(
             *(self.relay.call(h.name, "capabilities") for h in self._alive()),
@@ -1049,29 +1051,31 @@ class ClusterEdge:
         for a in answers:
             if isinstance(a, BaseException):
                 continue
-            for c in a:
+            for c in a.tiers:
                 if c.tier not in best or (c.available and not best[c.tier].available):
                     best[c.tier] = c
-        return [
-            best.get(t)
-            or Capabilities(
-                tier=t,
-                available=False,
-                reason="no live node",
-                exec=False,
-                files=False,
-                streaming=False,
-            )
-            for t in tier_names()
-        ]
+        return CapabilityList(
+            tiers=[
+                best.get(t)
+                or Capabilities(
+                    tier=t,
+                    available=False,
+                    reason="no live node",
+                    exec=False,
+                    files=False,
+                    streaming=False,
+                )
+                for t in tier_names()
+            ]
+        )
 
-    async def node_info(self) -> NodeInfo:
+    async def node_info(self, req: NodeQuery = NODE_QUERY) -> NodeInfo:
         """The cluster as one node: summed cores, memory and sandboxes of the live nodes."""
         reports = [h.report for h in self._alive() if h.report is not None]
         return NodeInfo(
             node="cluster",
             version=__version__,
-            tiers=await self.capabilities(),
+            tiers=(await self.capabilities()).tiers,
             sandboxes=sum(int(r["sandboxes"]) for r in reports),
             cpus=sum(int(r["cpus"]) for r in reports),
             memory_mb=sum(int(r["memory_bytes"]) >> 20 for r in reports),

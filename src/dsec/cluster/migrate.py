@@ -81,7 +81,14 @@ from dsec.errors import (
     SandboxStopped,
     TierUnavailable,
 )
-from dsec.models import CreateSandboxRequest, LayerInfo, MigrateResult, SandboxInfo
+from dsec.models import (
+    CapabilityList,
+    CreateSandboxRequest,
+    LayerInfo,
+    MigrateResult,
+    SandboxInfo,
+    SandboxRef,
+)
 from dsec.tiers import tier_has
 
 if TYPE_CHECKING:
@@ -165,7 +172,10 @@ async def migrate_sandbox(
         SandboxError: (memory_snapshot) the target failed to load the capture.
     """
     t0 = time.perf_counter()
-    info: SandboxInfo = await relay.on_sandbox(sandbox_id, "get_sandbox", owner)
+    ref = SandboxRef(sandbox_id=sandbox_id)
+    info: SandboxInfo = await relay.on_sandbox(
+        sandbox_id, "get_sandbox", ref, owner, route_only=True
+    )
     if info.state not in ("running", "paused"):
         raise SandboxStopped(f"sandbox {sandbox_id} is {info.state}", sandbox_id=sandbox_id)
     source = info.node
@@ -179,7 +189,8 @@ async def migrate_sandbox(
     candidates = _targets(relay, placement, info, base, target)
     method: Literal["pack_diff", "memory_snapshot"] = "pack_diff"
     if tier_has(info.tier, lambda t: t.guest_kernel):
-        caps = {c.tier: c for c in await relay.call(source, "capabilities")}
+        listed: CapabilityList = await relay.call(source, "capabilities")
+        caps = {c.tier: c for c in listed.tiers}
         tier_caps = caps.get(info.tier)
         if tier_caps is not None and tier_caps.memory_fork:
             method = "memory_snapshot"
@@ -218,7 +229,9 @@ async def migrate_sandbox(
         raise
     # the target is up: now the source goes
     try:
-        killed: SandboxInfo = await relay.on_sandbox(sandbox_id, "kill_sandbox", owner)
+        killed: SandboxInfo = await relay.on_sandbox(
+            sandbox_id, "kill_sandbox", ref, owner, route_only=True
+        )
         await record(owner, killed)
         if relay.state is not None:
             await asyncio.to_thread(

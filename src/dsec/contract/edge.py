@@ -35,6 +35,7 @@ call are generated from.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -53,13 +54,16 @@ from dsec.contract.streams import (
 )
 from dsec.contract.verbs import NO_ENVELOPE, Envelope, Verb, VerbTable
 from dsec.display import DisplayState, WindowInfo
+from dsec.errors import DsecError
 from dsec.models import (
+    NODE_QUERY,
     AuditEntry,
     AuditReport,
+    BatchCreateRequest,
     BatchCreateResult,
     BuildImageRequest,
     BuildRef,
-    Capabilities,
+    CapabilityList,
     CodeRunRequest,
     CodeRunResult,
     CreateSandboxRequest,
@@ -84,12 +88,14 @@ from dsec.models import (
     LayerInfo,
     LayerList,
     ListFilesRequest,
+    ListSandboxesRequest,
     LogLine,
     MigrateRequest,
     MigrateResult,
     NetworkPolicyRequest,
     NetworkStats,
     NodeInfo,
+    NodeQuery,
     PauseRequest,
     PullImageRequest,
     PushImageRequest,
@@ -99,6 +105,7 @@ from dsec.models import (
     RunCodeRequest,
     RunCodeResponse,
     SandboxInfo,
+    SandboxList,
     SandboxMetrics,
     SandboxPathRequest,
     SandboxRef,
@@ -166,23 +173,17 @@ class EdgeAPI(Protocol):
         retry under its idempotency key (``env.idem_key``) took it."""
         ...
 
-    async def create_sandboxes(
-        self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
-    ) -> BatchCreateResult:
-        """``n`` sandboxes like ``req``; per-sandbox results (partial success is reported)."""
+    async def create_sandboxes(self, req: BatchCreateRequest, owner: str) -> BatchCreateResult:
+        """``req.n`` sandboxes like ``req.sandbox``; per-sandbox results (partial success is
+        reported, unless ``req.all_or_nothing``)."""
         ...
 
-    async def get_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo: ...
-    async def list_sandboxes(
-        self,
-        owner: str,
-        *,
-        state: str | None = None,
-        labels: dict[str, str] | None = None,
-        job: str | None = None,
-        include_stopped: bool = False,
-    ) -> list[SandboxInfo]: ...
-    async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo: ...
+    async def get_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo: ...
+    async def list_sandboxes(self, req: ListSandboxesRequest, owner: str) -> SandboxList: ...
+    async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
+        """Kill the sandbox (idempotent: a stopped one answers as it is)."""
+        ...
+
     async def sandbox_uptime(self, req: SandboxRef, owner: str) -> SandboxUptime:
         """How long the sandbox has lived and been idle (read without resuming it or
         counting as activity)."""
@@ -308,8 +309,8 @@ class EdgeAPI(Protocol):
         ...
 
     # --- node ------------------------------------------------------------
-    async def node_info(self) -> NodeInfo: ...
-    async def capabilities(self) -> list[Capabilities]: ...
+    async def node_info(self, req: NodeQuery = NODE_QUERY) -> NodeInfo: ...
+    async def capabilities(self, req: NodeQuery = NODE_QUERY) -> CapabilityList: ...
     def metrics_text(self) -> bytes: ...
     async def stats(self) -> dict[str, Any]: ...
 
@@ -704,6 +705,15 @@ STREAM_VERBS: frozenset[str] = frozenset(
 """The verbs that return an async iterator (a stream of events or lines): a cluster relays
 them as streams (refusals raise from the first item)."""
 
+
+async def _kill_batch(edge: EdgeAPI, result: BatchCreateResult, owner: str) -> None:
+    """Take back a batch nobody will read: each of its sandboxes is killed (one that
+    fails does not keep the others)."""
+    for info in result.sandboxes:
+        with contextlib.suppress(DsecError):
+            await edge.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
+
+
 VERBS = VerbTable(
     Verb(
         "list_files",
@@ -910,6 +920,69 @@ VERBS = VerbTable(
         "``cpu.used_cores`` averages over ``interval_s`` (since the previous sample of this "
         "sandbox, or since its creation). A stopped sandbox is a 409 ``sandbox_stopped``; a "
         "tier whose capabilities lack ``metrics`` a 422 ``capability_not_supported``.",
+    ),
+    # --- sandbox lifecycle and node queries (issue 33, h45) ---------------------------
+    Verb(
+        "get_sandbox",
+        SandboxRef,
+        SandboxInfo,
+        "GET",
+        "/sandboxes/{sandbox_id}",
+        EdgeAPI,
+        "Describe a sandbox",
+    ),
+    Verb(
+        "kill_sandbox",
+        SandboxRef,
+        SandboxInfo,
+        "DELETE",
+        "/sandboxes/{sandbox_id}",
+        EdgeAPI,
+        "Kill a sandbox",
+    ),
+    Verb(
+        "list_sandboxes",
+        ListSandboxesRequest,
+        SandboxList,
+        "GET",
+        "/sandboxes",
+        EdgeAPI,
+        "List this key's sandboxes",
+    ),
+    Verb(
+        "create_sandboxes",
+        BatchCreateRequest,
+        BatchCreateResult,
+        "POST",
+        "/sandboxes/batch",
+        EdgeAPI,
+        "Create n sandboxes in one call",
+        "Answers 200 with one outcome per sandbox: ``sandboxes`` (created, in request order) "
+        "and ``errors`` (index, code, message of each one that was not). With "
+        "``all_or_nothing`` a failure kills what was made and answers that failure's error.",
+        undo=_kill_batch,
+    ),
+    Verb(
+        "node_info",
+        NodeQuery,
+        NodeInfo,
+        "GET",
+        "/node",
+        EdgeAPI,
+        "Describe this node",
+        tag="node",
+        owned=False,
+    ),
+    Verb(
+        "capabilities",
+        NodeQuery,
+        CapabilityList,
+        "GET",
+        "/capabilities",
+        EdgeAPI,
+        "What each tier can do",
+        tag="node",
+        owned=False,
     ),
     # --- images, layers, builds and networks ---------------------------------
     Verb(

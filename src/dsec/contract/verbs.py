@@ -20,7 +20,10 @@ the request model's base, whether it is **sandbox-scoped** (:class:`~dsec.models
 * the SDK sends it (:meth:`dsec.sdk._http.HttpClient.call`) and reads the answer model.
 
 A verb that changes the sandbox's trajectory (``sequenced``) also takes the request's
-:class:`Envelope`: the ``X-Dsec-Seq`` and ``Idempotency-Key`` headers, parsed once.
+:class:`Envelope`: the ``X-Dsec-Seq`` and ``Idempotency-Key`` headers, parsed once. A
+node-wide verb that answers every key alike (``owned=False``: ``node_info``,
+``capabilities``) is declared ``(req)`` without the owner; its route asks for a key all the
+same, as every ``/v1`` route does.
 
 Verbs whose request or answer is not one JSON document (raw uploads and downloads, streams
 of events, TCP connections) keep routes of their own; they are declared on the ability
@@ -30,6 +33,7 @@ protocols all the same.
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import quote
@@ -66,7 +70,11 @@ _PATH_PARAM = re.compile(r"\{([a-z_]+)(?::path)?\}")
 class Verb:
     """One row of the verb table. ``path`` is under ``/v1``; its ``{name}`` parameters are
     fields of ``request``. ``ability``: the protocol that declares the method (``EdgeAPI``
-    for the verbs every edge has)."""
+    for the verbs every edge has). ``owned``: whether the method takes the caller's owner
+    id (``False``: a node-wide answer, the same for every key). ``undo(edge, answer,
+    owner)``: what takes back an answer whose client left before reading it (a creation's
+    sandbox is killed; the route runs such a verb under
+    :func:`dsec.apiserver.departed.unless_departed`)."""
 
     name: str
     request: type[BaseModel]
@@ -89,6 +97,8 @@ class Verb:
     """What the request's ``system`` field lets the operator's key do to system images
     (``"remove"``, ``"publish"``): with ``system`` true the call acts as the system
     (:data:`dsec.models.SYSTEM_OWNER`), and any other key is refused (``PermissionDenied``)."""
+    owned: bool = True
+    undo: Callable[[Any, Any, str], Awaitable[None]] | None = None
     _answers: TypeAdapter[Any] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +111,8 @@ class Verb:
             raise ValueError(f"verb {self.name}: a body field must be a body's only field")
         if self.operator_may and "system" not in self.request.model_fields:
             raise ValueError(f"verb {self.name}: operator_may needs a system field")
+        if not self.owned and (self.sandbox_scoped or self.sequenced or self.undo):
+            raise ValueError(f"verb {self.name}: a verb about a sandbox is told its owner")
         object.__setattr__(
             self, "_answers", TypeAdapter(self.answer) if self.answer is not None else None
         )

@@ -72,7 +72,7 @@ from starlette.routing import Route
 from dsec.apiserver.departed import unless_departed
 from dsec.contract.edge import EdgeAPI, MetricsEdge
 from dsec.e2b.access import AccessTokens, TemplateMap, image_ref
-from dsec.e2b.errors import E2BError, control_status, stream_ended_error
+from dsec.e2b.errors import E2BError, control_status, sandbox_ref, stream_ended_error
 from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
 from dsec.e2b.process import ProcessRegistry, paused_error
@@ -81,6 +81,7 @@ from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
     ImageNotFound,
+    InvalidRequest,
     SandboxNotFound,
     SandboxStopped,
     ServiceUnavailable,
@@ -90,10 +91,10 @@ from dsec.models import (
     DeleteImageRequest,
     ForkRequest,
     KeyScope,
+    ListSandboxesRequest,
     NetworkPolicyRequest,
     PauseRequest,
     SandboxInfo,
-    SandboxRef,
     SandboxSnapshotRequest,
     SetTTLRequest,
 )
@@ -302,7 +303,7 @@ class ControlPlane:
         """Whether ``tier`` can give sandboxes a network on this edge (cached 10 s)."""
         now = time.monotonic()
         if self._network_tiers is None or now - self._network_tiers[0] > 10.0:
-            caps = await self.edge.capabilities()
+            caps = (await self.edge.capabilities()).tiers
             self._network_tiers = (now, frozenset(c.tier for c in caps if c.network))
         return tier in self._network_tiers[1]
 
@@ -479,7 +480,7 @@ class ControlPlane:
 
     async def _live(self, sandbox_id: str, owner: str) -> SandboxInfo:
         """The sandbox if it exists for this owner and is not stopped; 404 otherwise."""
-        info = await self.edge.get_sandbox(sandbox_id, owner)
+        info = await self.edge.get_sandbox(sandbox_ref(sandbox_id), owner)
         if info.state == "stopped":
             raise E2BError(404, f"sandbox {sandbox_id} not found")
         return info
@@ -556,7 +557,7 @@ class ControlPlane:
             raise E2BError(400, f"invalid sandbox request: {msg}") from None
 
         async def undo(info: SandboxInfo) -> None:  # the client gave up: nothing stays
-            await self.edge.kill_sandbox(info.id, owner)
+            await self.edge.kill_sandbox(sandbox_ref(info.id), owner)
 
         info = await unless_departed(request, self.edge.create_sandbox(req, owner), undo)
         return JSONResponse(self._created(info, owner), status_code=201)
@@ -572,8 +573,12 @@ class ControlPlane:
         states = {s.strip() for s in q.get("state", "").split(",") if s.strip()}
         if states - {"running", "paused"}:
             raise E2BError(400, f"unknown state filter {sorted(states - {'running', 'paused'})}")
-        infos = await self.edge.list_sandboxes(owner, labels=labels)
-        out = [i for i in infos if i.state != "stopped"]
+        try:
+            req = ListSandboxesRequest.of(labels)
+        except InvalidRequest:  # a label no sandbox can carry: no match (E2B's answer)
+            return []
+        listed = await self.edge.list_sandboxes(req, owner)
+        out = [i for i in listed.sandboxes if i.state != "stopped"]
         if states:
             out = [i for i in out if self._state(i).value in states]
         if q.get("template"):
@@ -638,7 +643,7 @@ class ControlPlane:
     async def kill(self, request: Request, owner: str) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
         await self._live(sandbox_id, owner)
-        await self.edge.kill_sandbox(sandbox_id, owner)
+        await self.edge.kill_sandbox(sandbox_ref(sandbox_id), owner)
         # open process streams end as envd's do when their sandbox dies mid-stream
         self.registry.end_streams(sandbox_id, stream_ended_error(sandbox_id))
         await self.registry.drop_sandbox(sandbox_id)
@@ -687,7 +692,7 @@ class ControlPlane:
         if info.state == "paused":
             if body.get("memory") is False:  # on_resume="reboot": boot afresh from its files
                 await self._pause_filesystem(sandbox_id, owner)
-            info = await self.edge.resume_sandbox(_ref(sandbox_id), owner)
+            info = await self.edge.resume_sandbox(sandbox_ref(sandbox_id), owner)
             status = 201
         if body.get("timeout") is not None:
             seconds = self._seconds(body, "timeout")
@@ -733,7 +738,7 @@ class ControlPlane:
         info = await self._live(sandbox_id, owner)
         if info.state != "paused":
             return _error(409, f"sandbox {sandbox_id} is already running")
-        info = await self.edge.resume_sandbox(_ref(sandbox_id), owner)
+        info = await self.edge.resume_sandbox(sandbox_ref(sandbox_id), owner)
         if body.get("timeout") is not None:
             info = await self.edge.set_ttl(_ttl(sandbox_id, self._seconds(body, "timeout")), owner)
         return JSONResponse(self._created(info, owner), status_code=201)
@@ -812,7 +817,7 @@ class ControlPlane:
             await self._live(sandbox_id, owner)
             raise E2BError(422, "this dsec server cannot measure sandboxes")
         try:
-            m = await self.edge.sandbox_metrics(_ref(sandbox_id), owner)
+            m = await self.edge.sandbox_metrics(sandbox_ref(sandbox_id), owner)
         except SandboxStopped:
             raise E2BError(404, f"sandbox {sandbox_id} not found") from None
         return {
@@ -988,11 +993,6 @@ class ControlPlane:
         except ImageNotFound:
             return _error(404, f"snapshot {name!r} not found")
         return Response(status_code=204)
-
-
-def _ref(sandbox_id: str) -> SandboxRef:
-    """The request of a verb about ``sandbox_id`` (a malformed id: ``InvalidRequest``)."""
-    return validated(SandboxRef, sandbox_id=sandbox_id)
 
 
 def _ttl(sandbox_id: str, seconds: float) -> SetTTLRequest:

@@ -54,6 +54,7 @@ from dsec.e2b.errors import (
     e2b_http_exception_handlers,
     envd_http_status,
     sandbox_gone_message,
+    sandbox_ref,
     to_connect_error,
 )
 from dsec.e2b.filesystem import METADATA_XATTR_PREFIX, FilesystemService
@@ -329,7 +330,7 @@ class EnvdApp:
         if off is False:
             return
         try:
-            info = await self.edge.get_sandbox(sandbox_id, owner)
+            info = await self.edge.get_sandbox(sandbox_ref(sandbox_id), owner)
         except DsecError:
             return  # the request itself reports what is wrong
         if off is None:
@@ -430,7 +431,7 @@ class EnvdApp:
 
     async def _health(self, request: Request) -> Response:
         async def handler(sandbox_id: str, owner: str) -> Response:
-            info = await self.edge.get_sandbox(sandbox_id, owner)
+            info = await self.edge.get_sandbox(sandbox_ref(sandbox_id), owner)
             if info.state == "stopped":
                 return self._error(502, sandbox_gone_message(sandbox_id))
             if info.state == "paused":  # as E2B: a paused sandbox's envd does not answer

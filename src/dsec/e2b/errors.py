@@ -27,6 +27,7 @@ from typing import Any
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -48,6 +49,7 @@ from dsec.errors import (
     ServiceUnavailable,
     Unsupported,
 )
+from dsec.models import SandboxRef
 
 __all__ = [
     "E2BError",
@@ -55,6 +57,7 @@ __all__ = [
     "e2b_http_exception_handlers",
     "envd_http_status",
     "sandbox_gone_message",
+    "sandbox_ref",
     "stream_ended_error",
     "to_connect_error",
 ]
@@ -67,6 +70,16 @@ class E2BError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+def sandbox_ref(sandbox_id: str) -> SandboxRef:
+    """The request of a verb about ``sandbox_id`` (a path or header of E2B's), where a
+    malformed id is a sandbox that does not exist: ``SandboxNotFound``, answered as E2B
+    answers an unknown one (404, 502 "... was not found"), never a 400 as on dsec's API."""
+    try:
+        return SandboxRef(sandbox_id=sandbox_id)
+    except ValidationError:
+        raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id=sandbox_id) from None
 
 
 def sandbox_gone_message(sandbox_id: str) -> str:

@@ -55,7 +55,7 @@ from dsec.contract.edge import (
     FileEventKind,
     FileXattrs,
 )
-from dsec.e2b.errors import to_connect_error
+from dsec.e2b.errors import sandbox_ref, to_connect_error
 from dsec.e2b.users import SandboxUsers, user_from_headers
 from dsec.errors import CapabilityNotSupported, DsecError, FileNotFound, InvalidRequest
 from dsec.models import (
@@ -401,7 +401,7 @@ class FilesystemService(filesystem_connect.Filesystem):
                 self._watchers.pop(watcher_id, None)
                 return
             try:
-                info = await self._edge.get_sandbox(w.sandbox_id, w.owner)
+                info = await self._edge.get_sandbox(sandbox_ref(w.sandbox_id), w.owner)
             except DsecError as e:
                 w.failure = to_connect_error(e, w.sandbox_id)
                 return

@@ -31,6 +31,7 @@ from dsec.contract.edge import (
     OutputChunk,
     PtySize,
 )
+from dsec.e2b.errors import sandbox_ref
 from dsec.errors import CapabilityNotSupported, DsecError, InternalError
 from dsec.models import ExecEvent, ExecRequest, ExecResult
 
@@ -158,6 +159,6 @@ async def start_interactive(
             "this dsec edge has no interactive processes (InteractiveExec): no PTY"
         )
     # Fail fast on a missing or foreign sandbox, as start_process would.
-    await edge.get_sandbox(sandbox_id, owner)
+    await edge.get_sandbox(sandbox_ref(sandbox_id), owner)
     proc = ExecStreamProcess(edge, sandbox_id, owner, req)
     return proc

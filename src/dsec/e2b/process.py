@@ -41,7 +41,12 @@ from protobuf import Oneof
 from pydantic import ValidationError
 
 from dsec.contract.edge import EdgeAPI
-from dsec.e2b.errors import sandbox_gone_message, stream_ended_error, to_connect_error
+from dsec.e2b.errors import (
+    sandbox_gone_message,
+    sandbox_ref,
+    stream_ended_error,
+    to_connect_error,
+)
 from dsec.e2b.interactive import InteractiveProcess, PtySize, start_interactive
 from dsec.e2b.users import SandboxUsers, user_from_headers
 from dsec.errors import DsecError, SandboxNotFound, SandboxStopped
@@ -301,7 +306,7 @@ class ProcessRegistry:
     async def end_streams_if_paused(self, sandbox_id: str, owner: str) -> None:
         """:meth:`end_streams` with the pause error when the edge says the sandbox is paused."""
         try:
-            info = await self._edge.get_sandbox(sandbox_id, owner)
+            info = await self._edge.get_sandbox(sandbox_ref(sandbox_id), owner)
         except DsecError:
             return  # gone: the pump sees it
         if info.state == "paused":
@@ -372,7 +377,7 @@ class ProcessRegistry:
     async def check_running(self, sandbox_id: str, owner: str) -> None:
         """Raise the Connect error for a sandbox that is gone (or not this owner's)."""
         try:
-            info = await self._edge.get_sandbox(sandbox_id, owner)
+            info = await self._edge.get_sandbox(sandbox_ref(sandbox_id), owner)
         except DsecError as e:
             raise to_connect_error(e, sandbox_id) from None
         if info.state == "stopped":
@@ -385,7 +390,9 @@ class ProcessRegistry:
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
             try:
-                if (await self._edge.get_sandbox(sandbox_id, owner)).state == "stopped":
+                if (
+                    await self._edge.get_sandbox(sandbox_ref(sandbox_id), owner)
+                ).state == "stopped":
                     return
             except DsecError:
                 return

@@ -1158,7 +1158,7 @@ class TemplateAPI:
         context = await asyncio.to_thread(
             self.files.context, owner, plan.hashes, self.max_context_bytes
         )
-        caps = {c.tier: c for c in await self.edge.capabilities()}
+        caps = {c.tier: c for c in (await self.edge.capabilities()).tiers}
         container = caps.get("container")
         networked = container is not None and container.available and container.network
         sizes: dict[str, Any] = {}

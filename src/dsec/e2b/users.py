@@ -27,6 +27,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
 from dsec.contract.edge import EdgeAPI
+from dsec.e2b.errors import sandbox_ref
 from dsec.errors import DsecError, InvalidRequest, SandboxNotFound
 from dsec.models import SandboxPathRequest
 from dsec.runtimes.container.users import parse_group, parse_passwd
@@ -127,7 +128,7 @@ class SandboxUsers:
             InvalidRequest: ``user`` is a name the sandbox's passwd does not have.
             SandboxNotFound: the sandbox does not exist for ``owner``.
         """
-        info = await self._edge.get_sandbox(sandbox_id, owner)
+        info = await self._edge.get_sandbox(sandbox_ref(sandbox_id), owner)
         spec = user if user is not None else info.user
         if not spec:
             return info.workdir or "/"
@@ -150,7 +151,7 @@ class SandboxUsers:
         home = await self.home(sandbox_id, owner, user)
         if cwd:
             return resolve_path(cwd, home)
-        workdir = (await self._edge.get_sandbox(sandbox_id, owner)).workdir
+        workdir = (await self._edge.get_sandbox(sandbox_ref(sandbox_id), owner)).workdir
         if workdir and workdir != "/":
             return workdir
         db = await self._db(sandbox_id, owner)
@@ -167,7 +168,7 @@ class SandboxUsers:
         if info is not None and info.type == "dir":
             db.existing_dirs.add(home)
             return home
-        return (await self._edge.get_sandbox(sandbox_id, owner)).workdir or "/"
+        return (await self._edge.get_sandbox(sandbox_ref(sandbox_id), owner)).workdir or "/"
 
     @staticmethod
     def _lookup(db: _Db, name: str) -> str | None:

@@ -5,8 +5,11 @@ one training run. On trainer preemption the whole job is paused in one call, and
 killed later. The edge lists the job's sandboxes and hands them to :func:`for_each_sandbox`
 with its own per-sandbox coroutine (``pause_sandbox``, ``resume_sandbox``, ``kill_sandbox``...)::
 
-    ids = [s.id for s in await edge.list_sandboxes(owner, job="run-42")]
-    outcomes = await for_each_sandbox(ids, lambda sid: edge.pause_sandbox(sid, owner))
+    listed = await edge.list_sandboxes(ListSandboxesRequest(job="run-42"), owner)
+    ids = [s.id for s in listed.sandboxes]
+    outcomes = await for_each_sandbox(
+        ids, lambda sid: edge.pause_sandbox(PauseRequest(sandbox_id=sid), owner)
+    )
     # {"sb-n1-ab12": {"ok": True, "state": "paused", "error": None},
     #  "sb-n1-cd34": {"ok": False, "state": None,
     #                 "error": {"code": "sandbox_stopped", "message": ..., "details": {...}}}}

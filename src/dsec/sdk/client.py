@@ -19,12 +19,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from pydantic import TypeAdapter
 
 from dsec.contract.edge import VERBS
 from dsec.models import (
+    NODE_QUERY,
     BuildImageRequest,
     Capabilities,
+    CapabilityList,
     CodeRunRequest,
     CodeRunResult,
     DeleteImageRequest,
@@ -35,11 +36,13 @@ from dsec.models import (
     KeyScope,
     LayerInfo,
     LayerList,
+    ListSandboxesRequest,
     NodeInfo,
     PullImageRequest,
     PushImageRequest,
     PushImageResult,
     SandboxInfo,
+    SandboxList,
     ShareImageRequest,
 )
 from dsec.sdk._http import DEFAULT_TIMEOUT_S, HttpClient
@@ -54,8 +57,6 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncClient"]
 
-_SANDBOXES = TypeAdapter(list[SandboxInfo])
-_CAPS = TypeAdapter(list[Capabilities])
 
 BUILD_TIMEOUT_S = 1800.0
 """Default wait for an image build, seconds."""
@@ -92,8 +93,8 @@ class AsyncClient:
 
     async def node_info(self) -> NodeInfo:
         """The node's name, version, load and per-tier capabilities."""
-        r = await self._http.request("GET", "/v1/node")
-        return NodeInfo.model_validate(r.json(), context=ANSWER)
+        node: NodeInfo = await self._http.call(VERBS["node_info"], NODE_QUERY)
+        return node
 
     async def key_info(self) -> KeyInfo:
         """This key: its owner id, role, quota (what the operator lets it hold and how fast
@@ -103,8 +104,8 @@ class AsyncClient:
 
     async def capabilities(self) -> builtins.list[Capabilities]:
         """What each tier can do on this node."""
-        r = await self._http.request("GET", "/v1/capabilities")
-        return _CAPS.validate_python(r.json()["tiers"], context=ANSWER)
+        listed: CapabilityList = await self._http.call(VERBS["capabilities"], NODE_QUERY)
+        return listed.tiers
 
     async def list_images(self) -> builtins.list[ImageInfo]:
         """This key's images and the system's (built-in images not built yet show their
@@ -334,17 +335,9 @@ class AsyncClient:
         include_stopped: bool = False,
     ) -> builtins.list[SandboxInfo]:
         """This key's sandboxes, filtered by state, labels (all must match) and job."""
-        params: builtins.list[tuple[str, Any]] = []
-        if state is not None:
-            params.append(("state", state))
-        if job is not None:
-            params.append(("job", job))
-        for k, v in (labels or {}).items():
-            params.append(("label", f"{k}={v}"))
-        if include_stopped:
-            params.append(("include_stopped", "true"))
-        r = await self._http.request("GET", "/v1/sandboxes", params=params)
-        return _SANDBOXES.validate_python(r.json()["sandboxes"], context=ANSWER)
+        req = ListSandboxesRequest.of(labels, state=state, job=job, include_stopped=include_stopped)
+        listed: SandboxList = await self._http.call(VERBS["list_sandboxes"], req)
+        return listed.sandboxes
 
     @property
     def jobs(self) -> AsyncJobs:

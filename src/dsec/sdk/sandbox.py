@@ -722,19 +722,16 @@ class AsyncSandbox:
             an :class:`AsyncSandboxBatch` (``async with`` kills them all on exit).
         """
         req = cls._request(**sandbox)
-        body = validated(
-            BatchCreateRequest, n=n, sandbox=req, all_or_nothing=all_or_nothing
-        ).model_dump(mode="json")
+        batch = validated(BatchCreateRequest, n=n, sandbox=req, all_or_nothing=all_or_nothing)
         conn, owned = cls._client_for(client, url, api_key, transport)
         try:
-            r = await conn._http.request(
-                "POST", "/v1/sandboxes/batch", json=body, timeout=timeout + 0.5 * n
+            result: BatchCreateResult = await conn._http.call(
+                VERBS["create_sandboxes"], batch, timeout=timeout + 0.5 * n
             )
         except BaseException:
             if owned:
                 await conn.close()
             raise
-        result = BatchCreateResult.model_validate(r.json(), context=ANSWER)
         sandboxes = [cls(info, conn, owns_client=False) for info in result.sandboxes]
         return AsyncSandboxBatch(result.requested, sandboxes, result.errors, conn, owned)
 
@@ -830,8 +827,9 @@ class AsyncSandbox:
         if not isinstance(sandbox_id, str) or not _SANDBOX_ID.match(sandbox_id):
             raise InvalidRequest(f"not a sandbox id: {sandbox_id!r}", sandbox_id=str(sandbox_id))
         conn, owned = cls._client_for(client, url, api_key, transport)
-        r = await conn._http.request("GET", f"/v1/sandboxes/{sandbox_id}")
-        info = SandboxInfo.model_validate(r.json(), context=ANSWER)
+        info: SandboxInfo = await conn._http.call(
+            VERBS["get_sandbox"], SandboxRef(sandbox_id=sandbox_id)
+        )
         sb = cls(info, conn, owns_client=owned, next_seq=1 if replay else info.next_seq)
         # fast-forward: the first numbered call fetches the trajectory once; repeats of
         # recorded commands are then answered from it without a round trip each
@@ -966,6 +964,11 @@ class AsyncSandbox:
     def _path(self, suffix: str = "") -> str:
         return f"/v1/sandboxes/{quote(self._info.id, safe='')}{suffix}"
 
+    @property
+    def _ref(self) -> SandboxRef:
+        """The request of a verb about this sandbox that says nothing more."""
+        return validated(SandboxRef, sandbox_id=self.id)
+
     def _take_seq(self) -> int:
         if self._free_seqs:
             return heapq.heappop(self._free_seqs)
@@ -1057,8 +1060,7 @@ class AsyncSandbox:
     # --- lifecycle --------------------------------------------------------------
     async def refresh(self) -> SandboxInfo:
         """Fetch the current state from the server and return it."""
-        r = await self._client._http.request("GET", self._path())
-        self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
+        self._info = await self._client._http.call(VERBS["get_sandbox"], self._ref)
         return self._info
 
     async def set_ttl(self, ttl_s: float) -> SandboxInfo:
@@ -1086,8 +1088,7 @@ class AsyncSandbox:
 
     async def resume(self) -> SandboxInfo:
         """Resume a paused sandbox (idempotent; a running one is left as is)."""
-        req = validated(SandboxRef, sandbox_id=self.id)
-        self._info = await self._client._http.call(VERBS["resume_sandbox"], req)
+        self._info = await self._client._http.call(VERBS["resume_sandbox"], self._ref)
         return self._info
 
     async def snapshot(
@@ -1242,8 +1243,7 @@ class AsyncSandbox:
         """How long the sandbox has lived (``uptime_s``), how long it has been idle
         (``idle_s``, what its TTL counts from) and when its TTL ends it (``expires_in_s``).
         Asking neither resumes a paused sandbox nor counts as activity."""
-        req = validated(SandboxRef, sandbox_id=self.id)
-        uptime: SandboxUptime = await self._client._http.call(VERBS["sandbox_uptime"], req)
+        uptime: SandboxUptime = await self._client._http.call(VERBS["sandbox_uptime"], self._ref)
         return uptime
 
     async def metrics(self) -> SandboxMetrics:
@@ -1252,8 +1252,7 @@ class AsyncSandbox:
         and limit, bytes), disk (its writable layer, bytes), network (bytes and packets; None
         without a network) and processes. Reading it neither resumes a paused sandbox nor
         extends its TTL. ``CapabilityNotSupported`` on a tier that cannot measure."""
-        req = validated(SandboxRef, sandbox_id=self.id)
-        metrics: SandboxMetrics = await self._client._http.call(VERBS["sandbox_metrics"], req)
+        metrics: SandboxMetrics = await self._client._http.call(VERBS["sandbox_metrics"], self._ref)
         return metrics
 
     async def audit(self, *, after: int = 0) -> AuditReport:
@@ -1284,8 +1283,7 @@ class AsyncSandbox:
     async def kill(self) -> SandboxInfo:
         """Kill the sandbox (idempotent) and release this object's connections."""
         try:
-            r = await self._client._http.request("DELETE", self._path())
-            self._info = SandboxInfo.model_validate(r.json(), context=ANSWER)
+            self._info = await self._client._http.call(VERBS["kill_sandbox"], self._ref)
         finally:
             if self._owns_client:
                 await self._client.close()

@@ -34,7 +34,7 @@ from dsec.apiserver.deps import current_owner
 from dsec.contract.edge import EdgeAPI, KeyQuotas, NodeReports
 from dsec.edge.quotas import UNLIMITED
 from dsec.errors import AuthenticationError, DsecError
-from dsec.models import SandboxInfo
+from dsec.models import ListSandboxesRequest, SandboxInfo
 from dsec.ui.series import ActivityRecorder, NodeSampler
 from dsec.ui.session import COOKIE, LOGIN_COOKIE, Session, SessionAuthority
 
@@ -281,7 +281,9 @@ def make_ui_router(
         edge: EdgeAPI = request.app.state.edge
         sampler.start()
         node = await edge.node_info()
-        mine = await edge.list_sandboxes(owner, include_stopped=True)
+        mine = (
+            await edge.list_sandboxes(ListSandboxesRequest(include_stopped=True), owner)
+        ).sandboxes
         live = [s for s in mine if s.state != "stopped"]
         series = activity.series(None if operator else owner)
         if not operator:  # a key's own, exactly (the edge keeps stopped ones for an hour);

@@ -25,6 +25,7 @@ from dsec.models import (
     ForkResult,
     LayerInfo,
     SandboxInfo,
+    SandboxRef,
     SandboxSnapshotRequest,
     SnapshotRequest,
 )
@@ -144,7 +145,7 @@ class ForkVerbs(SandboxVerbs):
         if failed:
             for info in created:  # nothing half-done: undo the ones made
                 with contextlib.suppress(Exception):
-                    await self.kill_sandbox(info.id, owner)
+                    await self.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
             raise failed[0]
         return created
 

@@ -9,7 +9,16 @@ from typing import Any
 from dsec.contract.edge import NodeUsage
 from dsec.contract.runtime import capabilities_of
 from dsec.edge.core import EdgeCore
-from dsec.models import Capabilities, HostTier, KeyUsage, NodeInfo, SandboxInfo
+from dsec.models import (
+    NODE_QUERY,
+    Capabilities,
+    CapabilityList,
+    HostTier,
+    KeyUsage,
+    NodeInfo,
+    NodeQuery,
+    SandboxInfo,
+)
 from dsec.tiers import tier_names
 from dsec.version import __version__
 
@@ -20,7 +29,7 @@ class NodeVerbs(EdgeCore):
     """The node: its capabilities, info, usage and the live table's views."""
 
     # ------------------------------------------------------------------ node
-    async def capabilities(self) -> list[Capabilities]:
+    async def capabilities(self, req: NodeQuery = NODE_QUERY) -> CapabilityList:
         out = []
         for tier in tier_names():
             rt = self.runtimes.get(tier)
@@ -37,10 +46,10 @@ class NodeVerbs(EdgeCore):
                 )
             else:
                 out.append(capabilities_of(rt))
-        return out
+        return CapabilityList(tiers=out)
 
-    async def node_info(self) -> NodeInfo:
-        tiers = await self.capabilities()
+    async def node_info(self, req: NodeQuery = NODE_QUERY) -> NodeInfo:
+        tiers = (await self.capabilities()).tiers
         host = None
         if self._host_report is not None:
             try:

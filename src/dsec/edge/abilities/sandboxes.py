@@ -27,6 +27,7 @@ from dsec.errors import (
 )
 from dsec.layers.workspace import check_stack
 from dsec.models import (
+    BatchCreateRequest,
     BatchCreateResult,
     CreateSandboxRequest,
     ImageInfo,
@@ -34,8 +35,10 @@ from dsec.models import (
     JobActionResult,
     JobOutcome,
     LayerInfo,
+    ListSandboxesRequest,
     PauseRequest,
     SandboxInfo,
+    SandboxList,
     SandboxRef,
     SetTTLRequest,
 )
@@ -65,7 +68,7 @@ class SandboxVerbs(PauseVerbs):
                 env.idem_key,
                 req,
                 lambda: self.create_sandbox(req, owner, maker=maker, forked_from=forked_from),
-                lambda sandbox_id: self.get_sandbox(sandbox_id, owner),
+                lambda sandbox_id: self.get_sandbox(SandboxRef(sandbox_id=sandbox_id), owner),
             )
             return info
         t0 = time.perf_counter()
@@ -197,57 +200,50 @@ class SandboxVerbs(PauseVerbs):
                 raise
         return await self.references.resolve(name, owner, wait_s=wait_s)
 
-    async def create_sandboxes(
-        self, req: CreateSandboxRequest, n: int, owner: str, *, all_or_nothing: bool = False
-    ) -> BatchCreateResult:
-        """Create ``n`` sandboxes like ``req`` (see :func:`dsec.edge.jobs.create_batch`).
+    async def create_sandboxes(self, req: BatchCreateRequest, owner: str) -> BatchCreateResult:
+        """Create ``req.n`` sandboxes like ``req.sandbox`` (see
+        :func:`dsec.edge.jobs.create_batch`).
 
         A batch that can never fit this node (``n`` above its sandbox limit), or with
         ``all_or_nothing`` one that does not fit now, is refused up front (QuotaExceeded)."""
-        caps = capabilities_of(self._runtime(req.tier))
+        each, n = req.sandbox, req.n
+        caps = capabilities_of(self._runtime(each.tier))
         if n > self.limits.max_sandboxes:
             raise QuotaExceeded(
                 f"a batch of {n} is more than node {self.node} can ever hold "
                 f"({self.limits.max_sandboxes} sandboxes)",
                 batch_size=n,
             )
-        if all_or_nothing:
-            self._check_admission(req, caps, owner, count=n)
+        if req.all_or_nothing:
+            self._check_admission(each, caps, owner, count=n)
         return await create_batch(
             n,
-            lambda _i: self.create_sandbox(req, owner),
-            lambda sid: self.kill_sandbox(sid, owner),
-            all_or_nothing=all_or_nothing,
+            lambda _i: self.create_sandbox(each, owner),
+            lambda sid: self.kill_sandbox(SandboxRef(sandbox_id=sid), owner),
+            all_or_nothing=req.all_or_nothing,
             concurrency=self.limits.create_concurrency,
         )
 
-    async def get_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
-        return self._info(self._lookup_row(sandbox_id, owner))
+    async def get_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
+        return self._info(self._lookup_row(req.sandbox_id, owner))
 
-    async def list_sandboxes(
-        self,
-        owner: str,
-        *,
-        state: str | None = None,
-        labels: dict[str, str] | None = None,
-        job: str | None = None,
-        include_stopped: bool = False,
-    ) -> list[SandboxInfo]:
+    async def list_sandboxes(self, req: ListSandboxesRequest, owner: str) -> SandboxList:
+        state, labels = req.state, req.labels
         if state is not None:
             states: tuple[str, ...] | None = (state,)
-        elif include_stopped:
+        elif req.include_stopped:
             states = None
         else:
             states = ("creating", "running", "paused")
         rows = []
-        for r in self.registry.select(owner=owner, states=states, job=job):
+        for r in self.registry.select(owner=owner, states=states, job=req.job):
             lv = self._live.get(r.id)
             row = lv.row if lv is not None else r
             if labels and any(row.labels.get(k) != v for k, v in labels.items()):
                 continue
             rows.append(row)
         seqs = self.trajectory.next_seqs([r.id for r in rows])  # one query, not one per row
-        return [self._info(row, seqs[row.id]) for row in rows]
+        return SandboxList(sandboxes=[self._info(row, seqs[row.id]) for row in rows])
 
     async def abandon_sandbox(
         self, sandbox_id: str, owner: str, env: Envelope = NO_ENVELOPE
@@ -255,9 +251,10 @@ class SandboxVerbs(PauseVerbs):
         """The client of this creation left before its answer: kill the sandbox, unless a
         retry under the same idempotency key took it."""
         if env.idem_key is None or await self.creates.abandon(owner, env.idem_key, sandbox_id):
-            await self.kill_sandbox(sandbox_id, owner)
+            await self.kill_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
 
-    async def kill_sandbox(self, sandbox_id: str, owner: str) -> SandboxInfo:
+    async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
+        sandbox_id = req.sandbox_id
         row = self._lookup_row(sandbox_id, owner)
         lv = self._live.get(sandbox_id)
         if lv is not None:
@@ -284,7 +281,7 @@ class SandboxVerbs(PauseVerbs):
         fns: dict[str, Callable[[str, str], Awaitable[SandboxInfo]]] = {
             "pause": lambda sid, owner: self.pause_sandbox(PauseRequest(sandbox_id=sid), owner),
             "resume": lambda sid, owner: self.resume_sandbox(SandboxRef(sandbox_id=sid), owner),
-            "kill": self.kill_sandbox,
+            "kill": lambda sid, owner: self.kill_sandbox(SandboxRef(sandbox_id=sid), owner),
         }
         if action not in fns:
             raise InvalidRequest(f"unknown job action {action!r}; use pause, resume or kill")
