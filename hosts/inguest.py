@@ -421,6 +421,12 @@ def _file_layers(config: dict[str, Any], rec: Recorder, payload: Path) -> None:
                 shutil.copyfile(payload / info["file"], dest)
                 dest.chmod(0o444)
             filed[name] = dest.name
+        for name, info in config.get("toolkits", {}).items():  # named as the host's cache did
+            dest = IMAGE_CACHE / Path(info["file"]).name
+            if not dest.exists():
+                shutil.copyfile(payload / info["file"], dest)
+                dest.chmod(0o444)
+            filed[f"toolkit-{name}"] = dest.name
         return filed
 
     rec.check("images.filed", file_them, 600)

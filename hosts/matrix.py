@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from hosts.guest import GuestRun, RunOptions, run_host
+from hosts.payload import CONFORMANCE_IMAGES
 from hosts.spec import resolve_hosts
 
 __all__ = ["main", "summarize", "table"]
@@ -208,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     options = RunOptions(
         mode=args.mode,
         tiers=tiers,
-        images={t: ("busybox" if args.mode == "smoke" else "debian") for t in tiers},
+        # smoke: the smallest image each tier can run (fncall's worker needs Python 3)
+        images={
+            t: (CONFORMANCE_IMAGES.get(t, "busybox") if args.mode == "smoke" else "debian")
+            for t in tiers
+        },
         conformance=not args.no_conformance,
         tests=tuple(args.tests),
         timeout_s=args.timeout,

@@ -77,6 +77,29 @@ def _layer_files(names: tuple[str, ...]) -> dict[str, Path]:
     return found
 
 
+def _toolkit_files(layers: dict[str, Any], images: Path) -> dict[str, Any]:
+    """The fncall toolkits (compilers, runtimes) already built over the ``debian`` layer the
+    guest gets, linked into ``images``: the guest cannot apt-get them. A toolkit's key
+    depends only on that layer and the toolkit's packages, so the guest's dsec computes the
+    same one and finds them in its cache. Toolkits not built here are left out (their
+    run_code tests then fail in the guest as they would on any offline node)."""
+    from dsec.layers.builtin_cache import BuiltinCache
+    from dsec.runtimes.fncall.toolkits import TOOLKITS, toolkit_key
+
+    cache = BuiltinCache.from_env()
+    if cache is None or "debian" not in layers:
+        return {}
+    base = ["sha256:" + layers["debian"]["sha256"]]
+    found: dict[str, Any] = {}
+    for name, kit in TOOLKITS.items():
+        key = toolkit_key(base, kit.apt, kit.pip, kit.npm, kit.build_only)
+        path = cache.find(f"toolkit-{name}", key)
+        if path is not None:
+            _link_or_copy(path, images / path.name)
+            found[name] = {"file": f"images/{path.name}", "key": key}
+    return found
+
+
 def _link_or_copy(src: Path, dest: Path) -> None:
     try:
         os.link(src, dest)
@@ -110,9 +133,11 @@ def build_payload(dest: Path, config: dict[str, Any], *, conformance: bool = Tru
         shutil.copy2(REPO / "pyproject.toml", tree / "pyproject.toml")
     shutil.copy2(Path(__file__).with_name("inguest.py"), dest / "inguest.py")
     (dest / "out").mkdir()
+    toolkits = _toolkit_files(layers, images) if "fncall" in config["tiers"] else {}
     full = {
         **config,
         "layers": layers,
+        "toolkits": toolkits,
         "conformance": conformance and config.get("conformance", True),
     }
     (dest / "config.json").write_text(json.dumps(full, indent=1))

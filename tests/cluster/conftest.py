@@ -259,15 +259,15 @@ class _HttpEdge:
     def __init__(self, srv: ClusterServer) -> None:
         self.srv = srv
 
-    async def capabilities(self) -> list[Any]:
-        from dsec.models import Capabilities
+    async def capabilities(self) -> Any:
+        from dsec.models import CapabilityList
 
         async with httpx.AsyncClient(
             base_url=self.srv.url, headers={"Authorization": f"Bearer {self.srv.api_key}"}
         ) as c:
             r = await c.get("/v1/capabilities")
             r.raise_for_status()
-            return [Capabilities.model_validate(t) for t in r.json()["tiers"]]
+            return CapabilityList.model_validate(r.json())
 
 
 @dataclass

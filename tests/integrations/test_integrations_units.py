@@ -356,7 +356,7 @@ def test_docker_pull_from_a_registry_goes_to_the_server() -> None:
     edge = FakeEdge(layers=MemoryLayers(registry={"localhost:5000/team/app:1": {}}))
     code, out, _ = _run_cli(["pull", "-q", "localhost:5000/team/app:1"], edge)
     assert (code, out) == (0, "localhost:5000/team/app:1\n")  # the reference names it
-    assert edge.calls_to("pull_image")[0]["ref"] == "localhost:5000/team/app:1"
+    assert edge.calls_to("pull_image")[0]["req"].ref == "localhost:5000/team/app:1"
     code, _, err = _run_cli(["pull", "python:3.11"], edge)  # Docker Hub: not reachable here
     assert code == 1 and "pull access denied for python:3.11" in err
     assert len(edge.calls_to("pull_image")) == 1

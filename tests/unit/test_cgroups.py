@@ -6,6 +6,7 @@ root tests do it."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,6 +208,28 @@ def test_remove_if_empty_never_removes_what_is_used(tmp_path: Path) -> None:
     (tmp_path / "dsec-x/sb-1").rmdir()
     assert parent.remove_if_empty() and not (tmp_path / "dsec-x").exists()
     assert parent.remove_if_empty()  # gone already
+
+
+def test_kill_all_of_a_cgroup_removed_meanwhile_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two parties removing one cgroup (the edge noticing a dead VM, its exec noticing the
+    lost agent): the files of a cgroup the other removed answer ENODEV; that is done, not a
+    crash (it was a 500 to the exec's client)."""
+    cg = fake_v2(tmp_path, "dsec-x/sb-1")
+
+    def gone() -> list[int]:
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(cg, "procs", gone)
+    cg.kill_all(timeout_s=0.1)  # returns: nothing left to kill
+
+    def broken() -> list[int]:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(cg, "procs", broken)
+    with pytest.raises(OSError):
+        cg.kill_all(timeout_s=0.1)  # any other error still surfaces
 
 
 # --- the v1 driver ---------------------------------------------------------------------------

@@ -246,9 +246,14 @@ class Cgroup(ABC):
                     killed_at_once = self._kill_signal()
                 except OSError:
                     killed_at_once = False
-            pids = self.procs()
-            if not pids and not (killed_at_once and self.populated()):
-                return
+            try:
+                pids = self.procs()
+                if not pids and not (killed_at_once and self.populated()):
+                    return
+            except OSError as e:  # removed meanwhile by another party (its files: ENODEV)
+                if e.errno in (errno.ENOENT, errno.ENODEV):
+                    return
+                raise
             if not killed_at_once:
                 for pid in pids:
                     with contextlib.suppress(ProcessLookupError):
