@@ -29,6 +29,7 @@ blocked.
 """
 
 import sys
+from typing import TYPE_CHECKING, Any
 
 from dsec.errors import (
     AuthenticationError,
@@ -94,7 +95,6 @@ from dsec.sdk import (
     AsyncSandbox,
     Client,
     CommandResult,
-    Image,
     Sandbox,
     jobs,
 )
@@ -167,3 +167,15 @@ __all__ = [
     "Unsupported",
     "__version__",
 ]
+
+if TYPE_CHECKING:
+    from dsec.sdk.image import Image
+
+
+def __getattr__(name: str) -> Any:
+    """``dsec.Image`` on first use (see :func:`dsec.sdk.__getattr__`)."""
+    if name == "Image":
+        from dsec.sdk.image import Image
+
+        return Image
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -206,15 +206,19 @@ class HttpClient:
 
     async def call(
         self,
-        verb: Verb,
+        name: str,
         req: BaseModel,
         *,
         envelope: Envelope | None = None,
         timeout: float | None = None,
     ) -> Any:
-        """Send a verb of the table (:mod:`dsec.contract.verbs`) and return its answer
-        model: the request's path parameters in the URL, its other fields in the query
-        (``GET``) or the JSON body, a sequenced verb's envelope in its headers."""
+        """Send the verb ``name`` of the table (:mod:`dsec.contract.verbs`) and return its
+        answer model: the request's path parameters in the URL, its other fields in the
+        query (``GET``) or the JSON body, a sequenced verb's envelope in its headers. (The
+        table is read on the first call: ``import dsec`` does not load the edge contract.)"""
+        from dsec.contract.edge import VERBS
+
+        verb: Verb = VERBS[name]
         data = verb.wire(req)
         headers: dict[str, str] = {}
         if envelope is not None:

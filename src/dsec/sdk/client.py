@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from dsec.contract.edge import VERBS
 from dsec.models import (
     NODE_QUERY,
     BuildImageRequest,
@@ -93,7 +92,7 @@ class AsyncClient:
 
     async def node_info(self) -> NodeInfo:
         """The node's name, version, load and per-tier capabilities."""
-        node: NodeInfo = await self._http.call(VERBS["node_info"], NODE_QUERY)
+        node: NodeInfo = await self._http.call("node_info", NODE_QUERY)
         return node
 
     async def key_info(self) -> KeyInfo:
@@ -104,38 +103,38 @@ class AsyncClient:
 
     async def capabilities(self) -> builtins.list[Capabilities]:
         """What each tier can do on this node."""
-        listed: CapabilityList = await self._http.call(VERBS["capabilities"], NODE_QUERY)
+        listed: CapabilityList = await self._http.call("capabilities", NODE_QUERY)
         return listed.tiers
 
     async def list_images(self) -> builtins.list[ImageInfo]:
         """This key's images and the system's (built-in images not built yet show their
         ``status``: ``queued``, ``building`` or ``failed``)."""
-        images: ImageList = await self._http.call(VERBS["list_images"], KeyScope())
+        images: ImageList = await self._http.call("list_images", KeyScope())
         return images.images
 
     async def get_image(self, name: str) -> ImageInfo:
         """One image by ``name[:tag]`` or ``sha256:<digest>``; raises ``ImageNotFound``."""
         req = validated(ImageRef, name=name)
-        image: ImageInfo = await self._http.call(VERBS["get_image"], req)
+        image: ImageInfo = await self._http.call("get_image", req)
         return image
 
     async def delete_image(self, name: str, *, system: bool = False) -> None:
         """Forget one of this key's images (``system``: a system image; the operator's key
         only). Its layers stay while sandboxes use them. Raises ``ImageNotFound``."""
         req = validated(DeleteImageRequest, name=name, system=system)
-        await self._http.call(VERBS["delete_image"], req)
+        await self._http.call("delete_image", req)
 
     async def share_image(self, name: str, shared: bool = True) -> ImageInfo:
         """Let every key use this key's image ``name`` as ``<owner>/<name>``
         (``shared=False`` takes it back); the answer's ``owner`` is the prefix to use."""
         req = validated(ShareImageRequest, name=name, shared=shared)
-        image: ImageInfo = await self._http.call(VERBS["share_image"], req)
+        image: ImageInfo = await self._http.call("share_image", req)
         return image
 
     async def list_layers(self) -> builtins.list[LayerInfo]:
         """The layers this key may name by digest (its images', snapshots', builds' and the
         system's)."""
-        layers: LayerList = await self._http.call(VERBS["list_layers"], KeyScope())
+        layers: LayerList = await self._http.call("list_layers", KeyScope())
         return layers.layers
 
     async def build_image(
@@ -255,7 +254,7 @@ class AsyncClient:
             timeout: how long to wait, seconds.
         """
         req = validated(PullImageRequest, ref=ref, name=name, lazy=lazy, system=system)
-        image: ImageInfo = await self._http.call(VERBS["pull_image"], req, timeout=timeout)
+        image: ImageInfo = await self._http.call("pull_image", req, timeout=timeout)
         return image
 
     async def push_image(
@@ -272,7 +271,7 @@ class AsyncClient:
             The pushed manifest's digest, with the image and target.
         """
         req = validated(PushImageRequest, name=name, target=target)
-        result: PushImageResult = await self._http.call(VERBS["push_image"], req, timeout=timeout)
+        result: PushImageResult = await self._http.call("push_image", req, timeout=timeout)
         return result
 
     async def run_code(
@@ -336,7 +335,7 @@ class AsyncClient:
     ) -> builtins.list[SandboxInfo]:
         """This key's sandboxes, filtered by state, labels (all must match) and job."""
         req = ListSandboxesRequest.of(labels, state=state, job=job, include_stopped=include_stopped)
-        listed: SandboxList = await self._http.call(VERBS["list_sandboxes"], req)
+        listed: SandboxList = await self._http.call("list_sandboxes", req)
         return listed.sandboxes
 
     @property

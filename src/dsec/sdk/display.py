@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from dsec.contract.edge import VERBS
 from dsec.display import DisplayState, MouseButton, Screen, WindowInfo
 from dsec.models import SandboxRef, ScreenRequest
 from dsec.wire import validated
@@ -81,7 +80,7 @@ class AsyncDisplay:
         """The screen's size and where the pointer is."""
         sb = self._sandbox
         req = validated(ScreenRequest, sandbox_id=sb.id, screen=self._screen)
-        state: DisplayState = await sb._client._http.call(VERBS["display_state"], req)
+        state: DisplayState = await sb._client._http.call("display_state", req)
         return state
 
     async def screen_size(self) -> tuple[int, int]:
@@ -100,14 +99,14 @@ class AsyncDisplay:
         """The desktop's top-level windows (id, title, WM_CLASS, pid, geometry, focus)."""
         sb = self._sandbox
         req = validated(SandboxRef, sandbox_id=sb.id)
-        windows: list[WindowInfo] = await sb._client._http.call(VERBS["display_windows"], req)
+        windows: list[WindowInfo] = await sb._client._http.call("display_windows", req)
         return windows
 
     async def restart(self) -> DisplayState:
         """Start the desktop again (after its X server died); returns once it is ready."""
         sb = self._sandbox
         req = validated(SandboxRef, sandbox_id=sb.id)
-        state: DisplayState = await sb._client._http.call(VERBS["display_restart"], req)
+        state: DisplayState = await sb._client._http.call("display_restart", req)
         return state
 
     # --------------------------------------------------------------- actions

@@ -43,7 +43,6 @@ from urllib.parse import quote
 import httpx
 from pydantic import TypeAdapter
 
-from dsec.contract.edge import VERBS
 from dsec.errors import InvalidRequest
 from dsec.models import JobAction, JobActionRequest, JobActionResult, JobAudit, JobRef, SandboxInfo
 from dsec.sdk.client import AsyncClient
@@ -100,7 +99,7 @@ class AsyncJobs:
     async def _act(self, job: str, action: JobAction, timeout: float | None) -> JobActionResult:
         req = JobActionRequest(job=_check_job(job), action=action)
         t = self.timeout if timeout is None else timeout
-        result: JobActionResult = await self._client._http.call(VERBS["job_action"], req, timeout=t)
+        result: JobActionResult = await self._client._http.call("job_action", req, timeout=t)
         return result
 
     async def pause(self, job: str, *, timeout: float | None = None) -> JobActionResult:
@@ -129,7 +128,7 @@ class AsyncJobs:
         Stopped sandboxes are included while their nodes remember them."""
         t = self.timeout if timeout is None else timeout
         req = JobRef(job=_check_job(job))
-        audit: JobAudit = await self._client._http.call(VERBS["job_audit"], req, timeout=t)
+        audit: JobAudit = await self._client._http.call("job_audit", req, timeout=t)
         return audit
 
     async def close(self) -> None:

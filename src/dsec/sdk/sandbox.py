@@ -67,8 +67,7 @@ import httpx
 from pydantic import BaseModel
 
 from dsec.canonical import canonical_digest  # the edge's request digest, to match it
-from dsec.contract.edge import VERBS
-from dsec.contract.verbs import Envelope, Verb
+from dsec.contract.verbs import Envelope
 from dsec.errors import (
     CreationRateExceeded,
     DsecError,
@@ -409,14 +408,14 @@ class AsyncFiles:
         """Entries under the directory ``path``, ``depth`` levels deep (1 = direct children)."""
         sb = self._sandbox
         req = validated(ListFilesRequest, sandbox_id=sb.id, path=path, depth=depth)
-        listed: FileList = await sb._client._http.call(VERBS["list_files"], req)
+        listed: FileList = await sb._client._http.call("list_files", req)
         return listed.entries
 
     async def stat(self, path: str) -> FileInfo:
         """Metadata of ``path`` (not following a final symlink). Raises ``FileNotFound``."""
         sb = self._sandbox
         req = validated(SandboxPathRequest, sandbox_id=sb.id, path=path)
-        info: FileInfo = await sb._client._http.call(VERBS["stat_file"], req)
+        info: FileInfo = await sb._client._http.call("stat_file", req)
         return info
 
     async def exists(self, path: str) -> bool:
@@ -432,14 +431,14 @@ class AsyncFiles:
         _check_path(path)
         sb = self._sandbox
         req = validated(RemoveFileRequest, sandbox_id=sb.id, path=path, recursive=recursive)
-        await sb._sequenced_call(VERBS["remove_file"], req)
+        await sb._sequenced_call("remove_file", req)
 
     async def make_dir(self, path: str) -> FileInfo:
         """Create directory ``path`` and its parents (no error if it exists)."""
         _check_path(path)
         sb = self._sandbox
         req = validated(SandboxPathRequest, sandbox_id=sb.id, path=path)
-        info: FileInfo = await sb._sequenced_call(VERBS["make_dir"], req)
+        info: FileInfo = await sb._sequenced_call("make_dir", req)
         return info
 
     async def rename(self, src: str, dst: str) -> FileInfo:
@@ -448,7 +447,7 @@ class AsyncFiles:
         _check_path(dst)
         sb = self._sandbox
         req = validated(RenameRequest, sandbox_id=sb.id, src=src, dst=dst)
-        info: FileInfo = await sb._sequenced_call(VERBS["rename_file"], req)
+        info: FileInfo = await sb._sequenced_call("rename_file", req)
         return info
 
     async def upload_dir(
@@ -529,7 +528,7 @@ class AsyncNetwork:
         """
         sb = self._sandbox
         req = validated(NetworkPolicyRequest, sandbox_id=sb.id, policy=_policy(policy))
-        sb._info = await sb._client._http.call(VERBS["update_network"], req)
+        sb._info = await sb._client._http.call("update_network", req)
         return sb._info
 
     async def stats(self) -> dict[str, Any]:
@@ -547,7 +546,7 @@ class AsyncNetwork:
         """
         sb = self._sandbox
         req = validated(SandboxRef, sandbox_id=sb.id)
-        stats: NetworkStats = await sb._client._http.call(VERBS["network_stats"], req)
+        stats: NetworkStats = await sb._client._http.call("network_stats", req)
         return stats.model_dump(mode="json", exclude_unset=True)
 
 
@@ -726,7 +725,7 @@ class AsyncSandbox:
         conn, owned = cls._client_for(client, url, api_key, transport)
         try:
             result: BatchCreateResult = await conn._http.call(
-                VERBS["create_sandboxes"], batch, timeout=timeout + 0.5 * n
+                "create_sandboxes", batch, timeout=timeout + 0.5 * n
             )
         except BaseException:
             if owned:
@@ -827,9 +826,7 @@ class AsyncSandbox:
         if not isinstance(sandbox_id, str) or not _SANDBOX_ID.match(sandbox_id):
             raise InvalidRequest(f"not a sandbox id: {sandbox_id!r}", sandbox_id=str(sandbox_id))
         conn, owned = cls._client_for(client, url, api_key, transport)
-        info: SandboxInfo = await conn._http.call(
-            VERBS["get_sandbox"], SandboxRef(sandbox_id=sandbox_id)
-        )
+        info: SandboxInfo = await conn._http.call("get_sandbox", SandboxRef(sandbox_id=sandbox_id))
         sb = cls(info, conn, owns_client=owned, next_seq=1 if replay else info.next_seq)
         # fast-forward: the first numbered call fetches the trajectory once; repeats of
         # recorded commands are then answered from it without a round trip each
@@ -990,7 +987,7 @@ class AsyncSandbox:
         )
 
     async def _sequenced_call(
-        self, verb: Verb, req: BaseModel, *, timeout: float | None = None
+        self, verb: str, req: BaseModel, *, timeout: float | None = None
     ) -> Any:
         """Send one state-changing verb of the table under the next sequence number."""
         return await self._under_seq(
@@ -1060,13 +1057,13 @@ class AsyncSandbox:
     # --- lifecycle --------------------------------------------------------------
     async def refresh(self) -> SandboxInfo:
         """Fetch the current state from the server and return it."""
-        self._info = await self._client._http.call(VERBS["get_sandbox"], self._ref)
+        self._info = await self._client._http.call("get_sandbox", self._ref)
         return self._info
 
     async def set_ttl(self, ttl_s: float) -> SandboxInfo:
         """Kill the sandbox after ``ttl_s`` idle seconds from now."""
         req = validated(SetTTLRequest, sandbox_id=self.id, ttl_s=ttl_s)
-        self._info = await self._client._http.call(VERBS["set_ttl"], req)
+        self._info = await self._client._http.call("set_ttl", req)
         return self._info
 
     async def pause(self, mode: str = "auto") -> SandboxInfo:
@@ -1083,12 +1080,12 @@ class AsyncSandbox:
                 ``CapabilityNotSupported``).
         """
         req = validated(PauseRequest, sandbox_id=self.id, mode=mode)
-        self._info = await self._client._http.call(VERBS["pause_sandbox"], req)
+        self._info = await self._client._http.call("pause_sandbox", req)
         return self._info
 
     async def resume(self) -> SandboxInfo:
         """Resume a paused sandbox (idempotent; a running one is left as is)."""
-        self._info = await self._client._http.call(VERBS["resume_sandbox"], self._ref)
+        self._info = await self._client._http.call("resume_sandbox", self._ref)
         return self._info
 
     async def snapshot(
@@ -1122,9 +1119,7 @@ class AsyncSandbox:
             secret_values=secret_values or [],
             compress=compress,
         )
-        layer: LayerInfo = await self._sequenced_call(
-            VERBS["snapshot_sandbox"], req, timeout=timeout
-        )
+        layer: LayerInfo = await self._sequenced_call("snapshot_sandbox", req, timeout=timeout)
         return layer
 
     async def fork(
@@ -1183,9 +1178,7 @@ class AsyncSandbox:
     ) -> tuple[str, builtins.list[AsyncSandbox]]:
         """POST the fork; (the method the server used, the new sandboxes)."""
         req = req.model_copy(update={"sandbox_id": self.id})
-        result: ForkResult = await self._client._http.call(
-            VERBS["fork_sandbox"], req, timeout=timeout
-        )
+        result: ForkResult = await self._client._http.call("fork_sandbox", req, timeout=timeout)
         new = [type(self)(info, self._client, owns_client=False) for info in result.sandboxes]
         return result.method, new
 
@@ -1205,7 +1198,7 @@ class AsyncSandbox:
         """
         req = validated(MigrateRequest, sandbox_id=self.id, node=node)
         result: MigrateResult = await self._client._http.call(
-            VERBS["migrate_sandbox"], req, timeout=timeout
+            "migrate_sandbox", req, timeout=timeout
         )
         self._info = result.sandbox
         self._next_seq = result.sandbox.next_seq or 1
@@ -1243,7 +1236,7 @@ class AsyncSandbox:
         """How long the sandbox has lived (``uptime_s``), how long it has been idle
         (``idle_s``, what its TTL counts from) and when its TTL ends it (``expires_in_s``).
         Asking neither resumes a paused sandbox nor counts as activity."""
-        uptime: SandboxUptime = await self._client._http.call(VERBS["sandbox_uptime"], self._ref)
+        uptime: SandboxUptime = await self._client._http.call("sandbox_uptime", self._ref)
         return uptime
 
     async def metrics(self) -> SandboxMetrics:
@@ -1252,7 +1245,7 @@ class AsyncSandbox:
         and limit, bytes), disk (its writable layer, bytes), network (bytes and packets; None
         without a network) and processes. Reading it neither resumes a paused sandbox nor
         extends its TTL. ``CapabilityNotSupported`` on a tier that cannot measure."""
-        metrics: SandboxMetrics = await self._client._http.call(VERBS["sandbox_metrics"], self._ref)
+        metrics: SandboxMetrics = await self._client._http.call("sandbox_metrics", self._ref)
         return metrics
 
     async def audit(self, *, after: int = 0) -> AuditReport:
@@ -1283,7 +1276,7 @@ class AsyncSandbox:
     async def kill(self) -> SandboxInfo:
         """Kill the sandbox (idempotent) and release this object's connections."""
         try:
-            self._info = await self._client._http.call(VERBS["kill_sandbox"], self._ref)
+            self._info = await self._client._http.call("kill_sandbox", self._ref)
         finally:
             if self._owns_client:
                 await self._client.close()

@@ -41,6 +41,7 @@ _LOOKUP_ORDER = (
     "dsec.sdk.jobs",
     "dsec.sdk.display",
     "dsec.sdk.ports",
+    "dsec.sdk.image",  # loaded on first use by ``import dsec``: named here
 )
 """Where a name used in an annotation is imported from: the first of these modules that
 lists it in ``__all__``, else the first that has it."""
