@@ -47,13 +47,14 @@ def test_every_row_is_the_method_its_ability_declares() -> None:
         assert fn is not None, f"{verb.name} is not declared on {verb.ability.__name__}"
         hints = typing.get_type_hints(fn)
         params = list(inspect.signature(fn).parameters)
-        want = ["self", "req", "owner", "env"] if verb.sequenced else ["self", "req", "owner"]
+        takes_env = verb.sequenced or verb.keyed
+        want = ["self", "req", "owner", "env"] if takes_env else ["self", "req", "owner"]
         if not verb.owned:  # a node-wide answer, the same for every key
             want = ["self", "req"]
         assert params == want, (verb.name, params)
         assert hints["req"] is verb.request, verb.name
         assert hints["return"] == (type(None) if verb.answer is None else verb.answer), verb.name
-        if verb.sequenced:
+        if takes_env:
             assert hints["env"] is Envelope
         assert verb.path.startswith("/") and not verb.path.startswith("/v1")
         assert (verb.name in SANDBOX_VERBS) == verb.sandbox_scoped
@@ -249,19 +250,19 @@ async def test_lists_and_lookups_answer_only_the_keys_own(
 
 
 class _SlowCreation(FakeEdge):
-    async def create_sandbox(self, req: Any, owner: str) -> SandboxInfo:
+    async def create_sandbox(self, req: Any, owner: str, *args: Any, **kw: Any) -> SandboxInfo:
         await asyncio.sleep(0.05)  # the client's disconnect is read meanwhile
-        return await super().create_sandbox(req, owner)
+        return await super().create_sandbox(req, owner, *args, **kw)
 
 
-async def test_a_batch_whose_client_left_is_taken_back() -> None:
-    """The row's ``undo``: the generated batch route kills the sandboxes its client did not
-    wait for (the client's disconnect arrives while the edge creates)."""
-    edge = _SlowCreation()
-    app = create_app(edge, StaticKeys([KEY]))
-    body = json.dumps({"n": 2, "sandbox": {"image": "busybox"}}).encode()
+async def _departing(
+    app: Any, path: str, body: dict[str, Any], *headers: tuple[bytes, bytes]
+) -> None:
+    """POST ``body`` to ``path`` from a client whose disconnect arrives while the edge
+    works (driven as ASGI messages: the route sees the ``http.disconnect``)."""
+    raw = json.dumps(body).encode()
     messages: list[dict[str, Any]] = [
-        {"type": "http.request", "body": body, "more_body": False},
+        {"type": "http.request", "body": raw, "more_body": False},
         {"type": "http.disconnect"},
     ]
 
@@ -274,17 +275,46 @@ async def test_a_batch_whose_client_left_is_taken_back() -> None:
     async def send(message: dict[str, Any]) -> None:
         pass
 
-    headers = [
-        (b"authorization", f"Bearer {KEY}".encode()),
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    scope = http_scope("POST", "/v1/sandboxes/batch", headers)
+    scope = http_scope(
+        "POST",
+        path,
+        [
+            (b"authorization", f"Bearer {KEY}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(raw)).encode()),
+            *headers,
+        ],
+    )
     await app(scope, receive, send)
+
+
+async def test_a_batch_whose_client_left_is_taken_back() -> None:
+    """The row's ``undo``: the generated batch route kills the sandboxes its client did not
+    wait for (the client's disconnect arrives while the edge creates)."""
+    edge = _SlowCreation()
+    app = create_app(edge, StaticKeys([KEY]))
+    await _departing(app, "/v1/sandboxes/batch", {"n": 2, "sandbox": {"image": "busybox"}})
     (made,) = edge.calls_to("create_sandboxes")
     killed = edge.calls_to("kill_sandbox")
     assert [k["owner"] for k in killed] == [made["owner"]] * 2 == [owner_id(KEY)] * 2
     assert [info.state for info in edge.sandboxes.values()] == ["stopped"] * 2
+
+
+async def test_a_keyed_creation_whose_client_left_is_taken_back_unless_retried() -> None:
+    """``create_sandbox`` is ``keyed``: its undo hands the sandbox to ``abandon_sandbox``,
+    which kills it when no retry under the same key took it, and forgets the key, so the
+    retry that comes after makes a new one."""
+    edge = _SlowCreation()
+    app = create_app(edge, StaticKeys([KEY]))
+    key = (b"idempotency-key", b"rollout-7")
+    await _departing(app, "/v1/sandboxes", {"image": "busybox"}, key)
+    (gone,) = edge.sandboxes.values()
+    assert gone.state == "stopped"
+    async with _client(edge, KEY) as a:
+        r = await a.post(
+            "/v1/sandboxes", json={"image": "busybox"}, headers={"idempotency-key": "rollout-7"}
+        )
+        assert r.status_code == 201 and r.json()["id"] != gone.id and r.json()["state"] == "running"
 
 
 class _NoMetrics:
@@ -322,12 +352,15 @@ async def test_the_sdk_sends_table_verbs_through_its_transport(edge: FakeEdge) -
         assert (await sb.metrics()).sandbox_id == sb.id
     calls = [name for name, _ in edge.calls if name in VERBS]
     assert calls == [
+        "create_sandbox",  # keyed: its Idempotency-Key reached the edge as its envelope
         "set_ttl",
         "pause_sandbox",
         "resume_sandbox",
         "sandbox_metrics",
         "kill_sandbox",  # leaving the block
     ]
+    (create,) = edge.calls_to("create_sandbox")
+    assert create["env"].idem_key and create["env"].seq is None
 
 
 async def test_uptime_a_verb_added_by_one_row(edge: FakeEdge) -> None:

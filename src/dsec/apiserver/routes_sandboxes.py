@@ -24,8 +24,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from dsec.apiserver.departed import unless_departed
-from dsec.apiserver.deps import ERROR_RESPONSES, CreateKey, Edge, Owner, Seq, current_owner
+from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, current_owner
 from dsec.apiserver.schemas import (
     REPLAYED_HEADER,
     SANDBOX_ID_PATTERN,
@@ -38,13 +37,11 @@ from dsec.errors import (
     SandboxStopped,
 )
 from dsec.models import (
-    CreateSandboxRequest,
     ExecEvent,
     ExecRequest,
     ExecResult,
     FileInfo,
     LogLine,
-    SandboxInfo,
     SandboxRef,
 )
 
@@ -81,28 +78,6 @@ def _mark_replayed(response: Response, result: ExecResult) -> ExecResult:
     if result.replayed:
         response.headers[REPLAYED_HEADER] = "1"
     return result
-
-
-@router.post("", status_code=201, response_model=SandboxInfo, summary="Create a sandbox")
-async def create_sandbox(
-    request: Request, req: CreateSandboxRequest, edge: Edge, owner: Owner, key: CreateKey
-) -> SandboxInfo:
-    """A client that disconnects before the sandbox is ready leaves no sandbox behind. An
-    image still being built (a built-in right after the node started) answers 503
-    ``image_not_ready`` with ``Retry-After``: nothing was created, retry. A busy node lets
-    a creation wait for one of its creation slots (first come first served within a key,
-    keys in turn) and answers 503 ``node_busy`` with ``Retry-After`` only when its queue is
-    full or the wait was too long: nothing was created, retry.
-
-    With an ``Idempotency-Key`` header, repeating the request (after a broken connection or
-    a time-out) makes no second sandbox: the repeat answers the sandbox the first made, or
-    waits for it while it is being made; the same key with a different body is a 409
-    ``sequence_conflict``. Keys are per API key and kept for a day."""
-
-    async def undo(info: SandboxInfo) -> None:
-        await edge.abandon_sandbox(info.id, owner, key)
-
-    return await unless_departed(request, edge.create_sandbox(req, owner, key), undo)
 
 
 @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")

@@ -22,7 +22,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError, create_model
 
 from dsec.apiserver.departed import unless_departed
-from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, acting_owner, current_owner
+from dsec.apiserver.deps import (
+    ERROR_RESPONSES,
+    CreateKey,
+    Edge,
+    Owner,
+    Seq,
+    acting_owner,
+    current_owner,
+)
 from dsec.apiserver.schemas import IMAGE_REF_PATTERN, JOB_PATTERN, SANDBOX_ID_PATTERN
 from dsec.contract.edge import VERBS, EdgeAPI
 from dsec.contract.verbs import NO_ENVELOPE, Envelope, Verb
@@ -119,6 +127,8 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
     params.append(inspect.Parameter("owner", kw, annotation=Owner))
     if verb.sequenced:
         params.append(inspect.Parameter("seq", kw, annotation=Seq))
+    if verb.keyed:
+        params.append(inspect.Parameter("key", kw, annotation=CreateKey))
     return params
 
 
@@ -144,6 +154,7 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
         edge: EdgeAPI = values.pop("edge")
         owner: str = values.pop("owner")
         seq: Envelope | None = values.pop("seq", None)
+        key: Envelope = values.pop("key", None) or NO_ENVELOPE
         request: Request | None = values.pop("request", None)
         req = _parse(verb, values)
         if request is not None and verb.operator_may:  # its request has ``system``
@@ -158,9 +169,12 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
             answer = await call(req, owner, seq or NO_ENVELOPE)
         elif verb.undo is not None and request is not None:
             undo = verb.undo
+            made = call(req, owner, key) if verb.keyed else call(req, owner)
             answer = await unless_departed(
-                request, call(req, owner), lambda made: undo(edge, made, owner)
+                request, made, lambda answer: undo(edge, answer, owner, key)
             )
+        elif verb.keyed:
+            answer = await call(req, owner, key)
         else:
             answer = await (call(req, owner) if verb.owned else call(req))
         if verb.answer is None:

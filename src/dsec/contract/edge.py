@@ -706,7 +706,15 @@ STREAM_VERBS: frozenset[str] = frozenset(
 them as streams (refusals raise from the first item)."""
 
 
-async def _kill_batch(edge: EdgeAPI, result: BatchCreateResult, owner: str) -> None:
+async def _abandon_created(edge: EdgeAPI, info: SandboxInfo, owner: str, env: Envelope) -> None:
+    """Take back a creation nobody will read: its sandbox is killed, unless a retry under
+    its idempotency key took it (``EdgeAPI.abandon_sandbox``)."""
+    await edge.abandon_sandbox(info.id, owner, env)
+
+
+async def _kill_batch(
+    edge: EdgeAPI, result: BatchCreateResult, owner: str, env: Envelope = NO_ENVELOPE
+) -> None:
     """Take back a batch nobody will read: each of its sandboxes is killed (one that
     fails does not keep the others)."""
     for info in result.sandboxes:
@@ -948,6 +956,28 @@ VERBS = VerbTable(
         "/sandboxes",
         EdgeAPI,
         "List this key's sandboxes",
+    ),
+    Verb(
+        "create_sandbox",
+        CreateSandboxRequest,
+        SandboxInfo,
+        "POST",
+        "/sandboxes",
+        EdgeAPI,
+        "Create a sandbox",
+        "A client that disconnects before the sandbox is ready leaves no sandbox behind. An "
+        "image still being built (a built-in right after the node started) answers 503 "
+        "``image_not_ready`` with ``Retry-After``: nothing was created, retry. A busy node lets "
+        "a creation wait for one of its creation slots (first come first served within a key, "
+        "keys in turn) and answers 503 ``node_busy`` with ``Retry-After`` only when its queue is "
+        "full or the wait was too long: nothing was created, retry.\n\n"
+        "With an ``Idempotency-Key`` header, repeating the request (after a broken connection "
+        "or a time-out) makes no second sandbox: the repeat answers the sandbox the first made, "
+        "or waits for it while it is being made; the same key with a different body is a 409 "
+        "``sequence_conflict``. Keys are per API key and kept for a day.",
+        status=201,
+        undo=_abandon_created,
+        keyed=True,
     ),
     Verb(
         "create_sandboxes",

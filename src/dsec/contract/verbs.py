@@ -72,9 +72,11 @@ class Verb:
     fields of ``request``. ``ability``: the protocol that declares the method (``EdgeAPI``
     for the verbs every edge has). ``owned``: whether the method takes the caller's owner
     id (``False``: a node-wide answer, the same for every key). ``undo(edge, answer,
-    owner)``: what takes back an answer whose client left before reading it (a creation's
-    sandbox is killed; the route runs such a verb under
-    :func:`dsec.apiserver.departed.unless_departed`)."""
+    owner, env)``: what takes back an answer whose client left before reading it (a
+    creation's sandbox is killed; the route runs such a verb under
+    :func:`dsec.apiserver.departed.unless_departed`). ``keyed``: the call takes an
+    ``Idempotency-Key`` (no sequence number: a creation, whose sandbox does not exist yet),
+    passed to the method and to ``undo`` as the :class:`Envelope` ``env``."""
 
     name: str
     request: type[BaseModel]
@@ -98,7 +100,8 @@ class Verb:
     (``"remove"``, ``"publish"``): with ``system`` true the call acts as the system
     (:data:`dsec.models.SYSTEM_OWNER`), and any other key is refused (``PermissionDenied``)."""
     owned: bool = True
-    undo: Callable[[Any, Any, str], Awaitable[None]] | None = None
+    undo: Callable[[Any, Any, str, Envelope], Awaitable[None]] | None = None
+    keyed: bool = False
     _answers: TypeAdapter[Any] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,7 +114,9 @@ class Verb:
             raise ValueError(f"verb {self.name}: a body field must be a body's only field")
         if self.operator_may and "system" not in self.request.model_fields:
             raise ValueError(f"verb {self.name}: operator_may needs a system field")
-        if not self.owned and (self.sandbox_scoped or self.sequenced or self.undo):
+        if self.keyed and self.sequenced:
+            raise ValueError(f"verb {self.name}: keyed (a creation) or sequenced, not both")
+        if not self.owned and (self.sandbox_scoped or self.sequenced or self.keyed or self.undo):
             raise ValueError(f"verb {self.name}: a verb about a sandbox is told its owner")
         object.__setattr__(
             self, "_answers", TypeAdapter(self.answer) if self.answer is not None else None

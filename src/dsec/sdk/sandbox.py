@@ -676,10 +676,9 @@ class AsyncSandbox:
             start=start,
         )
         conn, owned = cls._client_for(client, url, api_key, transport)
-        body = req.model_dump(mode="json")  # keep an explicit ttl_s=None
         key = idempotency_key if idempotency_key is not None else secrets.token_hex(16)
-        r = await _post_waiting_for_image(conn, "/v1/sandboxes", body, timeout, key)
-        return cls(SandboxInfo.model_validate(r.json(), context=ANSWER), conn, owns_client=owned)
+        info = await _create_waiting_for_image(conn, req, timeout, key)
+        return cls(info, conn, owns_client=owned)
 
     @staticmethod
     def _request(**fields: Any) -> CreateSandboxRequest:
@@ -1427,10 +1426,11 @@ def _dump(model: Any) -> Any:
     return model.model_dump(mode="json", exclude_none=True)
 
 
-async def _post_waiting_for_image(
-    conn: AsyncClient, path: str, body: dict[str, Any], timeout: float, key: str | None = None
-) -> httpx.Response:
-    """POST a creation, and while the server answers that it created nothing *yet*
+async def _create_waiting_for_image(
+    conn: AsyncClient, req: CreateSandboxRequest, timeout: float, key: str
+) -> SandboxInfo:
+    """Send a creation under the idempotency ``key``, and while the server answers that it
+    created nothing *yet*
     (``ImageNotReady``: a built-in image still being built on a node that just started;
     ``NodeBusy``: the node's admission queue is full or the kernel was too slow;
     ``CreationRateExceeded``: the key's creations-a-second quota) retry after the delay it
@@ -1439,20 +1439,19 @@ async def _post_waiting_for_image(
     answer are retried too (the key makes a repeat safe), after 0.5 s, doubling to 5 s."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    headers = {IDEMPOTENCY_HEADER: key} if key is not None else None
+    envelope = Envelope(idem_key=key)
     backoff = 0.5
     while True:
         left = deadline - loop.time()
         try:
-            return await conn._http.request(
-                "POST", path, json=body, headers=headers, timeout=max(left, 1.0)
+            info: SandboxInfo = await conn._http.call(
+                "create_sandbox", req, envelope=envelope, timeout=max(left, 1.0)
             )
+            return info
         except (ImageNotReady, NodeBusy, CreationRateExceeded) as e:
             err: DsecError = e
             delay = float(e.details.get("retry_after_s") or 5)
         except ServiceUnavailable as e:
-            if key is None:
-                raise
             err, delay = e, float(e.details.get("retry_after_s") or backoff)
             backoff = min(backoff * 2, 5.0)
         if loop.time() + delay >= deadline:
