@@ -401,16 +401,13 @@ class ClusterEdge:
         self, req: CreateSandboxRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> SandboxInfo:
         if env.idem_key is not None:
-            info, _ = await self.creates.create(
+            return await self.creates.create_once(
+                cast(EdgeAPI, self),
+                req,
                 owner,
                 env.idem_key,
-                req,
                 lambda: self.create_sandbox(req, owner),
-                lambda sandbox_id: cast(EdgeAPI, self).get_sandbox(
-                    SandboxRef(sandbox_id=sandbox_id), owner
-                ),
             )
-            return info
         require_tier(req.tier)  # InvalidRequest: a tier no one registered
         await self._key_room(owner, req.cpu, req.memory_mb, 1)
         with self.key_quotas.admitted(owner, cpu=req.cpu, memory_mb=req.memory_mb):
@@ -702,8 +699,7 @@ class ClusterEdge:
     async def abandon_sandbox(
         self, sandbox_id: str, owner: str, env: Envelope = NO_ENVELOPE
     ) -> None:
-        if env.idem_key is None or await self.creates.abandon(owner, env.idem_key, sandbox_id):
-            await self.kill_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
+        await self.creates.take_back(cast(EdgeAPI, self), sandbox_id, owner, env)
 
     async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
         info: SandboxInfo = await self.relay.on_sandbox(

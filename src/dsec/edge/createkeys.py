@@ -33,14 +33,17 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel
 
 from dsec.canonical import canonical_digest
 from dsec.contract.verbs import IDEMPOTENCY_KEY_PATTERN
 from dsec.errors import InvalidRequest, SequenceConflict, ServiceUnavailable
-from dsec.models import SandboxInfo
+from dsec.models import SandboxInfo, SandboxRef
+
+if TYPE_CHECKING:
+    from dsec.contract.verbs import Envelope
 
 __all__ = [
     "KEEP_S",
@@ -117,6 +120,13 @@ def check_key(key: str) -> str:
             header="Idempotency-Key",
         )
     return key
+
+
+class Sandboxes(Protocol):
+    """What :class:`IdempotentCreates` asks of the edge it serves."""
+
+    async def get_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo: ...
+    async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo: ...
 
 
 class IdempotentCreates:
@@ -216,6 +226,31 @@ class IdempotentCreates:
             beating.cancel()
             event.set()
             self._settled.pop((owner, key), None)
+
+    async def create_once(
+        self,
+        edge: Sandboxes,
+        req: BaseModel,
+        owner: str,
+        key: str,
+        make: Callable[[], Awaitable[SandboxInfo]],
+    ) -> SandboxInfo:
+        """An edge's creation under ``key``: ``make`` it now, or answer (as ``edge`` sees
+        it now) the sandbox an earlier request with the key made."""
+        info, _ = await self.create(
+            owner,
+            key,
+            req,
+            make,
+            lambda sandbox_id: edge.get_sandbox(SandboxRef(sandbox_id=sandbox_id), owner),
+        )
+        return info
+
+    async def take_back(self, edge: Sandboxes, sandbox_id: str, owner: str, env: Envelope) -> None:
+        """``EdgeAPI.abandon_sandbox``: the client of this creation left before its answer;
+        the sandbox is killed unless a retry under the same key took it."""
+        if env.idem_key is None or await self.abandon(owner, env.idem_key, sandbox_id):
+            await edge.kill_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
 
     async def abandon(self, owner: str, key: str, sandbox_id: str) -> bool:
         """The client of ``key``'s creation left before its answer: True when the sandbox

@@ -63,14 +63,13 @@ class SandboxVerbs(PauseVerbs):
         ``maker`` (memory forks) replaces ``runtime.create``; ``forked_from``: the sandbox a
         fork comes from (shown in its info)."""
         if env.idem_key is not None:
-            info, _ = await self.creates.create(
+            return await self.creates.create_once(
+                self,
+                req,
                 owner,
                 env.idem_key,
-                req,
                 lambda: self.create_sandbox(req, owner, maker=maker, forked_from=forked_from),
-                lambda sandbox_id: self.get_sandbox(SandboxRef(sandbox_id=sandbox_id), owner),
             )
-            return info
         t0 = time.perf_counter()
         tier = req.tier
         try:
@@ -250,8 +249,7 @@ class SandboxVerbs(PauseVerbs):
     ) -> None:
         """The client of this creation left before its answer: kill the sandbox, unless a
         retry under the same idempotency key took it."""
-        if env.idem_key is None or await self.creates.abandon(owner, env.idem_key, sandbox_id):
-            await self.kill_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
+        await self.creates.take_back(self, sandbox_id, owner, env)
 
     async def kill_sandbox(self, req: SandboxRef, owner: str) -> SandboxInfo:
         sandbox_id = req.sandbox_id
