@@ -117,3 +117,34 @@ def test_an_old_microvm_handle_parses_and_keeps_its_machine() -> None:
     }
     # a handle from before memory snapshots: no machine description
     assert Handle("sb-n-3", {"pid": 7}).typed(MicrovmState).vcpus is None
+
+
+def test_a_spec_takes_every_field_it_shares_with_the_request_by_name() -> None:
+    from dsec.contract.runtime import SandboxSpec
+    from dsec.edge.registry import ResolvedRequest
+    from dsec.network import NetworkPolicy
+
+    req = ResolvedRequest(
+        tier="container",
+        cpu=0.25,
+        memory_mb=300,
+        disk_mb=700,
+        pids=77,
+        env={"A": "1"},
+        user="1000:1000",
+        workdir="/w",
+        labels={"task": "t"},
+        network=NetworkPolicy(allow_domains=["pypi.org"]),
+        allow_setuid=True,
+    )
+    spec = SandboxSpec.of_request(
+        req, id="sb-n-1", layer_paths=["/l.erofs"], layer_digests=["sha256:" + "a" * 64]
+    )
+    shared = {f for f in SandboxSpec.__dataclass_fields__ if f in ResolvedRequest.model_fields}
+    assert shared >= {"cpu", "memory_mb", "disk_mb", "pids", "env", "workdir", "network"}
+    assert {f: getattr(spec, f) for f in shared} == {f: getattr(req, f) for f in shared}
+    assert (spec.id, spec.hostname, spec.owner) == ("sb-n-1", "sandbox", "")
+    spec.env["B"] = "2"  # the runtime's copy: the stored request is not changed through it
+    assert req.env == {"A": "1"}
+    # what the node decides wins over a field of the same name
+    assert SandboxSpec.of_request(req, id="x", layer_paths=[], layer_digests=[], cpu=1.0).cpu == 1.0

@@ -32,6 +32,9 @@ is available, why not, its limits, whether networking is up).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
@@ -81,6 +84,22 @@ class SandboxSpec:
     # can keeps what one key's sandboxes share (the container tier's layer mounts, and with
     # them their page cache) apart from other keys'
     owner: str = ""
+
+    @classmethod
+    def of_request(cls, req: BaseModel, **node: Any) -> SandboxSpec:
+        """The spec of a create request: every field the spec shares with ``req`` (by
+        name: tier, sizes, env, user, workdir, labels, network, ...) is the request's (its
+        dicts and lists copied), and ``node`` gives what the node decides (``id``, layers,
+        hostname, the CPU group, the owner)."""
+        shared = _request_fields(type(req))
+        taken = {name: copy.copy(getattr(req, name)) for name in shared if name not in node}
+        return cls(**taken, **node)
+
+
+@functools.cache
+def _request_fields(request: type[BaseModel]) -> tuple[str, ...]:
+    """The fields a :class:`SandboxSpec` takes from a request of this model."""
+    return tuple(f.name for f in dataclasses.fields(SandboxSpec) if f.name in request.model_fields)
 
 
 class TierState(BaseModel):

@@ -475,23 +475,12 @@ class EdgeCore:
         """What the runtime gets to make sandbox ``sid`` of ``req`` over ``digests``. A
         fork's child is named by its id (its siblings and parent are other machines; a
         sandbox created otherwise is ``sandbox``, as the warm pool makes them)."""
-        return SandboxSpec(
+        return SandboxSpec.of_request(
+            req,
             id=sid,
             hostname=sid[:63] if forked else "sandbox",
-            tier=req.tier,
             layer_paths=layer_paths,
             layer_digests=digests,
-            cpu=req.cpu,
-            memory_mb=req.memory_mb,
-            disk_mb=req.disk_mb,
-            pids=req.pids,
-            env=dict(req.env),
-            user=req.user,
-            workdir=req.workdir,
-            labels=dict(req.labels),
-            network=req.network,
-            full_guest=req.full_guest,
-            allow_setuid=req.allow_setuid,
             cpu_group=owner if self.limits.key_cpu_groups else "",
             cpu_group_weight=self.key_quotas.quota(owner).cpu_weight,
             owner=owner,
