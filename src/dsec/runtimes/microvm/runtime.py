@@ -96,7 +96,7 @@ from dsec.runtimes.microvm.qemu import (
 )
 from dsec.runtimes.microvm.state import MicrovmState
 from dsec.runtimes.microvm.stream import StreamFormatError, diff_against_template
-from dsec.runtimes.usage import SandboxUsage, parse_meminfo
+from dsec.runtimes.usage import SandboxUsage, parse_meminfo, processes_cpu_ns
 
 __all__ = ["SUSPEND_DIR", "MemorySnapshot", "MicroVMConfig", "MicroVMRuntime"]
 
@@ -106,16 +106,72 @@ SUSPEND_DIR = "suspend"
 
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+_READY_WALL_FACTOR = 10.0
+"""A guest's wait for its agent (boot, restore) ends at this many times its CPU budget on the
+wall clock, whatever QEMU spent (:func:`until_ready`)."""
+_READY_POLL_S = 0.5
+
 POOL_WARMUP_CMD = "true; echo warm | cat > /dev/null; ls / > /dev/null; cd /tmp && pwd > /dev/null"
 """What a warmed pool guest runs once before it is handed out (see MicroVMConfig.pool_warm)."""
+
+
+async def until_ready(
+    proc: QemuProcess, agent: AgentClient, timeout_s: float, what: str,
+    first: Coroutine[Any, Any, None] | None = None,
+) -> None:  # fmt: skip
+    """Wait for the agent to answer ``first`` (default a ping), failing fast if QEMU exits
+    (kernel panic, bad kernel, failed init).
+
+    ``timeout_s`` is QEMU's own CPU time, not the wall clock's: a boot on a saturated
+    host gets less CPU each second and takes longer without being stuck (a TCG cold
+    boot of ~9 s took over 60 s beside a busy test run), so it fails only once QEMU has
+    spent ``timeout_s`` of CPU without the agent answering, or after
+    :data:`_READY_WALL_FACTOR` times ``timeout_s`` on the wall clock (a guest that
+    waits on nothing uses no CPU)."""
+    ceiling = timeout_s * _READY_WALL_FACTOR
+    ping = asyncio.create_task(first if first is not None else agent.ping(ceiling))
+    died = asyncio.create_task(wait_exit(proc.pid, ceiling))
+    cpu0 = processes_cpu_ns([proc.pid])
+    give_up = time.monotonic() + ceiling
+    try:
+        while True:
+            done, _ = await asyncio.wait(
+                {ping, died}, timeout=_READY_POLL_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            if done:
+                break
+            spent_s = (processes_cpu_ns([proc.pid]) - cpu0) / 1e9
+            if spent_s >= timeout_s or time.monotonic() >= give_up:
+                raise SandboxTimeout(
+                    f"the guest agent did not answer during {what}: QEMU spent "
+                    f"{spent_s:.1f} s of CPU (its budget: {timeout_s:g} s)\n{proc.evidence()}"
+                )
+        if ping in done and ping.exception() is None:
+            return
+        if died in done and died.result():
+            raise SandboxError(
+                f"the guest stopped during {what} (kernel panic or failed init)\n{proc.evidence()}"
+            )
+        exc = ping.exception() if ping in done else None
+        if exc is not None and not isinstance(exc, SandboxTimeout):
+            raise SandboxError(f"{what}: {exc}\n{proc.evidence()}")
+        raise SandboxTimeout(
+            f"the guest agent was not ready {ceiling:.0f} s into {what}\n{proc.evidence()}"
+        )
+    finally:
+        for task in (ping, died):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 @dataclass
 class MicroVMConfig:
     """Tunables of the microvm tier. Times in seconds, sizes in MiB."""
 
-    cold_boot_timeout_s: float = 60.0  # kernel start to agent ready (8 parallel TCG boots: ~9 s)
-    restore_timeout_s: float = 30.0  # QEMU start to agent ready on a template clone
+    # kernel start to agent ready, in QEMU's CPU time (8 parallel TCG boots: ~9 s each)
+    cold_boot_timeout_s: float = 60.0
+    restore_timeout_s: float = 30.0  # QEMU start to agent ready on a template clone, CPU time
     accel: str | None = None  # "kvm" | "tcg" | None: probe (or $DSEC_VM_ACCEL)
     kvm_probe_timeout_s: float = 8.0
     # TCG translation cache per QEMU, MiB. At 16 it fills while a clone runs its first commands
@@ -662,7 +718,7 @@ class MicroVMRuntime:
         try:
             qmp = await QMPClient.connect(str(t.dir / "q.sock"), pid=proc.pid)
             agent = await AgentClient.connect(str(t.dir / "a.sock"))
-            await self._until_ready(proc, agent, self.config.cold_boot_timeout_s, "cold boot")
+            await until_ready(proc, agent, self.config.cold_boot_timeout_s, "cold boot")
             await qmp.execute("migrate-set-capabilities",
                               capabilities=[{"capability": "x-ignore-shared", "state": True}])  # fmt: skip
             tmp = t.dir / "state.tmp"
@@ -688,36 +744,6 @@ class MicroVMRuntime:
                     t.ram.unlink()
                 if evidence:
                     (self.root / "last-failed-boot.log").write_text(evidence)
-
-    async def _until_ready(
-        self, proc: QemuProcess, agent: AgentClient, timeout_s: float, what: str,
-        first: Coroutine[Any, Any, None] | None = None,
-    ) -> None:  # fmt: skip
-        """Wait for the agent to answer ``first`` (default a ping), failing fast if QEMU exits
-        (kernel panic, bad kernel, failed init)."""
-        ping = asyncio.create_task(first if first is not None else agent.ping(timeout_s))
-        died = asyncio.create_task(wait_exit(proc.pid, timeout_s))
-        try:
-            done, _ = await asyncio.wait(
-                {ping, died}, timeout=timeout_s + 1, return_when=asyncio.FIRST_COMPLETED
-            )
-            if ping in done and ping.exception() is None:
-                return
-            if died in done and died.result():
-                raise SandboxError(
-                    f"the guest stopped during {what} (kernel panic or failed init)\n{proc.evidence()}"
-                )
-            if ping in done and not isinstance(ping.exception(), SandboxTimeout):
-                exc = ping.exception()
-                raise SandboxError(f"{what}: {exc}\n{proc.evidence()}")
-            raise SandboxTimeout(
-                f"the guest agent was not ready {timeout_s:.0f} s into {what}\n{proc.evidence()}"
-            )
-        finally:
-            for task in (ping, died):
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
 
     # ------------------------------------------------------------------ pool
 
@@ -771,7 +797,7 @@ class MicroVMRuntime:
             await self._prepare_incoming(qmp)
             if self.config.pool_warm:
                 await qmp.execute("migrate-incoming", uri=f"exec:cat {tpl.state}")
-                await self._until_ready(proc, agent, self.config.restore_timeout_s, "restore")
+                await until_ready(proc, agent, self.config.restore_timeout_s, "restore")
                 await self._warm_up(agent)
         except BaseException:
             await kill_and_wait(proc.pid)
@@ -934,16 +960,14 @@ class MicroVMRuntime:
                         await vm.qmp.execute("migrate-incoming", uri=f"exec:cat {tpl.state}")
                     t_mig = time.perf_counter()
                     # the first request after the restore sets clock, RNG, hostname, disk size
-                    await self._until_ready(proc, vm.agent, self.config.restore_timeout_s, "restore",
+                    await until_ready(proc, vm.agent, self.config.restore_timeout_s, "restore",
                                             vm.agent.setup(spec.hostname, self._setup_disk_mb(spec),
                                                            pids=spec.pids, memory_mb=spec.memory_mb,
                                                            full_guest=spec.full_guest,
                                                            new_sandbox=True))  # fmt: skip
                     self._refill_pool(tpl, spec, vcpus)
                 else:
-                    await self._until_ready(
-                        proc, vm.agent, self.config.cold_boot_timeout_s, "cold boot"
-                    )
+                    await until_ready(proc, vm.agent, self.config.cold_boot_timeout_s, "cold boot")
                     await vm.agent.setup(
                         spec.hostname, self._setup_disk_mb(spec), pids=spec.pids,
                         memory_mb=spec.memory_mb, full_guest=spec.full_guest, new_sandbox=True,
@@ -1544,7 +1568,7 @@ class MicroVMRuntime:
                 name, d, st, d / SUSPEND_DIR / "state", cg, backing
             )
             try:
-                await self._until_ready(proc, agent, self.config.restore_timeout_s, "resume",
+                await until_ready(proc, agent, self.config.restore_timeout_s, "resume",
                                         agent.setup(st.hostname, 0))  # fmt: skip
             except BaseException:
                 await agent.close()
@@ -1639,7 +1663,7 @@ class MicroVMRuntime:
                 handle.keep(st)
                 self._save_handle(handle)
                 self._register(_VM(id=spec.id, pid=proc.pid, dir=d, qmp=qmp, agent=agent))
-                await self._until_ready(proc, agent, self.config.restore_timeout_s, "fork",
+                await until_ready(proc, agent, self.config.restore_timeout_s, "fork",
                                         agent.setup(spec.hostname, self._setup_disk_mb(spec),
                                                     pids=spec.pids, memory_mb=spec.memory_mb,
                                                     full_guest=spec.full_guest,
