@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from tests.timing import budget
 
-from dsec.errors import ImageNotFound, InvalidRequest, LayerNotFound, SandboxError
+from dsec.errors import ImageNotFound, InvalidRequest, LayerNotFound, SandboxError, Unsupported
 from dsec.layers import BUILTIN_IMAGES, BuiltinImage, LayerStore, extract_tarball, mkfs_erofs
 from dsec.layers.builtin import build_busybox_rootfs, debian_mirror
 from dsec.layers.erofs import _crc32c_raw, is_erofs_file, superblock_uuid
@@ -536,7 +536,11 @@ async def test_ensure_image_failure_is_shared_then_retried(
     results = await asyncio.gather(
         *(store.ensure_image("flaky") for _ in range(4)), return_exceptions=True
     )
-    assert all(isinstance(r, SandboxError) for r in results)
+    # the node's tools failed: the callers are told this node cannot give the image (422)
+    assert all(isinstance(r, Unsupported) for r in results)
+    assert results[0].details == {"image": "flaky", "cause": "fake build failed"}
+    assert "cannot build the built-in image 'flaky'" in str(results[0])
+    assert store.builtin_status("flaky") == ("failed", str(results[0]), 0.0)
     assert builder.calls == 1
     builder.fail = False
     image = await store.ensure_image("flaky")

@@ -54,7 +54,15 @@ from pathlib import Path
 from typing import Any
 
 import dsec.layers.builtin as builtin
-from dsec.errors import Conflict, ImageNotFound, ImageNotReady, InvalidRequest, LayerNotFound
+from dsec.errors import (
+    Conflict,
+    ImageNotFound,
+    ImageNotReady,
+    InvalidRequest,
+    LayerNotFound,
+    SandboxError,
+    Unsupported,
+)
 from dsec.images.reference import is_reference_name
 from dsec.layers.builtin_cache import BuiltinCache, flocked
 from dsec.layers.content import ContentStore, parse_digest
@@ -569,7 +577,8 @@ class ImageCatalogue:
         # failure and retrying at once must start a new build, not get the failed one again.
         try:
             image = self._build_builtin(name)
-        except BaseException as e:
+        except BaseException as err:
+            e = _node_cannot_build(name, err)
             with self._lock:
                 self._inflight.pop(name, None)
                 self._progress.pop(name, None)
@@ -636,7 +645,9 @@ class ImageCatalogue:
         Raises:
             ImageNotFound: unknown name (the message and ``details['known']`` list the names).
             ImageNotReady: the build did not finish within ``wait_s``.
-            SandboxError: the build failed (the next call tries again).
+            Unsupported: this node's tools could not build the built-in (``details``:
+                ``image``, ``cause``; the next call tries again); other errors of the
+                build as raised.
         """
         image, fut, leader = self._lookup_or_claim(name, owner)
         if image is not None:
@@ -695,3 +706,17 @@ class ImageCatalogue:
         layers = [d for d in base_layers if d != layer.digest] + [layer.digest]
         image_meta: dict[str, Any] = {"base": base} if base is not None else {}
         return self.put_image(name, layers, meta=image_meta, owner=owner)
+
+
+def _node_cannot_build(name: str, err: BaseException) -> BaseException:
+    """What a caller of the built-in image ``name`` is told when its build failed: a
+    failure of the node's own tools (no debootstrap, no static busybox, apt failing) is
+    ``Unsupported``, naming the image and the cause: this node cannot give it (a 422 the
+    client can read, not a server error). Other errors are told as they are."""
+    if type(err) is not SandboxError:
+        return err
+    return Unsupported(
+        f"this node cannot build the built-in image {name!r}: {err.message}",
+        image=name,
+        cause=err.message,
+    )
