@@ -453,11 +453,11 @@ class Reconciling(Protocol):
 
 
 def capabilities_of(rt: Runtime) -> Capabilities:
-    """The capability table row of ``rt``'s tier: its abilities are the protocols it
-    implements, the rest comes from its :meth:`Runtime.facts`."""
+    """The capability table row of ``rt``'s tier: its abilities are the protocols its class
+    implements (checked once per class: a runtime-checkable protocol's ``isinstance`` walks
+    every member, ~12 checks a creation), the rest comes from its :meth:`Runtime.facts`."""
     f = rt.facts()
-    snapshots = isinstance(rt, Snapshottable)
-    memory = isinstance(rt, MemoryStateful)
+    a = _abilities(type(rt), rt)
     return Capabilities(
         tier=rt.tier,
         available=f.available,
@@ -465,19 +465,37 @@ def capabilities_of(rt: Runtime) -> Capabilities:
         exec=True,
         files=True,
         streaming=True,
-        pause=isinstance(rt, Pausable),
-        pause_filesystem=isinstance(rt, Pausable) and isinstance(rt, FilesystemPause),
-        snapshot=snapshots,
-        fork=snapshots,
-        network=isinstance(rt, Networked) and f.network_ready,
-        tty=isinstance(rt, Interactive),
-        display=isinstance(rt, Display),
-        metrics=isinstance(rt, Measurable),
+        network=a["network"] and f.network_ready,
         persistent=f.persistent,
-        suspend=memory,
-        memory_fork=memory,
-        fork_shared=snapshots and isinstance(rt, UpperForkable),
-        ports=isinstance(rt, PortConnectable),
         max_cpu=f.max_cpu,
         max_memory_mb=f.max_memory_mb,
+        **{k: v for k, v in a.items() if k != "network"},
     )
+
+
+_ABILITIES: dict[type, dict[str, bool]] = {}
+
+
+def _abilities(cls: type, rt: Runtime) -> dict[str, bool]:
+    """The optional abilities of the runtime class ``cls`` (``rt`` one of its instances)."""
+    known = _ABILITIES.get(cls)
+    if known is not None:
+        return known
+    snapshots = isinstance(rt, Snapshottable)
+    memory = isinstance(rt, MemoryStateful)
+    known = {
+        "pause": isinstance(rt, Pausable),
+        "pause_filesystem": isinstance(rt, Pausable) and isinstance(rt, FilesystemPause),
+        "snapshot": snapshots,
+        "fork": snapshots,
+        "network": isinstance(rt, Networked),
+        "tty": isinstance(rt, Interactive),
+        "display": isinstance(rt, Display),
+        "metrics": isinstance(rt, Measurable),
+        "suspend": memory,
+        "memory_fork": memory,
+        "fork_shared": snapshots and isinstance(rt, UpperForkable),
+        "ports": isinstance(rt, PortConnectable),
+    }
+    _ABILITIES[cls] = known
+    return known
