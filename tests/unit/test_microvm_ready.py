@@ -24,8 +24,12 @@ def qemu(tmp_path: Path) -> Iterator[Any]:
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(code: str) -> QemuProcess:
-        p = subprocess.Popen([sys.executable, "-c", code])
+        """A process that runs ``code`` once it is up (its start-up, slow under emulation,
+        is not the guest's CPU: the wait starts after it)."""
+        ready = "import sys; sys.stdout.write('up\\n'); sys.stdout.flush()\n"
+        p = subprocess.Popen([sys.executable, "-c", ready + code], stdout=subprocess.PIPE)
         procs.append(p)
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"
         log = tmp_path / "qemu.log"
         log.write_text("qemu's log\n")
         return QemuProcess(pid=p.pid, dir=tmp_path, log=log, console=tmp_path / "console", popen=p)
