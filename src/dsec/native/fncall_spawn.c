@@ -18,7 +18,7 @@
  *      (~14 ms here): the agent starts the next command's helper ahead, right after a
  *      command ends, and it waits in its cgroup for the command (the second form);
  *   3. oom_score_adj raised to 1000 (no privilege needed): the OOM killer takes a command
- *      before the agent (0, or -1000 where root may lower it; it can lower its own to 0,
+ *      before the agent (0, or -941 where root may lower it; it can lower its own to 0,
  *      not below);
  *   4. second form: the request read from REQUEST_FD up to end of file (nothing: exit 0):
  *      u32 argc, u32 envc (host order), then NUL-terminated cwd, argv[argc], env[envc];

@@ -202,7 +202,7 @@ class ScratchSize:
     them together within the memory limit less a reserve for the agent and the kernel (an
     eighth, at least 16 MiB, at most half): seven eighths of that room for files (and at
     most ``disk_mb``), one eighth for inodes. And the commands run at ``oom_score_adj``
-    1000 (the agent at 0, or -1000 where root may), so a command that needs memory while
+    1000 (the agent at 0, or -941 where root may), so a command that needs memory while
     the disk is full is what dies, not the agent.
     """
 

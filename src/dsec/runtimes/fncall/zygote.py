@@ -475,20 +475,29 @@ def _mount_scratch(options: dict[str, str], uid: int, gid: int) -> None:
 COMMAND_OOM_SCORE_ADJ = 1000
 """The ``oom_score_adj`` every process of a call or command starts with (``fncall_spawn``,
 the warm interpreter's fork): the OOM killer takes any of them before the agent (0, or
--1000: :func:`_protect_from_oom`), whose death would take the sandbox with it. Raising it
+-941: :func:`_protect_from_oom`), whose death would take the sandbox with it. Raising it
 needs no privilege; a command may lower its own back to 0, not below."""
+
+AGENT_OOM_ADJ = -16
+"""The agent's legacy ``oom_adj`` (:func:`_protect_from_oom`): ``oom_score_adj`` -941, last
+in the OOM killer's line but still in it. -17 (``oom_score_adj`` -1000) would make it
+unkillable, and the agent shares its cgroup's memory limit with the call it reads: a call
+larger than the limit (a 40 MiB file under ``memory_mb=16``) then left the kernel with
+"no killable processes", retrying the agent's allocation for ever, and the call hung
+until the pool gave up on the worker (a 500) instead of ending as the caller's 400. Seen
+on stock Debian 12 and 13 kernels, where root keeps CAP_SYS_RESOURCE."""
 
 
 def _protect_from_oom() -> None:
-    """Take the agent out of the OOM killer's reach where the node lets root do so
-    (CAP_SYS_RESOURCE; this kind of VM withholds it): ``oom_score_adj`` -1000, written as the
-    legacy ``oom_adj`` -17, which unlike ``oom_score_adj`` leaves the floor an unprivileged
-    process may lower itself to at 0 (the commands inherit -1000, raise theirs to
-    :data:`COMMAND_OOM_SCORE_ADJ` and cannot go below 0 again). Without it the commands'
+    """Put the agent last in the OOM killer's line where the node lets root do so
+    (CAP_SYS_RESOURCE; this kind of VM withholds it): :data:`AGENT_OOM_ADJ`, written as the
+    legacy ``oom_adj``, which unlike ``oom_score_adj`` leaves the floor an unprivileged
+    process may lower itself to at 0 (the commands inherit the agent's score, raise theirs
+    to :data:`COMMAND_OOM_SCORE_ADJ` and cannot go below 0 again). Without it the commands'
     1000 alone puts them first, and the scratch's sizing (ScratchSize) keeps the agent's
     room free. The kernel logs once per boot that ``oom_adj`` is deprecated."""
     with contextlib.suppress(OSError), open("/proc/self/oom_adj", "w") as f:
-        f.write("-17")
+        f.write(str(AGENT_OOM_ADJ))
 
 
 def _set_audit_id(auid: int) -> None:
