@@ -387,6 +387,31 @@ def test_second_replica_serves_the_same_sandboxes(
             Sandbox.create(url=url, idempotency_key="rollout-9", cpu=0.5, **kw)
         mine = {i.id for i in Sandbox.list(url=url, api_key=cluster_server.api_key)}
         assert first.id in mine
+        # a build relayed by the first replica is listed and read on the second, and is
+        # another key's "not found"
+        from dsec import Client, Image
+
+        with Client(cluster_server.url, cluster_server.api_key) as client:
+            Image.from_image("busybox").run("echo made > /made").build("replicas:1", client=client)
+        auth = {"authorization": f"Bearer {cluster_server.api_key}"}
+        listed = httpx.get(f"{url}/v1/builds", headers=auth, timeout=60).json()["builds"]
+        ours = [b for b in listed if b["name"] == "replicas:1"]
+        assert len(ours) == 1 and ours[0]["state"] == "done", listed
+        got = httpx.get(f"{url}/v1/builds/{ours[0]['build_id']}", headers=auth, timeout=60)
+        assert got.status_code == 200 and got.json()["log"], got.text
+        from dsec.cluster.state import ClusterState, PgKeyStore
+
+        state = ClusterState(cluster_server.dsn)
+        try:
+            keys = PgKeyStore(state, home)
+            other_key = keys.create_key("builds-other")
+            keys.close()
+        finally:
+            state.close()
+        theirs = {"authorization": f"Bearer {other_key}"}
+        r = httpx.get(f"{url}/v1/builds/{ours[0]['build_id']}", headers=theirs, timeout=60)
+        assert r.status_code == 404, r.text
+        assert httpx.get(f"{url}/v1/builds", headers=theirs, timeout=60).json()["builds"] == []
     finally:
         _kill_all(made)
         proc.terminate()

@@ -10,8 +10,9 @@ while it runs.
 Bounds (nothing grows with the number of builds): :data:`MAX_BUILDS_PER_OWNER` records per
 owner (the oldest finished ones go first), :data:`MAX_LOG_BYTES` of log per build (the
 oldest lines dropped, and the record says so). The records live in the process that runs
-the build's edge (a node's ``dsec serve``; in cluster mode the apiserver replica that
-relayed it) and are gone when it restarts: the images a build made are what lasts.
+the build's edge (a node's ``dsec serve``; in cluster mode the node's edge actor that ran
+it, which every apiserver replica asks) and are gone when it restarts: the images a build
+made are what lasts.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from dsec.builds.records import BuildList, BuildRecord, BuildRecords
+from dsec.builds.records import MAX_BUILDS_PER_OWNER, BuildList, BuildRecord
 from dsec.cluster.actor import BURST_LABEL, NodeConfig, edge_names_of, ensure_edge_actor
 from dsec.cluster.coalesce import CreationCoalescer
 from dsec.cluster.migrate import move_layers
@@ -159,7 +159,6 @@ class ClusterEdge:
         self.config = config
         self.options = options or ClusterOptions.from_env()
         self.relay = NodeRelay(state, self.options)
-        self.build_records = BuildRecords()  # builds relayed by this replica
         self.placement = ClusterPlacement(self.options)
         self.rejections_retried = 0
         self.key_quotas = QuotaGuard()
@@ -902,20 +901,29 @@ class ClusterEdge:
         return out
 
     async def _on_every_node(self, method: str, *args: Any) -> Any:
+        """``method`` done on every live node (a change each node keeps: an image pulled,
+        built, removed); one node's answer."""
+        answers = await self._from_every_node(method, *args, timeout=self.options.create_timeout_s)
+        return answers[0]
+
+    async def _from_every_node(
+        self, method: str, *args: Any, timeout: float | None = None
+    ) -> list[Any]:
+        """``method``'s answer from each live node that gave one (none: the first error)."""
         names = [h.name for h in self._alive()]
         if not names:
             raise ServiceUnavailable("no live node in the cluster")
         results = await asyncio.gather(
             *(
-                self.relay.call(n, method, *args, timeout=self.options.create_timeout_s)
+                self.relay.call(n, method, *args, timeout=timeout or self.options.call_timeout_s)
                 for n in names
             ),
             return_exceptions=True,
         )
-        for r in results:
-            if not isinstance(r, BaseException):
-                return r
-        raise results[0]
+        answers = [r for r in results if not isinstance(r, BaseException)]
+        if not answers:
+            raise results[0]
+        return answers
 
     async def pull_image(self, req: PullImageRequest, owner: str) -> ImageInfo:
         """Pulled (or, ``lazy``, attached) on every live node (each keeps its own layer
@@ -937,12 +945,7 @@ class ClusterEdge:
 
         node = self._build_node()
         async with contextlib.aclosing(
-            self.build_records.record(
-                owner,
-                self._replicated(
-                    node, owner, self.relay.stream(node, "build", owner, req, context)
-                ),
-            )
+            self._replicated(node, owner, self.relay.stream(node, "build", owner, req, context))
         ) as events:
             async for event in events:
                 yield event
@@ -959,11 +962,22 @@ class ClusterEdge:
                 yield event
 
     async def list_builds(self, req: KeyScope, owner: str) -> BuildList:
-        """The builds this replica relayed (each apiserver replica keeps its own)."""
-        return self.build_records.list(owner)
+        """The key's builds as every live node's edge recorded them (each records the
+        builds it ran), newest first: every apiserver replica lists the same, whichever
+        relayed a build. A node that does not answer leaves its builds out."""
+        lists: list[BuildList] = await self._from_every_node("list_builds", req, owner)
+        builds = sorted(
+            (b for answer in lists for b in answer.builds),
+            key=lambda b: b.started_at,
+            reverse=True,
+        )
+        return BuildList(builds=builds[:MAX_BUILDS_PER_OWNER])
 
     async def get_build(self, req: BuildRef, owner: str) -> BuildRecord:
-        return self.build_records.get(req.build_id, owner)
+        """The build as the node that ran it recorded it (``NotFound`` from every node:
+        the key has no such build, or its node restarted since)."""
+        found: list[BuildRecord] = await self._from_every_node("get_build", req, owner)
+        return found[0]
 
     def _build_node(self) -> str:
         """The live node with the most free sandbox slots that runs containers."""
