@@ -53,10 +53,6 @@ KNOWN_DEFERRED_CIRCLES: dict[frozenset[str], str] = {
         "classes) and each async object hands out its sync wrapper (``.sync``) and the "
         "sub-APIs and results (a group) it opens late, so that ``import dsec`` stays light"
     ),
-    frozenset({"dsec.e2b.control", "dsec.e2b.templates"}): (
-        "E2B: control mounts the template API and templates reads control's ENVD_VERSION "
-        "when it answers; the constant belongs in a module of its own (left to the e2b work)"
-    ),
 }
 """Circles through function-level imports, accepted for now: the modules of each, and why."""
 

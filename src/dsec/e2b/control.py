@@ -77,6 +77,7 @@ from dsec.e2b.filesystem import FilesystemService
 from dsec.e2b.network import E2BEgress, e2b_view, policy_from_e2b
 from dsec.e2b.process import ProcessRegistry, paused_error
 from dsec.e2b.templates import TemplateAPI
+from dsec.e2b.version import ENVD_VERSION
 from dsec.errors import (
     CapabilityNotSupported,
     DsecError,
@@ -110,10 +111,6 @@ __all__ = [
     "NetworkDefault",
 ]
 
-ENVD_VERSION = "0.6.4"
-"""The envd version dsec reports. It gates SDK features: stdin, close_stdin,
-octet-stream uploads, file metadata, watch entries and ``allow_network_mounts`` (dsec
-sandboxes have no network mounts: there is nothing it could hide) are on."""
 TEMPLATE_LABEL = "e2b.template"
 AUTO_RESUME_LABEL = "e2b.auto_resume"
 """``off`` on a sandbox created with ``lifecycle auto_resume=False``: while it is paused,

@@ -133,6 +133,7 @@ from dsec.builds.wire import (
 from dsec.contract.edge import EdgeAPI, ImageBuilds
 from dsec.e2b.access import TemplateMap, TemplateTarget, image_ref
 from dsec.e2b.errors import E2BError, control_status
+from dsec.e2b.version import ENVD_VERSION
 from dsec.errors import DsecError, ImageNotFound
 from dsec.images.config import ImageConfig
 from dsec.models import DeleteImageRequest, ImageInfo, KeyScope
@@ -845,7 +846,7 @@ class TemplateAPI:
             last_spawned_at=None,
             spawn_count=0,
             build_count=len({_build_uuid(i) for i in t.images}),
-            envd_version=_envd_version(),
+            envd_version=ENVD_VERSION,
             build_status=TemplateBuildStatus.READY,
             **extra,
         ).to_dict()
@@ -1332,9 +1333,3 @@ def _env_of(image: ImageInfo | None) -> dict[str, str]:
     with contextlib.suppress(ValidationError):
         return ImageConfig.from_meta(image.meta).env_dict()
     return {}
-
-
-def _envd_version() -> str:
-    from dsec.e2b.control import ENVD_VERSION
-
-    return ENVD_VERSION
