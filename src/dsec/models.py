@@ -623,6 +623,25 @@ class ExecRequest(_Model):
         return ["/bin/sh", "-c", self.cmd] if isinstance(self.cmd, str) else list(self.cmd)
 
 
+class SandboxExecRequest(ExecRequest, SandboxRef):
+    """``POST /v1/sandboxes/{id}/exec`` (and ``.../exec/stream``): an :class:`ExecRequest`
+    run in one sandbox. The id travels in the URL; the JSON body is the ExecRequest."""
+
+    @classmethod
+    def of(cls, sandbox_id: str, command: ExecRequest) -> SandboxExecRequest:
+        """``command`` in the sandbox ``sandbox_id`` (the fields it left unset stay unset)."""
+        return cls.model_validate(
+            {"sandbox_id": sandbox_id, **command.model_dump(exclude_unset=True)}
+        )
+
+    @property
+    def command(self) -> ExecRequest:
+        """The command alone, without the sandbox id: what a runtime runs and the trajectory
+        records (a replay into another sandbox asks the same)."""
+        values = {name: getattr(self, name) for name in ExecRequest.model_fields}
+        return ExecRequest.model_construct(self.model_fields_set - {"sandbox_id"}, **values)
+
+
 class ExecResult(_Model):
     """The outcome of one command. Output is UTF-8 decoded with replacement characters."""
 

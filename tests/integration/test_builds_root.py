@@ -33,9 +33,9 @@ from dsec.builds.wire import BuildDone, BuildError
 from dsec.errors import ImageNotFound, InvalidRequest, StartFailed
 from dsec.models import (
     CreateSandboxRequest,
-    ExecRequest,
     KeyScope,
     ListSandboxesRequest,
+    SandboxExecRequest,
     SandboxRef,
 )
 from dsec.privileged.mount import mount_points
@@ -79,7 +79,8 @@ class Node:
     async def sh(self, owner: str, image: str, cmd: str, **create: Any) -> str:
         sb = await self.edge.create_sandbox(CreateSandboxRequest(image=image, **create), owner)
         try:
-            r = await self.edge.exec(sb.id, owner, ExecRequest(cmd=cmd, timeout_s=60))
+            run = SandboxExecRequest(sandbox_id=sb.id, cmd=cmd, timeout_s=60)
+            r = await self.edge.exec(run, owner)
         finally:
             await self.edge.kill_sandbox(SandboxRef(sandbox_id=sb.id), owner)
         assert r.exit_code == 0, (cmd, r.stdout, r.stderr)

@@ -16,7 +16,7 @@ import dsec.errors as E
 from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
 from dsec.contract.verbs import NO_ENVELOPE, Envelope
-from dsec.models import ExecEvent, ExecRequest, ExecResult, SetTTLRequest
+from dsec.models import ExecEvent, ExecRequest, ExecResult, SandboxExecRequest, SetTTLRequest
 from dsec.testing import FakeEdge
 
 KEY = "dsec_routes_test"
@@ -170,12 +170,7 @@ async def test_exec_stream_errors(client: httpx.AsyncClient, edge: FakeEdge) -> 
 async def test_exec_stream_without_exit_is_reported(client: httpx.AsyncClient) -> None:
     class TruncatedEdge(FakeEdge):
         async def exec_stream(
-            self,
-            sandbox_id: str,
-            owner: str,
-            req: ExecRequest,
-            *,
-            env: Envelope = NO_ENVELOPE,
+            self, req: SandboxExecRequest, owner: str, env: Envelope = NO_ENVELOPE
         ) -> AsyncIterator[ExecEvent]:
             yield ExecEvent(type="stdout", data="partial")
 

@@ -76,7 +76,7 @@ def test_errors_are_one_red_line(runner: CliRunner) -> None:
 def test_ps_exec_kill(runner: CliRunner, edge: FakeEdge) -> None:
     assert "no sandboxes" in runner.invoke(cli.app, ["ps"]).stdout
     runner.invoke(cli.app, ["run", "--keep", "--", "true"])
-    sandbox_id = edge.calls_to("exec_stream")[0]["sandbox_id"]
+    sandbox_id = edge.calls_to("exec_stream")[0]["req"].sandbox_id
     ps = runner.invoke(cli.app, ["ps"])
     assert ps.exit_code == 0 and sandbox_id in ps.stdout and "running" in ps.stdout
 
@@ -145,7 +145,7 @@ def test_key_commands(tmp_path: Path) -> None:
 def _keep_sandbox(runner: CliRunner, edge: FakeEdge, *extra: str) -> str:
     result = runner.invoke(cli.app, ["run", "--keep", *extra, "--", "true"])
     assert result.exit_code == 0, result.output
-    return str(edge.calls_to("exec_stream")[-1]["sandbox_id"])
+    return str(edge.calls_to("exec_stream")[-1]["req"].sandbox_id)
 
 
 def test_pause_resume_and_ps(runner: CliRunner, edge: FakeEdge) -> None:
@@ -384,7 +384,7 @@ def test_logs_prints_each_stream_where_it_belongs(logs_wire: list[httpx.Request]
 
 def test_logs_against_the_edge_when_it_keeps_them(runner: CliRunner, edge: FakeEdge) -> None:
     r = runner.invoke(cli.app, ["run", "--keep", "--", "true"])
-    sandbox_id = edge.calls_to("exec_stream")[0]["sandbox_id"]
+    sandbox_id = edge.calls_to("exec_stream")[0]["req"].sandbox_id
     r = runner.invoke(cli.app, ["logs", sandbox_id])
     assert r.exit_code == 0, r.output
     assert edge.calls_to("sandbox_logs")[0]["sandbox_id"] == sandbox_id

@@ -277,7 +277,7 @@ def test_cli_run_with_network_options(runner: CliRunner, edge: FakeEdge) -> None
 
 def test_cli_network_show_and_update(runner: CliRunner, edge: FakeEdge) -> None:
     runner.invoke(cli.app, ["run", "--keep", "--allow-domain", "pypi.org", "--", "true"])
-    sid = edge.calls_to("exec_stream")[0]["sandbox_id"]
+    sid = edge.calls_to("exec_stream")[0]["req"].sandbox_id
 
     shown = runner.invoke(cli.app, ["network", sid, "show"])
     assert shown.exit_code == 0, shown.output
@@ -314,7 +314,7 @@ def test_cli_network_show_and_update(runner: CliRunner, edge: FakeEdge) -> None:
     assert len(edge.calls_to("update_network")) == calls
 
     runner.invoke(cli.app, ["run", "--keep", "--", "true"])
-    plain = edge.calls_to("exec_stream")[-1]["sandbox_id"]
+    plain = edge.calls_to("exec_stream")[-1]["req"].sandbox_id
     assert "no network" in runner.invoke(cli.app, ["network", plain, "show"]).stdout
     result = runner.invoke(cli.app, ["network", plain, "update", "--allow-domain", "a.test"])
     assert result.exit_code == 1 and "capability_not_supported" in result.stderr

@@ -352,13 +352,14 @@ def test_activity_recorder_forgets_idle_owners() -> None:
 
 
 async def test_node_sampler_rates_from_the_edges_counters(edge: FakeEdge) -> None:
-    from dsec.models import CreateSandboxRequest, ExecRequest
+    from dsec.models import CreateSandboxRequest, SandboxExecRequest
 
     sampler = NodeSampler(edge, step_s=10)
     sampler.sample(now=1000.0)
     info = await edge.create_sandbox(CreateSandboxRequest(), "kowner000000000001")
     for _ in range(6):
-        await edge.exec(info.id, "kowner000000000001", ExecRequest(cmd="true"))
+        run = SandboxExecRequest(sandbox_id=info.id, cmd="true")
+        await edge.exec(run, "kowner000000000001")
     sampler.sample(now=1060.0)
     s = sampler.series()
     assert s["t"] == [1060]

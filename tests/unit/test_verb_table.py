@@ -20,14 +20,17 @@ from dsec.apiserver.app import create_app
 from dsec.apiserver.auth import StaticKeys, owner_id
 from dsec.builds.wire import BuildStarted
 from dsec.contract.edge import SANDBOX_VERBS, VERBS, EdgeAPI, MetricsEdge
-from dsec.contract.verbs import Envelope, Verb, VerbTable
+from dsec.contract.verbs import REPLAYED_HEADER, Envelope, Verb, VerbTable
 from dsec.errors import ImageNotFound
 from dsec.models import (
     DeleteImageRequest,
+    ExecRequest,
     NetworkPolicyRequest,
     NodeQuery,
     PauseRequest,
     PushImageRequest,
+    RemoveFileRequest,
+    SandboxExecRequest,
     SandboxInfo,
     SandboxRef,
     SetTTLRequest,
@@ -133,6 +136,7 @@ async def _sandbox(client: httpx.AsyncClient) -> str:
 
 
 _SAMPLES: dict[str, Any] = {
+    "cmd": "true",
     "ttl_s": 5,
     "n": 1,
     "path": "/tmp",
@@ -350,6 +354,7 @@ async def test_the_sdk_sends_table_verbs_through_its_transport(edge: FakeEdge) -
         assert (await sb.pause()).state == "paused"
         assert (await sb.resume()).state == "running"
         assert (await sb.metrics()).sandbox_id == sb.id
+        assert (await sb.commands.run("echo hi")).stdout == "hi\n"
     calls = [name for name, _ in edge.calls if name in VERBS]
     assert calls == [
         "create_sandbox",  # keyed: its Idempotency-Key reached the edge as its envelope
@@ -357,10 +362,93 @@ async def test_the_sdk_sends_table_verbs_through_its_transport(edge: FakeEdge) -
         "pause_sandbox",
         "resume_sandbox",
         "sandbox_metrics",
+        "exec",
         "kill_sandbox",  # leaving the block
     ]
     (create,) = edge.calls_to("create_sandbox")
     assert create["env"].idem_key and create["env"].seq is None
+    (run,) = edge.calls_to("exec")  # sequenced: its number reached the edge as its envelope
+    assert run["req"] == SandboxExecRequest(
+        sandbox_id=sb.id, cmd="echo hi", timeout_s=60.0, max_output_bytes=1 << 20
+    )
+    assert run["env"] == Envelope(seq=1)
+
+
+def test_a_row_may_name_its_body_model() -> None:
+    """exec's body is an ExecRequest, documented under that name as the body of
+    ``.../exec/stream`` is, and its route keeps the name it had (its operationId); a body
+    model that is not the request's body fields is refused when the row is written."""
+    doc = create_app(FakeEdge(), StaticKeys([KEY])).openapi()
+    for path in ("/v1/sandboxes/{sandbox_id}/exec", "/v1/sandboxes/{sandbox_id}/exec/stream"):
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"] == {"$ref": "#/components/schemas/ExecRequest"}, path
+    exec_route = doc["paths"]["/v1/sandboxes/{sandbox_id}/exec"]["post"]
+    assert exec_route["operationId"] == "exec_command_v1_sandboxes__sandbox_id__exec_post"
+    assert VERBS["exec"].wire(SandboxExecRequest(sandbox_id="sb-n-1", cmd="ls")) == {"cmd": "ls"}
+    with pytest.raises(ValueError, match="body model"):
+        Verb(
+            "x",
+            SetTTLRequest,
+            SandboxInfo,
+            "POST",
+            "/sandboxes/{sandbox_id}/x",
+            EdgeAPI,
+            "x",
+            body_model=ExecRequest,
+        )
+
+
+async def test_a_row_reads_its_answer_headers_from_the_answer(
+    clients: tuple[httpx.AsyncClient, httpx.AsyncClient], edge: FakeEdge
+) -> None:
+    """exec's ``headers``: a repeat answered from the trajectory log says so in
+    ``X-Dsec-Replayed`` (and in its body); the first answer has no such header."""
+    a, _ = clients
+    sid = await _sandbox(a)
+    url, seq = f"/v1/sandboxes/{sid}/exec", {"x-dsec-seq": "1"}
+    first = await a.post(url, json={"cmd": "echo once"}, headers=seq)
+    assert first.status_code == 200 and REPLAYED_HEADER not in first.headers
+    again = await a.post(url, json={"cmd": "echo once"}, headers=seq)
+    assert again.headers[REPLAYED_HEADER] == "1" and again.json()["replayed"] is True
+    assert again.json()["stdout"] == first.json()["stdout"] == "once\n"
+    assert edge.executed["exec"] == 1
+
+
+class _Relay:
+    """The cluster's relay to the nodes, as a recorder: what each call asked, within how
+    long."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, tuple[Any, ...], float | None]] = []
+
+    async def on_sandbox(self, sandbox_id: str, method: str, *args: Any, **kw: Any) -> Any:
+        assert kw.pop("route_only") and set(kw) == {"timeout"}  # the request travels whole
+        self.calls.append((sandbox_id, method, args, kw["timeout"]))
+        return VERBS[method].read_answer({} if method == "exec" else None)
+
+
+async def test_the_cluster_relays_a_call_within_its_own_time_budget() -> None:
+    """exec's ``timeout``: the cluster relays an exec within its command's timeout plus
+    the margin (``exec_margin_s``); a verb without a budget of its own within the default
+    call timeout (None)."""
+    from dsec.cluster.actor import NodeConfig
+    from dsec.cluster.edge import ClusterEdge, ClusterOptions
+
+    edge = ClusterEdge(None, NodeConfig(), ClusterOptions(exec_margin_s=7.0))
+    relay = _Relay()
+    edge.relay = relay  # type: ignore[assignment]
+    req = SandboxExecRequest(sandbox_id="sb-node1-0123456789ab", cmd="sleep 1", timeout_s=5)
+    assert (await edge.exec(req, "o", Envelope(seq=3))).exit_code is None
+    await edge.remove_file(RemoveFileRequest(sandbox_id=req.sandbox_id, path="/tmp/x"), "o")
+    assert relay.calls == [
+        (req.sandbox_id, "exec", (req, "o", Envelope(seq=3)), 12.0),
+        (
+            req.sandbox_id,
+            "remove_file",
+            (RemoveFileRequest(sandbox_id=req.sandbox_id, path="/tmp/x"), "o"),
+            None,
+        ),
+    ]
 
 
 async def test_uptime_a_verb_added_by_one_row(edge: FakeEdge) -> None:

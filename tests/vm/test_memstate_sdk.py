@@ -16,7 +16,7 @@ from tests.timing import budget
 from dsec import Sandbox
 from dsec.config import Paths
 from dsec.errors import CapabilityNotSupported, SandboxStopped
-from dsec.models import CreateSandboxRequest, ExecRequest, PauseRequest, SandboxRef
+from dsec.models import CreateSandboxRequest, PauseRequest, SandboxExecRequest, SandboxRef
 from dsec.privileged.cgroups import cgroup
 from dsec.runtimes.microvm import MicroVMRuntime
 from dsec.runtimes.microvm.qemu import pid_alive
@@ -133,7 +133,7 @@ async def test_suspended_sandbox_survives_edge_restart(home: Path) -> None:
             CreateSandboxRequest(tier="microvm", image="busybox", memory_mb=256, ttl_s=600), owner
         )
         sid = info.id
-        await edge.exec(sid, owner, ExecRequest(cmd=_HOLDER))
+        await edge.exec(SandboxExecRequest(sandbox_id=sid, cmd=_HOLDER), owner)
         info = await edge.pause_sandbox(PauseRequest(sandbox_id=sid, mode="suspend"), owner)
         assert info.state == "paused"
         pid = edge._live[sid].handle.state["pid"]
@@ -144,7 +144,7 @@ async def test_suspended_sandbox_survives_edge_restart(home: Path) -> None:
             assert info.state == "paused"  # still suspended: not restored by the restart
             rt = edge.runtimes["microvm"]
             assert isinstance(rt, MicroVMRuntime) and rt.is_suspended(edge._live[sid].handle)
-            r = await edge.exec(sid, owner, ExecRequest(cmd=_ASK))
+            r = await edge.exec(SandboxExecRequest(sandbox_id=sid, cmd=_ASK), owner)
             assert r.stdout.strip() == "kept-42"
             assert (await edge.get_sandbox(SandboxRef(sandbox_id=sid), owner)).state == "running"
             assert pid_alive(edge._live[sid].handle.state["pid"])

@@ -10,7 +10,8 @@ to the edge's ``seq``/``idem_key`` keywords:
 * ``Idempotency-Key``: 1..256 printable ASCII characters.
 
 A repeat of a recorded call is answered from the trajectory log without running anything;
-exec answers then carry ``X-Dsec-Replayed: 1`` (and ``replayed: true`` in the body).
+an exec's answer then carries ``X-Dsec-Replayed: 1`` (and ``replayed: true`` in the body;
+``POST .../exec`` is a route of the verb table, :mod:`dsec.apiserver.verbs`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from pydantic import BaseModel
 
 from dsec.apiserver.deps import ERROR_RESPONSES, Edge, Owner, Seq, current_owner
 from dsec.apiserver.schemas import (
-    REPLAYED_HEADER,
     SANDBOX_ID_PATTERN,
     SANDBOX_PATH_PATTERN,
     TarUploadResult,
@@ -39,9 +39,9 @@ from dsec.errors import (
 from dsec.models import (
     ExecEvent,
     ExecRequest,
-    ExecResult,
     FileInfo,
     LogLine,
+    SandboxExecRequest,
     SandboxRef,
 )
 
@@ -72,25 +72,6 @@ UPLOAD_ROUTES = frozenset(
     {"/v1/sandboxes/{sandbox_id}/files", "/v1/sandboxes/{sandbox_id}/files/tar"}
 )
 """Route templates whose body is a raw upload (the larger body limit applies)."""
-
-
-def _mark_replayed(response: Response, result: ExecResult) -> ExecResult:
-    if result.replayed:
-        response.headers[REPLAYED_HEADER] = "1"
-    return result
-
-
-@router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command")
-async def exec_command(
-    sandbox_id: SandboxIdParam,
-    req: ExecRequest,
-    edge: Edge,
-    owner: Owner,
-    s: Seq,
-    response: Response,
-) -> ExecResult:
-    result = await edge.exec(sandbox_id, owner, req, env=s)
-    return _mark_replayed(response, result)
 
 
 def ndjson_of(model: type[BaseModel]) -> dict[str, Any]:
@@ -127,6 +108,7 @@ async def exec_stream(
     owner: Owner,
     s: Seq,
 ) -> StreamingResponse:
+    run = SandboxExecRequest.of(sandbox_id, req)
     # Errors knowable before the first byte get a proper HTTP status.
     info = await edge.get_sandbox(SandboxRef(sandbox_id=sandbox_id), owner)
     if info.state == "stopped":
@@ -137,7 +119,7 @@ async def exec_stream(
     async def body() -> AsyncIterator[bytes]:
         ended = False
         try:
-            events = edge.exec_stream(sandbox_id, owner, req, env=s)
+            events = edge.exec_stream(run, owner, s)
             async for event in events:
                 yield _event_line(event)
                 if event.type in ("exit", "error"):

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec.contract.verbs import IDEMPOTENCY_KEY_PATTERN
+from dsec.contract.verbs import IDEMPOTENCY_KEY_PATTERN, REPLAYED_HEADER
 from dsec.models import IMAGE_REF_PATTERN, CapabilityList, ImageList, LayerList, SandboxList
 
 __all__ = [
@@ -51,9 +51,6 @@ SEQ_HEADER = "X-Dsec-Seq"
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 """Request header: a client-chosen key; a repeat returns the recorded result."""
-
-REPLAYED_HEADER = "X-Dsec-Replayed"
-"""Response header, ``1`` when the answer came from the trajectory log (nothing ran)."""
 
 SandboxPath = Annotated[str, Field(pattern=SANDBOX_PATH_PATTERN, description="absolute path")]
 

@@ -5,9 +5,10 @@ into the verb's request model once (a malformed request: 400 before the edge), r
 trajectory headers of a ``sequenced`` verb into an :class:`~dsec.contract.verbs.Envelope`,
 checks that the edge has the verb's ability (422 ``capability_not_supported`` otherwise;
 for a sandbox verb only after the sandbox was found, so another key's is ``not_found``), and
-answers the edge's answer model. Every route asks for a key (the router's dependency); a
-node-wide verb that answers every key alike (``owned=False``) is called without it. The OpenAPI schema documents each as a hand-written route
-would: summary, description, parameters, body schema, answer schema, errors.
+answers the edge's answer model (with the headers the row reads from it). Every route asks
+for a key (the router's dependency); a node-wide verb that answers every key alike
+(``owned=False``) is called without it. The OpenAPI schema documents each as a hand-written
+route would: summary, description, parameters, body schema, answer schema, errors.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def _body_model(verb: Verb) -> type[BaseModel]:
     """The request model without its path parameters: what the JSON body holds (strict as
     every request: an unknown field is refused). The request model's own validators run
     when the route builds the request from it. A verb without path parameters: the
-    request model itself (its schema keeps its name)."""
+    request model itself (its schema keeps its name), as does a row's ``body_model``."""
+    if verb.body_model is not None:
+        return verb.body_model
     if not verb.path_params:
         return verb.request
     fields: dict[str, Any] = {
@@ -123,6 +126,8 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
         )
     if verb.operator_may or verb.undo is not None:
         params.append(inspect.Parameter("request", kw, annotation=Request))
+    if verb.headers is not None:
+        params.append(inspect.Parameter("response", kw, annotation=Response))
     params.append(inspect.Parameter("edge", kw, annotation=Edge))
     params.append(inspect.Parameter("owner", kw, annotation=Owner))
     if verb.sequenced:
@@ -156,6 +161,7 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
         seq: Envelope | None = values.pop("seq", None)
         key: Envelope = values.pop("key", None) or NO_ENVELOPE
         request: Request | None = values.pop("request", None)
+        response: Response | None = values.pop("response", None)
         req = _parse(verb, values)
         if request is not None and verb.operator_may:  # its request has ``system``
             owner = acting_owner(request, owner, getattr(req, "system", False), verb.operator_may)
@@ -177,8 +183,11 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
             answer = await call(req, owner, key)
         else:
             answer = await (call(req, owner) if verb.owned else call(req))
+        headers = verb.headers(answer) if verb.headers is not None else {}
         if verb.answer is None:
-            return Response(status_code=verb.status)
+            return Response(status_code=verb.status, headers=headers)
+        if response is not None:
+            response.headers.update(headers)
         return answer
 
     endpoint.__name__ = endpoint.__qualname__ = verb.name
@@ -199,5 +208,5 @@ for _verb in VERBS:
         summary=_verb.summary,
         description=_verb.description or None,
         tags=[_verb.tag],
-        name=_verb.name,
+        name=_verb.route_name or _verb.name,
     )

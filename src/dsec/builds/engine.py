@@ -108,10 +108,10 @@ from dsec.images.config import ImageConfig, StartCommand
 from dsec.layers.store import LayerStore
 from dsec.models import (
     CreateSandboxRequest,
-    ExecRequest,
     ExecResult,
     FileInfo,
     ImageInfo,
+    SandboxExecRequest,
     SandboxPathRequest,
     SandboxRef,
     SandboxSnapshotRequest,
@@ -592,7 +592,8 @@ class ImageBuilder:
                 )
             if isinstance(step, Run):
                 user = await self._exec_user(sid, b.owner, ps.user)
-            req = ExecRequest(
+            req = SandboxExecRequest(
+                sandbox_id=sid,
                 cmd=cmd,
                 cwd=ps.workdir,
                 env=exec_env,
@@ -602,7 +603,7 @@ class ImageBuilder:
             )
             result: ExecResult | None = None
             keep = self.limits.output_tail_chars
-            stream = self.edge.exec_stream(sid, b.owner, req)
+            stream = self.edge.exec_stream(req, b.owner)
             try:
                 async for ev in stream:
                     if ev.type in ("stdout", "stderr") and ev.data:

@@ -381,20 +381,19 @@ class EdgeActor:
                 raise
             yield _err(e)
 
-    async def exec_stream(
-        self, sandbox_id: str, owner: str, req: Any, env: Envelope
-    ) -> AsyncIterator[Any]:
-        """Stream an exec's events (Ray streaming generator; each item one ``ExecEvent``)."""
+    async def exec_stream(self, req: Any, owner: str, env: Envelope) -> AsyncIterator[Any]:
+        """Stream an exec's events (Ray streaming generator; each item one ``ExecEvent``);
+        ``req`` is a ``SandboxExecRequest``."""
         from dsec.models import ExecEvent
 
         try:
             agent = await self._agent()
-            async for ev in agent.exec_stream(sandbox_id, owner, req, env=env):
+            async for ev in agent.exec_stream(req, owner, env):
                 yield ev
         except DsecError as e:
             yield ExecEvent(type="error", error=e.to_wire()["error"])
         except Exception as e:
-            log.exception("exec stream on %s failed", sandbox_id)
+            log.exception("exec stream on %s failed", req.sandbox_id)
             yield ExecEvent(
                 type="error",
                 error=InternalError(

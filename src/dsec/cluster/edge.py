@@ -82,8 +82,6 @@ from dsec.models import (
     CreateSandboxRequest,
     DeleteImageRequest,
     ExecEvent,
-    ExecRequest,
-    ExecResult,
     ForkRequest,
     ForkResult,
     ImageInfo,
@@ -107,6 +105,7 @@ from dsec.models import (
     PushImageResult,
     RunCodeRequest,
     RunCodeResponse,
+    SandboxExecRequest,
     SandboxInfo,
     SandboxList,
     SandboxRef,
@@ -364,6 +363,17 @@ class ClusterEdge:
                 await asyncio.to_thread(ray.kill, h.actor, no_restart=True)
 
     # ------------------------------------------------------------------ calls
+    def _relay_timeout(self, verb: str, req: Any) -> float | None:
+        """How long a relayed call of ``verb`` may take: a creation's timeout for a verb
+        that may take as long, the call's own budget plus ``exec_margin_s`` for a row that
+        reads one from its request (:attr:`dsec.contract.verbs.Verb.timeout`: an exec's
+        command timeout), else None (the default call timeout)."""
+        if verb in _CREATE_TIMEOUT_VERBS:
+            return self.options.create_timeout_s
+        row = VERBS[verb] if verb in VERBS else None
+        budget = row.timeout(req) if row is not None and row.timeout is not None else None
+        return budget + self.options.exec_margin_s if budget else None
+
     # ------------------------------------------------------------------ placement
     # ------------------------------------------------------------------ sandboxes
     # ------------------------------------------------------------------ key quotas
@@ -708,42 +718,16 @@ class ClusterEdge:
         return info
 
     # ------------------------------------------------------------------ exec
-    async def exec(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: ExecRequest,
-        *,
-        env: Envelope = NO_ENVELOPE,
-    ) -> ExecResult:
-        res: ExecResult = await self.relay.on_sandbox(
-            sandbox_id,
-            "exec",
-            owner,
-            req,
-            env=env,
-            timeout=self._exec_timeout(req),
-        )
-        return res
-
-    def _exec_timeout(self, req: ExecRequest) -> float:
-        t = getattr(req, "timeout", None) or getattr(req, "timeout_s", None)
-        return float(t) + self.options.exec_margin_s if t else self.options.call_timeout_s
-
     async def exec_stream(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: ExecRequest,
-        *,
-        env: Envelope = NO_ENVELOPE,
+        self, req: SandboxExecRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> AsyncIterator[ExecEvent]:
         """Events relayed from the edge's Ray streaming generator as they are produced; a
         lost node ends the stream with an ``error`` event (``NodeLost``)."""
+        sandbox_id = req.sandbox_id
         node = node_of_sandbox(sandbox_id)
         h = self.relay.handle(node, sandbox_id)
-        gen = h.actor.exec_stream.remote(sandbox_id, owner, req, env)
-        step_timeout = self._exec_timeout(req)
+        gen = h.actor.exec_stream.remote(req, owner, env)
+        step_timeout = self._relay_timeout("exec", req) or self.options.call_timeout_s
         while True:
             try:
                 ref = await self.relay.await_ref(h, gen.__anext__(), step_timeout, "exec stream")
@@ -1162,13 +1146,14 @@ def _stream_forwarder(name: str) -> Callable[..., AsyncGenerator[Any, None]]:
     return forward
 
 
-def _forwarder(name: str, *, by_request: bool = False) -> Callable[..., Awaitable[Any]]:
-    """``name`` relayed to the node its first argument names: a sandbox id, or
-    (``by_request``, a verb of the table) a request holding one, which is passed on whole."""
+def _forwarder(name: str) -> Callable[..., Awaitable[Any]]:
+    """``name`` relayed to the node its first argument names: a sandbox id, or a request
+    holding one (a :class:`SandboxRef`: a verb of the table), which is passed on whole;
+    within ``ClusterEdge._relay_timeout``."""
 
     async def forward(self: ClusterEdge, first: Any, *args: Any, **kwargs: Any) -> Any:
-        timeout = self.options.create_timeout_s if name in _CREATE_TIMEOUT_VERBS else None
-        if by_request:
+        timeout = self._relay_timeout(name, first)
+        if isinstance(first, SandboxRef):
             return await self.relay.on_sandbox(
                 first.sandbox_id, name, first, *args, timeout=timeout, route_only=True, **kwargs
             )
@@ -1182,9 +1167,7 @@ def _forwarder(name: str, *, by_request: bool = False) -> Callable[..., Awaitabl
 # Every sandbox verb of the contract that ClusterEdge does not implement itself is relayed
 # to the sandbox's node: adding a verb to dsec.contract.edge adds it here.
 for _name in sorted(SANDBOX_VERBS - _NODE_SIDE_VERBS - set(vars(ClusterEdge))):
-    if _name in VERBS:
-        setattr(ClusterEdge, _name, _forwarder(_name, by_request=True))
-    elif _name in STREAM_VERBS:
+    if _name in STREAM_VERBS:
         setattr(ClusterEdge, _name, _stream_forwarder(_name))
     else:
         setattr(ClusterEdge, _name, _forwarder(_name))

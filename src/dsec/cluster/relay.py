@@ -86,7 +86,8 @@ class ClusterOptions:
             call starts the ``EdgeAgent``, which reconciles its node).
         call_timeout_s: default timeout of one call to an edge.
         create_timeout_s: timeout of a creation (first use of an image builds it).
-        exec_margin_s: added to an exec's own timeout for the call's timeout.
+        exec_margin_s: added to a call's own time budget (an exec's timeout: a row's
+            ``Verb.timeout``) for the timeout of its relay.
         placement_k: candidates sampled per decision (power of k).
         overcommit: the placer's overcommit caps (each edge still applies its own).
         burst_threshold: regular-pool utilisation (0..1) from which burstable sandboxes may

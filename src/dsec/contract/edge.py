@@ -52,7 +52,7 @@ from dsec.contract.streams import (
     PtySize,
     StreamName,
 )
-from dsec.contract.verbs import NO_ENVELOPE, Envelope, Verb, VerbTable
+from dsec.contract.verbs import NO_ENVELOPE, REPLAYED_HEADER, Envelope, Verb, VerbTable
 from dsec.display import DisplayState, WindowInfo
 from dsec.errors import DsecError
 from dsec.models import (
@@ -104,6 +104,7 @@ from dsec.models import (
     RenameRequest,
     RunCodeRequest,
     RunCodeResponse,
+    SandboxExecRequest,
     SandboxInfo,
     SandboxList,
     SandboxMetrics,
@@ -193,21 +194,18 @@ class EdgeAPI(Protocol):
 
     # --- exec ------------------------------------------------------------
     async def exec(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: ExecRequest,
-        *,
-        env: Envelope = NO_ENVELOPE,
-    ) -> ExecResult: ...
+        self, req: SandboxExecRequest, owner: str, env: Envelope = NO_ENVELOPE
+    ) -> ExecResult:
+        """Run ``req``'s command in its sandbox and wait for it (``ExecResult.replayed``: a
+        repeat answered from the trajectory log, nothing ran)."""
+        ...
+
     def exec_stream(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: ExecRequest,
-        *,
-        env: Envelope = NO_ENVELOPE,
-    ) -> AsyncIterator[ExecEvent]: ...
+        self, req: SandboxExecRequest, owner: str, env: Envelope = NO_ENVELOPE
+    ) -> AsyncIterator[ExecEvent]:
+        """:meth:`exec` with its output as it comes: ``stdout``/``stderr`` events, then one
+        ``exit`` (or ``error``) event."""
+        ...
 
     # --- files (paths are absolute paths inside the sandbox) --------------
     async def read_file(self, sandbox_id: str, owner: str, path: str) -> bytes: ...
@@ -689,8 +687,16 @@ def edge_verbs() -> frozenset[str]:
 
 
 def _routes_by_sandbox(fn: Any) -> bool:
-    params = list(inspect.signature(fn).parameters)
-    return len(params) > 1 and params[1] == "sandbox_id"
+    """Whether ``fn`` is about one sandbox: its first argument is the sandbox id, or a
+    request that holds it (a :class:`SandboxRef`)."""
+    params = list(inspect.signature(fn).parameters.values())
+    if len(params) < 2:
+        return False
+    first = params[1]
+    request = globals().get(first.annotation) if isinstance(first.annotation, str) else None
+    return first.name == "sandbox_id" or (
+        isinstance(request, type) and issubclass(request, SandboxRef)
+    )
 
 
 def _streams(fn: Any) -> bool:
@@ -704,6 +710,14 @@ STREAM_VERBS: frozenset[str] = frozenset(
 )
 """The verbs that return an async iterator (a stream of events or lines): a cluster relays
 them as streams (refusals raise from the first item)."""
+
+
+def _replayed_header(result: ExecResult) -> dict[str, str]:
+    return {REPLAYED_HEADER: "1"} if result.replayed else {}
+
+
+def _command_timeout(req: ExecRequest) -> float:
+    return req.timeout_s
 
 
 async def _abandon_created(edge: EdgeAPI, info: SandboxInfo, owner: str, env: Envelope) -> None:
@@ -780,6 +794,20 @@ VERBS = VerbTable(
         "/sandboxes/{sandbox_id}/ttl",
         EdgeAPI,
         "Set the idle TTL",
+    ),
+    Verb(
+        "exec",
+        SandboxExecRequest,
+        ExecResult,
+        "POST",
+        "/sandboxes/{sandbox_id}/exec",
+        EdgeAPI,
+        "Run a command",
+        sequenced=True,
+        body_model=ExecRequest,
+        route_name="exec_command",
+        headers=_replayed_header,
+        timeout=_command_timeout,
     ),
     Verb(
         "pause_sandbox",

@@ -16,8 +16,13 @@ the request model's base, whether it is **sandbox-scoped** (:class:`~dsec.models
   (a malformed one is a 400 before the edge); an edge without the ability answers 422
   ``capability_not_supported`` (a sandbox-scoped verb checks the sandbox first: another
   key's is ``not_found``, as everywhere);
-* a cluster relays the call to the sandbox's node (:mod:`dsec.cluster.edge`);
+* a cluster relays the call to the sandbox's node (:mod:`dsec.cluster.edge`), within the
+  call's own time budget plus a margin when the row reads one from the request (``timeout``);
 * the SDK sends it (:meth:`dsec.sdk._http.HttpClient.call`) and reads the answer model.
+
+A row may also name the body's model (``body_model``: a body kept under its name), the
+route's (``route_name``: the ``operationId`` it had before its row) and the answer's headers
+(``headers``: read from the answer model).
 
 A verb that changes the sandbox's trajectory (``sequenced``) also takes the request's
 :class:`Envelope`: the ``X-Dsec-Seq`` and ``Idempotency-Key`` headers, parsed once. A
@@ -42,7 +47,15 @@ from pydantic import BaseModel, TypeAdapter
 
 from dsec.models import SandboxRef
 
-__all__ = ["IDEMPOTENCY_KEY_PATTERN", "NO_ENVELOPE", "Envelope", "HttpMethod", "Verb", "VerbTable"]
+__all__ = [
+    "IDEMPOTENCY_KEY_PATTERN",
+    "NO_ENVELOPE",
+    "REPLAYED_HEADER",
+    "Envelope",
+    "HttpMethod",
+    "Verb",
+    "VerbTable",
+]
 
 HttpMethod = Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
 
@@ -60,6 +73,10 @@ NO_ENVELOPE = Envelope()
 
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,256}$"
 """An ``Idempotency-Key``: 1-256 printable ASCII characters, no space."""
+
+REPLAYED_HEADER = "X-Dsec-Replayed"
+"""Answer header, ``1`` when the edge answered a sequenced call from the trajectory log
+(nothing ran)."""
 
 _PATH_PARAM = re.compile(r"\{([a-z_]+)(?::path)?\}")
 """A path parameter: ``{name}``, or ``{name:path}`` for one whose value may hold ``/``
@@ -102,6 +119,22 @@ class Verb:
     owned: bool = True
     undo: Callable[[Any, Any, str, Envelope], Awaitable[None]] | None = None
     keyed: bool = False
+    body_model: type[BaseModel] | None = None
+    """The model of the JSON body when one exists already (its fields are exactly the
+    request's body fields): the body is parsed as it and documented under its name (exec's
+    body is an :class:`~dsec.models.ExecRequest`, as the body of ``.../exec/stream``).
+    Otherwise the body's model is generated from the request's fields."""
+    route_name: str | None = None
+    """The route's name (the OpenAPI ``operationId`` is made of it) when it is not the
+    verb's: a route keeps the name it had before its row (exec's ``exec_command``), and
+    clients generated from the document keep their method names."""
+    headers: Callable[[Any], dict[str, str]] | None = None
+    """The answer's HTTP headers, read from the answer (exec: ``X-Dsec-Replayed: 1`` on an
+    answer from the trajectory log)."""
+    timeout: Callable[[Any], float | None] | None = None
+    """The call's own time budget in seconds, read from its request (exec: its command's
+    ``timeout_s``): a relay of the call (the cluster's) waits that long plus its margin
+    instead of its default call timeout. None: the call has no budget of its own."""
     _answers: TypeAdapter[Any] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +147,12 @@ class Verb:
             raise ValueError(f"verb {self.name}: a body field must be a body's only field")
         if self.operator_may and "system" not in self.request.model_fields:
             raise ValueError(f"verb {self.name}: operator_may needs a system field")
+        if self.body_model is not None and (
+            self.in_query
+            or self.body is not None
+            or set(self.body_model.model_fields) != set(self.body_fields)
+        ):
+            raise ValueError(f"verb {self.name}: a body model holds the body fields, no more")
         if self.keyed and self.sequenced:
             raise ValueError(f"verb {self.name}: keyed (a creation) or sequenced, not both")
         if not self.owned and (self.sandbox_scoped or self.sequenced or self.keyed or self.undo):

@@ -60,7 +60,7 @@ from dsec.e2b.errors import (
 from dsec.e2b.filesystem import METADATA_XATTR_PREFIX, FilesystemService
 from dsec.e2b.process import ProcessRegistry, ProcessService
 from dsec.errors import CapabilityNotSupported, DsecError, FileNotFound, PayloadTooLarge
-from dsec.models import ExecRequest
+from dsec.models import SandboxExecRequest
 
 __all__ = ["DEFAULT_MAX_UPLOAD_BYTES", "EnvdApp", "route_path"]
 
@@ -465,13 +465,14 @@ class EnvdApp:
         """A file under ``/proc``, ``/sys`` or ``/dev`` (kernel mounts the files API does not
         reach), read as envd reads it: from inside the sandbox, by a command run as the
         request's user (its output as base64, so any bytes survive)."""
-        req = ExecRequest(
+        req = SandboxExecRequest(
+            sandbox_id=sandbox_id,
             cmd=["/bin/sh", "-c", 'exec base64 < "$1"', "sh", path],
             user=user,
             timeout_s=30.0,
             max_output_bytes=KERNEL_READ_MAX_BYTES * 4 // 3 + 4096,
         )
-        res = await self.edge.exec(sandbox_id, owner, req)
+        res = await self.edge.exec(req, owner)
         if res.exit_code != 0 or res.stdout_truncated:
             err = res.stderr.strip().splitlines()[-1:] or [f"exit {res.exit_code}"]
             if "No such file" in err[0] or "not found" in err[0]:

@@ -33,7 +33,7 @@ from dsec.contract.edge import (
 )
 from dsec.e2b.errors import sandbox_ref
 from dsec.errors import CapabilityNotSupported, DsecError, InternalError
-from dsec.models import ExecEvent, ExecRequest, ExecResult
+from dsec.models import ExecEvent, ExecRequest, ExecResult, SandboxExecRequest
 
 log = logging.getLogger("dsec.e2b")
 
@@ -63,7 +63,8 @@ class ExecStreamProcess:
         self._result: asyncio.Future[ExecResult] = asyncio.get_running_loop().create_future()
         self._killed_by: int | None = None
         self._sandbox_id = sandbox_id
-        self._task = asyncio.create_task(self._pump(edge.exec_stream(sandbox_id, owner, req)))
+        events = edge.exec_stream(SandboxExecRequest.of(sandbox_id, req), owner)
+        self._task = asyncio.create_task(self._pump(events))
 
     async def _pump(self, events: AsyncIterator[ExecEvent]) -> None:
         result: ExecResult | BaseException | None = None

@@ -67,7 +67,7 @@ import httpx
 from pydantic import BaseModel
 
 from dsec.canonical import canonical_digest  # the edge's request digest, to match it
-from dsec.contract.verbs import Envelope
+from dsec.contract.verbs import REPLAYED_HEADER, Envelope
 from dsec.errors import (
     CreationRateExceeded,
     DsecError,
@@ -111,6 +111,7 @@ from dsec.models import (
     PortAccess,
     RemoveFileRequest,
     RenameRequest,
+    SandboxExecRequest,
     SandboxInfo,
     SandboxMetrics,
     SandboxPathRequest,
@@ -150,9 +151,6 @@ CommandResult = ExecResult
 """The result of ``commands.run``: ``stdout``, ``stderr``, ``exit_code``, ``.ok``,
 ``.truncated``, and ``replayed`` (True when the edge answered from the trajectory log
 without running the command)."""
-
-REPLAYED_HEADER = "X-Dsec-Replayed"
-"""Response header, ``1`` when the edge answered from the trajectory log."""
 
 ForkMethod = Literal["auto", "shared", "pack"]
 ForkParent = Literal["keep", "pause", "continue"]
@@ -227,7 +225,10 @@ class AsyncCommands:
             fields["stdin_b64"] = base64.b64encode(stdin).decode()
         else:
             fields["stdin"] = stdin
-        req: ExecRequest = validated(ExecRequest, **fields)
+        # what is None is left unset: the server's defaults apply, and the body says no more
+        req: ExecRequest = validated(
+            ExecRequest, **{k: v for k, v in fields.items() if v is not None}
+        )
         return req
 
     async def run(
@@ -271,13 +272,11 @@ class AsyncCommands:
                     answer = CommandResult.model_validate(recorded, context=ANSWER)
                     answer.replayed = True
                     return answer
-            r = await sb._sequenced(
-                "POST", "/exec", json=_dump(req), timeout=timeout + EXEC_GRACE_S
+            # ``replayed`` in the answer, as its X-Dsec-Replayed header says
+            ran: CommandResult = await sb._sequenced_call(
+                "exec", SandboxExecRequest.of(sb.id, req), timeout=timeout + EXEC_GRACE_S
             )
-            answer = CommandResult.model_validate(r.json(), context=ANSWER)
-            if r.headers.get(REPLAYED_HEADER) == "1":
-                answer.replayed = True
-            return answer
+            return ran
         stdout: builtins.list[str] = []
         stderr: builtins.list[str] = []
         result: ExecResult | None = None

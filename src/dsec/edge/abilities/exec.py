@@ -19,7 +19,7 @@ from dsec.errors import (
     SandboxError,
     SandboxStopped,
 )
-from dsec.models import ExecEvent, ExecRequest, ExecResult
+from dsec.models import ExecEvent, ExecRequest, ExecResult, SandboxExecRequest
 
 log = logging.getLogger("dsec.edge")
 
@@ -29,14 +29,9 @@ class ExecVerbs(EdgeCore):
 
     # ------------------------------------------------------------------ exec
     async def exec(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: ExecRequest,
-        *,
-        env: Envelope = NO_ENVELOPE,
+        self, req: SandboxExecRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> ExecResult:
-        return await self._exec(sandbox_id, owner, req, None, env)
+        return await self._exec(req.sandbox_id, owner, req.command, None, env)
 
     async def _exec(
         self,
@@ -83,13 +78,9 @@ class ExecVerbs(EdgeCore):
         return await self._use(sandbox_id, owner, run)
 
     async def exec_stream(
-        self,
-        sandbox_id: str,
-        owner: str,
-        req: ExecRequest,
-        *,
-        env: Envelope = NO_ENVELOPE,
+        self, req: SandboxExecRequest, owner: str, env: Envelope = NO_ENVELOPE
     ) -> AsyncIterator[ExecEvent]:
+        sandbox_id, command = req.sandbox_id, req.command
         # validate before the first event so errors become proper HTTP errors
         self._live_for(sandbox_id, owner)
         queue: asyncio.Queue[ExecEvent | None] = asyncio.Queue(maxsize=256)
@@ -99,7 +90,7 @@ class ExecVerbs(EdgeCore):
 
         async def runner() -> None:
             try:
-                res = await self._exec(sandbox_id, owner, req, sink, env)
+                res = await self._exec(sandbox_id, owner, command, sink, env)
                 if res.replayed:  # nothing ran: give the recorded output as one chunk each
                     if res.stdout:
                         await queue.put(ExecEvent(type="stdout", data=res.stdout))
