@@ -1172,7 +1172,7 @@ def _forwarder(name: str, *, by_request: bool = False) -> Callable[..., Awaitabl
 # Every sandbox verb of the contract that ClusterEdge does not implement itself is relayed
 # to the sandbox's node: adding a verb to dsec.contract.edge adds it here.
 for _name in sorted(SANDBOX_VERBS - _NODE_SIDE_VERBS - set(vars(ClusterEdge))):
-    if _name in VERBS:
+    if _name in VERBS.calls():
         setattr(ClusterEdge, _name, _forwarder(_name, by_request=True))
     elif _name in STREAM_VERBS:
         setattr(ClusterEdge, _name, _stream_forwarder(_name))
