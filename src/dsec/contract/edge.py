@@ -494,11 +494,11 @@ class CodeRuns(Protocol):
     program did, and a request the worker cannot run, is the answer (SandboxFusion's shape:
     ``status: SandboxError`` with a message; dsec's: ``InvalidRequest`` and the like)."""
 
-    async def run_code(self, owner: str, req: CodeRunRequest) -> CodeRunResult:
+    async def run_code(self, req: CodeRunRequest, owner: str) -> CodeRunResult:
         """dsec's shape: ``req`` run as ``owner``'s; request and dsec errors are raised."""
         ...
 
-    async def run_code_sandboxfusion(self, owner: str, req: RunCodeRequest) -> RunCodeResponse:
+    async def run_code_sandboxfusion(self, req: RunCodeRequest, owner: str) -> RunCodeResponse:
         """SandboxFusion's shape, answered as SandboxFusion does, run as ``owner``'s."""
         ...
 
