@@ -549,6 +549,9 @@ async def test_a_display_action_on_an_edge_without_the_display(
     assert _code(await a.post(path, json={"x": 1}), 400) == "invalid_request"
     r = await a.post(path, params={"screen": "tv"}, json={})
     assert _code(r, 400) == "invalid_request"
+    async with _client(object(), KEY) as bare:  # no edge verbs at all: says what it lacks
+        r = await bare.post(path, json={"x": 1, "y": 1})
+        assert _code(r, 422) == "capability_not_supported"
 
 
 async def test_the_cluster_relays_a_shared_method_by_its_request() -> None:

@@ -157,9 +157,11 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
         req = _parse(verb, values)
         if request is not None and verb.operator_may:  # its request has ``system``
             owner = acting_owner(request, owner, getattr(req, "system", False), verb.operator_may)
-        # every edge is an EdgeAPI (the dependency's type); an optional ability is checked
+        # an edge is an EdgeAPI (the dependency's type); an optional ability is checked
         if verb.ability is not EdgeAPI and not isinstance(edge, verb.ability):
-            if isinstance(req, SandboxRef):  # another key's sandbox: not found
+            # another key's sandbox: not found (an edge that cannot look sandboxes up, a
+            # stand-in for one ability, says what it lacks)
+            if isinstance(req, SandboxRef) and isinstance(edge, EdgeAPI):
                 await edge.get_sandbox(SandboxRef(sandbox_id=req.sandbox_id), owner)
             raise CapabilityNotSupported(f"this server's edge cannot {verb.call}")
         call = getattr(edge, verb.call)
