@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from dsec.display import Screen
+from dsec.display import DisplayAction, Screen
 from dsec.errors import InvalidRequest
 from dsec.images.reference import parse_ref
 from dsec.network.policy import NetworkPolicy
@@ -884,6 +884,14 @@ class ScreenRequest(SandboxRef):
     screen: Screen = Field(
         "auto", description="desktop (a desktop image's), console (the tier's), auto: desktop first"
     )
+
+
+class DisplayActRequest(ScreenRequest):
+    """One input action on one sandbox's screen (``display_act``; the actions:
+    :mod:`dsec.display`). Its route is the action's kind (``POST .../display/click``), the
+    action its body, the screen in the query."""
+
+    action: DisplayAction
 
 
 class JobRef(_Model):

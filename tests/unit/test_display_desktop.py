@@ -45,7 +45,15 @@ from dsec.errors import (
     SandboxNotFound,
 )
 from dsec.layers import desktop as desktop_layer
-from dsec.models import ExecRequest, ExecResult, ImageInfo, SandboxRef, ScreenRequest
+from dsec.models import (
+    DisplayActRequest,
+    ExecRequest,
+    ExecResult,
+    ImageInfo,
+    SandboxInfo,
+    SandboxRef,
+    ScreenRequest,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\rIHDR" + (1024).to_bytes(4, "big") + bytes(12)
 
@@ -266,13 +274,12 @@ class RecordingEdge:
         self._check(sandbox_id, owner)
         return PNG
 
-    async def display_act(
-        self, sandbox_id: str, owner: str, action: Any, screen: Screen = "auto"
-    ) -> None:
-        self._check(sandbox_id, owner)
+    async def display_act(self, req: DisplayActRequest, owner: str) -> None:
+        self._check(req.sandbox_id, owner)
+        action = req.action
         if isinstance(action, Click) and action.x is not None and action.x >= 1024:
             raise InvalidRequest("off the screen", width=1024, height=768)
-        self.actions.append((action, screen))
+        self.actions.append((action, req.screen))
 
     async def display_state(self, req: ScreenRequest, owner: str) -> DisplayState:
         self._check(req.sandbox_id, owner)
@@ -326,3 +333,63 @@ async def test_routes() -> None:
         assert r.status_code == 400
         r = await c.get("http://dsec.test/v1/sandboxes/sb-n-zzz/display/screenshot")
         assert r.status_code == 404
+        # the screen travels in the query of every action; a bad one is refused before the edge
+        before = len(edge.actions)
+        r = await c.post(f"{base}/move?screen=tv", json={"x": 1, "y": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+        r = await c.post(f"{base}/move", json={"action": "click"})  # each route its own kind
+        assert r.status_code == 400
+        assert len(edge.actions) == before
+        r = await c.post("http://dsec.test/v1/sandboxes/sb-n-zzz/display/click", json={})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "sandbox_not_found"
+
+
+async def test_the_sdk_sends_each_action_to_its_route() -> None:
+    """``sb.display``'s actions go through the verb table (``display_<kind>`` rows, all
+    calling ``display_act``): the kind's route, the action's fields as the body, the screen
+    in the query; a bad action is refused before anything is sent."""
+    from dsec.sdk import AsyncClient, AsyncSandbox
+    from dsec.sdk.display import AsyncDisplay
+
+    key = "dsec_display_unit_key"
+    edge = RecordingEdge(owner_id(key))
+    paths: list[str] = []
+
+    class Recording(httpx.ASGITransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            paths.append(f"{request.url.path}?{request.url.query.decode()}")
+            return await super().handle_async_request(request)
+
+    app = create_app(edge, StaticKeys([key]))  # type: ignore[arg-type]
+    client = AsyncClient("http://dsec.test", key, transport=Recording(app=app))
+    now = datetime.now(UTC)
+    info = SandboxInfo(
+        id="sb-n-abc", tier="vm", image="desktop", state="running", cpu=1.0, memory_mb=256,
+        disk_mb=96, node="test", created_at=now, updated_at=now,
+    )  # fmt: skip
+    display = AsyncDisplay(AsyncSandbox(info, client, owns_client=False))
+    try:
+        await display.move(5, 6)
+        await display.on("console").click(7, 8, double=True)
+        await display.scroll("up", 2)
+        await display.type("hi\n")
+        await display.key("ctrl+c")
+        await display.launch("chromium", "about:blank")
+        with pytest.raises(InvalidRequest):
+            await display.click(1)  # x without y
+        with pytest.raises(InvalidRequest) as off:
+            await display.click(5000, 1)  # the edge's refusal, with the screen's size
+        assert off.value.details == {"width": 1024, "height": 768}
+    finally:
+        await client.close()
+    assert edge.actions == [
+        (Move(x=5, y=6), "auto"),
+        (Click(x=7, y=8, double=True), "console"),
+        (Scroll(direction="up", amount=2), "auto"),
+        (Type(text="hi\n"), "auto"),
+        (Key(name="ctrl+c"), "auto"),
+        (Launch(app="chromium", args=["about:blank"]), "auto"),
+    ]
+    base = "/v1/sandboxes/sb-n-abc/display"
+    assert paths[:2] == [f"{base}/move?screen=auto", f"{base}/click?screen=console"]
+    assert len(paths) == 7  # the click without y was never sent

@@ -274,6 +274,14 @@ async def test_run_code_is_refused_by_the_key_quota_like_a_creation(tmp_path: Pa
             assert (await cs.key_info()).usage == KeyUsage()
             assert len(edge.calls_to("run_code")) == 5
             assert len(edge.calls_to("run_code_sandboxfusion")) == 5
+            # both verbs take (req, owner), as every verb of the edge does
+            from dsec.models import CodeRunRequest, RunCodeRequest
+
+            first, *_ = edge.calls_to("run_code")
+            assert isinstance(first["req"], CodeRunRequest) and first["owner"] == keys.verify(full)
+            sf_first, *_ = edge.calls_to("run_code_sandboxfusion")
+            assert isinstance(sf_first["req"], RunCodeRequest)
+            assert sf_first["owner"] == keys.verify(full)
     finally:
         await close_app(app)
         await edge.close()

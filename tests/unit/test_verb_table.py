@@ -21,9 +21,11 @@ from dsec.apiserver.auth import StaticKeys, owner_id
 from dsec.builds.wire import BuildStarted
 from dsec.contract.edge import SANDBOX_VERBS, VERBS, EdgeAPI, MetricsEdge
 from dsec.contract.verbs import REPLAYED_HEADER, Envelope, Verb, VerbTable
+from dsec.display import Click
 from dsec.errors import ImageNotFound
 from dsec.models import (
     DeleteImageRequest,
+    DisplayActRequest,
     ExecRequest,
     NetworkPolicyRequest,
     NodeQuery,
@@ -33,6 +35,7 @@ from dsec.models import (
     SandboxExecRequest,
     SandboxInfo,
     SandboxRef,
+    ScreenRequest,
     SetTTLRequest,
     ShareImageRequest,
 )
@@ -46,8 +49,8 @@ KEY, OTHER = "dsec_verbs_key_a", "dsec_verbs_key_b"
 def test_every_row_is_the_method_its_ability_declares() -> None:
     assert len(list(VERBS)) >= 5
     for verb in VERBS:
-        fn = vars(verb.ability).get(verb.name)
-        assert fn is not None, f"{verb.name} is not declared on {verb.ability.__name__}"
+        fn = vars(verb.ability).get(verb.call)
+        assert fn is not None, f"{verb.call} is not declared on {verb.ability.__name__}"
         hints = typing.get_type_hints(fn)
         params = list(inspect.signature(fn).parameters)
         takes_env = verb.sequenced or verb.keyed
@@ -60,7 +63,7 @@ def test_every_row_is_the_method_its_ability_declares() -> None:
         if takes_env:
             assert hints["env"] is Envelope
         assert verb.path.startswith("/") and not verb.path.startswith("/v1")
-        assert (verb.name in SANDBOX_VERBS) == verb.sandbox_scoped
+        assert (verb.call in SANDBOX_VERBS) == verb.sandbox_scoped
 
 
 def test_a_row_is_checked_when_it_is_written() -> None:
@@ -145,6 +148,15 @@ _SAMPLES: dict[str, Any] = {
     "policy": {"presets": ["pypi"]},
 }
 """A well-formed value of each required request field of the sandbox verbs."""
+_ACTIONS: dict[str, Any] = {
+    "display_move": {"x": 1, "y": 1},
+    "display_drag": {"from_x": 1, "from_y": 1, "to_x": 2, "to_y": 2},
+    "display_type": {"text": "a"},
+    "display_key": {"name": "a"},
+    "display_open": {"target": "/a"},
+    "display_launch": {"app": "a"},
+}
+"""A well-formed body of each display action's row (the others' fields all have defaults)."""
 
 
 def _code(r: httpx.Response, status: int) -> str:
@@ -196,7 +208,7 @@ async def test_generated_routes_answer_as_the_edge_does(
         if not verb.sandbox_scoped:
             continue
         fields = {
-            name: _SAMPLES[name]
+            name: _SAMPLES[name] if name != "action" else _ACTIONS.get(verb.name, {})
             for name, f in verb.request.model_fields.items()
             if f.is_required() and name != "sandbox_id"
         }
@@ -570,3 +582,80 @@ async def test_the_sdk_sends_image_verbs_through_its_transport(edge: FakeEdge) -
         "get_image",
     ]
     assert edge.calls_to("delete_image")[0]["req"] == DeleteImageRequest(name="mine:1")
+
+
+def test_rows_may_share_a_method_and_carry_query_fields_with_a_body() -> None:
+    """``call``: the edge method a row calls (its name by default); several rows may call
+    one (the display actions). ``query``: fields of a ``POST`` that travel in the query.
+    ``body_type``: the one kind a row's body field takes. Each is checked when written."""
+    assert VERBS["set_ttl"].call == "set_ttl"
+    rows = [v for v in VERBS if v.call == "display_act"]
+    assert {v.name for v in rows} == {
+        f"display_{kind}"
+        for kind in ("move", "click", "drag", "scroll", "button", "type", "key", "open", "launch")
+    }
+    assert "display_act" in VERBS.calls() and "display_move" not in VERBS.calls()
+    assert "display_act" in SANDBOX_VERBS and "display_move" not in SANDBOX_VERBS
+    click = VERBS["display_click"]
+    assert click.body_type is Click and click.query_fields == ("screen",)
+    assert click.body_fields == ("action",) and VERBS["display_state"].body_fields == ()
+    req = DisplayActRequest(sandbox_id="sb-n-1", action=Click(x=1, y=2), screen="console")
+    assert click.url(req) == "/v1/sandboxes/sb-n-1/display/click"
+    assert click.params(req) == {"screen": "console"}
+    assert click.wire(req) == {"action": "click", "x": 1, "y": 2, "button": "left", "double": False}
+    assert click.params(DisplayActRequest(sandbox_id="sb-n-1", action=Click())) == {}
+    assert VERBS["display_state"].wire(ScreenRequest(sandbox_id="sb-n-1")) is None  # a GET
+
+    def row(method: Any, **kw: Any) -> Verb:
+        path = "/sandboxes/{sandbox_id}/display/x"
+        return Verb("x", DisplayActRequest, None, method, path, EdgeAPI, "x", **kw)
+
+    assert row("POST", call="display_act").call == "display_act"
+    with pytest.raises(ValueError, match="query"):
+        row("GET", query=("screen",))  # a GET's fields are all in the query already
+    with pytest.raises(ValueError, match="query"):
+        row("POST", query=("sandbox_id",))  # a path parameter
+    with pytest.raises(ValueError, match="query"):
+        row("POST", query=("nothing",))
+    with pytest.raises(ValueError, match="body_type"):
+        row("POST", body_type=Click)
+    with pytest.raises(ValueError, match="only field"):
+        row("POST", body="action")  # screen would be in the body beside it
+    assert row("POST", body="action", query=("screen",), body_type=Click).body_fields == ("action",)
+
+
+async def test_a_display_action_on_an_edge_without_the_display(
+    clients: tuple[httpx.AsyncClient, httpx.AsyncClient],
+) -> None:
+    """The FakeEdge has no DisplayEdge: the owner's sandbox is a 422, another key's a 404,
+    a malformed action a 400 before either."""
+    a, b = clients
+    sid = await _sandbox(a)
+    path = f"/v1/sandboxes/{sid}/display/click"
+    assert _code(await a.post(path, json={"x": 1, "y": 1}), 422) == "capability_not_supported"
+    assert _code(await b.post(path, json={"x": 1, "y": 1}), 404) == "sandbox_not_found"
+    assert _code(await a.post(path, json={"x": 1}), 400) == "invalid_request"
+    r = await a.post(path, params={"screen": "tv"}, json={})
+    assert _code(r, 400) == "invalid_request"
+    async with _client(object(), KEY) as bare:  # no edge verbs at all: says what it lacks
+        r = await bare.post(path, json={"x": 1, "y": 1})
+        assert _code(r, 422) == "capability_not_supported"
+
+
+async def test_the_cluster_relays_a_shared_method_by_its_request() -> None:
+    """``display_act`` (nine rows, one method) is relayed whole to the node its request's
+    sandbox id names, as every table verb about a sandbox."""
+    from dsec.cluster.actor import NodeConfig
+    from dsec.cluster.edge import ClusterEdge, ClusterOptions
+
+    sent: list[tuple[Any, ...]] = []
+
+    class Relay:
+        async def on_sandbox(self, sandbox_id: str, method: str, *args: Any, **kw: Any) -> None:
+            sent.append((sandbox_id, method, *args, kw["route_only"]))
+
+    edge = ClusterEdge(None, NodeConfig(), ClusterOptions())
+    edge.relay = Relay()  # type: ignore[assignment]
+    req = DisplayActRequest(sandbox_id="sb-n2-1", action=Click(x=1, y=2))
+    await edge.display_act(req, "owner")
+    assert sent == [("sb-n2-1", "display_act", req, "owner", True)]

@@ -19,7 +19,7 @@ from dsec.apiserver.auth import StaticKeys, owner_id
 from dsec.apiserver.routes_display import DisplayEdge
 from dsec.config import Paths
 from dsec.contract.runtime import Handle, Pausable, Runtime, capabilities_of
-from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
+from dsec.display import DisplayState, Screen, WindowInfo
 from dsec.edge.desktop import ConsoleScreen
 from dsec.errors import (
     CapabilityNotSupported,
@@ -27,7 +27,7 @@ from dsec.errors import (
     InvalidRequest,
     SandboxNotFound,
 )
-from dsec.models import ExecRequest, SandboxInfo, SandboxRef, ScreenRequest
+from dsec.models import DisplayActRequest, ExecRequest, SandboxInfo, SandboxRef, ScreenRequest
 from dsec.runtimes.microvm import MicroVMConfig
 from dsec.runtimes.microvm.qemu import pid_alive
 from dsec.runtimes.vm import VMRuntime
@@ -66,10 +66,8 @@ class RuntimeDisplayEdge:
     ) -> bytes:
         return await self._console(sandbox_id, owner).screenshot(pointer=pointer)
 
-    async def display_act(
-        self, sandbox_id: str, owner: str, action: DisplayAction, screen: Screen = "auto"
-    ) -> None:
-        await self._console(sandbox_id, owner).act(action)
+    async def display_act(self, req: DisplayActRequest, owner: str) -> None:
+        await self._console(req.sandbox_id, owner).act(req.action)
 
     async def display_state(self, req: ScreenRequest, owner: str) -> DisplayState:
         return await self._console(req.sandbox_id, owner).state()

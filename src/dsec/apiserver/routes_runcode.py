@@ -32,6 +32,11 @@ language, bad base64, a path outside ``/work``, too large) is answered 200 with
 as a missing key is (SandboxFusion's client retries what is not a 200). The dsec route
 answers dsec's error shape (``{"error": {code, message, details}}``) with the error's
 status. No route answers 500 for bad input.
+
+Not on the verb table (:mod:`dsec.contract.verbs`), ``/v1/run_code`` included: these routes
+also serve without an edge (a bare :class:`RunCodeService`), find their caller themselves
+(``authorize``, ``keyless_networks``) and read their own bodies on a :class:`LeanRoute`; see
+``docs/design/overview.md``, "The verb table".
 """
 
 from __future__ import annotations
@@ -207,7 +212,7 @@ def make_runcode_router(
         runner = get_service()
         try:
             if isinstance(runner, CodeRuns):
-                resp = await runner.run_code_sandboxfusion(owner, req)
+                resp = await runner.run_code_sandboxfusion(req, owner)
             else:
                 resp = await runner.run_code(req)
         except DsecError as e:  # refused by the key's quota or the node: not an answer
@@ -258,7 +263,7 @@ def make_runcode_router(
                 raise InvalidRequest("invalid run_code request", errors=errors) from None
             runner = get_service()
             if isinstance(runner, CodeRuns):
-                result = await runner.run_code(owner, req)
+                result = await runner.run_code(req, owner)
             else:
                 result = await runner.run(req)
         except DsecError as e:

@@ -1,7 +1,9 @@
 """The routes of the verb table (:data:`dsec.contract.edge.VERBS`), generated: one per row.
 
-Each route parses its path parameters and its query (``GET``) or JSON body (other methods)
-into the verb's request model once (a malformed request: 400 before the edge), reads the
+Each route parses its path parameters and its query (``GET``) or JSON body (other methods;
+a row's ``query`` fields from the query all the same) into the verb's request model once (a
+malformed request: 400 before the edge), calls the edge method the row names (``call``:
+several rows may call one), reads the
 trajectory headers of a ``sequenced`` verb into an :class:`~dsec.contract.verbs.Envelope`,
 checks that the edge has the verb's ability (422 ``capability_not_supported`` otherwise;
 for a sandbox verb only after the sandbox was found, so another key's is ``not_found``), and
@@ -57,13 +59,14 @@ _PATH_PARAMS: dict[str, Any] = {
 
 
 def _body_model(verb: Verb) -> type[BaseModel]:
-    """The request model without its path parameters: what the JSON body holds (strict as
-    every request: an unknown field is refused). The request model's own validators run
-    when the route builds the request from it. A verb without path parameters: the
-    request model itself (its schema keeps its name), as does a row's ``body_model``."""
+    """The request model without its path and query parameters: what the JSON body holds
+    (strict as every request: an unknown field is refused). The request model's own
+    validators run when the route builds the request from it. A verb whose every field is
+    in the body: the request model itself (its schema keeps its name), as does a row's
+    ``body_model``."""
     if verb.body_model is not None:
         return verb.body_model
-    if not verb.path_params:
+    if not verb.path_params and not verb.query_fields:
         return verb.request
     fields: dict[str, Any] = {
         name: (f.annotation, f)
@@ -86,29 +89,27 @@ def _parameters(verb: Verb) -> list[inspect.Parameter]:
         )
         for name in verb.path_params
     ]
-    if verb.in_query:
-        for name in verb.body_fields:
-            f = verb.request.model_fields[name]
-            default = (
-                inspect.Parameter.empty
-                if f.is_required()
-                else f.get_default(call_default_factory=True)
+    for name in verb.query_fields:
+        f = verb.request.model_fields[name]
+        default = (
+            inspect.Parameter.empty if f.is_required() else f.get_default(call_default_factory=True)
+        )
+        params.append(
+            inspect.Parameter(
+                name,
+                kw,
+                annotation=Annotated[  # the field's constraints (bounds, lengths) kept
+                    f.annotation,
+                    *f.metadata,
+                    Query(description=f.description, json_schema_extra=f.json_schema_extra),
+                ],
+                default=default,
             )
-            params.append(
-                inspect.Parameter(
-                    name,
-                    kw,
-                    annotation=Annotated[  # the field's constraints (bounds, lengths) kept
-                        f.annotation,
-                        *f.metadata,
-                        Query(description=f.description, json_schema_extra=f.json_schema_extra),
-                    ],
-                    default=default,
-                )
-            )
-    elif verb.body is not None:
+        )
+    if verb.body is not None:
         f = verb.request.model_fields[verb.body]
-        params.append(inspect.Parameter("body", kw, annotation=Annotated[f.annotation, Body()]))
+        kind = verb.body_type if verb.body_type is not None else f.annotation
+        params.append(inspect.Parameter("body", kw, annotation=Annotated[kind, Body()]))
     elif verb.body_fields:
         body = _body_model(verb)
         # a verb about a path's object may leave out a body of defaults; otherwise the body
@@ -141,10 +142,8 @@ def _parse(verb: Verb, values: dict[str, Any]) -> BaseModel:
     body = values.pop("body", None)
     if isinstance(body, verb.request):  # the body was the whole request, checked already
         return body
-    data = {n: values[n] for n in verb.path_params}
-    if verb.in_query:
-        data.update({n: values[n] for n in verb.body_fields})
-    elif verb.body is not None:
+    data = {n: values[n] for n in (*verb.path_params, *verb.query_fields)}
+    if verb.body is not None:
         data[verb.body] = body
     elif isinstance(body, BaseModel):
         data.update(body.model_dump(exclude_unset=True))
@@ -165,12 +164,14 @@ def _endpoint(verb: Verb) -> Callable[..., Awaitable[Any]]:
         req = _parse(verb, values)
         if request is not None and verb.operator_may:  # its request has ``system``
             owner = acting_owner(request, owner, getattr(req, "system", False), verb.operator_may)
-        # every edge is an EdgeAPI (the dependency's type); an optional ability is checked
+        # an edge is an EdgeAPI (the dependency's type); an optional ability is checked
         if verb.ability is not EdgeAPI and not isinstance(edge, verb.ability):
-            if isinstance(req, SandboxRef):  # another key's sandbox: not found
+            # another key's sandbox: not found (an edge that cannot look sandboxes up, a
+            # stand-in for one ability, says what it lacks)
+            if isinstance(req, SandboxRef) and isinstance(edge, EdgeAPI):
                 await edge.get_sandbox(SandboxRef(sandbox_id=req.sandbox_id), owner)
-            raise CapabilityNotSupported(f"this server's edge cannot {verb.name}")
-        call = getattr(edge, verb.name)
+            raise CapabilityNotSupported(f"this server's edge cannot {verb.call}")
+        call = getattr(edge, verb.call)
         if verb.sequenced:
             answer = await call(req, owner, seq or NO_ENVELOPE)
         elif verb.undo is not None and request is not None:

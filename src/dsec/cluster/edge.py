@@ -1002,18 +1002,18 @@ class ClusterEdge:
         return out
 
     # ------------------------------------------------------------------ run_code
-    async def run_code(self, owner: str, req: CodeRunRequest) -> CodeRunResult:
+    async def run_code(self, req: CodeRunRequest, owner: str) -> CodeRunResult:
         """:class:`~dsec.contract.edge.CodeRuns` on a node with the fncall tier."""
-        out: CodeRunResult = await self._run_code("run_code", owner, req)
+        out: CodeRunResult = await self._run_code("run_code", req, owner)
         return out
 
-    async def run_code_sandboxfusion(self, owner: str, req: RunCodeRequest) -> RunCodeResponse:
+    async def run_code_sandboxfusion(self, req: RunCodeRequest, owner: str) -> RunCodeResponse:
         """:class:`~dsec.contract.edge.CodeRuns` (SandboxFusion's shape) on a node with the
         fncall tier."""
-        out: RunCodeResponse = await self._run_code("run_code_sandboxfusion", owner, req)
+        out: RunCodeResponse = await self._run_code("run_code_sandboxfusion", req, owner)
         return out
 
-    async def _run_code(self, verb: str, owner: str, req: CodeRunRequest | RunCodeRequest) -> Any:
+    async def _run_code(self, verb: str, req: CodeRunRequest | RunCodeRequest, owner: str) -> Any:
         """Check ``owner``'s quota here against the registry, as for a creation (the run
         counts as one live sandbox of :func:`code_run_size` until it returns), then run the
         call on the placer's fncall nodes in turn: a node that refuses it (its pool or its
@@ -1027,7 +1027,7 @@ class ClusterEdge:
             for node in self.placement.candidates(preq):
                 try:
                     return await self.relay.call(
-                        node, verb, owner, req, timeout=self.options.create_timeout_s
+                        node, verb, req, owner, timeout=self.options.create_timeout_s
                     )
                 except (QuotaExceeded, NodeLost, ServiceUnavailable) as e:
                     log.info("node %s did not run a code call: %s", node, e.message)

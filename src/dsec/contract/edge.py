@@ -41,6 +41,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from pydantic import BaseModel
+
 from dsec.builds.records import BuildList, BuildRecord
 from dsec.contract.streams import (
     DirectoryWatcher,
@@ -53,7 +55,19 @@ from dsec.contract.streams import (
     StreamName,
 )
 from dsec.contract.verbs import NO_ENVELOPE, REPLAYED_HEADER, Envelope, Verb, VerbTable
-from dsec.display import DisplayState, WindowInfo
+from dsec.display import (
+    Button,
+    Click,
+    DisplayState,
+    Drag,
+    Key,
+    Launch,
+    Move,
+    Open,
+    Scroll,
+    Type,
+    WindowInfo,
+)
 from dsec.errors import DsecError
 from dsec.models import (
     NODE_QUERY,
@@ -68,6 +82,7 @@ from dsec.models import (
     CodeRunResult,
     CreateSandboxRequest,
     DeleteImageRequest,
+    DisplayActRequest,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -119,7 +134,7 @@ from dsec.models import (
 
 if TYPE_CHECKING:
     from dsec.builds.wire import BuildRequest
-    from dsec.display import DisplayAction, Screen
+    from dsec.display import Screen
 
 __all__ = [
     "SANDBOX_VERBS",
@@ -394,11 +409,10 @@ class DisplayEdge(Protocol):
         """The screen as PNG bytes (``pointer``: the mouse pointer drawn, on a desktop)."""
         ...
 
-    async def display_act(
-        self, sandbox_id: str, owner: str, action: DisplayAction, screen: Screen = "auto"
-    ) -> None:
-        """One input action (move, click, drag, scroll, button, type, key, open, launch);
-        a point off the screen is ``InvalidRequest`` with ``width``/``height``."""
+    async def display_act(self, req: DisplayActRequest, owner: str) -> None:
+        """One input action (move, click, drag, scroll, button, type, key, open, launch) on
+        ``req.screen``; a point off the screen is ``InvalidRequest`` with
+        ``width``/``height``."""
         ...
 
     async def display_state(self, req: ScreenRequest, owner: str) -> DisplayState:
@@ -478,11 +492,11 @@ class CodeRuns(Protocol):
     program did, and a request the worker cannot run, is the answer (SandboxFusion's shape:
     ``status: SandboxError`` with a message; dsec's: ``InvalidRequest`` and the like)."""
 
-    async def run_code(self, owner: str, req: CodeRunRequest) -> CodeRunResult:
+    async def run_code(self, req: CodeRunRequest, owner: str) -> CodeRunResult:
         """dsec's shape: ``req`` run as ``owner``'s; request and dsec errors are raised."""
         ...
 
-    async def run_code_sandboxfusion(self, owner: str, req: RunCodeRequest) -> RunCodeResponse:
+    async def run_code_sandboxfusion(self, req: RunCodeRequest, owner: str) -> RunCodeResponse:
         """SandboxFusion's shape, answered as SandboxFusion does, run as ``owner``'s."""
         ...
 
@@ -736,6 +750,41 @@ async def _kill_batch(
             await edge.kill_sandbox(SandboxRef(sandbox_id=info.id), owner)
 
 
+_DISPLAY_ACTIONS: tuple[tuple[type[BaseModel], str], ...] = (
+    (Move, "Move the pointer"),
+    (Click, "Click (at a pixel, or where the pointer is)"),
+    (Drag, "Drag with a button held"),
+    (Scroll, "Turn the mouse wheel"),
+    (Button, "Press or release a mouse button"),
+    (Type, "Type text on the keyboard"),
+    (Key, "Press a key or a chord (ctrl+c)"),
+    (Open, "Open a URL or a file with its application"),
+    (Launch, "Start an application"),
+)
+"""The display actions (:mod:`dsec.display`), each a route of ``display_act``: ``POST
+.../display/<kind>`` with the action as its body."""
+
+
+def _display_act(action: type[BaseModel], summary: str) -> Verb:
+    """The row of one kind of display action: ``display_<kind>``, calling ``display_act``."""
+    kind = action.model_fields["action"].default
+    return Verb(
+        f"display_{kind}",
+        DisplayActRequest,
+        None,
+        "POST",
+        f"/sandboxes/{{sandbox_id}}/display/{kind}",
+        DisplayEdge,
+        summary,
+        status=204,
+        tag="display",
+        call="display_act",
+        body="action",
+        body_type=action,
+        query=("screen",),
+    )
+
+
 VERBS = VerbTable(
     Verb(
         "list_files",
@@ -904,6 +953,7 @@ VERBS = VerbTable(
         "Start the desktop again",
         tag="display",
     ),
+    *(_display_act(action, summary) for action, summary in _DISPLAY_ACTIONS),
     Verb(
         "job_action",
         JobActionRequest,
@@ -1171,11 +1221,12 @@ VERBS = VerbTable(
 )
 """The verbs that take one request model and answer one model (:mod:`dsec.contract.verbs`):
 their routes, cluster forwarders and SDK transport calls are generated from these rows. A
-row names a method of its ability protocol above, declared with ``(req, owner)``."""
+row calls a method of its ability protocol above (``call``: its own name, unless several rows
+share one method, as the display actions do), declared with ``(req, owner)``."""
 
 SANDBOX_VERBS: frozenset[str] = frozenset(
     name for proto in _ABILITIES for name, fn in _methods(proto).items() if _routes_by_sandbox(fn)
-) | frozenset(v.name for v in VERBS if v.sandbox_scoped)
+) | frozenset(v.call for v in VERBS if v.sandbox_scoped)
 """The verbs about one sandbox: a cluster routes them to the node that the id names
 (``sb-<node>-<random>``): the first argument of a verb outside the table, the request's
 ``sandbox_id`` of a table verb."""

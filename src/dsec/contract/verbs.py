@@ -12,8 +12,9 @@ the request model's base, whether it is **sandbox-scoped** (:class:`~dsec.models
 **node-wide**. From a row:
 
 * the apiserver mounts the route (:mod:`dsec.apiserver.verbs`): path parameters and, for a
-  ``GET``, query parameters or, otherwise, a JSON body, parsed into the request model once
-  (a malformed one is a 400 before the edge); an edge without the ability answers 422
+  ``GET``, query parameters or, otherwise, a JSON body (and the row's :attr:`Verb.query`
+  fields in the query), parsed into the request model once (a malformed one is a 400
+  before the edge); an edge without the ability answers 422
   ``capability_not_supported`` (a sandbox-scoped verb checks the sandbox first: another
   key's is ``not_found``, as everywhere);
 * a cluster relays the call to the sandbox's node (:mod:`dsec.cluster.edge`), within the
@@ -29,6 +30,11 @@ A verb that changes the sandbox's trajectory (``sequenced``) also takes the requ
 node-wide verb that answers every key alike (``owned=False``: ``node_info``,
 ``capabilities``) is declared ``(req)`` without the owner; its route asks for a key all the
 same, as every ``/v1`` route does.
+
+A row names the edge method it calls (:attr:`Verb.call`, by default its own name), so several
+rows may call one method: ``display_act`` is nine routes, ``POST .../display/move``,
+``.../click`` and so on, each taking one kind of action as its body (:attr:`Verb.body_type`)
+and the screen in its query (:attr:`Verb.query`).
 
 Verbs whose request or answer is not one JSON document (raw uploads and downloads, streams
 of events, TCP connections) keep routes of their own; they are declared on the ability
@@ -135,16 +141,41 @@ class Verb:
     """The call's own time budget in seconds, read from its request (exec: its command's
     ``timeout_s``): a relay of the call (the cluster's) waits that long plus its margin
     instead of its default call timeout. None: the call has no budget of its own."""
+    call: str = ""
+    """The edge method the row calls (by default the row's name; the method is declared on
+    ``ability`` with ``request``). Several rows may call one method: ``display_act`` has a
+    row per kind of action (``display_move``, ``display_click``...), each its own route."""
+    query: tuple[str, ...] = ()
+    """Request fields that travel in the query of a verb with a body (``POST``), not in the
+    body: the display actions' ``?screen=``. (A ``GET`` or ``DELETE`` verb's fields all
+    travel in the query.)"""
+    body_type: Any = None
+    """What the :attr:`body` field takes on this row's route, when that is narrower than the
+    field's own type: one member of a union (``display_move``'s body is a ``Move``, not any
+    ``DisplayAction``). The route documents and accepts that type; the request model still
+    checks the whole request."""
     _answers: TypeAdapter[Any] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        unknown = set(self.path_params) - set(self.request.model_fields)
+        if not self.call:
+            object.__setattr__(self, "call", self.name)
+        params = self.path_params
+        unknown = set(params) - set(self.request.model_fields)
         if unknown:
             raise ValueError(f"verb {self.name}: path parameters {unknown} not in the request")
         if self.sandbox_scoped and "sandbox_id" not in self.path_params:
             raise ValueError(f"verb {self.name}: a sandbox verb's path names {{sandbox_id}}")
+        if self.query and (
+            self.in_query or not set(self.query) <= set(self.request.model_fields) - set(params)
+        ):
+            raise ValueError(
+                f"verb {self.name}: query names request fields outside the path of a verb "
+                "with a body"
+            )
         if self.body is not None and (self.in_query or self.body_fields != (self.body,)):
             raise ValueError(f"verb {self.name}: a body field must be a body's only field")
+        if self.body_type is not None and self.body is None:
+            raise ValueError(f"verb {self.name}: body_type narrows a body field")
         if self.operator_may and "system" not in self.request.model_fields:
             raise ValueError(f"verb {self.name}: operator_may needs a system field")
         if self.body_model is not None and (
@@ -177,23 +208,44 @@ class Verb:
 
     @property
     def in_query(self) -> bool:
-        """Whether the request's fields travel in the query (``GET``, ``DELETE``: no body)."""
+        """Whether the request's fields all travel in the query (``GET``, ``DELETE``: no
+        body)."""
         return self.method in ("GET", "DELETE")
 
     @property
-    def body_fields(self) -> tuple[str, ...]:
-        """The request's fields that travel in the query (``GET``) or the JSON body."""
+    def query_fields(self) -> tuple[str, ...]:
+        """The request's fields that travel in the query: all but the path's of a ``GET``
+        or ``DELETE``, the :attr:`query` fields of a verb with a body."""
+        if not self.in_query:
+            return self.query
         params = set(self.path_params)
         return tuple(f for f in self.request.model_fields if f not in params)
+
+    @property
+    def body_fields(self) -> tuple[str, ...]:
+        """The request's fields that travel in the JSON body (none for a ``GET``)."""
+        if self.in_query:
+            return ()
+        outside = {*self.path_params, *self.query}
+        return tuple(f for f in self.request.model_fields if f not in outside)
 
     def url(self, req: BaseModel) -> str:
         """The request's path, under ``/v1``."""
         values = {p: quote(str(getattr(req, p)), safe=":") for p in self.path_params}
         return "/v1" + _PATH_PARAM.sub(lambda m: values[m.group(1)], self.path)
 
+    def params(self, req: BaseModel) -> dict[str, Any]:
+        """The request's query fields, as JSON values (unset defaults left out: the
+        server's defaults apply)."""
+        fields = set(self.query_fields)
+        return req.model_dump(mode="json", include=fields, exclude_unset=True) if fields else {}
+
     def wire(self, req: BaseModel) -> Any:
-        """The request's query or body fields, as JSON values (unset defaults left out:
-        the server's defaults apply); a :attr:`body` verb's body field alone, whole."""
+        """The request's JSON body: its body fields, as JSON values (unset defaults left
+        out), or a :attr:`body` verb's body field alone, whole; None for a verb without a
+        body."""
+        if self.in_query:
+            return None
         if self.body is not None:
             return req.model_dump(mode="json", include={self.body})[self.body]
         return req.model_dump(mode="json", include=set(self.body_fields), exclude_unset=True)
@@ -226,3 +278,7 @@ class VerbTable:
 
     def names(self) -> frozenset[str]:
         return frozenset(self._verbs)
+
+    def calls(self) -> frozenset[str]:
+        """The edge methods the rows call (a method several rows call is named once)."""
+        return frozenset(v.call for v in self._verbs.values())

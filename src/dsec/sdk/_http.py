@@ -214,24 +214,25 @@ class HttpClient:
     ) -> Any:
         """Send the verb ``name`` of the table (:mod:`dsec.contract.verbs`) and return its
         answer model: the request's path parameters in the URL, its other fields in the
-        query (``GET``) or the JSON body, a sequenced verb's envelope in its headers. (The
-        table is read on the first call: ``import dsec`` does not load the edge contract.)"""
+        query (``GET``, and a row's ``query`` fields) or the JSON body, a sequenced verb's
+        envelope in its headers. (The table is read on the first call: ``import dsec`` does
+        not load the edge contract.)"""
         from dsec.contract.edge import VERBS
 
         verb: Verb = VERBS[name]
-        data = verb.wire(req)
+        query = {k: _query_value(v) for k, v in verb.params(req).items() if v is not None}
+        body = verb.wire(req)
         headers: dict[str, str] = {}
         if envelope is not None:
             if envelope.seq is not None:
                 headers[SEQ_HEADER] = str(envelope.seq)
             if envelope.idem_key is not None:
                 headers[IDEMPOTENCY_HEADER] = envelope.idem_key
-        get = verb.in_query
         response = await self.request(
             verb.method,
             verb.url(req),
-            params={k: _query_value(v) for k, v in data.items() if v is not None} if get else None,
-            json=None if get or not data else data,
+            params=query or None,
+            json=body or None,
             headers=headers or None,
             timeout=timeout,
         )

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 from dsec.display import DisplayState, MouseButton, Screen, WindowInfo
-from dsec.models import SandboxRef, ScreenRequest
+from dsec.models import DisplayActRequest, SandboxRef, ScreenRequest
 from dsec.wire import validated
 
 if TYPE_CHECKING:
@@ -61,10 +61,12 @@ class AsyncDisplay:
         params.update({k: v for k, v in extra.items() if v is not None})
         return params
 
-    async def _act(self, action: str, body: dict[str, Any]) -> None:
-        await self._sandbox._client._http.request(
-            "POST", self._path(action), json=body, params=self._params()
-        )
+    async def _act(self, kind: str, **fields: Any) -> None:
+        """Send one action of ``kind`` (its row ``display_<kind>``, :mod:`dsec.display`)."""
+        sb = self._sandbox
+        action = {"action": kind, **fields}
+        req = validated(DisplayActRequest, sandbox_id=sb.id, screen=self._screen, action=action)
+        await sb._client._http.call(f"display_{kind}", req)
 
     # --------------------------------------------------------------- queries
     async def screenshot(self, *, pointer: bool = False) -> bytes:
@@ -112,7 +114,7 @@ class AsyncDisplay:
     # --------------------------------------------------------------- actions
     async def move(self, x: int, y: int) -> None:
         """Move the pointer to pixel (``x``, ``y``) of the screenshot (0, 0 = top left)."""
-        await self._act("move", {"x": x, "y": y})
+        await self._act("move", x=x, y=y)
 
     async def click(
         self,
@@ -124,10 +126,7 @@ class AsyncDisplay:
     ) -> None:
         """Click ``button`` at (``x``, ``y``), or where the pointer is if both are None;
         ``double`` double-clicks."""
-        body: dict[str, Any] = {"button": button, "double": double}
-        if x is not None or y is not None:
-            body.update(x=x, y=y)
-        await self._act("click", body)
+        await self._act("click", x=x, y=y, button=button, double=double)
 
     async def double_click(self, x: int | None = None, y: int | None = None) -> None:
         """A left double click (see :meth:`click`)."""
@@ -137,10 +136,7 @@ class AsyncDisplay:
         self, from_x: int, from_y: int, to_x: int, to_y: int, button: MouseButton = "left"
     ) -> None:
         """Press ``button`` at (``from_x``, ``from_y``), move to (``to_x``, ``to_y``), release."""
-        await self._act(
-            "drag",
-            {"from_x": from_x, "from_y": from_y, "to_x": to_x, "to_y": to_y, "button": button},
-        )
+        await self._act("drag", from_x=from_x, from_y=from_y, to_x=to_x, to_y=to_y, button=button)
 
     async def scroll(
         self,
@@ -150,35 +146,32 @@ class AsyncDisplay:
         y: int | None = None,
     ) -> None:
         """Turn the wheel ``amount`` notches (at (``x``, ``y``) if given)."""
-        body: dict[str, Any] = {"direction": direction, "amount": amount}
-        if x is not None or y is not None:
-            body.update(x=x, y=y)
-        await self._act("scroll", body)
+        await self._act("scroll", direction=direction, amount=amount, x=x, y=y)
 
     async def button(self, button: MouseButton = "left", *, down: bool = True) -> None:
         """Press (``down``) or release a mouse button where the pointer is."""
-        await self._act("button", {"button": button, "down": down})
+        await self._act("button", button=button, down=down)
 
     async def type(self, text: str, *, delay_ms: int = 0) -> None:
         """Type ``text`` on the keyboard (``\\n`` is Enter, ``\\t`` Tab; at most 10,000
         characters); ``delay_ms`` pauses after each key (desktop)."""
-        await self._act("type", {"text": text, "delay_ms": delay_ms})
+        await self._act("type", text=text, delay_ms=delay_ms)
 
     async def key(self, name: str) -> None:
         """Press a key or a chord: ``"enter"``, ``"esc"``, ``"f5"``, ``"ctrl+c"``,
         ``"ctrl-alt-delete"`` (on a desktop any X keysym name too: ``"Page_Up"``).
         ``InvalidRequest`` for an unknown name."""
-        await self._act("key", {"name": name})
+        await self._act("key", name=name)
 
     async def open(self, target: str) -> None:
         """Open a URL or an absolute path inside the sandbox with its application
         (``xdg-open``; web pages in Chromium). Returns once it is launched."""
-        await self._act("open", {"target": target})
+        await self._act("open", target=target)
 
     async def launch(self, app: str, *args: str) -> None:
         """Start an application: a desktop entry id (``chromium``, ``xfce4-terminal``) or a
         command on ``PATH``, with ``args``. Returns once it is started."""
-        await self._act("launch", {"app": app, "args": list(args)})
+        await self._act("launch", app=app, args=list(args))
 
 
 def __getattr__(name: str) -> object:

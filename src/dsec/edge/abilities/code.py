@@ -22,12 +22,12 @@ class CodeVerbs(EdgeCore):
     """run_code: one-shot code runs on the fncall tier."""
 
     # ------------------------------------------------------------------ run_code
-    async def run_code(self, owner: str, req: CodeRunRequest) -> CodeRunResult:
+    async def run_code(self, req: CodeRunRequest, owner: str) -> CodeRunResult:
         """:class:`~dsec.contract.edge.CodeRuns`: ``req`` in a fresh fncall worker, admitted
         as a creation of ``owner``'s (``POST /v1/run_code``)."""
         return await self._code_runs().run(req, self._code_run_admission(owner, req))
 
-    async def run_code_sandboxfusion(self, owner: str, req: RunCodeRequest) -> RunCodeResponse:
+    async def run_code_sandboxfusion(self, req: RunCodeRequest, owner: str) -> RunCodeResponse:
         """:class:`~dsec.contract.edge.CodeRuns`: SandboxFusion's ``/run_code``, admitted as
         a creation of ``owner``'s."""
         return await self._code_runs().run_code(req, self._code_run_admission(owner, req))

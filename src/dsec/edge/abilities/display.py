@@ -6,7 +6,7 @@ import contextlib
 import logging
 
 from dsec.contract.runtime import Display
-from dsec.display import DisplayAction, DisplayState, Screen, WindowInfo
+from dsec.display import DisplayState, Screen, WindowInfo
 from dsec.edge.core import EdgeCore, LiveSandbox
 from dsec.edge.desktop import (
     STOP_SCRIPT,
@@ -19,7 +19,7 @@ from dsec.edge.desktop import (
 )
 from dsec.errors import CapabilityNotSupported, DsecError
 from dsec.layers.desktop import DISPLAY_LABEL
-from dsec.models import ExecRequest, SandboxRef, ScreenRequest
+from dsec.models import DisplayActRequest, ExecRequest, SandboxRef, ScreenRequest
 
 log = logging.getLogger("dsec.edge")
 
@@ -93,13 +93,11 @@ class DisplayVerbs(EdgeCore):
 
         return await self._use(sandbox_id, owner, run)
 
-    async def display_act(
-        self, sandbox_id: str, owner: str, action: DisplayAction, screen: Screen = "auto"
-    ) -> None:
+    async def display_act(self, req: DisplayActRequest, owner: str) -> None:
         async def run(lv: LiveSandbox) -> None:
-            await self._screen(lv, screen).act(action)
+            await self._screen(lv, req.screen).act(req.action)
 
-        await self._use(sandbox_id, owner, run)
+        await self._use(req.sandbox_id, owner, run)
 
     async def display_state(self, req: ScreenRequest, owner: str) -> DisplayState:
         async def run(lv: LiveSandbox) -> DisplayState:
