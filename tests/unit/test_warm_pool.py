@@ -61,14 +61,17 @@ async def test_first_claim_misses_then_the_key_is_kept_warm() -> None:
 
 async def test_demand_sizes_a_key_within_its_caps() -> None:
     f = Fakes()
-    cfg = PoolConfig(min_ready=1, max_per_key=6, max_total=8, window_s=10.0, lead_s=1.0)
+    cfg = PoolConfig(
+        min_ready=1, max_per_key=6, max_total=8, window_s=10.0, lead_s=1.0, burst_keep_s=30.0
+    )
     pool: WarmPool[str, str, int] = WarmPool(cfg, make=f.make, discard=f.discard)
     for _ in range(4):  # 4 claims just now: 4 per (at least) 1 s x 1 s lead = 4 wanted
         pool.take("a", "t")
     assert pool.target("a") == 4
     now = pool._keys["a"].claims[0]
     assert pool.target("a", now + 4.0) == 4  # 1/s over 4 s, but a burst of 4: kept
-    assert pool.target("a", now + 10.5) == 1  # out of the window: min_ready
+    assert pool.target("a", now + 10.5) == 4  # out of the rate's window, not the burst's
+    assert pool.target("a", now + 30.5) == 1  # both past: min_ready
     for _ in range(20):
         pool.take("a", "t")
     assert pool.target("a") == 6  # the per-key cap
@@ -83,16 +86,21 @@ async def test_demand_sizes_a_key_within_its_caps() -> None:
 
 async def test_a_burst_of_claims_keeps_its_size_warm() -> None:
     """A shared fork of 16 claims 16 at once: the key keeps 16 for the next fork, though 16
-    claims every 2.5 s are a rate of 6.4/s."""
+    claims every 2.5 s are a rate of 6.4/s, and though the next group's set-up takes longer
+    than the rate's window."""
     f = Fakes()
-    cfg = PoolConfig(min_ready=1, max_per_key=16, max_total=32, window_s=10.0, lead_s=1.0)
+    cfg = PoolConfig(
+        min_ready=1, max_per_key=16, max_total=32, window_s=10.0, lead_s=1.0, burst_keep_s=60.0
+    )
     pool: WarmPool[str, str, int] = WarmPool(cfg, make=f.make, discard=f.discard)
     for _ in range(16):
         pool.take("a", "t")
     k = pool._keys["a"]
     assert k.burst == 16
+    last = k.claims[-1]
     assert pool.target("a", k.claims[0] + 2.5) == 16
-    assert pool.target("a", k.claims[-1] + 10.5) == 1  # the burst is out of the window
+    assert pool.target("a", last + 30.0) == 16  # the rate's window is past, not the burst's
+    assert pool.target("a", last + 60.5) == 1  # the burst is forgotten
     await settle(pool)
     assert pool.ready_count("a") == 16
     await pool.close()

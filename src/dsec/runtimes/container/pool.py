@@ -22,8 +22,8 @@ idle time older than the claim.
 
 Sizing by demand: each key's target is the claims of the last ``window_s`` seconds (or of
 the time since the first of them, at least 1 s), scaled to ``lead_s`` seconds of demand, or
-its largest burst of claims (``burst_s`` apart at most: a fork's children) of the window if
-that is more (at least ``min_ready`` once a key was asked for, at most
+its largest burst of claims (``burst_s`` apart at most: a fork's children) of the last
+``burst_keep_s`` if that is more (at least ``min_ready`` once a key was asked for, at most
 ``max_per_key``), and the pool as a whole holds at most ``max_total``. A key nobody claimed
 for ``idle_s`` seconds is emptied. Under memory pressure (``MemAvailable`` below
 ``min_available_fraction`` of the node's memory) the pool empties and refills nothing until
@@ -90,8 +90,10 @@ class PoolConfig:
     of namespace and cgroup creation). A key left empty refills at once, also when a claim
     empties it during the wait. ``burst_s``: claims this close together are a burst (a
     shared fork's n children claim at once); a key's target is at least its largest burst
-    of the last ``window_s`` (a rate over the window saw 16 claims every 2.5 s as 7/s and
-    kept 7 warm: 9 of each fork's 16 children were made cold)."""
+    of the last ``burst_keep_s`` (a rate over the window saw 16 claims every 2.5 s as 7/s and
+    kept 7 warm: 9 of each fork's 16 children were made cold; and a burst kept only for
+    ``window_s`` was forgotten by the next group whose set-up took longer than that: a
+    parent writing 1 GiB between forks had most of its 16 children made cold)."""
 
     enabled: bool = True
     max_total: int = 32
@@ -104,6 +106,7 @@ class PoolConfig:
     fill_concurrency: int = 2
     refill_delay_s: float = 0.05
     burst_s: float = 0.5
+    burst_keep_s: float = 120.0
 
     @classmethod
     def from_env(cls) -> PoolConfig:
@@ -213,7 +216,7 @@ class WarmPool(Generic[K, T, E]):
         # first 10 s)
         span = min(self.config.window_s, max(1.0, now - k.claims[0])) if k.claims else 1.0
         rate = len(k.claims) / span
-        burst = k.burst if now - k.burst_at <= self.config.window_s else 0
+        burst = k.burst if now - k.burst_at <= self.config.burst_keep_s else 0
         want = max(self.config.min_ready, math.ceil(rate * self.config.lead_s), burst)
         return min(self.config.max_per_key, want)
 
@@ -225,7 +228,7 @@ class WarmPool(Generic[K, T, E]):
             if t < now - self.config.burst_s or n >= self.config.max_per_key:
                 break
             n += 1
-        if n >= k.burst or now - k.burst_at > self.config.window_s:
+        if n >= k.burst or now - k.burst_at > self.config.burst_keep_s:
             k.burst, k.burst_at = n, now
 
     def take(self, key: K, template: T) -> E | None:
