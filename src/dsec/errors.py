@@ -395,9 +395,10 @@ class ImageNotReady(ServiceUnavailable):
 
 class NodeBusy(ServiceUnavailable):
     """The node could not start the creation now: its admission queue is full, the creation
-    waited too long for a slot, or the kernel did not finish starting the container in time.
-    Nothing was created; retry after ``details["retry_after_s"]`` seconds (the SDK does,
-    until its time-out)."""
+    waited too long for a slot, or the kernel did not finish starting the container in time;
+    or a ``run_code`` worker did not answer within the call's time limits and a grace (a
+    saturated node). Nothing was created or is left; retry after
+    ``details["retry_after_s"]`` seconds (the SDK does, for creations, until its time-out)."""
 
     code = "node_busy"
 

@@ -205,3 +205,39 @@ async def test_compile_timeout_ignored_without_a_compile_step(client: httpx.Asyn
         client, {"code": "print(1)", "language": "python", "compile_timeout": 0}
     )
     assert resp["status"] == "Success", resp
+
+
+async def test_a_worker_that_never_answers_is_a_retryable_503(
+    dsec_home_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the call's own time limits and the grace, a worker that has not answered (stuck,
+    or starved by a saturated node) is the node's failure: 503 node_busy with a retry time,
+    not a 500; the worker is killed and the next call runs."""
+    import asyncio
+
+    from dsec.runtimes.fncall.pool import Worker
+
+    home = dsec_home_root / f"runcode-stuck-{secrets.token_hex(3)}"
+    async with fncall_service(
+        home, pool=PoolConfig(min_ready=1, max_ready=2, memory_mb=256, pids=64)
+    ) as svc:
+        svc.limits.grace_s = 0.5
+        app = FastAPI()
+        app.include_router(make_runcode_router(lambda: svc))
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://dsec.test", timeout=120
+        ) as c:
+            answer = Worker.receive
+
+            async def never(self: Worker) -> Any:
+                await asyncio.sleep(3600)
+
+            monkeypatch.setattr(Worker, "receive", never)
+            body = {"code": "print(1)", "language": "python", "timeout_s": 1}
+            r = await c.post("/v1/run_code", json=body)
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == "node_busy" and err["details"]["retry_after_s"] == 1, err
+            monkeypatch.setattr(Worker, "receive", answer)
+            r = await c.post("/v1/run_code", json=body)
+            assert r.status_code == 200 and r.json()["run"]["stdout"] == "1\n", r.text

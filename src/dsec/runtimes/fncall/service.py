@@ -495,8 +495,13 @@ class RunCodeService:
             try:
                 reply, blob = await asyncio.wait_for(w.receive(), budget)
             except TimeoutError:
-                raise SandboxError(
-                    f"the fncall worker did not answer within {budget:.1f} s"
+                # past the call's own time limits and the grace: the worker is stuck or was
+                # starved of CPU by a saturated node, neither the caller's doing (it is
+                # killed below); the call may be sent again
+                raise NodeBusy(
+                    f"the fncall worker did not answer within {budget:.1f} s (its run and"
+                    " compile time limits and a grace); nothing of it is left: retry",
+                    retry_after_s=1,
                 ) from None
             except SandboxError:
                 if await w.killed_by_memory_limit():
