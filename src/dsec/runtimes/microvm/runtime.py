@@ -964,7 +964,8 @@ class MicroVMRuntime:
                                             vm.agent.setup(spec.hostname, self._setup_disk_mb(spec),
                                                            pids=spec.pids, memory_mb=spec.memory_mb,
                                                            full_guest=spec.full_guest,
-                                                           new_sandbox=True))  # fmt: skip
+                                                           new_sandbox=True,
+                                                           timeout_s=self._ready_ceiling_s))  # fmt: skip
                     self._refill_pool(tpl, spec, vcpus)
                 else:
                     await until_ready(proc, vm.agent, self.config.cold_boot_timeout_s, "cold boot")
@@ -1306,6 +1307,13 @@ class MicroVMRuntime:
 
     # ------------------------------------------------------------------ suspend, memory fork
 
+    @property
+    def _ready_ceiling_s(self) -> float:
+        """The wall-clock bound of the first request to a restored guest (its set-up):
+        :func:`until_ready` around it bounds it by QEMU's CPU time, a loaded host's wall
+        clock must not end it sooner."""
+        return self.config.restore_timeout_s * _READY_WALL_FACTOR
+
     def _sandbox_dir(self, handle: Handle) -> Path:
         return Path(handle.typed(MicrovmState).dir or self.sandbox_root / handle.id)
 
@@ -1569,7 +1577,8 @@ class MicroVMRuntime:
             )
             try:
                 await until_ready(proc, agent, self.config.restore_timeout_s, "resume",
-                                        agent.setup(st.hostname, 0))  # fmt: skip
+                                        agent.setup(st.hostname, 0,
+                                                    timeout_s=self._ready_ceiling_s))  # fmt: skip
             except BaseException:
                 await agent.close()
                 await qmp.close()
@@ -1667,7 +1676,8 @@ class MicroVMRuntime:
                                         agent.setup(spec.hostname, self._setup_disk_mb(spec),
                                                     pids=spec.pids, memory_mb=spec.memory_mb,
                                                     full_guest=spec.full_guest,
-                                                    new_sandbox=True))  # fmt: skip
+                                                    new_sandbox=True,
+                                                    timeout_s=self._ready_ceiling_s))  # fmt: skip
         except BaseException as e:
             await self.destroy(handle)
             if isinstance(e, TimeoutError) and not isinstance(e, DsecError):
