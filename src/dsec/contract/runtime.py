@@ -457,7 +457,7 @@ def capabilities_of(rt: Runtime) -> Capabilities:
     implements (checked once per class: a runtime-checkable protocol's ``isinstance`` walks
     every member, ~12 checks a creation), the rest comes from its :meth:`Runtime.facts`."""
     f = rt.facts()
-    a = _abilities(type(rt), rt)
+    a = _abilities(rt)
     return Capabilities(
         tier=rt.tier,
         available=f.available,
@@ -473,12 +473,12 @@ def capabilities_of(rt: Runtime) -> Capabilities:
     )
 
 
-_ABILITIES: dict[type, dict[str, bool]] = {}
+_ABILITIES_BY_CLASS: dict[type, dict[str, bool]] = {}
 
 
-def _abilities(cls: type, rt: Runtime) -> dict[str, bool]:
-    """The optional abilities of the runtime class ``cls`` (``rt`` one of its instances)."""
-    known = _ABILITIES.get(cls)
+def _abilities(rt: Runtime) -> dict[str, bool]:
+    """The optional abilities of ``rt``'s class (checked on the first instance seen)."""
+    known = _ABILITIES_BY_CLASS.get(type(rt))
     if known is not None:
         return known
     snapshots = isinstance(rt, Snapshottable)
@@ -497,5 +497,5 @@ def _abilities(cls: type, rt: Runtime) -> dict[str, bool]:
         "fork_shared": snapshots and isinstance(rt, UpperForkable),
         "ports": isinstance(rt, PortConnectable),
     }
-    _ABILITIES[cls] = known
+    _ABILITIES_BY_CLASS[type(rt)] = known
     return known
